@@ -1,0 +1,76 @@
+"""The ``fleetgate`` command line: one entry point, one small module per subcommand.
+
+Each subcommand lives in ``gateway/commands/<name>.py`` and exposes two functions:
+``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only when their command
+runs, so ``fleetgate --help`` stays fast and a broken optional dependency of one command never
+breaks another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+#: name -> (module, one-line purpose). The order here is the order ``--help`` shows.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("gateway.commands.up", "Run gateway + N simulated replicas in one process (no Redis)."),
+    "serve": ("gateway.commands.serve", "Run the production gateway (policy YAML, Redis index)."),
+    "policy": ("gateway.commands.policy", "Validate or explain a routing-policy YAML file."),
+    "sim": ("gateway.commands.sim", "Run simulated vLLM replicas that speak vLLM's wire formats."),
+    "agent": ("gateway.commands.agent", "Run the replica agent: vLLM KV events + metrics -> index."),
+    "replica": ("gateway.commands.replica", "Start and supervise a vLLM engine with its agent."),
+    "simulate": ("gateway.commands.simulate", "Replay a trace through policies in virtual time."),
+    "plan": ("gateway.commands.plan", "Capacity planning: roofline levers, Erlang-C sizing."),
+    "triage": ("gateway.commands.triage", "Read a gateway's metrics and print the levers to pull."),
+    "bench": ("gateway.commands.bench", "Benchmarks: replay a trace against an OpenAI endpoint."),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser; subcommand parsers are filled in lazily by ``main``."""
+    parser = argparse.ArgumentParser(
+        prog="fleetgate",
+        description=(
+            "fleetgate: a prefix-aware, adapter-aware router and gateway for fleets of vLLM "
+            "replicas. Start with `fleetgate up --sim 2` for a local demo."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Run `fleetgate COMMAND --help` for a command's options and examples.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_module, purpose) in COMMANDS.items():
+        sub.add_parser(name, help=purpose, description=purpose, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fleetgate`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] not in COMMANDS:
+        parser = build_parser()
+        if args and args[0] not in ("-h", "--help"):
+            parser.print_usage(sys.stderr)
+            print(
+                f"fleetgate: unknown command {args[0]!r}; choose from: {', '.join(COMMANDS)}",
+                file=sys.stderr,
+            )
+            return 2
+        parser.print_help()
+        return 0
+    name = args[0]
+    module_name, purpose = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(
+        prog=f"fleetgate {name}",
+        description=purpose,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.add_arguments(parser)
+    parsed = parser.parse_args(args[1:])
+    return int(module.run(parsed) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

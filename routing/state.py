@@ -1,0 +1,80 @@
+"""The replica model that routing policies read.
+
+Every figure carries the time it was read, so a policy can see (and discount) stale data instead
+of trusting a number that a dead agent stopped updating minutes ago.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from routing.types import Epoch, ReplicaId
+
+
+@dataclass
+class ReplicaState:
+    """What fleetgate knows about one replica (one vLLM engine) at a moment."""
+
+    replica_id: ReplicaId
+    url: str
+    pool: str = "default"
+    #: Base models this engine serves (its ``--served-model-name`` values).
+    models: frozenset[str] = frozenset()
+    healthy: bool = True
+    epoch: Epoch = Epoch(0)
+    #: Tokens per KV block (vLLM ``--block-size``); the hashing granularity for this replica.
+    block_size: int = 16
+    #: Number of KV blocks the engine has (``cache_config_info.num_gpu_blocks``); None if unknown.
+    kv_capacity_blocks: int | None = None
+    #: Fraction of KV blocks in use, 0..1 (``vllm:kv_cache_usage_perc``).
+    kv_usage: float = 0.0
+    #: Requests the engine is running / holding in its waiting queue (its own view).
+    running: int = 0
+    waiting: int = 0
+    #: Monotonic counter of preemptions reported by the engine.
+    preemptions_total: int = 0
+    #: Adapters resident in GPU LoRA slots, and those cached in host memory.
+    loaded_adapters: frozenset[str] = frozenset()
+    cpu_cached_adapters: frozenset[str] = frozenset()
+    #: Adapters with requests waiting on the engine for a slot.
+    waiting_adapters: frozenset[str] = frozenset()
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
+    #: Requests this gateway (or all gateways, when shared through Redis) has in flight there.
+    inflight_requests: int = 0
+    #: Prompt tokens of in-flight requests that the engine has not prefilled yet (gateway's view).
+    inflight_prefill_tokens: int = 0
+    #: Prefill throughput estimate in tokens/s; starts from configuration, calibrated online.
+    prefill_tokens_per_s: float = 10_000.0
+    #: Decode-step time estimate in ms; used to estimate queue wait behind running requests.
+    decode_step_ms: float = 30.0
+    #: Custom kernel plugins loaded in the engine: module name -> version.
+    kernel_plugins: dict[str, str] = field(default_factory=dict)
+    #: Wall-clock time (``time.time()``) at which the engine-reported figures were read.
+    metrics_read_at: float = field(default_factory=time.time)
+
+    def staleness_s(self, now: float | None = None) -> float:
+        """Seconds since the engine-reported figures were read."""
+        return max(0.0, (time.time() if now is None else now) - self.metrics_read_at)
+
+    @property
+    def free_adapter_slots(self) -> int | None:
+        """GPU LoRA slots still free, or None when the slot count is unknown."""
+        if self.max_loras is None:
+            return None
+        return max(0, self.max_loras - len(self.loaded_adapters))
+
+    def serves(self, model: str) -> bool:
+        """True if this replica serves ``model`` as a base model."""
+        return model in self.models
+
+    @property
+    def load(self) -> int:
+        """A single load figure in requests.
+
+        The engine's queue (running + waiting) and the gateway's in-flight count are two views of
+        the same work: the gateway's is fresher, the engine's also sees other clients. Take the
+        larger rather than the sum, which would count each request twice.
+        """
+        return max(self.running + self.waiting, self.inflight_requests)
