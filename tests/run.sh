@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Set up everything a fresh machine needs, then run every test tier (unit, integration, e2e).
+#   bash tests/run.sh            # all tiers
+#   bash tests/run.sh tests/unit # any pytest arguments narrow the run
+# Idempotent: a second run reuses .venv/ and .venv-vllm/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "==> creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+echo "==> installing fleetgate and its dev dependencies into .venv"
+.venv/bin/pip install -q --upgrade pip >/dev/null
+.venv/bin/pip install -q -e '.[dev]'
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "==> installing redis-server (tests start their own on a free port)"
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -q && apt-get install -y -q redis-server
+  else
+    sudo apt-get update -q && sudo apt-get install -y -q redis-server
+  fi
+fi
+
+if [ -f replica/vllm_env/install.sh ]; then
+  echo "==> installing the real vLLM (CPU build) into .venv-vllm for the e2e tier"
+  bash replica/vllm_env/install.sh
+fi
+
+echo "==> ruff"
+.venv/bin/ruff check .
+echo "==> pytest"
+exec .venv/bin/pytest "$@"
