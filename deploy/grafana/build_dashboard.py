@@ -1,0 +1,161 @@
+"""Build the fleetgate Grafana dashboard JSON from a short panel list (dashboard as code).
+
+Run ``python deploy/grafana/build_dashboard.py`` after editing; it rewrites
+``deploy/grafana/fleetgate-dashboard.json`` next to this file, and a test checks that the committed
+JSON is what this script produces and that every metric it queries is exported by fleetgate or vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).with_name("fleetgate-dashboard.json")
+RATE = "5m"
+
+
+def _quantile(q: float, metric: str, by: str = "route") -> str:
+    return (
+        f"histogram_quantile({q}, sum by ({by}, le) (rate({metric}_bucket[{RATE}])))"
+    )
+
+
+def _ratio(num: str, den: str, by: str = "route") -> str:
+    return f"sum by ({by}) (rate({num}[{RATE}])) / sum by ({by}) (rate({den}[{RATE}]))"
+
+
+#: (row title, [(panel title, unit, [(legend, expr)])])
+ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
+    ("Routes", [
+        ("Prefix hit rate (cached / prompt tokens)", "percentunit", [
+            ("{{route}}", _ratio("fleetgate_cached_tokens_total", "fleetgate_prompt_tokens_total")),
+        ]),
+        ("Cost per 1M tokens", "currencyUSD", [
+            ("{{route}}", "max by (route) (fleetgate_cost_per_1m_tokens_usd)"),
+        ]),
+        ("Goodput (share of requests meeting TTFT and TPOT SLOs)", "percentunit", [
+            ("{{route}}", _ratio('fleetgate_slo_requests_total{slo="all",outcome="met"}',
+                                'fleetgate_slo_requests_total{slo="all"}')),
+        ]),
+        ("TTFT p50 / p95", "s", [
+            ("p50 {{route}}", _quantile(0.5, "fleetgate_ttft_seconds")),
+            ("p95 {{route}}", _quantile(0.95, "fleetgate_ttft_seconds")),
+        ]),
+        ("TPOT p50 / p95", "s", [
+            ("p50 {{route}}", _quantile(0.5, "fleetgate_tpot_seconds")),
+            ("p95 {{route}}", _quantile(0.95, "fleetgate_tpot_seconds")),
+        ]),
+        ("ITL p50 / p95", "s", [
+            ("p50 {{route}}", _quantile(0.5, "fleetgate_itl_seconds")),
+            ("p95 {{route}}", _quantile(0.95, "fleetgate_itl_seconds")),
+        ]),
+        ("Queue time p95 (gateway and engine)", "s", [
+            ("gateway {{route}}", _quantile(0.95, "fleetgate_queue_time_seconds")),
+            ("engine {{pod}}", _quantile(0.95, "vllm:request_queue_time_seconds", by="pod")),
+        ]),
+        ("Requests by status", "reqps", [
+            ("{{status}}", f"sum by (status) (rate(fleetgate_requests_total[{RATE}]))"),
+        ]),
+        ("Errors by code", "reqps", [
+            ("{{code}}", f"sum by (code) (rate(fleetgate_errors_total[{RATE}]))"),
+        ]),
+    ]),
+    ("Replicas", [
+        ("KV cache usage", "percentunit", [("{{pod}}", "max by (pod) (vllm:kv_cache_usage_perc)")]),
+        ("Running / waiting requests", "short", [
+            ("running {{pod}}", "sum by (pod) (vllm:num_requests_running)"),
+            ("waiting {{pod}}", "sum by (pod) (vllm:num_requests_waiting)"),
+        ]),
+        ("Preemptions per second", "short", [
+            ("{{pod}}", f"sum by (pod) (rate(vllm:num_preemptions_total[{RATE}]))"),
+        ]),
+        ("Engine prefix-cache hit rate", "percentunit", [
+            ("{{pod}}", _ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                               by="pod")),
+        ]),
+        ("In flight per replica (gateway view)", "short", [
+            ("{{replica}}", "sum by (replica) (fleetgate_replica_inflight)"),
+        ]),
+    ]),
+    ("Adapters", [
+        ("LoRA slots in use", "short", [
+            ("{{replica}}", "max by (replica) (fleetgate_adapter_slots_used)"),
+        ]),
+        ("Adapter loads per minute", "short", [
+            ("{{outcome}}", "sum by (outcome) (rate(fleetgate_adapter_loads_total[5m])) * 60"),
+        ]),
+        ("Adapter cold-start p95", "s", [
+            ("p95", "histogram_quantile(0.95, sum by (le) "
+                    f"(rate(fleetgate_adapter_cold_start_seconds_bucket[{RATE}])))"),
+        ]),
+        ("Requests per adapter", "reqps", [
+            ("{{adapter}}", f"sum by (adapter) (rate(fleetgate_adapter_requests_total[{RATE}]))"),
+        ]),
+    ]),
+    ("Index health", [
+        ("Index lookup p99", "s", [("{{backend}}", _quantile(0.99, "fleetgate_index_lookup_seconds",
+                                                              by="backend"))]),
+        ("Degraded (load-only) decisions per second", "short", [
+            ("{{reason}}", f"sum by (reason) (rate(fleetgate_degraded_decisions_total[{RATE}]))"),
+        ]),
+        ("Agent event lag", "s", [
+            ("{{replica}}", "max by (replica) (fleetgate_agent_event_lag_seconds)"),
+        ]),
+        ("Agent event gaps (15m)", "short", [
+            ("{{replica}}", "sum by (replica) (increase(fleetgate_agent_event_gaps_total[15m]))"),
+        ]),
+    ]),
+]
+
+
+def build() -> dict[str, Any]:
+    """The dashboard as a Grafana JSON model (schemaVersion 39, a Prometheus datasource input)."""
+    panels: list[dict[str, Any]] = []
+    panel_id = 1
+    y = 0
+    for row_title, row_panels in ROWS:
+        panels.append({"id": panel_id, "type": "row", "title": row_title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        panel_id += 1
+        y += 1
+        for index, (title, unit, targets) in enumerate(row_panels):
+            panels.append({
+                "id": panel_id,
+                "type": "timeseries",
+                "title": title,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "gridPos": {"h": 8, "w": 8, "x": (index % 3) * 8, "y": y + (index // 3) * 8},
+                "targets": [
+                    {"refId": chr(ord("A") + n), "expr": expr, "legendFormat": legend}
+                    for n, (legend, expr) in enumerate(targets)
+                ],
+            })
+            panel_id += 1
+        y += ((len(row_panels) + 2) // 3) * 8
+    return {
+        "title": "fleetgate",
+        "uid": "fleetgate-overview",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "time": {"from": "now-3h", "to": "now"},
+        "refresh": "30s",
+        "tags": ["fleetgate", "vllm", "llm"],
+        "templating": {"list": [{
+            "name": "datasource", "type": "datasource", "query": "prometheus",
+            "label": "Prometheus",
+        }]},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    """The dashboard JSON text, exactly as committed."""
+    return json.dumps(build(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    print(f"wrote {OUT}")
