@@ -78,3 +78,15 @@ def test_prod_has_two_pools_and_ha_gateways() -> None:
     hpa = next(m for m in manifests if m["kind"] == "HorizontalPodAutoscaler"
                and m["metadata"]["name"] == "fleetgate-gateway")
     assert all(metric["type"] != "Resource" for metric in hpa["spec"]["metrics"])
+
+
+@pytest.mark.parametrize(
+    "policy_file",
+    sorted(p for p in DEPLOY.rglob("policy.yaml") if "broken" not in p.parts),
+    ids=lambda p: str(p.relative_to(DEPLOY)),
+)
+def test_every_shipped_policy_validates(policy_file: Path) -> None:
+    from routing.config import load_policy
+
+    policy = load_policy(policy_file)
+    assert policy.routes, f"{policy_file} defines no route"

@@ -1,0 +1,101 @@
+"""Where the engines are: replica pools and the base models they serve."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from routing.config.base import (
+    HttpUrl,
+    KeyPrefix,
+    LocalPath,
+    ModelName,
+    Name,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    RedisUrl,
+    StrictModel,
+)
+
+
+class Discovery(StrictModel):
+    """Replicas that register themselves in Redis (the replica agent writes these keys)."""
+
+    redis_url: RedisUrl
+    key_prefix: KeyPrefix = "fleetgate:"
+
+
+class ReplicaPool(StrictModel):
+    """A group of identical vLLM engines (same GPU type, same flags).
+
+    Replicas are listed statically (``replicas``), discovered through Redis (``discovery``), or
+    both; a pool with neither could never serve anything.
+    """
+
+    name: Name
+    #: Base URLs of vLLM OpenAI servers, e.g. ``http://10.0.0.5:8000``.
+    replicas: list[HttpUrl] = Field(default_factory=list)
+    discovery: Discovery | None = None
+    #: USD per GPU-hour; may instead come from the top-level ``prices`` section.
+    gpu_price_per_hour: PositiveFloat | None = None
+    gpus_per_replica: PositiveInt = 1
+    #: vLLM ``--block-size``: tokens per KV block, the prefix-hashing granularity.
+    block_size: PositiveInt = 16
+    #: Starting prefill-throughput estimate (tokens/s) before online calibration.
+    prefill_tokens_per_s: PositiveFloat = 10_000.0
+    #: vLLM ``--max-loras`` / ``--max-cpu-loras`` (GPU and host LoRA slots per engine).
+    max_loras: NonNegativeInt | None = None
+    max_cpu_loras: NonNegativeInt | None = None
+
+    @model_validator(mode="after")
+    def _has_replicas(self) -> ReplicaPool:
+        if not self.replicas and self.discovery is None:
+            raise ValueError("needs static 'replicas', 'discovery', or both")
+        if len(set(self.replicas)) != len(self.replicas):
+            raise ValueError("'replicas' lists the same URL twice")
+        if (
+            self.max_loras is not None
+            and self.max_cpu_loras is not None
+            and self.max_cpu_loras < self.max_loras
+        ):
+            # vLLM refuses to start with this combination; quote both settings.
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        return self
+
+
+class TokenizerSpec(StrictModel):
+    """How the gateway turns a prompt into the tokens the engine will see.
+
+    ``local``: a tokenizer directory or ``tokenizer.json`` on the gateway's disk (exact);
+    ``remote``: the engine's own ``/tokenize`` endpoint at ``url`` (exact, one extra hop);
+    ``text``: no tokenizer, blocks are made of characters (approximate prefix matching).
+    """
+
+    kind: Literal["local", "remote", "text"]
+    path: LocalPath | None = None
+    url: HttpUrl | None = None
+
+    @model_validator(mode="after")
+    def _fields_match_kind(self) -> TokenizerSpec:
+        needs = {"local": "path", "remote": "url", "text": None}[self.kind]
+        for key in ("path", "url"):
+            given = getattr(self, key) is not None
+            if key == needs and not given:
+                raise ValueError(f"kind '{self.kind}' needs '{key}'")
+            if key != needs and given:
+                raise ValueError(f"kind '{self.kind}' does not take '{key}'")
+        return self
+
+
+class ModelSpec(StrictModel):
+    """A base model, the tokenizer that matches it, and the pools that serve it."""
+
+    name: ModelName
+    tokenizer: TokenizerSpec = Field(default_factory=lambda: TokenizerSpec(kind="text"))
+    #: Overrides the pools' block size for hashing; must then equal every pool's.
+    block_size: PositiveInt | None = None
+    pools: list[Name] = Field(min_length=1)

@@ -1,0 +1,69 @@
+"""Settings of the gateway process itself: the block index backend and request limits."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import model_validator
+
+from routing.config.base import (
+    KeyPrefix,
+    Name,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    RedisUrl,
+    StrictModel,
+)
+
+
+class IndexSettings(StrictModel):
+    """Where the prefix-block index lives.
+
+    ``memory`` is per gateway process (fine for one gateway, or for ``fleetgate up``); ``redis`` is
+    shared by every gateway replica and written by the replica agents.
+    """
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: RedisUrl | None = None
+    key_prefix: KeyPrefix = "fleetgate:"
+    #: Lifetime of entries the gateway inserts for its own routing decisions, until an engine
+    #: event confirms them. Short: a wrong guess should not steer traffic for long.
+    speculative_ttl_s: PositiveFloat = 10.0
+    #: Upper bound on index entries (memory backend); ``None`` means unbounded.
+    max_entries: PositiveInt | None = None
+    #: Give up on an index lookup after this long and route on load alone.
+    lookup_timeout_ms: PositiveFloat = 20.0
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> IndexSettings:
+        if self.backend == "redis" and self.redis_url is None:
+            raise ValueError("backend 'redis' needs 'redis_url'")
+        if self.backend == "memory" and self.redis_url is not None:
+            raise ValueError("'redis_url' is set but backend is 'memory'; set backend: redis")
+        return self
+
+
+class GatewaySettings(StrictModel):
+    """Request limits and upstream timeouts of the gateway."""
+
+    #: Larger request bodies are refused with 413 before any parsing.
+    max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    #: Whole upstream request, first byte to last (long generations need minutes).
+    upstream_timeout_s: PositiveFloat = 600.0
+    connect_timeout_s: PositiveFloat = 5.0
+    #: Retries on another replica, only before the first byte reached the client.
+    max_retries: NonNegativeInt = 2
+    #: Seconds between replica health checks.
+    health_check_interval_s: PositiveFloat = 5.0
+    #: Tenant that requests without an API key act as; ``None`` refuses them (401).
+    anonymous_tenant: Name | None = None
+
+    @model_validator(mode="after")
+    def _timeouts_ordered(self) -> GatewaySettings:
+        if self.connect_timeout_s > self.upstream_timeout_s:
+            raise ValueError(
+                f"connect_timeout_s ({self.connect_timeout_s}) must be <= upstream_timeout_s "
+                f"({self.upstream_timeout_s})"
+            )
+        return self

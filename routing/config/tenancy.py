@@ -1,0 +1,122 @@
+"""Who may call the gateway and what they may use: tenants, the LoRA adapter catalog, admins."""
+
+from __future__ import annotations
+
+import hashlib
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
+
+from routing.config.base import (
+    ModelName,
+    Name,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Sha256Hex,
+    StrictModel,
+    check_local_path,
+)
+
+
+class RateLimit(StrictModel):
+    """A token bucket: ``requests_per_s`` sustained, up to ``burst`` at once."""
+
+    requests_per_s: PositiveFloat
+    burst: PositiveInt | None = None
+
+    @property
+    def effective_burst(self) -> int:
+        """The bucket size; defaults to one second's worth of requests (at least 1)."""
+        return self.burst if self.burst is not None else max(1, int(self.requests_per_s))
+
+
+def derive_cache_salt(tenant: str) -> str:
+    """The default ``cache_salt`` of a tenant: stable across gateways and restarts.
+
+    Derived from the name alone so every gateway replica computes the same salt without shared
+    state (a salt that changed on restart would throw away the tenant's cached prefixes). It needs
+    no secrecy: the gateway always overwrites any ``cache_salt`` a client sends.
+    """
+    return hashlib.sha256(f"fleetgate/cache-salt/v1/{tenant}".encode()).hexdigest()[:32]
+
+
+class Tenant(StrictModel):
+    """A customer of the gateway, identified by the SHA-256 of its API keys."""
+
+    name: Name
+    #: Hex SHA-256 of each accepted key (several during a rotation); never the raw keys.
+    api_key_sha256: list[Sha256Hex] = Field(default_factory=list)
+    #: vLLM ``cache_salt`` for this tenant's requests; ``None`` means derived from the name.
+    #: Tenants given the same salt deliberately share (and can time) each other's prefixes.
+    cache_salt: str | None = Field(default=None, min_length=8, max_length=128)
+    #: Adapters this tenant may use beyond those it owns and the public ones.
+    allowed_adapters: list[ModelName] = Field(default_factory=list)
+    rate_limit: RateLimit | None = None
+
+    @property
+    def effective_cache_salt(self) -> str:
+        """The salt to send: the configured one, else the one derived from the name."""
+        return self.cache_salt if self.cache_salt is not None else derive_cache_salt(self.name)
+
+
+#: URI schemes an adapter ``source`` may use besides a plain absolute path.
+ADAPTER_SOURCE_SCHEMES = ("file", "s3", "gs", "hf", "http", "https")
+
+
+def _check_adapter_source(value: str) -> str:
+    if value.startswith("/"):
+        return check_local_path(value)
+    parts = urlsplit(value)
+    if parts.scheme not in ADAPTER_SOURCE_SCHEMES:
+        raise ValueError(
+            f"must be an absolute path or a URI with scheme "
+            f"{', '.join(ADAPTER_SOURCE_SCHEMES)} (got {value!r})"
+        )
+    if ".." in parts.path.split("/"):
+        raise ValueError(f"must not contain '..' (got {value!r})")
+    if parts.scheme == "file":
+        if parts.netloc:
+            raise ValueError(f"file:// URIs take no host: use file:///abs/path (got {value!r})")
+        check_local_path(parts.path)
+    elif not parts.netloc:
+        raise ValueError(f"must name a bucket, repository or host after '://' (got {value!r})")
+    return value
+
+
+class Adapter(StrictModel):
+    """A LoRA adapter in the catalog; clients select it by ``name`` in the ``model`` field."""
+
+    name: ModelName
+    base_model: ModelName
+    #: Absolute local path, or ``file://``, ``s3://``, ``gs://``, ``hf://``, ``http(s)://`` URI.
+    source: str
+    rank: PositiveInt
+    size_mb: PositiveFloat | None = None
+    #: Tenants that own the adapter; owners may always use it.
+    owners: list[Name] = Field(default_factory=list)
+    #: Usable by every tenant.
+    public: bool = False
+    #: Never evicted from a replica's GPU LoRA slots once loaded.
+    pinned: bool = False
+    #: Replicas to load it on ahead of the first request.
+    prewarm_replicas: NonNegativeInt = 0
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, value: str) -> str:
+        return _check_adapter_source(value)
+
+    @model_validator(mode="after")
+    def _has_audience(self) -> Adapter:
+        if not self.owners and not self.public:
+            raise ValueError("give 'owners' (tenants) or 'public: true'; nobody could use it")
+        if len(set(self.owners)) != len(self.owners):
+            raise ValueError("'owners' lists the same tenant twice")
+        return self
+
+
+class AdminSettings(StrictModel):
+    """The admin API (reload, drain, index stats); disabled when no key is configured."""
+
+    api_key_sha256: list[Sha256Hex] = Field(default_factory=list)

@@ -1,0 +1,93 @@
+"""Reading the file itself: syntax errors with file:line, duplicate keys, odd documents."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from routing.config import PolicyError, load_policy
+from tests.unit.test_config_fixtures import BASE, FAKE_CATALOG, errors_of, mutate, parse
+
+GOOD = yaml.safe_dump(BASE, sort_keys=False)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("version: 1\nmodels: [a, b\n", "<string>:3: YAML syntax error:"),
+        ("version: 1\n  bad: indent\n", "<string>:2: YAML syntax error:"),
+        (
+            "version: 1\nversion: 1\n",
+            "<string>:2: YAML syntax error: duplicate key 'version' (first on line 1)",
+        ),
+        ("version: 1\n1: x\n", "<string>:2: YAML syntax error: mapping key 1 must be a string"),
+        ("a: 1\n---\nb: 2\n", "<string>:2: YAML syntax error:"),
+        ("", "<string>: policy is empty"),
+        ("# only a comment\n", "<string>: policy is empty"),
+        ("- version: 1\n", "<string>:1: the top level must be a mapping of sections (got a list)"),
+        ("just text", "<string>:1: the top level must be a mapping of sections (got 'just text')"),
+    ],
+)
+def test_unreadable_documents(text: str, expected: str) -> None:
+    errors = errors_of(text)
+    assert len(errors) == 1 and errors[0].startswith(expected), errors
+
+
+def test_duplicate_key_deep_inside_is_reported_with_its_line() -> None:
+    text = GOOD.replace("  slo:\n", "  slo:\n    ttft_p95_ms: 1\n", 1)
+    errors = errors_of(text)
+    line = text.splitlines().index("    ttft_p95_ms: 500") + 1
+    assert errors == [
+        f"<string>:{line}: YAML syntax error: duplicate key "
+        f"'ttft_p95_ms' (first on line {line - 1})"
+    ]
+
+
+def test_merge_keys_may_be_overridden() -> None:
+    text = GOOD + ("gateway: &gw\n  max_retries: 1\nadmin:\n  api_key_sha256: []\n")
+    parse(yaml.safe_load(text))  # anchors alone are fine
+    merged = text.replace(
+        "gateway: &gw\n  max_retries: 1\n",
+        "x-defaults: &gw\n  max_retries: 1\n  max_body_bytes: 10\n"
+        "gateway:\n  <<: *gw\n  max_retries: 3\n",
+    )
+    merged_doc = yaml.safe_load(merged)
+    merged_doc.pop("x-defaults")
+    policy = parse(merged_doc)
+    assert policy.gateway.max_retries == 3 and policy.gateway.max_body_bytes == 10
+
+
+def test_yaml_booleans_are_not_names() -> None:
+    # YAML 1.1 reads `no` as false: a tenant called "no" must be quoted, and the error says so.
+    text = GOOD.replace("name: globex", "name: no")
+    assert any("tenants[1].name: must be a string (got false)" in e for e in errors_of(text))
+
+
+def test_load_policy_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(mutate("routes[0].slo.ttft_p95_ms", -5), sort_keys=False))
+    with pytest.raises(PolicyError) as info:
+        load_policy(path, catalog=FAKE_CATALOG)
+    assert len(info.value.errors) == 1
+    assert info.value.errors[0].startswith(f"{path}:")
+    assert info.value.errors[0].endswith("routes[0].slo.ttft_p95_ms: must be > 0 (got -5)")
+    assert info.value.issues[0].path == "routes[0].slo.ttft_p95_ms"
+
+
+def test_load_policy_reports_missing_and_undecodable_files(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match="cannot read"):
+        load_policy(tmp_path / "absent.yaml", catalog=FAKE_CATALOG)
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"version: 1\n\xff\xfe")
+    with pytest.raises(PolicyError, match="not UTF-8"):
+        load_policy(binary, catalog=FAKE_CATALOG)
+
+
+def test_load_policy_round_trips_a_valid_file(tmp_path: Path) -> None:
+    path = tmp_path / "ok.yaml"
+    path.write_text(GOOD)
+    policy = load_policy(path, catalog=FAKE_CATALOG)
+    assert policy.source == str(path)
+    assert policy.model_dump() == parse(BASE).model_dump()
