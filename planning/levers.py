@@ -1,0 +1,382 @@
+"""``fleetgate plan levers``: what quantisation, KV dtype, prefix caching and batch size buy.
+
+A roofline table for one GPU serving one model: for each of seven lever settings it gives the
+weight and KV memory, whether they fit, prefill-only TTFT, TPOT, throughput and the cost of a
+million output tokens. The timing comes from ``replica/sim/roofline.py``, the same functions the
+simulated engine steps with, so the table and the simulator never disagree.
+
+Assumptions (see ``docs/levers.md``): decode reads all weights plus every sequence's KV at the
+average context ``prompt + output/2`` each step; a shared prefix is *stored* once but still *read*
+by every sequence; TTFT is prefill compute only (no queueing), and with the prefix cache only the
+unshared tokens are prefilled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from replica.sim.profiles import HardwareProfile, ModelProfile, load_hardware, load_model
+from replica.sim.roofline import Roofline
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class LeverParams:
+    """The scenario: one GPU, one model, one workload shape. Defaults are the seed scenario."""
+
+    # The model.
+    model_params: float = 8.03e9
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    # The GPU.
+    hbm_gb: float = 80.0
+    hbm_tbps: float = 3.35
+    efficiency: float = 0.7
+    bf16_tflops: float = 989.0
+    #: None for a GPU without FP8 tensor cores (FP8 weights then compute in 16-bit).
+    fp8_tflops: float | None = 1979.0
+    mfu: float = 0.4
+    price_per_hour: float = 3.00
+    # The workload.
+    prompt_tokens: int = 6000
+    shared_prefix_tokens: int = 5000
+    output_tokens: int = 300
+    batch: int = 32
+    large_batch: int = 128
+    #: Weights + KV must fit in this fraction of HBM (vLLM's gpu_memory_utilization).
+    fits_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "fp8_tflops" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{f.name}: must be a number > 0 (got {value!r})")
+        if self.shared_prefix_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"shared_prefix_tokens ({self.shared_prefix_tokens}) must be <= "
+                f"prompt_tokens ({self.prompt_tokens})"
+            )
+        for name in ("efficiency", "mfu", "fits_fraction"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"{name}: must be in (0, 1] (got {getattr(self, name)})")
+
+    def hardware(self) -> HardwareProfile:
+        """The GPU as a hardware profile for the roofline."""
+        return HardwareProfile(
+            name="levers-gpu",
+            memory_gb=self.hbm_gb,
+            hbm_bandwidth_tbps=self.hbm_tbps,
+            bf16_tflops=self.bf16_tflops,
+            fp8_tflops=self.fp8_tflops,
+            price_per_hour=self.price_per_hour,
+        )
+
+    def model(self) -> ModelProfile:
+        """The model as a model profile for the roofline."""
+        return ModelProfile(
+            name="levers-model",
+            params=self.model_params,
+            layers=self.layers,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+        )
+
+
+@dataclass(frozen=True)
+class Lever:
+    """One lever setting: weight and KV dtypes, prefix cache on/off, which batch size."""
+
+    name: str
+    weight_dtype: str
+    kv_dtype: str
+    prefix_cache: bool
+    large_batch: bool
+
+
+def scenarios(params: LeverParams) -> list[Lever]:
+    """The seven lever settings, each named for what it changes."""
+    big = params.large_batch
+    shared = f"{params.shared_prefix_tokens / 1000:g}k"
+    return [
+        Lever("bf16 weights + bf16 KV", "bf16", "bf16", False, False),
+        Lever("FP8 weights (W8A8)", "fp8", "bf16", False, False),
+        Lever("+ FP8 KV", "fp8", "fp8", False, False),
+        Lever(f"+ prefix cache ({shared} shared)", "fp8", "fp8", True, False),
+        Lever(f"+ batch {big}", "fp8", "fp8", True, True),
+        Lever(f"bf16 at batch {big}", "bf16", "bf16", False, True),
+        Lever("INT4 weights (W4A16) + FP8 KV + cache", "int4", "fp8", True, True),
+    ]
+
+
+@dataclass(frozen=True)
+class LeverRow:
+    """One line of the table."""
+
+    scenario: str
+    weight_dtype: str
+    kv_dtype: str
+    prefix_cache: bool
+    batch: int
+    weight_gb: float
+    #: KV held at peak: every sequence at full length (shared prefix once when cached).
+    kv_gb: float
+    fits: bool
+    ttft_ms: float
+    tpot_ms: float
+    tokens_per_s: float
+    usd_per_m_output_tokens: float
+
+
+def lever_row(params: LeverParams, lever: Lever) -> LeverRow:
+    """Compute one row from the roofline."""
+    roofline = Roofline(
+        hardware=params.hardware(),
+        model=params.model(),
+        weight_dtype=lever.weight_dtype,
+        kv_dtype=lever.kv_dtype,
+        efficiency=params.efficiency,
+        mfu=params.mfu,
+    )
+    batch = params.large_batch if lever.large_batch else params.batch
+    full_length = params.prompt_tokens + params.output_tokens
+    if lever.prefix_cache:
+        shared = params.shared_prefix_tokens
+        kv_tokens_held = shared + batch * (full_length - shared)
+        prefilled = params.prompt_tokens - shared
+    else:
+        kv_tokens_held = batch * full_length
+        prefilled = params.prompt_tokens
+    kv_bytes = kv_tokens_held * roofline.kv_bytes_per_token
+    # Every sequence reads its whole context, shared blocks included, at every decode step.
+    average_context = params.prompt_tokens + params.output_tokens / 2
+    tpot_s = roofline.decode_s(batch * average_context)
+    tokens_per_s = batch / tpot_s
+    return LeverRow(
+        scenario=lever.name,
+        weight_dtype=lever.weight_dtype,
+        kv_dtype=lever.kv_dtype,
+        prefix_cache=lever.prefix_cache,
+        batch=batch,
+        weight_gb=roofline.weight_bytes / GB,
+        kv_gb=kv_bytes / GB,
+        fits=kv_bytes <= roofline.kv_capacity_bytes(params.fits_fraction),
+        ttft_ms=roofline.prefill_s(prefilled) * 1000,
+        tpot_ms=tpot_s * 1000,
+        tokens_per_s=tokens_per_s,
+        usd_per_m_output_tokens=params.price_per_hour / 3600 / tokens_per_s * 1e6,
+    )
+
+
+def lever_table(params: LeverParams | None = None) -> list[LeverRow]:
+    """The seven rows of the lever table for ``params`` (the seed scenario by default)."""
+    params = params or LeverParams()
+    return [lever_row(params, lever) for lever in scenarios(params)]
+
+
+# --------------------------------------------------------------------------- output
+
+#: (field, title, width, format); the scenario column is left-aligned, numbers right.
+_COLUMNS = (
+    ("scenario", "scenario", 38, ""),
+    ("weight_gb", "weights GB", 10, ".1f"),
+    ("kv_gb", "KV GB", 7, ".1f"),
+    ("fits", "fits", 4, ""),
+    ("ttft_ms", "TTFT ms", 8, ".1f"),
+    ("tpot_ms", "TPOT ms", 8, ".2f"),
+    ("tokens_per_s", "tok/s", 7, ".0f"),
+    ("usd_per_m_output_tokens", "$/1M out", 8, ".3f"),
+)
+
+
+def format_table(rows: list[LeverRow], params: LeverParams) -> str:
+    """The table as fixed-width text, with a header line that states the scenario."""
+    fits_limit = params.fits_fraction * params.hbm_gb
+    lines = [
+        f"{params.model_params / 1e9:g}B params on one GPU ({params.hbm_gb:g} GB, "
+        f"{params.hbm_tbps:g} TB/s × {params.efficiency:g}, MFU {params.mfu:g}, "
+        f"${params.price_per_hour:.2f}/h); prompt {params.prompt_tokens} "
+        f"({params.shared_prefix_tokens} shared), output {params.output_tokens}; "
+        f"fits = weights + KV <= {fits_limit:g} GB",
+    ]
+    scenario_width = max(_COLUMNS[0][2], *(len(row.scenario) for row in rows))
+    widths = [scenario_width] + [width for _k, _t, width, _f in _COLUMNS[1:]]
+    titles = [title for _k, title, _w, _f in _COLUMNS]
+    lines.append(
+        " ".join(
+            f"{t:<{w}}" if i == 0 else f"{t:>{w}}"
+            for i, (t, w) in enumerate(zip(titles, widths, strict=True))
+        )
+    )
+    for row in rows:
+        values = asdict(row)
+        values["fits"] = "yes" if row.fits else "NO"
+        cells = [f"{row.scenario:<{scenario_width}}"]
+        cells += [f"{values[key]:>{width}{fmt}}" for key, _t, width, fmt in _COLUMNS[1:]]
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def plot_table(rows: list[LeverRow], path: Path) -> None:
+    """Bar charts of $/1M output tokens and TTFT/TPOT per scenario, written to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write files only
+    import matplotlib.pyplot as plt
+
+    names = [row.scenario for row in rows]
+    positions = range(len(rows))
+    fig, (cost, latency) = plt.subplots(1, 2, figsize=(14, 5.5), constrained_layout=True)
+    colours = ["tab:green" if row.fits else "tab:red" for row in rows]
+    cost.barh(positions, [row.usd_per_m_output_tokens for row in rows], color=colours)
+    cost.set_xlabel("$ per 1M output tokens (red: does not fit)")
+    cost.set_yticks(list(positions), names)
+    cost.invert_yaxis()
+    width = 0.4
+    latency.barh(
+        [p - width / 2 for p in positions],
+        [r.ttft_ms for r in rows],
+        width,
+        label="TTFT ms (prefill)",
+    )
+    latency.barh(
+        [p + width / 2 for p in positions], [r.tpot_ms for r in rows], width, label="TPOT ms"
+    )
+    latency.set_yticks(list(positions), [""] * len(rows))
+    latency.invert_yaxis()
+    latency.set_xscale("log")
+    latency.set_xlabel("milliseconds (log scale)")
+    latency.legend()
+    fig.suptitle("Roofline levers")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+
+#: flag -> LeverParams field, for the flags that override one parameter.
+_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--model-params": ("model_params", float, "parameter count, e.g. 8.03e9"),
+    "--layers": ("layers", int, "transformer layers"),
+    "--kv-heads": ("kv_heads", int, "KV heads (GQA)"),
+    "--head-dim": ("head_dim", int, "head dimension"),
+    "--hbm-gb": ("hbm_gb", float, "GPU memory, GB"),
+    "--hbm-tbps": ("hbm_tbps", float, "HBM bandwidth, TB/s"),
+    "--efficiency": ("efficiency", float, "fraction of HBM bandwidth decode achieves"),
+    "--bf16-tflops": ("bf16_tflops", float, "dense bf16 TFLOPS"),
+    "--fp8-tflops": ("fp8_tflops", float, "dense FP8 TFLOPS"),
+    "--mfu": ("mfu", float, "model FLOPs utilisation of prefill"),
+    "--price-per-hour": ("price_per_hour", float, "USD per GPU-hour"),
+    "--prompt-tokens": ("prompt_tokens", int, "prompt length"),
+    "--shared-tokens": ("shared_prefix_tokens", int, "shared prefix length"),
+    "--output-tokens": ("output_tokens", int, "output length"),
+    "--batch": ("batch", int, "concurrent sequences"),
+    "--large-batch": ("large_batch", int, "the larger batch of the batch lever"),
+    "--fits-fraction": ("fits_fraction", float, "fraction of HBM usable (0..1]"),
+}
+
+EXAMPLES = """\
+examples:
+  fleetgate plan levers
+  fleetgate plan levers --hardware h200 --batch 64 --json
+  fleetgate plan levers --params scenario.yaml --plot levers.png
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fleetgate plan levers``."""
+    parser.epilog = EXAMPLES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--params",
+        type=Path,
+        metavar="FILE.yaml",
+        help="YAML mapping of parameter overrides (keys: the flag names with _ for -, "
+        "plus 'hardware' and 'model' profile names); flags override it",
+    )
+    parser.add_argument("--hardware", help="start from a hardware profile (e.g. h100-sxm, h200)")
+    parser.add_argument("--model", help="start from a model profile (e.g. llama3-70b)")
+    for flag, (_field, kind, text) in _FLAGS.items():
+        parser.add_argument(flag, type=kind, help=text, metavar="N" if kind is int else "X")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", type=Path, metavar="FILE.png", help="also write a bar chart")
+
+
+def params_from_args(args: argparse.Namespace) -> LeverParams:
+    """Defaults, then named profiles, then the ``--params`` file, then flags."""
+    from_file: dict[str, Any] = {}
+    if args.params is not None:
+        try:
+            loaded = yaml.safe_load(args.params.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"--params {args.params}: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"--params {args.params}: expected a mapping of parameter: value")
+        from_file = dict(loaded)
+    params = LeverParams()
+    hardware = args.hardware or from_file.pop("hardware", None)
+    model = args.model or from_file.pop("model", None)
+    from_file.pop("hardware", None)
+    from_file.pop("model", None)
+    if hardware:
+        hw = load_hardware(hardware)
+        params = replace(
+            params,
+            hbm_gb=hw.memory_gb,
+            hbm_tbps=hw.hbm_bandwidth_tbps,
+            bf16_tflops=hw.bf16_tflops,
+            fp8_tflops=hw.fp8_tflops,
+            price_per_hour=hw.price_per_hour,
+        )
+    if model:
+        m = load_model(model)
+        params = replace(
+            params,
+            model_params=m.params,
+            layers=m.layers,
+            kv_heads=m.kv_heads,
+            head_dim=m.head_dim,
+        )
+    known = {f.name for f in fields(LeverParams)}
+    unknown = sorted(set(from_file) - known)
+    if unknown:
+        raise ValueError(f"--params {args.params}: {unknown[0]}: unknown parameter")
+    flags = {field: getattr(args, field_attr(flag)) for flag, (field, _k, _t) in _FLAGS.items()}
+    overrides = {**from_file, **{k: v for k, v in flags.items() if v is not None}}
+    return replace(params, **overrides)
+
+
+def field_attr(flag: str) -> str:
+    """argparse's attribute name for ``flag``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the lever table (or JSON); optionally write the plot. 2 on bad parameters."""
+    try:
+        params = params_from_args(args)
+        rows = lever_table(params)
+    except ValueError as exc:
+        print(f"fleetgate plan levers: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"params": asdict(params), "rows": [asdict(r) for r in rows]}, indent=2))
+    else:
+        print(format_table(rows, params))
+    if args.plot is not None:
+        plot_table(rows, args.plot)
+        if not args.json:
+            print(f"plot written to {args.plot}")
+    return 0
