@@ -69,7 +69,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     module.add_arguments(parser)
     parsed = parser.parse_args(args[1:])
-    return int(module.run(parsed) or 0)
+    try:
+        return int(module.run(parsed) or 0)
+    except BrokenPipeError:
+        # `fleetgate plan levers --json | head`: the reader left; that is not an error.
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

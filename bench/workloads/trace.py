@@ -1,0 +1,153 @@
+"""The trace format shared by the workload generators, the fleet simulator and ``bench replay``.
+
+One JSON object per line (the Mooncake / NVIDIA Dynamo format):
+
+- ``timestamp``: arrival time in milliseconds since the start of the trace (non-decreasing);
+- ``input_length``: prompt tokens;
+- ``output_length``: tokens to generate;
+- ``hash_ids``: one integer per block of ``block_size`` prompt tokens (the last block may be
+  partial). Equal integers mean equal content *and* equal prefix: the list is a prefix chain.
+
+fleetgate extension: an optional ``adapter`` string names the LoRA adapter (fine-tune) that the
+request targets; records without it target the base model. Other readers ignore unknown keys,
+so traces with ``adapter`` stay readable by Mooncake/Dynamo tooling.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+DEFAULT_BLOCK_SIZE = 512
+
+_REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
+_OPTIONAL = ("adapter",)
+
+
+class TraceFormatError(ValueError):
+    """A trace line that does not follow the format; the message names the line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """One request of a trace. See the module docstring for the meaning of each field."""
+
+    timestamp: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...] = field(default_factory=tuple)
+    adapter: str | None = None
+
+    def to_json(self) -> str:
+        """The record as one JSON line (no newline); ``adapter`` only when set."""
+        obj: dict[str, Any] = {
+            "timestamp": self.timestamp,
+            "input_length": self.input_length,
+            "output_length": self.output_length,
+            "hash_ids": list(self.hash_ids),
+        }
+        if self.adapter is not None:
+            obj["adapter"] = self.adapter
+        return json.dumps(obj, separators=(",", ":"))
+
+
+def blocks_for(input_length: int, block_size: int) -> int:
+    """Hash ids in a prompt of ``input_length`` tokens has (the last block may be partial)."""
+    return math.ceil(input_length / block_size)
+
+
+def _int_field(obj: dict[str, Any], key: str, where: str, minimum: int) -> int:
+    value = obj[key]
+    # bool is an int subclass in Python; `true` is never a valid length.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceFormatError(f"{where}: {key} must be an integer (got {value!r})")
+    if value < minimum:
+        raise TraceFormatError(f"{where}: {key} must be >= {minimum} (got {value})")
+    return value
+
+
+def parse_record(line: str, where: str, block_size: int | None = None) -> TraceRecord:
+    """Parse and validate one trace line; ``where`` (e.g. ``"trace.jsonl:3"``) prefixes errors.
+
+    With ``block_size`` set, ``hash_ids`` must have exactly ``ceil(input_length / block_size)``
+    entries, which catches a trace generated with a different block size.
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from exc
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [key for key in _REQUIRED if key not in obj]
+    if missing:
+        raise TraceFormatError(f"{where}: missing field(s) {', '.join(missing)}")
+    timestamp = obj["timestamp"]
+    if isinstance(timestamp, float) and timestamp.is_integer():
+        timestamp = int(timestamp)  # some tools write 1200.0; the value is still exact
+    if isinstance(timestamp, bool) or not isinstance(timestamp, int) or timestamp < 0:
+        raise TraceFormatError(
+            f"{where}: timestamp must be a non-negative integer of ms (got {timestamp!r})"
+        )
+    input_length = _int_field(obj, "input_length", where, minimum=1)
+    output_length = _int_field(obj, "output_length", where, minimum=1)
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list) or any(
+        isinstance(h, bool) or not isinstance(h, int) for h in hash_ids
+    ):
+        raise TraceFormatError(f"{where}: hash_ids must be a list of integers")
+    if block_size is not None and len(hash_ids) != blocks_for(input_length, block_size):
+        raise TraceFormatError(
+            f"{where}: {len(hash_ids)} hash_ids for input_length {input_length} does not match "
+            f"block_size {block_size} (expected {blocks_for(input_length, block_size)})"
+        )
+    adapter = obj.get("adapter")
+    if adapter is not None and (not isinstance(adapter, str) or not adapter):
+        raise TraceFormatError(f"{where}: adapter must be a non-empty string (got {adapter!r})")
+    return TraceRecord(timestamp, input_length, output_length, tuple(hash_ids), adapter)
+
+
+def iter_trace(
+    stream: TextIO, name: str = "<trace>", block_size: int | None = None
+) -> Iterator[TraceRecord]:
+    """Yield validated records from a JSONL stream; blank lines are skipped.
+
+    Raises ``TraceFormatError`` naming ``name:line`` for the first bad line, including a
+    timestamp that goes backwards (replay and simulation need arrival order).
+    """
+    previous = 0
+    for number, line in enumerate(stream, start=1):
+        if not line.strip():
+            continue
+        where = f"{name}:{number}"
+        record = parse_record(line, where, block_size)
+        if record.timestamp < previous:
+            raise TraceFormatError(
+                f"{where}: timestamp {record.timestamp} is before the previous line's {previous};"
+                " traces must be sorted by timestamp"
+            )
+        previous = record.timestamp
+        yield record
+
+
+def read_trace(path: str | Path, block_size: int | None = None) -> list[TraceRecord]:
+    """Read and validate a whole JSONL trace file."""
+    path = Path(path)
+    with path.open(encoding="utf-8") as stream:
+        return list(iter_trace(stream, str(path), block_size))
+
+
+def write_trace(records: Iterable[TraceRecord], out: str | Path | TextIO) -> int:
+    """Write records as JSONL to a path or an open text stream; returns how many were written."""
+    if isinstance(out, (str, Path)):
+        with Path(out).open("w", encoding="utf-8") as stream:
+            return write_trace(records, stream)
+    count = 0
+    for record in records:
+        out.write(record.to_json())
+        out.write("\n")
+        count += 1
+    return count

@@ -1,0 +1,125 @@
+"""``fleetgate triage``: read a route's symptoms and print the serving levers to pull, in order.
+
+The decision chart lives in ``planning/triage/decide.py`` (pure); this module only picks the
+source (a file, a running gateway, Prometheus), applies command-line defaults and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import httpx
+
+from planning.triage import MetricsError, RouteMetrics, triage
+from planning.triage.gateway_source import fetch_gateway_metrics
+from planning.triage.inputs import load_metrics_file
+from planning.triage.model import SourceError
+from planning.triage.prometheus_source import fetch_prometheus_metrics
+from planning.triage.render import to_json, to_text
+
+EPILOG = """\
+decision chart (levers are listed in this order):
+  1. TTFT p95 over SLO  -> prefix caching + prefix-aware routing (if > 30% of prompt tokens are a
+                           shared prefix), then queueing (replicas, admission control), then
+                           chunked prefill or prefill/decode disaggregation
+  2. KV > 90% or preemptions -> FP8 KV cache, then FP8/INT4 weights
+  3. TPOT p95 over SLO  -> weight quantization if --quality-headroom, else smaller max batch /
+                           more replicas / speculative decoding
+  4. > 3 fine-tuned variants -> LoRA adapters on one base model
+  5. none of these      -> within SLO: capacity headroom and cost per 1M tokens, not tuning
+  Also flagged: cache-busting prompt layouts, and capacity planned from averages (p95 TTFT over
+  SLO while average utilisation is low).
+
+input file (YAML or JSON), one route or a mapping of route -> these keys (all optional):
+  ttft_p95_ms, ttft_slo_ms, tpot_p95_ms, tpot_slo_ms, shared_prefix_fraction (0..1),
+  kv_cache_usage (0..1), preemptions_per_min, fine_tuned_variants, quality_headroom (bool),
+  cache_busting_layout (bool), utilisation (0..1)
+
+examples:
+  fleetgate triage --input routes.yaml
+  fleetgate triage --gateway http://localhost:8000 --ttft-slo-ms 1000 --tpot-slo-ms 50
+  fleetgate triage --prometheus http://prometheus:9090 --window 30m --ttft-slo-ms 800 --json
+
+--json prints [{"lever": CATEGORY, "reason": TEXT}, ...] for a single-route file, else
+{ROUTE: [...]}. Categories: prefix-caching, queueing, kv-quantization, weight-quantization,
+reduce-batch, multi-lora, capacity-headroom.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``fleetgate triage``."""
+    parser.description = (
+        "Read per-route symptoms (TTFT/TPOT vs SLO, prefix sharing, KV pressure, fine-tunes)\n"
+        "and print the levers to pull, in order, with the numbers behind each."
+    )
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", metavar="FILE", help="YAML or JSON file of route metrics")
+    source.add_argument(
+        "--gateway", metavar="URL", help="a running fleetgate gateway (scrapes URL/metrics)"
+    )
+    source.add_argument(
+        "--prometheus", metavar="URL", help="a Prometheus server scraping gateways and engines"
+    )
+    parser.add_argument(
+        "--window", default="10m", help="PromQL range for rates and percentiles (default: 10m)"
+    )
+    parser.add_argument(
+        "--ttft-slo-ms", type=float, help="TTFT p95 SLO for routes whose input has none"
+    )
+    parser.add_argument(
+        "--tpot-slo-ms", type=float, help="TPOT p95 SLO for routes whose input has none"
+    )
+    parser.add_argument(
+        "--quality-headroom",
+        action="store_true",
+        help="the model can afford some quality loss: allow weight quantization for TPOT",
+    )
+    parser.add_argument("--route", action="append", help="only these routes (repeatable)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout, s (default 10)")
+    parser.add_argument("--json", action="store_true", help="print levers as JSON")
+
+
+def load(args: argparse.Namespace) -> dict[str, RouteMetrics]:
+    """Route metrics from the chosen source, with command-line defaults filled in."""
+    if args.input:
+        routes = load_metrics_file(args.input)
+    else:
+        with httpx.Client(timeout=args.timeout) as client:
+            if args.gateway:
+                routes = fetch_gateway_metrics(args.gateway, client)
+            else:
+                routes = fetch_prometheus_metrics(args.prometheus, client, args.window)
+    defaults = RouteMetrics(
+        ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
+        quality_headroom=args.quality_headroom,
+    )
+    if args.route:
+        unknown = sorted(set(args.route) - set(routes))
+        if unknown:
+            raise MetricsError(
+                f"--route {unknown[0]}: not in the input; routes: {', '.join(routes) or 'none'}"
+            )
+        routes = {name: routes[name] for name in args.route}
+    return {name: metrics.merged(defaults) for name, metrics in routes.items()}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Triage every route; exit 2 on bad input, 1 when a source cannot be read."""
+    try:
+        routes = load(args)
+    except MetricsError as exc:
+        print(f"fleetgate triage: error: {exc}", file=sys.stderr)
+        return 2
+    except SourceError as exc:
+        print(f"fleetgate triage: cannot read metrics: {exc}", file=sys.stderr)
+        return 1
+    if not routes:
+        print("fleetgate triage: the source has no per-route metrics yet", file=sys.stderr)
+        return 1
+    results = {name: triage(metrics) for name, metrics in routes.items()}
+    print(to_json(results) if args.json else to_text(routes, results))
+    return 0

@@ -1,0 +1,234 @@
+"""The symptom-to-lever decision chart: pure, no I/O, one route at a time.
+
+Rules run in this order, and levers keep the order the rules add them in:
+
+1. TTFT p95 over SLO → prefix caching with prefix-aware routing (when more than 30% of prompt
+   tokens are a shared prefix), then queueing (replicas, admission control), then chunked
+   prefill or prefill/decode disaggregation.
+2. KV usage over 90% or any preemptions → FP8 KV cache, then FP8/INT4 weights.
+3. TPOT p95 over SLO → weight quantization if quality headroom is declared, else a smaller
+   max batch, more replicas or speculative decoding.
+4. More than 3 fine-tuned variants → LoRA adapters on one base model.
+5. None of these → within SLO: look at capacity headroom and cost, not tuning.
+
+Failure modes that the signals reveal are folded into the lever they call for: a cache-busting
+prompt layout (a prefix-caching lever, whether or not TTFT is over SLO) and capacity planned from
+averages (in the queueing lever's reason).
+"""
+
+from __future__ import annotations
+
+from planning.triage.model import Lever, RouteMetrics
+
+SHARED_PREFIX_THRESHOLD = 0.30
+KV_USAGE_THRESHOLD = 0.90
+LORA_VARIANTS_THRESHOLD = 3
+#: Average utilisation below this, with p95 TTFT over SLO, means bursts, not the mean, queue.
+LOW_UTILISATION = 0.60
+#: Average utilisation at or above this leaves no room for bursts.
+HIGH_UTILISATION = 0.80
+
+QUANTIZE_WEIGHTS = "quantize weights to FP8 (or INT4)"
+FIX_LAYOUT = "fix the cache-busting prompt layout"
+
+
+def triage(metrics: RouteMetrics) -> list[Lever]:
+    """Ordered levers for one route; see the module docstring for the chart."""
+    levers: list[Lever] = []
+    ttft_over = _over(metrics.ttft_p95_ms, metrics.ttft_slo_ms)
+    if ttft_over:
+        _add(levers, _prefix_caching(metrics))
+        _add(levers, _queueing(metrics))
+        _add(
+            levers,
+            Lever(
+                "queueing",
+                "chunked prefill or prefill/decode disaggregation",
+                "long prompts' prefills stall the batch and everyone's first token behind "
+                "them; chunk prefills (vLLM --enable-chunked-prefill, smaller "
+                "--max-num-batched-tokens) or move prefill to its own replicas",
+            ),
+        )
+    kv_rule = _kv_pressure(metrics)
+    if kv_rule is not None:
+        _add(
+            levers,
+            Lever(
+                "kv-quantization",
+                "FP8 KV cache",
+                f"{kv_rule}; an FP8 KV cache (vLLM --kv-cache-dtype fp8) halves the bytes per "
+                "cached token, so twice the sequences fit before preemption",
+            ),
+        )
+        _add(
+            levers,
+            Lever(
+                "weight-quantization",
+                QUANTIZE_WEIGHTS,
+                f"{kv_rule}; smaller weights free HBM for the KV cache (an 8B model: 16 GB in "
+                "BF16, 8 GB in FP8, 4 GB in INT4)",
+            ),
+        )
+    if _over(metrics.tpot_p95_ms, metrics.tpot_slo_ms):
+        tpot = f"TPOT p95 {metrics.tpot_p95_ms:g} ms is over its {metrics.tpot_slo_ms:g} ms SLO"
+        if metrics.quality_headroom:
+            _add(
+                levers,
+                Lever(
+                    "weight-quantization",
+                    QUANTIZE_WEIGHTS,
+                    f"{tpot}; decode is memory-bound, so fewer weight bytes per step cut TPOT "
+                    "almost proportionally, and quality headroom is declared",
+                ),
+            )
+        else:
+            _add(
+                levers,
+                Lever(
+                    "reduce-batch",
+                    "lower max batch size, add replicas, or speculative decoding",
+                    f"{tpot}; each decode step reads every running sequence's KV, so a smaller "
+                    "--max-num-seqs (with replicas to carry the load) shortens steps; no quality "
+                    "headroom is declared, so weights stay unquantized",
+                ),
+            )
+    variants = metrics.fine_tuned_variants
+    if variants is not None and variants > LORA_VARIANTS_THRESHOLD:
+        _add(
+            levers,
+            Lever(
+                "multi-lora",
+                "serve the fine-tunes as LoRA adapters on one base model",
+                f"{variants} fine-tuned variants (more than {LORA_VARIANTS_THRESHOLD}): served as "
+                "full models, each holds its own copy of the base weights and its own mostly idle "
+                "replicas; one base with adapters (vLLM --enable-lora, --max-loras) pools the "
+                "traffic, and fleetgate routes to replicas with the adapter resident",
+            ),
+        )
+    rules_fired = bool(levers)
+    if metrics.cache_busting_layout and not ttft_over:
+        # Within the TTFT SLO the layout still burns prefill compute on every request.
+        _add(levers, _fix_layout("TTFT is within SLO, but every request pays a full prefill"))
+    if not rules_fired:
+        levers.append(_headroom(metrics))
+    return levers
+
+
+def unchecked(metrics: RouteMetrics) -> list[str]:
+    """Rules that could not be evaluated because their inputs are unknown."""
+    missing = []
+    if metrics.ttft_p95_ms is None or metrics.ttft_slo_ms is None:
+        missing.append("TTFT (needs ttft_p95_ms and ttft_slo_ms)")
+    if metrics.kv_cache_usage is None and metrics.preemptions_per_min is None:
+        missing.append("KV pressure (needs kv_cache_usage or preemptions_per_min)")
+    if metrics.tpot_p95_ms is None or metrics.tpot_slo_ms is None:
+        missing.append("TPOT (needs tpot_p95_ms and tpot_slo_ms)")
+    if metrics.fine_tuned_variants is None:
+        missing.append("fine-tunes (needs fine_tuned_variants)")
+    return missing
+
+
+def _over(value: float | None, slo: float | None) -> bool:
+    return value is not None and slo is not None and value > slo
+
+
+def _add(levers: list[Lever], lever: Lever | None) -> None:
+    """Append, or merge the reason into an earlier lever that is the same change."""
+    if lever is None:
+        return
+    for index, existing in enumerate(levers):
+        if (existing.category, existing.action) == (lever.category, lever.action):
+            levers[index] = Lever(
+                existing.category, existing.action, f"{existing.why}; also {lever.why}"
+            )
+            return
+    levers.append(lever)
+
+
+def _fix_layout(consequence: str) -> Lever:
+    return Lever(
+        "prefix-caching",
+        FIX_LAYOUT,
+        "the gateway sees shared content behind a unique first block (e.g. a timestamp or "
+        f"request id at the top of the system prompt), so no prefix is ever reused; {consequence}. "
+        "Move per-request values to the end of the prompt, then use prefix caching with "
+        "prefix-aware routing",
+    )
+
+
+def _prefix_caching(metrics: RouteMetrics) -> Lever | None:
+    if metrics.cache_busting_layout:
+        return _fix_layout("TTFT pays a full prefill on every request")
+    shared = metrics.shared_prefix_fraction
+    if shared is None or shared <= SHARED_PREFIX_THRESHOLD:
+        return None
+    return Lever(
+        "prefix-caching",
+        "prefix caching with prefix-aware routing",
+        f"{shared:.0%} of prompt tokens are a shared prefix (over "
+        f"{SHARED_PREFIX_THRESHOLD:.0%}); with vLLM --enable-prefix-caching and a prefix-aware "
+        "policy (expected-ttft) those tokens skip prefill on the replica that holds them",
+    )
+
+
+def _queueing(metrics: RouteMetrics) -> Lever:
+    ttft = f"TTFT p95 {metrics.ttft_p95_ms:g} ms is over its {metrics.ttft_slo_ms:g} ms SLO"
+    utilisation = metrics.utilisation
+    if utilisation is None:
+        why = (
+            f"{ttft}; check utilisation: if replicas are busy, requests wait before prefill. "
+            "Add replicas (size with `fleetgate plan capacity`) and admission control"
+        )
+    elif utilisation < LOW_UTILISATION:
+        why = (
+            f"{ttft} while average utilisation is only {utilisation:.0%}: capacity planned from "
+            "averages; bursts queue even when the mean looks idle. Size for p95 TTFT at the "
+            "busiest window's rate (`fleetgate plan capacity`), and add admission control"
+        )
+    elif utilisation >= HIGH_UTILISATION:
+        why = (
+            f"{ttft} at {utilisation:.0%} utilisation, past the knee of the TTFT curve: add "
+            "replicas (size with `fleetgate plan capacity`) and shed or queue excess load "
+            "with admission control"
+        )
+    else:
+        why = (
+            f"{ttft} at {utilisation:.0%} utilisation; queueing grows fast from here: add "
+            "replicas (`fleetgate plan capacity`) and admission control"
+        )
+    return Lever("queueing", "add replicas and admission control", why)
+
+
+def _kv_pressure(metrics: RouteMetrics) -> str | None:
+    reasons = []
+    if metrics.kv_cache_usage is not None and metrics.kv_cache_usage > KV_USAGE_THRESHOLD:
+        reasons.append(
+            f"KV cache usage {metrics.kv_cache_usage:.0%} is over {KV_USAGE_THRESHOLD:.0%}"
+        )
+    if metrics.preemptions_per_min:
+        reasons.append(f"{metrics.preemptions_per_min:g} preemptions/min")
+    return " and ".join(reasons) or None
+
+
+def _headroom(metrics: RouteMetrics) -> Lever:
+    facts = []
+    if metrics.ttft_p95_ms is not None and metrics.ttft_slo_ms is not None:
+        spare = 1 - metrics.ttft_p95_ms / metrics.ttft_slo_ms
+        facts.append(
+            f"TTFT p95 {metrics.ttft_p95_ms:g} ms vs {metrics.ttft_slo_ms:g} ms SLO "
+            f"({spare:.0%} headroom)"
+        )
+    if metrics.tpot_p95_ms is not None and metrics.tpot_slo_ms is not None:
+        facts.append(f"TPOT p95 {metrics.tpot_p95_ms:g} ms vs {metrics.tpot_slo_ms:g} ms SLO")
+    if metrics.utilisation is not None:
+        facts.append(f"utilisation {metrics.utilisation:.0%}")
+    missing = unchecked(metrics)
+    summary = "; ".join(facts) if facts else "no rule fired"
+    if missing:
+        summary += f" (not checked: {', '.join(missing)})"
+    return Lever(
+        "capacity-headroom",
+        "within SLO: review capacity headroom and cost per 1M tokens instead of tuning",
+        f"{summary}. See whether fewer replicas still meet the SLO (`fleetgate plan capacity`) "
+        "and track fleetgate_cost_per_1m_tokens_usd",
+    )

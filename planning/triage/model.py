@@ -1,0 +1,151 @@
+"""What triage reads (``RouteMetrics``) and what it answers (``Lever``), with strict validation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args
+
+#: The fixed lever vocabulary; dashboards and runbooks key on these strings.
+LeverCategory = Literal[
+    "prefix-caching",
+    "queueing",
+    "kv-quantization",
+    "weight-quantization",
+    "reduce-batch",
+    "multi-lora",
+    "capacity-headroom",
+]
+CATEGORIES: tuple[str, ...] = get_args(LeverCategory)
+
+
+class MetricsError(ValueError):
+    """Triage input that is missing, mistyped or out of range; the message names the field."""
+
+
+class SourceError(RuntimeError):
+    """A metrics source (gateway, Prometheus) could not be read; the message names the URL."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lever:
+    """One thing to change, and why, for one route.
+
+    ``action`` names the change; ``why`` quotes the numbers that triggered it. Two levers with
+    the same category and action are the same change (triage merges their reasons).
+    """
+
+    category: LeverCategory
+    action: str
+    why: str
+
+    def __post_init__(self) -> None:
+        if self.category not in CATEGORIES:
+            raise ValueError(f"unknown lever category {self.category!r}")
+
+    @property
+    def reason(self) -> str:
+        """``action: why``, the text ``--json`` prints as ``reason``."""
+        return f"{self.action}: {self.why}"
+
+    def to_dict(self) -> dict[str, str]:
+        """``{"lever": category, "reason": text}``, the ``--json`` shape."""
+        return {"lever": self.category, "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class RouteMetrics:
+    """The signals triage reads for one route. ``None`` means unknown: rules needing it are skipped.
+
+    Latencies in ms; ``shared_prefix_fraction``, ``kv_cache_usage`` and ``utilisation`` in 0..1.
+    """
+
+    ttft_p95_ms: float | None = None
+    ttft_slo_ms: float | None = None
+    tpot_p95_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    #: Share of prompt tokens that are a prefix shared with earlier requests.
+    shared_prefix_fraction: float | None = None
+    kv_cache_usage: float | None = None
+    preemptions_per_min: float | None = None
+    #: Fine-tuned model variants served behind this route (full models or adapters).
+    fine_tuned_variants: int | None = None
+    #: True when the owner says the model can afford some quality loss (quantization).
+    quality_headroom: bool = False
+    #: True when the gateway saw shared content behind a unique first block (e.g. a timestamp).
+    cache_busting_layout: bool | None = None
+    #: Average share of replica time busy.
+    utilisation: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_p95_ms", "tpot_p95_ms", "preemptions_per_min"):
+            _check_number(name, getattr(self, name), low=0.0)
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            _check_number(name, getattr(self, name), low=0.0, exclusive=True)
+        for name in ("shared_prefix_fraction", "kv_cache_usage", "utilisation"):
+            _check_number(name, getattr(self, name), low=0.0, high=1.0)
+        variants = self.fine_tuned_variants
+        if variants is not None and (
+            isinstance(variants, bool) or not isinstance(variants, int) or variants < 0
+        ):
+            raise MetricsError(f"fine_tuned_variants: must be an integer >= 0 (got {variants!r})")
+        if not isinstance(self.quality_headroom, bool):
+            raise MetricsError(
+                f"quality_headroom: must be true or false (got {self.quality_headroom!r})"
+            )
+        busting = self.cache_busting_layout
+        if busting is not None and not isinstance(busting, bool):
+            raise MetricsError(f"cache_busting_layout: must be true or false (got {busting!r})")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], where: str = "") -> RouteMetrics:
+        """Build from a YAML/JSON mapping; unknown keys and bad values name ``where.key``."""
+        prefix = f"{where}." if where else ""
+        if not isinstance(data, Mapping):
+            raise MetricsError(f"{where or 'input'}: expected a mapping of metric -> value")
+        unknown = sorted(set(data) - FIELD_NAMES, key=str)
+        if unknown:
+            raise MetricsError(
+                f"{prefix}{unknown[0]}: unknown key; expected some of: {', '.join(FIELD_ORDER)}"
+            )
+        values = dict(data)
+        if values.get("quality_headroom") is None:
+            values.pop("quality_headroom", None)
+        try:
+            return cls(**values)
+        except MetricsError as exc:
+            raise MetricsError(f"{prefix}{exc}") from None
+
+    def merged(self, defaults: RouteMetrics) -> RouteMetrics:
+        """This route's values, with ``defaults`` filling the unknown ones."""
+        values = {
+            name: getattr(self, name)
+            if getattr(self, name) is not None
+            else getattr(defaults, name)
+            for name in FIELD_ORDER
+        }
+        values["quality_headroom"] = self.quality_headroom or defaults.quality_headroom
+        return RouteMetrics(**values)
+
+
+FIELD_ORDER: tuple[str, ...] = tuple(f.name for f in fields(RouteMetrics))
+FIELD_NAMES = frozenset(FIELD_ORDER)
+
+
+def _check_number(
+    name: str, value: Any, low: float, high: float | None = None, exclusive: bool = False
+) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise MetricsError(f"{name}: must be a number (got {value!r})")
+    too_low = value <= low if exclusive else value < low
+    too_high = high is not None and value > high
+    if too_low or too_high:
+        bounds = (
+            f"in [{low:g}, {high:g}]"
+            if high is not None
+            else f"{'>' if exclusive else '>='} {low:g}"
+        )
+        raise MetricsError(f"{name}: must be {bounds} (got {value!r})")

@@ -1,0 +1,60 @@
+"""``fleetgate plan``: tools are dispatched lazily and get every argument after their name."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+
+import pytest
+
+from gateway.cli import main
+from gateway.commands import plan
+
+
+def test_capacity_runs_through_the_top_level_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "capacity", "--rate", "5", "--slo-ttft-ms", "500", "--prompt-tokens", "1000"]
+    argv += ["--output-tokens", "100", "--prefill-ms", "50"]
+    assert main(argv) == 0
+    assert "replicas needed: 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_tool_help_is_the_tools_own(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "capacity", flag])
+    assert info.value.code == 0
+    assert "--slo-ttft-ms" in capsys.readouterr().out
+
+
+def test_levers_is_imported_only_when_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, argparse.Namespace] = {}
+    fake = types.ModuleType("planning.levers")
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model")
+        parser.add_argument("-x", action="store_true")
+
+    def run(args: argparse.Namespace) -> int:
+        seen["args"] = args
+        return 7
+
+    fake.add_arguments, fake.run = add_arguments, run
+    monkeypatch.setitem(sys.modules, "planning.levers", fake)
+    assert main(["plan", "levers", "--model", "llama3-8b", "-x"]) == 7
+    assert seen["args"].model == "llama3-8b"
+    assert seen["args"].x is True
+
+
+def test_a_missing_tool_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(plan.TOOLS, "levers", ("planning.no_such_module", "test"))
+    assert main(["plan", "levers"]) == 2
+    assert "fleetgate plan levers: unavailable" in capsys.readouterr().err
+
+
+def test_plan_without_a_tool_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan"])
+    assert info.value.code == 2

@@ -1,0 +1,167 @@
+"""The decision chart: pinned cases and one table row per rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from planning.triage import CATEGORIES, Lever, RouteMetrics, decide, triage
+
+HEALTHY = {
+    "ttft_p95_ms": 300.0,
+    "ttft_slo_ms": 2000.0,
+    "tpot_p95_ms": 20.0,
+    "tpot_slo_ms": 80.0,
+    "shared_prefix_fraction": 0.1,
+    "kv_cache_usage": 0.4,
+    "preemptions_per_min": 0.0,
+    "fine_tuned_variants": 0,
+    "utilisation": 0.7,
+}
+
+
+def _categories(**overrides: object) -> list[str]:
+    return [lever.category for lever in triage(RouteMetrics(**(HEALTHY | overrides)))]
+
+
+def test_rag_chatbot_with_long_system_prompt() -> None:
+    # TTFT over SLO with 70% of prompt tokens shared: cache the prefix first, then queueing.
+    levers = triage(
+        RouteMetrics(
+            **HEALTHY
+            | {"ttft_p95_ms": 2400.0, "ttft_slo_ms": 1000.0, "shared_prefix_fraction": 0.7}
+        )
+    )
+    assert [lever.category for lever in levers] == ["prefix-caching", "queueing", "queueing"]
+    assert "70%" in levers[0].reason
+    assert "chunked prefill" in levers[2].reason
+
+
+def test_b2b_saas_with_forty_fine_tunes() -> None:
+    levers = _categories(fine_tuned_variants=40, kv_cache_usage=0.95, preemptions_per_min=4.0)
+    assert "multi-lora" in levers
+    assert levers == ["kv-quantization", "weight-quantization", "multi-lora"]
+
+
+def test_healthy_internal_tool_gets_capacity_headroom_only() -> None:
+    levers = triage(RouteMetrics(**HEALTHY))
+    assert [lever.category for lever in levers] == ["capacity-headroom"]
+    assert "85% headroom" in levers[0].reason
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        # Rule 1: shared prefix at or under 30% -> no prefix caching, queueing only.
+        ({"ttft_p95_ms": 3000.0, "shared_prefix_fraction": 0.3}, ["queueing", "queueing"]),
+        (
+            {"ttft_p95_ms": 3000.0, "shared_prefix_fraction": 0.31},
+            ["prefix-caching", "queueing", "queueing"],
+        ),
+        # TTFT exactly at the SLO is within it.
+        ({"ttft_p95_ms": 2000.0, "shared_prefix_fraction": 0.9}, ["capacity-headroom"]),
+        # Rule 2: KV over 90% or any preemption.
+        ({"kv_cache_usage": 0.91}, ["kv-quantization", "weight-quantization"]),
+        ({"kv_cache_usage": 0.9}, ["capacity-headroom"]),
+        ({"preemptions_per_min": 0.5}, ["kv-quantization", "weight-quantization"]),
+        # Rule 3: TPOT over SLO, with and without quality headroom.
+        ({"tpot_p95_ms": 90.0}, ["reduce-batch"]),
+        ({"tpot_p95_ms": 90.0, "quality_headroom": True}, ["weight-quantization"]),
+        # Rule 4: more than 3 variants.
+        ({"fine_tuned_variants": 3}, ["capacity-headroom"]),
+        ({"fine_tuned_variants": 4}, ["multi-lora"]),
+        # All rules at once keep the chart's order.
+        (
+            {
+                "ttft_p95_ms": 3000.0,
+                "shared_prefix_fraction": 0.8,
+                "kv_cache_usage": 0.97,
+                "tpot_p95_ms": 90.0,
+                "fine_tuned_variants": 12,
+            },
+            [
+                "prefix-caching",
+                "queueing",
+                "queueing",
+                "kv-quantization",
+                "weight-quantization",
+                "reduce-batch",
+                "multi-lora",
+            ],
+        ),
+    ],
+)
+def test_each_rule(overrides: dict, expected: list[str]) -> None:
+    assert _categories(**overrides) == expected
+
+
+def test_kv_pressure_and_tpot_with_headroom_merge_into_one_weight_lever() -> None:
+    levers = triage(
+        RouteMetrics(
+            **HEALTHY | {"kv_cache_usage": 0.95, "tpot_p95_ms": 90.0, "quality_headroom": True}
+        )
+    )
+    assert [lever.category for lever in levers] == ["kv-quantization", "weight-quantization"]
+    assert "HBM" in levers[1].reason and "TPOT p95 90" in levers[1].reason
+
+
+@pytest.mark.parametrize(
+    ("utilisation", "phrase"),
+    [
+        (0.3, "capacity planned from averages"),
+        (0.7, "queueing grows fast"),
+        (0.92, "past the knee"),
+        (None, "check utilisation"),
+    ],
+)
+def test_queueing_reason_reads_utilisation(utilisation: float | None, phrase: str) -> None:
+    levers = triage(RouteMetrics(**HEALTHY | {"ttft_p95_ms": 2500.0, "utilisation": utilisation}))
+    queueing = [lever for lever in levers if lever.category == "queueing"]
+    assert phrase in queueing[0].reason
+    assert all("capacity planned from averages" not in lever.reason for lever in queueing[1:])
+
+
+def test_cache_busting_layout_comes_first_when_ttft_is_over() -> None:
+    # The layout makes prompts share nothing, so the shared fraction is ~0 and rule 1's
+    # threshold would not fire; the flag still points at the prefix.
+    levers = triage(
+        RouteMetrics(
+            **HEALTHY
+            | {"ttft_p95_ms": 2500.0, "shared_prefix_fraction": 0.0, "cache_busting_layout": True}
+        )
+    )
+    assert levers[0].category == "prefix-caching"
+    assert levers[0].action == decide.FIX_LAYOUT
+
+
+def test_cache_busting_layout_is_flagged_within_slo_too() -> None:
+    levers = triage(RouteMetrics(**HEALTHY | {"cache_busting_layout": True}))
+    assert [lever.category for lever in levers] == ["prefix-caching", "capacity-headroom"]
+    assert "full prefill" in levers[0].reason
+
+
+def test_unknown_signals_are_reported_not_assumed_healthy() -> None:
+    levers = triage(RouteMetrics())
+    assert [lever.category for lever in levers] == ["capacity-headroom"]
+    assert "not checked" in levers[0].reason
+    assert len(decide.unchecked(RouteMetrics())) == 4
+    assert decide.unchecked(RouteMetrics(**HEALTHY)) == []
+
+
+def test_every_lever_uses_the_fixed_vocabulary() -> None:
+    everything = RouteMetrics(
+        ttft_p95_ms=9e3,
+        ttft_slo_ms=1.0,
+        tpot_p95_ms=9e3,
+        tpot_slo_ms=1.0,
+        shared_prefix_fraction=0.9,
+        kv_cache_usage=1.0,
+        fine_tuned_variants=50,
+    )
+    assert {lever.category for lever in triage(everything)} <= set(CATEGORIES)
+    with pytest.raises(ValueError, match="unknown lever category"):
+        Lever("go-faster", "x", "y")  # type: ignore[arg-type]
+
+
+def test_json_shape_of_a_lever() -> None:
+    lever = Lever("queueing", "add replicas", "busy")
+    assert lever.to_dict() == {"lever": "queueing", "reason": "add replicas: busy"}

@@ -1,0 +1,153 @@
+"""Reading triage signals from a gateway's /metrics and from Prometheus (mock transports)."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from planning.triage.gateway_source import fetch_gateway_metrics, parse_gateway_metrics
+from planning.triage.histogram import histogram_quantile
+from planning.triage.model import SourceError
+from planning.triage.prometheus_source import fetch_prometheus_metrics
+
+
+@pytest.mark.parametrize(
+    ("quantile", "buckets", "expected"),
+    [
+        # 100 observations: 90 in (0, 1], 10 in (1, 2]; rank 95 is halfway into the second.
+        (0.95, [(1.0, 90), (2.0, 100), (math.inf, 100)], 1.5),
+        (0.5, [(1.0, 90), (2.0, 100), (math.inf, 100)], 50 / 90),
+        # A rank in +Inf returns the highest finite bound, as Prometheus does.
+        (0.99, [(1.0, 10), (math.inf, 100)], 1.0),
+        # Unsorted input is fine.
+        (0.95, [(math.inf, 100), (2.0, 100), (1.0, 90)], 1.5),
+        (0.95, [(1.0, 0), (math.inf, 0)], None),
+        (0.95, [], None),
+    ],
+)
+def test_histogram_quantile(quantile: float, buckets: list, expected: float | None) -> None:
+    result = histogram_quantile(quantile, buckets)
+    assert result == (None if expected is None else pytest.approx(expected))
+
+
+def _gateway_exposition() -> str:
+    registry = CollectorRegistry()
+    buckets = (0.25, 2.5, 5.0)
+    ttft = Histogram(
+        "fleetgate_ttft_seconds", "", ["route", "model"], buckets=buckets, registry=registry
+    )
+    tpot = Histogram(
+        "fleetgate_tpot_seconds", "", ["route", "model"], buckets=(0.01, 0.1), registry=registry
+    )
+    requests = Counter(
+        "fleetgate_requests", "", ["route", "model", "replica", "status"], registry=registry
+    )
+    repeat = Gauge("fleetgate_prefix_repeat_fraction", "", ["route"], registry=registry)
+    busting = Gauge("fleetgate_cache_busting_layout", "", ["route"], registry=registry)
+    # rag: 90 fast + 10 slow first tokens, split over two models (summed by route).
+    for i in range(90):
+        ttft.labels("rag", "llama" if i % 2 else "qwen").observe(0.2)
+    for _ in range(10):
+        ttft.labels("rag", "llama").observe(3.0)
+    tpot.labels("rag", "llama").observe(0.05)
+    requests.labels("rag", "llama", "r1", "200").inc(60)
+    requests.labels("rag", "qwen", "r1", "200").inc(40)
+    repeat.labels("rag").set(0.7)
+    busting.labels("rag").set(0)
+    busting.labels("chat").set(1)
+    repeat.labels("chat").set(0.0)
+    return generate_latest(registry).decode()
+
+
+def test_gateway_metrics_per_route() -> None:
+    routes = parse_gateway_metrics(_gateway_exposition())
+    assert set(routes) == {"rag", "chat"}
+    rag = routes["rag"]
+    # Rank 95 of 100 lies halfway through the (2.5 s, 5 s] bucket's 10 observations.
+    assert rag.ttft_p95_ms == pytest.approx(3750.0)
+    assert rag.tpot_p95_ms == pytest.approx(10 + 90 * 0.95)
+    assert rag.shared_prefix_fraction == 0.7
+    assert rag.cache_busting_layout is False
+    assert rag.fine_tuned_variants == 2
+    chat = routes["chat"]
+    assert chat.cache_busting_layout is True
+    assert chat.ttft_p95_ms is None and chat.fine_tuned_variants is None
+
+
+def test_gateway_fetch_appends_metrics_path() -> None:
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        return httpx.Response(200, text=_gateway_exposition())
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        routes = fetch_gateway_metrics("http://gw:8000/", client)
+        fetch_gateway_metrics("http://gw:8000/metrics", client)
+    assert seen == ["http://gw:8000/metrics", "http://gw:8000/metrics"]
+    assert "rag" in routes
+
+
+def test_gateway_errors_name_the_url() -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(503, text="down"))
+    with httpx.Client(transport=transport) as client, pytest.raises(SourceError, match="gw:8000"):
+        fetch_gateway_metrics("http://gw:8000", client)
+
+
+def _vector(*series: tuple[dict, str]) -> dict:
+    return {
+        "status": "success",
+        "data": {
+            "resultType": "vector",
+            "result": [{"metric": m, "value": [1700000000.0, v]} for m, v in series],
+        },
+    }
+
+
+PROMETHEUS_ANSWERS = {
+    "fleetgate_ttft_seconds_bucket": _vector(
+        ({"route": "rag"}, "2400"), ({"route": "idle"}, "NaN")
+    ),
+    "fleetgate_tpot_seconds_bucket": _vector(({"route": "rag"}, "38.5")),
+    "fleetgate_prefix_repeat_fraction": _vector(({"route": "rag"}, "0.7")),
+    "fleetgate_cache_busting_layout": _vector(({"route": "rag"}, "0")),
+    "fleetgate_requests_total": _vector(({"route": "rag"}, "1")),
+    "vllm:kv_cache_usage_perc": _vector(({}, "0.93")),
+    "vllm:num_preemptions_total": _vector(({}, "2")),
+    "fleetgate_replica_seconds_total": _vector(({}, "0.4")),
+}
+
+
+def _prometheus(request: httpx.Request) -> httpx.Response:
+    assert request.url.path == "/api/v1/query"
+    promql = request.url.params["query"]
+    assert "[30m]" in promql
+    for needle, answer in PROMETHEUS_ANSWERS.items():
+        if needle in promql:
+            return httpx.Response(200, json=answer)
+    raise AssertionError(f"unexpected query {promql}")
+
+
+def test_prometheus_per_route_and_fleet_signals() -> None:
+    with httpx.Client(transport=httpx.MockTransport(_prometheus)) as client:
+        routes = fetch_prometheus_metrics("http://prom:9090", client, window="30m")
+    assert set(routes) == {"rag"}  # "idle" had only a NaN percentile
+    rag = routes["rag"]
+    assert (rag.ttft_p95_ms, rag.tpot_p95_ms, rag.shared_prefix_fraction) == (2400, 38.5, 0.7)
+    assert rag.cache_busting_layout is False
+    assert rag.fine_tuned_variants == 1
+    assert (rag.kv_cache_usage, rag.preemptions_per_min, rag.utilisation) == (0.93, 2.0, 0.4)
+
+
+def test_prometheus_query_errors_are_reported() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"status": "error", "error": "parse error"})
+
+    with (
+        httpx.Client(transport=httpx.MockTransport(handler)) as client,
+        pytest.raises(SourceError, match="parse error"),
+    ):
+        fetch_prometheus_metrics("http://prom:9090", client)

@@ -1,0 +1,83 @@
+"""Trace format: round trip and validation errors that name the line."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from bench.workloads.trace import TraceFormatError, TraceRecord, iter_trace, write_trace
+
+RECORDS = [
+    TraceRecord(0, 600, 20, (0, 1)),
+    TraceRecord(1500, 512, 7, (0,), adapter="ft-03"),
+]
+
+
+def test_round_trip_keeps_every_field() -> None:
+    buffer = io.StringIO()
+    assert write_trace(RECORDS, buffer) == len(RECORDS)
+    buffer.seek(0)
+    assert list(iter_trace(buffer, block_size=512)) == RECORDS
+
+
+def test_adapter_is_written_only_when_set() -> None:
+    assert "adapter" not in RECORDS[0].to_json()
+    assert '"adapter":"ft-03"' in RECORDS[1].to_json()
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"timestamp": 0'], "t.jsonl:1: not valid JSON"),
+        (["[1, 2]"], "t.jsonl:1: expected a JSON object"),
+        (['{"timestamp": 0, "input_length": 5}'], "missing field(s) output_length, hash_ids"),
+        (
+            ['{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [0]}'],
+            "t.jsonl:1: timestamp must be a non-negative integer",
+        ),
+        (
+            ['{"timestamp": 0, "input_length": "5", "output_length": 1, "hash_ids": [0]}'],
+            "input_length must be an integer",
+        ),
+        (
+            ['{"timestamp": 0, "input_length": 5, "output_length": 0, "hash_ids": [0]}'],
+            "output_length must be >= 1",
+        ),
+        (
+            ['{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": ["a"]}'],
+            "hash_ids must be a list of integers",
+        ),
+        (
+            ['{"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": [0, 1]}'],
+            "2 hash_ids for input_length 1025 does not match block_size 512 (expected 3)",
+        ),
+        (
+            [
+                '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}',
+                "",
+                '{"timestamp": 9, "input_length": 5, "output_length": 1, "hash_ids": [0],'
+                ' "adapter": ""}',
+            ],
+            "t.jsonl:3: adapter must be a non-empty string",
+        ),
+        (
+            [
+                '{"timestamp": 10, "input_length": 5, "output_length": 1, "hash_ids": [0]}',
+                '{"timestamp": 9, "input_length": 5, "output_length": 1, "hash_ids": [0]}',
+            ],
+            "t.jsonl:2: timestamp 9 is before the previous line's 10",
+        ),
+    ],
+)
+def test_bad_lines_are_refused_with_their_line_number(lines: list[str], message: str) -> None:
+    stream = io.StringIO("\n".join(lines) + "\n")
+    with pytest.raises(TraceFormatError) as info:
+        list(iter_trace(stream, "t.jsonl", block_size=512))
+    assert message in str(info.value)
+
+
+def test_float_timestamps_with_integer_value_are_accepted() -> None:
+    line = '{"timestamp": 12.0, "input_length": 5, "output_length": 1, "hash_ids": [0]}'
+    (record,) = iter_trace(io.StringIO(line))
+    assert record.timestamp == 12
