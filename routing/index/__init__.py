@@ -1,0 +1,20 @@
+"""Block index backends: which replicas hold which prefix blocks (see docs/index.md).
+
+``MemoryBlockIndex`` serves one process (the embedded gateway, the simulator, tests);
+``RedisBlockIndex`` is shared by every gateway and replica agent of a fleet. Both implement
+``routing.contracts.BlockIndex``; ``build_index`` picks one from a URL.
+"""
+
+from routing.contracts import BlockIndex, IndexStats, IndexUnavailable
+from routing.index.factory import build_index
+from routing.index.memory import MemoryBlockIndex
+from routing.index.redis_backend import RedisBlockIndex
+
+__all__ = [
+    "BlockIndex",
+    "IndexStats",
+    "IndexUnavailable",
+    "MemoryBlockIndex",
+    "RedisBlockIndex",
+    "build_index",
+]

@@ -1,0 +1,226 @@
+"""``BlockIndex`` in Redis, shared by every gateway and replica agent of a fleet.
+
+Each operation is one Lua script call: one round trip, atomic, and it reads the epoch table in
+the same script, so a retired epoch stops matching for every gateway at once. All keys of one
+index share the hash tag ``{<key_prefix>}`` and therefore one Redis Cluster slot (docs/index.md
+explains why, and how to spread several indexes over shards).
+
+Every Redis failure (connection refused, timeout, OOM refusal, ...) surfaces as
+``IndexUnavailable`` after at most ``timeout_s``, so the engine can route on load alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from routing.contracts import IndexStats, IndexUnavailable
+from routing.index import redis_scripts
+from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
+from routing.types import BlockHash, Epoch, ReplicaId
+
+__all__ = ["RedisBlockIndex"]
+
+_T = TypeVar("_T")
+_FORBIDDEN_PREFIX_CHARS = frozenset("{}:* ?[]\\")
+
+
+class RedisBlockIndex:
+    """A ``BlockIndex`` stored in Redis (>= 7.0) under the hash tag ``{<key_prefix>}``.
+
+    ``redis`` is a URL (the index then owns its client and closes it) or an existing
+    ``redis.asyncio`` client (left open on ``close``). ``timeout_s`` bounds every call.
+    ``block_ttl_s`` is how long a block key lives after its last write or hit; it bounds memory
+    together with Redis' ``maxmemory-policy volatile-lru``. ``require_heartbeat`` makes replicas
+    that never heartbeat match nothing.
+    """
+
+    def __init__(
+        self,
+        redis: str | aioredis.Redis,
+        *,
+        key_prefix: str = "fg",
+        timeout_s: float = 0.1,
+        block_ttl_s: float = 3600.0,
+        require_heartbeat: bool = False,
+        touch_on_match: bool = True,
+    ) -> None:
+        if not isinstance(key_prefix, str) or not key_prefix:
+            raise ValueError(f"key_prefix must be a non-empty string (got {key_prefix!r})")
+        bad = sorted(set(key_prefix) & _FORBIDDEN_PREFIX_CHARS)
+        if bad:
+            raise ValueError(
+                f"key_prefix must not contain {''.join(bad)!r}: it becomes a Redis hash tag "
+                f"(got {key_prefix!r})"
+            )
+        check_ttl(timeout_s, "timeout_s", optional=False)
+        check_ttl(block_ttl_s, "block_ttl_s", optional=False)
+        self._timeout_s = float(timeout_s)
+        self._block_ttl_ms = _to_ms(block_ttl_s)
+        self._require_heartbeat = "1" if require_heartbeat else "0"
+        self._touch_ms = str(self._block_ttl_ms) if touch_on_match else ""
+        if isinstance(redis, str):
+            self._client = aioredis.Redis.from_url(
+                redis,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                # One immediate retry heals a pooled connection broken by a Redis restart;
+                # more would only delay the fallback to load-only routing.
+                retry=Retry(NoBackoff(), 1),
+                decode_responses=True,
+            )
+            self._owns_client = True
+        elif isinstance(redis, aioredis.Redis):
+            self._client = redis
+            self._owns_client = False
+        else:
+            raise TypeError(f"redis must be a URL or a redis.asyncio.Redis (got {redis!r})")
+        self.key_prefix = key_prefix
+        tag = "{" + key_prefix + "}"
+        self._epochs_key = f"{tag}:epochs"
+        self._alive_key = f"{tag}:alive"
+        self._block_key_prefix = f"{tag}:b:"
+        # register_script loads each script on first use and again after NOSCRIPT (a restart,
+        # SCRIPT FLUSH or a failover to a replica that never saw it).
+        self._record = self._client.register_script(redis_scripts.RECORD)
+        self._remove = self._client.register_script(redis_scripts.REMOVE)
+        self._retire = self._client.register_script(redis_scripts.RETIRE)
+        self._heartbeat = self._client.register_script(redis_scripts.HEARTBEAT)
+        self._match = self._client.register_script(redis_scripts.MATCH)
+
+    def block_key(self, block: BlockHash) -> str:
+        """The Redis key of one block (documented layout; useful to operators and tests)."""
+        return f"{self._block_key_prefix}{block}"
+
+    async def _call(self, what: str, operation: Awaitable[_T]) -> _T:
+        """Await one Redis operation within ``timeout_s``; any failure is ``IndexUnavailable``."""
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await operation
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise IndexUnavailable(
+                f"redis block index {what} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    # ------------------------------------------------------------------ epochs and liveness
+
+    async def set_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """Declare ``epoch`` the live incarnation of ``replica``; entries of other epochs die."""
+        check_replica(replica)
+        check_epoch(epoch)
+        await self._call("set_epoch", self._client.hset(self._epochs_key, replica, str(epoch)))
+
+    async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """Retire ``epoch``: if it is the live one, the replica matches nothing until a new one."""
+        check_replica(replica)
+        check_epoch(epoch)
+        await self._call(
+            "retire_epoch", self._retire(keys=[self._epochs_key], args=[replica, str(epoch)])
+        )
+
+    async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
+        """Keep ``replica``'s entries matching for ``ttl_s`` more seconds (server clock)."""
+        check_replica(replica)
+        check_ttl(ttl_s, optional=False)
+        await self._call(
+            "heartbeat", self._heartbeat(keys=[self._alive_key], args=[replica, _to_ms(ttl_s)])
+        )
+
+    # ------------------------------------------------------------------ writes
+
+    async def record(
+        self,
+        replica: ReplicaId,
+        epoch: Epoch,
+        blocks: Sequence[BlockHash],
+        ttl_s: float | None = None,
+    ) -> None:
+        """Record that ``replica`` at ``epoch`` holds ``blocks`` (speculatively if ``ttl_s``).
+
+        Same rules as ``MemoryBlockIndex.record``: writes for a non-live epoch are dropped, a new
+        replica adopts ``epoch``, and a speculative write never downgrades a confirmed entry.
+        """
+        check_replica(replica)
+        check_epoch(epoch)
+        check_ttl(ttl_s)
+        check_blocks(blocks)
+        if not blocks:
+            return
+        keys = [self._epochs_key, *map(self.block_key, blocks)]
+        speculative_ms = "" if ttl_s is None else _to_ms(ttl_s)
+        args = [replica, str(epoch), speculative_ms, self._block_ttl_ms]
+        await self._call("record", self._record(keys=keys, args=args))
+
+    async def remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
+        """Forget that ``replica`` at ``epoch`` holds ``blocks``; other epochs' entries stay."""
+        check_replica(replica)
+        check_epoch(epoch)
+        check_blocks(blocks)
+        if not blocks:
+            return
+        keys = list(map(self.block_key, blocks))
+        await self._call("remove", self._remove(keys=keys, args=[replica, str(epoch)]))
+
+    # ------------------------------------------------------------------ lookup
+
+    async def match(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+        """Longest live prefix of ``chain`` per replica, in blocks; one round trip.
+
+        Raises ``IndexUnavailable`` when Redis does not answer within ``timeout_s``.
+        """
+        if not chain:
+            return {}
+        keys = [self._epochs_key, self._alive_key, *map(self.block_key, chain)]
+        args = [self._require_heartbeat, self._touch_ms]
+        flat = await self._call("match", self._match(keys=keys, args=args))
+        return {ReplicaId(_text(flat[i])): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    # ------------------------------------------------------------------ admin
+
+    async def stats(self) -> IndexStats:
+        """Block keys under this prefix, replicas with a live epoch, and Redis memory figures.
+
+        Counting block keys SCANs the keyspace: meant for the admin API, not for every request.
+        """
+        try:
+            entries = 0
+            async for _ in self._client.scan_iter(match=f"{self._block_key_prefix}*", count=1000):
+                entries += 1
+            epochs = await self._client.hgetall(self._epochs_key)
+            memory: dict[str, Any] = await self._client.info("memory")
+        except (RedisError, OSError) as exc:
+            raise IndexUnavailable(f"redis block index stats failed: {exc}") from exc
+        live = sum(1 for value in epochs.values() if not _text(value).startswith("~"))
+        return IndexStats(
+            backend="redis",
+            entries=entries,
+            replicas=live,
+            max_entries=None,
+            extra={
+                "key_prefix": self.key_prefix,
+                "used_memory_bytes": memory.get("used_memory"),
+                "maxmemory_bytes": memory.get("maxmemory"),
+                "maxmemory_policy": memory.get("maxmemory_policy"),
+            },
+        )
+
+    async def close(self) -> None:
+        """Close the client if this index created it."""
+        if self._owns_client:
+            await self._client.aclose()
+
+
+def _to_ms(seconds: float) -> int:
+    """Seconds to whole milliseconds, at least 1 (a 0 ms PEXPIRE would delete the key)."""
+    return max(1, round(seconds * 1000))
+
+
+def _text(value: str | bytes) -> str:
+    """Redis replies are ``str`` with ``decode_responses``, ``bytes`` from a caller's client."""
+    return value.decode() if isinstance(value, bytes) else value
