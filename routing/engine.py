@@ -1,0 +1,432 @@
+"""The policy engine: filters → (one index lookup) → weighted scorers → picker, per profile.
+
+The engine knows plugins only through the protocols in ``routing/contracts.py``; policies are
+small modules under ``routing/policies/``. It owns the parts every policy shares: the built-in
+health/model filter, the single block-index lookup (and degrading to load-only routing when the
+index fails), clamping and weighting of scores, timing every stage, explaining the decision, and
+forwarding request outcomes to plugins that learn from them (TTFT calibration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from routing.contracts import (
+    BlockIndex,
+    Filter,
+    NoReplicaAvailable,
+    Picker,
+    ReplicaExplanation,
+    RoutingDecision,
+    RoutingRequest,
+    Scorer,
+)
+from routing.policies.serves_model import ServesModelFilter
+from routing.state import ReplicaState
+from routing.types import ReplicaId
+
+__all__ = ["ExplainingPicker", "ExplainingScorer", "Profile", "RoutingEngine"]
+
+log = logging.getLogger(__name__)
+
+#: Terms a plugin reports per replica to explain its opinion (ms, tokens, flags).
+PluginTerms = Mapping[ReplicaId, Mapping[str, float]]
+
+
+@runtime_checkable
+class ExplainingScorer(Protocol):
+    """A scorer that also reports the cost terms behind its scores (optional extension)."""
+
+    def score_with_terms(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaState]
+    ) -> tuple[dict[ReplicaId, float], PluginTerms]: ...
+
+
+@runtime_checkable
+class ExplainingPicker(Protocol):
+    """A picker that also reports why it ordered replicas as it did (optional extension)."""
+
+    def pick_with_terms(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaState],
+        scores: Mapping[ReplicaId, float],
+    ) -> tuple[list[ReplicaId], PluginTerms]: ...
+
+
+def _plugin_name(plugin: object) -> str:
+    """A plugin's instance name (YAML ``name``), falling back to its type name."""
+    return str(getattr(plugin, "name", None) or getattr(plugin, "type_name", type(plugin).__name__))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A named routing policy: filters, weighted scorers and one picker.
+
+    ``needs_prefix`` is derived: true when any plugin declares ``needs_prefix = True``, so the
+    engine consults the block index only for profiles that read prefix matches.
+    """
+
+    name: str
+    filters: Sequence[Filter]
+    scorers: Sequence[tuple[Scorer, float]]
+    picker: Picker
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"profile name must be a non-empty string (got {self.name!r})")
+        object.__setattr__(self, "filters", tuple(self.filters))
+        object.__setattr__(self, "scorers", tuple(tuple(pair) for pair in self.scorers))
+        where = f"profile {self.name!r}"
+        for plugin in self.filters:
+            if not isinstance(plugin, Filter):
+                raise TypeError(f"{where}: {plugin!r} is not a filter (no filter() method)")
+        seen: set[str] = set()
+        for index, pair in enumerate(self.scorers):
+            if len(pair) != 2:
+                raise ValueError(f"{where}: scorers[{index}] must be (scorer, weight)")
+            scorer, weight = pair
+            if not isinstance(scorer, Scorer):
+                raise TypeError(f"{where}: {scorer!r} is not a scorer (no score() method)")
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, int | float)
+                or not math.isfinite(weight)
+                or weight < 0
+            ):
+                raise ValueError(
+                    f"{where}: weight of scorer {_plugin_name(scorer)!r} must be a finite "
+                    f"number >= 0 (got {weight!r})"
+                )
+            name = _plugin_name(scorer)
+            if name in seen:
+                # Scores and explanations are keyed by plugin name; two with one name would merge.
+                raise ValueError(f"{where}: scorer name {name!r} is used twice")
+            seen.add(name)
+        if not isinstance(self.picker, Picker):
+            raise TypeError(f"{where}: {self.picker!r} is not a picker (no pick() method)")
+
+    @property
+    def plugins(self) -> tuple[object, ...]:
+        """Every plugin of the profile: filters, scorers, then the picker."""
+        return (*self.filters, *(scorer for scorer, _ in self.scorers), self.picker)
+
+    @property
+    def needs_prefix(self) -> bool:
+        """True when a plugin of this profile reads ``request.prefix_matches``."""
+        return any(getattr(plugin, "needs_prefix", False) for plugin in self.plugins)
+
+
+class _RateLimitedWarning:
+    """Logs a warning at most once per ``interval_s``, counting what it suppressed.
+
+    During a Redis outage every request degrades; one line per request would bury the logs.
+    """
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self._interval_s = interval_s
+        self._last = -math.inf
+        self._suppressed = 0
+
+    def warn(self, message: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._last < self._interval_s:
+            self._suppressed += 1
+            return
+        suppressed, self._suppressed, self._last = self._suppressed, 0, now
+        if suppressed:
+            message += f" ({suppressed} similar suppressed)"
+        log.warning(message, *args, exc_info=exc_info)
+
+
+def _clamp01(value: float) -> float:
+    """Clamp a plugin score to [0, 1]; NaN (a plugin bug) counts as no opinion (0)."""
+    if value != value:  # NaN
+        return 0.0
+    return 0.0 if value < 0.0 else 1.0 if value > 1.0 else float(value)
+
+
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0
+
+
+class RoutingEngine:
+    """Runs routing profiles over the current replica states.
+
+    ``index`` may be ``None`` (no prefix data: profiles that need it route on load alone unless
+    the caller pre-filled ``request.prefix_matches``). ``index_timeout_s`` bounds the one index
+    lookup per decision; past it the decision degrades rather than waits.
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex | None,
+        profiles: Mapping[str, Profile],
+        *,
+        index_timeout_s: float = 0.05,
+    ) -> None:
+        if not (index_timeout_s > 0 and math.isfinite(index_timeout_s)):
+            raise ValueError(f"index_timeout_s must be a positive number (got {index_timeout_s!r})")
+        self._index = index
+        self._index_timeout_s = index_timeout_s
+        self._builtin_filter = ServesModelFilter()
+        self._index_warning = _RateLimitedWarning()
+        self._plugin_warning = _RateLimitedWarning()
+        self._profiles: dict[str, Profile] = {}
+        self._observers: list[object] = []
+        self.replace_profiles(profiles)
+
+    # ------------------------------------------------------------------ configuration
+
+    @property
+    def profiles(self) -> Mapping[str, Profile]:
+        """The profiles this engine routes with, by name."""
+        return dict(self._profiles)
+
+    @property
+    def index(self) -> BlockIndex | None:
+        """The block index consulted for prefix matches (``None``: none configured)."""
+        return self._index
+
+    def replace_profiles(self, profiles: Mapping[str, Profile]) -> None:
+        """Swap in a new set of profiles (policy reload); in-flight decisions keep the old ones.
+
+        Plugin state (round-robin position, TTFT calibration) lives in plugin instances, so it
+        survives a reload only for plugin instances the new profiles reuse.
+        """
+        checked: dict[str, Profile] = {}
+        for key, profile in profiles.items():
+            if not isinstance(profile, Profile):
+                raise TypeError(
+                    f"profiles[{key!r}] must be a Profile (got {type(profile).__name__})"
+                )
+            if key != profile.name:
+                raise ValueError(f"profiles[{key!r}] holds a profile named {profile.name!r}")
+            checked[key] = profile
+        observers: dict[int, object] = {}
+        for profile in checked.values():
+            for plugin in profile.plugins:
+                if hasattr(plugin, "on_request_start") or hasattr(plugin, "on_request_complete"):
+                    observers[id(plugin)] = plugin
+        self._profiles = checked
+        self._observers = list(observers.values())
+
+    # ------------------------------------------------------------------ routing
+
+    async def route(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaState], profile: str
+    ) -> RoutingDecision:
+        """Choose a replica for ``request`` with the named profile.
+
+        Raises ``NoReplicaAvailable`` only when no replica survives filtering; an index failure
+        degrades the decision to load-only (``decision.degraded``) instead of failing it.
+        """
+        started = time.perf_counter()
+        try:
+            prof = self._profiles[profile]
+        except KeyError:
+            known = ", ".join(sorted(self._profiles)) or "none"
+            raise ValueError(f"unknown routing profile {profile!r} (known: {known})") from None
+        timings: dict[str, float] = {}
+        explanations = {
+            r.replica_id: ReplicaExplanation(replica=r.replica_id, terms={"load": float(r.load)})
+            for r in replicas
+        }
+
+        candidates = self._run_filters(request, replicas, prof, timings, explanations)
+
+        degraded = False
+        if prof.needs_prefix:
+            degraded = not await self._lookup_prefix(request, timings)
+        if request.prefix_matches:
+            for replica, blocks in request.prefix_matches.items():
+                if replica in explanations:
+                    explanations[replica].matched_blocks = blocks
+
+        totals = self._run_scorers(request, candidates, prof, timings, explanations)
+        order = self._run_picker(request, candidates, totals, prof, timings, explanations)
+
+        timings["total"] = _ms_since(started)
+        return RoutingDecision(
+            replica=order[0],
+            fallbacks=order[1:],
+            profile=prof.name,
+            degraded=degraded,
+            explanations=explanations,
+            timings_ms=timings,
+        )
+
+    def _run_filters(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaState],
+        prof: Profile,
+        timings: dict[str, float],
+        explanations: dict[ReplicaId, ReplicaExplanation],
+    ) -> list[ReplicaState]:
+        candidates = list(replicas)
+        for plugin in (self._builtin_filter, *prof.filters):
+            name = _plugin_name(plugin)
+            start = time.perf_counter()
+            kept = plugin.filter(request, candidates)
+            timings[f"filter:{name}"] = _ms_since(start)
+            kept_ids = {r.replica_id for r in kept}
+            for replica in candidates:
+                if replica.replica_id not in kept_ids:
+                    explanations[replica.replica_id].filtered_out_by = name
+            # A filter may only remove replicas, never add ones it was not given.
+            candidates = [r for r in candidates if r.replica_id in kept_ids]
+            if not candidates:
+                raise NoReplicaAvailable(self._no_replica_message(request, replicas, prof, name))
+        return candidates
+
+    @staticmethod
+    def _no_replica_message(
+        request: RoutingRequest, replicas: Sequence[ReplicaState], prof: Profile, last: str
+    ) -> str:
+        if not replicas:
+            return f"no replicas are registered (model {request.model!r}, profile {prof.name!r})"
+        healthy = sum(1 for r in replicas if r.healthy)
+        serving = sum(1 for r in replicas if r.healthy and request.model in r.models)
+        return (
+            f"no replica can serve model {request.model!r} (profile {prof.name!r}): "
+            f"{len(replicas)} known, {healthy} healthy, {serving} healthy with the model; "
+            f"the last filter to remove replicas was {last!r}"
+        )
+
+    async def _lookup_prefix(self, request: RoutingRequest, timings: dict[str, float]) -> bool:
+        """Fill ``request.prefix_matches`` from the index; False when the decision degrades."""
+        if self._index is None:
+            # No index configured: trust matches the caller supplied (the simulator does this).
+            return request.prefix_matches is not None
+        if not request.chain:
+            request.prefix_matches = {}
+            return True
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._index_timeout_s):
+                matches = await self._index.match(request.chain)
+        except Exception as exc:  # IndexUnavailable, TimeoutError, or a backend bug: degrade.
+            timings["index"] = _ms_since(start)
+            self._index_warning.warn(
+                "block index lookup failed (%s: %s); routing on load alone",
+                type(exc).__name__,
+                exc,
+            )
+            request.prefix_matches = None
+            return False
+        timings["index"] = _ms_since(start)
+        request.prefix_matches = dict(matches)
+        return True
+
+    def _run_scorers(
+        self,
+        request: RoutingRequest,
+        candidates: list[ReplicaState],
+        prof: Profile,
+        timings: dict[str, float],
+        explanations: dict[ReplicaId, ReplicaExplanation],
+    ) -> dict[ReplicaId, float]:
+        totals = {r.replica_id: 0.0 for r in candidates}
+        for scorer, weight in prof.scorers:
+            name = _plugin_name(scorer)
+            start = time.perf_counter()
+            terms: PluginTerms = {}
+            # getattr, not isinstance(ExplainingScorer): protocol checks are slow on a hot path.
+            explaining = getattr(scorer, "score_with_terms", None)
+            try:
+                if explaining is not None:
+                    raw, terms = explaining(request, candidates)
+                else:
+                    raw = scorer.score(request, candidates)
+            except Exception:
+                # A scorer bug must not take routing down: it gives no opinion for this request.
+                self._plugin_warning.warn("scorer %r failed; ignoring it", name, exc_info=True)
+                raw = {}
+            timings[f"scorer:{name}"] = _ms_since(start)
+            for rid in totals:
+                score = _clamp01(raw.get(rid, 0.0))
+                explanation = explanations[rid]
+                explanation.scores[name] = score
+                if rid in terms:
+                    explanation.terms.update(terms[rid])
+                totals[rid] += weight * score
+        return totals
+
+    def _run_picker(
+        self,
+        request: RoutingRequest,
+        candidates: list[ReplicaState],
+        totals: dict[ReplicaId, float],
+        prof: Profile,
+        timings: dict[str, float],
+        explanations: dict[ReplicaId, ReplicaExplanation],
+    ) -> list[ReplicaId]:
+        picker = prof.picker
+        name = _plugin_name(picker)
+        start = time.perf_counter()
+        terms: PluginTerms = {}
+        explaining = getattr(picker, "pick_with_terms", None)
+        try:
+            if explaining is not None:
+                order, terms = explaining(request, candidates, totals)
+            else:
+                order = picker.pick(request, candidates, totals)
+        except Exception:
+            self._plugin_warning.warn("picker %r failed; using scores", name, exc_info=True)
+            order = []
+        timings[f"picker:{name}"] = _ms_since(start)
+        for rid, replica_terms in terms.items():
+            if rid in explanations:
+                explanations[rid].terms.update(replica_terms)
+        # Keep only candidates, once each; a picker that returned nothing usable falls back to
+        # the weighted scores, then load, so a picker bug degrades rather than fails.
+        clean: list[ReplicaId] = []
+        seen: set[ReplicaId] = set()
+        for rid in order:
+            if rid in totals and rid not in seen:
+                seen.add(rid)
+                clean.append(rid)
+        if not clean:
+            ranked = sorted(candidates, key=lambda r: (-totals[r.replica_id], r.load))
+            clean = [r.replica_id for r in ranked]
+        return clean
+
+    # ------------------------------------------------------------------ feedback
+
+    def observe_start(self, request: RoutingRequest, replica: ReplicaId) -> None:
+        """Tell learning plugins that ``request`` was sent to ``replica`` (also on a retry)."""
+        for plugin in self._observers:
+            hook = getattr(plugin, "on_request_start", None)
+            if hook is not None:
+                try:
+                    hook(request, replica)
+                except Exception:
+                    self._plugin_warning.warn(
+                        "on_request_start of %r failed", plugin, exc_info=True
+                    )
+
+    def observe_complete(
+        self,
+        request: RoutingRequest,
+        replica: ReplicaId,
+        ttft_ms: float | None,
+        cached_tokens: int | None,
+        ok: bool,
+    ) -> None:
+        """Report a request's outcome (TTFT, engine-reported cached tokens) to learning plugins."""
+        for plugin in self._observers:
+            hook = getattr(plugin, "on_request_complete", None)
+            if hook is not None:
+                try:
+                    hook(request, replica, ttft_ms, cached_tokens, ok)
+                except Exception:
+                    self._plugin_warning.warn(
+                        "on_request_complete of %r failed", plugin, exc_info=True
+                    )

@@ -1,0 +1,320 @@
+"""``expected-ttft`` policy: send each request where its first token is expected soonest.
+
+For every candidate replica the scorer estimates, in milliseconds::
+
+    expected_ttft_ms = queue_wait_ms                # prefill work queued ahead + decode contention
+                     + prefill_ms                   # uncached prompt tokens / prefill speed
+                     + adapter_cold_load_ms         # loading the LoRA adapter if not resident
+                     + kv_penalty_ms                # steep as KV usage nears preemption
+                     + stale_penalty_ms             # distrust of load figures that are old
+
+and scores ``(best + floor) / (cost + floor)`` (1.0 for the cheapest). The ``max-score`` picker
+then takes the best under a bounded-load guard with random tie-breaks among near-equal costs, so a
+hot shared prefix spreads over several replicas instead of piling onto the one that cached it.
+
+Prefill speed starts from ``ReplicaState.prefill_tokens_per_s`` and is recalibrated online: each
+completed request's TTFT, minus the queue wait predicted when it was routed, is the time its
+uncached tokens took (an EWMA per replica). Requests that had to load their adapter calibrate the
+adapter's cold-load time instead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+from pydantic import Field
+
+from routing.contracts import RoutingRequest
+from routing.engine import PluginTerms, Profile
+from routing.policies.base import Plugin, PluginKind, PluginParams
+from routing.policies.max_score import MaxScorePicker
+from routing.state import ReplicaState
+from routing.types import ReplicaId
+
+
+@dataclass(frozen=True)
+class TtftEstimate:
+    """The cost terms of one replica's expected TTFT, in ms (tokens for ``uncached_tokens``)."""
+
+    queue_wait_ms: float
+    prefill_ms: float
+    uncached_tokens: int
+    adapter_cold_load_ms: float
+    kv_penalty_ms: float
+    stale_penalty_ms: float
+    prefill_tokens_per_s: float
+
+    @property
+    def expected_ttft_ms(self) -> float:
+        """The sum of the time terms."""
+        return (
+            self.queue_wait_ms
+            + self.prefill_ms
+            + self.adapter_cold_load_ms
+            + self.kv_penalty_ms
+            + self.stale_penalty_ms
+        )
+
+    def as_terms(self) -> dict[str, float]:
+        """The terms as a decision explanation shows them."""
+        return {
+            "queue_wait_ms": self.queue_wait_ms,
+            "prefill_ms": self.prefill_ms,
+            "uncached_tokens": float(self.uncached_tokens),
+            "adapter_cold_load_ms": self.adapter_cold_load_ms,
+            "kv_penalty_ms": self.kv_penalty_ms,
+            "stale_penalty_ms": self.stale_penalty_ms,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "expected_ttft_ms": self.expected_ttft_ms,
+        }
+
+
+class _Pending(NamedTuple):
+    """What routing predicted for one request, kept until it completes (for calibration)."""
+
+    #: Per replica, the cost terms of the decision (the explanation's terms).
+    terms: dict[ReplicaId, dict[str, float]]
+    #: Replicas whose cold-load term is this plugin's own estimate (so it may be calibrated).
+    cold_load_is_ours: set[ReplicaId]
+
+
+class ExpectedTtftScorer(Plugin):
+    """Scores replicas by estimated time to first token; learns prefill speed from outcomes."""
+
+    type_name: ClassVar[str] = "expected-ttft"
+    kind: ClassVar[PluginKind] = "scorer"
+    needs_prefix: ClassVar[bool] = True
+
+    class Params(PluginParams):
+        """Parameters of ``expected-ttft``."""
+
+        #: Adapter load time when it is neither resident nor host-cached and no estimate is given.
+        default_adapter_cold_load_ms: float = Field(default=500.0, ge=0.0)
+        #: Adapter load time when it is cached in host memory (``--max-cpu-loras``).
+        cpu_cached_adapter_load_ms: float = Field(default=50.0, ge=0.0)
+        #: Prompt tokens assumed per engine-waiting request the gateway did not send itself.
+        waiting_request_tokens: int = Field(default=512, ge=0)
+        #: Share of a decode step each running request adds before this prefill runs.
+        decode_contention: float = Field(default=0.05, ge=0.0)
+        #: KV usage (0..1) above which the preemption penalty applies.
+        kv_threshold: float = Field(default=0.9, gt=0.0, lt=1.0)
+        #: Penalty at a full KV cache; it grows quadratically from 0 at the threshold.
+        kv_penalty_ms: float = Field(default=2000.0, ge=0.0)
+        #: Load figures older than this are distrusted ...
+        stale_after_s: float = Field(default=2.0, ge=0.0)
+        #: ... at this many ms of penalty per second of extra age ...
+        stale_penalty_ms_per_s: float = Field(default=100.0, ge=0.0)
+        #: ... up to this cap.
+        max_stale_penalty_ms: float = Field(default=5000.0, ge=0.0)
+        #: EWMA weight of one observation when calibrating speed and adapter load time.
+        calibration_alpha: float = Field(default=0.2, gt=0.0, le=1.0)
+        #: One observation may move the speed by at most this factor (outlier guard).
+        max_calibration_step: float = Field(default=4.0, ge=1.0)
+        #: Requests with fewer uncached tokens than this do not calibrate speed (too noisy).
+        min_calibration_tokens: int = Field(default=64, ge=1)
+        #: Cost differences well below this many ms barely change the score (tie-friendly).
+        cost_floor_ms: float = Field(default=10.0, gt=0.0)
+        #: Predictions kept for requests awaiting completion (oldest dropped first).
+        max_pending: int = Field(default=4096, ge=1)
+
+    params: Params
+
+    def __init__(
+        self,
+        params: PluginParams | None = None,
+        *,
+        name: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(params, name=name)
+        #: Wall clock, comparable with ``ReplicaState.metrics_read_at``; injectable for tests.
+        self._clock = clock
+        self._speed: dict[ReplicaId, float] = {}
+        self._cold_load_ms: dict[str, float] = {}
+        self._pending: OrderedDict[str, _Pending] = OrderedDict()
+
+    # ------------------------------------------------------------------ estimating
+
+    def calibrated_speed(self, replica: ReplicaId) -> float | None:
+        """The calibrated prefill speed of ``replica`` in tokens/s, or None before any feedback."""
+        return self._speed.get(replica)
+
+    def adapter_cold_load_estimate_ms(self, adapter: str) -> float:
+        """Cold-load time assumed for ``adapter`` when the request carries no estimate."""
+        return self._cold_load_ms.get(adapter, self.params.default_adapter_cold_load_ms)
+
+    def estimate(
+        self, request: RoutingRequest, replica: ReplicaState, now: float | None = None
+    ) -> TtftEstimate:
+        """The expected-TTFT terms of sending ``request`` to ``replica``."""
+        terms, _ = self._terms(request, replica, self._clock() if now is None else now)
+        return TtftEstimate(
+            queue_wait_ms=terms["queue_wait_ms"],
+            prefill_ms=terms["prefill_ms"],
+            uncached_tokens=int(terms["uncached_tokens"]),
+            adapter_cold_load_ms=terms["adapter_cold_load_ms"],
+            kv_penalty_ms=terms["kv_penalty_ms"],
+            stale_penalty_ms=terms["stale_penalty_ms"],
+            prefill_tokens_per_s=terms["prefill_tokens_per_s"],
+        )
+
+    def _terms(
+        self, request: RoutingRequest, replica: ReplicaState, now: float
+    ) -> tuple[dict[str, float], bool]:
+        """The cost terms as an explanation dict, and whether the cold-load term is ours.
+
+        Builds the dict directly (no intermediate objects): this runs once per replica per
+        decision, and the dict is both the explanation and the calibration record.
+        """
+        p = self.params
+        rid = replica.replica_id
+        speed = self._speed.get(rid, replica.prefill_tokens_per_s)
+        if not (speed > 0 and speed != math.inf):
+            speed = 1.0  # a broken figure (0, NaN, inf) must not divide by zero or win everything
+        matches = request.prefix_matches
+        prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
+        cached = matches.get(rid, 0) * request.block_size if matches else 0
+        uncached = prompt - cached if cached < prompt else 0
+
+        # The gateway's in-flight prefill tokens and the engine's waiting queue describe the same
+        # backlog from two sides (the engine's also sees other clients): take the larger.
+        backlog = replica.inflight_prefill_tokens
+        waiting_tokens = replica.waiting * p.waiting_request_tokens
+        if waiting_tokens > backlog:
+            backlog = waiting_tokens
+        # Running decodes share each engine step with the prefill (chunked prefill).
+        queue_ms = backlog / speed * 1000.0 + (
+            replica.running * replica.decode_step_ms * p.decode_contention
+        )
+        prefill_ms = uncached / speed * 1000.0
+
+        cold_ms, cold_is_ours = 0.0, False
+        adapter = request.adapter
+        if adapter:
+            given = request.adapter_cold_load_ms.get(rid)
+            if given is not None:
+                cold_ms = given if given > 0 else 0.0
+            elif adapter in replica.loaded_adapters:
+                cold_ms = 0.0
+            elif adapter in replica.cpu_cached_adapters:
+                cold_ms = p.cpu_cached_adapter_load_ms
+            else:
+                cold_ms, cold_is_ours = self.adapter_cold_load_estimate_ms(adapter), True
+
+        kv_penalty = 0.0
+        if replica.kv_usage > p.kv_threshold:
+            excess = (min(1.0, replica.kv_usage) - p.kv_threshold) / (1.0 - p.kv_threshold)
+            kv_penalty = p.kv_penalty_ms * excess * excess
+
+        # Old figures may hide a queue that built up since: assume worse, not better.
+        stale_s = now - replica.metrics_read_at - p.stale_after_s
+        stale_penalty = 0.0
+        if stale_s > 0:
+            stale_penalty = min(p.max_stale_penalty_ms, stale_s * p.stale_penalty_ms_per_s)
+        return {
+            "queue_wait_ms": queue_ms,
+            "prefill_ms": prefill_ms,
+            "uncached_tokens": float(uncached),
+            "adapter_cold_load_ms": cold_ms,
+            "kv_penalty_ms": kv_penalty,
+            "stale_penalty_ms": stale_penalty,
+            "prefill_tokens_per_s": speed,
+            "expected_ttft_ms": queue_ms + prefill_ms + cold_ms + kv_penalty + stale_penalty,
+        }, cold_is_ours
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaState]
+    ) -> dict[ReplicaId, float]:
+        """(best cost + floor) / (cost + floor) per replica: 1.0 for the lowest expected TTFT."""
+        return self.score_with_terms(request, replicas)[0]
+
+    def score_with_terms(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaState]
+    ) -> tuple[dict[ReplicaId, float], PluginTerms]:
+        """``score`` plus every replica's cost terms; remembers them for calibration."""
+        now = self._clock()
+        terms: dict[ReplicaId, dict[str, float]] = {}
+        cold_ours: set[ReplicaId] = set()
+        for replica in replicas:
+            replica_terms, cold_is_ours = self._terms(request, replica, now)
+            terms[replica.replica_id] = replica_terms
+            if cold_is_ours:
+                cold_ours.add(replica.replica_id)
+        self._remember(request.request_id, _Pending(terms, cold_ours))
+        if not terms:
+            return {}, terms
+        floor = self.params.cost_floor_ms
+        costs = {rid: t["expected_ttft_ms"] + floor for rid, t in terms.items()}
+        best = min(costs.values())
+        return {rid: best / cost for rid, cost in costs.items()}, terms
+
+    def _remember(self, request_id: str, pending: _Pending) -> None:
+        self._pending[request_id] = pending
+        self._pending.move_to_end(request_id)
+        while len(self._pending) > self.params.max_pending:
+            self._pending.popitem(last=False)
+
+    # ------------------------------------------------------------------ calibration
+
+    def on_request_start(self, request: RoutingRequest, replica: ReplicaId) -> None:
+        """Keep only the prediction for the replica the request was sent to."""
+        pending = self._pending.get(request.request_id)
+        if pending is not None and replica in pending.terms:
+            self._pending[request.request_id] = _Pending(
+                {replica: pending.terms[replica]}, pending.cold_load_is_ours & {replica}
+            )
+
+    def on_request_complete(
+        self,
+        request: RoutingRequest,
+        replica: ReplicaId,
+        ttft_ms: float | None,
+        cached_tokens: int | None,
+        ok: bool,
+    ) -> None:
+        """Move the replica's prefill speed (or the adapter's load time) toward the observation."""
+        pending = self._pending.pop(request.request_id, None)
+        if not ok or ttft_ms is None or not math.isfinite(ttft_ms) or pending is None:
+            return
+        predicted = pending.terms.get(replica)
+        if predicted is None:
+            return
+        p = self.params
+        # The engine's own cached_tokens is the truth; the index's prediction is the fallback.
+        if cached_tokens is not None:
+            uncached = max(0.0, float(request.prompt_tokens - cached_tokens))
+        else:
+            uncached = predicted["uncached_tokens"]
+        speed = self._speed.get(replica, predicted["prefill_tokens_per_s"])
+        residual_ms = ttft_ms - predicted["queue_wait_ms"]
+
+        if replica in pending.cold_load_is_ours and request.adapter:
+            # The adapter had to be loaded: attribute what prefill does not explain to the load.
+            observed = max(0.0, residual_ms - uncached / speed * 1000.0)
+            old = self.adapter_cold_load_estimate_ms(request.adapter)
+            self._cold_load_ms[request.adapter] = old + p.calibration_alpha * (observed - old)
+            return
+        if uncached < p.min_calibration_tokens:
+            return
+        prefill_ms = residual_ms - predicted["adapter_cold_load_ms"]
+        step = p.max_calibration_step
+        implied = uncached / (prefill_ms / 1000.0) if prefill_ms > 0 else speed * step
+        implied = min(speed * step, max(speed / step, implied))
+        self._speed[replica] = speed + p.calibration_alpha * (implied - speed)
+
+
+def profile() -> Profile:
+    """The built-in ``expected-ttft`` profile: this scorer alone, picked by ``max-score``."""
+    return Profile(
+        name="expected-ttft",
+        filters=(),
+        scorers=((ExpectedTtftScorer(), 1.0),),
+        picker=MaxScorePicker(),
+    )
