@@ -1,0 +1,187 @@
+"""After a request: metrics, the index-prediction check, TTFT calibration, cost and hit rate."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from gateway.proxy import UpstreamOutcome
+from gateway.state import GatewayState
+
+if TYPE_CHECKING:
+    from gateway.pipeline import Routed
+
+log = logging.getLogger(__name__)
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def cached_tokens_of(usage: Mapping[str, Any] | None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``, or None when the engine does not report it."""
+    if not usage:
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, Mapping) or details.get("cached_tokens") is None:
+        return None
+    return _int(details.get("cached_tokens"))
+
+
+def prediction_outcome(predicted: int, actual: int, block_size: int) -> str:
+    """``exact`` within one block (engines cache whole blocks), else ``over`` / ``under``."""
+    if abs(predicted - actual) < max(1, block_size):
+        return "exact"
+    return "over" if predicted > actual else "under"
+
+
+def account(
+    gw: GatewayState,
+    routed: Routed,
+    outcome: UpstreamOutcome,
+    arrived: float,
+    replica_seconds: Mapping[str, float],
+    streamed: bool,
+) -> None:
+    """Record everything about one finished (or failed) request. Never raises."""
+    try:
+        _account(gw, routed, outcome, arrived, replica_seconds, streamed)
+    except Exception:  # accounting must never turn a served request into an error
+        log.exception("accounting failed for request %s", routed.routing_request.request_id)
+
+
+def _account(
+    gw: GatewayState,
+    routed: Routed,
+    outcome: UpstreamOutcome,
+    arrived: float,
+    replica_seconds: Mapping[str, float],
+    streamed: bool,
+) -> None:
+    m = gw.metrics
+    route, model = routed.route.name, routed.base_model
+    replica = outcome.replica or "none"
+    # 499: nginx's "client closed request", the de-facto code for an abandoned request.
+    status = 499 if outcome.client_gone else outcome.status
+    m.requests.labels(route, model, replica, str(status)).inc()
+    end = outcome.finished_at or time.monotonic()
+    m.e2e.labels(route, model).observe(end - arrived)
+    for pool, seconds in replica_seconds.items():
+        m.replica_seconds.labels(route, pool).inc(seconds)
+    ok = status == 200 and not outcome.client_gone
+    usage = outcome.usage or {}
+    prompt_tokens = _int(usage.get("prompt_tokens"))
+    completion_tokens = _int(usage.get("completion_tokens"))
+    cached = cached_tokens_of(usage)
+    ttft_ms = None
+    if outcome.ttft_s is not None:
+        # TTFT as the client sees it: from arrival at the gateway, not from the upstream send.
+        ttft = outcome.ttft_s + ((outcome.sent_at or arrived) - arrived)
+        ttft_ms = ttft * 1000
+        m.ttft.labels(route, model).observe(ttft)
+        for gap in outcome.gaps_s:
+            m.itl.labels(route, model).observe(gap)
+        if completion_tokens > 1 and outcome.finished_at and outcome.sent_at:
+            decode_s = outcome.finished_at - outcome.sent_at - outcome.ttft_s
+            m.tpot.labels(route, model).observe(max(0.0, decode_s) / (completion_tokens - 1))
+    if ok:
+        m.prompt_tokens.labels(route, model).inc(prompt_tokens)
+        m.completion_tokens.labels(route, model).inc(completion_tokens)
+        if cached is not None:
+            m.cached_tokens.labels(route, model).inc(cached)
+        pool = next(iter(replica_seconds), "unknown")
+        gw.window.add(
+            route,
+            pool,
+            sum(replica_seconds.values()),
+            prompt_tokens,
+            cached or 0,
+            completion_tokens,
+        )
+        _slo(gw, routed, ttft_ms, outcome, completion_tokens)
+    _prediction(gw, routed, outcome, prompt_tokens, cached)
+    routed.log_entry["status"] = status
+    routed.log_entry["served_by"] = outcome.replica
+    routed.log_entry["cached_tokens"] = cached
+    routed.log_entry["ttft_ms"] = ttft_ms
+    if outcome.replica is not None:
+        gw.engine.observe_complete(
+            routed.routing_request, outcome.replica, ttft_ms if streamed else None, cached, ok
+        )
+
+
+def _slo(
+    gw: GatewayState,
+    routed: Routed,
+    ttft_ms: float | None,
+    outcome: UpstreamOutcome,
+    completion_tokens: int,
+) -> None:
+    checks = []
+    if routed.route.ttft_slo_ms is not None and ttft_ms is not None:
+        checks.append(ttft_ms <= routed.route.ttft_slo_ms)
+    if (
+        routed.route.tpot_slo_ms is not None
+        and outcome.ttft_s is not None
+        and outcome.finished_at
+        and outcome.sent_at
+        and completion_tokens > 1
+    ):
+        tpot_ms = (
+            (outcome.finished_at - outcome.sent_at - outcome.ttft_s)
+            / (completion_tokens - 1)
+            * 1000
+        )
+        checks.append(tpot_ms <= routed.route.tpot_slo_ms)
+    if checks:
+        gw.metrics.slo_requests.labels(routed.route.name, "met" if all(checks) else "missed").inc()
+
+
+def _prediction(
+    gw: GatewayState,
+    routed: Routed,
+    outcome: UpstreamOutcome,
+    prompt_tokens: int,
+    cached: int | None,
+) -> None:
+    """Compare the index's prediction with the engine's ``cached_tokens``; refresh on a miss."""
+    if outcome.replica is None or cached is None or not prompt_tokens:
+        return
+    explanation = routed.decision.explanations.get(outcome.replica)
+    matched_units = (explanation.matched_blocks if explanation else 0) * routed.block_size
+    # In text mode blocks count characters: scale to the engine's tokens.
+    scale = prompt_tokens / routed.prompt.length if routed.prompt.token_ids is None else 1.0
+    predicted = round(min(matched_units, routed.prompt.length) * scale)
+    block_tokens = max(1, round(routed.block_size * scale))
+    result = prediction_outcome(predicted, cached, block_tokens)
+    route = routed.route.name
+    gw.metrics.predicted_cached.labels(route).inc(predicted)
+    gw.metrics.cache_prediction.labels(route, result).inc()
+    routed.log_entry["predicted_cached_tokens"] = predicted
+    routed.log_entry["prediction"] = result
+    if result != "exact":
+        # The index was wrong about this replica; the engine now holds the whole prompt, so
+        # refresh the entry (with the speculative TTL) rather than trust the stale one.
+        task = asyncio.get_running_loop().create_task(_refresh(gw, outcome.replica, routed))
+        gw.background.add(task)
+        task.add_done_callback(gw.background.discard)
+
+
+async def _refresh(gw: GatewayState, replica: str, routed: Routed) -> None:
+    from routing.types import ReplicaId
+
+    state = gw.registry.get(ReplicaId(replica))
+    if state is None:
+        return
+    try:
+        await gw.index.record(
+            state.replica_id,
+            state.epoch,
+            list(routed.routing_request.chain),
+            ttl_s=gw.config.speculative_ttl_s,
+        )
+    except Exception as exc:  # best effort: the next decision's insert will try again
+        log.debug("index refresh after a misprediction failed: %s", exc)

@@ -1,0 +1,136 @@
+"""The admin API under ``/admin/``, behind a separate admin key.
+
+Replicas and their state, the active policy, reload, index stats, recent routing decisions with
+their explanations, and the prefix-layout report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from gateway import errors
+from gateway.auth import is_admin
+from gateway.errors import GatewayError
+from gateway.reload import reload_policy
+from gateway.state import GATEWAY
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, default=_default, indent=1)
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, frozenset | set):
+        return sorted(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    return str(obj)
+
+
+def _guard(handler: Handler) -> Handler:
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        gw = request.app[GATEWAY]
+        if gw.config.admin_key is None and not gw.policy.admin_key_sha256:
+            return GatewayError(
+                403, errors.ADMIN_DISABLED, "The admin API is disabled: configure an admin key."
+            ).response()
+        if not is_admin(request, gw.config.admin_key, gw.policy):
+            return GatewayError(401, errors.INVALID_API_KEY, "Incorrect admin key.").response()
+        return await handler(request)
+
+    return guarded
+
+
+async def replicas(request: web.Request) -> web.Response:
+    """Every known replica: state as policies see it, circuit breaker, in-flight counts."""
+    gw = request.app[GATEWAY]
+    gw.registry.set_inflight(gw.inflight.counts())
+    out = []
+    for state in gw.registry.all():
+        item = dataclasses.asdict(state)
+        item["circuit"] = gw.registry.breaker(state.replica_id).state.value
+        item["staleness_s"] = round(state.staleness_s(), 3)
+        out.append(item)
+    return _json({"replicas": out})
+
+
+async def policy(request: web.Request) -> web.Response:
+    """The active policy (routes, tenants without keys, adapters, pools) and the last refusal."""
+    gw = request.app[GATEWAY]
+    view = gw.policy
+    source = view.source
+    return _json(
+        {
+            "path": gw.config.policy_path,
+            "summary": source.summary() if hasattr(source, "summary") else "policy-less defaults",
+            "routes": [
+                {"name": r.name, "profile": r.profile, "ttft_slo_ms": r.ttft_slo_ms}
+                for r in view.routes
+            ],
+            "tenants": sorted({t.name for t in view.tenants_by_key_sha256.values()}),
+            "open_access": view.open_access,
+            "adapters": [dataclasses.asdict(a) for a in view.adapters.values()],
+            "pool_usd_per_hour": dict(view.pool_usd_per_hour),
+            "last_reload_errors": gw.policy_errors,
+        }
+    )
+
+
+async def reload(request: web.Request) -> web.Response:
+    """``POST /admin/policy/reload``: 200 with a summary, or 400 with every error."""
+    gw = request.app[GATEWAY]
+    result = reload_policy(gw)
+    if result.ok:
+        return _json({"reloaded": True, "summary": result.summary})
+    error = GatewayError(400, errors.POLICY_INVALID, "Policy refused; the running policy stays.")
+    body = error.envelope()
+    body["error"]["details"] = result.errors  # type: ignore[assignment]
+    return _json(body, status=400)
+
+
+async def index_stats(request: web.Request) -> web.Response:
+    """Block index size and health."""
+    gw = request.app[GATEWAY]
+    try:
+        stats = await gw.index.stats()
+    except Exception as exc:  # Redis down: report it rather than fail the admin call
+        return _json({"backend": gw.index_backend, "available": False, "error": str(exc)})
+    return _json({"available": True, **dataclasses.asdict(stats)})
+
+
+async def decisions(request: web.Request) -> web.Response:
+    """The last N routing decisions (``?n=``), newest first, with explanations."""
+    gw = request.app[GATEWAY]
+    try:
+        n = max(1, min(int(request.query.get("n", "20")), len(gw.decisions) or 1))
+    except ValueError:
+        n = 20
+    recent = list(gw.decisions)[-n:][::-1]
+    return _json({"decisions": recent})
+
+
+async def layout(request: web.Request) -> web.Response:
+    """Prefix-layout report per route: repeat fraction, cache-busting detection, advice."""
+    gw = request.app[GATEWAY]
+    return _json({"routes": [dataclasses.asdict(r) for r in gw.layout.reports()]})
+
+
+def add_admin_routes(app: web.Application) -> None:
+    """Mount the admin endpoints."""
+    app.router.add_get("/admin/replicas", _guard(replicas))
+    app.router.add_get("/admin/policy", _guard(policy))
+    app.router.add_post("/admin/policy/reload", _guard(reload))
+    app.router.add_get("/admin/index", _guard(index_stats))
+    app.router.add_get("/admin/decisions", _guard(decisions))
+    app.router.add_get("/admin/layout", _guard(layout))

@@ -1,0 +1,189 @@
+"""The gateway's aiohttp application factory: wiring, endpoints and lifecycle.
+
+``create_app`` builds every collaborator (index, engine, tokenizer, registry, metrics), mounts the
+OpenAI, health, metrics and admin endpoints, and owns the background tasks in one
+``cleanup_ctx``: started after the pooled upstream session opens, cancelled and awaited before it
+closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway import errors, health, openai_api
+from gateway.admin import add_admin_routes
+from gateway.config import GatewayConfig
+from gateway.cost import RouteWindow
+from gateway.errors import GatewayError
+from gateway.inflight import InflightTracker, MemoryInflight, RedisInflight
+from gateway.layout import LayoutDiagnostics
+from gateway.metrics import GatewayMetrics
+from gateway.policy_view import GatewayPolicy, from_policy
+from gateway.replicas import ReplicaRegistry
+from gateway.routing_glue import build_engine, build_gateway_index, build_prompt_tokenizer
+from gateway.state import GATEWAY, GatewayState
+from gateway.tasks import health_loop, inflight_loop, merge_fleet_store, policy_poll_loop
+from gateway.tracing import build_tracer
+from routing.contracts import BlockIndex, PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def load_policy_view(config: GatewayConfig) -> GatewayPolicy:
+    """The starting policy: the file's (``PolicyError`` if invalid), else policy-less defaults."""
+    if config.policy_path is None:
+        return GatewayPolicy.default(profile=config.default_profile)
+    from routing.config import load_policy
+
+    view = from_policy(load_policy(config.policy_path))
+    config.apply_policy(view.source, startup=True)
+    return view
+
+
+@web.middleware
+async def envelope_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Unknown paths, wrong methods and unexpected failures still answer in the OpenAI envelope."""
+    try:
+        return await handler(request)
+    except GatewayError as err:
+        return err.response()
+    except web.HTTPNotFound:
+        return GatewayError(404, errors.NOT_FOUND, f"No such endpoint: {request.path}").response()
+    except web.HTTPMethodNotAllowed:
+        return GatewayError(
+            405, errors.INVALID_REQUEST, f"Method {request.method} not allowed on {request.path}"
+        ).response()
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s", request.path)
+        return GatewayError(500, errors.INTERNAL_ERROR, "Internal gateway error.").response()
+
+
+def create_app(
+    config: GatewayConfig,
+    policy: GatewayPolicy | None = None,
+    *,
+    index: BlockIndex | None = None,
+    tokenizer: PromptTokenizer | None = None,
+    inflight: InflightTracker | None = None,
+    fleet_store: Any = None,
+) -> web.Application:
+    """Build a gateway application. Collaborators passed in are shared, not closed on exit."""
+    view = policy if policy is not None else load_policy_view(config)
+    owns_fleet_store = fleet_store is None
+    if fleet_store is None:
+        fleet_store = _discovery_store(view.source)
+    owns_index = index is None
+    index = (
+        index
+        if index is not None
+        else build_gateway_index(config.redis_url, config.index_key_prefix)
+    )
+    if inflight is None:
+        inflight = RedisInflight(config.redis_url) if config.redis_url else MemoryInflight()
+    registry = ReplicaRegistry(config.breaker_failures, config.breaker_cooldown_s)
+    registry.set_static(view.replicas)
+    gw = GatewayState(
+        config=config,
+        policy=view,
+        registry=registry,
+        index=index,
+        index_backend="redis" if config.redis_url else "memory",
+        engine=build_engine(index, view, config.index_timeout_s),
+        tokenizer=tokenizer
+        or build_prompt_tokenizer(config.tokenizer_dir, config.remote_tokenizer_url, view),
+        metrics=GatewayMetrics(),
+        inflight=inflight,
+        tracer=build_tracer(config.otlp_endpoint),
+        layout=LayoutDiagnostics(),
+        window=RouteWindow(config.window_s),
+        decisions=deque(maxlen=config.decision_log_size),
+        max_retries=config.max_retries,
+        fleet_store=fleet_store,
+    )
+    if config.policy_path is not None:
+        with contextlib.suppress(OSError):
+            gw.policy_mtime = os.stat(config.policy_path).st_mtime
+
+    app = web.Application(middlewares=[envelope_errors])
+    app[GATEWAY] = gw
+    app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
+    app.router.add_post("/v1/completions", openai_api.completions)
+    app.router.add_get("/v1/models", openai_api.list_models)
+    app.router.add_get("/health", health.health)
+    app.router.add_get("/ready", health.ready)
+    app.router.add_get("/metrics", health.metrics)
+    add_admin_routes(app)
+    app.cleanup_ctx.append(
+        _lifecycle(owns_index, owns_tokenizer=tokenizer is None, owns_fleet=owns_fleet_store)
+    )
+    app.on_shutdown.append(_start_draining)
+    return app
+
+
+def _discovery_store(policy: Any) -> Any:
+    """The fleet store of the first pool with ``discovery`` (agents register replicas there)."""
+    for pool in getattr(policy, "replica_pools", None) or ():
+        if pool.discovery is not None:
+            from replica.fleet_store import RedisFleetStore
+
+            return RedisFleetStore(pool.discovery.redis_url, key_prefix=pool.discovery.key_prefix)
+    return None
+
+
+def _lifecycle(
+    owns_index: bool, owns_tokenizer: bool, owns_fleet: bool
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        gw = app[GATEWAY]
+        # limit=0: the gateway's concurrency is bounded by clients, not by a pool size.
+        gw.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            auto_decompress=False,
+        )
+        # One poll before serving, so /ready and routing know the replicas from the start.
+        if gw.fleet_store is not None:
+            await merge_fleet_store(gw)
+        with contextlib.suppress(Exception):
+            await gw.registry.poll_once(gw.session, timeout_s=2.0)
+        tasks = [
+            asyncio.create_task(health_loop(gw), name="fleetgate-health"),
+            asyncio.create_task(inflight_loop(gw), name="fleetgate-inflight"),
+        ]
+        if gw.config.policy_path and gw.config.policy_poll_s > 0:
+            tasks.append(asyncio.create_task(policy_poll_loop(gw), name="fleetgate-policy-poll"))
+        try:
+            yield
+        finally:
+            for task in (*tasks, *gw.background):
+                task.cancel()
+            await asyncio.gather(*tasks, *gw.background, return_exceptions=True)
+            await gw.session.close()
+            gw.session = None
+            await gw.inflight.close()
+            close_tokenizer = getattr(gw.tokenizer, "close", None)
+            if owns_tokenizer and close_tokenizer is not None:
+                await close_tokenizer()
+            if owns_index:
+                await gw.index.close()
+            if owns_fleet and gw.fleet_store is not None:
+                await gw.fleet_store.close()
+
+    return lifecycle
+
+
+async def _start_draining(app: web.Application) -> None:
+    """Refuse new requests; aiohttp lets in-flight ones finish up to its shutdown timeout."""
+    app[GATEWAY].draining = True

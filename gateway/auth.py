@@ -1,0 +1,43 @@
+"""API keys: the caller's tenant, and the admin key."""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from gateway import errors
+from gateway.errors import GatewayError
+from gateway.policy_view import GatewayPolicy, Tenant, sha256_hex
+
+
+def bearer_key(request: web.Request) -> str | None:
+    """The key of ``Authorization: Bearer <key>`` (also ``api-key:``), or None."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    return request.headers.get("api-key") or None
+
+
+def authenticate(request: web.Request, policy: GatewayPolicy) -> Tenant:
+    """The tenant this request acts for; 401 if the key is missing or unknown."""
+    tenant = policy.tenant_for_key(bearer_key(request))
+    if tenant is None:
+        raise GatewayError(
+            401,
+            errors.INVALID_API_KEY,
+            "Incorrect or missing API key.",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return tenant
+
+
+def is_admin(request: web.Request, admin_key: str | None, policy: GatewayPolicy) -> bool:
+    """True if the request carries the admin key (``--admin-key`` or one of the policy's)."""
+    key = bearer_key(request)
+    if not key:
+        return False
+    if admin_key is not None and hmac.compare_digest(key.encode(), admin_key.encode()):
+        return True
+    return sha256_hex(key) in policy.admin_key_sha256

@@ -1,0 +1,68 @@
+"""A per-replica circuit breaker: stop sending to a replica that keeps failing, probe it later."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from enum import Enum
+
+
+class BreakerState(Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class CircuitBreaker:
+    """Opens after ``failure_threshold`` consecutive failures; after ``cooldown_s`` lets one probe.
+
+    The probe's outcome closes it again or re-opens it for another cooldown. ``clock`` is
+    injectable so tests step time explicitly instead of sleeping.
+    """
+
+    def __init__(
+        self,
+        failure_threshold: int = 3,
+        cooldown_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._failures = 0
+        self._opened_at: float | None = None
+        self._probe_in_flight = False
+
+    @property
+    def state(self) -> BreakerState:
+        """Current state (OPEN turns HALF_OPEN by itself once the cooldown has passed)."""
+        if self._opened_at is None:
+            return BreakerState.CLOSED
+        if self._clock() - self._opened_at >= self.cooldown_s:
+            return BreakerState.HALF_OPEN
+        return BreakerState.OPEN
+
+    def allows(self) -> bool:
+        """True if a request may go to this replica now (without reserving the probe)."""
+        state = self.state
+        return state is BreakerState.CLOSED or (
+            state is BreakerState.HALF_OPEN and not self._probe_in_flight
+        )
+
+    def begin(self) -> None:
+        """A request is being sent; in HALF_OPEN it is the single probe."""
+        if self.state is BreakerState.HALF_OPEN:
+            self._probe_in_flight = True
+
+    def success(self) -> None:
+        """The replica answered: close the circuit."""
+        self._failures = 0
+        self._opened_at = None
+        self._probe_in_flight = False
+
+    def failure(self) -> None:
+        """The replica failed (connect error, timeout, 5xx health): count, maybe open."""
+        self._failures += 1
+        self._probe_in_flight = False
+        if self._opened_at is not None or self._failures >= self.failure_threshold:
+            self._opened_at = self._clock()

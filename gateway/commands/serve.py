@@ -1,0 +1,123 @@
+"""``fleetgate serve``: the production gateway.
+
+With a policy file (routes, tenants, pools, prices)::
+
+    fleetgate serve --config policy.yaml --workers 4
+
+Quick start without one (any API key, or none, is the default tenant)::
+
+    fleetgate serve --replica http://10.0.0.5:8000 --replica http://10.0.0.6:8000 \\
+        [--redis redis://redis:6379/0] [--tokenizer /models/llama] [--port 8000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.policy_view import GatewayPolicy, ReplicaSpec
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fleetgate serve``."""
+    parser.add_argument("--config", dest="policy", help="routing-policy YAML file")
+    parser.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a vLLM replica base URL (repeatable; quick start without --config)",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        help="model the --replica URLs serve (default: ask them)",
+    )
+    parser.add_argument("--redis", help="Redis URL: shared index, in-flight counts, agents")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: text blocks)")
+    parser.add_argument("--profile", default="expected-ttft", help="profile without --config")
+    parser.add_argument("--block-size", type=int, default=16, help="vLLM --block-size")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1, help="processes (SO_REUSEPORT)")
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("FLEETGATE_ADMIN_KEY"),
+        help="admin API key (env FLEETGATE_ADMIN_KEY); without one the admin API is off",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+        help="OTLP/HTTP traces endpoint (tracing is off without one)",
+    )
+    parser.add_argument("--usd-per-hour", type=float, help="replica price without --config")
+
+
+def build_app(
+    config: GatewayConfig, replicas: tuple[ReplicaSpec, ...], usd: float | None
+) -> web.Application:
+    """App factory for one worker (module-level so worker processes can import it)."""
+    from gateway.app import create_app
+
+    policy = None
+    if config.policy_path is None:
+        policy = GatewayPolicy.default(replicas, config.default_profile, usd)
+    fleet_store = None
+    if config.redis_url:
+        from replica.fleet_store import RedisFleetStore
+
+        fleet_store = RedisFleetStore(config.redis_url)
+    return create_app(config, policy, fleet_store=fleet_store)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate options, then serve until SIGTERM."""
+    from gateway.server import serve_forever
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not args.policy and not args.replica and not args.redis:
+        print("fleetgate serve: give --config FILE, or --replica URL (and/or --redis URL)")
+        return 2
+    if args.policy:
+        from routing.config import PolicyError, load_policy
+
+        try:
+            load_policy(args.policy)  # refuse to start on an invalid file, with every error
+        except PolicyError as exc:
+            print(f"fleetgate serve: {args.policy} is invalid:")
+            for error in exc.errors:
+                print(f"  {error}")
+            return 2
+    config = GatewayConfig(
+        policy_path=args.policy,
+        default_profile=args.profile,
+        redis_url=args.redis,
+        tokenizer_dir=args.tokenizer,
+        block_size=args.block_size,
+        admin_key=args.admin_key,
+        otlp_endpoint=args.otlp_endpoint,
+    )
+    replicas = tuple(
+        ReplicaSpec(
+            f"replica-{i}",
+            url.rstrip("/"),
+            models=frozenset(args.model),
+            block_size=args.block_size,
+        )
+        for i, url in enumerate(args.replica)
+    )
+    factory = functools.partial(build_app, replicas=replicas, usd=args.usd_per_hour)
+    if args.workers > 1:
+        where = f"http://{args.host}:{args.port}"
+        print(f"fleetgate serve: {args.workers} workers listening on {where}", flush=True)
+    return serve_forever(factory, config, args.host, args.port, args.workers, _announce)
+
+
+async def _announce(url: str) -> None:
+    print(f"fleetgate serve: listening on {url}", flush=True)

@@ -1,0 +1,80 @@
+"""Run-time settings of one gateway process (from the command line, not the policy file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class GatewayConfig:
+    """Settings that shape the process; routing policy lives in the policy file instead."""
+
+    #: Policy YAML path; None runs policy-less (open default tenant, one route).
+    policy_path: str | None = None
+    #: Profile of the default route in policy-less mode.
+    default_profile: str = "expected-ttft"
+    #: Redis URL for the shared index, in-flight counts and agent-registered replicas.
+    redis_url: str | None = None
+    #: Redis key prefix of the block index; None: the backend's default (the agents' too).
+    index_key_prefix: str | None = None
+    tokenizer_dir: str | None = None
+    remote_tokenizer_url: str | None = None
+    #: Block size for hashing when a replica does not say (tokens; characters in text mode).
+    block_size: int = 16
+    #: Key for ``/admin/``; None disables the admin API.
+    admin_key: str | None = None
+    #: Largest request body accepted (bytes); larger gets 413.
+    max_body_bytes: int = 8 * 1024 * 1024
+    #: Seconds to wait for an upstream's response headers (and, streaming, its first byte).
+    upstream_timeout_s: float = 300.0
+    connect_timeout_s: float = 5.0
+    #: Speculative index entries (the gateway's own decisions) live this long unconfirmed.
+    speculative_ttl_s: float = 30.0
+    health_interval_s: float = 2.0
+    #: Consecutive failures that open a replica's circuit, and how long it stays open.
+    #: Bound on one block-index lookup; past it the decision degrades to load only.
+    index_timeout_s: float = 0.02
+    #: Retries on fallback replicas, only before the first byte reached the client.
+    max_retries: int = 2
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 10.0
+    #: In-flight streams get this long to finish on shutdown.
+    drain_timeout_s: float = 30.0
+    #: Seconds between policy-file modification checks (0 disables polling).
+    policy_poll_s: float = 2.0
+    #: Routing decisions kept for ``/admin/decisions``.
+    decision_log_size: int = 200
+    #: OTLP/HTTP traces endpoint; None keeps tracing off.
+    otlp_endpoint: str | None = None
+    #: Poll the agents' Redis fleet store for registered replicas.
+    use_fleet_store: bool = False
+    #: Sliding window for hit rate and cost gauges.
+    window_s: float = 300.0
+
+    def apply_policy(self, policy: Any, startup: bool = False) -> None:
+        """Take the policy's ``gateway:`` and ``index:`` settings over the process defaults.
+
+        On a reload (``startup=False``) only settings that can change live are taken; the index
+        backend and its Redis URL need a restart.
+        """
+        settings = getattr(policy, "gateway", None)
+        if settings is not None:
+            self.max_body_bytes = settings.max_body_bytes
+            self.upstream_timeout_s = settings.upstream_timeout_s
+            self.connect_timeout_s = settings.connect_timeout_s
+            self.health_interval_s = settings.health_check_interval_s
+            self.max_retries = settings.max_retries
+        index = getattr(policy, "index", None)
+        if index is None:
+            return
+        self.speculative_ttl_s = index.speculative_ttl_s
+        self.index_timeout_s = index.lookup_timeout_ms / 1000
+        if not startup:
+            return
+        if index.backend == "redis" and self.redis_url is None:
+            self.redis_url = index.redis_url
+        # Only an explicit prefix: the schema's default ("fleetgate:") differs from the index
+        # backend's and the agents' default ("fg"), and gateways must share keys with agents.
+        if "key_prefix" in getattr(index, "model_fields_set", ()):
+            self.index_key_prefix = index.key_prefix

@@ -1,0 +1,57 @@
+"""``/health`` (the process answers), ``/ready`` (can serve every model), ``/metrics``."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.state import GATEWAY, GatewayState
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: 200 while the process serves HTTP."""
+    return web.json_response({"status": "ok"})
+
+
+def configured_models(gw: GatewayState) -> set[str]:
+    """Models the gateway must be able to serve: the policy's, else what replicas report."""
+    return set(gw.policy.known_models) or gw.registry.base_models()
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 200 when every configured model has at least one healthy replica."""
+    gw = request.app[GATEWAY]
+    serving = gw.registry.ready_models()
+    models = {m: serving.get(m, False) for m in configured_models(gw)}
+    is_ready = bool(models) and all(models.values()) and not gw.draining
+    return web.json_response(
+        {"ready": is_ready, "draining": gw.draining, "models": models},
+        status=200 if is_ready else 503,
+    )
+
+
+def refresh_gauges(gw: GatewayState) -> None:
+    """Recompute window gauges (hit rate, cost, layout, replica health) just before a scrape."""
+    m = gw.metrics
+    for route, rate in gw.window.hit_rates().items():
+        m.prefix_hit_rate.labels(route).set(rate)
+    pools: dict[str, int] = {}
+    for state in gw.registry.all():
+        pools[state.pool] = pools.get(state.pool, 0) + 1
+    for route, usd in gw.window.cost_per_1m(gw.policy.pool_usd_per_hour, pools).items():
+        m.cost_per_1m.labels(route).set(usd)
+    for report in gw.layout.reports():
+        m.prefix_repeat_fraction.labels(report.route).set(report.prefix_repeat_fraction)
+        m.cache_busting_layout.labels(report.route).set(1 if report.cache_busting_layout else 0)
+    counts = gw.inflight.counts()
+    for state in gw.registry.routable():
+        m.replica_healthy.labels(state.replica_id).set(1 if state.healthy else 0)
+        m.replica_inflight.labels(state.replica_id).set(counts.get(state.replica_id, (0, 0))[0])
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus exposition of this gateway's registry."""
+    gw = request.app[GATEWAY]
+    refresh_gauges(gw)
+    body = generate_latest(gw.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,202 @@
+"""The gateway's Prometheus metrics, named exactly as docs/metrics.md (gateway section) lists them.
+
+Each app gets its own ``CollectorRegistry`` so several gateways (tests, workers) never collide.
+Labels are server-controlled only: route and profile names from the policy, replica ids, pools,
+base models the replicas serve, status codes, stable error codes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# TTFT spans sub-10 ms cache hits to multi-second cold prefills.
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
+# Routing decisions should take well under a millisecond; resolve that range finely.
+_DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class GatewayMetrics:
+    """All gateway metrics, registered on one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "fleetgate_requests",
+            "Requests answered",
+            ["route", "model", "replica", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "fleetgate_errors",
+            "Error responses by stable error code",
+            ["route", "code"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "fleetgate_ttft_seconds",
+            "Time to first token at the gateway",
+            ["route", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "fleetgate_tpot_seconds",
+            "Time per output token after the first (request mean)",
+            ["route", "model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "fleetgate_itl_seconds",
+            "Inter-token latency between stream chunks",
+            ["route", "model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "fleetgate_e2e_latency_seconds",
+            "Request start to last byte",
+            ["route", "model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "fleetgate_queue_time_seconds",
+            "Arrival to upstream request sent",
+            ["route"],
+            buckets=(*_DECISION_BUCKETS, 0.25, 1.0),
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "fleetgate_prompt_tokens",
+            "Prompt tokens (upstream usage)",
+            ["route", "model"],
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "fleetgate_cached_tokens",
+            "Prompt tokens served from the prefix cache",
+            ["route", "model"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "fleetgate_completion_tokens",
+            "Output tokens",
+            ["route", "model"],
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "fleetgate_prefix_hit_rate",
+            "Cached / prompt tokens over a sliding window",
+            ["route"],
+            registry=r,
+        )
+        self.replica_seconds = Counter(
+            "fleetgate_replica_seconds",
+            "Replica time attributed to the route",
+            ["route", "pool"],
+            registry=r,
+        )
+        self.cost_per_1m = Gauge(
+            "fleetgate_cost_per_1m_tokens_usd",
+            "USD per 1M tokens over a sliding window",
+            ["route"],
+            registry=r,
+        )
+        self.predicted_cached = Counter(
+            "fleetgate_predicted_cached_tokens",
+            "Cached tokens the index predicted",
+            ["route"],
+            registry=r,
+        )
+        self.cache_prediction = Counter(
+            "fleetgate_cache_prediction",
+            "Index prediction vs the engine's cached_tokens",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.slo_requests = Counter(
+            "fleetgate_slo_requests",
+            "Requests that met / missed the route SLO",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "fleetgate_routing_decision_seconds",
+            "Time to decide (index lookup + plugins)",
+            ["policy"],
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.index_lookup_seconds = Histogram(
+            "fleetgate_index_lookup_seconds",
+            "Block-index lookup latency",
+            ["backend"],
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.index_errors = Counter(
+            "fleetgate_index_errors",
+            "Index calls that failed",
+            ["backend"],
+            registry=r,
+        )
+        self.degraded = Counter(
+            "fleetgate_degraded_decisions",
+            "Decisions made on load alone",
+            ["route", "reason"],
+            registry=r,
+        )
+        self.upstream_retries = Counter(
+            "fleetgate_upstream_retries",
+            "Retries on another replica before the first byte",
+            ["route", "reason"],
+            registry=r,
+        )
+        self.replica_inflight = Gauge(
+            "fleetgate_replica_inflight",
+            "Requests in flight as this gateway sees them",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_healthy = Gauge(
+            "fleetgate_replica_healthy",
+            "1 healthy, 0 unhealthy or circuit open",
+            ["replica"],
+            registry=r,
+        )
+        self.prefix_repeat_fraction = Gauge(
+            "fleetgate_prefix_repeat_fraction",
+            "Share of prompt tokens repeating a prefix seen before",
+            ["route"],
+            registry=r,
+        )
+        self.cache_busting_layout = Gauge(
+            "fleetgate_cache_busting_layout",
+            "1 when a cache-busting prompt layout is detected",
+            ["route"],
+            registry=r,
+        )
+        self.policy_reloads = Counter(
+            "fleetgate_policy_reloads",
+            "Policy reloads",
+            ["outcome"],
+            registry=r,
+        )

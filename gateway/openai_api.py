@@ -1,0 +1,58 @@
+"""The OpenAI-compatible endpoints, as vLLM serves them."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from gateway.auth import authenticate
+from gateway.errors import GatewayError
+from gateway.pipeline import UNROUTED, handle_completion
+from gateway.request_body import request_id_of
+from gateway.state import GATEWAY
+
+#: Reported as ``created`` for every model: the gateway's start, stable across calls.
+_STARTED = int(time.time())
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    return await handle_completion(request, "chat", "/v1/chat/completions")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await handle_completion(request, "completion", "/v1/completions")
+
+
+def _model_card(model_id: str, parent: str | None) -> dict[str, object]:
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "fleetgate",
+        "root": model_id,
+        "parent": parent,
+        "permission": [],
+    }
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: base models and the adapters this tenant may use (with ``parent``)."""
+    gw = request.app[GATEWAY]
+    request_id = request_id_of(request)
+    try:
+        tenant = authenticate(request, gw.policy)
+    except GatewayError as err:
+        gw.metrics.errors.labels(UNROUTED, err.code).inc()
+        return err.response(request_id)
+    if gw.policy.source is not None:
+        bases = sorted(gw.policy.known_models)
+        adapters = sorted((a.name, a.base_model) for a in gw.policy.adapters_for(tenant))
+    else:
+        bases = sorted(gw.registry.base_models())
+        adapters = sorted(gw.registry.served_adapters.items())
+    data = [_model_card(m, None) for m in bases]
+    data += [_model_card(name, base) for name, base in adapters]
+    return web.json_response({"object": "list", "data": data}, headers={"X-Request-Id": request_id})

@@ -1,0 +1,269 @@
+"""The gateway's view of the routing policy: tenants, routes, adapters, replicas, prices.
+
+``routing/config.load_policy`` owns the YAML schema; this module reads a loaded ``Policy`` into the
+few flat, frozen structures the request path needs, so handlers never walk the schema. Without a
+policy file the gateway runs ``GatewayPolicy.default(...)``: any API key (or none) is the default
+tenant, one route sends every model through one profile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+DEFAULT_TENANT = "default"
+DEFAULT_ROUTE = "default"
+DEFAULT_PROFILE = "expected-ttft"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """One tenant: who it is, the prefix-cache salt its requests carry, what it may use."""
+
+    name: str
+    #: Injected as vLLM's ``cache_salt`` so tenants never share (or time) each other's prefixes.
+    cache_salt: str | None = None
+    #: Adapters usable beyond the tenant's own and the public ones.
+    allowed_adapters: frozenset[str] = frozenset()
+    #: Requests per second allowed (token bucket); None = unlimited.
+    rate_limit_rps: float | None = None
+    burst: int = 1
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    """A catalogued LoRA adapter: ``model`` names it, ``base_model`` serves it."""
+
+    name: str
+    base_model: str
+    owners: frozenset[str] = frozenset()
+    public: bool = True
+
+    def usable_by(self, tenant: Tenant) -> bool:
+        """True if ``tenant`` may use this adapter."""
+        return self.public or tenant.name in self.owners or self.name in tenant.allowed_adapters
+
+
+class RouteMatcher(Protocol):
+    """``routing.config.RouteMatch``: conditions on path, model, tenant and headers."""
+
+    def matches(
+        self, *, path: str, model: str, tenant: str, headers: Mapping[str, str]
+    ) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Route:
+    """A route: which requests it takes and the policy profile that routes them."""
+
+    name: str
+    profile: str = DEFAULT_PROFILE
+    #: None matches every request.
+    match: RouteMatcher | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+
+    def matches(self, path: str, model: str, tenant: str, headers: Mapping[str, str]) -> bool:
+        """True if this route takes the request."""
+        if self.match is None:
+            return True
+        return self.match.matches(path=path, model=model, tenant=tenant, headers=headers)
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """A replica the policy file (or the command line) names statically."""
+
+    replica_id: str
+    url: str
+    pool: str = "default"
+    models: frozenset[str] = frozenset()
+    block_size: int = 16
+    prefill_tokens_per_s: float = 10_000.0
+
+
+@dataclass(frozen=True)
+class GatewayPolicy:
+    """Everything the request path reads from the policy, resolved once per (re)load."""
+
+    #: SHA-256 hex of an API key -> tenant. Empty: every caller is the default tenant.
+    tenants_by_key_sha256: Mapping[str, Tenant] = field(default_factory=dict)
+    routes: tuple[Route, ...] = (Route(DEFAULT_ROUTE),)
+    adapters: Mapping[str, AdapterEntry] = field(default_factory=dict)
+    replicas: tuple[ReplicaSpec, ...] = ()
+    #: Pool name -> USD per replica-hour (GPU price x GPUs per replica), for cost per 1M tokens.
+    pool_usd_per_hour: Mapping[str, float] = field(default_factory=dict)
+    #: Base model -> block size used for hashing its prompts.
+    block_sizes: Mapping[str, int] = field(default_factory=dict)
+    #: SHA-256 hex of the admin keys the policy accepts (besides ``--admin-key``).
+    admin_key_sha256: frozenset[str] = frozenset()
+    #: Tenant that requests without an API key act as (policy mode); None answers them 401.
+    anonymous_tenant: str | None = None
+    #: Base models the policy declares; empty in policy-less mode (replicas say what they serve).
+    known_models: frozenset[str] = frozenset()
+    #: The loaded ``routing.config.Policy`` (None in default mode); the engine reads profiles here.
+    source: Any = None
+
+    @property
+    def open_access(self) -> bool:
+        """No tenants configured: any key, or none, is the default tenant."""
+        return not self.tenants_by_key_sha256
+
+    @classmethod
+    def default(
+        cls,
+        replicas: Iterable[ReplicaSpec] = (),
+        profile: str = DEFAULT_PROFILE,
+        usd_per_hour: float | None = None,
+    ) -> GatewayPolicy:
+        """Policy-less mode: one open tenant, one route, replicas from the command line."""
+        prices = {"default": usd_per_hour} if usd_per_hour is not None else {}
+        return cls(
+            routes=(Route(DEFAULT_ROUTE, profile=profile),),
+            replicas=tuple(replicas),
+            pool_usd_per_hour=prices,
+        )
+
+    def tenant_for_key(self, api_key: str | None) -> Tenant | None:
+        """The tenant an API key authenticates as; None if the key is not accepted."""
+        if self.open_access:
+            return Tenant(DEFAULT_TENANT)
+        if not api_key:
+            if self.anonymous_tenant is None:
+                return None
+            return self._tenant_named(self.anonymous_tenant) or Tenant(self.anonymous_tenant)
+        return self.tenants_by_key_sha256.get(sha256_hex(api_key))
+
+    def _tenant_named(self, name: str) -> Tenant | None:
+        return next((t for t in self.tenants_by_key_sha256.values() if t.name == name), None)
+
+    def route_for(
+        self, path: str, model: str, tenant: str, headers: Mapping[str, str]
+    ) -> Route | None:
+        """First route (in file order) that matches; None if none does."""
+        for route in self.routes:
+            if route.matches(path, model, tenant, headers):
+                return route
+        return None
+
+    def resolve_model(self, tenant: Tenant, model: str) -> tuple[str, str | None] | None:
+        """``model`` as (base model, adapter) for ``tenant``; None if it may not use it.
+
+        Another tenant's adapter resolves to None exactly like a name that does not exist, so a
+        404 never reveals that it does.
+        """
+        adapter = self.adapters.get(model)
+        if adapter is None:
+            return model, None
+        if not adapter.usable_by(tenant):
+            return None
+        return adapter.base_model, adapter.name
+
+    def adapters_for(self, tenant: Tenant) -> list[AdapterEntry]:
+        """The catalogued adapters ``tenant`` may use."""
+        return [a for a in self.adapters.values() if a.usable_by(tenant)]
+
+
+def sha256_hex(secret: str) -> str:
+    """Hex SHA-256 of an API key (the policy stores only these)."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+# ----------------------------------------------------------------- reading a routing Policy
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    """Attribute or key ``name`` of ``obj`` (the schema's pydantic models, or dicts in tests)."""
+    if obj is None:
+        return default
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def _salt(tenant: Any) -> str | None:
+    salt = _get(tenant, "effective_cache_salt")
+    return str(salt) if salt is not None else _get(tenant, "cache_salt")
+
+
+def from_policy(policy: Any) -> GatewayPolicy:
+    """Read a loaded ``routing.config.Policy`` into the gateway's view."""
+    tenants: dict[str, Tenant] = {}
+    for t in _get(policy, "tenants", None) or ():
+        limit = _get(t, "rate_limit")
+        tenant = Tenant(
+            name=str(_get(t, "name")),
+            cache_salt=_salt(t),
+            allowed_adapters=frozenset(_get(t, "allowed_adapters", None) or ()),
+            rate_limit_rps=_get(limit, "requests_per_s"),
+            burst=int(_get(limit, "effective_burst", None) or _get(limit, "burst", None) or 1),
+        )
+        for digest in _get(t, "api_key_sha256", None) or ():
+            tenants[str(digest).lower()] = tenant
+    routes = []
+    for r in _get(policy, "routes", None) or ():
+        match = _get(r, "match")
+        slo = _get(r, "slo")
+        routes.append(
+            Route(
+                name=str(_get(r, "name")),
+                profile=str(_get(r, "profile", DEFAULT_PROFILE) or DEFAULT_PROFILE),
+                match=None if match is None or _get(match, "is_catch_all", False) else match,
+                ttft_slo_ms=_get(slo, "ttft_p95_ms"),
+                tpot_slo_ms=_get(slo, "tpot_p95_ms"),
+            )
+        )
+    adapters = {}
+    for a in _get(policy, "adapters", None) or ():
+        name = str(_get(a, "name"))
+        adapters[name] = AdapterEntry(
+            name=name,
+            base_model=str(_get(a, "base_model")),
+            owners=frozenset(_get(a, "owners", None) or ()),
+            public=bool(_get(a, "public", False)),
+        )
+    pool_models: dict[str, set[str]] = {}
+    block_sizes: dict[str, int] = {}
+    for m in _get(policy, "models", None) or ():
+        for pool in _get(m, "pools", None) or ():
+            pool_models.setdefault(str(pool), set()).add(str(_get(m, "name")))
+        if _get(m, "block_size") is not None:
+            block_sizes[str(_get(m, "name"))] = int(_get(m, "block_size"))
+    replicas = []
+    prices: dict[str, float] = {}
+    for p in _get(policy, "replica_pools", None) or ():
+        pool = str(_get(p, "name", "default"))
+        price_fn = getattr(policy, "usd_per_replica_hour", None)
+        price = price_fn(pool) if callable(price_fn) else _get(p, "gpu_price_per_hour")
+        if price is not None:
+            prices[pool] = float(price)
+        block_size = int(_get(p, "block_size", 16) or 16)
+        for i, url in enumerate(_get(p, "replicas", None) or ()):
+            replicas.append(
+                ReplicaSpec(
+                    replica_id=f"{pool}/{i}",
+                    url=str(url).rstrip("/"),
+                    pool=pool,
+                    models=frozenset(pool_models.get(pool, ())),
+                    block_size=block_size,
+                    prefill_tokens_per_s=float(_get(p, "prefill_tokens_per_s", 10_000.0)),
+                )
+            )
+        for model in pool_models.get(pool, ()):
+            block_sizes.setdefault(model, block_size)
+    admin = _get(policy, "admin")
+    return GatewayPolicy(
+        tenants_by_key_sha256=tenants,
+        # A request no route matches takes the implicit route "default" (docs/policy.md).
+        routes=(*routes, Route(DEFAULT_ROUTE)),
+        adapters=adapters,
+        replicas=tuple(replicas),
+        pool_usd_per_hour=prices,
+        block_sizes=block_sizes,
+        admin_key_sha256=frozenset(_get(admin, "api_key_sha256", None) or ()),
+        anonymous_tenant=_get(_get(policy, "gateway"), "anonymous_tenant"),
+        known_models=frozenset(str(_get(m, "name")) for m in _get(policy, "models", None) or ()),
+        source=policy,
+    )

@@ -1,0 +1,273 @@
+"""Sending a routed request to a replica and relaying the answer, streaming or not.
+
+Retries go to the decision's fallbacks only when a replica could not be reached at all (no byte
+reached the client yet). Once the stream has started, a failure ends the stream: replaying a
+generation elsewhere would duplicate tokens the client already has. A client that disconnects
+cancels the handler; leaving the ``async with`` closes the upstream connection, so the engine
+aborts the request instead of generating for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import web
+
+from gateway import errors
+from gateway.errors import GatewayError
+from gateway.state import GatewayState
+from routing.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+# Connection failures that prove the replica never saw the request (safe to retry elsewhere).
+_RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError)
+# Hop-by-hop and length headers that must not be copied from the upstream response.
+_DROP_HEADERS = {
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "content-encoding",
+    "date",
+    "server",
+    "x-request-id",
+}
+
+
+class AttemptHooks(Protocol):
+    """Bookkeeping for the replica being tried (in-flight counts, replica time, calibration)."""
+
+    def started(self, replica: ReplicaId) -> None:
+        """The request is being sent to ``replica``."""
+
+    def first_byte(self, replica: ReplicaId) -> None:
+        """The first token arrived: the engine has prefilled the prompt."""
+
+    def ended(self, replica: ReplicaId) -> None:
+        """The attempt is over (answered, failed, or the client left)."""
+
+
+@dataclass
+class UpstreamOutcome:
+    """What happened upstream, for metrics, index feedback and calibration."""
+
+    replica: ReplicaId | None = None
+    status: int = 0
+    ttft_s: float | None = None
+    #: Inter-chunk gaps of a stream, seconds.
+    gaps_s: list[float] = field(default_factory=list)
+    usage: Mapping[str, Any] | None = None
+    sent_at: float | None = None
+    finished_at: float | None = None
+    client_gone: bool = False
+    attempts: int = 0
+
+
+def _usage(payload: Any) -> Mapping[str, Any] | None:
+    if isinstance(payload, Mapping) and isinstance(payload.get("usage"), Mapping):
+        return payload["usage"]
+    return None
+
+
+class SseRelay:
+    """Splits an SSE byte stream into events and relays each as soon as it is complete.
+
+    Only needed to see ``usage`` (and hide the usage chunk the gateway asked for on the client's
+    behalf); bytes are never held back beyond the end of the event they belong to.
+    """
+
+    def __init__(self, hide_usage_chunk: bool) -> None:
+        self.hide_usage_chunk = hide_usage_chunk
+        self._buffer = b""
+        self.usage: Mapping[str, Any] | None = None
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """Complete events (each with its terminating blank line) to write now."""
+        self._buffer += chunk
+        out = []
+        while True:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                break
+            event, self._buffer = self._buffer[: end + 2], self._buffer[end + 2 :]
+            if self._inspect(event):
+                out.append(event)
+        return out
+
+    def flush(self) -> bytes:
+        """Whatever is left when the upstream ends (an unterminated last event)."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+    def _inspect(self, event: bytes) -> bool:
+        """Record usage; False to drop the event (the usage-only chunk the client did not want)."""
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]" or not data.startswith(b"{"):
+                continue
+            try:
+                payload = json.loads(data)
+            except ValueError:
+                continue
+            usage = _usage(payload)
+            if usage is not None:
+                self.usage = usage
+                if self.hide_usage_chunk and not payload.get("choices"):
+                    return False
+        return True
+
+
+async def _relay_stream(
+    request: web.Request,
+    resp: aiohttp.ClientResponse,
+    outcome: UpstreamOutcome,
+    request_id: str,
+    hide_usage_chunk: bool,
+    hooks: AttemptHooks,
+) -> web.StreamResponse:
+    out = web.StreamResponse(status=resp.status)
+    out.content_type = "text/event-stream"
+    out.headers["Cache-Control"] = "no-cache"
+    out.headers["X-Request-Id"] = request_id
+    await out.prepare(request)
+    relay = SseRelay(hide_usage_chunk)
+    last: float | None = None
+    try:
+        async for chunk in resp.content.iter_any():
+            events = relay.feed(chunk)
+            if not events:
+                continue
+            now = time.monotonic()
+            if last is None:
+                outcome.ttft_s = now - (outcome.sent_at or now)
+                if outcome.replica is not None:
+                    hooks.first_byte(outcome.replica)
+            else:
+                outcome.gaps_s.append(now - last)
+            last = now
+            for event in events:
+                await out.write(event)
+        tail = relay.flush()
+        if tail:
+            await out.write(tail)
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
+        # Bytes already reached the client: no retry. Tell it in-band, then end the stream.
+        log.warning("upstream %s failed mid-stream: %s", outcome.replica, type(exc).__name__)
+        outcome.status = 502
+        error = GatewayError(502, errors.UPSTREAM_ERROR, "upstream failed mid-stream")
+        await out.write(b"data: " + json.dumps(error.envelope()).encode() + b"\n\n")
+    except ConnectionResetError:
+        # The client went away (a write failed): close the upstream connection so the engine
+        # aborts the request instead of generating for nobody.
+        outcome.client_gone = True
+        resp.close()
+        return out
+    except asyncio.CancelledError:
+        # aiohttp cancelled the handler because the client disconnected: same, then unwind.
+        outcome.client_gone = True
+        resp.close()
+        raise
+    outcome.usage = relay.usage
+    await out.write_eof()
+    return out
+
+
+async def _relay_body(
+    resp: aiohttp.ClientResponse, outcome: UpstreamOutcome, request_id: str
+) -> web.Response:
+    body = await resp.read()
+    outcome.ttft_s = None
+    if resp.status == 200:
+        try:
+            outcome.usage = _usage(json.loads(body))
+        except ValueError:
+            outcome.usage = None
+    headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_HEADERS}
+    headers["X-Request-Id"] = request_id
+    return web.Response(status=resp.status, body=body, headers=headers)
+
+
+async def send(
+    gw: GatewayState,
+    request: web.Request,
+    path: str,
+    body: Mapping[str, Any],
+    candidates: list[ReplicaId],
+    request_id: str,
+    route: str,
+    hide_usage_chunk: bool,
+    outcome: UpstreamOutcome,
+    hooks: AttemptHooks,
+) -> web.StreamResponse:
+    """Send to the first reachable candidate and relay its answer; raise 503/504 otherwise.
+
+    ``hooks`` keep in-flight counts and replica-time accounting for exactly the replica that is
+    being tried.
+    """
+    session = gw.http()
+    timeout = aiohttp.ClientTimeout(
+        total=gw.config.upstream_timeout_s, sock_connect=gw.config.connect_timeout_s
+    )
+    payload = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    max_attempts = 1 + gw.max_retries
+    tried = 0
+    for replica_id in candidates:
+        if tried >= max_attempts:
+            break
+        replica = gw.registry.get(replica_id)
+        if replica is None:
+            continue
+        breaker = gw.registry.breaker(replica_id)
+        if not breaker.allows():
+            continue
+        if tried:
+            gw.metrics.upstream_retries.labels(route, "connect_failed").inc()
+        tried += 1
+        breaker.begin()
+        outcome.replica = replica_id
+        outcome.attempts = tried
+        outcome.sent_at = time.monotonic()
+        hooks.started(replica_id)
+        try:
+            async with session.post(
+                f"{replica.url}{path}", data=payload, headers=headers, timeout=timeout
+            ) as resp:
+                breaker.success()
+                outcome.status = resp.status
+                if resp.status == 200 and body.get("stream"):
+                    result = await _relay_stream(
+                        request, resp, outcome, request_id, hide_usage_chunk, hooks
+                    )
+                else:
+                    result = await _relay_body(resp, outcome, request_id)
+                    hooks.first_byte(replica_id)
+                outcome.finished_at = time.monotonic()
+                return result
+        except _RETRYABLE as exc:
+            breaker.failure()
+            log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)
+            continue
+        except TimeoutError:
+            breaker.failure()
+            raise GatewayError(
+                504, errors.UPSTREAM_TIMEOUT, "The upstream replica did not answer in time."
+            ) from None
+        finally:
+            hooks.ended(replica_id)
+    raise GatewayError(
+        503,
+        errors.NO_HEALTHY_REPLICA,
+        "No healthy replica could take the request.",
+        headers={"Retry-After": "1"},
+    )

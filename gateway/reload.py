@@ -1,0 +1,76 @@
+"""Policy reload without a restart: SIGHUP, file-change polling and ``POST /admin/policy/reload``.
+
+A new file is validated in full before anything changes; if it is refused, its errors are kept
+for the admin API and logged, and the running policy stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+
+from gateway.policy_view import from_policy
+from gateway.routing_glue import build_profiles
+from gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReloadResult:
+    """Outcome of one reload attempt."""
+
+    ok: bool
+    errors: list[str] = field(default_factory=list)
+    summary: str | None = None
+
+
+def reload_policy(gw: GatewayState) -> ReloadResult:
+    """Load, validate and swap in the policy file; keep the running policy if it is invalid."""
+    from routing.config import PolicyError, load_policy
+
+    path = gw.config.policy_path
+    if path is None:
+        return ReloadResult(False, ["no policy file configured (running policy-less)"])
+    try:
+        mtime = os.stat(path).st_mtime
+        policy = load_policy(path)
+        view = from_policy(policy)
+        profiles = build_profiles(view)
+    except PolicyError as exc:
+        return _refused(gw, [str(e) for e in exc.errors], path)
+    except (OSError, ValueError, TypeError) as exc:
+        return _refused(gw, [f"{path}: {exc}"], path)
+    gw.engine.replace_profiles(profiles)
+    gw.config.apply_policy(policy)
+    gw.max_retries = gw.config.max_retries
+    gw.policy = view
+    gw.registry.set_static(view.replicas)
+    gw.policy_mtime = mtime
+    gw.policy_errors = []
+    gw.metrics.policy_reloads.labels("ok").inc()
+    summary = policy.summary() if hasattr(policy, "summary") else None
+    log.info("policy reloaded from %s: %s", path, summary)
+    return ReloadResult(True, [], summary)
+
+
+def _refused(gw: GatewayState, problems: list[str], path: str) -> ReloadResult:
+    gw.policy_errors = problems
+    # Remember the refused file's mtime so polling does not retry it every interval.
+    with contextlib.suppress(OSError):
+        gw.policy_mtime = os.stat(path).st_mtime
+    gw.metrics.policy_reloads.labels("rejected").inc()
+    log.error("policy reload refused, keeping the running policy:\n  %s", "\n  ".join(problems))
+    return ReloadResult(False, problems)
+
+
+def policy_file_changed(gw: GatewayState) -> bool:
+    """True if the policy file's mtime differs from the one last loaded (or refused)."""
+    if gw.config.policy_path is None:
+        return False
+    try:
+        return os.stat(gw.config.policy_path).st_mtime != gw.policy_mtime
+    except OSError:
+        return False

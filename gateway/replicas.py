@@ -1,0 +1,230 @@
+"""The replica registry: what the gateway knows about each replica, kept fresh by polling.
+
+Replicas come from the policy file / command line (static) and, with ``--redis``, from agents
+registered in the fleet store. A health loop polls each replica's ``/health``, ``/v1/models``
+(served base models and loaded adapters) and ``/metrics`` (queue and KV usage); a circuit breaker
+per replica takes request-path failures into account between polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import aiohttp
+
+from gateway.breaker import CircuitBreaker
+from gateway.policy_view import ReplicaSpec
+from routing.state import ReplicaState
+from routing.types import Epoch, ReplicaId
+
+log = logging.getLogger(__name__)
+
+# vLLM gauge names -> ReplicaState fields they fill.
+_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+}
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float]:
+    """Sum each of the gauges in ``_GAUGES`` across label sets (one engine, possibly DP ranks)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        field = _GAUGES.get(name)
+        if field is None:
+            continue
+        try:
+            values[field] = values.get(field, 0.0) + float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+    return values
+
+
+class ReplicaRegistry:
+    """Replica states, their breakers, and the adapters each replica reports."""
+
+    def __init__(self, failure_threshold: int = 3, cooldown_s: float = 10.0) -> None:
+        self._states: dict[ReplicaId, ReplicaState] = {}
+        self._breakers: dict[ReplicaId, CircuitBreaker] = {}
+        self._static: set[ReplicaId] = set()
+        self._discovered: set[ReplicaId] = set()
+        self._failure_threshold = failure_threshold
+        self._cooldown_s = cooldown_s
+        #: adapter name -> base model, as replicas list them in ``/v1/models`` (``parent``).
+        self.served_adapters: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ membership
+
+    def set_static(self, specs: Iterable[ReplicaSpec]) -> None:
+        """Replace the statically configured replicas (policy reload keeps known states)."""
+        wanted = {ReplicaId(s.replica_id): s for s in specs}
+        for rid in self._static - set(wanted):
+            self.remove(rid)
+        for rid, spec in wanted.items():
+            self.upsert(
+                ReplicaState(
+                    replica_id=rid,
+                    url=spec.url,
+                    pool=spec.pool,
+                    models=spec.models,
+                    block_size=spec.block_size,
+                    prefill_tokens_per_s=spec.prefill_tokens_per_s,
+                )
+            )
+        self._static = set(wanted)
+
+    def upsert(self, state: ReplicaState) -> None:
+        """Add a replica or update its identity (url, pool, models, epoch), keeping live figures."""
+        old = self._states.get(state.replica_id)
+        if old is None:
+            self._states[state.replica_id] = state
+            self._breakers[state.replica_id] = CircuitBreaker(
+                self._failure_threshold, self._cooldown_s
+            )
+            return
+        self._states[state.replica_id] = replace(
+            old,
+            url=state.url,
+            pool=state.pool,
+            models=state.models or old.models,
+            block_size=state.block_size,
+            epoch=state.epoch,
+        )
+
+    def sync_discovered(self, states: Iterable[ReplicaState]) -> None:
+        """Take the agents' view of registered replicas; forget those whose registration expired.
+
+        An agent scrapes its engine several times a second, so its figures (queue, KV usage,
+        adapters, epoch) replace ours; only the gateway's own in-flight counts are kept.
+        """
+        seen = set()
+        for state in states:
+            if state.replica_id in self._static:
+                continue  # listed statically: the policy file wins over a registration
+            seen.add(state.replica_id)
+            old = self._states.get(state.replica_id)
+            if old is None:
+                self.upsert(state)
+            else:
+                self._states[state.replica_id] = replace(
+                    state,
+                    inflight_requests=old.inflight_requests,
+                    inflight_prefill_tokens=old.inflight_prefill_tokens,
+                )
+        for rid in self._discovered - seen:
+            self.remove(rid)
+        self._discovered = seen
+
+    def remove(self, replica: ReplicaId) -> None:
+        """Forget a replica."""
+        self._states.pop(replica, None)
+        self._breakers.pop(replica, None)
+
+    # ------------------------------------------------------------------ reading
+
+    def get(self, replica: ReplicaId) -> ReplicaState | None:
+        return self._states.get(replica)
+
+    def breaker(self, replica: ReplicaId) -> CircuitBreaker:
+        return self._breakers[replica]
+
+    def all(self) -> list[ReplicaState]:
+        """Every known replica (healthy or not), for the admin API."""
+        return list(self._states.values())
+
+    def routable(self) -> list[ReplicaState]:
+        """Copies of the replicas as policies should see them: unhealthy if the circuit is open."""
+        out = []
+        for rid, state in self._states.items():
+            allowed = self._breakers[rid].allows()
+            out.append(state if allowed else replace(state, healthy=False))
+        return out
+
+    def base_models(self) -> set[str]:
+        """Base models at least one replica (healthy or not) serves."""
+        return {m for s in self._states.values() for m in s.models}
+
+    def ready_models(self) -> dict[str, bool]:
+        """Per base model: is at least one replica serving it healthy with a closed circuit?"""
+        ready: dict[str, bool] = {m: False for m in self.base_models()}
+        for state in self.routable():
+            if state.healthy:
+                for model in state.models:
+                    ready[model] = True
+        return ready
+
+    # ------------------------------------------------------------------ polling
+
+    async def poll_once(self, session: aiohttp.ClientSession, timeout_s: float = 2.0) -> None:
+        """Poll every replica once, concurrently."""
+        await asyncio.gather(
+            *(self._poll(session, s, timeout_s) for s in list(self._states.values()))
+        )
+
+    async def _poll(
+        self, session: aiohttp.ClientSession, state: ReplicaState, timeout_s: float
+    ) -> None:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with session.get(f"{state.url}/health", timeout=timeout) as resp:
+                healthy = resp.status == 200
+            models_body: dict[str, Any] = {}
+            if healthy:
+                async with session.get(f"{state.url}/v1/models", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        models_body = await resp.json()
+            gauges: dict[str, float] = {}
+            if healthy:
+                async with session.get(f"{state.url}/metrics", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        gauges = parse_vllm_metrics(await resp.text())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("health poll of %s failed: %s", state.replica_id, exc)
+            healthy = False
+            models_body, gauges = {}, {}
+        current = self._states.get(state.replica_id)
+        if current is None:  # removed while polling
+            return
+        updates: dict[str, Any] = {"healthy": healthy}
+        if healthy:
+            self._breakers[state.replica_id].success()
+            bases, adapters = set(), set()
+            for entry in models_body.get("data", []) if isinstance(models_body, dict) else []:
+                parent = entry.get("parent")
+                if parent:
+                    adapters.add(str(entry["id"]))
+                    self.served_adapters[str(entry["id"])] = str(parent)
+                else:
+                    bases.add(str(entry.get("id")))
+            if bases:
+                updates["models"] = frozenset(bases)
+            updates["loaded_adapters"] = frozenset(adapters)
+            if gauges:
+                updates["running"] = int(gauges.get("running", 0))
+                updates["waiting"] = int(gauges.get("waiting", 0))
+                updates["kv_usage"] = float(gauges.get("kv_usage", 0.0))
+                updates["metrics_read_at"] = time.time()
+        self._states[state.replica_id] = replace(current, **updates)
+
+    def set_inflight(self, counts: dict[ReplicaId, tuple[int, int]]) -> None:
+        """Copy in-flight (requests, unprefilled prompt tokens) per replica into the states."""
+        for rid, state in self._states.items():
+            requests, tokens = counts.get(rid, (0, 0))
+            if (state.inflight_requests, state.inflight_prefill_tokens) != (requests, tokens):
+                self._states[rid] = replace(
+                    state, inflight_requests=requests, inflight_prefill_tokens=tokens
+                )
+
+    def set_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        state = self._states.get(replica)
+        if state is not None:
+            self._states[replica] = replace(state, epoch=epoch)

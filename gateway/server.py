@@ -1,0 +1,130 @@
+"""Running a gateway app: one process, or N worker processes sharing the port (SO_REUSEPORT).
+
+Signals: SIGTERM / SIGINT drain and stop (in-flight streams get ``drain_timeout_s``), SIGHUP
+reloads the policy file. With workers, the parent forwards both to every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.reload import reload_policy
+from gateway.state import GATEWAY
+
+log = logging.getLogger(__name__)
+
+
+async def start_site(
+    app: web.Application, host: str, port: int, drain_timeout_s: float, reuse_port: bool = False
+) -> tuple[web.AppRunner, str]:
+    """Start serving ``app``; returns the runner and the URL it listens on."""
+    # handler_cancellation: a client disconnect cancels its handler, which aborts the upstream.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    shown = "127.0.0.1" if bound_host in ("0.0.0.0", "::") else bound_host
+    return runner, f"http://{shown}:{bound_port}"
+
+
+class StopSignals:
+    """SIGTERM/SIGINT set ``stopped``; SIGHUP reloads the policy. Install before announcing
+    readiness, so a signal sent right after the announcement is never lost."""
+
+    def __init__(self, app: web.Application | None = None) -> None:
+        self.stopped = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._loop.add_signal_handler(sig, self.stopped.set)
+        if app is not None:
+            gw = app[GATEWAY]
+            self._loop.add_signal_handler(signal.SIGHUP, lambda: reload_policy(gw))
+
+    async def wait(self) -> None:
+        """Block until stopped, then restore default signal handling."""
+        try:
+            await self.stopped.wait()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                self._loop.remove_signal_handler(sig)
+
+
+AppFactory = Callable[[GatewayConfig], web.Application]
+
+
+def _worker(
+    factory: AppFactory,
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    reuse_port: bool,
+    on_ready: Callable[[str], Awaitable[None]] | None = None,
+) -> None:
+    async def main() -> None:
+        app = factory(config)
+        signals = StopSignals(app)
+        runner, url = await start_site(app, host, port, config.drain_timeout_s, reuse_port)
+        if on_ready is not None:
+            await on_ready(url)
+        try:
+            await signals.wait()
+        finally:
+            await runner.cleanup()
+
+    # A stop signal that arrives before the loop installs its handlers (still starting up) is a
+    # clean stop too, not a traceback and exit code 1.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        log.info("stopped during start-up")
+
+
+def serve_forever(
+    factory: AppFactory,
+    config: GatewayConfig,
+    host: str,
+    port: int,
+    workers: int = 1,
+    on_ready: Callable[[str], Awaitable[None]] | None = None,
+) -> int:
+    """Serve until stopped. ``workers > 1`` forks that many processes sharing the port."""
+    if workers <= 1:
+        _worker(factory, config, host, port, False, on_ready)
+        return 0
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(
+            target=_worker, args=(factory, config, host, port, True), name=f"fleetgate-worker-{i}"
+        )
+        for i in range(workers)
+    ]
+
+    def forward(signum: int, _frame: object) -> None:
+        for process in processes:
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, signum)
+
+    # Handlers first: a signal during start-up is forwarded, not lost or fatal to the parent.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    for process in processes:
+        process.start()
+    log.info("fleetgate: %d workers on %s:%d (SO_REUSEPORT)", workers, host, port)
+    exit_codes = []
+    for process in processes:
+        process.join()
+        exit_codes.append(process.exitcode or 0)
+    # A worker killed by a signal has a negative exit code; any failure must fail the command.
+    return max((abs(code) for code in exit_codes), default=0)

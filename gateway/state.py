@@ -1,0 +1,66 @@
+"""Everything one gateway process holds, in one object stored under a typed ``web.AppKey``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from opentelemetry.trace import Tracer
+
+from gateway.config import GatewayConfig
+from gateway.cost import ReplicaTimeMeter, RouteWindow
+from gateway.inflight import InflightTracker
+from gateway.layout import LayoutDiagnostics
+from gateway.metrics import GatewayMetrics
+from gateway.policy_view import GatewayPolicy
+from gateway.ratelimit import RateLimiter
+from gateway.replicas import ReplicaRegistry
+from gateway.routing_glue import Router
+from routing.contracts import BlockIndex, PromptTokenizer
+
+
+@dataclass
+class GatewayState:
+    """The gateway's collaborators; handlers read them, background tasks keep them fresh."""
+
+    config: GatewayConfig
+    policy: GatewayPolicy
+    registry: ReplicaRegistry
+    index: BlockIndex
+    index_backend: str
+    engine: Router
+    tokenizer: PromptTokenizer
+    metrics: GatewayMetrics
+    inflight: InflightTracker
+    tracer: Tracer
+    rate_limiter: RateLimiter = field(default_factory=RateLimiter)
+    layout: LayoutDiagnostics = field(default_factory=LayoutDiagnostics)
+    meter: ReplicaTimeMeter = field(default_factory=ReplicaTimeMeter)
+    window: RouteWindow = field(default_factory=RouteWindow)
+    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=200))
+    #: Pooled upstream connections; opened in the app's cleanup context.
+    session: aiohttp.ClientSession | None = None
+    #: Set while shutting down: new requests get 503, in-flight ones drain.
+    draining: bool = False
+    active_requests: int = 0
+    #: Retries on fallbacks before the first byte (the policy's ``gateway.max_retries``).
+    max_retries: int = 2
+    policy_errors: list[str] = field(default_factory=list)
+    policy_mtime: float | None = None
+    #: Short-lived tasks (index refreshes); awaited or cancelled on shutdown, never leaked.
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+    #: Optional extra replica source (agents' fleet store), polled with the health loop.
+    fleet_store: Any = None
+
+    def http(self) -> aiohttp.ClientSession:
+        """The pooled upstream session (only valid while the app runs)."""
+        if self.session is None:
+            raise RuntimeError("gateway session is not open (app not started)")
+        return self.session
+
+
+GATEWAY = web.AppKey("fleetgate_gateway", GatewayState)

@@ -1,0 +1,51 @@
+"""Background loops of a running gateway: replica health, shared in-flight counts, policy polling.
+
+Each is started and cancelled in the app's ``cleanup_ctx`` (see ``gateway/app.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.reload import policy_file_changed, reload_policy
+from gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+
+async def health_loop(gw: GatewayState) -> None:
+    """Poll replicas (health, models, engine metrics) and merge agent-registered replicas."""
+    while True:
+        if gw.fleet_store is not None:
+            await merge_fleet_store(gw)
+        try:
+            await gw.registry.poll_once(gw.http(), timeout_s=max(0.5, gw.config.health_interval_s))
+        except Exception:  # one bad poll must not end the loop
+            log.exception("replica health poll failed")
+        await asyncio.sleep(gw.config.health_interval_s)
+
+
+async def merge_fleet_store(gw: GatewayState) -> None:
+    """Take in the replicas agents registered (Redis or in-memory fleet store)."""
+    try:
+        states = await gw.fleet_store.list_replicas()
+    except Exception as exc:  # Redis down: keep the replicas we know
+        log.warning("fleet store unavailable: %s", exc)
+        return
+    gw.registry.sync_discovered(states)
+
+
+async def inflight_loop(gw: GatewayState, interval_s: float = 0.25) -> None:
+    """Share in-flight counts with the other gateways (a no-op for the memory tracker)."""
+    while True:
+        await gw.inflight.sync()
+        await asyncio.sleep(interval_s)
+
+
+async def policy_poll_loop(gw: GatewayState) -> None:
+    """Reload the policy when its file changes on disk."""
+    while True:
+        await asyncio.sleep(gw.config.policy_poll_s)
+        if policy_file_changed(gw):
+            reload_policy(gw)

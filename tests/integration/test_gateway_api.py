@@ -1,0 +1,336 @@
+"""The gateway's OpenAI-compatible API against fake upstreams: passthrough, streaming, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import aiohttp.web
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.policy_view import GatewayPolicy, ReplicaSpec
+from tests.integration.test_gateway_support import FakeUpstream, serve
+
+
+@asynccontextmanager
+async def gateway(
+    upstreams: list[FakeUpstream],
+    profile: str = "expected-ttft",
+    **config: object,
+) -> AsyncIterator[str]:
+    """Fake upstreams plus a policy-less gateway in front of them; yields the gateway URL."""
+    async with _serve_all(upstreams) as urls:
+        specs = [
+            ReplicaSpec(f"r{i}", url, models=frozenset(u.models))
+            for i, (u, url) in enumerate(zip(upstreams, urls, strict=True))
+        ]
+        cfg = GatewayConfig(health_interval_s=3600, **config)  # type: ignore[arg-type]
+        app = create_app(cfg, GatewayPolicy.default(specs, profile=profile))
+        async with serve(app, handler_cancellation=True) as url:
+            yield url
+
+
+@asynccontextmanager
+async def _serve_all(upstreams: list[FakeUpstream]) -> AsyncIterator[list[str]]:
+    urls: list[str] = []
+    stack = []
+    try:
+        for upstream in upstreams:
+            cm = serve(upstream.app())
+            upstream.url = await cm.__aenter__()
+            stack.append(cm)
+            urls.append(upstream.url)
+        yield urls
+    finally:
+        for cm in reversed(stack):
+            await cm.__aexit__(None, None, None)
+
+
+CHAT = {"model": "base-model", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+async def test_chat_passthrough_keeps_client_fields_and_request_id() -> None:
+    upstream = FakeUpstream()
+    async with gateway([upstream]) as url, aiohttp.ClientSession() as http:
+        body = {**CHAT, "temperature": 0.3, "top_k": 7, "cache_salt": "client-chosen"}
+        async with http.post(
+            f"{url}/v1/chat/completions", json=body, headers={"X-Request-Id": "req-42"}
+        ) as resp:
+            assert resp.status == 200
+            assert resp.headers["X-Request-Id"] == "req-42"
+            answer = await resp.json()
+    assert answer["choices"][0]["message"]["content"] == "a b c"
+    sent = upstream.received[0]
+    assert sent["temperature"] == 0.3 and sent["top_k"] == 7
+    # The gateway owns cache_salt: the default tenant has none, so the client's is dropped.
+    assert "cache_salt" not in sent
+    assert upstream.headers[0]["X-Request-Id"] == "req-42"
+
+
+async def test_request_id_generated_when_absent() -> None:
+    upstream = FakeUpstream()
+    async with (
+        gateway([upstream]) as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/v1/chat/completions", json=CHAT) as resp,
+    ):
+        generated = resp.headers["X-Request-Id"]
+    assert generated.startswith("fg-")
+    assert upstream.headers[0]["X-Request-Id"] == generated
+
+
+async def test_openai_client_chat_completions_streaming_and_models() -> None:
+    upstream = FakeUpstream(adapters={"support-lora": "base-model"})
+    async with gateway([upstream]) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="anything", max_retries=0)
+        chat = await client.chat.completions.create(
+            model="base-model", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert chat.choices[0].message.content == "a b c"
+        text = await client.completions.create(model="base-model", prompt="once upon")
+        assert text.choices[0].text == "a b c"
+        stream = await client.chat.completions.create(
+            model="base-model", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "a b c"
+        # The gateway asked for usage on the client's behalf; the client must not see it.
+        assert all(c.choices for c in chunks)
+        models = await client.models.list()
+        cards = {m.id: getattr(m, "parent", None) for m in models.data}
+        assert cards == {"base-model": None, "support-lora": "base-model"}
+        await client.close()
+    assert upstream.received[2]["stream_options"] == {"include_usage": True}
+
+
+async def test_stream_usage_reaches_client_that_asked() -> None:
+    upstream = FakeUpstream()
+    async with gateway([upstream]) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        stream = await client.completions.create(
+            model="base-model",
+            prompt="x",
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        await client.close()
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 10
+
+
+async def test_stream_is_relayed_before_upstream_finishes() -> None:
+    gate = asyncio.Event()
+    upstream = FakeUpstream(stream_gate=gate)
+    async with (
+        gateway([upstream]) as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True}) as resp,
+    ):
+        first = await resp.content.readuntil(b"\n\n")
+        # The upstream is still held at the gate: the first token was not buffered.
+        assert not gate.is_set()
+        assert b'"a"' in first
+        gate.set()
+        rest = await resp.read()
+    assert rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_client_disconnect_aborts_upstream() -> None:
+    gate = asyncio.Event()
+    upstream = FakeUpstream(stream_gate=gate)
+    async with gateway([upstream]) as url:
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True})
+            await resp.content.readuntil(b"\n\n")
+            resp.close()  # the client walks away mid-stream
+        await asyncio.wait_for(upstream.client_gone.wait(), timeout=10)
+        gate.set()
+
+
+async def test_retry_on_fallback_when_replica_drops_before_first_byte() -> None:
+    dropper, good = FakeUpstream(drop_completions=True), FakeUpstream()
+    async with (
+        gateway([dropper, good], profile="round-robin") as url,
+        aiohttp.ClientSession() as http,
+    ):
+        statuses = []
+        for _ in range(2):
+            async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+                statuses.append(resp.status)
+        async with http.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+    assert statuses == [200, 200]
+    assert dropper.attempts == 1 and len(good.received) == 2
+    assert 'fleetgate_upstream_retries_total{reason="connect_failed",route="default"} 1.0' in (
+        metrics
+    )
+
+
+def _error(body: bytes) -> dict[str, object]:
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    return error
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1, 2]", 400, "invalid_json"),
+        (
+            json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+            400,
+            "invalid_request",
+        ),
+        (json.dumps({"model": "base-model", "messages": []}).encode(), 400, "invalid_request"),
+        (json.dumps({**CHAT, "stream": "yes"}).encode(), 400, "invalid_request"),
+        (json.dumps({**CHAT, "model": "nope"}).encode(), 404, "model_not_found"),
+        (json.dumps({**CHAT, "pad": "x" * 5000}).encode(), 413, "request_too_large"),
+    ],
+)
+async def test_errors_use_openai_envelope(raw: bytes, status: int, code: str) -> None:
+    upstream = FakeUpstream()
+    headers = {"Content-Type": "application/json"}
+    async with (
+        gateway([upstream], max_body_bytes=4096) as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/v1/chat/completions", data=raw, headers=headers) as resp,
+    ):
+        assert resp.status == status
+        assert resp.headers["X-Request-Id"]
+        assert _error(await resp.read())["code"] == code
+    assert upstream.received == []
+
+
+async def test_openai_client_sees_not_found_error() -> None:
+    async with gateway([FakeUpstream()]) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        with pytest.raises(openai.NotFoundError) as err:
+            await client.chat.completions.create(
+                model="missing", messages=[{"role": "user", "content": "x"}]
+            )
+        await client.close()
+    assert err.value.code == "model_not_found"
+
+
+async def test_upstream_timeout_is_504() -> None:
+    gate = asyncio.Event()
+    upstream = FakeUpstream(header_gate=gate)
+    async with gateway([upstream], upstream_timeout_s=0.2) as url:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{url}/v1/chat/completions", json=CHAT) as resp,
+        ):
+            assert resp.status == 504
+            assert _error(await resp.read())["code"] == "upstream_timeout"
+        gate.set()
+
+
+async def test_no_healthy_replica_is_503_and_not_ready() -> None:
+    upstream = FakeUpstream()
+    async with gateway([upstream]) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/ready") as resp:
+            assert resp.status == 200
+        upstream.drop_completions = True  # every attempt now fails before the first byte
+        async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 503
+            assert _error(await resp.read())["code"] == "no_healthy_replica"
+
+
+async def test_ready_is_503_without_replicas_and_health_is_200() -> None:
+    async with gateway([]) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/health") as resp:
+            assert resp.status == 200
+        async with http.get(f"{url}/ready") as resp:
+            assert resp.status == 503
+
+
+async def test_unknown_path_is_enveloped_404() -> None:
+    async with (
+        gateway([FakeUpstream()]) as url,
+        aiohttp.ClientSession() as http,
+        http.get(f"{url}/v1/nothing") as resp,
+    ):
+        assert resp.status == 404
+        assert _error(await resp.read())["code"] == "not_found"
+
+
+async def test_inflight_counts_follow_a_stream() -> None:
+    gate = asyncio.Event()
+    upstream = FakeUpstream(stream_gate=gate)
+    admin = {"Authorization": "Bearer adm"}
+    async with (
+        gateway([upstream], admin_key="adm") as url,
+        aiohttp.ClientSession() as http,
+    ):
+
+        async def replica_view() -> dict[str, object]:
+            async with http.get(f"{url}/admin/replicas", headers=admin) as resp:
+                return (await resp.json())["replicas"][0]
+
+        async with http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
+            await resp.content.readuntil(b"\n\n")
+            during = await replica_view()
+            gate.set()
+            await resp.read()
+        after = await replica_view()
+    # Streaming: the prompt is prefilled (first token out), the request still runs.
+    assert (during["inflight_requests"], during["inflight_prefill_tokens"]) == (1, 0)
+    assert (after["inflight_requests"], after["inflight_prefill_tokens"]) == (0, 0)
+
+
+async def test_shutdown_drains_inflight_stream() -> None:
+    gate = asyncio.Event()
+    upstream = FakeUpstream(stream_gate=gate)
+    async with _serve_all([upstream]) as (upstream_url,):
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
+        shutdown_started = asyncio.Event()
+
+        async def mark(_app: object) -> None:
+            shutdown_started.set()
+
+        app.on_shutdown.append(mark)
+        runner = aiohttp.web.AppRunner(app, handler_cancellation=True, shutdown_timeout=30)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        async with aiohttp.ClientSession() as http:
+            resp = await http.post(
+                f"http://{host}:{port}/v1/chat/completions", json={**CHAT, "stream": True}
+            )
+            await resp.content.readuntil(b"\n\n")
+            cleanup = asyncio.create_task(runner.cleanup())
+            await shutdown_started.wait()
+            gate.set()  # the upstream finishes only after shutdown began
+            rest = await resp.read()
+            await cleanup
+    assert rest.endswith(b"data: [DONE]\n\n")
+
+
+async def test_bad_token_ids_are_400_and_errors_are_counted_by_code() -> None:
+    async with (
+        gateway([FakeUpstream()]) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        body = {"model": "base-model", "prompt": [-1, 5]}
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 400
+            assert _error(await resp.read())["param"] == "prompt"
+        async with http.post(f"{url}/v1/completions", json={**body, "model": "x"}) as resp:
+            assert resp.status == 404
+        async with http.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+    assert 'fleetgate_errors_total{code="invalid_request",route="default"} 1.0' in metrics
+    assert 'fleetgate_errors_total{code="model_not_found",route="unrouted"} 1.0' in metrics
+    assert (
+        'fleetgate_requests_total{model="base-model",replica="none",route="default",status="400"}'
+        " 1.0" in metrics
+    )

@@ -1,0 +1,109 @@
+"""Spans of the request path, and routing that degrades (index down) instead of failing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import aiohttp
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.policy_view import GatewayPolicy, ReplicaSpec
+from gateway.state import GATEWAY
+from routing.contracts import IndexStats, IndexUnavailable
+from routing.types import BlockHash, Epoch, ReplicaId
+from tests.integration.test_gateway_support import FakeUpstream, serve
+
+BODY = {"model": "base-model", "prompt": "a prompt long enough for a few blocks " * 4}
+
+
+class DownIndex:
+    """A block index whose backend is unreachable."""
+
+    async def set_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        raise IndexUnavailable("down")
+
+    async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        raise IndexUnavailable("down")
+
+    async def record(
+        self,
+        replica: ReplicaId,
+        epoch: Epoch,
+        blocks: Sequence[BlockHash],
+        ttl_s: float | None = None,
+    ) -> None:
+        raise IndexUnavailable("down")
+
+    async def remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
+        raise IndexUnavailable("down")
+
+    async def match(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+        raise IndexUnavailable("down")
+
+    async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
+        raise IndexUnavailable("down")
+
+    async def stats(self) -> IndexStats:
+        raise IndexUnavailable("down")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_index_outage_degrades_to_load_only_routing() -> None:
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(
+            GatewayConfig(health_interval_s=3600, admin_key="adm"),
+            GatewayPolicy.default([spec]),
+            index=DownIndex(),
+        )
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/completions", json=BODY) as resp:
+                assert resp.status == 200
+            async with http.get(f"{url}/metrics") as resp:
+                metrics = await resp.text()
+            headers = {"Authorization": "Bearer adm"}
+            async with http.get(f"{url}/admin/index", headers=headers) as resp:
+                index = await resp.json()
+    assert (
+        'fleetgate_degraded_decisions_total{reason="index_unavailable",route="default"} 1.0'
+        in metrics
+    )
+    assert index["available"] is False
+
+
+async def test_request_spans_cover_every_stage() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
+        app[GATEWAY].tracer = provider.get_tracer("test")
+        async with (
+            serve(app, handler_cancellation=True) as url,
+            aiohttp.ClientSession() as http,
+            http.post(f"{url}/v1/completions", json=BODY) as resp,
+        ):
+            assert resp.status == 200
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) >= {
+        "fleetgate.request",
+        "fleetgate.tokenize",
+        "fleetgate.route",
+        "fleetgate.index_lookup",
+        "fleetgate.scoring",
+        "fleetgate.upstream",
+    }
+    root = spans["fleetgate.request"]
+    for name in ("fleetgate.tokenize", "fleetgate.route", "fleetgate.upstream"):
+        assert spans[name].parent is not None
+        assert spans[name].parent.span_id == root.context.span_id
+    assert spans["fleetgate.route"].attributes["fleetgate.replica"] == "r0"

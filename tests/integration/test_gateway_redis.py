@@ -1,0 +1,62 @@
+"""Several gateways sharing Redis: in-flight counts, and the Redis block index behind the API."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.inflight import RedisInflight
+from gateway.policy_view import GatewayPolicy, ReplicaSpec
+from routing.types import ReplicaId
+from tests.integration.test_gateway_support import FakeUpstream, serve
+
+pytestmark = pytest.mark.redis
+
+
+async def test_inflight_counts_are_shared_between_gateways(redis_url: str) -> None:
+    first, second = RedisInflight(redis_url), RedisInflight(redis_url)
+    replica = ReplicaId("pool/0")
+    try:
+        first.start(replica, 100)
+        second.start(replica, 20)
+        await first.sync()
+        await second.sync()
+        assert second.counts()[replica] == (2, 120)
+        first.finish(replica, 100)
+        await first.sync()
+        await second.sync()
+        assert second.counts()[replica] == (1, 20)
+    finally:
+        await first.close()
+        await second.close()
+    # A closed gateway's counts leave Redis with it.
+    third = RedisInflight(redis_url)
+    await third.sync()
+    assert third.counts().get(replica, (0, 0)) == (0, 0)
+    await third.close()
+
+
+async def test_gateway_routes_with_the_redis_index(redis_url: str) -> None:
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(
+            GatewayConfig(redis_url=redis_url, admin_key="adm", health_interval_s=3600),
+            GatewayPolicy.default([spec]),
+        )
+        body = {"model": "base-model", "prompt": "a long shared prompt " * 20}
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            for _ in range(2):
+                async with http.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+            headers = {"Authorization": "Bearer adm"}
+            async with http.get(f"{url}/admin/decisions?n=1", headers=headers) as resp:
+                (latest,) = (await resp.json())["decisions"]
+            async with http.get(f"{url}/admin/index", headers=headers) as resp:
+                index = await resp.json()
+    assert index["backend"] == "redis" and index["available"] is True
+    # The second request found the first one's speculative entry in Redis.
+    assert latest["explanations"]["r0"]["matched_blocks"] == latest["blocks"] > 0
+    assert not latest["degraded"]

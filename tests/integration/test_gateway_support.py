@@ -1,0 +1,147 @@
+"""A minimal OpenAI-shaped upstream for gateway-mechanics tests (not a vLLM stand-in).
+
+Tests about prefix hit rates use the real simulated replica (``replica/sim``); this fake only
+answers in the shapes the gateway relays, records what it received, and lets a test hold a
+response at a gate to observe streaming and disconnects without timing races.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+
+@dataclass
+class FakeUpstream:
+    """One fake replica. Flip the attributes to change its behaviour mid-test."""
+
+    models: list[str] = field(default_factory=lambda: ["base-model"])
+    adapters: dict[str, str] = field(default_factory=dict)
+    #: Close the connection without answering completions (a replica dying mid-request).
+    drop_completions: bool = False
+    #: When set, a streaming response sends its first chunk, then waits for this gate.
+    stream_gate: asyncio.Event | None = None
+    #: When set, a response waits here before sending headers (upstream timeout tests).
+    header_gate: asyncio.Event | None = None
+    cached_tokens: int = 0
+    received: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[CIMultiDict[str]] = field(default_factory=list)
+    attempts: int = 0
+    #: Set when the gateway went away while this upstream was streaming.
+    client_gone: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/v1/completions", self._complete)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "parent": None} for m in self.models]
+        data += [{"id": a, "object": "model", "parent": p} for a, p in self.adapters.items()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    def _usage(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "prompt_tokens": 10,
+            "completion_tokens": 3,
+            "total_tokens": 13,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        self.attempts += 1
+        if self.drop_completions:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        body = await request.json()
+        self.received.append(body)
+        self.headers.append(request.headers.copy())
+        if self.header_gate is not None:
+            await self.header_gate.wait()
+        chat = request.path.endswith("chat/completions")
+        if not body.get("stream"):
+            return web.json_response(
+                {
+                    "id": "cmpl-1",
+                    "object": "chat.completion" if chat else "text_completion",
+                    "model": body["model"],
+                    "choices": [
+                        {"index": 0, "message": {"role": "assistant", "content": "a b c"}}
+                        if chat
+                        else {"index": 0, "text": "a b c"}
+                    ],
+                    "usage": self._usage(body),
+                }
+            )
+        resp = web.StreamResponse()
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        try:
+            for i, word in enumerate(["a", " b", " c"]):
+                delta = {"delta": {"content": word}} if chat else {"text": word}
+                chunk = {
+                    "id": "cmpl-1",
+                    "object": "chat.completion.chunk" if chat else "text_completion",
+                    "model": body["model"],
+                    "choices": [{"index": 0, **delta, "finish_reason": None}],
+                }
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if i == 0 and self.stream_gate is not None:
+                    await self._wait_or_notice_disconnect(request, resp)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"id": "cmpl-1", "choices": [], "usage": self._usage(body)}
+                await resp.write(f"data: {json.dumps(usage)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.client_gone.set()
+            raise
+        return resp
+
+    async def _wait_or_notice_disconnect(
+        self, request: web.Request, resp: web.StreamResponse
+    ) -> None:
+        """Wait for the gate; a closed transport means the gateway aborted us."""
+        assert self.stream_gate is not None
+        gate = asyncio.ensure_future(self.stream_gate.wait())
+        try:
+            while not gate.done():
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    self.client_gone.set()
+                    raise ConnectionResetError("gateway closed the connection")
+                await asyncio.wait({gate}, timeout=0.02)
+        finally:
+            gate.cancel()
+
+
+@asynccontextmanager
+async def serve(app: web.Application, handler_cancellation: bool = False) -> AsyncIterator[str]:
+    """Serve ``app`` on 127.0.0.1, port 0; yields its base URL."""
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()

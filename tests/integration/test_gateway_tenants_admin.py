@@ -1,0 +1,243 @@
+"""Policy mode: tenants and keys, cache-salt injection, adapter isolation, rate limits, admin API,
+policy reload (a refused file keeps the running policy)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from tests.integration.test_gateway_support import FakeUpstream, serve
+
+
+def sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def policy_yaml(upstream_url: str, acme_rps: float = 1000.0) -> str:
+    return f"""
+version: 1
+replica_pools:
+  - name: pool-a
+    replicas: [{upstream_url}]
+    gpu_price_per_hour: 2.0
+models:
+  - name: base-model
+    pools: [pool-a]
+tenants:
+  - name: acme
+    api_key_sha256: [{sha("acme-key")}]
+    rate_limit: {{requests_per_s: {acme_rps}, burst: 1}}
+  - name: globex
+    api_key_sha256: [{sha("globex-key")}]
+adapters:
+  - name: acme-lora
+    base_model: base-model
+    source: /adapters/acme-lora
+    rank: 8
+    owners: [acme]
+  - name: shared-lora
+    base_model: base-model
+    source: /adapters/shared-lora
+    rank: 8
+    public: true
+routes:
+  - name: acme-route
+    match: {{tenant: acme}}
+    profile: least-loaded
+admin:
+  api_key_sha256: [{sha("admin-key")}]
+"""
+
+
+@asynccontextmanager
+async def policy_gateway(
+    tmp_path: Path, upstream: FakeUpstream, acme_rps: float = 1000.0, poll_s: float = 0
+) -> AsyncIterator[tuple[str, Path]]:
+    async with serve(upstream.app()) as upstream_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(policy_yaml(upstream_url, acme_rps))
+        config = GatewayConfig(policy_path=str(path), policy_poll_s=poll_s)
+        app = create_app(config)
+        config.health_interval_s = 3600  # the policy's interval; tests poll once at start-up
+        async with serve(app, handler_cancellation=True) as url:
+            yield url, path
+
+
+def chat(model: str = "base-model") -> dict[str, object]:
+    return {"model": model, "messages": [{"role": "user", "content": "hello"}]}
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_tenant_salt_injected_and_client_salt_overridden(tmp_path: Path) -> None:
+    upstream = FakeUpstream()
+    async with policy_gateway(tmp_path, upstream) as (url, _), aiohttp.ClientSession() as http:
+        for key in ("acme-key", "globex-key"):
+            body = {**chat(), "cache_salt": "forged"}
+            async with http.post(
+                f"{url}/v1/chat/completions", json=body, headers=auth(key)
+            ) as resp:
+                assert resp.status == 200
+    acme_salt, globex_salt = (b["cache_salt"] for b in upstream.received)
+    assert "forged" not in (acme_salt, globex_salt)
+    assert acme_salt != globex_salt
+
+
+async def test_bad_or_missing_key_is_401(tmp_path: Path) -> None:
+    async with (
+        policy_gateway(tmp_path, FakeUpstream()) as (url, _),
+        aiohttp.ClientSession() as http,
+    ):
+        for headers in ({}, auth("wrong")):
+            async with http.post(
+                f"{url}/v1/chat/completions", json=chat(), headers=headers
+            ) as resp:
+                assert resp.status == 401
+                assert (await resp.json())["error"]["code"] == "invalid_api_key"
+
+
+async def test_other_tenants_adapter_looks_like_a_missing_model(tmp_path: Path) -> None:
+    upstream = FakeUpstream()
+    async with policy_gateway(tmp_path, upstream) as (url, _), aiohttp.ClientSession() as http:
+        answers = {}
+        for model in ("acme-lora", "no-such-lora"):
+            async with http.post(
+                f"{url}/v1/chat/completions", json=chat(model), headers=auth("globex-key")
+            ) as resp:
+                answers[model] = (resp.status, (await resp.json())["error"])
+        async with http.post(
+            f"{url}/v1/chat/completions", json=chat("acme-lora"), headers=auth("acme-key")
+        ) as resp:
+            assert resp.status == 200
+        async with http.get(f"{url}/v1/models", headers=auth("globex-key")) as resp:
+            globex_models = {m["id"]: m["parent"] for m in (await resp.json())["data"]}
+    status, error = answers["acme-lora"]
+    assert status == 404 and error["code"] == "model_not_found"
+    missing_status, missing = answers["no-such-lora"]
+    assert missing_status == 404
+    assert error["message"].replace("acme-lora", "X") == missing["message"].replace(
+        "no-such-lora", "X"
+    )
+    assert globex_models == {"base-model": None, "shared-lora": "base-model"}
+    assert upstream.received[0]["model"] == "acme-lora"
+
+
+async def test_rate_limit_is_429_with_retry_after(tmp_path: Path) -> None:
+    upstream = FakeUpstream()
+    async with (
+        policy_gateway(tmp_path, upstream, acme_rps=0.001) as (url, _),
+        aiohttp.ClientSession() as http,
+    ):
+        statuses = []
+        for _ in range(2):
+            async with http.post(
+                f"{url}/v1/chat/completions", json=chat(), headers=auth("acme-key")
+            ) as resp:
+                statuses.append(resp.status)
+                if resp.status == 429:
+                    assert int(resp.headers["Retry-After"]) >= 1
+                    assert (await resp.json())["error"]["code"] == "rate_limit_exceeded"
+    assert statuses == [200, 429]
+
+
+async def test_admin_api_requires_admin_key_and_reports(tmp_path: Path) -> None:
+    upstream = FakeUpstream()
+    async with policy_gateway(tmp_path, upstream) as (url, _), aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/admin/replicas", headers=auth("acme-key")) as resp:
+            assert resp.status == 401
+        async with http.post(
+            f"{url}/v1/chat/completions", json=chat(), headers=auth("acme-key")
+        ) as resp:
+            assert resp.status == 200
+        admin = auth("admin-key")
+        async with http.get(f"{url}/admin/replicas", headers=admin) as resp:
+            replicas = (await resp.json())["replicas"]
+        async with http.get(f"{url}/admin/decisions?n=5", headers=admin) as resp:
+            decisions = (await resp.json())["decisions"]
+        async with http.get(f"{url}/admin/policy", headers=admin) as resp:
+            policy = await resp.json()
+        async with http.get(f"{url}/admin/index", headers=admin) as resp:
+            index = await resp.json()
+        async with http.get(f"{url}/admin/layout", headers=admin) as resp:
+            layout = await resp.json()
+    assert [r["replica_id"] for r in replicas] == ["pool-a/0"]
+    assert replicas[0]["healthy"] is True and replicas[0]["circuit"] == "closed"
+    (decision,) = decisions
+    assert decision["route"] == "acme-route" and decision["profile"] == "least-loaded"
+    assert decision["replica"] == "pool-a/0" and "pool-a/0" in decision["explanations"]
+    assert [r["name"] for r in policy["routes"]] == ["acme-route", "default"]
+    assert index["available"] is True and index["backend"] == "memory"
+    assert [r["route"] for r in layout["routes"]] == ["acme-route"]
+
+
+async def test_reload_refuses_invalid_file_and_keeps_running_policy(tmp_path: Path) -> None:
+    upstream = FakeUpstream()
+    async with policy_gateway(tmp_path, upstream) as (url, path), aiohttp.ClientSession() as http:
+        admin = auth("admin-key")
+        good = path.read_text()
+        path.write_text(good.replace("version: 1", "version: 1\nbogus_key: 3"))
+        async with http.post(f"{url}/admin/policy/reload", headers=admin) as resp:
+            assert resp.status == 400
+            refused = await resp.json()
+        async with http.post(
+            f"{url}/v1/chat/completions", json=chat(), headers=auth("acme-key")
+        ) as resp:
+            assert resp.status == 200  # still routing with the old policy
+        path.write_text(good.replace("profile: least-loaded", "profile: round-robin"))
+        async with http.post(f"{url}/admin/policy/reload", headers=admin) as resp:
+            assert resp.status == 200
+        async with http.post(
+            f"{url}/v1/chat/completions", json=chat(), headers=auth("acme-key")
+        ) as resp:
+            assert resp.status == 200
+        async with http.get(f"{url}/admin/decisions?n=1", headers=admin) as resp:
+            (latest,) = (await resp.json())["decisions"]
+        async with http.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+    assert refused["error"]["code"] == "policy_invalid"
+    assert any("bogus_key" in line for line in refused["error"]["details"])
+    assert latest["profile"] == "round-robin"
+    assert 'fleetgate_policy_reloads_total{outcome="rejected"} 1.0' in metrics
+    assert 'fleetgate_policy_reloads_total{outcome="ok"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("path", ["/admin/replicas", "/admin/decisions"])
+async def test_admin_disabled_without_key(path: str) -> None:
+    async with (
+        serve(create_app(GatewayConfig())) as url,
+        aiohttp.ClientSession() as http,
+        http.get(f"{url}{path}", headers=auth("anything")) as resp,
+    ):
+        assert resp.status == 403
+        assert json.loads(await resp.read())["error"]["code"] == "admin_disabled"
+
+
+async def test_policy_file_change_is_picked_up_without_a_signal(tmp_path: Path) -> None:
+    upstream = FakeUpstream()
+    async with (
+        policy_gateway(tmp_path, upstream, poll_s=0.05) as (url, path),
+        aiohttp.ClientSession() as http,
+    ):
+        stat = os.stat(path)
+        path.write_text(path.read_text().replace("least-loaded", "round-robin"))
+        # A new mtime, whatever the file system's timestamp resolution.
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        async with asyncio.timeout(30):
+            while True:
+                async with http.get(f"{url}/admin/policy", headers=auth("admin-key")) as resp:
+                    profiles = [r["profile"] for r in (await resp.json())["routes"]]
+                if profiles[0] == "round-robin":
+                    break
+                await asyncio.sleep(0.05)

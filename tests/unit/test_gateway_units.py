@@ -1,0 +1,187 @@
+"""Gateway building blocks without sockets: breaker, cost attribution, SSE relay, rate limits,
+prediction outcomes, request validation, policy view."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.accounting import cached_tokens_of, prediction_outcome
+from gateway.breaker import BreakerState, CircuitBreaker
+from gateway.cost import ReplicaTimeMeter, RouteWindow
+from gateway.errors import GatewayError
+from gateway.policy_view import AdapterEntry, GatewayPolicy, Route, Tenant, sha256_hex
+from gateway.proxy import SseRelay
+from gateway.ratelimit import RateLimiter
+from gateway.replicas import parse_vllm_metrics
+from gateway.request_body import validate
+from routing.types import ReplicaId
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_threshold_and_probes_once_after_cooldown() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(failure_threshold=2, cooldown_s=10, clock=clock)
+    breaker.failure()
+    assert breaker.state is BreakerState.CLOSED
+    breaker.failure()
+    assert breaker.state is BreakerState.OPEN and not breaker.allows()
+    clock.now = 10
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.allows()
+    breaker.begin()
+    assert not breaker.allows()  # one probe at a time
+    breaker.failure()
+    assert breaker.state is BreakerState.OPEN
+    clock.now = 20
+    breaker.begin()
+    breaker.success()
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_replica_time_is_shared_between_concurrent_requests() -> None:
+    clock = Clock()
+    meter = ReplicaTimeMeter(clock)
+    r = ReplicaId("r0")
+    meter.start(r, 1)
+    clock.now = 2.0  # alone for 2 s
+    meter.start(r, 2)
+    clock.now = 6.0  # shared for 4 s: 2 s each
+    assert meter.finish(r, 1) == pytest.approx(4.0)
+    clock.now = 7.0  # alone again for 1 s
+    assert meter.finish(r, 2) == pytest.approx(3.0)
+
+
+def test_cost_splits_pool_bill_by_busy_share() -> None:
+    clock = Clock()
+    window = RouteWindow(window_s=3600, clock=clock)
+    clock.now = 3600.0  # a full hour of window
+    window.add(
+        "chat",
+        "a",
+        replica_seconds=300,
+        prompt_tokens=900_000,
+        cached_tokens=0,
+        completion_tokens=100_000,
+    )
+    window.add(
+        "batch",
+        "a",
+        replica_seconds=100,
+        prompt_tokens=500_000,
+        cached_tokens=0,
+        completion_tokens=0,
+    )
+    cost = window.cost_per_1m({"a": 4.0}, {"a": 2})
+    # Pool bill: $4/h x 2 replicas x 1 h = $8, split 3:1 by busy seconds.
+    assert cost["chat"] == pytest.approx(6.0 / 1.0)
+    assert cost["batch"] == pytest.approx(2.0 / 0.5)
+
+
+def test_hit_rate_over_window_forgets_old_requests() -> None:
+    clock = Clock()
+    window = RouteWindow(window_s=60, clock=clock)
+    window.add("r", "a", 1, prompt_tokens=100, cached_tokens=0, completion_tokens=1)
+    clock.now = 61
+    window.add("r", "a", 1, prompt_tokens=100, cached_tokens=80, completion_tokens=1)
+    assert window.hit_rates() == {"r": 0.8}
+
+
+def _sse(payload: object) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def test_sse_relay_emits_complete_events_and_hides_requested_usage_chunk() -> None:
+    relay = SseRelay(hide_usage_chunk=True)
+    first = _sse({"choices": [{"delta": {"content": "a"}}]})
+    usage = _sse({"choices": [], "usage": {"prompt_tokens": 5}})
+    assert relay.feed(first[:7]) == []
+    assert relay.feed(first[7:] + usage + b"data: [DONE]\n\n") == [first, b"data: [DONE]\n\n"]
+    assert relay.usage == {"prompt_tokens": 5}
+
+
+def test_sse_relay_keeps_usage_chunk_the_client_asked_for() -> None:
+    relay = SseRelay(hide_usage_chunk=False)
+    usage = _sse({"choices": [], "usage": {"prompt_tokens": 5}})
+    assert relay.feed(usage) == [usage]
+
+
+def test_rate_limiter_refills_at_the_configured_rate() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock)
+    assert limiter.acquire("t", 2.0, burst=2) is None
+    assert limiter.acquire("t", 2.0, burst=2) is None
+    assert limiter.acquire("t", 2.0, burst=2) == pytest.approx(0.5)
+    clock.now = 0.5
+    assert limiter.acquire("t", 2.0, burst=2) is None
+    assert limiter.acquire("other", None, burst=1) is None
+
+
+@pytest.mark.parametrize(
+    ("predicted", "actual", "outcome"),
+    [(160, 160, "exact"), (160, 150, "exact"), (160, 144, "over"), (0, 32, "under")],
+)
+def test_prediction_outcome_is_block_granular(predicted: int, actual: int, outcome: str) -> None:
+    assert prediction_outcome(predicted, actual, block_size=16) == outcome
+
+
+def test_cached_tokens_absent_when_engine_does_not_report() -> None:
+    assert cached_tokens_of({"prompt_tokens": 3}) is None
+    assert cached_tokens_of({"prompt_tokens_details": {"cached_tokens": 7}}) == 7
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "param"),
+    [
+        ({"messages": [{"role": "user"}]}, "chat", "model"),
+        ({"model": "m", "messages": "hi"}, "chat", "messages"),
+        ({"model": "m", "prompt": [1, "a"]}, "completion", "prompt"),
+        ({"model": "m", "prompt": "x", "stream": 1}, "completion", "stream"),
+    ],
+)
+def test_validation_names_the_bad_field(body: dict[str, object], kind: str, param: str) -> None:
+    with pytest.raises(GatewayError) as err:
+        validate(body, kind)
+    assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("prompt", ["x", ["a", "b"], [1, 2], [[1], [2, 3]]])
+def test_validation_accepts_every_vllm_prompt_shape(prompt: object) -> None:
+    validate({"model": "m", "prompt": prompt}, "completion")
+
+
+def test_policy_view_hides_other_tenants_adapters() -> None:
+    acme, globex = Tenant("acme"), Tenant("globex", allowed_adapters=frozenset({"acme-lora"}))
+    policy = GatewayPolicy(
+        tenants_by_key_sha256={sha256_hex("k1"): acme, sha256_hex("k2"): globex},
+        adapters={"acme-lora": AdapterEntry("acme-lora", "base", frozenset({"acme"}), False)},
+    )
+    assert policy.tenant_for_key("k1") == acme
+    assert policy.tenant_for_key("nope") is None and policy.tenant_for_key(None) is None
+    assert policy.resolve_model(acme, "acme-lora") == ("base", "acme-lora")
+    assert policy.resolve_model(globex, "acme-lora") == ("base", "acme-lora")
+    assert policy.resolve_model(Tenant("other"), "acme-lora") is None
+
+
+def test_open_policy_takes_any_key_as_default_tenant() -> None:
+    policy = GatewayPolicy.default()
+    assert policy.tenant_for_key(None) == policy.tenant_for_key("anything") == Tenant("default")
+    assert policy.route_for("/v1/completions", "m", "default", {}) == Route("default")
+
+
+def test_vllm_gauges_are_summed_across_label_sets() -> None:
+    text = """# HELP vllm:num_requests_running x
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{model_name="m"} 4
+vllm:kv_cache_usage_perc{model_name="m"} 0.25
+vllm:prefix_cache_hits_total{model_name="m"} 99
+"""
+    assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.25}
