@@ -1,0 +1,192 @@
+"""The adapter catalog: adapters from the policy YAML plus those added at runtime.
+
+The catalog answers two questions on the request path — which adapters a tenant sees in
+``/v1/models`` (``visible_to``) and whether it may use one (``authorize``) — and validates runtime
+additions from the admin API with the same schema as the policy file (``routing.config.Adapter``),
+plus the checks only the catalog can make: the base model exists, the name is free, and a local
+source stays inside its owners' storage roots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from adapters_registry.errors import AdapterNotFound, InvalidAdapter
+from adapters_registry.paths import StorageRoots, normalise_source
+from routing.config import Adapter, Policy
+
+log = logging.getLogger(__name__)
+
+
+def _pydantic_errors(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "adapter"
+        out.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+    return out
+
+
+class AdapterCatalog:
+    """Adapters by name: the policy's, then runtime additions (which never shadow the policy's).
+
+    Not thread-safe; the gateway uses it from its event loop only.
+    """
+
+    def __init__(self, policy: Policy, storage_roots: StorageRoots | None = None) -> None:
+        self._roots = storage_roots or StorageRoots()
+        self._policy = policy
+        self._runtime: dict[str, Adapter] = {}
+        self._check_policy(policy)
+
+    # ------------------------------------------------------------------ policy and reloads
+
+    @property
+    def policy(self) -> Policy:
+        """The policy the catalog currently follows."""
+        return self._policy
+
+    def update_policy(self, policy: Policy) -> list[str]:
+        """Follow a reloaded policy; returns the runtime additions that had to be dropped.
+
+        A runtime addition survives unless the new policy defines an adapter of the same name
+        (the file wins) or removed its base model.
+        """
+        self._check_policy(policy)
+        self._policy = policy
+        dropped = []
+        for name, adapter in list(self._runtime.items()):
+            if policy.adapter(name) is not None or policy.model(adapter.base_model) is None:
+                dropped.append(name)
+                del self._runtime[name]
+        if dropped:
+            log.warning("policy reload dropped runtime adapters: %s", ", ".join(dropped))
+        return dropped
+
+    def _check_policy(self, policy: Policy) -> None:
+        # The policy schema checked paths; only storage roots are new here.
+        for adapter in policy.adapters:
+            try:
+                self._roots.check(normalise_source(adapter.source), adapter.owners)
+            except ValueError as exc:
+                raise InvalidAdapter(adapter.name, [f"source: {exc}"]) from None
+
+    # ------------------------------------------------------------------ look-ups
+
+    def find(self, name: str) -> Adapter | None:
+        """The adapter called ``name``, or None (for client answers use ``authorize``)."""
+        return self._policy.adapter(name) or self._runtime.get(name)
+
+    def get(self, name: str) -> Adapter:
+        """The adapter called ``name``; raises ``AdapterNotFound``."""
+        adapter = self.find(name)
+        if adapter is None:
+            raise AdapterNotFound(name)
+        return adapter
+
+    def __iter__(self) -> Iterator[Adapter]:
+        yield from self._policy.adapters
+        yield from self._runtime.values()
+
+    def __len__(self) -> int:
+        return len(self._policy.adapters) + len(self._runtime)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.find(name) is not None
+
+    def is_runtime(self, name: str) -> bool:
+        """True if ``name`` was added through ``add`` (and can be removed with ``remove``)."""
+        return name in self._runtime
+
+    # ------------------------------------------------------------------ tenants
+
+    def may_use(self, tenant: str, name: str) -> bool:
+        """True if ``tenant`` may use ``name``: public, owned, or in its ``allowed_adapters``."""
+        adapter = self.find(name)
+        if adapter is None:
+            return False
+        if adapter.public or tenant in adapter.owners:
+            return True
+        who = self._policy.tenant(tenant)
+        return who is not None and name in who.allowed_adapters
+
+    def authorize(self, tenant: str, name: str) -> Adapter:
+        """The adapter if ``tenant`` may use it; else ``AdapterNotFound``.
+
+        Unknown and forbidden raise the same error with the same text, so a tenant cannot probe
+        which adapter names other tenants have.
+        """
+        if not self.may_use(tenant, name):
+            raise AdapterNotFound(name)
+        return self.get(name)
+
+    def visible_to(self, tenant: str) -> list[Adapter]:
+        """What ``/v1/models`` lists for ``tenant``: its own, the public and the allowed ones."""
+        return [a for a in self if self.may_use(tenant, a.name)]
+
+    # ------------------------------------------------------------------ admin changes
+
+    def validate(self, spec: Adapter | Mapping[str, Any]) -> Adapter:
+        """A checked, normalised ``Adapter`` from an admin body; raises ``InvalidAdapter``."""
+        raw = spec.model_dump() if isinstance(spec, Adapter) else dict(spec)
+        name = str(raw.get("name", "<unnamed>"))
+        errors: list[str] = []
+        source = raw.get("source")
+        if isinstance(source, str):
+            try:
+                raw["source"] = normalise_source(source)
+            except ValueError as exc:
+                errors.append(f"source: {exc}")
+        if errors:
+            raise InvalidAdapter(name, errors)
+        try:
+            adapter = Adapter.model_validate(raw)
+        except ValidationError as exc:
+            raise InvalidAdapter(name, _pydantic_errors(exc)) from None
+        if self._policy.model(adapter.base_model) is None:
+            known = ", ".join(m.name for m in self._policy.models)
+            errors.append(
+                f"base_model: no such base model (got {adapter.base_model!r}; known: {known})"
+            )
+        if self._policy.model(adapter.name) is not None:
+            errors.append(f"name: {adapter.name!r} is a base model's name")
+        if self._policy.tenants:
+            unknown = [o for o in adapter.owners if self._policy.tenant(o) is None]
+            if unknown:
+                errors.append(f"owners: unknown tenants {unknown!r}")
+        try:
+            self._roots.check(adapter.source, adapter.owners)
+        except ValueError as exc:
+            errors.append(f"source: {exc}")
+        if errors:
+            raise InvalidAdapter(adapter.name, errors)
+        return adapter
+
+    def add(self, spec: Adapter | Mapping[str, Any], *, replace: bool = False) -> Adapter:
+        """Add (or with ``replace``, update) a runtime adapter; returns the stored entry.
+
+        Raises ``InvalidAdapter`` if it fails validation, collides with a policy adapter, or
+        exists already and ``replace`` is false.
+        """
+        adapter = self.validate(spec)
+        if self._policy.adapter(adapter.name) is not None:
+            raise InvalidAdapter(adapter.name, ["name: defined in the policy file; edit it there"])
+        if adapter.name in self._runtime and not replace:
+            raise InvalidAdapter(adapter.name, ["name: already in the catalog"])
+        self._runtime[adapter.name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> Adapter:
+        """Remove a runtime addition; raises ``AdapterNotFound`` or ``InvalidAdapter``.
+
+        The caller (admin API) should then unload it from the replicas via the loader.
+        """
+        if self._policy.adapter(name) is not None:
+            raise InvalidAdapter(name, ["name: defined in the policy file; edit it there"])
+        adapter = self._runtime.pop(name, None)
+        if adapter is None:
+            raise AdapterNotFound(name)
+        return adapter

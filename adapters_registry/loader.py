@@ -1,0 +1,369 @@
+"""Ensure-loaded: make an adapter resident on a replica, once, whatever the number of gateways.
+
+Three layers keep a (replica, adapter) pair to one load at a time:
+
+1. In this gateway, concurrent callers share one load task (``asyncio`` dedup), so a burst of
+   requests for a cold adapter makes one HTTP call.
+2. Across gateways, a lock in the placement store (Redis ``SET NX PX``, with expiry so a dead
+   gateway cannot block forever). A gateway that finds the lock held polls until the adapter is
+   resident or the lock is gone (then it tries to take it itself).
+3. The engine: vLLM answers 400 "already loaded" to a duplicate, which counts as success.
+
+When the replica's slots are full, the least recently used adapter that is neither pinned nor
+serving requests is unloaded first (its lock taken too, so two gateways never evict the same
+one). If none qualifies, ``NoAdapterSlot`` tells the gateway to try another replica.
+
+If the placement store is down the loader degrades rather than fails: it skips the cross-gateway
+lock and slot accounting (the engine still refuses duplicates) and logs that it did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from adapters_registry.catalog import AdapterCatalog
+from adapters_registry.cold_start import LoadTimeModel
+from adapters_registry.engine_api import LoraEngineApi
+from adapters_registry.errors import (
+    AdapterLoadFailed,
+    AdapterUnloadFailed,
+    NoAdapterSlot,
+    ThrashGuardTripped,
+)
+from adapters_registry.metrics import AdapterMetrics
+from adapters_registry.paths import engine_path
+from adapters_registry.placement import (
+    AdapterStatus,
+    PlacementStore,
+    PlacementUnavailable,
+    ReplicaPlacement,
+    SlotCapacity,
+    eviction_candidates,
+    needs_room,
+)
+from adapters_registry.thrash import ThrashGuard
+from adapters_registry.view import PlacementView
+from routing.config import Adapter
+from routing.state import ReplicaState
+from routing.types import ReplicaId
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """Outcome of ``ensure_loaded``."""
+
+    #: Time this caller waited for the adapter (0 when it was already resident), ms.
+    cold_ms: float
+    #: True for the one caller whose call made the engine load it.
+    loaded_now: bool
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """Timeouts of the loader; the defaults suit multi-second loads from network storage."""
+
+    #: Longest a load (or unload) HTTP call may take.
+    load_timeout_s: float = 60.0
+    #: Expiry of the cross-gateway lock; must outlast a load plus the unloads that make room.
+    lock_ttl_s: float = 90.0
+    #: How often a gateway waiting on another gateway's load re-reads the store.
+    poll_interval_s: float = 0.05
+    #: Longest a caller waits on another gateway's load before giving up.
+    wait_timeout_s: float = 120.0
+    #: Expiry of a request's in-flight mark if the gateway dies before ending it.
+    lease_ttl_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        for name in ("load_timeout_s", "lock_ttl_s", "poll_interval_s", "wait_timeout_s",
+                     "lease_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0 (got {getattr(self, name)})")
+        if self.lock_ttl_s <= self.load_timeout_s:
+            raise ValueError(
+                f"lock_ttl_s ({self.lock_ttl_s}) must be > load_timeout_s ({self.load_timeout_s}):"
+                " a lock that expires mid-load lets a second gateway load the same adapter"
+            )
+
+
+class AdapterLoader:
+    """Loads and unloads adapters on replicas, keeping the placement store and view current."""
+
+    def __init__(
+        self,
+        catalog: AdapterCatalog,
+        store: PlacementStore,
+        engine: LoraEngineApi,
+        view: PlacementView,
+        capacity: Callable[[ReplicaState], SlotCapacity],
+        *,
+        metrics: AdapterMetrics,
+        load_times: LoadTimeModel,
+        guard: ThrashGuard,
+        settings: LoaderSettings | None = None,
+        gateway_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._catalog = catalog
+        self._store = store
+        self._engine = engine
+        self._view = view
+        self._capacity = capacity
+        self._metrics = metrics
+        self._load_times = load_times
+        self._guard = guard
+        self.settings = settings or LoaderSettings()
+        self._gateway_id = gateway_id or uuid.uuid4().hex[:12]
+        self._clock = clock
+        self._tasks: dict[tuple[ReplicaId, str], asyncio.Task[LoadResult]] = {}
+        #: Callers currently waiting on each in-process load (diagnostics and tests).
+        self._sharers: dict[tuple[ReplicaId, str], int] = {}
+        #: Times a load found another gateway's lock held and waited for it.
+        self.lock_contentions = 0
+
+    # ------------------------------------------------------------------ public API
+
+    async def ensure_loaded(
+        self, replica: ReplicaState, adapter: str, *, last_resort: bool = False
+    ) -> LoadResult:
+        """Make ``adapter`` resident on ``replica``; returns at once if it already is.
+
+        ``last_resort``: no other replica can serve the request, so load even past the thrash
+        guard. Raises ``AdapterNotFound`` (not in the catalog), ``ThrashGuardTripped``,
+        ``NoAdapterSlot``, or ``AdapterLoadFailed`` (engine refused, timeout, unreachable).
+        """
+        entry = self._catalog.get(adapter)
+        started = time.monotonic()
+        key = (replica.replica_id, adapter)
+        task = self._tasks.get(key)
+        if task is None:
+            status = await self._status(replica.replica_id, adapter)
+            if status.resident and not status.busy:
+                await self._quiet(self._store.touch(replica.replica_id, adapter, self._clock()))
+                return LoadResult(cold_ms=0.0, loaded_now=False)
+            task = self._tasks.get(key)  # another caller may have started one meanwhile
+        if task is not None:
+            try:
+                return await self._share(key, task, started)
+            except ThrashGuardTripped:
+                if not last_resort:
+                    raise
+                # The shared attempt was not a last resort; this caller's is.
+                return await self.ensure_loaded(replica, adapter, last_resort=True)
+        task = asyncio.create_task(self._load_or_wait(replica, entry, last_resort, started))
+        self._tasks[key] = task
+        task.add_done_callback(lambda t, key=key: self._load_done(key, t))
+        # Shielded: a caller that gives up (client disconnect) must not abort the load that
+        # other callers share, nor leave the cross-gateway lock to expire.
+        return await asyncio.shield(task)
+
+    async def unload(self, replica: ReplicaState, adapter: str, *, reason: str = "admin") -> bool:
+        """Unload ``adapter`` from ``replica`` (admin removal, pre-warm rebalancing).
+
+        Returns False if the engine did not have it. Waits for a load or unload in progress.
+        Raises ``AdapterUnloadFailed``.
+        """
+        rid = replica.replica_id
+        owner = self._owner()
+        deadline = time.monotonic() + self.settings.wait_timeout_s
+        while not await self._try_lock(rid, adapter, owner):
+            if time.monotonic() >= deadline:
+                raise AdapterUnloadFailed(adapter, rid, "another load or unload is still running")
+            await asyncio.sleep(self.settings.poll_interval_s)
+        try:
+            return await self._unload_locked(replica, adapter, reason)
+        finally:
+            await self._unlock(rid, adapter, owner)
+
+    @contextlib.asynccontextmanager
+    async def in_use(self, replica: ReplicaId, adapter: str) -> AsyncIterator[None]:
+        """Mark a request in flight on (replica, adapter) so no gateway evicts it meanwhile."""
+        lease = uuid.uuid4().hex
+        await self._quiet(self._store.begin_use(replica, adapter, lease, self.settings.lease_ttl_s))
+        try:
+            yield
+        finally:
+            await self._quiet(self._store.end_use(replica, adapter, lease))
+
+    def waiting(self, replica: ReplicaId, adapter: str) -> int:
+        """Callers in this gateway waiting on an in-process load (0 when none runs)."""
+        if (replica, adapter) not in self._tasks:
+            return 0
+        return 1 + self._sharers.get((replica, adapter), 0)
+
+    async def close(self) -> None:
+        """Cancel loads still running (on gateway shutdown)."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ in-process dedup
+
+    async def _share(
+        self, key: tuple[ReplicaId, str], task: asyncio.Task[LoadResult], started: float
+    ) -> LoadResult:
+        self._sharers[key] = self._sharers.get(key, 0) + 1
+        try:
+            await asyncio.shield(task)
+        finally:
+            self._sharers[key] -= 1
+            if not self._sharers[key]:
+                del self._sharers[key]
+        return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
+
+    def _load_done(self, key: tuple[ReplicaId, str], task: asyncio.Task[LoadResult]) -> None:
+        if self._tasks.get(key) is task:
+            del self._tasks[key]
+        if not task.cancelled():
+            task.exception()  # retrieved here, so an unshared failure is not logged as lost
+
+    # ------------------------------------------------------------------ the load itself
+
+    async def _load_or_wait(
+        self, replica: ReplicaState, entry: Adapter, last_resort: bool, started: float
+    ) -> LoadResult:
+        rid, name = replica.replica_id, entry.name
+        owner = self._owner()
+        deadline = time.monotonic() + self.settings.wait_timeout_s
+        while True:
+            if await self._try_lock(rid, name, owner):
+                try:
+                    return await self._load_locked(replica, entry, last_resort, started, owner)
+                finally:
+                    await self._unlock(rid, name, owner)
+            # Another gateway is loading (or unloading) it: wait for the outcome.
+            self.lock_contentions += 1
+            status = await self._status(rid, name)
+            if status.resident and not status.busy:
+                return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
+            if time.monotonic() >= deadline:
+                waited = self.settings.wait_timeout_s
+                raise AdapterLoadFailed(
+                    name, rid, f"another gateway's load did not finish within {waited:g}s"
+                )
+            await asyncio.sleep(self.settings.poll_interval_s)
+
+    async def _load_locked(
+        self, replica: ReplicaState, entry: Adapter, last_resort: bool, started: float,
+        owner: str,
+    ) -> LoadResult:
+        rid, name = replica.replica_id, entry.name
+        # Double-checked: the gateway that held the lock before us may have just loaded it.
+        if (await self._status(rid, name)).resident:
+            return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
+        placement = await self._snapshot(rid)
+        loads = self._guard.loads_in_window(placement.recent_loads, self._clock())
+        if loads >= self._guard.settings.max_loads and not last_resort:
+            self._metrics.thrash_event(rid)
+            s = self._guard.settings
+            raise ThrashGuardTripped(name, rid, loads, s.max_loads, s.window_s)
+        await self._make_room(replica, name, placement, owner)
+        t0 = time.monotonic()
+        try:
+            reply = await self._engine.load(replica.url, rid, name, engine_path(entry.source))
+        except AdapterLoadFailed:
+            self._metrics.load(name, rid, ok=False)
+            raise
+        load_s = time.monotonic() - t0
+        now = self._clock()
+        await self._quiet(self._store.mark_resident(rid, name, now))
+        if reply.changed:
+            await self._quiet(self._store.record_load(rid, now, self._guard.settings.window_s))
+            self._load_times.observe(name, rid, load_s * 1000.0)
+            self._metrics.load(name, rid, ok=True, seconds=load_s)
+        await self._refresh_view(rid)
+        return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=reply.changed)
+
+    async def _make_room(
+        self, replica: ReplicaState, adapter: str, placement: ReplicaPlacement, owner: str
+    ) -> None:
+        capacity = self._capacity(replica)
+        excess = needs_room(placement, capacity)
+        if excess == 0:
+            return
+        pinned = {a.name for a in self._catalog if a.pinned}
+        evicted = 0
+        for victim in eviction_candidates(placement, pinned, keep={adapter}):
+            if evicted == excess:
+                break
+            # The victim's own lock: two gateways making room never pick the same adapter, and
+            # a victim that someone is loading right now is skipped.
+            if not await self._try_lock(replica.replica_id, victim, owner):
+                continue
+            try:
+                # A request may have started on it since the snapshot; with the lock held, any
+                # later one waits for us, so this re-read closes the window.
+                if (await self._snapshot(replica.replica_id)).inflight.get(victim, 0) > 0:
+                    continue
+                await self._unload_locked(replica, victim, "lru")
+                evicted += 1
+            except AdapterUnloadFailed as exc:
+                log.warning("%s", exc)
+            finally:
+                await self._unlock(replica.replica_id, victim, owner)
+        if evicted < excess:
+            blocked = sorted(placement.resident - {adapter})
+            raise NoAdapterSlot(adapter, replica.replica_id, capacity.resident_limit or 0, blocked)
+
+    async def _unload_locked(self, replica: ReplicaState, adapter: str, reason: str) -> bool:
+        rid = replica.replica_id
+        reply = await self._engine.unload(replica.url, rid, adapter)
+        await self._quiet(self._store.mark_unloaded(rid, adapter, self._clock()))
+        if reply.changed:
+            self._metrics.unload(adapter, rid, reason)
+        await self._refresh_view(rid)
+        return reply.changed
+
+    # ------------------------------------------------------------------ store, degraded
+
+    def _owner(self) -> str:
+        return f"{self._gateway_id}:{uuid.uuid4().hex[:8]}"
+
+    async def _refresh_view(self, replica: ReplicaId) -> None:
+        placement = await self._quiet(
+            self._store.snapshot(replica, self._guard.since(self._clock()))
+        )
+        if placement is not None:
+            self._view.update(placement)
+
+    async def _status(self, replica: ReplicaId, adapter: str) -> AdapterStatus:
+        status = await self._quiet(self._store.status(replica, adapter))
+        return status if status is not None else AdapterStatus(resident=False, busy=False)
+
+    async def _snapshot(self, replica: ReplicaId) -> ReplicaPlacement:
+        placement = await self._quiet(
+            self._store.snapshot(replica, self._guard.since(self._clock()))
+        )
+        return placement if placement is not None else ReplicaPlacement(replica)
+
+    async def _try_lock(self, replica: ReplicaId, adapter: str, owner: str) -> bool:
+        taken = await self._quiet(
+            self._store.try_lock(replica, adapter, owner, self.settings.lock_ttl_s)
+        )
+        # Store down: go ahead unlocked; in-process dedup and vLLM's own check still hold.
+        return True if taken is None else taken
+
+    async def _unlock(self, replica: ReplicaId, adapter: str, owner: str) -> None:
+        await self._quiet(self._store.unlock(replica, adapter, owner))
+
+    @staticmethod
+    async def _quiet(op: Awaitable[T]) -> T | None:
+        try:
+            return await op
+        except PlacementUnavailable as exc:
+            log.warning("adapter placement degraded: %s", exc)
+            return None
+
+
+def _elapsed_ms(started: float) -> float:
+    return (time.monotonic() - started) * 1000.0

@@ -1,0 +1,255 @@
+"""Placement store in Redis, so every gateway sees the same slots, locks and in-flight counts.
+
+Keys (``prefix`` defaults to ``fleetgate:``; ``|`` separates names because adapter names may
+contain ``:`` and ``/`` but never ``|``):
+
+- ``{prefix}adapters:res|{replica}`` — hash adapter -> JSON
+  ``[resident 0/1, changed_at, last_used]``
+- ``{prefix}adapters:use|{replica}|{adapter}`` — sorted set of request leases, score = expiry,
+  so a gateway that dies mid-request stops holding the adapter once its leases expire
+- ``{prefix}adapters:lock|{replica}|{adapter}`` — the load/unload lock (``SET NX PX``)
+- ``{prefix}adapters:loads|{replica}`` — sorted set of load times (the thrash guard's window)
+
+Read-modify-write steps run as Lua scripts so two gateways cannot interleave them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, TypeVar
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from adapters_registry.placement import (
+    AdapterStatus,
+    PlacementUnavailable,
+    ReplicaPlacement,
+    Residency,
+)
+from routing.types import ReplicaId
+
+T = TypeVar("T")
+
+# KEYS[1] hash; ARGV: adapter, resident (0/1), now. A load counts as a use; an unload keeps it.
+_MARK = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+local now = tonumber(ARGV[3])
+local last = now
+if ARGV[2] == '0' then
+  last = 0
+  if old then last = cjson.decode(old)[3] end
+end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({tonumber(ARGV[2]), now, last}))
+"""
+
+# KEYS[1] hash; ARGV: adapter, now. Only resident entries are touched.
+_TOUCH = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if not old then return 0 end
+local e = cjson.decode(old)
+if e[1] ~= 1 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({1, e[2], tonumber(ARGV[2])}))
+return 1
+"""
+
+# KEYS[1] hash; ARGV: cutoff, read_at, engine-resident adapters... (see merge_engine_report).
+_SYNC = """
+local cutoff = tonumber(ARGV[1])
+local read_at = tonumber(ARGV[2])
+local engine = {}
+for i = 3, #ARGV do engine[ARGV[i]] = true end
+local all = redis.call('HGETALL', KEYS[1])
+local seen = {}
+for i = 1, #all, 2 do
+  local name = all[i]
+  local e = cjson.decode(all[i + 1])
+  seen[name] = true
+  if e[2] >= cutoff then
+    -- newer than the report: keep what the gateways recorded
+  elseif engine[name] then
+    if e[1] ~= 1 then redis.call('HSET', KEYS[1], name, cjson.encode({1, read_at, e[3]})) end
+  else
+    redis.call('HDEL', KEYS[1], name)
+  end
+end
+for name, _ in pairs(engine) do
+  if not seen[name] then redis.call('HSET', KEYS[1], name, cjson.encode({1, read_at, 0})) end
+end
+"""
+
+# KEYS[1] lock; ARGV[1] owner. Delete only our own lock, never one that expired and was retaken.
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _text(value: str | bytes) -> str:
+    # Works with clients created with or without ``decode_responses``.
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisPlacementStore:
+    """``PlacementStore`` in Redis (``redis.asyncio``). Errors become ``PlacementUnavailable``."""
+
+    backend = "redis"
+
+    def __init__(
+        self,
+        redis: Redis,
+        key_prefix: str = "fleetgate:",
+        clock: Callable[[], float] = time.time,
+        owns_client: bool = False,
+    ) -> None:
+        self._redis = redis
+        self._prefix = key_prefix
+        # Lease expiry is compared across gateways, so it uses wall-clock time.
+        self._clock = clock
+        self._owns_client = owns_client
+        self._mark = redis.register_script(_MARK)
+        self._touch = redis.register_script(_TOUCH)
+        self._sync = redis.register_script(_SYNC)
+        self._unlock = redis.register_script(_UNLOCK)
+
+    @classmethod
+    def from_url(cls, url: str, key_prefix: str = "fleetgate:") -> RedisPlacementStore:
+        """A store with its own client (closed by ``close``)."""
+        return cls(Redis.from_url(url, decode_responses=True), key_prefix, owns_client=True)
+
+    # ------------------------------------------------------------------ keys
+
+    def _res(self, replica: ReplicaId) -> str:
+        return f"{self._prefix}adapters:res|{replica}"
+
+    def _use(self, replica: ReplicaId, adapter: str) -> str:
+        return f"{self._prefix}adapters:use|{replica}|{adapter}"
+
+    def lock_key(self, replica: ReplicaId, adapter: str) -> str:
+        """The Redis key of the (replica, adapter) load/unload lock."""
+        return f"{self._prefix}adapters:lock|{replica}|{adapter}"
+
+    def _loads(self, replica: ReplicaId) -> str:
+        return f"{self._prefix}adapters:loads|{replica}"
+
+    async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await op()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise PlacementUnavailable(f"adapter placement store ({what}): {exc}") from exc
+
+    # ------------------------------------------------------------------ reads
+
+    async def status(self, replica: ReplicaId, adapter: str) -> AdapterStatus:
+        async def op() -> AdapterStatus:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hget(self._res(replica), adapter)
+                pipe.exists(self.lock_key(replica, adapter))
+                raw, locked = await pipe.execute()
+            resident = raw is not None and json.loads(raw)[0] == 1
+            return AdapterStatus(resident=resident, busy=bool(locked))
+
+        return await self._call("status", op)
+
+    async def snapshot(self, replica: ReplicaId, loads_since: float) -> ReplicaPlacement:
+        async def op() -> ReplicaPlacement:
+            raw: dict[str | bytes, str | bytes] = await self._redis.hgetall(self._res(replica))
+            entries = {}
+            for name, value in raw.items():
+                resident, changed_at, last_used = json.loads(value)
+                entries[_text(name)] = Residency(resident == 1, float(changed_at), float(last_used))
+            now = self._clock()
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for name in entries:
+                    # Exclusive bound: a lease whose expiry is exactly now has expired.
+                    pipe.zcount(self._use(replica, name), f"({now}", "+inf")
+                pipe.zrangebyscore(self._loads(replica), loads_since, "+inf", withscores=True)
+                results: list[Any] = await pipe.execute()
+            inflight = {
+                name: int(n) for name, n in zip(entries, results[:-1], strict=True) if int(n) > 0
+            }
+            loads = tuple(sorted(score for _, score in results[-1]))
+            return ReplicaPlacement(replica, entries, inflight, loads)
+
+        return await self._call("snapshot", op)
+
+    # ------------------------------------------------------------------ writes
+
+    async def mark_resident(self, replica: ReplicaId, adapter: str, now: float) -> None:
+        await self._call(
+            "mark", lambda: self._mark(keys=[self._res(replica)], args=[adapter, 1, now])
+        )
+
+    async def mark_unloaded(self, replica: ReplicaId, adapter: str, now: float) -> None:
+        await self._call(
+            "mark", lambda: self._mark(keys=[self._res(replica)], args=[adapter, 0, now])
+        )
+
+    async def touch(self, replica: ReplicaId, adapter: str, now: float) -> None:
+        await self._call(
+            "touch", lambda: self._touch(keys=[self._res(replica)], args=[adapter, now])
+        )
+
+    async def sync_from_engine(
+        self, replica: ReplicaId, engine_resident: Collection[str], read_at: float, grace_s: float
+    ) -> None:
+        args: list[Any] = [read_at - grace_s, read_at, *sorted(engine_resident)]
+        await self._call("sync", lambda: self._sync(keys=[self._res(replica)], args=args))
+
+    async def begin_use(self, replica: ReplicaId, adapter: str, lease: str, ttl_s: float) -> None:
+        key = self._use(replica, adapter)
+        now = self._clock()
+
+        async def op() -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.zremrangebyscore(key, "-inf", now)
+                pipe.zadd(key, {lease: now + ttl_s})
+                pipe.expire(key, max(1, int(ttl_s) + 1))
+                await pipe.execute()
+
+        await self._call("begin_use", op)
+
+    async def end_use(self, replica: ReplicaId, adapter: str, lease: str) -> None:
+        await self._call("end_use", lambda: self._redis.zrem(self._use(replica, adapter), lease))
+
+    async def try_lock(self, replica: ReplicaId, adapter: str, owner: str, ttl_s: float) -> bool:
+        px = max(1, int(ttl_s * 1000))
+        result = await self._call(
+            "lock",
+            lambda: self._redis.set(self.lock_key(replica, adapter), owner, nx=True, px=px),
+        )
+        return bool(result)
+
+    async def unlock(self, replica: ReplicaId, adapter: str, owner: str) -> None:
+        await self._call(
+            "unlock", lambda: self._unlock(keys=[self.lock_key(replica, adapter)], args=[owner])
+        )
+
+    async def record_load(self, replica: ReplicaId, at: float, keep_s: float) -> None:
+        key = self._loads(replica)
+
+        async def op() -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                # A unique member per load: two loads in the same instant both count.
+                pipe.zadd(key, {f"{at}|{uuid.uuid4().hex[:8]}": at})
+                pipe.zremrangebyscore(key, "-inf", at - keep_s)
+                pipe.expire(key, max(1, int(keep_s) + 1))
+                await pipe.execute()
+
+        await self._call("record_load", op)
+
+    async def forget_replica(self, replica: ReplicaId) -> None:
+        async def op() -> None:
+            keys = [self._res(replica), self._loads(replica)]
+            for pattern in (self._use(replica, "*"), self.lock_key(replica, "*")):
+                keys += [k async for k in self._redis.scan_iter(match=pattern, count=500)]
+            await self._redis.delete(*keys)
+
+        await self._call("forget_replica", op)
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._redis.aclose()

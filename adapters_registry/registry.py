@@ -1,0 +1,331 @@
+"""``AdapterRegistry``: the one object the gateway holds for everything about LoRA adapters.
+
+It wires the catalog, the placement store and view, the loader, the cold-start model, the
+thrash guard, the traffic window and the metrics, and offers the gateway a small API:
+
+- request path: ``authorize`` → ``record_request`` → ``estimates_for`` (fills
+  ``RoutingRequest.adapter_cold_load_ms``) → ``async with serving(replica, adapter)`` around the
+  upstream call;
+- ``/v1/models``: ``visible_to``;
+- admin: ``add``, ``remove``;
+- background (one ``cleanup_ctx`` task): ``run(get_states)`` refreshes placement from the
+  engines' reports and pre-warms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client import CollectorRegistry
+
+from adapters_registry.catalog import AdapterCatalog
+from adapters_registry.cold_start import (
+    ColdStartSettings,
+    LoadTimeModel,
+    cold_load_estimate_ms,
+    residency_now,
+)
+from adapters_registry.engine_api import EngineLoraClient, LoraEngineApi
+from adapters_registry.errors import AdapterError
+from adapters_registry.loader import AdapterLoader, LoaderSettings, LoadResult
+from adapters_registry.metrics import AdapterMetrics
+from adapters_registry.paths import StorageRoots
+from adapters_registry.placement import (
+    PlacementStore,
+    PlacementUnavailable,
+    SlotCapacity,
+    capacity_of,
+)
+from adapters_registry.placement_memory import MemoryPlacementStore
+from adapters_registry.prewarm import (
+    AdapterDemand,
+    PrewarmSettings,
+    ReconcileReport,
+    ReplicaSlots,
+    ReplicationPlan,
+    TrafficWindow,
+    plan_replication,
+    reconcile,
+)
+from adapters_registry.thrash import ThrashGuard, ThrashSettings
+from adapters_registry.view import PlacementView
+from routing.config import Adapter, Policy
+from routing.contracts import RoutingRequest
+from routing.state import ReplicaState
+from routing.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RegistrySettings:
+    """Every knob of the registry, grouped by the part it tunes."""
+
+    #: How long a gateway's own load/unload outranks an engine report read before it.
+    sync_grace_s: float = 10.0
+    loader: LoaderSettings = field(default_factory=LoaderSettings)
+    cold_start: ColdStartSettings = field(default_factory=ColdStartSettings)
+    thrash: ThrashSettings = field(default_factory=ThrashSettings)
+    prewarm: PrewarmSettings = field(default_factory=PrewarmSettings)
+    storage_roots: StorageRoots = field(default_factory=StorageRoots)
+
+    def __post_init__(self) -> None:
+        if self.sync_grace_s < 0:
+            raise ValueError(f"sync_grace_s: must be >= 0 (got {self.sync_grace_s})")
+
+
+class AdapterRegistry:
+    """Catalog, placement, loading and pre-warming of LoRA adapters for one gateway."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        store: PlacementStore,
+        session: aiohttp.ClientSession,
+        *,
+        settings: RegistrySettings | None = None,
+        metrics: AdapterMetrics | None = None,
+        metrics_registry: CollectorRegistry | None = None,
+        gateway_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+        engine: LoraEngineApi | None = None,
+    ) -> None:
+        """``engine`` replaces vLLM's HTTP API (``EngineLoraClient`` over ``session``)."""
+        self.settings = settings or RegistrySettings()
+        self.catalog = AdapterCatalog(policy, self.settings.storage_roots)
+        self.store = store
+        self.view = PlacementView()
+        self.metrics = metrics or AdapterMetrics(metrics_registry)
+        self.load_times = LoadTimeModel(self.settings.cold_start)
+        self.guard = ThrashGuard(self.settings.thrash)
+        self.traffic = TrafficWindow(self.settings.prewarm)
+        self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
+        self._clock = clock
+        self.loader = AdapterLoader(
+            self.catalog,
+            store,
+            engine or EngineLoraClient(session, self.settings.loader.load_timeout_s),
+            self.view,
+            self.capacity,
+            metrics=self.metrics,
+            load_times=self.load_times,
+            guard=self.guard,
+            settings=self.settings.loader,
+            gateway_id=self.gateway_id,
+            clock=clock,
+        )
+
+    @classmethod
+    def in_memory(
+        cls, policy: Policy, session: aiohttp.ClientSession, **kwargs: Any
+    ) -> AdapterRegistry:
+        """A registry for a single gateway (``fleetgate up``): placement in process memory."""
+        return cls(policy, MemoryPlacementStore(), session, **kwargs)
+
+    # ------------------------------------------------------------------ policy
+
+    def update_policy(self, policy: Policy) -> list[str]:
+        """Follow a policy reload; returns runtime adapters dropped (see ``AdapterCatalog``)."""
+        return self.catalog.update_policy(policy)
+
+    def capacity(self, replica: ReplicaState) -> SlotCapacity:
+        """Slots of ``replica``: the engine's report, else its pool's configuration."""
+        pool = self.catalog.policy.pool(replica.pool)
+        return capacity_of(
+            replica,
+            pool.max_loras if pool is not None else None,
+            pool.max_cpu_loras if pool is not None else None,
+        )
+
+    # ------------------------------------------------------------------ request path
+
+    def authorize(self, tenant: str, name: str) -> Adapter:
+        """The adapter if ``tenant`` may use it; else ``AdapterNotFound`` (HTTP 404)."""
+        return self.catalog.authorize(tenant, name)
+
+    def visible_to(self, tenant: str) -> list[Adapter]:
+        """Adapters ``/v1/models`` lists for ``tenant``."""
+        return self.catalog.visible_to(tenant)
+
+    def record_request(self, adapter: str) -> None:
+        """Count one client request for an authorised adapter (metrics and pre-warm traffic).
+
+        Call once per request, not per upstream attempt.
+        """
+        self.metrics.request(adapter)
+        self.traffic.record(adapter, self._clock())
+
+    def cold_load_ms(self, replica: ReplicaState, adapter: str) -> float:
+        """Expected up-front cost (ms) of serving ``adapter`` on ``replica`` now.
+
+        0 in a GPU slot, the host->GPU copy from the host cache, the measured (EWMA) load time
+        otherwise, or the thrash guard's penalty when that replica has loaded too much lately.
+        """
+        entry = self.catalog.find(adapter)
+        engine_resident = replica.loaded_adapters | replica.cpu_cached_adapters
+        placement = residency_now(
+            self.view.get(replica.replica_id),
+            engine_resident,
+            replica.metrics_read_at,
+            self.settings.sync_grace_s,
+            replica.replica_id,
+        )
+        size_mb = entry.size_mb if entry is not None else None
+        cost = cold_load_estimate_ms(
+            adapter, size_mb, placement, self.capacity(replica).gpu,
+            self.load_times, self.guard, self._clock(),
+        )
+        only_host = adapter in replica.cpu_cached_adapters - replica.loaded_adapters
+        if cost == 0.0 and only_host:
+            # The engine says host cache, not a GPU slot: it pays the copy.
+            return self.load_times.host_copy_ms(size_mb)
+        return cost
+
+    def estimates_for(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaState]
+    ) -> dict[ReplicaId, float]:
+        """``RoutingRequest.adapter_cold_load_ms`` for ``request`` ({} for a base model)."""
+        if request.adapter is None:
+            return {}
+        return {r.replica_id: self.cold_load_ms(r, request.adapter) for r in replicas}
+
+    async def ensure_loaded(
+        self, replica: ReplicaState, adapter: str, *, last_resort: bool = False
+    ) -> LoadResult:
+        """See ``AdapterLoader.ensure_loaded``."""
+        return await self.loader.ensure_loaded(replica, adapter, last_resort=last_resort)
+
+    @contextlib.asynccontextmanager
+    async def serving(
+        self, replica: ReplicaState, adapter: str, *, last_resort: bool = False
+    ) -> AsyncIterator[LoadResult]:
+        """Hold ``adapter`` on ``replica`` for one upstream request.
+
+        Marks the request in flight *before* loading (so no gateway evicts the adapter between
+        its load and the request reaching the engine), ensures it is loaded, and yields the
+        ``LoadResult``; the mark is removed on exit. Raises what ``ensure_loaded`` raises;
+        ``NoAdapterSlot`` and ``ThrashGuardTripped`` mean "try another replica".
+        """
+        async with self.loader.in_use(replica.replica_id, adapter):
+            yield await self.loader.ensure_loaded(replica, adapter, last_resort=last_resort)
+
+    async def report_missing(self, replica: ReplicaId, adapter: str) -> None:
+        """The engine answered 404 for an adapter believed resident (e.g. it restarted)."""
+        with contextlib.suppress(PlacementUnavailable):
+            await self.store.mark_unloaded(replica, adapter, self._clock())
+            self.view.update(
+                await self.store.snapshot(replica, self.guard.since(self._clock()))
+            )
+
+    # ------------------------------------------------------------------ engine truth
+
+    async def refresh(self, states: Iterable[ReplicaState]) -> None:
+        """Fold the engines' reports into the store and re-read the view (periodic task)."""
+        now = self._clock()
+        for state in states:
+            rid = state.replica_id
+            try:
+                if state.healthy:
+                    await self.store.sync_from_engine(
+                        rid,
+                        state.loaded_adapters | state.cpu_cached_adapters,
+                        state.metrics_read_at,
+                        self.settings.sync_grace_s,
+                    )
+                placement = await self.store.snapshot(rid, self.guard.since(now))
+            except PlacementUnavailable as exc:
+                log.warning("adapter placement refresh degraded: %s", exc)
+                return
+            self.view.update(placement)
+            gpu = self.capacity(state).gpu
+            used = len(placement.resident)
+            self.metrics.set_slots_used(rid, used if gpu is None else min(used, gpu))
+
+    async def forget_replica(self, replica: ReplicaId) -> None:
+        """A replica left the fleet for good."""
+        self.view.forget(replica)
+        self.metrics.forget_replica(replica)
+        with contextlib.suppress(PlacementUnavailable):
+            await self.store.forget_replica(replica)
+
+    # ------------------------------------------------------------------ admin
+
+    def add(self, spec: Adapter | Mapping[str, Any], *, replace: bool = False) -> Adapter:
+        """Add a runtime adapter (admin API); raises ``InvalidAdapter``."""
+        return self.catalog.add(spec, replace=replace)
+
+    async def remove(self, name: str, states: Iterable[ReplicaState]) -> list[str]:
+        """Remove a runtime adapter and unload it everywhere; returns failures as messages."""
+        self.catalog.remove(name)
+        failures = []
+        for state in states:
+            view = self.view.get(state.replica_id)
+            held = name in state.loaded_adapters or (view is not None and name in view.resident)
+            if not held:
+                continue
+            try:
+                await self.loader.unload(state, name, reason="admin")
+            except AdapterError as exc:
+                failures.append(str(exc))
+        return failures
+
+    # ------------------------------------------------------------------ pre-warming
+
+    def plan(self, states: Sequence[ReplicaState]) -> ReplicationPlan:
+        """The replication plan for the healthy ``states`` from recent traffic (no I/O)."""
+        counts = self.traffic.counts(self._clock())
+        demands = [
+            AdapterDemand(a.name, counts.get(a.name, 0), a.pinned, a.prewarm_replicas)
+            for a in self.catalog
+        ]
+        slots = []
+        for state in states:
+            if not state.healthy:
+                continue
+            view = self.view.get(state.replica_id)
+            resident = view.resident if view is not None else state.loaded_adapters
+            busy = frozenset(view.inflight) if view is not None else frozenset()
+            slots.append(ReplicaSlots(
+                state.replica_id, self.capacity(state).resident_limit, resident, busy,
+            ))
+        return plan_replication(demands, slots, self.settings.prewarm)
+
+    async def prewarm(self, states: Sequence[ReplicaState]) -> ReconcileReport:
+        """Plan and carry out the plan."""
+        plan = self.plan(states)
+        return await reconcile(plan, self.loader, {s.replica_id: s for s in states})
+
+    async def run(
+        self,
+        get_states: Callable[[], Sequence[ReplicaState]],
+        refresh_interval_s: float = 2.0,
+        prewarm_interval_s: float | None = 30.0,
+    ) -> None:
+        """Refresh (and pre-warm, unless ``prewarm_interval_s`` is None) until cancelled."""
+        last_prewarm = float("-inf")
+        while True:
+            try:
+                states = get_states()
+                await self.refresh(states)
+                now = time.monotonic()
+                if prewarm_interval_s is not None and now - last_prewarm >= prewarm_interval_s:
+                    last_prewarm = now
+                    await self.prewarm(states)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a background loop must survive any one bad round
+                log.exception("adapter registry background round failed")
+            await asyncio.sleep(refresh_interval_s)
+
+    async def close(self) -> None:
+        """Cancel loads in progress and close the store."""
+        await self.loader.close()
+        await self.store.close()

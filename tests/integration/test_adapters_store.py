@@ -1,0 +1,150 @@
+"""One behaviour suite for every placement store (memory, Redis), plus Redis-only properties."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from adapters_registry.placement import (
+    PlacementStore,
+    PlacementUnavailable,
+    Residency,
+    merge_engine_report,
+)
+from adapters_registry.placement_memory import MemoryPlacementStore
+from adapters_registry.placement_redis import RedisPlacementStore
+from routing.types import ReplicaId
+from tests.support.redis_server import RedisServer
+
+R = ReplicaId("pool-a/replica-0")  # ids with '/' must work as key parts
+OTHER = ReplicaId("pool-a/replica-1")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(
+    request: pytest.FixtureRequest, clock: Clock
+) -> AsyncIterator[PlacementStore]:
+    if request.param == "memory":
+        yield MemoryPlacementStore(clock)
+        return
+    url = request.getfixturevalue("redis_url")
+    client = Redis.from_url(url, decode_responses=True)
+    s = RedisPlacementStore(client, key_prefix=f"t-{uuid.uuid4().hex[:8]}:", clock=clock)
+    yield s
+    await client.aclose()
+
+
+async def test_mark_touch_and_snapshot(store: PlacementStore) -> None:
+    await store.mark_resident(R, "org/lora:v1", 10.0)
+    await store.mark_resident(R, "b", 11.0)
+    await store.touch(R, "org/lora:v1", 20.0)
+    await store.touch(R, "never-loaded", 20.0)  # no entry appears for it
+    await store.mark_unloaded(R, "b", 30.0)
+    snap = await store.snapshot(R, loads_since=0)
+    assert snap.entries == {
+        "org/lora:v1": Residency(True, changed_at=10.0, last_used=20.0),
+        "b": Residency(False, changed_at=30.0, last_used=11.0),
+    }
+    assert snap.resident == {"org/lora:v1"}
+    assert (await store.status(R, "org/lora:v1")).resident
+    assert not (await store.status(R, "b")).resident
+    assert (await store.snapshot(OTHER, 0)).entries == {}
+
+
+async def test_sync_follows_the_pure_merge_rule(store: PlacementStore) -> None:
+    await store.mark_resident(R, "fresh", 99.0)
+    await store.mark_unloaded(R, "fresh-gone", 98.0)
+    await store.mark_resident(R, "stale", 10.0)
+    await store.mark_resident(R, "kept", 10.0)
+    before = (await store.snapshot(R, 0)).entries
+    engine = {"fresh-gone", "kept", "external"}
+    await store.sync_from_engine(R, engine, read_at=100.0, grace_s=5.0)
+    assert (await store.snapshot(R, 0)).entries == merge_engine_report(before, engine, 100.0, 5.0)
+
+
+async def test_leases_count_requests_in_flight_and_expire(
+    store: PlacementStore, clock: Clock
+) -> None:
+    await store.mark_resident(R, "a", 1.0)
+    await store.begin_use(R, "a", "l1", ttl_s=10)
+    await store.begin_use(R, "a", "l2", ttl_s=100)
+    assert (await store.snapshot(R, 0)).inflight == {"a": 2}
+    await store.end_use(R, "a", "l2")
+    assert (await store.snapshot(R, 0)).inflight == {"a": 1}
+    clock.now += 10
+    assert (await store.snapshot(R, 0)).inflight == {}
+
+
+async def test_lock_is_exclusive_and_only_its_owner_releases_it(store: PlacementStore) -> None:
+    assert await store.try_lock(R, "a", "g1", ttl_s=30)
+    assert not await store.try_lock(R, "a", "g2", ttl_s=30)
+    assert await store.try_lock(R, "b", "g2", ttl_s=30)  # per adapter
+    assert await store.try_lock(OTHER, "a", "g2", ttl_s=30)  # per replica
+    assert (await store.status(R, "a")).busy
+    await store.unlock(R, "a", "g2")
+    assert (await store.status(R, "a")).busy
+    await store.unlock(R, "a", "g1")
+    assert not (await store.status(R, "a")).busy
+
+
+async def test_load_log_feeds_the_thrash_window(store: PlacementStore) -> None:
+    for t in (100.0, 100.0, 150.0, 200.0):
+        await store.record_load(R, t, keep_s=60)
+    assert (await store.snapshot(R, loads_since=140.0)).recent_loads == (150.0, 200.0)
+    assert (await store.snapshot(R, loads_since=0.0)).recent_loads == (150.0, 200.0)
+    await store.record_load(OTHER, 100.0, keep_s=60)
+    assert (await store.snapshot(OTHER, 0.0)).recent_loads == (100.0,)
+
+
+async def test_forget_replica(store: PlacementStore) -> None:
+    await store.mark_resident(R, "a", 1.0)
+    await store.begin_use(R, "a", "l1", ttl_s=100)
+    await store.try_lock(R, "a", "g1", ttl_s=100)
+    await store.record_load(R, 1.0, keep_s=60)
+    await store.mark_resident(OTHER, "a", 1.0)
+    await store.forget_replica(R)
+    snap = await store.snapshot(R, 0)
+    assert (snap.entries, snap.inflight, snap.recent_loads) == ({}, {}, ())
+    assert not (await store.status(R, "a")).busy
+    assert (await store.snapshot(OTHER, 0)).resident == {"a"}
+
+
+async def test_redis_lock_carries_an_expiry_and_prefixes_isolate(redis_url: str) -> None:
+    client = Redis.from_url(redis_url, decode_responses=True)
+    one = RedisPlacementStore(client, key_prefix="iso-1:")
+    two = RedisPlacementStore(client, key_prefix="iso-2:")
+    try:
+        assert await one.try_lock(R, "a", "g1", ttl_s=5)
+        ttl_ms = await client.pttl(f"iso-1:adapters:lock|{R}|a")
+        assert 0 < ttl_ms <= 5000
+        assert await two.try_lock(R, "a", "g1", ttl_s=5)  # another prefix, another lock
+        await one.mark_resident(R, "a", 1.0)
+        assert (await two.snapshot(R, 0)).entries == {}
+    finally:
+        await client.delete(*[k async for k in client.scan_iter(match="iso-*")])
+        await client.aclose()
+
+
+async def test_redis_outage_raises_placement_unavailable(redis_server: RedisServer) -> None:
+    store = RedisPlacementStore.from_url(redis_server.url)
+    await store.mark_resident(R, "a", 1.0)
+    redis_server.stop()
+    with pytest.raises(PlacementUnavailable, match="adapter placement store"):
+        await store.status(R, "a")
+    await store.close()

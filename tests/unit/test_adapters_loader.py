@@ -1,0 +1,215 @@
+"""Loader mechanics against a fake engine API (no sockets): dedup, LRU eviction, guards, errors.
+
+The HTTP side is covered against simulated vLLM replicas in tests/integration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from adapters_registry.engine_api import EngineReply
+from adapters_registry.errors import (
+    AdapterLoadFailed,
+    AdapterNotFound,
+    NoAdapterSlot,
+    ThrashGuardTripped,
+)
+from adapters_registry.registry import AdapterRegistry, RegistrySettings
+from adapters_registry.thrash import ThrashSettings
+from routing.state import ReplicaState
+from tests.unit.test_adapters_fixtures import adapter, make_policy, replica
+
+
+class FakeEngine:
+    """Records calls; a load can be held at a gate or made to fail."""
+
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+        self.gate: asyncio.Event | None = None
+        self.fail_with: AdapterLoadFailed | None = None
+
+    async def load(self, url: str, replica: str, adapter: str, path: str) -> EngineReply:
+        self.calls.append(("load", adapter))
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
+        changed = adapter not in self.loaded
+        self.loaded.add(adapter)
+        return EngineReply(changed=changed)
+
+    async def unload(self, url: str, replica: str, adapter: str) -> EngineReply:
+        self.calls.append(("unload", adapter))
+        changed = adapter in self.loaded
+        self.loaded.discard(adapter)
+        return EngineReply(changed=changed)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+POLICY = make_policy(
+    [adapter(n) for n in "abcde"] + [adapter("pin", pinned=True)]
+)
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[tuple[AdapterRegistry, FakeEngine, Clock]]:
+    clock = Clock()
+    engine = FakeEngine()
+    settings = RegistrySettings(thrash=ThrashSettings(max_loads=4, window_s=60))
+    async with aiohttp.ClientSession() as session:
+        reg = AdapterRegistry.in_memory(
+            POLICY, session, settings=settings, metrics_registry=CollectorRegistry(), clock=clock,
+            engine=engine,  # the fake replaces HTTP; everything else is real
+        )
+        yield reg, engine, clock
+        await reg.close()
+
+
+def full(max_cpu_loras: int) -> ReplicaState:
+    return replica("r0", max_loras=1, max_cpu_loras=max_cpu_loras)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Yield to the event loop until ``condition`` holds (bounded, so a bug fails the test)."""
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never became true")
+
+
+async def test_resident_adapter_needs_no_load(setup: tuple[AdapterRegistry, FakeEngine, Clock]):
+    reg, engine, _ = setup
+    first = await reg.ensure_loaded(full(4), "a")
+    again = await reg.ensure_loaded(full(4), "a")
+    assert first.loaded_now and not again.loaded_now
+    assert again.cold_ms == 0.0
+    assert engine.calls == [("load", "a")]
+
+
+async def test_concurrent_callers_share_one_load(setup: tuple[AdapterRegistry, FakeEngine, Clock]):
+    reg, engine, _ = setup
+    engine.gate = asyncio.Event()
+    state = full(4)
+    tasks = [asyncio.create_task(reg.ensure_loaded(state, "a")) for _ in range(5)]
+    await until(lambda: reg.loader.waiting(state.replica_id, "a") == 5)
+    engine.gate.set()
+    results = await asyncio.gather(*tasks)
+    assert engine.calls == [("load", "a")]
+    assert sum(r.loaded_now for r in results) == 1
+
+
+async def test_a_caller_giving_up_does_not_abort_the_shared_load(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    reg, engine, _ = setup
+    engine.gate = asyncio.Event()
+    state = full(4)
+    first = asyncio.create_task(reg.ensure_loaded(state, "a"))
+    second = asyncio.create_task(reg.ensure_loaded(state, "a"))
+    await until(lambda: reg.loader.waiting(state.replica_id, "a") == 2)
+    first.cancel()
+    engine.gate.set()
+    assert (await second).loaded_now is False
+    assert "a" in engine.loaded
+    assert (await reg.store.status(state.replica_id, "a")).resident
+
+
+async def test_full_replica_evicts_least_recently_used(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    reg, engine, clock = setup
+    state = full(3)
+    for name in ("a", "b", "c"):
+        clock.now += 1
+        await reg.ensure_loaded(state, name)
+    clock.now += 1
+    async with reg.serving(state, "a"):  # a is used again: b is now the oldest
+        pass
+    clock.now += 1
+    await reg.ensure_loaded(state, "d")
+    assert engine.calls[-2:] == [("unload", "b"), ("load", "d")]
+    assert engine.loaded == {"a", "c", "d"}
+    assert reg.view.get(state.replica_id).resident == {"a", "c", "d"}
+
+
+async def test_pinned_and_busy_adapters_are_never_evicted(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    reg, engine, clock = setup
+    state = full(2)
+    clock.now += 1
+    await reg.ensure_loaded(state, "pin")
+    clock.now += 1
+    async with reg.serving(state, "a"):
+        clock.now += 1
+        with pytest.raises(NoAdapterSlot) as err:
+            await reg.ensure_loaded(state, "b")
+    assert err.value.blocked == ["a", "pin"]
+    assert engine.loaded == {"pin", "a"}
+    # Once a's request ended, a can go; pin still stays.
+    await reg.ensure_loaded(state, "b")
+    assert engine.loaded == {"pin", "b"}
+
+
+async def test_thrash_guard_refuses_unless_last_resort(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    reg, engine, clock = setup
+    state = full(8)
+    for name in "abcd":
+        await reg.ensure_loaded(state, name)
+    with pytest.raises(ThrashGuardTripped, match="already loaded 4 adapters"):
+        await reg.ensure_loaded(state, "e")
+    assert "e" not in engine.loaded
+    assert reg.metrics.thrash_events.labels(replica="r0")._value.get() == 1
+    assert reg.cold_load_ms(state, "pin") == reg.settings.thrash.penalty_ms
+    await reg.ensure_loaded(state, "e", last_resort=True)
+    assert "e" in engine.loaded
+    clock.now += 61  # the window moved on
+    assert reg.cold_load_ms(state, "pin") < reg.settings.thrash.penalty_ms
+    assert (await reg.ensure_loaded(state, "pin")).loaded_now
+
+
+async def test_engine_failure_is_reported_and_not_remembered(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    reg, engine, _ = setup
+    engine.fail_with = AdapterLoadFailed("a", "r0", "No adapter found for /adapters/acme/a", 400)
+    with pytest.raises(AdapterLoadFailed, match="No adapter found"):
+        await reg.ensure_loaded(full(4), "a")
+    assert not (await reg.store.status(full(4).replica_id, "a")).resident
+    failed = reg.metrics.loads.labels(adapter="a", replica="r0", outcome="failed")
+    assert failed._value.get() == 1
+    engine.fail_with = None
+    assert (await reg.ensure_loaded(full(4), "a")).loaded_now
+
+
+async def test_already_loaded_on_engine_counts_as_success(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    reg, engine, _ = setup
+    engine.loaded.add("a")  # loaded by someone else, unknown to the store
+    result = await reg.ensure_loaded(full(4), "a")
+    assert result.loaded_now is False
+    assert (await reg.store.status(full(4).replica_id, "a")).resident
+
+
+async def test_unknown_adapter_is_not_found(setup: tuple[AdapterRegistry, FakeEngine, Clock]):
+    reg, engine, _ = setup
+    with pytest.raises(AdapterNotFound):
+        await reg.ensure_loaded(full(4), "nope")
+    assert engine.calls == []
