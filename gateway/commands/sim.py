@@ -1,0 +1,134 @@
+"""``fleetgate sim``: simulated vLLM replicas that speak vLLM's HTTP API, metrics and KV events.
+
+Examples::
+
+    # two replicas on 8001-8002, KV events bound on 5557-5558 (subscribers connect)
+    fleetgate sim --replicas 2 --port 8001 --kv-events 'tcp://*:5557'
+
+    # a small engine with KV pressure, ten times faster than real time
+    fleetgate sim --profile tiny --speed 10
+
+Point any OpenAI client at ``http://HOST:PORT/v1``; ``model`` is ``--model`` or a LoRA adapter
+loaded with ``POST /v1/load_lora_adapter``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from replica.sim.fleet import SimFleet, start_sim_fleet
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fleetgate sim``."""
+    parser.epilog = __doc__.split("Examples::", 1)[1] if __doc__ else None
+    parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
+    parser.add_argument(
+        "--port", type=int, default=8001,
+        help="HTTP port of the first replica; replica i uses PORT+i (0: any free ports)",
+    )
+    parser.add_argument("--replicas", type=int, default=1, help="number of replicas (default 1)")
+    parser.add_argument(
+        "--profile", default="h100-llama3-8b",
+        help="engine preset from replica/sim/profiles/presets.yaml (default: h100-llama3-8b)",
+    )
+    parser.add_argument("--model", default="sim-model", help="served model name")
+    parser.add_argument(
+        "--kv-events",
+        help="KV-event endpoint of the first replica, vLLM's rule: tcp://*:Q binds (replica i "
+        "on Q+i), tcp://HOST:Q connects to a subscriber that binds; default: off",
+    )
+    parser.add_argument(
+        "--kv-replay",
+        help="ROUTER replay endpoint of the first replica (replica i on port+i); default: off",
+    )
+    parser.add_argument("--kv-topic", default="kv", help="KV-event topic (default: kv)")
+    parser.add_argument(
+        "--speed", type=float, default=1.0,
+        help="modelled seconds per wall second (default 1: real time)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of replica 0 (replica i: +i)")
+    parser.add_argument("--max-loras", type=int, help="GPU LoRA slots (vLLM's --max-loras)")
+    parser.add_argument("--block-size", type=int, help="KV block size in tokens")
+    parser.add_argument(
+        "--tokenizer", metavar="DIR",
+        help="Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json); "
+        "default: a built-in deterministic word-hash tokenizer",
+    )
+    parser.add_argument(
+        "--max-waiting", type=int, default=1024,
+        help="waiting requests beyond which a replica answers 503 (default 1024)",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+
+
+def fleet_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``start_sim_fleet`` keyword arguments from parsed options."""
+    return {
+        "n": args.replicas,
+        "host": args.host,
+        "port": args.port,
+        "model": args.model,
+        "profile": args.profile,
+        "kv_events": args.kv_events,
+        "kv_replay": args.kv_replay,
+        "kv_topic": args.kv_topic,
+        "speed": args.speed,
+        "seed": args.seed,
+        "max_loras": args.max_loras,
+        "block_size": args.block_size,
+        "tokenizer_dir": args.tokenizer,
+        "max_waiting": args.max_waiting,
+    }
+
+
+def describe(fleet: SimFleet) -> str:
+    """One line per replica: its OpenAI base URL and event endpoints."""
+    lines = []
+    for handle in fleet.replicas:
+        line = f"replica {handle.index}: {handle.url}/v1"
+        if handle.kv_events_endpoint:
+            line += f"  kv-events {handle.kv_events_endpoint}"
+        if handle.kv_replay_endpoint:
+            line += f"  replay {handle.kv_replay_endpoint}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+async def serve(
+    args: argparse.Namespace,
+    stop: asyncio.Event,
+    on_ready: Callable[[SimFleet], None] | None = None,
+) -> None:
+    """Run the fleet until ``stop`` is set; ``on_ready`` sees it once every replica serves."""
+    async with start_sim_fleet(**fleet_kwargs(args)) as fleet:
+        print(f"fleetgate sim: {len(fleet.replicas)} replica(s) of {fleet.model!r}", flush=True)
+        print(describe(fleet), flush=True)
+        if on_ready is not None:
+            on_ready(fleet)
+        await stop.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``fleetgate sim``."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    if args.replicas < 1:
+        print("fleetgate sim: --replicas must be >= 1", flush=True)
+        return 2
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await serve(args, stop)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,93 @@
+"""Real ZMQ PUB/SUB and ROUTER replay on 127.0.0.1, in both bind/connect directions."""
+
+from __future__ import annotations
+
+import asyncio
+
+from replica.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventPublisher,
+    KVEventSubscriber,
+    running_publisher,
+    subscriber_endpoint_for,
+)
+from tests.support.redis_server import free_port
+
+
+def _stored(first_token: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=[first_token],
+        parent_block_hash=None,
+        token_ids=[first_token] * 4,
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
+async def _await_subscription(pub: KVEventPublisher, sub: KVEventSubscriber) -> int:
+    """Publish probes until one arrives (ZMQ's slow joiner); returns the last probe's seq.
+
+    Retries use no timing assumptions: each probe waits for a bounded recv, and only the
+    first arrival matters.
+    """
+    for _ in range(200):
+        pub.publish([AllBlocksCleared()])
+        try:
+            seq, _batch = await asyncio.wait_for(sub.recv(), timeout=0.05)
+        except TimeoutError:
+            continue
+        # Drain the probes that were still in flight behind the first arrival.
+        while seq < pub.next_seq - 1:
+            seq, _batch = await asyncio.wait_for(sub.recv(), timeout=5)
+        return seq
+    raise AssertionError("subscriber never received a probe batch")
+
+
+async def test_publisher_binds_subscriber_connects_with_replay() -> None:
+    data_port, replay_port = free_port(), free_port()
+    publisher_setting = f"tcp://*:{data_port}"  # '*': the engine binds
+    pub = KVEventPublisher(
+        endpoint=publisher_setting, topic="kv", replay_endpoint=f"tcp://*:{replay_port}"
+    )
+    async with running_publisher(pub):
+        sub = KVEventSubscriber(
+            subscriber_endpoint_for(publisher_setting),
+            topic="kv",
+            replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
+        )
+        with sub:
+            last_probe = await _await_subscription(pub, sub)
+            sent = [
+                pub.publish([_stored(1), _stored(2)], ts=100.0),
+                pub.publish([BlockRemoved(block_hashes=[1], medium="GPU")], ts=101.0),
+            ]
+            received = [await sub.recv() for _ in sent]
+            assert [seq for seq, _ in received] == sent == [last_probe + 1, last_probe + 2]
+            assert received[0][1].events == [_stored(1), _stored(2)]
+            assert received[0][1].data_parallel_rank == 0
+            assert received[1][1].events == [BlockRemoved(block_hashes=[1], medium="GPU")]
+
+            replayed = await sub.request_replay(last_probe + 1)
+            assert replayed == received
+            everything = await sub.request_replay(0)
+            assert [seq for seq, _ in everything] == list(range(pub.next_seq))
+
+
+async def test_publisher_connects_subscriber_binds() -> None:
+    port = free_port()
+    publisher_setting = f"tcp://127.0.0.1:{port}"  # no '*': the engine connects
+    sub = KVEventSubscriber(subscriber_endpoint_for(publisher_setting), topic="kv")
+    with sub:
+        pub = KVEventPublisher(endpoint=publisher_setting, topic="kv")
+        try:
+            await _await_subscription(pub, sub)
+            seq = pub.publish([_stored(7)])
+            got_seq, batch = await sub.recv()
+            assert (got_seq, batch.events) == (seq, [_stored(7)])
+        finally:
+            pub.close()
+
