@@ -1,7 +1,7 @@
 """The admin API under ``/admin/``, behind a separate admin key.
 
 Replicas and their state, the active policy, reload, index stats, recent routing decisions with
-their explanations, and the prefix-layout report.
+their explanations, the prefix-layout report, and the LoRA adapters (``admin_adapters.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import errors
+from gateway.admin_adapters import add_adapter_routes
 from gateway.auth import is_admin
 from gateway.errors import GatewayError
 from gateway.reload import reload_policy
@@ -134,3 +135,4 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/index", _guard(index_stats))
     app.router.add_get("/admin/decisions", _guard(decisions))
     app.router.add_get("/admin/layout", _guard(layout))
+    add_adapter_routes(app, _guard)

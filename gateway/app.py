@@ -3,7 +3,7 @@
 ``create_app`` builds every collaborator (index, engine, tokenizer, registry, metrics), mounts the
 OpenAI, health, metrics and admin endpoints, and owns the background tasks in one
 ``cleanup_ctx``: started after the pooled upstream session opens, cancelled and awaited before it
-closes.
+closes. The LoRA adapter registry needs that session, so it is built there too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway import errors, health, openai_api
+from gateway.adapters import AdapterSetup, open_registry, setup_from_policy
 from gateway.admin import add_admin_routes
 from gateway.config import GatewayConfig
 from gateway.cost import RouteWindow
@@ -79,9 +80,16 @@ def create_app(
     tokenizer: PromptTokenizer | None = None,
     inflight: InflightTracker | None = None,
     fleet_store: Any = None,
+    adapters: AdapterSetup | None = None,
 ) -> web.Application:
-    """Build a gateway application. Collaborators passed in are shared, not closed on exit."""
+    """Build a gateway application. Collaborators passed in are shared, not closed on exit.
+
+    ``adapters``: the LoRA adapter registry's setup; by default the policy file's (policy mode),
+    none without a policy file.
+    """
     view = policy if policy is not None else load_policy_view(config)
+    if adapters is None:
+        adapters = setup_from_policy(view.source, config)
     owns_fleet_store = fleet_store is None
     if fleet_store is None:
         fleet_store = _discovery_store(view.source)
@@ -127,7 +135,12 @@ def create_app(
     app.router.add_get("/metrics", health.metrics)
     add_admin_routes(app)
     app.cleanup_ctx.append(
-        _lifecycle(owns_index, owns_tokenizer=tokenizer is None, owns_fleet=owns_fleet_store)
+        _lifecycle(
+            owns_index,
+            owns_tokenizer=tokenizer is None,
+            owns_fleet=owns_fleet_store,
+            adapters=adapters,
+        )
     )
     app.on_shutdown.append(_start_draining)
     return app
@@ -144,7 +157,7 @@ def _discovery_store(policy: Any) -> Any:
 
 
 def _lifecycle(
-    owns_index: bool, owns_tokenizer: bool, owns_fleet: bool
+    owns_index: bool, owns_tokenizer: bool, owns_fleet: bool, adapters: AdapterSetup | None
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         gw = app[GATEWAY]
@@ -158,10 +171,25 @@ def _lifecycle(
             await merge_fleet_store(gw)
         with contextlib.suppress(Exception):
             await gw.registry.poll_once(gw.session, timeout_s=2.0)
+        if adapters is not None:
+            gw.adapters = open_registry(gw, adapters)
+            # The engines' adapter lists before the first request; the loop keeps them fresh.
+            await gw.adapters.refresh(gw.registry.adapter_states())
         tasks = [
             asyncio.create_task(health_loop(gw), name="fleetgate-health"),
             asyncio.create_task(inflight_loop(gw), name="fleetgate-inflight"),
         ]
+        if gw.adapters is not None and adapters is not None:
+            tasks.append(
+                asyncio.create_task(
+                    gw.adapters.run(
+                        gw.registry.adapter_states,
+                        refresh_interval_s=gw.config.health_interval_s,
+                        prewarm_interval_s=adapters.prewarm_interval_s,
+                    ),
+                    name="fleetgate-adapters",
+                )
+            )
         if gw.config.policy_path and gw.config.policy_poll_s > 0:
             tasks.append(asyncio.create_task(policy_poll_loop(gw), name="fleetgate-policy-poll"))
         try:
@@ -170,6 +198,9 @@ def _lifecycle(
             for task in (*tasks, *gw.background):
                 task.cancel()
             await asyncio.gather(*tasks, *gw.background, return_exceptions=True)
+            if gw.adapters is not None:  # cancels loads in progress, before the session closes
+                await gw.adapters.close()
+                gw.adapters = None
             await gw.session.close()
             gw.session = None
             await gw.inflight.close()

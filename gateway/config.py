@@ -51,6 +51,13 @@ class GatewayConfig:
     use_fleet_store: bool = False
     #: Sliding window for hit rate and cost gauges.
     window_s: float = 300.0
+    #: Redis key prefix of the adapter placement (shared by every gateway of a fleet).
+    adapter_key_prefix: str = "fleetgate:"
+    #: Seconds between adapter pre-warm rounds; None turns pre-warming off.
+    adapter_prewarm_interval_s: float | None = 30.0
+    #: ``adapters_registry.RegistrySettings`` (loader timeouts, thrash guard, pre-warm budget);
+    #: None: the registry's defaults.
+    adapter_settings: Any = None
 
     def apply_policy(self, policy: Any, startup: bool = False) -> None:
         """Take the policy's ``gateway:`` and ``index:`` settings over the process defaults.

@@ -3,6 +3,10 @@
 Each simulated replica gets an in-process replica agent that consumes its KV events into the
 shared in-memory index and registers it in an in-memory fleet store, which the gateway reads, so
 the embedded stack runs the same three index feeds as production, without Redis.
+
+With ``adapters > 0`` the gateway also runs the LoRA adapter registry (placement in memory) over a
+catalog of that many public demo adapters (``demo-lora-0``, …): the first request for one loads it
+on the replica it is routed to, through the sims' runtime LoRA API, as with vLLM.
 """
 
 from __future__ import annotations
@@ -10,16 +14,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from aiohttp import web
 
+from gateway.adapters import AdapterSetup
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.policy_view import GatewayPolicy
 from gateway.server import start_site
 from gateway.sim_tokenizer import SimPromptTokenizer
+from routing.config import parse_policy
+
+#: Names of the demo adapters ``fleetgate up --adapters N`` registers.
+DEMO_ADAPTER_PREFIX = "demo-lora-"
 
 
 @dataclass
@@ -30,6 +40,41 @@ class EmbeddedStack:
     model: str
     replica_urls: list[str]
     app: web.Application
+    #: Demo adapters in the catalog (empty unless started with ``adapters``).
+    adapters: list[str] = field(default_factory=list)
+
+
+def demo_adapter_setup(
+    model: str, replica_urls: list[str], count: int, max_loras: int, max_cpu_loras: int
+) -> AdapterSetup:
+    """A registry setup whose catalog holds ``count`` public demo adapters of ``model``.
+
+    The pool is named like the agents' registrations (``default``) so its slot counts apply.
+    """
+    doc = {
+        "version": 1,
+        "replica_pools": [
+            {
+                "name": "default",
+                "replicas": replica_urls,
+                "max_loras": max_loras,
+                "max_cpu_loras": max_cpu_loras,
+            }
+        ],
+        "models": [{"name": model, "pools": ["default"]}],
+        "adapters": [
+            {
+                "name": f"{DEMO_ADAPTER_PREFIX}{i}",
+                "base_model": model,
+                "source": f"/adapters/demo/{DEMO_ADAPTER_PREFIX}{i}",
+                "rank": 8,
+                "size_mb": 64,
+                "public": True,
+            }
+            for i in range(count)
+        ],
+    }
+    return AdapterSetup(policy=parse_policy(yaml.safe_dump(doc), "<fleetgate up --adapters>"))
 
 
 @contextlib.asynccontextmanager
@@ -43,8 +88,14 @@ async def embedded_stack(
     admin_key: str | None = None,
     sim_speed: float = 1.0,
     sim_profile: str = "h100-llama3-8b",
+    adapters: int = 0,
+    max_loras: int | None = None,
 ) -> AsyncIterator[EmbeddedStack]:
-    """Start the sims, their agents and the gateway; stop everything on exit."""
+    """Start the sims, their agents and the gateway; stop everything on exit.
+
+    ``adapters``: demo LoRA adapters in the catalog (0: the adapter registry is off);
+    ``max_loras``: the sims' ``--max-loras`` (default: the sim profile's).
+    """
     from replica.agent.agent import ReplicaAgent
     from replica.agent.config import AgentConfig
     from replica.fleet_store import MemoryFleetStore
@@ -55,7 +106,12 @@ async def embedded_stack(
     fleet_store = MemoryFleetStore()
     async with (
         start_sim_fleet(
-            replicas, host="127.0.0.1", model=model, speed=sim_speed, profile=sim_profile
+            replicas,
+            host="127.0.0.1",
+            model=model,
+            speed=sim_speed,
+            profile=sim_profile,
+            max_loras=max_loras,
         ) as fleet,
         contextlib.AsyncExitStack() as stack,
     ):
@@ -75,16 +131,24 @@ async def embedded_stack(
             await stack.enter_async_context(agent)
         await _wait_registered(fleet_store, replicas)
         config = GatewayConfig(default_profile=profile, admin_key=admin_key, health_interval_s=0.5)
+        setup = None
+        if adapters > 0:
+            engine = fleet.replicas[0].replica.engine_config
+            setup = demo_adapter_setup(
+                model, fleet.urls, adapters, engine.max_loras, engine.max_cpu_loras
+            )
         app = create_app(
             config,
             GatewayPolicy.default(profile=profile, usd_per_hour=usd_per_hour),
             index=index,
             tokenizer=SimPromptTokenizer(),
             fleet_store=fleet_store,
+            adapters=setup,
         )
         runner, url = await start_site(app, host, port, config.drain_timeout_s)
+        names = [a.name for a in setup.policy.adapters] if setup is not None else []
         try:
-            yield EmbeddedStack(url, model, fleet.urls, app)
+            yield EmbeddedStack(url, model, fleet.urls, app, names)
         finally:
             await runner.cleanup()
 

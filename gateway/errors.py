@@ -28,6 +28,10 @@ POLICY_INVALID: Final = "policy_invalid"
 NO_ROUTE: Final = "no_route"
 INTERNAL_ERROR: Final = "internal_error"
 ADMIN_DISABLED: Final = "admin_disabled"
+NO_ADAPTER_SLOT: Final = "no_adapter_slot"
+ADAPTER_LOAD_FAILED: Final = "adapter_load_failed"
+INVALID_ADAPTER: Final = "invalid_adapter"
+ADAPTERS_DISABLED: Final = "adapters_disabled"
 
 #: HTTP status -> OpenAI error ``type`` (what OpenAI's own API sends for that status).
 _TYPES: Final = {
@@ -36,6 +40,7 @@ _TYPES: Final = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     502: "api_error",

@@ -6,6 +6,7 @@ import time
 
 from aiohttp import web
 
+from gateway.adapters import model_cards
 from gateway.auth import authenticate
 from gateway.errors import GatewayError
 from gateway.pipeline import UNROUTED, handle_completion
@@ -47,6 +48,12 @@ async def list_models(request: web.Request) -> web.Response:
     except GatewayError as err:
         gw.metrics.errors.labels(UNROUTED, err.code).inc()
         return err.response(request_id)
+    if gw.adapters is not None:  # the registry's catalog, runtime additions included
+        cards = model_cards(gw, tenant)
+        data = [_model_card(model_id, parent) for model_id, parent in cards]
+        return web.json_response(
+            {"object": "list", "data": data}, headers={"X-Request-Id": request_id}
+        )
     if gw.policy.source is not None:
         bases = sorted(gw.policy.known_models)
         adapters = sorted((a.name, a.base_model) for a in gw.policy.adapters_for(tenant))

@@ -1,23 +1,26 @@
 """One completion request end to end: authenticate, route, proxy, account.
 
 The steps, in order: tenant from the API key → rate limit → model and adapter the tenant may use →
-route → tokenize and hash the prompt → the route's profile picks a replica → speculative index
-entry → proxy (retrying fallbacks before the first byte) → metrics, index feedback, calibration.
+route → tokenize and hash the prompt → the route's profile picks a replica (with the adapter
+registry's cold-load estimate per replica) → speculative index entry → proxy (the adapter loaded
+and held on the replica first; retrying fallbacks before the first byte) → metrics, index
+feedback, calibration.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from gateway import errors, proxy
+from gateway import adapters, errors, proxy
 from gateway.auth import authenticate
 from gateway.errors import GatewayError, model_not_found
 from gateway.policy_view import Route, Tenant
@@ -27,6 +30,7 @@ from gateway.state import GATEWAY, GatewayState
 from gateway.tracing import record_stage_spans
 from routing.contracts import NoReplicaAvailable, RoutingDecision, RoutingRequest, TokenizedPrompt
 from routing.hashing import chain_seed, prompt_chain
+from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,8 @@ class Routed:
 
 def resolve_model(gw: GatewayState, tenant: Tenant, model: str) -> tuple[str, str | None]:
     """(base model, adapter) for ``model``; 404 if unknown or another tenant's adapter."""
+    if gw.adapters is not None:  # the catalog decides (runtime additions included)
+        return adapters.resolve_model(gw, tenant, model)
     policy = gw.policy
     if policy.source is not None:
         resolved = policy.resolve_model(tenant, model)
@@ -144,6 +150,8 @@ async def route_request(
     model = str(body["model"])
     base_model, adapter = resolve_model(gw, tenant, model)
     labels["model"] = base_model
+    if adapter is not None and gw.adapters is not None:
+        gw.adapters.record_request(adapter)  # once per client request, not per attempt
     route = gw.policy.route_for(request.path, model, tenant.name, request.headers)
     if route is None:
         raise GatewayError(404, errors.NO_ROUTE, f"No route accepts model `{model}`.", "model")
@@ -171,10 +179,12 @@ async def route_request(
         max_output_tokens=max_tokens if isinstance(max_tokens, int) else None,
     )
     gw.registry.set_inflight(gw.inflight.counts())
+    replicas = gw.registry.routable()
+    adapters.fill_cold_load_estimates(gw, routing_request, replicas)
     decide_start_ns = time.time_ns()
     with gw.tracer.start_as_current_span("fleetgate.route") as span:
         try:
-            decision = await gw.engine.route(routing_request, gw.registry.routable(), route.profile)
+            decision = await gw.engine.route(routing_request, replicas, route.profile)
         except NoReplicaAvailable as exc:
             raise GatewayError(
                 503, errors.NO_HEALTHY_REPLICA, str(exc), headers={"Retry-After": "1"}
@@ -368,6 +378,29 @@ class _Attempts:
         self.replica_seconds: dict[str, float] = {}
         self._unprefilled: dict[ReplicaId, int] = {}
         self.attempts = 0
+
+    @contextlib.asynccontextmanager
+    async def prepare(self, replica: ReplicaState, last_resort: bool) -> AsyncIterator[None]:
+        """Hold the request's adapter loaded on ``replica`` for this attempt (if it has one)."""
+        adapter = self.routed.adapter
+        if adapter is None or self.gw.adapters is None:
+            yield
+            return
+        async with adapters.hold_adapter(self.gw, replica, adapter, last_resort) as load:
+            self.routed.log_entry["adapter_load"] = {
+                "replica": replica.replica_id,
+                "cold_ms": round(load.cold_ms, 3),
+                "loaded_now": load.loaded_now,
+            }
+            yield
+
+    async def model_missing(self, replica: ReplicaId) -> bool:
+        """An upstream 404 for the request's adapter: the engine lost it; load it again."""
+        adapter = self.routed.adapter
+        if adapter is None or self.gw.adapters is None:
+            return False
+        await self.gw.adapters.report_missing(replica, adapter)
+        return True
 
     def started(self, replica: ReplicaId) -> None:
         gw = self.gw

@@ -5,15 +5,23 @@ reached the client yet). Once the stream has started, a failure ends the stream:
 generation elsewhere would duplicate tokens the client already has. A client that disconnects
 cancels the handler; leaving the ``async with`` closes the upstream connection, so the engine
 aborts the request instead of generating for nobody.
+
+Before a replica is sent the request, ``AttemptHooks.prepare`` puts in place what the request
+needs there (its LoRA adapter, loaded and held); a replica that cannot take it raises
+``ReplicaUnsuitable`` and the next candidate is tried. An upstream 404 for a model the gateway
+believed loaded (``AttemptHooks.model_missing``) is retried once on the same replica, which loads
+it again first: nothing reached the client yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +31,7 @@ from aiohttp import web
 from gateway import errors
 from gateway.errors import GatewayError
 from gateway.state import GatewayState
+from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -42,8 +51,32 @@ _DROP_HEADERS = {
 }
 
 
+class ReplicaUnsuitable(Exception):
+    """This replica cannot take the request now (e.g. no LoRA slot); try the next candidate.
+
+    ``reason`` labels ``fleetgate_upstream_retries``; ``error`` is what the client gets if no
+    candidate is left.
+    """
+
+    def __init__(self, reason: str, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.reason = reason
+        self.error = error
+
+
 class AttemptHooks(Protocol):
     """Bookkeeping for the replica being tried (in-flight counts, replica time, calibration)."""
+
+    def prepare(
+        self, replica: ReplicaState, last_resort: bool
+    ) -> AbstractAsyncContextManager[object]:
+        """Held around one attempt; may raise ``ReplicaUnsuitable`` on entry.
+
+        ``last_resort``: no other candidate is left after this one.
+        """
+
+    async def model_missing(self, replica: ReplicaId) -> bool:
+        """The replica answered 404: True if the model should be there (retry once)."""
 
     def started(self, replica: ReplicaId) -> None:
         """The request is being sent to ``replica``."""
@@ -222,52 +255,88 @@ async def send(
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     max_attempts = 1 + gw.max_retries
     tried = 0
-    for replica_id in candidates:
-        if tried >= max_attempts:
-            break
+    queue = list(candidates)
+    retried_missing: set[ReplicaId] = set()
+    unsuitable: ReplicaUnsuitable | None = None
+    connect_failed = False  # the previous attempt could not reach its replica
+    while queue and tried < max_attempts:
+        replica_id = queue.pop(0)
         replica = gw.registry.get(replica_id)
         if replica is None:
             continue
         breaker = gw.registry.breaker(replica_id)
         if not breaker.allows():
             continue
-        if tried:
-            gw.metrics.upstream_retries.labels(route, "connect_failed").inc()
-        tried += 1
-        breaker.begin()
-        outcome.replica = replica_id
-        outcome.attempts = tried
-        outcome.sent_at = time.monotonic()
-        hooks.started(replica_id)
-        try:
-            async with session.post(
-                f"{replica.url}{path}", data=payload, headers=headers, timeout=timeout
-            ) as resp:
-                breaker.success()
-                outcome.status = resp.status
-                if resp.status == 200 and body.get("stream"):
-                    result = await _relay_stream(
-                        request, resp, outcome, request_id, hide_usage_chunk, hooks
-                    )
-                else:
-                    result = await _relay_body(resp, outcome, request_id)
-                    hooks.first_byte(replica_id)
-                outcome.finished_at = time.monotonic()
-                return result
-        except _RETRYABLE as exc:
-            breaker.failure()
-            log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)
-            continue
-        except TimeoutError:
-            breaker.failure()
-            raise GatewayError(
-                504, errors.UPSTREAM_TIMEOUT, "The upstream replica did not answer in time."
-            ) from None
-        finally:
-            hooks.ended(replica_id)
+        last_resort = tried + 1 >= max_attempts or not _any_usable(gw, queue)
+        async with contextlib.AsyncExitStack() as held:
+            try:
+                await held.enter_async_context(hooks.prepare(replica, last_resort))
+            except ReplicaUnsuitable as exc:
+                unsuitable = exc
+                gw.metrics.upstream_retries.labels(route, exc.reason).inc()
+                continue
+            unsuitable = None
+            if connect_failed:
+                gw.metrics.upstream_retries.labels(route, "connect_failed").inc()
+                connect_failed = False
+            tried += 1
+            breaker.begin()
+            outcome.replica = replica_id
+            outcome.attempts = tried
+            outcome.sent_at = time.monotonic()
+            hooks.started(replica_id)
+            try:
+                async with session.post(
+                    f"{replica.url}{path}", data=payload, headers=headers, timeout=timeout
+                ) as resp:
+                    breaker.success()
+                    outcome.status = resp.status
+                    if (
+                        resp.status == 404
+                        and replica_id not in retried_missing
+                        and await hooks.model_missing(replica_id)
+                    ):
+                        # The engine lost an adapter we believed loaded (it restarted, or an
+                        # operator unloaded it): load it again on the same replica and retry.
+                        retried_missing.add(replica_id)
+                        queue.insert(0, replica_id)
+                        tried -= 1  # the retry replaces this attempt
+                        gw.metrics.upstream_retries.labels(route, "adapter_missing").inc()
+                        continue
+                    if resp.status == 200 and body.get("stream"):
+                        result = await _relay_stream(
+                            request, resp, outcome, request_id, hide_usage_chunk, hooks
+                        )
+                    else:
+                        result = await _relay_body(resp, outcome, request_id)
+                        hooks.first_byte(replica_id)
+                    outcome.finished_at = time.monotonic()
+                    return result
+            except _RETRYABLE as exc:
+                breaker.failure()
+                log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)
+                connect_failed = True
+                continue
+            except TimeoutError:
+                breaker.failure()
+                raise GatewayError(
+                    504, errors.UPSTREAM_TIMEOUT, "The upstream replica did not answer in time."
+                ) from None
+            finally:
+                hooks.ended(replica_id)
+    if unsuitable is not None:
+        raise unsuitable.error
     raise GatewayError(
         503,
         errors.NO_HEALTHY_REPLICA,
         "No healthy replica could take the request.",
         headers={"Retry-After": "1"},
     )
+
+
+def _any_usable(gw: GatewayState, candidates: Sequence[ReplicaId]) -> bool:
+    """True if any of ``candidates`` is known and its circuit lets a request through."""
+    for replica_id in candidates:
+        if gw.registry.get(replica_id) is not None and gw.registry.breaker(replica_id).allows():
+            return True
+    return False

@@ -39,9 +39,12 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
         policy = load_policy(path)
         view = from_policy(policy)
         profiles = build_profiles(view)
+        if gw.adapters is not None:
+            # Last check before the swap: it refuses (changing nothing) or takes the new catalog.
+            gw.adapters.update_policy(policy)  # logs the runtime additions it drops
     except PolicyError as exc:
         return _refused(gw, [str(e) for e in exc.errors], path)
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError) as exc:  # InvalidAdapter is a ValueError
         return _refused(gw, [f"{path}: {exc}"], path)
     gw.engine.replace_profiles(profiles)
     gw.config.apply_policy(policy)

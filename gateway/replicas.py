@@ -32,6 +32,22 @@ _GAUGES = {
 }
 
 
+def parse_max_loras(text: str) -> int | None:
+    """``max_lora`` of ``vllm:lora_requests_info`` (the engine's ``--max-loras``), if exported."""
+    for line in text.splitlines():
+        if not line.startswith("vllm:lora_requests_info{"):
+            continue
+        labels = line.split("{", 1)[1].split("}", 1)[0]
+        for pair in labels.split(","):
+            key, _, value = pair.partition("=")
+            if key.strip() == "max_lora":
+                try:
+                    return int(value.strip().strip('"'))
+                except ValueError:
+                    return None
+    return None
+
+
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """Sum each of the gauges in ``_GAUGES`` across label sets (one engine, possibly DP ranks)."""
     values: dict[str, float] = {}
@@ -61,6 +77,10 @@ class ReplicaRegistry:
         self._cooldown_s = cooldown_s
         #: adapter name -> base model, as replicas list them in ``/v1/models`` (``parent``).
         self.served_adapters: dict[str, str] = {}
+        #: When each replica's adapter list was read. Separate from ``metrics_read_at`` (the
+        #: gauges' time): ``/v1/models`` can answer while ``/metrics`` does not, and the
+        #: adapter registry must know how fresh the adapter list is, not the queue figures.
+        self._adapters_read_at: dict[ReplicaId, float] = {}
 
     # ------------------------------------------------------------------ membership
 
@@ -120,6 +140,8 @@ class ReplicaRegistry:
                     inflight_requests=old.inflight_requests,
                     inflight_prefill_tokens=old.inflight_prefill_tokens,
                 )
+            # The agent read the adapters with its metrics: its time goes with its list.
+            self._adapters_read_at[state.replica_id] = state.metrics_read_at
         for rid in self._discovered - seen:
             self.remove(rid)
         self._discovered = seen
@@ -128,6 +150,7 @@ class ReplicaRegistry:
         """Forget a replica."""
         self._states.pop(replica, None)
         self._breakers.pop(replica, None)
+        self._adapters_read_at.pop(replica, None)
 
     # ------------------------------------------------------------------ reading
 
@@ -148,6 +171,19 @@ class ReplicaRegistry:
             allowed = self._breakers[rid].allows()
             out.append(state if allowed else replace(state, healthy=False))
         return out
+
+    def adapters_read_at(self, replica: ReplicaId) -> float:
+        """When ``replica``'s adapter list was last read (0.0: never)."""
+        return self._adapters_read_at.get(replica, 0.0)
+
+    def adapter_view(self, state: ReplicaState) -> ReplicaState:
+        """``state`` as the adapter registry needs it: ``metrics_read_at`` is the adapter list's
+        read time (the registry reads that field as "when the engine reported its adapters")."""
+        return replace(state, metrics_read_at=self.adapters_read_at(state.replica_id))
+
+    def adapter_states(self) -> list[ReplicaState]:
+        """``routable()`` through ``adapter_view``, for the registry's refresh and admin calls."""
+        return [self.adapter_view(state) for state in self.routable()]
 
     def base_models(self) -> set[str]:
         """Base models at least one replica (healthy or not) serves."""
@@ -177,37 +213,48 @@ class ReplicaRegistry:
         try:
             async with session.get(f"{state.url}/health", timeout=timeout) as resp:
                 healthy = resp.status == 200
-            models_body: dict[str, Any] = {}
+            models_body: dict[str, Any] | None = None
+            models_read_at = 0.0
             if healthy:
                 async with session.get(f"{state.url}/v1/models", timeout=timeout) as resp:
                     if resp.status == 200:
+                        models_read_at = time.time()
                         models_body = await resp.json()
             gauges: dict[str, float] = {}
+            max_loras: int | None = None
             if healthy:
                 async with session.get(f"{state.url}/metrics", timeout=timeout) as resp:
                     if resp.status == 200:
-                        gauges = parse_vllm_metrics(await resp.text())
+                        text = await resp.text()
+                        gauges = parse_vllm_metrics(text)
+                        max_loras = parse_max_loras(text)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("health poll of %s failed: %s", state.replica_id, exc)
             healthy = False
-            models_body, gauges = {}, {}
+            models_body, gauges, max_loras = None, {}, None
         current = self._states.get(state.replica_id)
         if current is None:  # removed while polling
             return
         updates: dict[str, Any] = {"healthy": healthy}
         if healthy:
             self._breakers[state.replica_id].success()
-            bases, adapters = set(), set()
-            for entry in models_body.get("data", []) if isinstance(models_body, dict) else []:
-                parent = entry.get("parent")
-                if parent:
-                    adapters.add(str(entry["id"]))
-                    self.served_adapters[str(entry["id"])] = str(parent)
-                else:
-                    bases.add(str(entry.get("id")))
-            if bases:
-                updates["models"] = frozenset(bases)
-            updates["loaded_adapters"] = frozenset(adapters)
+            # Only an answered /v1/models says which adapters are loaded: a failed read keeps
+            # the last list (and its read time) instead of claiming, freshly, that there are none.
+            if isinstance(models_body, dict):
+                bases, adapters = set(), set()
+                for entry in models_body.get("data", []):
+                    parent = entry.get("parent")
+                    if parent:
+                        adapters.add(str(entry["id"]))
+                        self.served_adapters[str(entry["id"])] = str(parent)
+                    else:
+                        bases.add(str(entry.get("id")))
+                if bases:
+                    updates["models"] = frozenset(bases)
+                updates["loaded_adapters"] = frozenset(adapters)
+                self._adapters_read_at[state.replica_id] = models_read_at
+            if max_loras is not None:
+                updates["max_loras"] = max_loras
             if gauges:
                 updates["running"] = int(gauges.get("running", 0))
                 updates["waiting"] = int(gauges.get("waiting", 0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -21,6 +21,9 @@ from gateway.ratelimit import RateLimiter
 from gateway.replicas import ReplicaRegistry
 from gateway.routing_glue import Router
 from routing.contracts import BlockIndex, PromptTokenizer
+
+if TYPE_CHECKING:
+    from adapters_registry import AdapterRegistry
 
 
 @dataclass
@@ -55,6 +58,9 @@ class GatewayState:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     #: Optional extra replica source (agents' fleet store), polled with the health loop.
     fleet_store: Any = None
+    #: The LoRA adapter registry (see ``gateway/adapters.py``); None when adapters are off.
+    #: Built in the app's cleanup context, once the upstream session exists.
+    adapters: AdapterRegistry | None = None
 
     def http(self) -> aiohttp.ClientSession:
         """The pooled upstream session (only valid while the app runs)."""

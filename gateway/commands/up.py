@@ -4,6 +4,7 @@ Examples::
 
     fleetgate up                     # 2 simulated replicas, gateway on :8000
     fleetgate up --sim 4 --port 9000 --profile cache-aware
+    fleetgate up --adapters 3        # plus 3 demo LoRA adapters, loaded on first use
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--usd-per-hour", type=float, default=2.0, help="GPU price per replica-hour (cost metric)"
     )
     parser.add_argument("--admin-key", default=None, help="admin API key (default: generated)")
+    parser.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="demo LoRA adapters (demo-lora-0..N-1) served through the adapter registry",
+    )
+    parser.add_argument(
+        "--max-loras", type=int, default=None, help="the sims' --max-loras (GPU LoRA slots)"
+    )
 
 
 def banner(stack: EmbeddedStack, admin_key: str) -> str:
@@ -45,10 +56,23 @@ def banner(stack: EmbeddedStack, admin_key: str) -> str:
   reply = client.chat.completions.create(
       model="{stack.model}", messages=[{{"role": "user", "content": "Hello!"}}])
   print(reply.choices[0].message.content)
-
+{_adapter_example(stack, admin_key)}
   metrics:   {stack.url}/metrics
   admin API: curl -H 'Authorization: Bearer {admin_key}' {stack.url}/admin/decisions
 Press Ctrl-C to stop."""
+
+
+def _adapter_example(stack: EmbeddedStack, admin_key: str) -> str:
+    """The LoRA part of the banner: a request naming an adapter, and where to watch it load."""
+    if not stack.adapters:
+        return ""
+    names = ", ".join(stack.adapters)
+    return f"""
+  LoRA adapters ({names}): name one as the model; the first request loads it
+  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{stack.adapters[0]}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+  placement: curl -H 'Authorization: Bearer {admin_key}' {stack.url}/admin/adapters
+"""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.sim < 1:
         print("fleetgate up: --sim must be >= 1")
+        return 2
+    if args.adapters < 0:
+        print("fleetgate up: --adapters must be >= 0")
         return 2
     admin_key = args.admin_key or secrets.token_urlsafe(16)
 
@@ -70,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
             usd_per_hour=args.usd_per_hour,
             admin_key=admin_key,
             sim_speed=args.sim_speed,
+            adapters=args.adapters,
+            max_loras=args.max_loras,
         ) as stack:
             print(banner(stack, admin_key), flush=True)
             await signals.wait()

@@ -45,7 +45,20 @@ class FakeUpstream:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
         return app
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA API, as far as the gateway's adapter registry calls it."""
+        body = await request.json()
+        self.adapters[body["lora_name"]] = self.models[0]
+        return web.Response(text="Success")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.adapters.pop(body["lora_name"], None)
+        return web.Response(text="Success")
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="")

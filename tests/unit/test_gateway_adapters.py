@@ -1,0 +1,175 @@
+"""The gateway's adapter wiring without sockets: adapter-list freshness in the replica registry,
+the engine's slot count from ``/metrics``, and how registry errors become fallbacks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from adapters_registry import AdapterLoadFailed, NoAdapterSlot, ThrashGuardTripped
+from adapters_registry.loader import LoadResult
+from gateway.adapters import hold_adapter
+from gateway.errors import GatewayError
+from gateway.proxy import ReplicaUnsuitable
+from gateway.replicas import ReplicaRegistry, parse_max_loras
+from routing.state import ReplicaState
+from routing.types import ReplicaId
+
+R0 = ReplicaId("pool-a/0")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('vllm:lora_requests_info{max_lora="4",running_lora_adapters="a"} 1.7e9\n', 4),
+        ('vllm:lora_requests_info{running_lora_adapters="",max_lora="1"} 1.0\n', 1),
+        ("vllm:num_requests_running 3\n", None),
+        ('vllm:lora_requests_info{max_lora="many"} 1\n', None),
+    ],
+)
+def test_max_loras_from_engine_metrics(text: str, expected: int | None) -> None:
+    assert parse_max_loras(text) == expected
+
+
+class _Response:
+    def __init__(self, status: int, body: Any) -> None:
+        self.status = status
+        self._body = body
+
+    async def json(self) -> Any:
+        return self._body
+
+    async def text(self) -> str:
+        return str(self._body)
+
+
+class _Session:
+    """Answers the health poll's three GETs from a table: path -> (status, body)."""
+
+    def __init__(self, answers: dict[str, tuple[int, Any]]) -> None:
+        self.answers = answers
+
+    @contextlib.asynccontextmanager
+    async def get(self, url: str, timeout: Any = None) -> AsyncIterator[_Response]:
+        path = "/" + url.split("/", 3)[3]
+        yield _Response(*self.answers[path])
+
+
+def _models(*adapters: str) -> dict[str, Any]:
+    data = [{"id": "base", "parent": None}] + [{"id": a, "parent": "base"} for a in adapters]
+    return {"data": data}
+
+
+METRICS = 'vllm:num_requests_running 0\nvllm:lora_requests_info{max_lora="2"} 1\n'
+
+
+async def test_adapter_list_freshness_is_its_own_not_the_gauges() -> None:
+    registry = ReplicaRegistry()
+    registry.upsert(ReplicaState(replica_id=R0, url="http://r0"))
+    assert registry.adapters_read_at(R0) == 0.0  # never read: no fresh claim of "none loaded"
+
+    ok = {"/health": (200, ""), "/v1/models": (200, _models("a")), "/metrics": (200, METRICS)}
+    await registry.poll_once(_Session(ok))  # type: ignore[arg-type]
+    first = registry.adapters_read_at(R0)
+    state = registry.get(R0)
+    assert state is not None and first > 0
+    assert state.loaded_adapters == {"a"} and state.max_loras == 2
+    assert registry.adapter_view(state).metrics_read_at == first
+
+    # /v1/models fails, /metrics answers: the adapter list (and its time) stays as it was read.
+    models_down = {**ok, "/v1/models": (500, {})}
+    await registry.poll_once(_Session(models_down))  # type: ignore[arg-type]
+    state = registry.get(R0)
+    assert state is not None and state.loaded_adapters == {"a"}
+    assert registry.adapters_read_at(R0) == first
+    assert state.metrics_read_at >= first
+
+    # /metrics fails, /v1/models answers: the adapter list is fresh even though gauges are not.
+    metrics_down = {**ok, "/v1/models": (200, _models()), "/metrics": (500, "")}
+    await registry.poll_once(_Session(metrics_down))  # type: ignore[arg-type]
+    state = registry.get(R0)
+    assert state is not None and state.loaded_adapters == frozenset()
+    assert registry.adapters_read_at(R0) >= first
+    assert registry.adapter_view(state).metrics_read_at == registry.adapters_read_at(R0)
+
+
+def test_agent_reports_carry_their_own_read_time() -> None:
+    registry = ReplicaRegistry()
+    reported = ReplicaState(
+        replica_id=R0, url="http://r0", loaded_adapters=frozenset({"a"}), metrics_read_at=123.0
+    )
+    registry.sync_discovered([reported])
+    assert registry.adapters_read_at(R0) == 123.0
+    registry.sync_discovered([])  # registration expired
+    assert registry.get(R0) is None and registry.adapters_read_at(R0) == 0.0
+
+
+class _Registry:
+    """``AdapterRegistry.serving`` that raises ``error`` on entry (or yields a result)."""
+
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+        self.last_resort: bool | None = None
+
+    @contextlib.asynccontextmanager
+    async def serving(
+        self, replica: ReplicaState, adapter: str, *, last_resort: bool = False
+    ) -> AsyncIterator[LoadResult]:
+        self.last_resort = last_resort
+        if self.error is not None:
+            raise self.error
+        yield LoadResult(cold_ms=12.0, loaded_now=True)
+
+
+def _gateway(registry: _Registry) -> Any:
+    replicas = ReplicaRegistry()
+    return SimpleNamespace(adapters=registry, registry=replicas)
+
+
+@pytest.mark.parametrize(
+    ("error", "reason", "status", "code"),
+    [
+        (NoAdapterSlot("x", "r0", 2, ["p", "q"]), "no_adapter_slot", 503, "no_adapter_slot"),
+        (
+            ThrashGuardTripped("x", "r0", 20, 20, 60.0),
+            "adapter_thrash_guard",
+            503,
+            "no_adapter_slot",
+        ),
+        (
+            AdapterLoadFailed("x", "r0", "disk full", 500),
+            "adapter_load_failed",
+            502,
+            "adapter_load_failed",
+        ),
+    ],
+)
+async def test_registry_refusals_become_fallbacks(
+    error: Exception, reason: str, status: int, code: str
+) -> None:
+    replica = ReplicaState(replica_id=R0, url="http://r0")
+    with pytest.raises(ReplicaUnsuitable) as caught:
+        async with hold_adapter(_gateway(_Registry(error)), replica, "x", last_resort=False):
+            pytest.fail("the body must not run when the adapter could not be held")
+    assert caught.value.reason == reason
+    assert (caught.value.error.status, caught.value.error.code) == (status, code)
+    assert "disk full" not in caught.value.error.message  # engine text stays in the log
+
+
+async def test_hold_passes_last_resort_and_yields_the_load() -> None:
+    registry = _Registry(None)
+    replica = ReplicaState(replica_id=R0, url="http://r0")
+    async with hold_adapter(_gateway(registry), replica, "x", last_resort=True) as load:
+        assert load.loaded_now and load.cold_ms == 12.0
+    assert registry.last_resort is True
+
+
+async def test_errors_inside_the_held_attempt_are_not_fallbacks() -> None:
+    replica = ReplicaState(replica_id=R0, url="http://r0")
+    with pytest.raises(GatewayError):
+        async with hold_adapter(_gateway(_Registry(None)), replica, "x", last_resort=False):
+            raise GatewayError(504, "upstream_timeout", "slow")
