@@ -1,26 +1,38 @@
 """In-process ``BlockIndex``: a bounded LRU of block hashes, for one gateway or the simulator.
 
-Layout: an ``OrderedDict`` from block hash to ``{replica: holding}``, oldest block first. A
-holding carries the epoch it was recorded under and, for speculative entries, an expiry time.
+Layout: every live *incarnation* (a replica at one epoch) owns one bit. An ``OrderedDict`` maps
+each block hash, oldest first, to an int bitmask of the incarnations holding it
+engine-confirmed; the few blocks with speculative entries also have a small dict of them, with
+their expiry, on the side.
+
+A lookup is then one big-int AND per block, whatever the number of replicas::
+
+    running = live & mask[b0]
+    nxt = running & mask[bi]        # replicas in running & ~nxt stop at depth i
+
+so it costs O(matched blocks), not O(matched blocks x replicas holding them).
 
 Liveness is decided when an entry is *read*, never by scanning:
 
-* an entry matches only if its epoch is the replica's current epoch, so ``retire_epoch`` and
-  ``set_epoch`` hide every entry of the old incarnation at once (O(1));
+* ``live`` holds only the bits of each replica's live incarnation, so ``retire_epoch`` and
+  ``set_epoch`` hide every entry of the old incarnation at once (one bit cleared);
 * a speculative entry matches only until its expiry;
 * a replica that has heartbeated and then missed its deadline matches nothing until it
   heartbeats again (replicas that never heartbeat are not held to one, unless
   ``require_heartbeat`` is set).
 
-Dead holdings met during a lookup are dropped on the spot; the LRU bound removes the rest.
+Bits of dead incarnations stay in block masks until a lookup or a write meets them, or until
+*compaction*: once ``compact_after_dead`` incarnations are dead, one pass over the blocks clears
+their bits and frees them for reuse, so masks stay about as wide as the live fleet.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from routing.contracts import IndexStats
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
@@ -29,21 +41,16 @@ from routing.types import BlockHash, Epoch, ReplicaId
 __all__ = ["MemoryBlockIndex"]
 
 
-@dataclass(slots=True)
-class _Holding:
-    """One replica's claim to one block."""
-
-    epoch: Epoch
-    #: Clock time after which a speculative entry is dead; ``None`` for engine-confirmed ones.
-    expires_at: float | None
+#: Speculative entries of one block: replica -> (incarnation bit value, expiry).
+_Spec = dict[ReplicaId, tuple[int, float]]
 
 
 class MemoryBlockIndex:
     """A ``BlockIndex`` held in this process, bounded to ``max_entries`` blocks (LRU).
 
-    ``max_entries`` counts distinct block hashes; each costs about 340 bytes with one replica
-    holding it, plus about 50 bytes per further replica (docs/index.md). ``clock`` is
-    injectable so tests can move time.
+    ``max_entries`` counts distinct block hashes (about 130 bytes each, docs/index.md).
+    ``clock`` is injectable so tests can move time. ``compact_after_dead`` is how many dead
+    incarnations may keep their bits before one compaction pass frees them.
     """
 
     def __init__(
@@ -52,18 +59,147 @@ class MemoryBlockIndex:
         *,
         clock: Callable[[], float] = time.monotonic,
         require_heartbeat: bool = False,
+        compact_after_dead: int = 64,
     ) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
             raise ValueError(f"max_entries must be a positive integer (got {max_entries!r})")
+        if (
+            isinstance(compact_after_dead, bool)
+            or not isinstance(compact_after_dead, int)
+            or compact_after_dead <= 0
+        ):
+            raise ValueError(
+                f"compact_after_dead must be a positive integer (got {compact_after_dead!r})"
+            )
         self._max_entries = max_entries
         self._clock = clock
         self._require_heartbeat = require_heartbeat
-        self._blocks: OrderedDict[BlockHash, dict[ReplicaId, _Holding]] = OrderedDict()
+        self._compact_after_dead = compact_after_dead
+        # Block hash -> bits of the incarnations holding it engine-confirmed (0 if only guessed).
+        # Plain ints, not objects: a million blocks add nothing for the garbage collector to
+        # walk, which would otherwise stall every process-wide collection for milliseconds.
+        self._blocks: OrderedDict[BlockHash, int] = OrderedDict()
+        #: Speculative entries, only for the (few) blocks that have some.
+        self._spec: dict[BlockHash, _Spec] = {}
         #: The live epoch of each known replica; ``None`` once that epoch was retired and no
         #: new one declared. A replica absent here adopts the epoch of its first ``record``.
         self._epochs: dict[ReplicaId, Epoch | None] = {}
         self._heartbeat_deadlines: dict[ReplicaId, float] = {}
         self._evictions = 0
+        self._compactions = 0
+        # Incarnation bits. A bit is allocated when an epoch becomes live, turns dead when the
+        # epoch is retired or replaced, and is freed only by compaction, once no block has it.
+        self._bit_of: dict[tuple[ReplicaId, Epoch], int] = {}
+        self._owner: list[tuple[ReplicaId, Epoch] | None] = []
+        self._free_bits: list[int] = []  # a heap: the lowest free bit first keeps masks narrow
+        #: All allocated bits (live and dead) of each replica: a write replaces the replica's
+        #: entry of any other incarnation in place, as one entry per replica per block.
+        self._replica_bits: dict[ReplicaId, int] = {}
+        self._live_mask = 0
+        self._dead_mask = 0
+        # The live mask less replicas that missed their heartbeat, cached until a heartbeat
+        # deadline passes or an epoch/heartbeat changes (``None`` = recompute).
+        self._match_mask: int | None = None
+        self._match_mask_until = math.inf
+
+    # ------------------------------------------------------------------ incarnation bits
+
+    def _make_live(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """Make ``epoch`` the replica's live incarnation, giving it a bit (reused if it has one)."""
+        current = self._epochs.get(replica)
+        if current == epoch:
+            return
+        if current is not None:
+            self._kill(replica, current)
+        self._epochs[replica] = epoch
+        key = (replica, epoch)
+        bit = self._bit_of.get(key)
+        if bit is None:
+            # Never reusing an epoch number is the caller's rule (docs/index.md); if one is
+            # reused before compaction, its old bit (and entries) simply come back.
+            bit = heapq.heappop(self._free_bits) if self._free_bits else len(self._owner)
+            if bit == len(self._owner):
+                self._owner.append(key)
+            else:
+                self._owner[bit] = key
+            self._bit_of[key] = bit
+            self._replica_bits[replica] = self._replica_bits.get(replica, 0) | (1 << bit)
+        value = 1 << bit
+        self._live_mask |= value
+        self._dead_mask &= ~value
+        self._match_mask = None
+
+    def _kill(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """Turn the incarnation's bit dead: it stops matching now and is freed by compaction."""
+        value = 1 << self._bit_of[(replica, epoch)]
+        self._live_mask &= ~value
+        self._dead_mask |= value
+        self._match_mask = None
+        if self._dead_mask.bit_count() >= self._compact_after_dead:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Clear every dead bit from every block, drop emptied blocks, and free the bits.
+
+        One pass over the index (O(blocks)); it runs once per ``compact_after_dead`` retired
+        incarnations, so its cost per retirement is O(blocks / compact_after_dead).
+        """
+        dead = self._dead_mask
+        if not dead:
+            return
+        keep = ~dead
+        index = self._blocks
+        spec_blocks = self._spec
+        for block_hash, spec in list(spec_blocks.items()):
+            for replica in [r for r, (value, _) in spec.items() if value & dead]:
+                del spec[replica]
+            if not spec:
+                del spec_blocks[block_hash]
+        empty: list[BlockHash] = []
+        # Rewriting a value in place keeps the LRU order (only insertion and move_to_end move).
+        for block_hash, mask in index.items():
+            if mask & dead:
+                mask &= keep
+                index[block_hash] = mask
+            if not mask and block_hash not in spec_blocks:
+                empty.append(block_hash)
+        for block_hash in empty:
+            del index[block_hash]
+        remaining = dead
+        while remaining:
+            low = remaining & -remaining
+            remaining ^= low
+            bit = low.bit_length() - 1
+            key = self._owner[bit]
+            assert key is not None
+            self._owner[bit] = None
+            del self._bit_of[key]
+            self._replica_bits[key[0]] &= ~low
+            heapq.heappush(self._free_bits, bit)
+        self._dead_mask = 0
+        self._compactions += 1
+
+    def _current_match_mask(self, now: float) -> int:
+        """Bits of the incarnations that may match now: live and not behind on heartbeats."""
+        if self._match_mask is not None and now < self._match_mask_until:
+            return self._match_mask
+        mask = 0
+        until = math.inf
+        deadlines = self._heartbeat_deadlines
+        for replica, epoch in self._epochs.items():
+            if epoch is None:
+                continue
+            deadline = deadlines.get(replica)
+            if deadline is None:
+                if self._require_heartbeat:
+                    continue
+            elif deadline <= now:
+                continue  # silent: its entries come back with its next heartbeat
+            else:
+                until = min(until, deadline)
+            mask |= 1 << self._bit_of[(replica, epoch)]
+        self._match_mask, self._match_mask_until = mask, until
+        return mask
 
     # ------------------------------------------------------------------ epochs and liveness
 
@@ -71,7 +207,7 @@ class MemoryBlockIndex:
         """Declare ``epoch`` the live incarnation of ``replica``; entries of other epochs die."""
         check_replica(replica)
         check_epoch(epoch)
-        self._epochs[replica] = epoch
+        self._make_live(replica, epoch)
 
     async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
         """Retire ``epoch``: if it is the live one, the replica matches nothing until a new one.
@@ -82,19 +218,20 @@ class MemoryBlockIndex:
         check_epoch(epoch)
         if self._epochs.get(replica) == epoch:
             self._epochs[replica] = None
+            self._kill(replica, epoch)
 
     async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
         """Keep ``replica``'s entries matching for ``ttl_s`` more seconds."""
         check_replica(replica)
         check_ttl(ttl_s, optional=False)
-        self._heartbeat_deadlines[replica] = self._clock() + ttl_s
-
-    def _heartbeat_ok(self, replica: ReplicaId, now: float) -> bool:
-        """Whether ``replica``'s heartbeat (if it is held to one) lets its entries match now."""
-        deadline = self._heartbeat_deadlines.get(replica)
-        if deadline is None:
-            return not self._require_heartbeat
-        return deadline > now
+        now = self._clock()
+        deadline = now + ttl_s
+        previous = self._heartbeat_deadlines.get(replica)
+        self._heartbeat_deadlines[replica] = deadline
+        # A later deadline for a replica that is matching leaves the cached mask right (its
+        # validity ends no later than before); anything else must recompute it.
+        if previous is None or previous <= now or deadline < previous:
+            self._match_mask = None
 
     # ------------------------------------------------------------------ writes
 
@@ -119,26 +256,42 @@ class MemoryBlockIndex:
         if not blocks:
             return  # nothing to hold: no epoch is adopted either (as in the Redis backend)
         if replica not in self._epochs:
-            self._epochs[replica] = epoch
+            self._make_live(replica, epoch)
         if self._epochs[replica] != epoch:
             return
-        expires_at = None if ttl_s is None else self._clock() + ttl_s
+        value = 1 << self._bit_of[(replica, epoch)]
+        # The replica's other incarnations' entries are replaced in place (one per block).
+        keep = ~(self._replica_bits[replica] & ~value)
         index = self._blocks
-        for block in blocks:
-            holders = index.get(block)
-            if holders is None:
-                holders = index[block] = {}
-            else:
-                index.move_to_end(block)
-            held = holders.get(replica)
-            if (
-                expires_at is not None
-                and held is not None
-                and held.epoch == epoch
-                and held.expires_at is None
-            ):
-                continue  # keep the engine's word over our own guess
-            holders[replica] = _Holding(epoch, expires_at)
+        spec_blocks = self._spec
+        if ttl_s is None:
+            for block_hash in blocks:
+                mask = index.get(block_hash)
+                if mask is None:
+                    index[block_hash] = value
+                    continue
+                index.move_to_end(block_hash)
+                index[block_hash] = (mask & keep) | value
+                if spec_blocks:
+                    spec = spec_blocks.get(block_hash)
+                    if spec is not None and spec.pop(replica, None) is not None and not spec:
+                        del spec_blocks[block_hash]
+        else:
+            guess = (value, self._clock() + ttl_s)
+            for block_hash in blocks:
+                mask = index.get(block_hash)
+                if mask is None:
+                    index[block_hash] = 0
+                else:
+                    index.move_to_end(block_hash)
+                    if mask & value:
+                        continue  # keep the engine's word over our own guess
+                    index[block_hash] = mask & keep
+                spec = spec_blocks.get(block_hash)
+                if spec is None:
+                    spec_blocks[block_hash] = {replica: guess}
+                else:
+                    spec[replica] = guess
         self._evict_overflow()
 
     async def remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
@@ -146,88 +299,122 @@ class MemoryBlockIndex:
         check_replica(replica)
         check_epoch(epoch)
         check_blocks(blocks)
-        for block in blocks:
-            holders = self._blocks.get(block)
-            if holders is None:
+        bit = self._bit_of.get((replica, epoch))
+        if bit is None:
+            return  # no bit, so no entry of that incarnation anywhere
+        value = 1 << bit
+        index = self._blocks
+        spec_blocks = self._spec
+        for block_hash in blocks:
+            mask = index.get(block_hash)
+            if mask is None:
                 continue
-            held = holders.get(replica)
-            if held is not None and held.epoch == epoch:
-                del holders[replica]
-                if not holders:
-                    del self._blocks[block]
+            mask &= ~value
+            index[block_hash] = mask
+            spec = spec_blocks.get(block_hash)
+            if spec is not None:
+                held = spec.get(replica)
+                if held is not None and held[0] == value:
+                    del spec[replica]
+                    if not spec:
+                        del spec_blocks[block_hash]
+                        spec = None
+            if not mask and spec is None:
+                del index[block_hash]
 
     def _evict_overflow(self) -> None:
-        while len(self._blocks) > self._max_entries:
-            self._blocks.popitem(last=False)
+        index, spec_blocks = self._blocks, self._spec
+        while len(index) > self._max_entries:
+            block_hash, _ = index.popitem(last=False)
+            if spec_blocks:
+                spec_blocks.pop(block_hash, None)
             self._evictions += 1
 
     # ------------------------------------------------------------------ lookup
 
+    def _holders(self, block_hash: BlockHash, mask: int, now: float) -> int:
+        """The block's holder bits with live speculative entries OR-ed in; drops dead entries.
+
+        Only called when the block may have speculative entries or has dead bits (uncommon).
+        """
+        dead = self._dead_mask
+        if mask & dead:
+            mask &= ~dead  # an old incarnation can never match again: drop it now
+            self._blocks[block_hash] = mask
+        holders = mask
+        spec = self._spec.get(block_hash)
+        if spec is not None:
+            expired = [r for r, (value, until) in spec.items() if until <= now or value & dead]
+            for replica in expired:
+                del spec[replica]
+            for value, _ in spec.values():
+                holders |= value
+            if not spec:
+                del self._spec[block_hash]
+        if not holders and not mask:
+            del self._blocks[block_hash]
+        return holders
+
     async def match(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]:
         """Longest live prefix of ``chain`` per replica, in blocks; replicas with 0 omitted.
 
-        Walks the chain once and stops at the first block that no still-matching replica holds,
-        so the cost is O(matched blocks x replicas holding them), not O(chain).
+        Walks the chain once, one bitmask AND per block, and stops at the first block that no
+        still-matching replica holds: O(matched blocks), whatever the number of replicas.
         """
+        if not chain:
+            return {}
         now = self._clock()
-        epochs = self._epochs
-        heartbeat_ok: dict[ReplicaId, bool] = {}
-        depths: dict[ReplicaId, int] = {}
-        running: set[ReplicaId] | None = None  # replicas whose match is still unbroken
-        matched = 0
+        running = self._current_match_mask(now)
+        if not running:
+            return {}
         index = self._blocks
-        for block in chain:
-            holders = index.get(block)
-            if holders is None:
+        spec_blocks = self._spec
+        dead = self._dead_mask
+        owner = self._owner
+        depths: dict[ReplicaId, int] = {}
+        matched = 0
+        for block_hash in chain:
+            mask = index.get(block_hash)
+            if mask is None:
                 break
-            still: set[ReplicaId] = set()
-            dead: list[ReplicaId] | None = None
-            for replica in holders if running is None else running:
-                held = holders.get(replica)
-                if held is None:
-                    continue
-                expires_at = held.expires_at
-                if held.epoch != epochs.get(replica) or (
-                    expires_at is not None and expires_at <= now
-                ):
-                    # An old epoch or an expired guess can never match again: drop it now.
-                    dead = dead or []
-                    dead.append(replica)
-                    continue
-                alive = heartbeat_ok.get(replica)
-                if alive is None:
-                    # A replica missing heartbeats matches nothing, but its entries may return.
-                    alive = heartbeat_ok[replica] = self._heartbeat_ok(replica, now)
-                if alive:
-                    still.add(replica)
-            if dead:
-                for replica in dead:
-                    del holders[replica]
-                if not holders:
-                    del index[block]
+            if (spec_blocks and block_hash in spec_blocks) or mask & dead:
+                mask = self._holders(block_hash, mask, now)
+            still = running & mask
             if not still:
                 break
-            index.move_to_end(block)  # a hit keeps the block young (LRU)
-            if running is not None and len(still) != len(running):
-                for replica in running - still:
-                    depths[replica] = matched
-            running = still
+            index.move_to_end(block_hash)  # a hit keeps the block young (LRU)
+            if still != running:
+                # Replicas live but lacking the first block simply never start (depth 0).
+                ended = running & ~still if matched else 0
+                while ended:  # replicas whose prefix ends here
+                    low = ended & -ended
+                    ended ^= low
+                    depths[owner[low.bit_length() - 1][0]] = matched  # type: ignore[index]
+                running = still
             matched += 1
-        for replica in running or ():
-            depths[replica] = matched
+        if matched:
+            while running:
+                low = running & -running
+                running ^= low
+                depths[owner[low.bit_length() - 1][0]] = matched  # type: ignore[index]
         return depths
 
     # ------------------------------------------------------------------ admin
 
     async def stats(self) -> IndexStats:
-        """Blocks held, replicas with a live epoch, the bound and evictions so far."""
+        """Blocks held, replicas with a live epoch, the bound, evictions and incarnation bits."""
         live_replicas = sum(1 for epoch in self._epochs.values() if epoch is not None)
         return IndexStats(
             backend="memory",
             entries=len(self._blocks),
             replicas=live_replicas,
             max_entries=self._max_entries,
-            extra={"evictions": self._evictions},
+            extra={
+                "evictions": self._evictions,
+                "incarnation_bits": len(self._bit_of),
+                "dead_incarnation_bits": self._dead_mask.bit_count(),
+                "compactions": self._compactions,
+            },
         )
 
     async def close(self) -> None:

@@ -86,11 +86,22 @@ class RedisBlockIndex:
         self._epochs_key = f"{tag}:epochs"
         self._alive_key = f"{tag}:alive"
         self._block_key_prefix = f"{tag}:b:"
+        # Incarnation slots (redis_scripts explains them): the scripts that change a live
+        # incarnation take these five keys first.
+        self._slot_keys = [
+            self._epochs_key,
+            f"{tag}:slots",
+            f"{tag}:owners",
+            f"{tag}:dead",
+            f"{tag}:meta",
+        ]
+        self._match_keys = [f"{tag}:owners", self._alive_key, f"{tag}:meta"]
         # register_script loads each script on first use and again after NOSCRIPT (a restart,
         # SCRIPT FLUSH or a failover to a replica that never saw it).
         self._record = self._client.register_script(redis_scripts.RECORD)
         self._remove = self._client.register_script(redis_scripts.REMOVE)
         self._retire = self._client.register_script(redis_scripts.RETIRE)
+        self._set_epoch = self._client.register_script(redis_scripts.SET_EPOCH)
         self._heartbeat = self._client.register_script(redis_scripts.HEARTBEAT)
         self._match = self._client.register_script(redis_scripts.MATCH)
 
@@ -114,14 +125,16 @@ class RedisBlockIndex:
         """Declare ``epoch`` the live incarnation of ``replica``; entries of other epochs die."""
         check_replica(replica)
         check_epoch(epoch)
-        await self._call("set_epoch", self._client.hset(self._epochs_key, replica, str(epoch)))
+        await self._call(
+            "set_epoch", self._set_epoch(keys=self._slot_keys, args=[replica, str(epoch)])
+        )
 
     async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
         """Retire ``epoch``: if it is the live one, the replica matches nothing until a new one."""
         check_replica(replica)
         check_epoch(epoch)
         await self._call(
-            "retire_epoch", self._retire(keys=[self._epochs_key], args=[replica, str(epoch)])
+            "retire_epoch", self._retire(keys=self._slot_keys, args=[replica, str(epoch)])
         )
 
     async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
@@ -152,10 +165,16 @@ class RedisBlockIndex:
         check_blocks(blocks)
         if not blocks:
             return
-        keys = [self._epochs_key, *map(self.block_key, blocks)]
         speculative_ms = "" if ttl_s is None else _to_ms(ttl_s)
-        args = [replica, str(epoch), speculative_ms, self._block_ttl_ms]
-        await self._call("record", self._record(keys=keys, args=args))
+        args = [
+            replica,
+            str(epoch),
+            speculative_ms,
+            self._block_ttl_ms,
+            self._block_key_prefix,
+            _joined(blocks),
+        ]
+        await self._call("record", self._record(keys=self._slot_keys, args=args))
 
     async def remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
         """Forget that ``replica`` at ``epoch`` holds ``blocks``; other epochs' entries stay."""
@@ -164,8 +183,8 @@ class RedisBlockIndex:
         check_blocks(blocks)
         if not blocks:
             return
-        keys = list(map(self.block_key, blocks))
-        await self._call("remove", self._remove(keys=keys, args=[replica, str(epoch)]))
+        args = [replica, str(epoch), self._block_key_prefix, _joined(blocks)]
+        await self._call("remove", self._remove(keys=self._slot_keys[:2], args=args))
 
     # ------------------------------------------------------------------ lookup
 
@@ -176,9 +195,8 @@ class RedisBlockIndex:
         """
         if not chain:
             return {}
-        keys = [self._epochs_key, self._alive_key, *map(self.block_key, chain)]
-        args = [self._require_heartbeat, self._touch_ms]
-        flat = await self._call("match", self._match(keys=keys, args=args))
+        args = [self._require_heartbeat, self._touch_ms, self._block_key_prefix, _joined(chain)]
+        flat = await self._call("match", self._match(keys=self._match_keys, args=args))
         return {ReplicaId(_text(flat[i])): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     # ------------------------------------------------------------------ admin
@@ -219,6 +237,15 @@ class RedisBlockIndex:
 def _to_ms(seconds: float) -> int:
     """Seconds to whole milliseconds, at least 1 (a 0 ms PEXPIRE would delete the key)."""
     return max(1, round(seconds * 1000))
+
+
+def _joined(blocks: Sequence[BlockHash]) -> str:
+    """Block hashes as one argument, space-separated decimals: the scripts build the keys.
+
+    One argument instead of one key per block: redis-py's asyncio client packs every argument
+    in pure Python, which cost more than the lookup itself for a 375-block chain.
+    """
+    return " ".join(map(str, blocks))
 
 
 def _text(value: str | bytes) -> str:

@@ -14,6 +14,7 @@ from routing.contracts import IndexUnavailable
 from routing.hashing import chain_seed, hash_token_blocks
 from routing.index import RedisBlockIndex
 from routing.types import Epoch, ReplicaId
+from tests.integration.test_index_redis_slots import block_value
 from tests.support.redis_server import RedisServer
 
 R1 = ReplicaId("pool/r1")
@@ -34,7 +35,7 @@ def unique_prefix() -> str:
     return f"fgtest-{uuid.uuid4().hex}"
 
 
-async def test_every_key_shares_one_hash_tag(client: aioredis.Redis) -> None:
+async def test_every_key_shares_one_hash_tag(client: aioredis.Redis, redis_url: str) -> None:
     prefix = unique_prefix()
     index = RedisBlockIndex(client, key_prefix=prefix)
     await index.set_epoch(R1, E1)
@@ -42,10 +43,22 @@ async def test_every_key_shares_one_hash_tag(client: aioredis.Redis) -> None:
     await index.record(R1, E1, CHAIN)
     keys = sorted([key async for key in client.scan_iter(match=f"{{{prefix}}}:*")])
     expected_blocks = sorted(f"{{{prefix}}}:b:{block}" for block in CHAIN)
-    assert keys == sorted([f"{{{prefix}}}:alive", f"{{{prefix}}}:epochs", *expected_blocks])
+    tables = [f"{{{prefix}}}:{name}" for name in ("alive", "epochs", "meta", "owners", "slots")]
+    assert keys == sorted([*tables, *expected_blocks])
+    await index.set_epoch(R1, Epoch(2))  # the first dead incarnation creates the quarantine
+    keys.append(f"{{{prefix}}}:dead")
     # One cluster slot for the whole index: a Lua script may touch all of it.
     assert {key_slot(key.encode()) for key in keys} == {key_slot(prefix.encode())}
-    assert await client.hget(f"{{{prefix}}}:epochs", R1) == "1"
+    assert await client.hget(f"{{{prefix}}}:epochs", R1) == "2"
+    # Epoch 1 had slot 0 (bit 7 of byte 0); epoch 2 got slot 1 while slot 0 is quarantined.
+    assert await client.hget(f"{{{prefix}}}:slots", R1) == "1"
+    assert await client.hgetall(f"{{{prefix}}}:owners") == {"1": R1}
+    assert await client.zrange(f"{{{prefix}}}:dead", 0, -1) == ["0"]
+    raw = aioredis.Redis.from_url(redis_url)  # bitsets are bytes, not UTF-8
+    try:
+        assert await block_value(raw, index, CHAIN[0]) == (b"\x80", {})
+    finally:
+        await raw.aclose()
 
 
 async def test_block_keys_expire_and_a_guess_never_shortens_a_confirmed_ttl(
