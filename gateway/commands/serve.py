@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import os
 
 from aiohttp import web
 
 from gateway.config import GatewayConfig
+from gateway.logging_setup import configure_logging
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
 
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate options, then serve until SIGTERM."""
     from gateway.server import serve_forever
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     if not args.policy and not args.replica and not args.redis:
         print("fleetgate serve: give --config FILE, or --replica URL (and/or --redis URL)")
         return 2

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import signal
 from collections.abc import Callable
 from typing import Any
 
+from gateway.logging_setup import configure_logging
 from replica.sim.fleet import SimFleet, start_sim_fleet
 
 
@@ -117,7 +117,7 @@ async def serve(
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fleetgate sim``."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s %(message)s")
+    configure_logging(args.log_level.upper())
     if args.replicas < 1:
         print("fleetgate sim: --replicas must be >= 1", flush=True)
         return 2

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import secrets
 
 from gateway.embedded import EmbeddedStack, embedded_stack
+from gateway.logging_setup import configure_logging
 from gateway.server import StopSignals
 
 
@@ -77,7 +77,7 @@ def _adapter_example(stack: EmbeddedStack, admin_key: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run until Ctrl-C."""
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging()
     if args.sim < 1:
         print("fleetgate up: --sim must be >= 1")
         return 2
