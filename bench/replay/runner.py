@@ -1,0 +1,147 @@
+"""Send a trace's requests on its schedule, bounded in concurrency, and collect the results."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from bench.replay.client import RequestResult, stream_completion
+from bench.replay.prompts import PromptText
+from bench.replay.server_metrics import CacheCounters, scrape_all
+from bench.workloads.trace import TraceRecord
+
+__all__ = ["ReplayConfig", "ReplayResult", "replay", "replay_async"]
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Where to send the trace and how."""
+
+    url: str
+    model: str
+    api_key: str | None = None
+    trace_block_size: int = 512
+    #: Multiplies every trace timestamp: 0.5 replays twice as fast, 0 sends everything at once.
+    time_scale: float = 1.0
+    concurrency: int = 64
+    limit: int | None = None
+    metrics_urls: tuple[str, ...] = ()
+    #: Ask the engine to generate exactly ``output_length`` tokens (vLLM's ``ignore_eos``).
+    ignore_eos: bool = True
+    request_timeout_s: float = 600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.time_scale >= 0 and math.isfinite(self.time_scale)):
+            raise ValueError(f"time_scale: must be >= 0 (got {self.time_scale!r})")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency: must be >= 1 (got {self.concurrency})")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit: must be >= 1 (got {self.limit})")
+
+    @property
+    def completions_url(self) -> str:
+        """``…/v1/completions`` whether ``url`` ends in ``/v1`` or not."""
+        base = self.url.rstrip("/")
+        if not base.endswith("/v1"):
+            base += "/v1"
+        return base + "/completions"
+
+
+@dataclass
+class ReplayResult:
+    """Everything a replay measured."""
+
+    results: list[RequestResult]
+    wall_s: float
+    #: Per metrics URL: counter deltas over the replay, or why they could not be read.
+    server_cache: dict[str, CacheCounters | str] = field(default_factory=dict)
+
+
+def _body(config: ReplayConfig, record: TraceRecord, prompt: str) -> dict[str, object]:
+    body: dict[str, object] = {
+        # vLLM names a LoRA adapter in ``model``; the trace's adapter wins over --model.
+        "model": record.adapter or config.model,
+        "prompt": prompt,
+        "max_tokens": record.output_length,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def _run(
+    config: ReplayConfig,
+    records: Sequence[TraceRecord],
+    on_done: Callable[[], None] | None,
+) -> ReplayResult:
+    texts = PromptText(config.trace_block_size, config.seed)
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    gate = asyncio.Semaphore(config.concurrency)
+    connector = aiohttp.TCPConnector(limit=config.concurrency + len(config.metrics_urls) + 1)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        before = await scrape_all(session, config.metrics_urls)
+        start = time.monotonic()
+        origin_ms = records[0].timestamp if records else 0
+
+        async def one(index: int, record: TraceRecord) -> RequestResult:
+            due = start + (record.timestamp - origin_ms) / 1000.0 * config.time_scale
+            delay = due - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with gate:
+                # Prompt text is made here, not up front: a long trace's prompts would not fit.
+                prompt = texts.prompt(record.hash_ids, record.input_length)
+                result = RequestResult(index, start_lag_s=max(0.0, time.monotonic() - due))
+                await stream_completion(
+                    session,
+                    config.completions_url,
+                    _body(config, record, prompt),
+                    headers,
+                    result,
+                    config.request_timeout_s,
+                )
+            if on_done is not None:
+                on_done()
+            return result
+
+        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
+        wall_s = time.monotonic() - start
+        after = await scrape_all(session, config.metrics_urls)
+    server_cache: dict[str, CacheCounters | str] = {}
+    for url, first, last in zip(config.metrics_urls, before, after, strict=True):
+        if isinstance(first, CacheCounters) and isinstance(last, CacheCounters):
+            server_cache[url] = last - first
+        else:
+            server_cache[url] = first if isinstance(first, str) else str(last)
+    return ReplayResult(list(results), wall_s, server_cache)
+
+
+def replay(
+    config: ReplayConfig, records: Sequence[TraceRecord], *, progress: bool = False
+) -> ReplayResult:
+    """Replay ``records`` (the first ``config.limit``) against ``config.url``; blocks until done."""
+    chosen = list(records[: config.limit] if config.limit is not None else records)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(chosen), unit="req", leave=False)
+    try:
+        return asyncio.run(_run(config, chosen, bar.update if bar is not None else None))
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+async def replay_async(config: ReplayConfig, records: Sequence[TraceRecord]) -> ReplayResult:
+    """``replay`` for callers already inside an event loop (tests, embedding)."""
+    chosen = list(records[: config.limit] if config.limit is not None else records)
+    return await _run(config, chosen, None)

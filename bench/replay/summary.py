@@ -1,0 +1,105 @@
+"""Percentiles and totals of a replay, as a table or a JSON object."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from bench.replay.runner import ReplayResult
+from bench.replay.server_metrics import CacheCounters
+
+__all__ = ["render_table", "summarize"]
+
+
+def _pct(values: Sequence[float], q: float, scale: float = 1000.0) -> float | None:
+    return float(np.percentile(np.asarray(values), q)) * scale if values else None
+
+
+def summarize(result: ReplayResult) -> dict[str, object]:
+    """The replay's figures; times in ms, ``None`` where nothing was measured."""
+    ok = [r for r in result.results if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    itl = [gap for r in ok for gap in r.itl_s]
+    lag = [r.start_lag_s for r in result.results]
+    output_tokens = sum(r.completion_tokens or 0 for r in ok)
+    prompt_tokens = sum(r.prompt_tokens or 0 for r in ok if r.cached_tokens is not None)
+    cached_tokens = sum(r.cached_tokens or 0 for r in ok if r.cached_tokens is not None)
+    errors: dict[str, int] = {}
+    for r in result.results:
+        if not r.ok:
+            key = (r.error or "unknown")[:80]
+            errors[key] = errors.get(key, 0) + 1
+    server: dict[str, object] = {}
+    queries = hits = 0.0
+    for url, delta in result.server_cache.items():
+        if isinstance(delta, CacheCounters):
+            server[url] = {
+                "prefix_cache_queries": delta.queries,
+                "prefix_cache_hits": delta.hits,
+                "hit_rate": delta.hits / delta.queries if delta.queries else None,
+            }
+            queries += delta.queries
+            hits += delta.hits
+        else:
+            server[url] = {"error": delta}
+    wall = result.wall_s
+    return {
+        "requests": len(result.results),
+        "ok": len(ok),
+        "errors": errors,
+        "wall_s": wall,
+        "request_rate": len(ok) / wall if wall > 0 else None,
+        "output_tok_s": output_tokens / wall if wall > 0 else None,
+        "ttft_p50_ms": _pct(ttft, 50),
+        "ttft_p95_ms": _pct(ttft, 95),
+        "ttft_p99_ms": _pct(ttft, 99),
+        "itl_p50_ms": _pct(itl, 50),
+        "itl_p95_ms": _pct(itl, 95),
+        "itl_p99_ms": _pct(itl, 99),
+        "e2e_p50_ms": _pct(e2e, 50),
+        "e2e_p95_ms": _pct(e2e, 95),
+        "start_lag_p95_ms": _pct(lag, 95),
+        # From usage.prompt_tokens_details.cached_tokens, when the server reports it.
+        "client_cached_rate": cached_tokens / prompt_tokens if prompt_tokens else None,
+        "server_prefix_hit_rate": hits / queries if queries else None,
+        "server_prefix_cache": server,
+    }
+
+
+def _fmt(value: object, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt.format(value)
+
+
+def render_table(summary: dict[str, object]) -> str:
+    """A short human-readable report."""
+    s = summary
+    lines = [
+        f"requests {s['requests']}  ok {s['ok']}  in {_fmt(s['wall_s'], '{:.1f}')} s  "
+        f"({_fmt(s['request_rate'], '{:.2f}')} req/s, "
+        f"{_fmt(s['output_tok_s'], '{:,.0f}')} output tok/s)",
+        f"TTFT ms  p50 {_fmt(s['ttft_p50_ms'], '{:.0f}')}  p95 {_fmt(s['ttft_p95_ms'], '{:.0f}')}"
+        f"  p99 {_fmt(s['ttft_p99_ms'], '{:.0f}')}",
+        f"ITL ms   p50 {_fmt(s['itl_p50_ms'], '{:.1f}')}  p95 {_fmt(s['itl_p95_ms'], '{:.1f}')}"
+        f"  p99 {_fmt(s['itl_p99_ms'], '{:.1f}')}",
+        f"E2E ms   p50 {_fmt(s['e2e_p50_ms'], '{:.0f}')}  p95 {_fmt(s['e2e_p95_ms'], '{:.0f}')}",
+        f"client start lag p95 {_fmt(s['start_lag_p95_ms'], '{:.0f}')} ms "
+        "(high: the client or --concurrency cannot keep the trace's pace)",
+        f"cached tokens reported in responses: {_fmt(s['client_cached_rate'], '{:.1%}')}",
+        f"server prefix-cache hit rate (metrics deltas): "
+        f"{_fmt(s['server_prefix_hit_rate'], '{:.1%}')}",
+    ]
+    server = s["server_prefix_cache"]
+    assert isinstance(server, dict)
+    for url, figures in server.items():
+        lines.append(f"  {url}: {json.dumps(figures)}")
+    errors = s["errors"]
+    assert isinstance(errors, dict)
+    for message, count in errors.items():
+        lines.append(f"error x{count}: {message}")
+    return "\n".join(lines)

@@ -1,0 +1,280 @@
+"""The discrete-event loop: one policy, one trace, N engine models, in virtual time.
+
+Two kinds of events, taken in time order from a heap (step ends before arrivals at equal times,
+so a decision sees the freshest state):
+
+* **arrival** — route the request through the real ``RoutingEngine`` exactly as the gateway does
+  (in-flight counts, one index lookup, the profile's scorers and picker), then insert its chain
+  into the index speculatively, count it in flight, and submit it to the chosen engine;
+* **step end** — deliver the step's first tokens, finished requests and KV events: TTFT and
+  completion go to the policy's learning hooks, ``BlockStored``/``BlockRemoved`` go to the block
+  index (the feed a live replica agent provides), and the engine starts its next step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from planning.simulator.config import SimulationConfig, TraceRequest
+from planning.simulator.prompts import PromptFactory
+from planning.simulator.replica import SimulatedReplica
+from replica.sim.engine import EngineConfig, SimRequest, StepResult
+from routing.contracts import RoutingRequest
+from routing.engine import Profile, RoutingEngine
+from routing.index.memory import MemoryBlockIndex
+from routing.policies.registry import builtin_profile
+from routing.types import BlockHash
+
+__all__ = ["PolicyRun", "RequestOutcome", "run_policy"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """What happened to one request (times in virtual seconds)."""
+
+    replica: int
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    #: Uncached prompt tokens the router predicted (for the in-flight prefill count).
+    predicted_uncached: int
+    scheduled_s: float = math.nan
+    first_token_s: float = math.nan
+    finish_s: float = math.nan
+    cached_tokens: int = 0
+
+
+@dataclass
+class PolicyRun:
+    """The raw result of replaying a trace through one policy."""
+
+    policy: str
+    outcomes: list[RequestOutcome]
+    #: Requests the engines refused (e.g. longer than the model's context).
+    rejected: int
+    routed_per_replica: list[int]
+    preemptions: int
+    price_per_hour: float
+    replicas: int
+    degraded_decisions: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class _Simulation:
+    """State of one policy run; ``run`` drives it to completion."""
+
+    def __init__(
+        self,
+        policy: str,
+        requests: Sequence[TraceRequest],
+        config: SimulationConfig,
+        engine_config: EngineConfig,
+        prompts: PromptFactory,
+        on_done: Callable[[int], None] | None,
+        profile_factory: Callable[[], Profile] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.requests = requests
+        self.config = config
+        self.prompts = prompts
+        self.on_done = on_done
+        self.now = 0.0
+        self.index = MemoryBlockIndex(config.index_max_entries, clock=self._clock)
+        profile = profile_factory() if profile_factory is not None else builtin_profile(policy)
+        if profile.name != policy:
+            raise ValueError(
+                f"profile factory for {policy!r} built a profile named {profile.name!r}"
+            )
+        self.router = RoutingEngine(self.index, {policy: profile})
+        # Policies that never read prefix matches need no index feed: skip its cost.
+        self.feed_index = profile.needs_prefix
+        self.replicas = [
+            SimulatedReplica(
+                i, engine_config, config.model, config.seed + i, config.stats_interval_s
+            )
+            for i in range(config.replicas)
+        ]
+        self.by_id = {r.replica_id: r for r in self.replicas}
+        # Every replica can serve every adapter (a shared catalog); none starts loaded, so the
+        # first request for an adapter on a replica pays its load, as on a fresh vLLM.
+        for name in sorted({r.adapter for r in requests if r.adapter is not None}):
+            for replica in self.replicas:
+                replica.engine.register_adapter(name)
+        self.outcomes: dict[str, RequestOutcome] = {}
+        self.routing_requests: dict[str, RoutingRequest] = {}
+        #: Per replica, requests not yet seen in a step (for queue time).
+        self.unscheduled: list[set[str]] = [set() for _ in self.replicas]
+        self.heap: list[tuple[float, int, int]] = []
+        self.rejected = 0
+        self.degraded = 0
+        self._seed_rng = random.Random(f"{config.seed}:routing")
+
+    def _clock(self) -> float:
+        return self.now
+
+    async def run(self) -> PolicyRun:
+        for replica in self.replicas:
+            await self.index.set_epoch(replica.replica_id, replica.epoch)
+        arrivals = iter(self.requests)
+        upcoming = next(arrivals, None)
+        while upcoming is not None or self.heap:
+            if self.heap and (upcoming is None or self.heap[0][0] <= upcoming.arrival_s):
+                end, _, index = heapq.heappop(self.heap)
+                self._advance(end)
+                await self._step_ended(self.replicas[index])
+            else:
+                assert upcoming is not None
+                self._advance(upcoming.arrival_s)
+                await self._arrive(upcoming)
+                upcoming = next(arrivals, None)
+        finished = [o for o in self.outcomes.values() if not math.isnan(o.finish_s)]
+        return PolicyRun(
+            policy=self.policy,
+            outcomes=finished,
+            rejected=self.rejected,
+            routed_per_replica=[r.routed for r in self.replicas],
+            preemptions=sum(r.engine.stats().preemptions for r in self.replicas),
+            price_per_hour=self.replicas[0].engine.config.replica_price_per_hour,
+            replicas=len(self.replicas),
+            degraded_decisions=self.degraded,
+        )
+
+    def _advance(self, now: float) -> None:
+        self.now = now
+
+    def _schedule(self, replica: SimulatedReplica) -> None:
+        end = replica.start_step(self.now)
+        heapq.heappush(self.heap, (end, replica.index, replica.index))
+
+    # ------------------------------------------------------------------ arrivals
+
+    async def _arrive(self, request: TraceRequest) -> None:
+        record = request.record
+        request_id = f"req-{request.index}"
+        prompt = self.prompts.prepare(record.hash_ids, record.input_length, record.adapter)
+        routing_request = RoutingRequest(
+            request_id=request_id,
+            model=self.config.model,
+            adapter=record.adapter,
+            tenant="simulate",
+            route="simulate",
+            prompt_tokens=record.input_length,
+            chain=prompt.chain,
+            block_size=self.config.trace_block_size,
+            max_output_tokens=record.output_length,
+            seed=self._seed_rng.getrandbits(63),
+        )
+        views = [r.routing_view(self.now) for r in self.replicas]
+        decision = await self.router.route(routing_request, views, self.policy)
+        if decision.degraded:
+            self.degraded += 1
+        replica = self.by_id[decision.replica]
+        sim_request = SimRequest(
+            request_id,
+            prompt.token_ids,
+            record.output_length,
+            adapter=record.adapter,
+            arrival_s=self.now,
+        )
+        try:
+            replica.submit(sim_request, self.now)
+        except ValueError as exc:
+            # vLLM would answer 400; the request never loads the fleet. Counted, not timed.
+            self.rejected += 1
+            log.warning("request %s refused by %s: %s", request_id, replica.replica_id, exc)
+            return
+        explanation = decision.explanations.get(decision.replica)
+        matched = explanation.matched_blocks if explanation else 0
+        uncached = max(0, record.input_length - matched * self.config.trace_block_size)
+        replica.inflight_start(uncached)
+        self.router.observe_start(routing_request, replica.replica_id)
+        if self.feed_index and prompt.chain:
+            await self.index.record(
+                replica.replica_id,
+                replica.epoch,
+                list(prompt.chain),
+                ttl_s=self.config.speculative_ttl_s,
+            )
+        self.outcomes[request_id] = RequestOutcome(
+            replica.index, self.now, record.input_length, record.output_length, uncached
+        )
+        self.routing_requests[request_id] = routing_request
+        self.unscheduled[replica.index].add(request_id)
+        if not replica.busy:
+            self._schedule(replica)
+
+    # ------------------------------------------------------------------ step ends
+
+    async def _step_ended(self, replica: SimulatedReplica) -> None:
+        started, result = replica.take_step()
+        waiting = self.unscheduled[replica.index]
+        if waiting:
+            for request_id in waiting.intersection(result.tokens):
+                self.outcomes[request_id].scheduled_s = started
+                waiting.discard(request_id)
+        for request_id in result.first_token:
+            outcome = self.outcomes[request_id]
+            outcome.first_token_s = self.now
+            outcome.cached_tokens = replica.engine.cached_tokens(request_id)
+            replica.inflight_prefilled(outcome.predicted_uncached)
+        for request_id in result.finished:
+            self._finish(replica, request_id)
+        if self.feed_index and result.kv_events:
+            await self._ingest_events(replica, result)
+        if replica.engine.has_work():
+            self._schedule(replica)
+
+    def _finish(self, replica: SimulatedReplica, request_id: str) -> None:
+        outcome = self.outcomes[request_id]
+        outcome.finish_s = self.now
+        replica.inflight_finish()
+        routing_request = self.routing_requests.pop(request_id)
+        ttft_ms = (outcome.first_token_s - outcome.arrival_s) * 1000.0
+        self.router.observe_complete(
+            routing_request, replica.replica_id, ttft_ms, outcome.cached_tokens, True
+        )
+        if self.on_done is not None:
+            self.on_done(1)
+
+    async def _ingest_events(self, replica: SimulatedReplica, result: StepResult) -> None:
+        """KV events -> block index, as the replica agent does (engine hash -> fleetgate hash)."""
+        mapping = self.prompts.routing_hash_of
+        for event in result.kv_events:
+            if event.kind == "AllBlocksCleared":
+                # As the agent does: a new epoch hides every entry of the old one at once.
+                await self.index.set_epoch(replica.replica_id, replica.new_epoch())
+                continue
+            blocks: list[BlockHash] = [mapping[h] for h in event.block_hashes if h in mapping]
+            if not blocks:
+                continue
+            if event.kind == "BlockStored":
+                await self.index.record(replica.replica_id, replica.epoch, blocks)
+            else:
+                await self.index.remove(replica.replica_id, replica.epoch, blocks)
+
+
+async def run_policy(
+    policy: str,
+    requests: Sequence[TraceRequest],
+    config: SimulationConfig,
+    engine_config: EngineConfig,
+    prompts: PromptFactory,
+    on_done: Callable[[int], None] | None = None,
+    profile_factory: Callable[[], Profile] | None = None,
+) -> PolicyRun:
+    """Replay ``requests`` through ``policy`` on a fresh fleet; ``on_done`` counts completions.
+
+    ``policy`` names a built-in profile, unless ``profile_factory`` builds the profile (an
+    experimental variant; it must carry the name ``policy``).
+    """
+    simulation = _Simulation(
+        policy, requests, config, engine_config, prompts, on_done, profile_factory
+    )
+    return await simulation.run()

@@ -1,0 +1,137 @@
+"""One simulated replica as the gateway sees it: an engine model plus the gateway's view of it.
+
+The gateway knows a replica through two feeds of different freshness, and so does this class:
+
+* its own in-flight counts (requests sent, prompt tokens not yet prefilled) — always current;
+* the engine's gauges (running, waiting, KV usage, adapters) — polled, so possibly stale
+  (``stats_interval_s``); a poll is exact because the engine only changes at events.
+"""
+
+from __future__ import annotations
+
+import time
+
+from replica.sim.engine import EngineConfig, EngineModel, SimRequest, StepResult
+from routing.state import ReplicaState
+from routing.types import Epoch, ReplicaId
+
+__all__ = ["SimulatedReplica"]
+
+
+class SimulatedReplica:
+    """An ``EngineModel`` driven in virtual time, with the ``ReplicaState`` routing reads."""
+
+    def __init__(
+        self, index: int, config: EngineConfig, model: str, seed: int, stats_interval_s: float
+    ) -> None:
+        self.index = index
+        self.replica_id = ReplicaId(f"sim-{index}")
+        self.engine = EngineModel(config, seed=seed)
+        self.epoch = Epoch(1)
+        roofline = config.roofline()
+        budget = config.max_num_batched_tokens
+        self.state = ReplicaState(
+            replica_id=self.replica_id,
+            url=f"sim://{index}",
+            models=frozenset({model}),
+            epoch=self.epoch,
+            block_size=config.block_size,
+            kv_capacity_blocks=config.num_gpu_blocks,
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            # What an operator would configure: the roofline's speed for a full prefill chunk
+            # and an empty-context decode step. expected-ttft calibrates from there.
+            prefill_tokens_per_s=budget / roofline.prefill_s(budget),
+            decode_step_ms=roofline.decode_s(0) * 1000.0,
+        )
+        self._stats_interval_s = stats_interval_s
+        self._stats_read_at = -1.0
+        #: The step in progress: its start time and result (delivered when it ends).
+        self.step_started_at = 0.0
+        self.step_result: StepResult | None = None
+        #: Requests routed here, for the load-imbalance figure.
+        self.routed = 0
+
+    @property
+    def busy(self) -> bool:
+        """True while an engine step is in progress."""
+        return self.step_result is not None
+
+    def new_epoch(self) -> Epoch:
+        """Start a new incarnation of the index entries (after ``AllBlocksCleared``)."""
+        self.epoch = Epoch(self.epoch + 1)
+        self.state.epoch = self.epoch
+        return self.epoch
+
+    def start_step(self, now: float) -> float:
+        """Run the engine's next step from ``now``; returns when it ends."""
+        if self._stats_interval_s > 0:
+            self.poll(now)  # a snapshot due before this step must not see its effects
+        self.step_started_at = now
+        self.step_result = self.engine.step(now)
+        return now + self.step_result.duration_s
+
+    def take_step(self) -> tuple[float, StepResult]:
+        """The finished step's start time and result."""
+        result = self.step_result
+        if result is None:
+            raise RuntimeError(f"{self.replica_id}: no step in progress")
+        self.step_result = None
+        return self.step_started_at, result
+
+    def poll(self, now: float) -> None:
+        """Take the engine-stats snapshot the gateway would hold at ``now``.
+
+        Call it before every change to the engine (a step, a submit) and before routing: the
+        engine changes only at those moments, so the state at the last poll time due is exactly
+        the state right before the change.
+        """
+        interval = self._stats_interval_s
+        if interval > 0:
+            due = now - (now % interval)
+            if due <= self._stats_read_at:
+                return
+            self._stats_read_at = due
+        else:
+            self._stats_read_at = now
+        stats = self.engine.stats()
+        state = self.state
+        state.running = stats.running
+        state.waiting = stats.waiting
+        state.kv_usage = stats.kv_usage
+        state.preemptions_total = stats.preemptions
+        state.loaded_adapters = frozenset(stats.loaded_adapters)
+        state.cpu_cached_adapters = frozenset(stats.cpu_adapters)
+        state.waiting_adapters = frozenset(stats.waiting_adapters)
+
+    def routing_view(self, now: float) -> ReplicaState:
+        """The state as of ``now``: age of the engine figures mapped onto the wall clock.
+
+        Policies judge staleness against ``time.time()``; the simulator's clock is virtual, so
+        the read time is expressed as "this many seconds ago" on the wall clock.
+        """
+        self.poll(now)
+        self.state.metrics_read_at = time.time() - (now - self._stats_read_at)
+        return self.state
+
+    def submit(self, request: SimRequest, now: float) -> None:
+        """Hand ``request`` to the engine (``ValueError`` if it can never run there)."""
+        if self._stats_interval_s > 0:
+            self.poll(now)
+        self.engine.submit(request)
+
+    def inflight_start(self, uncached_tokens: int) -> None:
+        """The gateway sent a request here."""
+        self.state.inflight_requests += 1
+        self.state.inflight_prefill_tokens += uncached_tokens
+        self.routed += 1
+
+    def inflight_prefilled(self, uncached_tokens: int) -> None:
+        """The request's first token arrived: its prompt is prefilled."""
+        self.state.inflight_prefill_tokens = max(
+            0, self.state.inflight_prefill_tokens - uncached_tokens
+        )
+
+    def inflight_finish(self) -> None:
+        """The request completed."""
+        self.state.inflight_requests = max(0, self.state.inflight_requests - 1)

@@ -1,0 +1,117 @@
+"""``fleetgate bench replay`` against simulated replicas on real sockets, plus its pure parts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.replay import PromptText, ReplayConfig
+from bench.replay.runner import replay_async
+from bench.replay.server_metrics import CacheCounters, parse_cache_counters
+from bench.replay.summary import summarize
+from bench.workloads.trace import TraceRecord, write_trace
+from replica.sim.fleet import start_sim_fleet
+from replica.sim.tokenizer import load_tokenizer
+
+BLOCK = 32  # words (= tokens on the simulated replica) per trace block
+
+
+def _trace() -> list[TraceRecord]:
+    return [
+        TraceRecord(0, 2 * BLOCK, 4, (1, 2)),
+        TraceRecord(100, 2 * BLOCK, 4, (1, 2)),  # the same prompt again
+        TraceRecord(200, 3 * BLOCK, 4, (1, 2, 3)),  # extends it by one block
+        TraceRecord(300, 2 * BLOCK, 4, (7, 8)),  # unrelated
+    ]
+
+
+def test_equal_ids_give_equal_text_and_one_token_per_word() -> None:
+    text = PromptText(BLOCK)
+    a = text.prompt((1, 2), 2 * BLOCK)
+    b = text.prompt((1, 2, 3), 3 * BLOCK)
+    c = text.prompt((7, 2), 2 * BLOCK)
+    assert b.startswith(a + " ")
+    assert c.split()[BLOCK:] == a.split()[BLOCK:]  # same id, same block text
+    assert c.split()[:BLOCK] != a.split()[:BLOCK]
+    tokenizer = load_tokenizer(None)
+    assert len(tokenizer.encode(b, add_special_tokens=False)) == 3 * BLOCK
+    # A partial last block is cut, as in the trace.
+    assert len(text.prompt((1, 2), BLOCK + 5).split()) == BLOCK + 5
+
+
+def test_cache_counters_are_summed_over_label_sets() -> None:
+    exposition = "\n".join(
+        [
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits.",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 120.0',
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 30.0',
+            'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 400.0 1700000000000',
+            "vllm:prefix_cache_queries_created 1.7e9",
+        ]
+    )
+    assert parse_cache_counters(exposition) == CacheCounters(queries=400.0, hits=150.0)
+
+
+async def test_replay_against_a_simulated_replica_counts_prefix_hits() -> None:
+    async with start_sim_fleet(1, speed=1000, kv_events=None, kv_replay=None) as fleet:
+        config = ReplayConfig(
+            url=fleet.urls[0],
+            model=fleet.model,
+            trace_block_size=BLOCK,
+            concurrency=1,  # one at a time: each request's blocks are cached before the next
+            metrics_urls=(fleet.urls[0] + "/metrics",),
+        )
+        result = await replay_async(config, _trace())
+    summary = summarize(result)
+    assert summary["ok"] == 4, summary["errors"]
+    assert all(r.completion_tokens == 4 for r in result.results)
+    # The replica's tokenizer adds BOS: prompts are 65, 65, 97 and 65 tokens. Request 2 reuses
+    # the 4 full 16-token blocks of request 1 (64 of 65 tokens: the last is always recomputed);
+    # request 3 the same 4 blocks (request 1's fifth block was never full); request 4 nothing:
+    # its first block already differs after BOS.
+    queries = 65 + 65 + 97 + 65
+    hits = 64 + 64
+    assert summary["server_prefix_hit_rate"] == pytest.approx(hits / queries)
+    assert summary["client_cached_rate"] == pytest.approx(hits / queries)
+    assert summary["ttft_p50_ms"] is not None and summary["itl_p50_ms"] is not None
+
+
+def test_cli_replays_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import asyncio
+    import threading
+
+    from gateway.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    write_trace(_trace(), trace)
+    ready = threading.Event()
+    stop = threading.Event()
+    urls: list[str] = []
+
+    def serve() -> None:
+        async def run() -> None:
+            async with start_sim_fleet(1, speed=1000, kv_events=None, kv_replay=None) as fleet:
+                urls.append(fleet.urls[0])
+                ready.set()
+                while not stop.is_set():
+                    await asyncio.sleep(0.01)
+
+        asyncio.run(run())
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        assert ready.wait(30)
+        argv = ["bench", "replay", "--trace", str(trace), "--url", urls[0] + "/v1"]
+        argv += ["--model", "sim-model", "--trace-block-size", str(BLOCK), "--time-scale", "0"]
+        argv += ["--metrics-url", urls[0] + "/metrics", "--json"]
+        assert main(argv) == 0
+    finally:
+        stop.set()
+        server.join(30)
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests"] == 4 and summary["ok"] == 4
+    assert set(summary["server_prefix_cache"]) == {urls[0] + "/metrics"}

@@ -1,0 +1,179 @@
+"""The fleet simulator on tiny traces: determinism, hit rates against ceilings, policy ordering."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from bench.workloads.trace import TraceRecord, write_trace
+from gateway.cli import main
+from planning.simulator import (
+    JSON_FIELDS,
+    SimulationConfig,
+    TraceRequest,
+    prepare_requests,
+    simulate,
+)
+
+#: The tiny engine (L4 + 50M-parameter model) with room for every test prompt: fast to simulate.
+BIG_CACHE = {"num_gpu_blocks_override": 4096, "max_model_len": 8192}
+
+
+def _record(at_ms: int, ids: Sequence[int], length: int | None = None, out: int = 4) -> TraceRecord:
+    return TraceRecord(at_ms, length if length is not None else 512 * len(ids), out, tuple(ids))
+
+
+def _config(replicas: int = 1, **overrides: object) -> SimulationConfig:
+    settings: dict[str, object] = {
+        "replicas": replicas,
+        "profile": "tiny",
+        "engine_overrides": BIG_CACHE,
+    }
+    settings.update(overrides)
+    return SimulationConfig(**settings)  # type: ignore[arg-type]
+
+
+def _shared_prefix_trace(groups: int, per_group: int, gap_ms: int) -> list[TraceRecord]:
+    """``groups`` 3-block prefixes, interleaved so consecutive requests belong to other groups."""
+    records = []
+    next_id = 1000
+    for turn in range(per_group):
+        for group in range(groups):
+            prefix = [group * 10 + 1, group * 10 + 2, group * 10 + 3]
+            records.append(_record((turn * groups + group) * gap_ms, [*prefix, next_id]))
+            next_id += 1
+    return records
+
+
+def test_one_replica_with_a_big_cache_reaches_the_unbounded_ceiling() -> None:
+    # Spaced arrivals: each request finishes before the next, so nothing hides a hit.
+    records = [
+        _record(0, [1, 2]),
+        _record(5_000, [1, 2, 3]),  # shares blocks 1, 2: 1024 cached tokens
+        _record(10_000, [1, 4]),  # shares block 1: 512
+        _record(15_000, [7, 8], length=700),  # new chain, partial last block
+        _record(20_000, [7, 8], length=700),  # same prompt: all but the last token's block
+    ]
+    report = simulate(prepare_requests(records), ["round-robin"], _config())
+    # The prompt's last token is always recomputed: 700 tokens -> (699 // 16) * 16 = 688 cached.
+    expected = (1024 + 512 + 688) / sum(r.input_length for r in records)
+    assert report.ceilings.unbounded == pytest.approx(expected)
+    assert report.ceilings.pooled == pytest.approx(expected)
+    assert report.summaries[0].prefix_hit_rate == pytest.approx(expected)
+
+
+def test_pooled_ceiling_evicts_least_recently_used_blocks() -> None:
+    from planning.simulator import hit_rate_ceilings
+
+    records = [_record(0, [1, 2]), _record(1, [3, 4]), _record(2, [1, 2])]
+    # Room for two trace blocks: the third request's prefix was evicted by the second request.
+    tight = hit_rate_ceilings(records, 512, 16, pooled_capacity_tokens=1024)
+    roomy = hit_rate_ceilings(records, 512, 16, pooled_capacity_tokens=4096)
+    repeat_hit = (1024 - 1) // 16 * 16
+    assert tight.unbounded == pytest.approx(repeat_hit / 3072)
+    assert tight.pooled == 0.0
+    assert roomy.pooled == pytest.approx(repeat_hit / 3072)
+
+
+def test_adapters_never_share_cached_blocks() -> None:
+    from planning.simulator import hit_rate_ceilings
+
+    base = _record(0, [1, 2])
+    tuned = TraceRecord(1, 1024, 4, (1, 2), adapter="ft-a")
+    assert hit_rate_ceilings([base, tuned], 512, 16, 10**6).unbounded == 0.0
+    again = TraceRecord(2, 1024, 4, (1, 2), adapter="ft-a")
+    assert hit_rate_ceilings([base, tuned, again], 512, 16, 10**6).unbounded > 0.0
+
+
+def test_cache_aware_beats_round_robin_on_shared_prefixes() -> None:
+    requests = prepare_requests(_shared_prefix_trace(groups=6, per_group=6, gap_ms=200))
+    report = simulate(requests, ["round-robin", "cache-aware"], _config(replicas=4))
+    hit = {s.policy: s.prefix_hit_rate for s in report.summaries}
+    # Round-robin spreads every group over all four replicas, so each group misses up to four
+    # times; cache-aware sends a group back where its prefix lives.
+    assert hit["cache-aware"] > hit["round-robin"] + 0.1
+    assert hit["cache-aware"] <= report.ceilings.unbounded + 1e-9
+
+
+def test_same_seed_same_results_and_the_seed_matters() -> None:
+    requests = prepare_requests(_shared_prefix_trace(groups=5, per_group=4, gap_ms=20))
+    policies = ["random", "power-of-two", "expected-ttft"]
+
+    def rows(seed: int) -> list[dict[str, object]]:
+        report = simulate(requests, policies, _config(replicas=4, seed=seed))
+        return [row.as_json() for row in report.rows()]
+
+    first = rows(3)
+    assert rows(3) == first
+    assert any(a != b for a, b in zip(rows(4), first, strict=True))
+
+
+def test_routing_learns_from_engine_kv_events_not_only_its_own_guesses() -> None:
+    # One request per prefix, long after the speculative entries expired (TTL 1 s): only the
+    # engines' BlockStored events can tell the router where each prefix lives.
+    records = [_record(i * 3_000, [i % 3 + 1, 100 + i]) for i in range(9)]
+    config = _config(replicas=3, speculative_ttl_s=1.0)
+    report = simulate(prepare_requests(records), ["cache-aware"], config)
+    # Requests 3..8 each find their one-block prefix (512 of 1024 tokens) where it was cached.
+    assert report.summaries[0].prefix_hit_rate == pytest.approx(6 * 512 / (9 * 1024))
+
+
+def test_goodput_follows_the_slos() -> None:
+    requests = prepare_requests([_record(i * 100, [i, i + 1]) for i in range(6)])
+    strict = simulate(requests, ["least-loaded"], _config(slo_ttft_ms=1e-6))
+    loose = simulate(requests, ["least-loaded"], _config(slo_ttft_ms=1e9, slo_tpot_ms=1e9))
+    assert strict.summaries[0].goodput == 0.0
+    assert loose.summaries[0].goodput == 1.0
+
+
+def test_rate_scale_and_limit() -> None:
+    records = [_record(i * 1000, [i]) for i in range(5)]
+    requests = prepare_requests(records, rate_scale=2.0, limit=3)
+    assert [r.arrival_s for r in requests] == [0.0, 0.5, 1.0]
+    assert all(isinstance(r, TraceRequest) for r in requests)
+
+
+def test_json_output_has_exactly_the_documented_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace(_shared_prefix_trace(groups=2, per_group=3, gap_ms=100), trace)
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    argv += ["--policies", "round-robin,expected-ttft", "--json", "--no-progress"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["policy"] for row in rows] == [
+        "round-robin",
+        "expected-ttft",
+        "unbounded",
+        "pooled",
+    ]
+    for row in rows:
+        assert list(row) == list(JSON_FIELDS)
+    assert list(JSON_FIELDS) == [
+        "policy",
+        "requests",
+        "prefix_hit_rate",
+        "ttft_p50_ms",
+        "ttft_p95_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p95_ms",
+        "queue_p95_ms",
+        "goodput",
+        "output_tok_s",
+        "cost_per_1m_usd",
+        "load_imbalance",
+        "preemptions",
+    ]
+    assert rows[0]["requests"] == 6
+
+
+def test_cli_refuses_an_unknown_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace([_record(0, [1])], trace)
+    assert main(["simulate", "--trace", str(trace), "--policies", "fastest"]) == 2
+    assert "unknown policy fastest" in capsys.readouterr().err
