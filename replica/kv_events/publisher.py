@@ -122,12 +122,14 @@ class KVEventPublisher:
                 continue
             client_id, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            # vLLM 0.32 frames each replayed batch as [empty, topic, seq, payload] and ends with
+            # [empty, empty topic, seq -1, empty payload]; match it so one subscriber reads both.
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
                     await self._replay.send_multipart(
-                        (client_id, b"", seq.to_bytes(8, "big"), payload)
+                        (client_id, b"", self._topic, seq.to_bytes(8, "big"), payload)
                     )
-            await self._replay.send_multipart((client_id, b"", END_SEQ, b""))
+            await self._replay.send_multipart((client_id, b"", b"", END_SEQ, b""))
 
     def close(self) -> None:
         """Close both sockets; buffered batches are dropped."""

@@ -104,9 +104,16 @@ class KVEventSubscriber:
                         f"KV-event replay from {self.replay_endpoint} timed out after {timeout_s}s"
                     )
                 frames = await dealer.recv_multipart()
-                if len(frames) != 3:
-                    raise KVEventDecodeError(f"replay message has {len(frames)} frames, not 3")
-                _, seq_bytes, payload = frames
+                # vLLM 0.32 replies [empty, topic, seq, payload]; accept the topic-less
+                # three-frame form too, which earlier fleetgate publishers sent.
+                if len(frames) == 4:
+                    _, _topic, seq_bytes, payload = frames
+                elif len(frames) == 3:
+                    _, seq_bytes, payload = frames
+                else:
+                    raise KVEventDecodeError(
+                        f"replay message has {len(frames)} frames, expected 4 (vLLM) or 3"
+                    )
                 if seq_bytes == END_SEQ:
                     return batches
                 batches.append((int.from_bytes(seq_bytes, "big"), decode_payload(payload)))

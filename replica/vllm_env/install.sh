@@ -44,6 +44,13 @@ for pkg in torchvision torchaudio torchcodec; do
     fi
 done
 
+# fleetgate's vLLM plugin (replica/vllm_plugin) is found through the entry points of an installed
+# fleetgate distribution. --no-deps: fleetgate's own pins must never replace the engine's packages;
+# the plugin needs only redis (and xxhash) beyond what vLLM brings.
+log "installing fleetgate's vLLM plugin (editable, --no-deps) and its redis client"
+"$PY" -m pip install -q --no-deps -e "$REPO_ROOT"
+"$PY" -m pip install -q redis==8.1.0 xxhash==4.1.0
+
 log "verifying imports"
-"$PY" -c "import vllm, transformers, torch, safetensors, tokenizers; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+"$PY" -c "import vllm, transformers, torch, safetensors, tokenizers, redis, replica.vllm_plugin; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 log "done: $VENV_DIR"

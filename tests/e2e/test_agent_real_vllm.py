@@ -308,12 +308,6 @@ async def test_engine_restart_retires_the_epoch(
     await wait_until(lambda: _matches(index, chain, {"e2e/r1": len(chain)}), "stored again")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="replica/kv_events KVEventSubscriber.request_replay expects 3-frame replies; vLLM "
-    "0.32 answers [b'', topic, seq, payload] and ends with [b'', b'', -1, b''] (docs/e2e.md). "
-    "Remove this mark when the codec is fixed.",
-)
 async def test_replay_socket_of_a_real_engine(vllm_engine: VllmEngine) -> None:
     """vLLM's replay ROUTER answers with the buffered batches, decodable by our codec."""
     assert vllm_engine.spec.replay_endpoint is not None

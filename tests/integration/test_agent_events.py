@@ -183,7 +183,10 @@ async def test_publisher_restart_is_detected_by_sequence_reset(index: RedisBlock
     async with ReplicaAgent(config, index=index) as agent:
         async with running_publisher(first):
             await handshake(first, agent)
-            for _ in range(5):  # move the stream well past where a new process starts
+            # Move the stream well past where a new process starts: the second publisher's
+            # handshake emits a batch every 20 ms until the subscriber reconnects, and its
+            # numbers must stay below this one's or the restart looks like a plain gap.
+            for _ in range(1000):
                 first.publish([])
             first.publish([stored([41, 42, 43], PROMPT)])
             await wait_until(lambda: _matches(index, chain(PROMPT), {"pool/r0": 3}), "stored")
