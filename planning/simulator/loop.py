@@ -92,6 +92,13 @@ class _Simulation:
             raise ValueError(
                 f"profile factory for {policy!r} built a profile named {profile.name!r}"
             )
+        # Plugins that measure elapsed time (expected-ttft's backlog drain) must measure it in
+        # the replay's virtual time, as a live gateway's monotonic clock moves with its traffic;
+        # the wall clock of a replay runs at an unrelated pace.
+        for plugin in profile.plugins:
+            bind = getattr(plugin, "bind_elapsed_clock", None)
+            if callable(bind):
+                bind(self._clock)
         self.router = RoutingEngine(self.index, {policy: profile})
         # Policies that never read prefix matches need no index feed: skip its cost.
         self.feed_index = profile.needs_prefix

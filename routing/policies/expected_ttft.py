@@ -2,20 +2,24 @@
 
 For every candidate replica the scorer estimates, in milliseconds::
 
-    expected_ttft_ms = queue_wait_ms                # prefill work queued ahead + decode contention
+    expected_ttft_ms = queue_wait_ms                # prefill work still queued + decode contention
                      + prefill_ms                   # uncached prompt tokens / prefill speed
                      + adapter_cold_load_ms         # loading the LoRA adapter if not resident
                      + kv_penalty_ms                # steep as KV usage nears preemption
                      + stale_penalty_ms             # distrust of load figures that are old
 
-and scores ``(best + floor) / (cost + floor)`` (1.0 for the cheapest). The ``max-score`` picker
-then takes the best under a bounded-load guard with random tie-breaks among near-equal costs, so a
-hot shared prefix spreads over several replicas instead of piling onto the one that cached it.
+adds ``decode_interference_ms`` (the replica's recent prefill duty cycle, which its running
+decodes pay in TPOT) to get the cost, and scores ``(best + floor) / (cost + floor)`` (1.0 for the
+cheapest). The ``max-score`` picker then takes the best under a bounded-load guard with random
+tie-breaks among near-equal costs, so a hot shared prefix spreads over several replicas instead of
+piling onto the one that cached it.
 
-Prefill speed starts from ``ReplicaState.prefill_tokens_per_s`` and is recalibrated online: each
-completed request's TTFT, minus the queue wait predicted when it was routed, is the time its
-uncached tokens took (an EWMA per replica). Requests that had to load their adapter calibrate the
-adapter's cold-load time instead.
+The queue is the prefill work this gateway sent to the replica, drained at the prefill speed as
+time passes (``backlog.py``) and capped by the gateway's in-flight counter. Prefill speed starts
+from ``ReplicaState.prefill_tokens_per_s`` and is recalibrated online from each completed
+request's TTFT minus the queue wait predicted when it was routed: one factor per pool, with
+per-replica deviations shrunk toward it (``calibration.py``). Requests that had to load their
+adapter calibrate the adapter's cold-load time instead.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from pydantic import Field
 
 from routing.contracts import RoutingRequest
 from routing.engine import PluginTerms, Profile
+from routing.policies.backlog import DrainingBacklog, RecentPrefill
 from routing.policies.base import Plugin, PluginKind, PluginParams
+from routing.policies.calibration import SpeedCalibration
 from routing.policies.max_score import MaxScorePicker
 from routing.state import ReplicaState
 from routing.types import ReplicaId
@@ -48,6 +54,8 @@ class TtftEstimate:
     kv_penalty_ms: float
     stale_penalty_ms: float
     prefill_tokens_per_s: float
+    #: Not part of the TTFT: the stall this prefill puts on the replica's running decodes.
+    decode_interference_ms: float = 0.0
 
     @property
     def expected_ttft_ms(self) -> float:
@@ -60,6 +68,11 @@ class TtftEstimate:
             + self.stale_penalty_ms
         )
 
+    @property
+    def cost_ms(self) -> float:
+        """What the scorer minimises: the expected TTFT plus the decode interference."""
+        return self.expected_ttft_ms + self.decode_interference_ms
+
     def as_terms(self) -> dict[str, float]:
         """The terms as a decision explanation shows them."""
         return {
@@ -70,7 +83,9 @@ class TtftEstimate:
             "kv_penalty_ms": self.kv_penalty_ms,
             "stale_penalty_ms": self.stale_penalty_ms,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "decode_interference_ms": self.decode_interference_ms,
             "expected_ttft_ms": self.expected_ttft_ms,
+            "cost_ms": self.cost_ms,
         }
 
 
@@ -111,9 +126,9 @@ class ExpectedTtftScorer(Plugin):
         stale_penalty_ms_per_s: float = Field(default=100.0, ge=0.0)
         #: ... up to this cap.
         max_stale_penalty_ms: float = Field(default=5000.0, ge=0.0)
-        #: EWMA weight of one observation when calibrating speed and adapter load time.
+        #: EWMA weight of one observation when calibrating speed (in log space) and adapter load.
         calibration_alpha: float = Field(default=0.2, gt=0.0, le=1.0)
-        #: One observation may move the speed by at most this factor (outlier guard).
+        #: One observation counts as at most this factor from the replica's estimate (outliers).
         max_calibration_step: float = Field(default=4.0, ge=1.0)
         #: Requests with fewer uncached tokens than this do not calibrate speed (too noisy).
         min_calibration_tokens: int = Field(default=64, ge=1)
@@ -121,6 +136,13 @@ class ExpectedTtftScorer(Plugin):
         cost_floor_ms: float = Field(default=10.0, gt=0.0)
         #: Predictions kept for requests awaiting completion (oldest dropped first).
         max_pending: int = Field(default=4096, ge=1)
+        #: Drain this gateway's dispatched prefill work at the prefill speed as time passes.
+        drain_backlog: bool = True
+        #: ms of cost per ms of prefill sent to the replica recently (its prefill duty cycle,
+        #: which its running decodes pay in TPOT) ...
+        recent_prefill_weight: float = Field(default=0.05, ge=0.0)
+        #: ... decayed with this time constant (about a decode's lifetime).
+        recent_prefill_window_s: float = Field(default=2.0, gt=0.0)
 
     params: Params
 
@@ -130,19 +152,51 @@ class ExpectedTtftScorer(Plugin):
         *,
         name: str | None = None,
         clock: Callable[[], float] = time.time,
+        elapsed_clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(params, name=name)
         #: Wall clock, comparable with ``ReplicaState.metrics_read_at``; injectable for tests.
         self._clock = clock
-        self._speed: dict[ReplicaId, float] = {}
+        #: Clock for elapsed time (backlog drain); the simulator binds its virtual clock here.
+        self._elapsed_clock = elapsed_clock
+        p = self.params
+        self._calibration = SpeedCalibration(p.calibration_alpha, p.max_calibration_step)
+        self._backlog = DrainingBacklog()
+        self._recent = RecentPrefill(p.recent_prefill_window_s)
+        #: Per replica, its pool and configured speed as last seen (calibration is relative).
+        self._pool_of: dict[ReplicaId, str] = {}
+        self._configured: dict[ReplicaId, float] = {}
         self._cold_load_ms: dict[str, float] = {}
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
 
     # ------------------------------------------------------------------ estimating
 
+    def bind_elapsed_clock(self, clock: Callable[[], float]) -> None:
+        """Measure elapsed time (the backlog drain) with ``clock``: the simulator's virtual time."""
+        self._elapsed_clock = clock
+
     def calibrated_speed(self, replica: ReplicaId) -> float | None:
         """The calibrated prefill speed of ``replica`` in tokens/s, or None before any feedback."""
-        return self._speed.get(replica)
+        configured = self._configured.get(replica)
+        if configured is None:
+            return None
+        factor = self._calibration.factor(replica)
+        if factor is None:
+            factor = self._calibration.pool_factor(self._pool_of[replica])
+        return None if factor is None else configured * factor
+
+    def _speed_of(self, replica: ReplicaState) -> float:
+        """Configured speed × the learned factor (the replica's own, shrunk, else its pool's)."""
+        rid = replica.replica_id
+        configured = replica.prefill_tokens_per_s
+        if not (configured > 0 and configured != math.inf):
+            return 1.0  # a broken figure (0, NaN, inf) must not divide by zero or win everything
+        self._configured[rid] = configured
+        self._pool_of[rid] = replica.pool
+        factor = self._calibration.factor(rid)
+        if factor is None:
+            factor = self._calibration.pool_factor(replica.pool)
+        return configured if factor is None else configured * factor
 
     def adapter_cold_load_estimate_ms(self, adapter: str) -> float:
         """Cold-load time assumed for ``adapter`` when the request carries no estimate."""
@@ -152,7 +206,9 @@ class ExpectedTtftScorer(Plugin):
         self, request: RoutingRequest, replica: ReplicaState, now: float | None = None
     ) -> TtftEstimate:
         """The expected-TTFT terms of sending ``request`` to ``replica``."""
-        terms, _ = self._terms(request, replica, self._clock() if now is None else now)
+        terms, _ = self._terms(
+            request, replica, self._clock() if now is None else now, self._elapsed_clock()
+        )
         return TtftEstimate(
             queue_wait_ms=terms["queue_wait_ms"],
             prefill_ms=terms["prefill_ms"],
@@ -161,10 +217,11 @@ class ExpectedTtftScorer(Plugin):
             kv_penalty_ms=terms["kv_penalty_ms"],
             stale_penalty_ms=terms["stale_penalty_ms"],
             prefill_tokens_per_s=terms["prefill_tokens_per_s"],
+            decode_interference_ms=terms["decode_interference_ms"],
         )
 
     def _terms(
-        self, request: RoutingRequest, replica: ReplicaState, now: float
+        self, request: RoutingRequest, replica: ReplicaState, now: float, elapsed_now: float
     ) -> tuple[dict[str, float], bool]:
         """The cost terms as an explanation dict, and whether the cold-load term is ours.
 
@@ -173,9 +230,7 @@ class ExpectedTtftScorer(Plugin):
         """
         p = self.params
         rid = replica.replica_id
-        speed = self._speed.get(rid, replica.prefill_tokens_per_s)
-        if not (speed > 0 and speed != math.inf):
-            speed = 1.0  # a broken figure (0, NaN, inf) must not divide by zero or win everything
+        speed = self._speed_of(replica)
         matches = request.prefix_matches
         prompt = request.prompt_tokens if request.prompt_tokens > 0 else 0
         cached = matches.get(rid, 0) * request.block_size if matches else 0
@@ -183,7 +238,11 @@ class ExpectedTtftScorer(Plugin):
 
         # The gateway's in-flight prefill tokens and the engine's waiting queue describe the same
         # backlog from two sides (the engine's also sees other clients): take the larger.
-        backlog = replica.inflight_prefill_tokens
+        backlog: float = replica.inflight_prefill_tokens
+        if p.drain_backlog:
+            # What this gateway sent there, drained at the prefill speed since: a replica nearly
+            # through its prefill is nearly free. The counter bounds it (first tokens arrived).
+            backlog = self._backlog.remaining(rid, elapsed_now, speed, backlog)
         waiting_tokens = replica.waiting * p.waiting_request_tokens
         if waiting_tokens > backlog:
             backlog = waiting_tokens
@@ -192,6 +251,12 @@ class ExpectedTtftScorer(Plugin):
             replica.running * replica.decode_step_ms * p.decode_contention
         )
         prefill_ms = uncached / speed * 1000.0
+        # Chunked prefill shares engine steps with the running decodes, so a replica that has
+        # prefilled a lot lately has stalled its decodes a lot: spread prefill work over time
+        # (round-robin's strength), not only over the backlog of this instant.
+        interference_ms = 0.0
+        if p.recent_prefill_weight > 0 and replica.running > 0:
+            interference_ms = p.recent_prefill_weight * self._recent.load_ms(rid, elapsed_now)
 
         cold_ms, cold_is_ours = 0.0, False
         adapter = request.adapter
@@ -224,7 +289,14 @@ class ExpectedTtftScorer(Plugin):
             "kv_penalty_ms": kv_penalty,
             "stale_penalty_ms": stale_penalty,
             "prefill_tokens_per_s": speed,
+            "decode_interference_ms": interference_ms,
             "expected_ttft_ms": queue_ms + prefill_ms + cold_ms + kv_penalty + stale_penalty,
+            "cost_ms": queue_ms
+            + prefill_ms
+            + cold_ms
+            + kv_penalty
+            + stale_penalty
+            + interference_ms,
         }, cold_is_ours
 
     # ------------------------------------------------------------------ scoring
@@ -240,10 +312,11 @@ class ExpectedTtftScorer(Plugin):
     ) -> tuple[dict[ReplicaId, float], PluginTerms]:
         """``score`` plus every replica's cost terms; remembers them for calibration."""
         now = self._clock()
+        elapsed_now = self._elapsed_clock()
         terms: dict[ReplicaId, dict[str, float]] = {}
         cold_ours: set[ReplicaId] = set()
         for replica in replicas:
-            replica_terms, cold_is_ours = self._terms(request, replica, now)
+            replica_terms, cold_is_ours = self._terms(request, replica, now, elapsed_now)
             terms[replica.replica_id] = replica_terms
             if cold_is_ours:
                 cold_ours.add(replica.replica_id)
@@ -251,7 +324,7 @@ class ExpectedTtftScorer(Plugin):
         if not terms:
             return {}, terms
         floor = self.params.cost_floor_ms
-        costs = {rid: t["expected_ttft_ms"] + floor for rid, t in terms.items()}
+        costs = {rid: t["cost_ms"] + floor for rid, t in terms.items()}
         best = min(costs.values())
         return {rid: best / cost for rid, cost in costs.items()}, terms
 
@@ -264,12 +337,28 @@ class ExpectedTtftScorer(Plugin):
     # ------------------------------------------------------------------ calibration
 
     def on_request_start(self, request: RoutingRequest, replica: ReplicaId) -> None:
-        """Keep only the prediction for the replica the request was sent to."""
+        """Count the request's prefill on ``replica``; keep only the prediction made for it.
+
+        Also called for a retry on a fallback replica, whose prediction may already be gone:
+        the prefill work is then recomputed from the request's own prefix matches.
+        """
         pending = self._pending.get(request.request_id)
-        if pending is not None and replica in pending.terms:
+        chosen = pending.terms.get(replica) if pending is not None else None
+        if pending is not None and chosen is not None:
             self._pending[request.request_id] = _Pending(
-                {replica: pending.terms[replica]}, pending.cold_load_is_ours & {replica}
+                {replica: chosen}, pending.cold_load_is_ours & {replica}
             )
+        if chosen is not None:
+            uncached, prefill_ms = chosen["uncached_tokens"], chosen["prefill_ms"]
+        else:
+            matches = request.prefix_matches
+            cached = matches.get(replica, 0) * request.block_size if matches else 0
+            uncached = float(max(0, request.prompt_tokens - cached))
+            speed = self.calibrated_speed(replica) or self._configured.get(replica)
+            prefill_ms = uncached / speed * 1000.0 if speed else 0.0
+        now = self._elapsed_clock()
+        self._backlog.add(replica, uncached, now)
+        self._recent.add(replica, prefill_ms, now)
 
     def on_request_complete(
         self,
@@ -292,7 +381,7 @@ class ExpectedTtftScorer(Plugin):
             uncached = max(0.0, float(request.prompt_tokens - cached_tokens))
         else:
             uncached = predicted["uncached_tokens"]
-        speed = self._speed.get(replica, predicted["prefill_tokens_per_s"])
+        speed = predicted["prefill_tokens_per_s"]
         residual_ms = ttft_ms - predicted["queue_wait_ms"]
 
         if replica in pending.cold_load_is_ours and request.adapter:
@@ -301,13 +390,19 @@ class ExpectedTtftScorer(Plugin):
             old = self.adapter_cold_load_estimate_ms(request.adapter)
             self._cold_load_ms[request.adapter] = old + p.calibration_alpha * (observed - old)
             return
-        if uncached < p.min_calibration_tokens:
+        if uncached < p.min_calibration_tokens or replica not in self._configured:
             return
         prefill_ms = residual_ms - predicted["adapter_cold_load_ms"]
-        step = p.max_calibration_step
-        implied = uncached / (prefill_ms / 1000.0) if prefill_ms > 0 else speed * step
-        implied = min(speed * step, max(speed / step, implied))
-        self._speed[replica] = speed + p.calibration_alpha * (implied - speed)
+        # Speed relative to the configured figure; SpeedCalibration bounds each step and shares
+        # what it learns across the pool (identical replicas must not drift apart on noise).
+        implied = uncached / (prefill_ms / 1000.0) if prefill_ms > 0 else math.inf
+        ratio = min(implied, speed * p.max_calibration_step) / self._configured[replica]
+        self._calibration.observe(replica, self._pool_of[replica], ratio)
+
+
+#: Near-equal costs within 1% count as ties. ``max-score``'s default 5% is ~10 ms on a 200 ms
+#: prefill: enough to send a request to a replica still finishing another prefill.
+TIE_TOLERANCE = 0.01
 
 
 def profile() -> Profile:
@@ -316,5 +411,5 @@ def profile() -> Profile:
         name="expected-ttft",
         filters=(),
         scorers=((ExpectedTtftScorer(), 1.0),),
-        picker=MaxScorePicker(),
+        picker=MaxScorePicker(MaxScorePicker.Params(tie_tolerance=TIE_TOLERANCE)),
     )

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import pytest
 
 from routing.contracts import RoutingRequest
 from routing.engine import Profile, RoutingEngine
-from routing.policies.expected_ttft import ExpectedTtftScorer
+from routing.policies.expected_ttft import TIE_TOLERANCE, ExpectedTtftScorer
 from routing.policies.max_score import MaxScorePicker
 from routing.state import ReplicaState
 from routing.types import BlockHash, ReplicaId
+from tests.unit.test_policy_hot_prefix import REPLICAS, REQUESTS, expected_ttft, route_hot_prefix
 
 NOW = 1_000_000.0
 
@@ -187,5 +189,199 @@ async def test_engine_forwards_outcomes_to_the_scorer() -> None:
     engine.observe_complete(request, decision.replica, 400.0, 0, True)
     scorer = prof.scorers[0][0]
     assert isinstance(scorer, ExpectedTtftScorer)
-    # EWMA with alpha 0.2 from 10000 toward the observed 5000 tok/s.
-    assert scorer.calibrated_speed(ReplicaId("a")) == pytest.approx(9_000.0)
+    # Log-space EWMA with alpha 0.2 from 10000 toward the observed 5000 tok/s.
+    assert scorer.calibrated_speed(ReplicaId("a")) == pytest.approx(10_000.0 * 0.5**0.2)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def observe_ratios(scorer: ExpectedTtftScorer, ratios: dict[str, list[float]]) -> None:
+    """Feed each replica's TTFTs implying ``ratio`` x the configured 10,000 tok/s (2,000 tokens)."""
+    replicas = [rep(rid) for rid in ratios]
+    rounds = max(len(values) for values in ratios.values())
+    for i in range(rounds):
+        for rid, values in ratios.items():
+            if i >= len(values):
+                continue
+            request = req(request_id=f"{rid}-{i}")
+            scorer.score_with_terms(request, replicas)
+            scorer.on_request_start(request, ReplicaId(rid))
+            scorer.on_request_complete(request, ReplicaId(rid), 200.0 / values[i], 0, True)
+
+
+NOISE = [1.3, 0.75, 1.1, 0.85, 1.2, 0.8, 1.0, 0.9, 1.15, 0.95] * 4  # geometric mean ~1
+
+
+# Each row: per replica, the speed ratios its requests imply; expected calibrated speed (tok/s).
+CALIBRATION = [
+    pytest.param(
+        {"a": NOISE, "b": NOISE[3:] + NOISE[:3], "c": NOISE[6:] + NOISE[:6], "d": NOISE[::-1]},
+        {"a": "pool", "b": "pool", "c": "pool", "d": "pool"},
+        id="identical replicas, noisy: all share the pool speed",
+    ),
+    pytest.param(
+        {"a": NOISE, "b": NOISE[::-1], "c": NOISE[5:] + NOISE[:5], "d": [0.5] * 40},
+        {"a": "pool", "b": "pool", "c": "pool", "d": 5_000.0},
+        id="one replica really half as fast: it keeps its own speed",
+    ),
+    pytest.param(
+        {"a": [0.5] * 40, "b": [0.5] * 40}, {"a": 5_000.0, "b": 5_000.0},
+        id="the whole pool slower: the pool factor moves",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ratios", "expected"), CALIBRATION)
+def test_calibration_shrinks_replicas_toward_the_pool(
+    ratios: dict[str, list[float]], expected: dict[str, float | str]
+) -> None:
+    scorer = at_now()
+    observe_ratios(scorer, ratios)
+    speeds = {rid: scorer.calibrated_speed(ReplicaId(rid)) for rid in ratios}
+    pooled = [speeds[rid] for rid, want in expected.items() if want == "pool"]
+    for rid, want in expected.items():
+        if want == "pool":
+            # Shrunk onto one shared figure: noise makes no replica look faster than another.
+            assert speeds[rid] == pytest.approx(pooled[0], rel=0.02), rid
+        else:
+            assert speeds[rid] == pytest.approx(want, rel=0.1), rid
+
+
+def test_replica_of_an_untrained_pool_member_uses_the_pool_speed() -> None:
+    scorer = at_now()
+    observe_ratios(scorer, {"a": [0.5] * 40})
+    # "b" never completed a request, but it is in a's pool: same hardware, same speed.
+    estimate = scorer.estimate(req(request_id="new"), rep("b"), NOW)
+    assert estimate.prefill_tokens_per_s == pytest.approx(5_000.0, rel=0.01)
+
+
+# --------------------------------------------------------------------------- backlog
+
+
+class FakeClock:
+    """A monotonic clock the test advances by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# Each row: seconds after dispatching 5,000 tokens (at 10,000 tok/s), the gateway's counter,
+# the expected queue wait for the next request.
+DRAIN = [
+    pytest.param(0.0, 5_000, 500.0, id="just sent: all of it queued"),
+    pytest.param(0.2, 5_000, 300.0, id="40% prefilled"),
+    pytest.param(0.45, 5_000, 50.0, id="90% prefilled: nearly free"),
+    pytest.param(1.0, 5_000, 0.0, id="overdue: no negative wait"),
+    pytest.param(0.0, 1_000, 100.0, id="counter lower (first tokens came): it caps"),
+]
+
+
+@pytest.mark.parametrize(("elapsed_s", "counter", "queue_ms"), DRAIN)
+def test_backlog_drains_with_elapsed_time(elapsed_s: float, counter: int, queue_ms: float) -> None:
+    clock = FakeClock()
+    scorer = ExpectedTtftScorer(
+        ExpectedTtftScorer.Params(recent_prefill_weight=0.0),
+        clock=lambda: NOW,
+        elapsed_clock=clock,
+    )
+    first = req(request_id="first", prompt_tokens=5_000)
+    scorer.score_with_terms(first, [rep("a")])
+    scorer.on_request_start(first, ReplicaId("a"))
+    clock.now += elapsed_s
+    estimate = scorer.estimate(req(request_id="next"), rep("a", inflight_prefill_tokens=counter))
+    assert estimate.queue_wait_ms == pytest.approx(queue_ms)
+
+
+def test_backlog_not_sent_from_here_is_not_aged() -> None:
+    clock = FakeClock()
+    scorer = ExpectedTtftScorer(clock=lambda: NOW, elapsed_clock=clock)
+    clock.now += 10.0
+    # Another gateway's 5,000 tokens: no dispatch time to age from, counted in full.
+    estimate = scorer.estimate(req(), rep("a", inflight_prefill_tokens=5_000))
+    assert estimate.queue_wait_ms == pytest.approx(500.0)
+
+
+def test_bind_elapsed_clock_replaces_the_drain_clock() -> None:
+    wall = FakeClock()
+    virtual = FakeClock()
+    scorer = ExpectedTtftScorer(
+        ExpectedTtftScorer.Params(recent_prefill_weight=0.0), clock=lambda: NOW, elapsed_clock=wall
+    )
+    scorer.bind_elapsed_clock(virtual)
+    first = req(request_id="first", prompt_tokens=5_000)
+    scorer.score_with_terms(first, [rep("a")])
+    scorer.on_request_start(first, ReplicaId("a"))
+    wall.now += 1.0  # the wall clock no longer counts
+    busy = rep("a", inflight_prefill_tokens=5_000)
+    assert scorer.estimate(req(request_id="n1"), busy).queue_wait_ms == pytest.approx(500.0)
+    virtual.now += 0.25
+    assert scorer.estimate(req(request_id="n2"), busy).queue_wait_ms == pytest.approx(250.0)
+
+
+# --------------------------------------------------------------------------- decode interference
+
+
+# Each row: seconds since 2,000 tokens (200 ms of prefill) were sent; running decodes there;
+# expected decode_interference_ms at the default weight 0.05 and window 2 s.
+INTERFERENCE = [
+    pytest.param(0.0, 10, 0.05 * 200.0, id="just prefilled 200 ms: 10 ms"),
+    pytest.param(2.0, 10, 0.05 * 200.0 / math.e, id="one window later: decayed by e"),
+    pytest.param(0.0, 0, 0.0, id="no running decodes: nobody to stall"),
+]
+
+
+@pytest.mark.parametrize(("elapsed_s", "running", "expected_ms"), INTERFERENCE)
+def test_recent_prefill_costs_decode_interference(
+    elapsed_s: float, running: int, expected_ms: float
+) -> None:
+    clock = FakeClock()
+    scorer = ExpectedTtftScorer(clock=lambda: NOW, elapsed_clock=clock)
+    first = req(request_id="first")
+    scorer.score_with_terms(first, [rep("a")])
+    scorer.on_request_start(first, ReplicaId("a"))
+    clock.now += elapsed_s
+    estimate = scorer.estimate(req(request_id="next"), rep("a", running=running))
+    assert estimate.decode_interference_ms == pytest.approx(expected_ms)
+    # It steers the choice but is not part of the TTFT.
+    assert estimate.cost_ms == pytest.approx(estimate.expected_ttft_ms + expected_ms)
+
+
+async def test_recent_prefill_spreads_equal_choices() -> None:
+    clock = FakeClock()
+    scorer = ExpectedTtftScorer(clock=lambda: NOW, elapsed_clock=clock)
+    picker = MaxScorePicker(MaxScorePicker.Params(tie_tolerance=0))
+    prof = Profile("p", (), ((scorer, 1.0),), picker)
+    engine = RoutingEngine(None, {"p": prof})
+    replicas = [rep("a", running=20), rep("b", running=20)]
+    first = req(request_id="first", prefix_matches={})
+    decision = await engine.route(first, replicas, "p")
+    engine.observe_start(first, decision.replica)
+    clock.now += 1.0  # its prefill is done (backlog drained), its decodes' stall is recent
+    second = await engine.route(req(request_id="second", prefix_matches={}), replicas, "p")
+    assert second.replica != decision.replica
+
+
+async def test_builtin_profile_still_spreads_a_hot_prefix() -> None:
+    """The built-in profile's tighter tie tolerance (1%) keeps the hot-prefix guard working."""
+    picker = MaxScorePicker(MaxScorePicker.Params(tie_tolerance=TIE_TOLERANCE))
+    counts = await route_hot_prefix(expected_ttft(picker))
+    assert counts.most_common(1)[0][1] <= 0.3 * REQUESTS
+    assert len(counts) >= REPLICAS // 2
+
+
+def test_a_retry_on_a_fallback_replica_counts_its_backlog_there() -> None:
+    clock = FakeClock()
+    scorer = ExpectedTtftScorer(
+        ExpectedTtftScorer.Params(recent_prefill_weight=0.0), clock=lambda: NOW, elapsed_clock=clock
+    )
+    request = req(request_id="retry", prompt_tokens=5_000, prefix_matches={})
+    scorer.score_with_terms(request, [rep("a"), rep("b")])
+    scorer.on_request_start(request, ReplicaId("a"))  # keeps only a's prediction
+    scorer.on_request_start(request, ReplicaId("b"))  # a failed: the gateway retries on b
+    clock.now += 0.1
+    busy_b = rep("b", inflight_prefill_tokens=5_000)
+    assert scorer.estimate(req(request_id="n"), busy_b).queue_wait_ms == pytest.approx(400.0)
