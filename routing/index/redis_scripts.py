@@ -330,7 +330,7 @@ return 1
 #: Returns a flat array ``replica, depth, replica, depth, ...`` of replicas with depth >= 1.
 #:
 #: Walks the chain with the bitset of the slots still matching, and stops at the first block
-#: that none of them holds. Block values are read by MGET in growing slices, so it reads
+#: that none of them holds. Block values are read by MGET in slices of 32, so it reads
 #: O(matched) keys in a handful of calls; each distinct value is decoded once.
 MATCH = (
     _PRELUDE
@@ -401,13 +401,14 @@ local function holders(value)
   end
   return m
 end
--- Keys are built and read slice by slice (each twice as long as the last), so a chain that
--- stops early costs little: building a key string is most of the per-block work.
+-- Keys are built and read SLICE at a time, so the walk builds and reads at most SLICE - 1 keys
+-- past the block where it stops: building a key string is most of the per-block work, and one
+-- MGET call costs about as much as reading two keys.
+local SLICE = 32
 local prefix, next_hash = ARGV[3], string.gmatch(ARGV[4], '%d+')
 local keys, values, first, last = {}, {}, 1, 0
-local slice = 16
 local matched = 0
-local previous = nil
+local previous, previous_m = nil, nil
 local i = 0
 while true do
   i = i + 1
@@ -415,21 +416,21 @@ while true do
     first = i
     for hash in next_hash do
       keys[#keys + 1] = prefix .. hash
-      if #keys >= first + slice - 1 then break end
+      if #keys >= first + SLICE - 1 then break end
     end
     last = #keys
     if last < first then
       break  -- the chain is exhausted
     end
     values = mget(keys, first, last)
-    slice = slice * 2
   end
   local value = values[i - first + 1]
   if not value then
     break
   end
-  local m = holders(value)
+  local m = previous_m
   if value ~= previous then
+    m = holders(value)
     -- An equal value cannot change the running set (it is already a subset of it).
     local bytes, still, any = m[1], {}, false
     for b = 1, width do
@@ -447,7 +448,7 @@ while true do
       end
     end
     run = still
-    previous = value
+    previous, previous_m = value, m
   end
   if m[2] then
     -- A hit keeps the block alive: dead bits are dropped first (slot reuse relies on it).
