@@ -68,8 +68,17 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
 class ReplicaRegistry:
     """Replica states, their breakers, and the adapters each replica reports."""
 
-    def __init__(self, failure_threshold: int = 3, cooldown_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        failure_threshold: int = 3,
+        cooldown_s: float = 10.0,
+        unhealthy_after_polls: int = 2,
+    ) -> None:
         self._states: dict[ReplicaId, ReplicaState] = {}
+        #: Consecutive failed /health polls per replica; ``unhealthy_after_polls`` in a row
+        #: mark it unhealthy.
+        self._failed_polls: dict[ReplicaId, int] = {}
+        self.unhealthy_after_polls = max(1, unhealthy_after_polls)
         self._breakers: dict[ReplicaId, CircuitBreaker] = {}
         self._static: set[ReplicaId] = set()
         self._discovered: set[ReplicaId] = set()
@@ -151,6 +160,7 @@ class ReplicaRegistry:
         self._states.pop(replica, None)
         self._breakers.pop(replica, None)
         self._adapters_read_at.pop(replica, None)
+        self._failed_polls.pop(replica, None)
 
     # ------------------------------------------------------------------ reading
 
@@ -210,33 +220,46 @@ class ReplicaRegistry:
         self, session: aiohttp.ClientSession, state: ReplicaState, timeout_s: float
     ) -> None:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # Health comes from /health alone: a slow /metrics or /v1/models scrape on a busy engine
+        # says nothing about whether it can serve, and must not take it out of routing.
         try:
             async with session.get(f"{state.url}/health", timeout=timeout) as resp:
-                healthy = resp.status == 200
-            models_body: dict[str, Any] | None = None
-            models_read_at = 0.0
-            if healthy:
+                answered_ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.debug("health poll of %s failed: %s", state.replica_id, exc)
+            answered_ok = False
+        if answered_ok:
+            self._failed_polls[state.replica_id] = 0
+        else:
+            self._failed_polls[state.replica_id] = self._failed_polls.get(state.replica_id, 0) + 1
+        # One missed poll (a CPU stall, a GC pause) is not an outage: it takes
+        # ``unhealthy_after_polls`` in a row. Request-path failures open the circuit breaker
+        # between polls, so a truly dead replica stops receiving traffic sooner than this.
+        healthy = answered_ok or (
+            state.healthy and self._failed_polls[state.replica_id] < self.unhealthy_after_polls
+        )
+        models_body: dict[str, Any] | None = None
+        models_read_at = 0.0
+        gauges: dict[str, float] = {}
+        max_loras: int | None = None
+        if answered_ok:
+            try:
                 async with session.get(f"{state.url}/v1/models", timeout=timeout) as resp:
                     if resp.status == 200:
                         models_read_at = time.time()
                         models_body = await resp.json()
-            gauges: dict[str, float] = {}
-            max_loras: int | None = None
-            if healthy:
                 async with session.get(f"{state.url}/metrics", timeout=timeout) as resp:
                     if resp.status == 200:
                         text = await resp.text()
                         gauges = parse_vllm_metrics(text)
                         max_loras = parse_max_loras(text)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.debug("health poll of %s failed: %s", state.replica_id, exc)
-            healthy = False
-            models_body, gauges, max_loras = None, {}, None
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                log.debug("metrics/models read of %s failed: %s", state.replica_id, exc)
         current = self._states.get(state.replica_id)
         if current is None:  # removed while polling
             return
         updates: dict[str, Any] = {"healthy": healthy}
-        if healthy:
+        if answered_ok:
             self._breakers[state.replica_id].success()
             # Only an answered /v1/models says which adapters are loaded: a failed read keeps
             # the last list (and its read time) instead of claiming, freshly, that there are none.

@@ -20,7 +20,7 @@ async def health_loop(gw: GatewayState) -> None:
         if gw.fleet_store is not None:
             await merge_fleet_store(gw)
         try:
-            await gw.registry.poll_once(gw.http(), timeout_s=max(0.5, gw.config.health_interval_s))
+            await gw.registry.poll_once(gw.http(), timeout_s=max(2.0, gw.config.health_interval_s))
         except Exception:  # one bad poll must not end the loop
             log.exception("replica health poll failed")
         await asyncio.sleep(gw.config.health_interval_s)

@@ -1,0 +1,55 @@
+"""Replica health polling: a missed poll is not an outage; consecutive misses are."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway.policy_view import ReplicaSpec
+from gateway.replicas import ReplicaRegistry
+from routing.types import ReplicaId
+
+
+async def test_one_missed_health_poll_does_not_mark_a_replica_unhealthy() -> None:
+    answers = iter([200, 500, 200, 500, 500, 200])
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=next(answers))
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        registry = ReplicaRegistry(unhealthy_after_polls=2)
+        url = str(server.make_url("")).rstrip("/")
+        registry.set_static(
+            [ReplicaSpec(replica_id="r0", url=url, models=frozenset({"m"}))]
+        )
+        seen = []
+        for _ in range(6):
+            await registry.poll_once(session, timeout_s=2.0)
+            state = registry.get(ReplicaId("r0"))
+            assert state is not None
+            seen.append(state.healthy)
+    # 500 once: still healthy; 500 twice in a row: unhealthy; one good answer: healthy again.
+    assert seen == [True, True, True, True, False, True]
+
+
+async def test_a_slow_metrics_scrape_does_not_mark_a_replica_unhealthy() -> None:
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def broken(_: web.Request) -> web.Response:
+        raise web.HTTPInternalServerError()
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", broken)
+    app.router.add_get("/v1/models", broken)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        registry = ReplicaRegistry(unhealthy_after_polls=1)
+        url = str(server.make_url("")).rstrip("/")
+        registry.set_static([ReplicaSpec(replica_id="r0", url=url, models=frozenset({"m"}))])
+        await registry.poll_once(session, timeout_s=2.0)
+        state = registry.get(ReplicaId("r0"))
+        assert state is not None and state.healthy
