@@ -179,6 +179,12 @@ class _Simulation:
             seed=self._seed_rng.getrandbits(63),
         )
         views = [r.routing_view(self.now) for r in self.replicas]
+        if record.adapter is not None:
+            # What the gateway's adapter registry supplies live: each replica's cold-load cost.
+            routing_request.adapter_cold_load_ms = {
+                r.replica_id: 1000.0 * r.engine.adapter_cold_load_s(record.adapter)
+                for r in self.replicas
+            }
         decision = await self.router.route(routing_request, views, self.policy)
         if decision.degraded:
             self.degraded += 1

@@ -668,3 +668,18 @@ class EngineModel:
     def adapters(self) -> list[str]:
         """Names of known adapters, in load order."""
         return self._lora.catalog()
+
+    def adapter_cold_load_s(self, name: str) -> float:
+        """Seconds a request for ``name`` would wait for its adapter before it could run.
+
+        0 when the adapter sits in a GPU slot, the host-to-device copy when it is in the host
+        cache, storage read plus copy otherwise: what a router should charge for sending an
+        adapter request here (the gateway's adapter registry estimates the same from outside).
+        """
+        if not self._lora.enabled or name in self._lora.on_gpu():
+            return 0.0
+        if not self._lora.known(name):
+            return 0.0  # unknown here: submit() refuses it, so no load cost applies
+        if name in self._lora.in_host():
+            return self._lora.h2d_load_s(name)
+        return self._lora.storage_load_s(name) + self._lora.h2d_load_s(name)

@@ -214,6 +214,8 @@ def test_adapter_miss_costs_its_load_time(setup: str, expected_extra_s: float) -
     elif setup == "in_host_only":
         engine.load_adapter("x")
         engine.load_adapter("other")  # takes the only slot; x stays in host memory
+    # The estimate a router is given equals the wait the engine then models.
+    assert engine.adapter_cold_load_s("x") == pytest.approx(expected_extra_s)
     base = EngineModel(EngineConfig.from_profile("tiny"))
     base.submit(SimRequest("r", list(range(64)), 1))
     engine.submit(SimRequest("r", list(range(64)), 1, adapter="x"))
