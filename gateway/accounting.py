@@ -151,10 +151,16 @@ def _prediction(
     if outcome.replica is None or cached is None or not prompt_tokens:
         return
     explanation = routed.decision.explanations.get(outcome.replica)
+    # Tokens; in text mode estimated (a block of block_size * CHARS_PER_TOKEN characters counts
+    # block_size tokens), so rescale to the engine's count of this prompt.
     matched_units = (explanation.matched_blocks if explanation else 0) * routed.block_size
-    # In text mode blocks count characters: scale to the engine's tokens.
-    scale = prompt_tokens / routed.prompt.length if routed.prompt.token_ids is None else 1.0
-    predicted = round(min(matched_units, routed.prompt.length) * scale)
+    estimated = routed.routing_request.prompt_tokens
+    scale = prompt_tokens / estimated if routed.prompt.token_ids is None and estimated else 1.0
+    predicted = round(min(matched_units, estimated) * scale)
+    if routed.prompt.token_ids is not None:
+        # vLLM computes a prompt's last token even when every block is cached (it needs its
+        # logits), so a fully matched block-aligned prompt reports one block less.
+        predicted = min(predicted, (prompt_tokens - 1) // routed.block_size * routed.block_size)
     block_tokens = max(1, round(routed.block_size * scale))
     result = prediction_outcome(predicted, cached, block_tokens)
     route = routed.route.name
@@ -162,9 +168,11 @@ def _prediction(
     gw.metrics.cache_prediction.labels(route, result).inc()
     routed.log_entry["predicted_cached_tokens"] = predicted
     routed.log_entry["prediction"] = result
-    if result != "exact":
+    if result != "exact" and outcome.replica != routed.decision.replica:
         # The index was wrong about this replica; the engine now holds the whole prompt, so
-        # refresh the entry (with the speculative TTL) rather than trust the stale one.
+        # refresh the entry (with the speculative TTL) rather than trust the stale one. The
+        # chosen replica needs no refresh: the speculative insert wrote this very chain for it
+        # (same TTL) moments ago, so only a fallback that served the request is written.
         task = asyncio.get_running_loop().create_task(_refresh(gw, outcome.replica, routed))
         gw.background.add(task)
         task.add_done_callback(gw.background.discard)

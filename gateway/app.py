@@ -115,7 +115,7 @@ def create_app(
         metrics=GatewayMetrics(),
         inflight=inflight,
         tracer=build_tracer(config.otlp_endpoint),
-        layout=LayoutDiagnostics(),
+        layout=LayoutDiagnostics(sample_every=4),
         window=RouteWindow(config.window_s),
         decisions=deque(maxlen=config.decision_log_size),
         max_retries=config.max_retries,

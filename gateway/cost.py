@@ -53,24 +53,23 @@ class ReplicaTimeMeter:
         return self._advance(replica).charged.pop(key, 0.0)
 
 
-@dataclass
-class _Sample:
-    at: float
-    route: str
-    pool: str
-    replica_seconds: float
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
+#: Per (route, pool): [replica_seconds, prompt_tokens, cached_tokens, completion_tokens].
+_Totals = dict[tuple[str, str], list[float]]
 
 
 class RouteWindow:
-    """Completed requests over the last ``window_s`` seconds, per route: hit rate and cost."""
+    """Completed requests over the last ``window_s`` seconds, per route: hit rate and cost.
+
+    Requests are summed into one-second buckets per (route, pool), so memory is bounded by
+    ``window_s`` x routes x pools whatever the request rate (a request leaves the window with
+    its whole second).
+    """
 
     def __init__(self, window_s: float = 300.0, clock: Callable[[], float] = time.monotonic):
         self.window_s = window_s
         self._clock = clock
-        self._samples: deque[_Sample] = deque()
+        #: (second, totals of the requests completed in it), oldest first.
+        self._buckets: deque[tuple[int, _Totals]] = deque()
         self._started = clock()
 
     def add(
@@ -83,48 +82,58 @@ class RouteWindow:
         completion_tokens: int,
     ) -> None:
         """Record one completed request."""
-        self._samples.append(
-            _Sample(
-                self._clock(),
-                route,
-                pool,
+        second = int(self._clock() // 1)
+        buckets = self._buckets
+        if not buckets or buckets[-1][0] != second:
+            buckets.append((second, {}))
+            self._trim()
+        totals = buckets[-1][1]
+        row = totals.get((route, pool))
+        if row is None:
+            totals[(route, pool)] = [
                 replica_seconds,
                 prompt_tokens,
                 cached_tokens,
                 completion_tokens,
-            )
-        )
-        self._trim()
+            ]
+        else:
+            row[0] += replica_seconds
+            row[1] += prompt_tokens
+            row[2] += cached_tokens
+            row[3] += completion_tokens
 
     def _trim(self) -> None:
         horizon = self._clock() - self.window_s
-        while self._samples and self._samples[0].at < horizon:
-            self._samples.popleft()
+        while self._buckets and self._buckets[0][0] + 1 <= horizon:
+            self._buckets.popleft()
+
+    def _rows(self) -> list[tuple[str, str, list[float]]]:
+        self._trim()
+        return [(route, pool, row) for _s, t in self._buckets for (route, pool), row in t.items()]
 
     def hit_rates(self) -> dict[str, float]:
         """Route -> cached / prompt tokens in the window (routes with prompt tokens only)."""
-        self._trim()
-        prompt: dict[str, int] = defaultdict(int)
-        cached: dict[str, int] = defaultdict(int)
-        for s in self._samples:
-            prompt[s.route] += s.prompt_tokens
-            cached[s.route] += s.cached_tokens
+        prompt: dict[str, float] = defaultdict(float)
+        cached: dict[str, float] = defaultdict(float)
+        for route, _pool, row in self._rows():
+            prompt[route] += row[1]
+            cached[route] += row[2]
         return {r: cached[r] / p for r, p in prompt.items() if p > 0}
 
     def cost_per_1m(
         self, pool_usd_per_hour: Mapping[str, float], pool_replicas: Mapping[str, int]
     ) -> dict[str, float]:
         """Route -> USD per 1M tokens in the window (see the module docstring for the formula)."""
-        self._trim()
+        rows = self._rows()
         # The window is shorter than window_s until the gateway has run that long.
         window = min(self.window_s, max(1e-9, self._clock() - self._started))
         busy_by_pool: dict[str, float] = defaultdict(float)
         busy: dict[tuple[str, str], float] = defaultdict(float)
-        tokens: dict[str, int] = defaultdict(int)
-        for s in self._samples:
-            busy_by_pool[s.pool] += s.replica_seconds
-            busy[(s.route, s.pool)] += s.replica_seconds
-            tokens[s.route] += s.prompt_tokens + s.completion_tokens
+        tokens: dict[str, float] = defaultdict(float)
+        for route, pool, row in rows:
+            busy_by_pool[pool] += row[0]
+            busy[(route, pool)] += row[0]
+            tokens[route] += row[1] + row[3]
         usd: dict[str, float] = defaultdict(float)
         for (route, pool), seconds in busy.items():
             price = pool_usd_per_hour.get(pool)

@@ -6,74 +6,121 @@ prompt defeats it: the shared blocks repeat *by content* across requests, yet th
 never match. The detector keeps two bounded sketches per route — chained hashes (what the cache
 can reuse) and un-chained per-block content hashes (what repeats at all) — and flags a route when
 a large share of blocks repeat by content *after* the chained prefix has already missed.
+
+Content blocks have the chain's geometry: ``block_size`` tokens, or in text mode ``block_size *
+CHARS_PER_TOKEN`` characters, so the i-th content hash covers exactly the i-th chain block.
+
+It runs on the request path, so it is kept cheap: a few C-level set operations per request
+(O(blocks)), running totals over the recent observations, and the full report (with its median)
+computed only when asked for (``/metrics``, ``/admin/layout``). Past a route's first
+``full_requests`` requests only one in ``sample_every`` is observed: the report is about the
+recent few hundred observations anyway, and a layout shared by a meaningful share of the traffic
+still repeats across the sampled requests.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
 from routing.contracts import TokenizedPrompt
+from routing.hashing import CHARS_PER_TOKEN
 from routing.types import BlockHash
 
 log = logging.getLogger(__name__)
 
+_ADVICE = (
+    "Move per-request content (timestamps, ids, user data) after the shared part of the "
+    "prompt so the shared blocks form a common prefix."
+)
+
 
 class BoundedSet:
-    """A set that forgets its oldest members beyond ``capacity`` (a cheap recency sketch)."""
+    """A set that forgets its least recently added members beyond ``capacity``.
+
+    Two generations of plain sets: members go into the young one; when it holds half the
+    capacity it becomes the old one and the previous old one is dropped. A member seen again is
+    re-added to the young generation, so what keeps repeating stays. Memory stays under
+    ``capacity`` members, and every operation is C-level set work.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[int, None] = OrderedDict()
+        self._half = max(1, capacity // 2)
+        self._young: set[int] = set()
+        self._old: set[int] = set()
 
     def __contains__(self, item: int) -> bool:
-        return item in self._items
+        return item in self._young or item in self._old
 
     def add(self, item: int) -> None:
-        self._items[item] = None
-        self._items.move_to_end(item)
-        if len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        self.update((item,))
+
+    def update(self, items: Iterable[int]) -> None:
+        """Add every member of ``items``."""
+        self._young.update(items)
+        if len(self._young) >= self._half:
+            self._old = self._young
+            self._young = set()
+
+    def count_known(self, items: Sequence[int]) -> int:
+        """How many of ``items`` (duplicates counted) are members."""
+        young, old = self._young, self._old
+        return sum(1 for h in items if h in young or h in old)
+
+    def prefix_known(self, items: Sequence[int]) -> int:
+        """Length of the longest prefix of ``items`` whose members are all known."""
+        young, old = self._young, self._old
+        n = 0
+        for h in items:
+            if h not in young and h not in old:
+                break
+            n += 1
+        return n
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._young | self._old)
 
 
 def block_content_hashes(prompt: TokenizedPrompt, block_size: int) -> list[int]:
-    """Un-chained hash of each full block's content alone (no parent, no seed)."""
+    """Un-chained hash of each full block's content alone (no parent, no seed).
+
+    Blocks are cut as the chain cuts them (``routing.hashing.prompt_chain``): ``block_size``
+    tokens, or ``block_size * CHARS_PER_TOKEN`` characters in text mode.
+    """
     if prompt.token_ids is not None:
         data = np.asarray(prompt.token_ids, dtype="<u4").tobytes()
+        step = block_size * 4  # 4 bytes per token id
     else:
         data = (prompt.text or "").encode("utf-32-le", "surrogatepass")
-    step = block_size * 4
+        step = block_size * CHARS_PER_TOKEN * 4  # 4 bytes per character
     view = memoryview(data)
-    return [
-        xxhash.xxh3_64_intdigest(view[i : i + step]) for i in range(0, len(data) - step + 1, step)
-    ]
-
-
-@dataclass
-class _Observation:
-    blocks: int
-    prefix_repeat_blocks: int
-    #: Blocks after the first chained miss whose content was seen before.
-    content_repeat_after_miss: int
-    first_miss: int
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(view[i : i + step]) for i in range(0, len(data) - step + 1, step)]
 
 
 @dataclass
 class RouteLayout:
-    """Sketches and recent observations of one route."""
+    """Sketches, recent observations and their running totals for one route.
+
+    ``recent`` holds ``(blocks, prefix_repeat_blocks, content_repeat_after_miss, first_miss)``
+    per observed request.
+    """
 
     chained: BoundedSet
     content: BoundedSet
-    recent: deque[_Observation]
+    recent: deque[tuple[int, int, int, int]]
+    #: Requests seen on the route (observed or skipped by sampling).
+    seen: int = 0
+    blocks: int = 0
+    prefix_repeat: int = 0
+    after_miss: int = 0
     warned: bool = False
     detected: bool = False
 
@@ -97,11 +144,15 @@ class LayoutDiagnostics:
 
     def __init__(
         self,
-        sketch_capacity: int = 65_536,
+        sketch_capacity: int = 32_768,
         recent_requests: int = 500,
         min_requests: int = 20,
         busting_threshold: float = 0.3,
+        sample_every: int = 1,
+        full_requests: int = 1_000,
     ) -> None:
+        self.sample_every = max(1, sample_every)
+        self.full_requests = full_requests
         self.sketch_capacity = sketch_capacity
         self.recent_requests = recent_requests
         self.min_requests = min_requests
@@ -120,20 +171,29 @@ class LayoutDiagnostics:
                 deque(maxlen=self.recent_requests),
             )
             self._routes[route] = state
+        state.seen += 1
+        if state.seen > self.full_requests and state.seen % self.sample_every:
+            return
         contents = block_content_hashes(prompt, block_size)
-        prefix = 0
-        while prefix < len(chain) and chain[prefix] in state.chained:
-            prefix += 1
-        after_miss = sum(1 for h in contents[prefix:] if h in state.content)
-        state.recent.append(_Observation(len(chain), prefix, after_miss, prefix))
-        for h in chain:
-            state.chained.add(h)
-        for h in contents:
-            state.content.add(h)
-        report = self._report(route, state)
-        state.detected = report.cache_busting_layout
+        prefix = state.chained.prefix_known(chain)
+        after_miss = state.content.count_known(contents[prefix:])
+        recent = state.recent
+        if len(recent) == recent.maxlen:
+            old_blocks, old_prefix, old_after, _ = recent[0]
+            state.blocks -= old_blocks
+            state.prefix_repeat -= old_prefix
+            state.after_miss -= old_after
+        recent.append((len(chain), prefix, after_miss, prefix))
+        state.blocks += len(chain)
+        state.prefix_repeat += prefix
+        state.after_miss += after_miss
+        # Blocks of the chained prefix are known already; only the rest is news to the sketch.
+        state.chained.update(chain[prefix:])
+        state.content.update(contents)
+        state.detected = self._busting(state)
         if state.detected and not state.warned:
             state.warned = True
+            report = self._report(route, state)
             log.warning(
                 "route %s: cache-busting prompt layout: %.0f%% of prompt blocks repeat by content "
                 "after the shared prefix already diverged (median divergence at block %s). %s",
@@ -143,23 +203,20 @@ class LayoutDiagnostics:
                 report.advice,
             )
 
+    def _busting(self, state: RouteLayout) -> bool:
+        if len(state.recent) < self.min_requests or not state.blocks:
+            return False
+        after = state.after_miss / state.blocks
+        return after >= self.busting_threshold and state.after_miss > state.prefix_repeat
+
     def _report(self, route: str, state: RouteLayout) -> LayoutReport:
-        blocks = sum(o.blocks for o in state.recent)
-        repeat = sum(o.prefix_repeat_blocks for o in state.recent) / blocks if blocks else 0.0
-        after = sum(o.content_repeat_after_miss for o in state.recent) / blocks if blocks else 0.0
-        busting = (
-            len(state.recent) >= self.min_requests
-            and after >= self.busting_threshold
-            and after > repeat
-        )
-        misses = [o.first_miss for o in state.recent if o.content_repeat_after_miss]
+        blocks = state.blocks
+        repeat = state.prefix_repeat / blocks if blocks else 0.0
+        after = state.after_miss / blocks if blocks else 0.0
+        busting = self._busting(state)
+        misses = [first_miss for _b, _p, a, first_miss in state.recent if a]
         median = float(statistics.median(misses)) if misses else None
-        advice = (
-            "Move per-request content (timestamps, ids, user data) after the shared part of the "
-            "prompt so the shared blocks form a common prefix."
-            if busting
-            else None
-        )
+        advice = _ADVICE if busting else None
         return LayoutReport(route, len(state.recent), repeat, after, busting, median, advice)
 
     def reports(self) -> list[LayoutReport]:

@@ -7,7 +7,10 @@ base models the replicas serve, status codes, stable error codes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 # TTFT spans sub-10 ms cache hits to multi-second cold prefills.
 _LATENCY_BUCKETS = (
@@ -29,6 +32,32 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 # Routing decisions should take well under a millisecond; resolve that range finely.
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class CachedLabels:
+    """A labelled metric whose children are looked up once per label values, then reused.
+
+    ``prometheus_client``'s ``labels()`` validates, locks and builds a key on every call; the
+    request path calls it about ten times per request. Label values are server-controlled, so the
+    cache stays as small as the metric's own set of children. Anything else goes to the metric.
+    """
+
+    __slots__ = ("_children", "metric")
+
+    def __init__(self, metric: MetricWrapperBase) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str, **by_name: str) -> Any:
+        if by_name:
+            return self.metric.labels(*values, **by_name)
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.metric, name)
 
 
 class GatewayMetrics:
@@ -200,3 +229,6 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        for name, metric in list(vars(self).items()):
+            if isinstance(metric, MetricWrapperBase) and metric._labelnames:
+                setattr(self, name, CachedLabels(metric))

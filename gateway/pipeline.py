@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from gateway import adapters, errors, proxy
@@ -25,11 +27,11 @@ from gateway.auth import authenticate
 from gateway.errors import GatewayError, model_not_found
 from gateway.policy_view import Route, Tenant
 from gateway.proxy import UpstreamOutcome
-from gateway.request_body import read_json, request_id_of, validate
+from gateway.request_body import read_body, request_id_of, validate
 from gateway.state import GATEWAY, GatewayState
-from gateway.tracing import record_stage_spans
+from gateway.tracing import NullTracer, record_stage_spans
 from routing.contracts import NoReplicaAvailable, RoutingDecision, RoutingRequest, TokenizedPrompt
-from routing.hashing import chain_seed, prompt_chain
+from routing.hashing import CHARS_PER_TOKEN, chain_seed, prompt_chain
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -110,6 +112,18 @@ async def _tokenize_or_degrade(
         return await text.tokenize_completion(model, prompt if isinstance(prompt, str) else "")
 
 
+def prompt_units(prompt: TokenizedPrompt) -> int:
+    """The prompt's length in tokens: exact with token ids, estimated in text mode.
+
+    A text block is ``block_size * CHARS_PER_TOKEN`` characters and stands for ``block_size``
+    tokens (``routing.hashing.prompt_chain``), so the estimate is characters / CHARS_PER_TOKEN
+    (rounded up): ``matched_blocks * block_size`` and this length are then in the same units.
+    """
+    if prompt.token_ids is not None:
+        return len(prompt.token_ids)
+    return -(-len(prompt.text or "") // CHARS_PER_TOKEN)
+
+
 def block_size_for(gw: GatewayState, model: str) -> int:
     """Hashing granularity: the policy's, else a serving replica's, else the configured default."""
     if model in gw.policy.block_sizes:
@@ -167,13 +181,14 @@ async def route_request(
         ) from None
     gw.layout.observe(route.name, prompt, chain, block_size)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    prompt_tokens = prompt_units(prompt)
     routing_request = RoutingRequest(
         request_id=request_id,
         model=base_model,
         adapter=adapter,
         tenant=tenant.name,
         route=route.name,
-        prompt_tokens=prompt.length,
+        prompt_tokens=prompt_tokens,
         chain=chain,
         block_size=block_size,
         max_output_tokens=max_tokens if isinstance(max_tokens, int) else None,
@@ -191,18 +206,21 @@ async def route_request(
             ) from None
         span.set_attribute("fleetgate.replica", decision.replica)
         span.set_attribute("fleetgate.degraded", decision.degraded)
-        timings = decision.timings_ms
-        plugin_ms = sum(
-            ms for key, ms in timings.items() if key.startswith(("filter:", "scorer:", "picker:"))
-        )
-        stages = {"index": timings["index"]} if "index" in timings else {}
-        stages["scoring"] = plugin_ms
-        record_stage_spans(
-            gw.tracer,
-            decide_start_ns,
-            stages,
-            {"index": "fleetgate.index_lookup", "scoring": "fleetgate.scoring"},
-        )
+        if not isinstance(gw.tracer, NullTracer):
+            timings = decision.timings_ms
+            plugin_ms = sum(
+                ms
+                for key, ms in timings.items()
+                if key.startswith(("filter:", "scorer:", "picker:"))
+            )
+            stages = {"index": timings["index"]} if "index" in timings else {}
+            stages["scoring"] = plugin_ms
+            record_stage_spans(
+                gw.tracer,
+                decide_start_ns,
+                stages,
+                {"index": "fleetgate.index_lookup", "scoring": "fleetgate.scoring"},
+            )
     _decision_metrics(gw, route.name, decision)
     await _speculative_insert(gw, decision.replica, chain)
     entry = {
@@ -212,7 +230,7 @@ async def route_request(
         "tenant": tenant.name,
         "model": base_model,
         "adapter": adapter,
-        "prompt_tokens": prompt.length,
+        "prompt_tokens": prompt_tokens,
         "blocks": len(chain),
         "replica": decision.replica,
         "fallbacks": list(decision.fallbacks),
@@ -248,18 +266,24 @@ def _decision_metrics(gw: GatewayState, route: str, decision: RoutingDecision) -
         m.index_errors.labels(gw.index_backend).inc()
 
 
-async def _speculative_insert(gw: GatewayState, replica: ReplicaId, chain: Sequence[Any]) -> None:
-    """Tell the index ``replica`` is about to hold the prompt's blocks (expire unless confirmed)."""
+async def _speculative_insert(gw: GatewayState, replica: ReplicaId, chain: list[Any]) -> None:
+    """Tell the index ``replica`` is about to hold the prompt's blocks (expire unless confirmed).
+
+    The only index write of a request served by the chosen replica: accounting refreshes the
+    entry only when a fallback served it (``accounting._prediction``).
+    """
     if not chain:
         return
     state = gw.registry.get(replica)
     if state is None:
         return
     try:
-        async with asyncio.timeout(0.05):
-            await gw.index.record(
-                replica, state.epoch, list(chain), ttl_s=gw.config.speculative_ttl_s
-            )
+        record = gw.index.record(replica, state.epoch, chain, ttl_s=gw.config.speculative_ttl_s)
+        if type(gw.index).__module__ == "routing.index.memory":
+            await record  # in-process and never waits: no timer to arm
+        else:
+            async with asyncio.timeout(0.05):
+                await record
     except Exception as exc:  # index down or slow: routing still works, just less informed
         gw.metrics.index_errors.labels(gw.index_backend).inc()
         log.debug("speculative index insert failed: %s", exc)
@@ -286,6 +310,47 @@ def upstream_body(body: Mapping[str, Any], tenant: Tenant) -> tuple[dict[str, An
     return out, hide_usage
 
 
+_msgspec_encode = msgspec.json.encode
+
+
+def _encode(value: Any) -> bytes:
+    """JSON bytes, fast (msgspec); the standard library for what msgspec refuses."""
+    try:
+        return _msgspec_encode(value)
+    except (TypeError, ValueError, OverflowError):
+        return json.dumps(value).encode()
+
+
+def upstream_payload(body: Mapping[str, Any], raw: bytes, tenant: Tenant) -> tuple[bytes, bool]:
+    """``upstream_body`` as bytes, reusing the client's ``raw`` bytes where possible.
+
+    Nothing to change: ``raw`` itself. Fields to add that the client did not send: spliced in
+    before the closing brace. Anything else (a client ``cache_salt`` to replace or drop,
+    ``stream_options`` to amend): the changed body, re-encoded.
+    """
+    salt = tenant.cache_salt or None
+    streaming = bool(body.get("stream"))
+    options = body.get("stream_options") if streaming else None
+    has_usage = bool(options and options.get("include_usage"))
+    hide_usage = streaming and not has_usage
+    head = raw.rstrip()
+    if (
+        "cache_salt" not in body
+        and (options is None or has_usage)
+        and body
+        and head.startswith(b"{")
+        and head.endswith(b"}")
+    ):
+        extra = b""
+        if salt is not None:
+            extra += b',"cache_salt":' + _encode(salt)
+        if hide_usage:
+            extra += b',"stream_options":{"include_usage":true}'
+        return (head[:-1] + extra + b"}" if extra else raw), hide_usage
+    out, hide_usage = upstream_body(body, tenant)
+    return _encode(out), hide_usage
+
+
 async def handle_completion(
     request: web.Request, kind: str, upstream_path: str
 ) -> web.StreamResponse:
@@ -303,12 +368,14 @@ async def handle_completion(
             if gw.draining:
                 raise GatewayError(503, errors.SHUTTING_DOWN, "The gateway is shutting down.")
             tenant = admit(gw, request)
-            body = await read_json(request, gw.config.max_body_bytes)
+            body, raw = await read_body(request, gw.config.max_body_bytes)
             validate(body, kind)
             routed = await route_request(gw, request, tenant, kind, body, request_id, labels)
             span.set_attribute("fleetgate.route", routed.route.name)
             forwarded = True  # from here on, accounting records the request
-            return await _forward(gw, request, routed, body, upstream_path, request_id, arrived)
+            return await _forward(
+                gw, request, routed, body, raw, upstream_path, request_id, arrived
+            )
     except GatewayError as err:
         gw.metrics.errors.labels(labels["route"], err.code).inc()
         if not forwarded:
@@ -324,6 +391,7 @@ async def _forward(
     request: web.Request,
     routed: Routed,
     body: Mapping[str, Any],
+    raw: bytes,
     upstream_path: str,
     request_id: str,
     arrived: float,
@@ -333,9 +401,11 @@ async def _forward(
     decision = routed.decision
     matched = decision.explanations.get(decision.replica)
     matched_blocks = matched.matched_blocks if matched else 0
-    uncached = max(0, routed.prompt.length - matched_blocks * routed.block_size)
+    # Tokens (estimated in text mode): the units of matched_blocks * block_size.
+    uncached = max(0, routed.routing_request.prompt_tokens - matched_blocks * routed.block_size)
     outcome = UpstreamOutcome()
-    out_body, hide_usage = upstream_body(body, routed.tenant)
+    payload, hide_usage = upstream_payload(body, raw, routed.tenant)
+    stream = bool(body.get("stream"))
 
     hooks = _Attempts(gw, routed, uncached, arrived)
     candidates = [decision.replica, *decision.fallbacks]
@@ -345,7 +415,8 @@ async def _forward(
                 gw,
                 request,
                 upstream_path,
-                out_body,
+                payload,
+                stream,
                 candidates,
                 request_id,
                 routed.route.name,
@@ -361,8 +432,12 @@ async def _forward(
             raise
         finally:
             span.set_attribute("fleetgate.status", outcome.status)
-            account(gw, routed, outcome, arrived, hooks.replica_seconds, bool(body.get("stream")))
+            account(gw, routed, outcome, arrived, hooks.replica_seconds, stream)
     return response
+
+
+#: ``_Attempts.prepare`` for a request without an adapter (reusable: it holds no state).
+_NOTHING_TO_HOLD = contextlib.nullcontext()
 
 
 class _Attempts:
@@ -379,13 +454,18 @@ class _Attempts:
         self._unprefilled: dict[ReplicaId, int] = {}
         self.attempts = 0
 
-    @contextlib.asynccontextmanager
-    async def prepare(self, replica: ReplicaState, last_resort: bool) -> AsyncIterator[None]:
+    def prepare(
+        self, replica: ReplicaState, last_resort: bool
+    ) -> contextlib.AbstractAsyncContextManager[object]:
         """Hold the request's adapter loaded on ``replica`` for this attempt (if it has one)."""
+        if self.routed.adapter is None or self.gw.adapters is None:
+            return _NOTHING_TO_HOLD
+        return self._hold_adapter(replica, last_resort)
+
+    @contextlib.asynccontextmanager
+    async def _hold_adapter(self, replica: ReplicaState, last_resort: bool) -> AsyncIterator[None]:
         adapter = self.routed.adapter
-        if adapter is None or self.gw.adapters is None:
-            yield
-            return
+        assert adapter is not None
         async with adapters.hold_adapter(self.gw, replica, adapter, last_resort) as load:
             self.routed.log_entry["adapter_load"] = {
                 "replica": replica.replica_id,

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from gateway import errors
 from gateway.errors import GatewayError
@@ -102,6 +103,19 @@ class UpstreamOutcome:
     finished_at: float | None = None
     client_gone: bool = False
     attempts: int = 0
+
+
+_URLS: dict[tuple[str, str], URL] = {}
+
+
+def _upstream_url(base: str, path: str) -> URL:
+    """``base + path`` parsed once (aiohttp would parse the string again on every request)."""
+    url = _URLS.get((base, path))
+    if url is None:
+        if len(_URLS) > 4096:  # replicas come and go: never let the cache grow without bound
+            _URLS.clear()
+        url = _URLS[(base, path)] = URL(f"{base}{path}")
+    return url
 
 
 def _usage(payload: Any) -> Mapping[str, Any] | None:
@@ -234,7 +248,8 @@ async def send(
     gw: GatewayState,
     request: web.Request,
     path: str,
-    body: Mapping[str, Any],
+    payload: bytes,
+    stream: bool,
     candidates: list[ReplicaId],
     request_id: str,
     route: str,
@@ -244,6 +259,7 @@ async def send(
 ) -> web.StreamResponse:
     """Send to the first reachable candidate and relay its answer; raise 503/504 otherwise.
 
+    ``payload`` is the JSON body to send as is; ``stream``: the client asked for a stream.
     ``hooks`` keep in-flight counts and replica-time accounting for exactly the replica that is
     being tried.
     """
@@ -251,7 +267,6 @@ async def send(
     timeout = aiohttp.ClientTimeout(
         total=gw.config.upstream_timeout_s, sock_connect=gw.config.connect_timeout_s
     )
-    payload = json.dumps(body).encode()
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     max_attempts = 1 + gw.max_retries
     tried = 0
@@ -287,7 +302,7 @@ async def send(
             hooks.started(replica_id)
             try:
                 async with session.post(
-                    f"{replica.url}{path}", data=payload, headers=headers, timeout=timeout
+                    _upstream_url(replica.url, path), data=payload, headers=headers, timeout=timeout
                 ) as resp:
                     breaker.success()
                     outcome.status = resp.status
@@ -303,7 +318,7 @@ async def send(
                         tried -= 1  # the retry replaces this attempt
                         gw.metrics.upstream_retries.labels(route, "adapter_missing").inc()
                         continue
-                    if resp.status == 200 and body.get("stream"):
+                    if resp.status == 200 and stream:
                         result = await _relay_stream(
                             request, resp, outcome, request_id, hide_usage_chunk, hooks
                         )

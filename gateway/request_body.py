@@ -26,21 +26,40 @@ def request_id_of(request: web.Request) -> str:
 
 async def read_json(request: web.Request, max_bytes: int) -> dict[str, Any]:
     """The JSON object body; 413 past ``max_bytes`` (checked before and while reading), 400 else."""
-    too_large = GatewayError(
-        413, errors.BODY_TOO_LARGE, f"Request body exceeds the limit of {max_bytes} bytes."
-    )
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise too_large
+    body, _raw = await read_body(request, max_bytes)
+    return body
+
+
+async def read_body(request: web.Request, max_bytes: int) -> tuple[dict[str, Any], bytes]:
+    """The JSON object body and the bytes it was parsed from (see ``read_json``)."""
+    length = request.content_length
+    if length is not None and length > max_bytes:
+        raise _too_large(max_bytes)
+    if length is not None and "Transfer-Encoding" not in request.headers:
+        # Known length within the limit: the HTTP parser stops at it, so read it in one go.
+        raw = await request.content.read()
+        return _parse(raw), raw
     chunks: list[bytes] = []
     size = 0
     # Read incrementally so a chunked body without Content-Length cannot exhaust memory.
     async for chunk in request.content.iter_chunked(64 * 1024):
         size += len(chunk)
         if size > max_bytes:
-            raise too_large
+            raise _too_large(max_bytes)
         chunks.append(chunk)
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return _parse(raw), raw
+
+
+def _too_large(max_bytes: int) -> GatewayError:
+    message = f"Request body exceeds the limit of {max_bytes} bytes."
+    return GatewayError(413, errors.BODY_TOO_LARGE, message)
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    """The JSON object in ``raw``; 400 if it is not one."""
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         message = f"Request body is not valid JSON: {exc}"
         raise bad_request(message, code=errors.INVALID_JSON) from None

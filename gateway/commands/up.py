@@ -10,12 +10,11 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import secrets
 
 from gateway.embedded import EmbeddedStack, embedded_stack
 from gateway.logging_setup import configure_logging
-from gateway.server import StopSignals
+from gateway.server import StopSignals, run_event_loop
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,5 +102,5 @@ def run(args: argparse.Namespace) -> int:
             print(banner(stack, admin_key), flush=True)
             await signals.wait()
 
-    asyncio.run(main())
+    run_event_loop(main())
     return 0
