@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -174,6 +174,26 @@ class SseRelay:
         return True
 
 
+class UpstreamDiedBeforeFirstEvent(ConnectionError):
+    """The replica answered 200 but failed before its first SSE event: still safe to retry."""
+
+
+async def _first_events(resp: aiohttp.ClientResponse, relay: SseRelay) -> list[bytes]:
+    """Read until the first complete SSE event (or the end of the stream).
+
+    vLLM sends its 200 headers before the first token; the client's headers are held back until
+    an event exists, so a replica that dies in between can still be retried elsewhere.
+    """
+    try:
+        async for chunk in resp.content.iter_any():
+            events = relay.feed(chunk)
+            if events:
+                return events
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+        raise UpstreamDiedBeforeFirstEvent(str(exc) or type(exc).__name__) from exc
+    return []
+
+
 async def _relay_stream(
     request: web.Request,
     resp: aiohttp.ClientResponse,
@@ -182,18 +202,25 @@ async def _relay_stream(
     hide_usage_chunk: bool,
     hooks: AttemptHooks,
 ) -> web.StreamResponse:
+    relay = SseRelay(hide_usage_chunk)
+    first = await _first_events(resp, relay)  # raises before any byte reached the client
     out = web.StreamResponse(status=resp.status)
     out.content_type = "text/event-stream"
     out.headers["Cache-Control"] = "no-cache"
     out.headers["X-Request-Id"] = request_id
-    await out.prepare(request)
-    relay = SseRelay(hide_usage_chunk)
     last: float | None = None
-    try:
+
+    async def upstream_events() -> AsyncIterator[list[bytes]]:
+        if first:
+            yield first
         async for chunk in resp.content.iter_any():
             events = relay.feed(chunk)
-            if not events:
-                continue
+            if events:
+                yield events
+
+    try:
+        await out.prepare(request)
+        async for events in upstream_events():
             now = time.monotonic()
             if last is None:
                 outcome.ttft_s = now - (outcome.sent_at or now)
@@ -264,8 +291,12 @@ async def send(
     being tried.
     """
     session = gw.http()
+    # upstream_timeout_s bounds each wait for the replica (the first byte, then each next
+    # chunk), never the whole response: a long stream that keeps producing is never cut.
     timeout = aiohttp.ClientTimeout(
-        total=gw.config.upstream_timeout_s, sock_connect=gw.config.connect_timeout_s
+        total=None,
+        sock_connect=gw.config.connect_timeout_s,
+        sock_read=gw.config.upstream_timeout_s,
     )
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     max_attempts = 1 + gw.max_retries

@@ -6,8 +6,8 @@
   that need tenants and pools (401, 404 for another tenant's adapter, 413, 429, 503, 504).
 
 Every error must reach the client as the matching ``openai`` exception, with the status and the
-gateway's stable ``code`` from the OpenAI error envelope. One more check (xfail, a known bug): a
-stream that keeps producing tokens must not be cut by the upstream timeout.
+gateway's stable ``code`` from the OpenAI error envelope. One more check: a stream that keeps
+producing tokens must not be cut by the upstream timeout.
 """
 
 from __future__ import annotations
@@ -369,13 +369,6 @@ async def test_serve_upstream_timeout_is_504(serve_url: str) -> None:
     assert (err.value.status_code, _error_code(err.value)) == (504, "upstream_timeout")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: gateway/proxy.py send() uses aiohttp.ClientTimeout(total=upstream_timeout_s), "
-    "which bounds the WHOLE response; GatewayConfig documents upstream_timeout_s as the wait for "
-    "headers (and, streaming, the first byte), so every stream that runs longer than the timeout "
-    "is cut mid-stream with an in-band upstream_error (with the defaults: 300 s / 600 s)",
-)
 async def test_serve_stream_longer_than_the_upstream_timeout_is_not_cut(serve_url: str) -> None:
     async with client(serve_url, "acme-key") as api:
         stream = await api.chat.completions.create(

@@ -172,16 +172,7 @@ def _kind_body(j: int) -> tuple[str, dict[str, object]]:
     "checked",
     [
         "non-streaming",
-        pytest.param(
-            "streaming-before-first-token",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="bug: gateway/proxy.py _relay_stream sends the client its 200 headers as "
-                "soon as the upstream's headers arrive (vLLM and the sim send them before the "
-                "first token), so a replica that dies before its first token can no longer be "
-                "retried: the client gets an in-band upstream_error instead",
-            ),
-        ),
+        "streaming-before-first-token",
     ],
 )
 async def test_killing_a_replica_loses_no_request_that_had_not_streamed(
