@@ -350,9 +350,10 @@ def render(rows: Sequence[Row], args: argparse.Namespace, command: str, redis_no
     if missed:
         lines += [
             "Rows marked **no** missed the p99 target in this run. Where the lookup dominates,",
-            "the cost is the index walking the matched blocks for every replica holding them",
-            "(here the hot system prompts are held by most replicas); where the round-robin",
-            "column is also far above its usual level, the machine was busy during the run.",
+            "the cost is the index walking the matched blocks: O(matched blocks), one bitmask",
+            "AND per block whatever the number of replicas holding it (with Redis, plus the",
+            "round trip and the block keys built in the script); where the round-robin column",
+            "is also far above its usual level, the machine was busy during the run.",
             "",
         ]
     return "\n".join(lines)

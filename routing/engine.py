@@ -5,6 +5,13 @@ small modules under ``routing/policies/``. It owns the parts every policy shares
 health/model filter, the single block-index lookup (and degrading to load-only routing when the
 index fails), clamping and weighting of scores, timing every stage, explaining the decision, and
 forwarding request outcomes to plugins that learn from them (TTFT calibration).
+
+Explanations are built lazily: a decision keeps what each stage returned (per-plugin scores and
+terms, filter verdicts, loads, prefix matches) and ``RoutingDecision.explanations`` turns it into
+``ReplicaExplanation`` objects only for the replicas someone reads (``ExplanationMap``). Most
+decisions are never explained; building an object and a terms dict per replica per request was
+about a quarter of the engine's own time at 64 replicas. Plugins must therefore not modify the
+score and term mappings they return once they have returned them.
 """
 
 from __future__ import annotations
@@ -12,10 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import operator
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from routing.contracts import (
     BlockIndex,
@@ -31,7 +39,7 @@ from routing.policies.serves_model import ServesModelFilter
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
-__all__ = ["ExplainingPicker", "ExplainingScorer", "Profile", "RoutingEngine"]
+__all__ = ["ExplainingPicker", "ExplainingScorer", "ExplanationMap", "Profile", "RoutingEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,181 @@ class ExplainingPicker(Protocol):
         replicas: Sequence[ReplicaState],
         scores: Mapping[ReplicaId, float],
     ) -> tuple[list[ReplicaId], PluginTerms]: ...
+
+
+class _Stages:
+    """What one decision's stages returned: enough to explain any replica later."""
+
+    __slots__ = ("filtered_out_by", "matches", "picker_terms", "scorers", "totals")
+
+    def __init__(self) -> None:
+        #: Replica -> name of the filter that removed it (removed replicas only).
+        self.filtered_out_by: dict[ReplicaId, str] = {}
+        self.matches: Mapping[ReplicaId, int] | None = None
+        #: Per scorer, in order: (name, raw scores as returned, terms as returned).
+        self.scorers: list[tuple[str, Mapping[ReplicaId, float], PluginTerms]] = []
+        #: The candidates (the replicas scored), as keys.
+        self.totals: Mapping[ReplicaId, float] = {}
+        self.picker_terms: PluginTerms = {}
+
+    def explain(self, replica: ReplicaId, load: float) -> ReplicaExplanation:
+        """The explanation of ``replica``, exactly as building it stage by stage would give."""
+        terms = {"load": load}
+        scores: dict[str, float] = {}
+        if replica in self.totals:
+            for name, raw, scorer_terms in self.scorers:
+                scores[name] = _clamp01(raw.get(replica, 0.0))
+                if replica in scorer_terms:
+                    terms.update(scorer_terms[replica])
+        if replica in self.picker_terms:
+            terms.update(self.picker_terms[replica])
+        matches = self.matches
+        return ReplicaExplanation(
+            replica=replica,
+            matched_blocks=matches.get(replica, 0) if matches else 0,
+            scores=scores,
+            terms=terms,
+            filtered_out_by=self.filtered_out_by.get(replica),
+        )
+
+
+class ExplanationMap(dict[ReplicaId, ReplicaExplanation]):
+    """``RoutingDecision.explanations``: a dict whose values are built on first read.
+
+    Until then it holds each replica's load (a float) in place of its explanation, so its keys,
+    length and order are those of the eager dict at no cost, and reading one replica builds only
+    that replica's explanation. Any write, comparison, copy or pickling first builds them all; it
+    is then a plain dict in all but type. Built normally (``ExplanationMap({...})``) it is a
+    plain dict from the start.
+    """
+
+    __slots__ = ("_stages",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stages: _Stages | None = None
+
+    @classmethod
+    def _lazy(cls, loads: dict[ReplicaId, float], stages: _Stages) -> ExplanationMap:
+        explanations = cls(loads)
+        explanations._stages = stages
+        return explanations
+
+    # -- building
+
+    def _get_built(self, key: object, default: Any = None) -> Any:
+        value = dict.get(self, key, _MISSING)  # type: ignore[call-overload]
+        if value is _MISSING:
+            return default
+        if self._stages is not None and type(value) is float:
+            value = self._stages.explain(key, value)  # type: ignore[arg-type]
+            dict.__setitem__(self, key, value)  # type: ignore[index]
+        return value
+
+    def _build_all(self) -> None:
+        stages = self._stages
+        if stages is None:
+            return
+        for replica, value in dict.items(self):
+            if type(value) is float:
+                dict.__setitem__(self, replica, stages.explain(replica, value))
+        self._stages = None
+
+    # -- reads that build only what they return
+
+    def __getitem__(self, key: ReplicaId) -> ReplicaExplanation:
+        value = self._get_built(key, _MISSING)
+        if value is _MISSING:
+            raise KeyError(key)
+        return value  # type: ignore[no-any-return]
+
+    def get(self, key: ReplicaId, default: Any = None) -> Any:  # type: ignore[override]
+        return self._get_built(key, default)
+
+    def __iter__(self) -> Iterator[ReplicaId]:
+        # Overridden (keys only, nothing built) so that dict(), {**m} and update() go through
+        # keys() and __getitem__ instead of copying the stored loads.
+        return dict.__iter__(self)
+
+    # -- reads that need every value
+
+    def values(self) -> Any:
+        self._build_all()
+        return dict.values(self)
+
+    def items(self) -> Any:
+        self._build_all()
+        return dict.items(self)
+
+    def copy(self) -> dict[ReplicaId, ReplicaExplanation]:
+        self._build_all()
+        return dict(dict.items(self))
+
+    def __eq__(self, other: object) -> bool:
+        self._build_all()
+        if isinstance(other, ExplanationMap):
+            other._build_all()
+        return dict.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        result = self.__eq__(other)
+        return result if result is NotImplemented else not result
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        self._build_all()
+        return dict.__repr__(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copies and pickles are plain dicts.
+        return (dict, (self.copy(),))
+
+    def __or__(self, other: Any) -> Any:
+        self._build_all()
+        return dict.__or__(self, other)
+
+    def __ror__(self, other: Any) -> Any:
+        self._build_all()
+        return dict.__ror__(self, other)
+
+    # -- writes
+
+    def __ior__(self, other: Any) -> ExplanationMap:
+        self._build_all()
+        dict.update(self, other)
+        return self
+
+    def __setitem__(self, key: ReplicaId, value: ReplicaExplanation) -> None:
+        self._build_all()
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key: ReplicaId) -> None:
+        self._build_all()
+        dict.__delitem__(self, key)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._build_all()
+        dict.update(self, *args, **kwargs)
+
+    def setdefault(self, key: ReplicaId, default: Any = None) -> Any:
+        self._build_all()
+        return dict.setdefault(self, key, default)
+
+    def pop(self, key: ReplicaId, *default: Any) -> Any:
+        self._build_all()
+        return dict.pop(self, key, *default)
+
+    def popitem(self) -> tuple[ReplicaId, ReplicaExplanation]:
+        self._build_all()
+        return dict.popitem(self)
+
+    def clear(self) -> None:
+        self._stages = None
+        dict.clear(self)
+
+
+_MISSING: Any = object()
 
 
 def _plugin_name(plugin: object) -> str:
@@ -234,23 +417,20 @@ class RoutingEngine:
             known = ", ".join(sorted(self._profiles)) or "none"
             raise ValueError(f"unknown routing profile {profile!r} (known: {known})") from None
         timings: dict[str, float] = {}
-        explanations = {
-            r.replica_id: ReplicaExplanation(replica=r.replica_id, terms={"load": float(r.load)})
-            for r in replicas
-        }
+        stages = _Stages()
+        # Loads now: replica states change in place after the decision (in-flight counts).
+        loads = {r.replica_id: float(r.load) for r in replicas}
 
-        candidates = self._run_filters(request, replicas, prof, timings, explanations)
+        candidates = self._run_filters(request, replicas, prof, timings, stages)
 
         degraded = False
         if prof.needs_prefix:
             degraded = not await self._lookup_prefix(request, timings)
         if request.prefix_matches:
-            for replica, blocks in request.prefix_matches.items():
-                if replica in explanations:
-                    explanations[replica].matched_blocks = blocks
+            stages.matches = dict(request.prefix_matches)
 
-        totals = self._run_scorers(request, candidates, prof, timings, explanations)
-        order = self._run_picker(request, candidates, totals, prof, timings, explanations)
+        totals = self._run_scorers(request, candidates, prof, timings, stages)
+        order = self._run_picker(request, candidates, totals, prof, timings, stages)
 
         timings["total"] = _ms_since(started)
         return RoutingDecision(
@@ -258,7 +438,7 @@ class RoutingEngine:
             fallbacks=order[1:],
             profile=prof.name,
             degraded=degraded,
-            explanations=explanations,
+            explanations=ExplanationMap._lazy(loads, stages),
             timings_ms=timings,
         )
 
@@ -268,20 +448,26 @@ class RoutingEngine:
         replicas: Sequence[ReplicaState],
         prof: Profile,
         timings: dict[str, float],
-        explanations: dict[ReplicaId, ReplicaExplanation],
+        stages: _Stages,
     ) -> list[ReplicaState]:
         candidates = list(replicas)
+        filtered_out_by = stages.filtered_out_by
         for plugin in (self._builtin_filter, *prof.filters):
             name = _plugin_name(plugin)
             start = time.perf_counter()
             kept = plugin.filter(request, candidates)
             timings[f"filter:{name}"] = _ms_since(start)
-            kept_ids = {r.replica_id for r in kept}
-            for replica in candidates:
-                if replica.replica_id not in kept_ids:
-                    explanations[replica.replica_id].filtered_out_by = name
-            # A filter may only remove replicas, never add ones it was not given.
-            candidates = [r for r in candidates if r.replica_id in kept_ids]
+            if not (
+                type(kept) is list
+                and len(kept) == len(candidates)
+                and all(map(operator.is_, kept, candidates))
+            ):  # else it kept everyone, in order (the usual case): nothing changes
+                kept_ids = {r.replica_id for r in kept}
+                for replica in candidates:
+                    if replica.replica_id not in kept_ids:
+                        filtered_out_by[replica.replica_id] = name
+                # A filter may only remove replicas, never add ones it was not given.
+                candidates = [r for r in candidates if r.replica_id in kept_ids]
             if not candidates:
                 raise NoReplicaAvailable(self._no_replica_message(request, replicas, prof, name))
         return candidates
@@ -331,9 +517,10 @@ class RoutingEngine:
         candidates: list[ReplicaState],
         prof: Profile,
         timings: dict[str, float],
-        explanations: dict[ReplicaId, ReplicaExplanation],
+        stages: _Stages,
     ) -> dict[ReplicaId, float]:
-        totals = {r.replica_id: 0.0 for r in candidates}
+        totals = dict.fromkeys([r.replica_id for r in candidates], 0.0)
+        stages.totals = totals
         for scorer, weight in prof.scorers:
             name = _plugin_name(scorer)
             start = time.perf_counter()
@@ -350,12 +537,12 @@ class RoutingEngine:
                 self._plugin_warning.warn("scorer %r failed; ignoring it", name, exc_info=True)
                 raw = {}
             timings[f"scorer:{name}"] = _ms_since(start)
+            stages.scorers.append((name, raw, terms))
+            get = raw.get
             for rid in totals:
-                score = _clamp01(raw.get(rid, 0.0))
-                explanation = explanations[rid]
-                explanation.scores[name] = score
-                if rid in terms:
-                    explanation.terms.update(terms[rid])
+                score = get(rid, 0.0)
+                if not 0.0 <= score <= 1.0:  # out of range or NaN (rare): clamp
+                    score = _clamp01(score)
                 totals[rid] += weight * score
         return totals
 
@@ -366,7 +553,7 @@ class RoutingEngine:
         totals: dict[ReplicaId, float],
         prof: Profile,
         timings: dict[str, float],
-        explanations: dict[ReplicaId, ReplicaExplanation],
+        stages: _Stages,
     ) -> list[ReplicaId]:
         picker = prof.picker
         name = _plugin_name(picker)
@@ -382,11 +569,11 @@ class RoutingEngine:
             self._plugin_warning.warn("picker %r failed; using scores", name, exc_info=True)
             order = []
         timings[f"picker:{name}"] = _ms_since(start)
-        for rid, replica_terms in terms.items():
-            if rid in explanations:
-                explanations[rid].terms.update(replica_terms)
+        stages.picker_terms = terms
         # Keep only candidates, once each; a picker that returned nothing usable falls back to
         # the weighted scores, then load, so a picker bug degrades rather than fails.
+        if type(order) is list and len(order) == len(totals) and totals.keys() == set(order):
+            return list(order)  # every candidate once (the usual case)
         clean: list[ReplicaId] = []
         seen: set[ReplicaId] = set()
         for rid in order:

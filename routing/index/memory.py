@@ -16,7 +16,7 @@ Liveness is decided when an entry is *read*, never by scanning:
 
 * ``live`` holds only the bits of each replica's live incarnation, so ``retire_epoch`` and
   ``set_epoch`` hide every entry of the old incarnation at once (one bit cleared);
-* a speculative entry matches only until its expiry;
+* a speculative entry matches only until its expiry, and is then reclaimed (below);
 * a replica that has heartbeated and then missed its deadline matches nothing until it
   heartbeats again (replicas that never heartbeat are not held to one, unless
   ``require_heartbeat`` is set).
@@ -24,15 +24,25 @@ Liveness is decided when an entry is *read*, never by scanning:
 Bits of dead incarnations stay in block masks until a lookup or a write meets them, or until
 *compaction*: once ``compact_after_dead`` incarnations are dead, one pass over the blocks clears
 their bits and frees them for reuse, so masks stay about as wide as the live fleet.
+
+Expired speculative entries are *reclaimed* without a background task: each speculative
+``record`` pushes one item (its expiry, its blocks) onto a heap ordered by expiry, and every
+``record`` and ``match`` first pops expired items, a bounded number of blocks per call
+(``record``: ``reclaim_step`` + its own length, so reclamation keeps pace with the writes;
+``match``: ``reclaim_step``). A block left with neither a confirmed nor a speculative entry
+leaves the LRU map. Without engine-confirmed writes, the index thus holds about
+write rate x TTL blocks, instead of growing until ``max_entries`` evicts them.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from routing.contracts import IndexStats
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
@@ -44,13 +54,19 @@ __all__ = ["MemoryBlockIndex"]
 #: Speculative entries of one block: replica -> (incarnation bit value, expiry).
 _Spec = dict[ReplicaId, tuple[int, float]]
 
+#: One speculative write awaiting reclamation, a heap item (a list: the cursor moves):
+#: [expiry, sequence number, the entry it wrote (shared by its blocks), replica, blocks, cursor].
+_EXPIRY, _GUESS, _REPLICA, _BLOCKS, _CURSOR = 0, 2, 3, 4, 5
+
 
 class MemoryBlockIndex:
     """A ``BlockIndex`` held in this process, bounded to ``max_entries`` blocks (LRU).
 
     ``max_entries`` counts distinct block hashes (about 130 bytes each, docs/index.md).
     ``clock`` is injectable so tests can move time. ``compact_after_dead`` is how many dead
-    incarnations may keep their bits before one compaction pass frees them.
+    incarnations may keep their bits before one compaction pass frees them. ``reclaim_step`` is
+    how many blocks of expired speculative writes a ``match`` reclaims at most (a ``record``
+    reclaims that many plus its own length).
     """
 
     def __init__(
@@ -60,6 +76,7 @@ class MemoryBlockIndex:
         clock: Callable[[], float] = time.monotonic,
         require_heartbeat: bool = False,
         compact_after_dead: int = 64,
+        reclaim_step: int = 64,
     ) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries <= 0:
             raise ValueError(f"max_entries must be a positive integer (got {max_entries!r})")
@@ -71,7 +88,10 @@ class MemoryBlockIndex:
             raise ValueError(
                 f"compact_after_dead must be a positive integer (got {compact_after_dead!r})"
             )
+        if isinstance(reclaim_step, bool) or not isinstance(reclaim_step, int) or reclaim_step <= 0:
+            raise ValueError(f"reclaim_step must be a positive integer (got {reclaim_step!r})")
         self._max_entries = max_entries
+        self._reclaim_step = reclaim_step
         self._clock = clock
         self._require_heartbeat = require_heartbeat
         self._compact_after_dead = compact_after_dead
@@ -81,6 +101,14 @@ class MemoryBlockIndex:
         self._blocks: OrderedDict[BlockHash, int] = OrderedDict()
         #: Speculative entries, only for the (few) blocks that have some.
         self._spec: dict[BlockHash, _Spec] = {}
+        #: Speculative writes by expiry (a heap of ``_EXPIRY``.. items), for reclamation. One
+        #: item per ``record`` call, not per block: pushing costs O(log writes) per call.
+        self._expiring: list[list[Any]] = []
+        self._sequence = itertools.count()
+        #: Blocks of the writes in ``_expiring``: at most twice ``max_entries`` (the index holds
+        #: fewer guesses than that), past which the earliest writes are left to lookups and LRU.
+        self._expiring_blocks = 0
+        self._reclaimed = 0
         #: The live epoch of each known replica; ``None`` once that epoch was retired and no
         #: new one declared. A replica absent here adopts the epoch of its first ``record``.
         self._epochs: dict[ReplicaId, Epoch | None] = {}
@@ -179,6 +207,56 @@ class MemoryBlockIndex:
         self._dead_mask = 0
         self._compactions += 1
 
+    def _reclaim(self, now: float, budget: int) -> None:
+        """Drop expired speculative entries, walking at most ``budget`` blocks of expired writes.
+
+        Each write's blocks are walked once in all (a cursor remembers where a walk stopped), so
+        the cost is O(1) amortised per block written. An entry rewritten since (a newer guess, a
+        confirmed write) or already dropped (lookup, LRU, compaction) is not the write's own
+        tuple any more and is left alone.
+        """
+        heap = self._expiring
+        index, spec_blocks = self._blocks, self._spec
+        live = ~self._dead_mask
+        reclaimed = 0
+        while heap and budget > 0:
+            item = heap[0]
+            if item[_EXPIRY] > now:
+                break
+            guess, replica = item[_GUESS], item[_REPLICA]
+            blocks: tuple[BlockHash, ...] = item[_BLOCKS]
+            start: int = item[_CURSOR]
+            end = min(len(blocks), start + budget)
+            budget -= end - start
+            for position in range(start, end):
+                block_hash = blocks[position]
+                spec = spec_blocks.get(block_hash)
+                if spec is None or spec.get(replica) is not guess:
+                    continue
+                del spec[replica]
+                reclaimed += 1
+                if spec:
+                    continue
+                del spec_blocks[block_hash]
+                mask = index.get(block_hash)
+                if mask is not None and not mask & live:  # no confirmed entry that may match
+                    del index[block_hash]
+            if end < len(blocks):
+                item[_CURSOR] = end
+                break
+            heapq.heappop(heap)
+            self._expiring_blocks -= len(blocks)
+        self._reclaimed += reclaimed
+
+    def _queue_for_reclaim(self, item: list[Any]) -> None:
+        """Queue a speculative write for reclamation, within twice the ``max_entries`` bound."""
+        heap = self._expiring
+        heapq.heappush(heap, item)
+        self._expiring_blocks += len(item[_BLOCKS])
+        while self._expiring_blocks > 2 * self._max_entries and len(heap) > 1:
+            dropped = heapq.heappop(heap)
+            self._expiring_blocks -= len(dropped[_BLOCKS])
+
     def _current_match_mask(self, now: float) -> int:
         """Bits of the incarnations that may match now: live and not behind on heartbeats."""
         if self._match_mask is not None and now < self._match_mask_until:
@@ -255,6 +333,9 @@ class MemoryBlockIndex:
         check_blocks(blocks)
         if not blocks:
             return  # nothing to hold: no epoch is adopted either (as in the Redis backend)
+        now = self._clock() if ttl_s is not None or self._expiring else 0.0
+        if self._expiring and self._expiring[0][_EXPIRY] <= now:
+            self._reclaim(now, self._reclaim_step + len(blocks))
         if replica not in self._epochs:
             self._make_live(replica, epoch)
         if self._epochs[replica] != epoch:
@@ -277,7 +358,10 @@ class MemoryBlockIndex:
                     if spec is not None and spec.pop(replica, None) is not None and not spec:
                         del spec_blocks[block_hash]
         else:
-            guess = (value, self._clock() + ttl_s)
+            until = now + ttl_s
+            guess = (value, until)
+            blocks = tuple(blocks)  # kept for reclamation: the caller may reuse its list
+            self._queue_for_reclaim([until, next(self._sequence), guess, replica, blocks, 0])
             for block_hash in blocks:
                 mask = index.get(block_hash)
                 if mask is None:
@@ -364,6 +448,8 @@ class MemoryBlockIndex:
         if not chain:
             return {}
         now = self._clock()
+        if self._expiring and self._expiring[0][_EXPIRY] <= now:
+            self._reclaim(now, self._reclaim_step)
         running = self._current_match_mask(now)
         if not running:
             return {}
@@ -414,6 +500,9 @@ class MemoryBlockIndex:
                 "incarnation_bits": len(self._bit_of),
                 "dead_incarnation_bits": self._dead_mask.bit_count(),
                 "compactions": self._compactions,
+                "speculative_blocks": len(self._spec),
+                "reclaimed": self._reclaimed,
+                "reclaim_queue_blocks": self._expiring_blocks,
             },
         )
 
