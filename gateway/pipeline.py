@@ -237,15 +237,9 @@ async def route_request(
         "profile": decision.profile,
         "degraded": decision.degraded,
         "timings_ms": dict(decision.timings_ms),
-        "explanations": {
-            rid: {
-                "matched_blocks": e.matched_blocks,
-                "scores": dict(e.scores),
-                "terms": dict(e.terms),
-                "filtered_out_by": e.filtered_out_by,
-            }
-            for rid, e in decision.explanations.items()
-        },
+        # The engine's lazy explanation map, rendered only when /admin/decisions is read: copying
+        # every replica's terms on every request cost more than the routing decision itself.
+        "explanations": decision.explanations,
     }
     gw.decisions.append(entry)
     return Routed(

@@ -78,7 +78,7 @@ async def test_text_mode_counts_tokens_in_the_units_of_matched_blocks() -> None:
         second = gw.decisions[-1]
     tokens = second["prompt_tokens"]
     assert abs(tokens - len(LONG) / 4) < 20  # an estimate in tokens, not characters
-    matched = second["explanations"]["r0"]["matched_blocks"]
+    matched = second["explanations"]["r0"].matched_blocks
     assert matched == second["blocks"]
     # Holding the whole prompt leaves less than one block uncached (was 75 % in characters).
     assert 0 <= tokens - matched * 16 < 16
