@@ -81,7 +81,5 @@ class GatewayConfig:
             return
         if index.backend == "redis" and self.redis_url is None:
             self.redis_url = index.redis_url
-        # Only an explicit prefix: the schema's default ("fleetgate:") differs from the index
-        # backend's and the agents' default ("fg"), and gateways must share keys with agents.
-        if "key_prefix" in getattr(index, "model_fields_set", ()):
-            self.index_key_prefix = index.key_prefix
+        # Gateways and agents must share keys; every component defaults to "fleetgate:".
+        self.index_key_prefix = index.key_prefix

@@ -48,7 +48,11 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
         help="block index: redis://HOST:PORT/DB or memory (default: memory)",
     )
     group.add_argument("--fleet-url", help="fleet store URL (default: --index-url)")
-    group.add_argument("--index-key-prefix", default="fg", help="index key prefix (default: fg)")
+    group.add_argument(
+        "--index-key-prefix",
+        default="fleetgate:",
+        help="index key prefix; must equal the gateways' index.key_prefix (default: fleetgate:)",
+    )
     group.add_argument(
         "--fleet-key-prefix", default="fleetgate:", help="fleet store key prefix"
     )

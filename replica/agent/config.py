@@ -28,7 +28,7 @@ class AgentConfig:
     index_url: str | None = None
     fleet_url: str | None = None
     #: Key prefixes: the index's hash tag, and the fleet store's prefix.
-    index_key_prefix: str = "fg"
+    index_key_prefix: str = "fleetgate:"
     fleet_key_prefix: str = "fleetgate:"
     scrape_interval_s: float = 0.25
     #: How long the replica stays listed (and its index entries match) without a heartbeat.

@@ -45,14 +45,17 @@ class RedisBlockIndex:
         self,
         redis: str | aioredis.Redis,
         *,
-        key_prefix: str = "fg",
+        key_prefix: str = "fleetgate:",
         timeout_s: float = 0.1,
         block_ttl_s: float = 3600.0,
         require_heartbeat: bool = False,
         touch_on_match: bool = True,
     ) -> None:
-        if not isinstance(key_prefix, str) or not key_prefix:
+        if not isinstance(key_prefix, str) or not key_prefix.rstrip(":"):
             raise ValueError(f"key_prefix must be a non-empty string (got {key_prefix!r})")
+        # The policy schema and the fleet store write prefixes as "fleetgate:"; as a hash tag the
+        # trailing separator is noise, so "fleetgate:" and "fleetgate" name the same index.
+        key_prefix = key_prefix.rstrip(":")
         bad = sorted(set(key_prefix) & _FORBIDDEN_PREFIX_CHARS)
         if bad:
             raise ValueError(
