@@ -120,9 +120,9 @@ def _slo(
     outcome: UpstreamOutcome,
     completion_tokens: int,
 ) -> None:
-    checks = []
+    checks: dict[str, bool] = {}
     if routed.route.ttft_slo_ms is not None and ttft_ms is not None:
-        checks.append(ttft_ms <= routed.route.ttft_slo_ms)
+        checks["ttft"] = ttft_ms <= routed.route.ttft_slo_ms
     if (
         routed.route.tpot_slo_ms is not None
         and outcome.ttft_s is not None
@@ -135,9 +135,12 @@ def _slo(
             / (completion_tokens - 1)
             * 1000
         )
-        checks.append(tpot_ms <= routed.route.tpot_slo_ms)
+        checks["tpot"] = tpot_ms <= routed.route.tpot_slo_ms
     if checks:
-        gw.metrics.slo_requests.labels(routed.route.name, "met" if all(checks) else "missed").inc()
+        # Per SLO (the TTFT burn-rate alerts read slo="ttft") and for both together (goodput).
+        checks["all"] = all(checks.values())
+        for slo, met in checks.items():
+            gw.metrics.slo_requests.labels(routed.route.name, slo, "met" if met else "missed").inc()
 
 
 def _prediction(

@@ -163,8 +163,8 @@ class GatewayMetrics:
         )
         self.slo_requests = Counter(
             "fleetgate_slo_requests",
-            "Requests that met / missed the route SLO",
-            ["route", "outcome"],
+            "Requests that met / missed the route's SLOs: slo=ttft|tpot, and all (both: goodput)",
+            ["route", "slo", "outcome"],
             registry=r,
         )
         self.decision_seconds = Histogram(
