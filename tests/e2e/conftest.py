@@ -18,12 +18,19 @@ import pytest
 from replica.launcher import EngineSpec, VllmEngine, free_port
 from replica.tiny_model import RECIPE_VERSION, TinyModel, ensure_tiny_model
 from replica.vllm_env import INSTALL_COMMAND, VllmEnvMissing, require_vllm_env
+from tests.e2e.e2e_support import E2EResults
 
 #: The served model name of every e2e engine (what requests put in ``model``).
 SERVED_MODEL = "tiny"
 #: Engines get this long to become healthy (observed: 40-90 s on 2 cores).
 ENGINE_START_TIMEOUT_S = 300.0
 ENGINE_COUNT = 2
+#: KV-cache blocks per engine (``--num-gpu-blocks-override``; 1 GiB would give 32,768). A cache
+#: that holds only part of a shared-prefix workload is what makes routing matter: with 32,768
+#: blocks every engine keeps every prefix and round-robin loses only each prefix's first visit.
+#: 112 blocks = 3,584 tokens: at least one ``--max-model-len`` sequence (64 blocks), and room for
+#: 4.6 of the routing test's 24-block prefixes (see tests/e2e/test_e2e_gateway_vllm.py).
+KV_BLOCKS_PER_ENGINE = 112
 
 
 @pytest.fixture(scope="session")
@@ -58,6 +65,7 @@ def vllm_engines(
                 model=tiny_model.model_dir,
                 served_model_name=SERVED_MODEL,
                 replay_port=free_port(),
+                extra_args=("--num-gpu-blocks-override", str(KV_BLOCKS_PER_ENGINE)),
                 # Dev mode exposes POST /reset_prefix_cache, which makes the engine publish
                 # AllBlocksCleared: the only way to see that event from a real engine.
                 extra_env={"VLLM_SERVER_DEV_MODE": "1"},
@@ -83,3 +91,16 @@ def vllm_engines(
 def vllm_engine(vllm_engines: list[VllmEngine]) -> VllmEngine:
     """The first of the session's engines."""
     return vllm_engines[0]
+
+
+@pytest.fixture(scope="session")
+def e2e_results() -> Iterator[E2EResults]:
+    """Numbers the gateway e2e tests measure; printed at the end of the session, and written to
+    docs/benchmarks/e2e-vllm.md when every gateway e2e test recorded its section."""
+    results = E2EResults()
+    yield results
+    if results.sections:
+        print(f"\n{results.render()}")
+        # Only a run of every gateway e2e test rewrites the committed numbers.
+        if len(results.sections) == results.expected_sections:
+            print(f"written to {results.write()}")
