@@ -95,6 +95,7 @@ class ReplicaAgent:
         self.subscriber: KVEventSubscriber | None = None
         self.snapshot: EngineSnapshot | None = None
         self.engine_up = False
+        self._health_failures = 0
         #: Batches applied, for tests and /health.
         self.batches_applied = 0
         self._down_since: float | None = None
@@ -256,7 +257,14 @@ class ReplicaAgent:
         heartbeat_every = max(self.config.scrape_interval_s, self.config.heartbeat_ttl_s / 3)
         while not self._stopping:
             started = time.monotonic()
-            await self.scrape_once()
+            try:
+                # A busy engine can take seconds to answer; the fleet-store entry must not expire
+                # meanwhile (the gateway would drop a replica that is merely slow), so a scrape
+                # gets at most half the heartbeat TTL and the last figures are published again.
+                await asyncio.wait_for(self.scrape_once(), self.config.heartbeat_ttl_s / 2)
+            except TimeoutError:
+                logger.debug("replica %s: scrape slower than %.1fs; republishing last state",
+                             self.replica, self.config.heartbeat_ttl_s / 2)
             await self.publish_state()
             if started - last_heartbeat >= heartbeat_every and not self.applier.dirty:
                 last_heartbeat = started
@@ -280,8 +288,11 @@ class ReplicaAgent:
                 await self.engine_restarted()
             self._down_since = None
             self._ever_up = True
-        self.engine_up = up
-        self.metrics.engine_up(up)
+        # One missed probe (a CPU stall, a long prefill) is not an outage: the replica leaves
+        # routing after two in a row. Restart detection above still uses every raw answer.
+        self._health_failures = 0 if up else self._health_failures + 1
+        self.engine_up = up or (self.engine_up and self._health_failures < 2)
+        self.metrics.engine_up(self.engine_up)
         if not up:
             return
         started = time.perf_counter()

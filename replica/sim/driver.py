@@ -287,6 +287,9 @@ class EngineDriver:
                 lora_name=record.lora_name,
                 extra_keys=self._extra_keys(record),
                 group_idx=0,
+                # vLLM 0.32 tags every store with its KV-cache group's kind; the model is plain
+                # full attention, as the simulated engine's roofline assumes.
+                kv_cache_spec_kind="full_attention",
             )
         if record.kind == "BlockRemoved":
             return BlockRemoved(block_hashes=list(record.block_hashes), medium=MEDIUM_GPU,
