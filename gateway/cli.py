@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("gateway.commands.serve", "Run the production gateway (policy YAML, Redis index)."),
     "policy": ("gateway.commands.policy", "Validate or explain a routing-policy YAML file."),
     "sim": ("gateway.commands.sim", "Run simulated vLLM replicas that speak vLLM's wire formats."),
-    "agent": ("gateway.commands.agent", "Run the replica agent: vLLM KV events + metrics -> index."),
+    "agent": ("gateway.commands.agent", "Run the replica agent: KV events + metrics to the index."),
     "replica": ("gateway.commands.replica", "Start and supervise a vLLM engine with its agent."),
     "simulate": ("gateway.commands.simulate", "Replay a trace through policies in virtual time."),
     "plan": ("gateway.commands.plan", "Capacity planning: roofline levers, Erlang-C sizing."),

@@ -22,7 +22,7 @@ class ReplicaState:
     #: Base models this engine serves (its ``--served-model-name`` values).
     models: frozenset[str] = frozenset()
     healthy: bool = True
-    epoch: Epoch = Epoch(0)
+    epoch: Epoch = Epoch(0)  # noqa: RUF009 - NewType is the identity at run time
     #: Tokens per KV block (vLLM ``--block-size``); the hashing granularity for this replica.
     block_size: int = 16
     #: Number of KV blocks the engine has (``cache_config_info.num_gpu_blocks``); None if unknown.

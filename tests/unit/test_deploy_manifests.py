@@ -1,4 +1,4 @@
-"""Every Kubernetes overlay renders with kustomize and validates against Kubernetes schemas offline."""
+"""Every Kubernetes overlay renders with kustomize and validates against Kubernetes schemas."""
 
 from __future__ import annotations
 
