@@ -8,7 +8,7 @@ parameter's name instead of being silently ignored.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -63,6 +63,30 @@ class Plugin:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, params={self.params!r})"
+
+
+class ExplainingPicker(Plugin):
+    """A picker that explains itself: subclasses implement ``pick_with_terms`` only."""
+
+    kind: ClassVar[PluginKind] = "picker"
+
+    def pick(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaState],
+        scores: Mapping[ReplicaId, float],
+    ) -> list[ReplicaId]:
+        """Candidates best first (the engine uses ``pick_with_terms`` to explain them too)."""
+        return self.pick_with_terms(request, replicas, scores)[0]
+
+    def pick_with_terms(
+        self,
+        request: RoutingRequest,
+        replicas: Sequence[ReplicaState],
+        scores: Mapping[ReplicaId, float],
+    ) -> tuple[list[ReplicaId], Terms]:
+        """Candidates best first, and per replica the terms that placed it there."""
+        raise NotImplementedError
 
 
 def order_by_load(replicas: Iterable[ReplicaState], rng: random.Random) -> list[ReplicaId]:

@@ -19,12 +19,18 @@ from pydantic import Field
 
 from routing.contracts import RoutingRequest
 from routing.engine import PluginTerms, Profile
-from routing.policies.base import Plugin, PluginKind, PluginParams, match_ratio, order_by_load
+from routing.policies.base import (
+    ExplainingPicker,
+    PluginKind,
+    PluginParams,
+    match_ratio,
+    order_by_load,
+)
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 
-class CacheAwarePicker(Plugin):
+class CacheAwarePicker(ExplainingPicker):
     """Least loaded when imbalanced, else best prefix match above a threshold, else least loaded."""
 
     type_name: ClassVar[str] = "cache-aware"
@@ -42,15 +48,6 @@ class CacheAwarePicker(Plugin):
         cache_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
 
     params: Params
-
-    def pick(
-        self,
-        request: RoutingRequest,
-        replicas: Sequence[ReplicaState],
-        scores: Mapping[ReplicaId, float],
-    ) -> list[ReplicaId]:
-        """Candidates ordered by the rule above."""
-        return self.pick_with_terms(request, replicas, scores)[0]
 
     def pick_with_terms(
         self,

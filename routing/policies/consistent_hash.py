@@ -21,12 +21,12 @@ from pydantic import Field
 
 from routing.contracts import RoutingRequest
 from routing.engine import PluginTerms, Profile
-from routing.policies.base import Plugin, PluginKind, PluginParams
+from routing.policies.base import ExplainingPicker, PluginKind, PluginParams
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 
-class ConsistentHashPicker(Plugin):
+class ConsistentHashPicker(ExplainingPicker):
     """Prefix-keyed consistent hashing; a bounded-load walk of the ring decides the owner."""
 
     type_name: ClassVar[str] = "consistent-hash"
@@ -73,15 +73,6 @@ class ConsistentHashPicker(Plugin):
             # Re-hashed so keys spread over the ring even if a chain's hashes are not uniform.
             return xxhash.xxh3_64_intdigest(block.to_bytes(8, "little", signed=block < 0))
         return xxhash.xxh3_64_intdigest(request.request_id.encode())
-
-    def pick(
-        self,
-        request: RoutingRequest,
-        replicas: Sequence[ReplicaState],
-        scores: Mapping[ReplicaId, float],
-    ) -> list[ReplicaId]:
-        """The first replica clockwise from the key that is under the load bound, then the rest."""
-        return self.pick_with_terms(request, replicas, scores)[0]
 
     def pick_with_terms(
         self,

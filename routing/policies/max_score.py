@@ -18,12 +18,12 @@ from pydantic import Field
 
 from routing.contracts import RoutingRequest
 from routing.engine import PluginTerms
-from routing.policies.base import Plugin, PluginKind, PluginParams
+from routing.policies.base import ExplainingPicker, PluginKind, PluginParams
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 
-class MaxScorePicker(Plugin):
+class MaxScorePicker(ExplainingPicker):
     """Best weighted score among replicas under the load bound; ties broken at random."""
 
     type_name: ClassVar[str] = "max-score"
@@ -40,15 +40,6 @@ class MaxScorePicker(Plugin):
         tie_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0)
 
     params: Params
-
-    def pick(
-        self,
-        request: RoutingRequest,
-        replicas: Sequence[ReplicaState],
-        scores: Mapping[ReplicaId, float],
-    ) -> list[ReplicaId]:
-        """Eligible replicas best first (the first drawn from the near-best), then the rest."""
-        return self.pick_with_terms(request, replicas, scores)[0]
 
     def pick_with_terms(
         self,
