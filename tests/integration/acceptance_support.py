@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -34,6 +33,7 @@ from replica.sim.driver import RequestStream
 from replica.sim.fleet import SimFleet, SimReplicaHandle, start_sim_fleet
 from replica.sim.server import SimReplica
 from tests.integration.test_gateway_support import serve
+from tests.support.polling import wait_until
 
 MODEL = "sim-model"
 ADMIN_KEY = "acceptance-admin"
@@ -146,16 +146,7 @@ async def eventually(
     predicate: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = 15.0
 ) -> None:
     """Poll ``predicate`` (bounded) until it holds; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting until {what}")
-        await asyncio.sleep(0.02)
+    await wait_until(predicate, what, timeout_s, interval_s=0.02)
 
 
 @asynccontextmanager

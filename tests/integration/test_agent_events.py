@@ -25,28 +25,13 @@ from replica.kv_events import (
 )
 from routing.hashing import chain_seed, hash_token_blocks
 from routing.index import RedisBlockIndex
+from tests.support.polling import wait_until
 from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.redis
 
 BS = 4  # small blocks keep the token lists readable; the agent reads block_size per event
 MODEL = "tiny"
-
-
-async def wait_until(
-    predicate: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = 10.0
-) -> None:
-    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for: {what}")
-        await asyncio.sleep(0.01)
 
 
 def stored(
