@@ -8,7 +8,8 @@ Every script touches only keys that share one hash tag, so it runs on Redis Clus
 * ``<tag>:owners`` HASH ``"<slot>" -> replica``: the same table read the other way (live only);
 * ``<tag>:dead``   ZSET ``slot`` scored by the server time (ms) from which it may be reused;
 * ``<tag>:meta``   HASH ``next`` (next never-used slot), ``maxttl`` (longest block-key TTL set);
-* ``<tag>:b:<block hash>`` STRING ``<n: 2 bytes> <c: n bytes> <t> [ <slot>:<expiry ms>]...``:
+* ``<tag>:b:<block hash as 16 hex digits>`` STRING
+  ``<n: 2 bytes> <c: n bytes> <t> [ <slot>:<expiry ms>]...``:
   ``c`` is the bitset of the slots holding the block engine-confirmed, ``t`` the server time
   (s) the key's TTL was last extended to the full block TTL, then one entry per speculative
   holder, sorted. Bitsets use ``SETBIT`` order (slot ``k`` is bit ``7 - k % 8`` of byte
@@ -30,11 +31,13 @@ every hit cost more than the lookup. A hit or a confirmed write that changes not
 key only if its ``t`` is more than 1/16 of the TTL old, so a block lives at least 15/16 of
 ``block_ttl_s`` after its last confirmed write or hit, and at most ``block_ttl_s``.
 
-Block keys are built inside the scripts from ``ARGV`` (the key prefix and the space-separated
-hashes) rather than passed as ``KEYS``: it spares the client packing hundreds of arguments per
-call (redis-py's asyncio packer is pure Python). The declared ``KEYS`` carry the same hash tag,
-so Redis Cluster routes the call to the shard owning the block keys, and Redis >= 7 lets a
-script touch undeclared keys of the slot it was routed by.
+Block keys are built inside the scripts from ``ARGV`` (the key prefix and one string of the
+hashes, each 16 lowercase hex digits) rather than passed as ``KEYS``: it spares the client packing
+hundreds of arguments per call (redis-py's asyncio packer is pure Python), and fixed-width hex is
+packed in C on the client (``struct`` + ``bytes.hex``) and cut with ``string.sub`` in the script,
+about twice as fast on both sides as splitting decimals. The declared ``KEYS`` carry the same
+hash tag, so Redis Cluster routes the call to the shard owning the block keys, and Redis >= 7
+lets a script touch undeclared keys of the slot it was routed by.
 
 Times come from the server's ``TIME`` so every gateway and agent agrees on expiry, whatever its
 own clock says. Needs Redis >= 7.0 (``PEXPIRE ... GT``, effects replication of ``TIME``).
@@ -126,10 +129,17 @@ local function drop_dead(c, spec, live, now)
   end
   return pack(bytes, #bytes), kept
 end
--- The block keys named by ARGV (prefix, space-separated hashes), in order.
-local function block_keys(prefix, hashes)
+-- Block hashes travel as one ARGV string of fixed-width, 16-digit lowercase hex (the client packs
+-- them in C); key ``i`` is the prefix and the ``i``-th 16 characters.
+local HEX = 16
+local sub = string.sub
+local function block_key(prefix, hexes, i)
+  return prefix .. sub(hexes, HEX * i - HEX + 1, HEX * i)
+end
+-- The block keys named by ARGV (prefix, hashes), in order.
+local function block_keys(prefix, hexes)
   local keys = {}
-  for hash in string.gmatch(hashes, '%d+') do keys[#keys + 1] = prefix .. hash end
+  for i = 1, math.floor(#hexes / HEX) do keys[i] = block_key(prefix, hexes, i) end
   return keys
 end
 -- MGET in slices: unpack() of thousands of values would overflow Lua's C stack.
@@ -214,7 +224,7 @@ return 0
 
 #: KEYS: epochs, slots, owners, dead, meta
 #: ARGV: replica, epoch, speculative ttl ms ("" if confirmed), block ttl ms, block key prefix,
-#:       block hashes (space-separated decimals)
+#:       block hashes (16-digit hex each, concatenated)
 #: Returns the number of blocks written (0 when ``epoch`` is not the replica's live one).
 RECORD = (
     _PRELUDE
@@ -278,7 +288,7 @@ return #keys
 """
 )
 
-#: KEYS: epochs, slots   ARGV: replica, epoch, block key prefix, block hashes (space-separated)
+#: KEYS: epochs, slots   ARGV: replica, epoch, block key prefix, block hashes (16-digit hex each)
 #: Deletes the replica's entries if ``epoch`` is its live one (other epochs' entries are dead).
 REMOVE = (
     _PRELUDE
@@ -326,7 +336,7 @@ return 1
 
 #: KEYS: owners, alive, meta
 #: ARGV: require heartbeat ("1"/"0"), touch ttl ms ("" = none), block key prefix,
-#:       chain (space-separated block hashes)
+#:       chain (block hashes, 16-digit hex each, concatenated)
 #: Returns a flat array ``replica, depth, replica, depth, ...`` of replicas with depth >= 1.
 #:
 #: Walks the chain with the bitset of the slots still matching, and stops at the first block
@@ -402,60 +412,58 @@ local function holders(value)
   return m
 end
 -- Keys are built and read SLICE at a time, so the walk builds and reads at most SLICE - 1 keys
--- past the block where it stops: building a key string is most of the per-block work, and one
--- MGET call costs about as much as reading two keys.
+-- past the block where it stops: building and reading a key is most of the per-block work, and
+-- one MGET call costs about as much as reading two keys (measured: 32 beats 16 and 128 on a
+-- 375-block chain matched 250 deep).
 local SLICE = 32
-local prefix, next_hash = ARGV[3], string.gmatch(ARGV[4], '%d+')
-local keys, values, first, last = {}, {}, 1, 0
+local prefix, hexes = ARGV[3], ARGV[4]
+local total = math.floor(#hexes / HEX)
 local matched = 0
 local previous, previous_m = nil, nil
-local i = 0
-while true do
-  i = i + 1
-  if i > last then
-    first = i
-    for hash in next_hash do
-      keys[#keys + 1] = prefix .. hash
-      if #keys >= first + SLICE - 1 then break end
-    end
-    last = #keys
-    if last < first then
-      break  -- the chain is exhausted
-    end
-    values = mget(keys, first, last)
-  end
-  local value = values[i - first + 1]
-  if not value then
-    break
-  end
-  local m = previous_m
-  if value ~= previous then
-    m = holders(value)
-    -- An equal value cannot change the running set (it is already a subset of it).
-    local bytes, still, any = m[1], {}, false
-    for b = 1, width do
-      local bits = band(run[b], bytes[b])
-      still[b] = bits
-      if bits ~= 0 then any = true end
-    end
-    if not any then
+local from = 1
+local stop = false
+while from <= total and not stop do
+  local to = math.min(total, from + SLICE - 1)
+  local keys = {}
+  for i = from, to do keys[i - from + 1] = block_key(prefix, hexes, i) end
+  local values = redis.call('MGET', unpack(keys))
+  for j = 1, #keys do
+    local value = values[j]
+    if not value then
+      stop = true
       break
     end
-    if matched > 0 then
+    local m = previous_m
+    if value ~= previous then
+      m = holders(value)
+      -- An equal value cannot change the running set (it is already a subset of it).
+      local bytes, still, any = m[1], {}, false
       for b = 1, width do
-        local ended = band(run[b], bnot(still[b]))
-        if ended ~= 0 then emit(ended, b, matched) end
+        local bits = band(run[b], bytes[b])
+        still[b] = bits
+        if bits ~= 0 then any = true end
       end
+      if not any then
+        stop = true
+        break
+      end
+      if matched > 0 then
+        for b = 1, width do
+          local ended = band(run[b], bnot(still[b]))
+          if ended ~= 0 then emit(ended, b, matched) end
+        end
+      end
+      run = still
+      previous, previous_m = value, m
     end
-    run = still
-    previous, previous_m = value, m
+    if m[2] then
+      -- A hit keeps the block alive: dead bits are dropped first (slot reuse relies on it).
+      if m[2] ~= value then redis.call('SET', keys[j], m[2], 'KEEPTTL') end
+      redis.call('PEXPIRE', keys[j], touch_ttl, 'GT')
+    end
+    matched = matched + 1
   end
-  if m[2] then
-    -- A hit keeps the block alive: dead bits are dropped first (slot reuse relies on it).
-    if m[2] ~= value then redis.call('SET', keys[i], m[2], 'KEEPTTL') end
-    redis.call('PEXPIRE', keys[i], touch_ttl, 'GT')
-  end
-  matched = matched + 1
+  from = to + 1
 end
 if matched > 0 then
   for b = 1, width do

@@ -42,7 +42,7 @@ async def test_every_key_shares_one_hash_tag(client: aioredis.Redis, redis_url: 
     await index.heartbeat(R1, 60)
     await index.record(R1, E1, CHAIN)
     keys = sorted([key async for key in client.scan_iter(match=f"{{{prefix}}}:*")])
-    expected_blocks = sorted(f"{{{prefix}}}:b:{block}" for block in CHAIN)
+    expected_blocks = sorted(f"{{{prefix}}}:b:{block:016x}" for block in CHAIN)
     tables = [f"{{{prefix}}}:{name}" for name in ("alive", "epochs", "meta", "owners", "slots")]
     assert keys == sorted([*tables, *expected_blocks])
     await index.set_epoch(R1, Epoch(2))  # the first dead incarnation creates the quarantine

@@ -107,7 +107,7 @@ async def test_build_index_picks_the_backend_from_the_url() -> None:
     assert (await build_index("memory", max_entries=7).stats()).max_entries == 7
     redis_index = build_index("redis://127.0.0.1:1/0", key_prefix="fg-a")
     assert isinstance(redis_index, RedisBlockIndex)  # no connection is made before the first call
-    assert redis_index.block_key(BlockHash(12)) == "{fg-a}:b:12"
+    assert redis_index.block_key(BlockHash(12)) == "{fg-a}:b:000000000000000c"
     await redis_index.close()
     assert isinstance(build_index(), BlockIndex)
 
