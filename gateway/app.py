@@ -34,6 +34,7 @@ from gateway.routing_glue import build_engine, build_gateway_index, build_prompt
 from gateway.state import GATEWAY, GatewayState
 from gateway.tasks import health_loop, inflight_loop, merge_fleet_store, policy_poll_loop
 from gateway.tracing import build_tracer
+from gateway.upstream_client import UpstreamPool
 from routing.contracts import BlockIndex, PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ def _lifecycle(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
             auto_decompress=False,
         )
+        gw.upstream = UpstreamPool(connect_timeout_s=gw.config.connect_timeout_s)
         # One poll before serving, so /ready and routing know the replicas from the start.
         if gw.fleet_store is not None:
             await merge_fleet_store(gw)
@@ -203,6 +205,8 @@ def _lifecycle(
                 gw.adapters = None
             await gw.session.close()
             gw.session = None
+            await gw.upstream.close()
+            gw.upstream = None
             await gw.inflight.close()
             close_tokenizer = getattr(gw.tokenizer, "close", None)
             if owns_tokenizer and close_tokenizer is not None:

@@ -179,7 +179,6 @@ async def route_request(
         raise GatewayError(
             400, errors.INVALID_REQUEST, f"Invalid prompt: {exc}", "prompt"
         ) from None
-    gw.layout.observe(route.name, prompt, chain, block_size)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     prompt_tokens = prompt_units(prompt)
     routing_request = RoutingRequest(
@@ -222,7 +221,6 @@ async def route_request(
                 {"index": "fleetgate.index_lookup", "scoring": "fleetgate.scoring"},
             )
     _decision_metrics(gw, route.name, decision)
-    await _speculative_insert(gw, decision.replica, chain)
     entry = {
         "at": time.time(),
         "request_id": request_id,
@@ -260,14 +258,30 @@ def _decision_metrics(gw: GatewayState, route: str, decision: RoutingDecision) -
         m.index_errors.labels(gw.index_backend).inc()
 
 
-async def _speculative_insert(gw: GatewayState, replica: ReplicaId, chain: list[Any]) -> None:
-    """Tell the index ``replica`` is about to hold the prompt's blocks (expire unless confirmed).
+def start_speculative_insert(
+    gw: GatewayState, replica: ReplicaId, chain: list[Any]
+) -> asyncio.Task[None] | None:
+    """Start telling the index ``replica`` is about to hold the prompt's blocks; the task.
 
     The only index write of a request served by the chosen replica: accounting refreshes the
-    entry only when a fallback served it (``accounting._prediction``).
+    entry only when a fallback served it (``accounting._prediction``). It runs beside the
+    upstream call, not before it: ``_forward`` starts it, sends, and awaits it before answering,
+    so the client never waits for the write unless the replica answered first, and the index
+    knows the blocks by the time the client has the answer.
     """
-    if not chain:
-        return
+    if not chain or gw.registry.get(replica) is None:
+        return None
+    task = asyncio.get_running_loop().create_task(_speculative_insert(gw, replica, chain))
+    gw.background.add(task)
+    task.add_done_callback(gw.background.discard)
+    return task
+
+
+async def _speculative_insert(gw: GatewayState, replica: ReplicaId, chain: list[Any]) -> None:
+    # Yield once first: the task was created before the upstream request, and on Python < 3.12
+    # aiohttp writes a request body from a task of its own, queued after this one. Yielding lets
+    # the body go out first, so the write overlaps the replica's work instead of preceding it.
+    await asyncio.sleep(0)
     state = gw.registry.get(replica)
     if state is None:
         return
@@ -281,6 +295,12 @@ async def _speculative_insert(gw: GatewayState, replica: ReplicaId, chain: list[
     except Exception as exc:  # index down or slow: routing still works, just less informed
         gw.metrics.index_errors.labels(gw.index_backend).inc()
         log.debug("speculative index insert failed: %s", exc)
+
+
+async def _insert_done(task: asyncio.Task[None] | None) -> None:
+    """Wait for the speculative insert (it bounds itself; it never raises)."""
+    if task is not None and not task.done():
+        await asyncio.shield(task)  # a cancelled handler must not cancel the index write
 
 
 def upstream_body(body: Mapping[str, Any], tenant: Tenant) -> tuple[dict[str, Any], bool]:
@@ -390,8 +410,6 @@ async def _forward(
     request_id: str,
     arrived: float,
 ) -> web.StreamResponse:
-    from gateway.accounting import account  # local: accounting imports this module's types
-
     decision = routed.decision
     matched = decision.explanations.get(decision.replica)
     matched_blocks = matched.matched_blocks if matched else 0
@@ -403,6 +421,7 @@ async def _forward(
 
     hooks = _Attempts(gw, routed, uncached, arrived)
     candidates = [decision.replica, *decision.fallbacks]
+    insert = start_speculative_insert(gw, decision.replica, routed.routing_request.chain)
     with gw.tracer.start_as_current_span("fleetgate.upstream") as span:
         try:
             response = await proxy.send(
@@ -426,8 +445,33 @@ async def _forward(
             raise
         finally:
             span.set_attribute("fleetgate.status", outcome.status)
-            account(gw, routed, outcome, arrived, hooks.replica_seconds, stream)
+            # Bookkeeping runs once the answer is on its way: aiohttp writes the response when
+            # this handler returns, before the loop runs the next callback, so metrics, the
+            # decision log and the layout detector stay off the client's latency (they are
+            # still done before this gateway reads the client's next request).
+            asyncio.get_running_loop().call_soon(
+                _after_response, gw, routed, outcome, arrived, hooks.replica_seconds, stream
+            )
+        await _insert_done(insert)
     return response
+
+
+def _after_response(
+    gw: GatewayState,
+    routed: Routed,
+    outcome: UpstreamOutcome,
+    arrived: float,
+    replica_seconds: dict[str, float],
+    stream: bool,
+) -> None:
+    from gateway.accounting import account  # local: accounting imports this module's types
+
+    account(gw, routed, outcome, arrived, replica_seconds, stream)
+    try:
+        chain = routed.routing_request.chain
+        gw.layout.observe(routed.route.name, routed.prompt, chain, routed.block_size)
+    except Exception:  # a detector must never disturb serving
+        log.exception("prompt layout detector failed")
 
 
 #: ``_Attempts.prepare`` for a request without an adapter (reusable: it holds no state).

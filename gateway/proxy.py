@@ -25,20 +25,21 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import aiohttp
 from aiohttp import web
 from yarl import URL
 
 from gateway import errors
 from gateway.errors import GatewayError
 from gateway.state import GatewayState
+from gateway.upstream_client import UpstreamPayloadError, UpstreamResponse
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 log = logging.getLogger(__name__)
 
-# Connection failures that prove the replica never saw the request (safe to retry elsewhere).
-_RETRYABLE = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, ConnectionError)
+# Failures before the response headers: the replica streamed nothing (safe to retry elsewhere).
+# UpstreamConnectError and UpstreamDisconnected are ConnectionErrors.
+_RETRYABLE = (ConnectionError,)
 # Hop-by-hop and length headers that must not be copied from the upstream response.
 _DROP_HEADERS = {
     "content-length",
@@ -178,25 +179,25 @@ class UpstreamDiedBeforeFirstEvent(ConnectionError):
     """The replica answered 200 but failed before its first SSE event: still safe to retry."""
 
 
-async def _first_events(resp: aiohttp.ClientResponse, relay: SseRelay) -> list[bytes]:
+async def _first_events(resp: UpstreamResponse, relay: SseRelay) -> list[bytes]:
     """Read until the first complete SSE event (or the end of the stream).
 
     vLLM sends its 200 headers before the first token; the client's headers are held back until
     an event exists, so a replica that dies in between can still be retried elsewhere.
     """
     try:
-        async for chunk in resp.content.iter_any():
+        async for chunk in resp.iter_any():
             events = relay.feed(chunk)
             if events:
                 return events
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+    except UpstreamPayloadError as exc:
         raise UpstreamDiedBeforeFirstEvent(str(exc) or type(exc).__name__) from exc
     return []
 
 
 async def _relay_stream(
     request: web.Request,
-    resp: aiohttp.ClientResponse,
+    resp: UpstreamResponse,
     outcome: UpstreamOutcome,
     request_id: str,
     hide_usage_chunk: bool,
@@ -213,7 +214,7 @@ async def _relay_stream(
     async def upstream_events() -> AsyncIterator[list[bytes]]:
         if first:
             yield first
-        async for chunk in resp.content.iter_any():
+        async for chunk in resp.iter_any():
             events = relay.feed(chunk)
             if events:
                 yield events
@@ -234,7 +235,7 @@ async def _relay_stream(
         tail = relay.flush()
         if tail:
             await out.write(tail)
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
+    except (UpstreamPayloadError, TimeoutError) as exc:
         # Bytes already reached the client: no retry. Tell it in-band, then end the stream.
         log.warning("upstream %s failed mid-stream: %s", outcome.replica, type(exc).__name__)
         outcome.status = 502
@@ -257,7 +258,7 @@ async def _relay_stream(
 
 
 async def _relay_body(
-    resp: aiohttp.ClientResponse, outcome: UpstreamOutcome, request_id: str
+    resp: UpstreamResponse, outcome: UpstreamOutcome, request_id: str
 ) -> web.Response:
     body = await resp.read()
     outcome.ttft_s = None
@@ -266,7 +267,7 @@ async def _relay_body(
             outcome.usage = _usage(json.loads(body))
         except ValueError:
             outcome.usage = None
-    headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_HEADERS}
+    headers = {k: v for k, v in resp.headers if k.lower() not in _DROP_HEADERS}
     headers["X-Request-Id"] = request_id
     return web.Response(status=resp.status, body=body, headers=headers)
 
@@ -290,14 +291,10 @@ async def send(
     ``hooks`` keep in-flight counts and replica-time accounting for exactly the replica that is
     being tried.
     """
-    session = gw.http()
+    upstream = gw.upstream_pool()
     # upstream_timeout_s bounds each wait for the replica (the first byte, then each next
     # chunk), never the whole response: a long stream that keeps producing is never cut.
-    timeout = aiohttp.ClientTimeout(
-        total=None,
-        sock_connect=gw.config.connect_timeout_s,
-        sock_read=gw.config.upstream_timeout_s,
-    )
+    read_timeout_s = gw.config.upstream_timeout_s
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     max_attempts = 1 + gw.max_retries
     tried = 0
@@ -332,8 +329,11 @@ async def send(
             outcome.sent_at = time.monotonic()
             hooks.started(replica_id)
             try:
-                async with session.post(
-                    _upstream_url(replica.url, path), data=payload, headers=headers, timeout=timeout
+                async with upstream.post(
+                    _upstream_url(replica.url, path),
+                    payload,
+                    headers,
+                    read_timeout_s=read_timeout_s,
                 ) as resp:
                     breaker.success()
                     outcome.status = resp.status

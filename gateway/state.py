@@ -20,6 +20,7 @@ from gateway.policy_view import GatewayPolicy
 from gateway.ratelimit import RateLimiter
 from gateway.replicas import ReplicaRegistry
 from gateway.routing_glue import Router
+from gateway.upstream_client import UpstreamPool
 from routing.contracts import BlockIndex, PromptTokenizer
 
 if TYPE_CHECKING:
@@ -45,8 +46,10 @@ class GatewayState:
     meter: ReplicaTimeMeter = field(default_factory=ReplicaTimeMeter)
     window: RouteWindow = field(default_factory=RouteWindow)
     decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=200))
-    #: Pooled upstream connections; opened in the app's cleanup context.
+    #: Pooled connections for health polls and adapter calls; opened in the cleanup context.
     session: aiohttp.ClientSession | None = None
+    #: Keep-alive connections for the proxied requests themselves (``gateway/upstream_client``).
+    upstream: UpstreamPool | None = None
     #: Set while shutting down: new requests get 503, in-flight ones drain.
     draining: bool = False
     active_requests: int = 0
@@ -67,6 +70,12 @@ class GatewayState:
         if self.session is None:
             raise RuntimeError("gateway session is not open (app not started)")
         return self.session
+
+    def upstream_pool(self) -> UpstreamPool:
+        """The connections proxied requests go out on (only valid while the app runs)."""
+        if self.upstream is None:
+            raise RuntimeError("gateway upstream pool is not open (app not started)")
+        return self.upstream
 
 
 GATEWAY = web.AppKey("fleetgate_gateway", GatewayState)
