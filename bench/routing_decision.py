@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import redis.asyncio as aioredis
 
+from bench._bench_common import write_page
 from routing.contracts import BlockIndex, RoutingRequest
 from routing.engine import RoutingEngine
 from routing.hashing import chain_seed, hash_token_blocks
@@ -85,6 +86,8 @@ class Row:
     #: Mean number of replicas the index matched per decision, and their mean depth in blocks.
     matched_replicas: float
     matched_blocks: float
+    #: Redis only: the server's own time per match script call (``INFO commandstats``), ms.
+    server_ms: float | None = None
 
     @property
     def target_ms(self) -> float:
@@ -162,6 +165,7 @@ async def measure(
     replicas: Sequence[ReplicaState],
     prompts: Prompts,
     w: Workload,
+    redis_client: aioredis.Redis | None = None,
 ) -> Row:
     """Time ``w.decisions`` expected-ttft decisions, each followed by a round-robin baseline."""
     seed = chain_seed(MODEL, None, "tenant-salt")
@@ -208,6 +212,8 @@ async def measure(
         await engine.route(plain, replicas, "round-robin")
         done = clock()
         if i < w.warmup:
+            if i == w.warmup - 1 and redis_client is not None:
+                await redis_client.config_resetstat()  # count the timed lookups only
             continue
         lookup_ms = result.timings_ms.get("index", 0.0)
         hashing.append((hashed - start) * 1000)
@@ -219,7 +225,13 @@ async def measure(
         matches = request.prefix_matches or {}
         matched_replicas.append(len(matches))
         matched_blocks.extend(matches.values())
+    server_ms = None
+    if redis_client is not None:
+        scripts = (await redis_client.info("commandstats")).get("cmdstat_evalsha", {})
+        if scripts.get("calls"):
+            server_ms = scripts["usec"] / scripts["calls"] / 1000
     return Row(
+        server_ms=server_ms,
         backend=backend,
         replicas=len(replicas),
         decisions=w.decisions,
@@ -236,13 +248,13 @@ async def measure(
 
 
 @asynccontextmanager
-async def redis_index(url: str) -> AsyncIterator[RedisBlockIndex]:
-    """A ``RedisBlockIndex`` under a key prefix of its own, deleted afterwards."""
+async def redis_index(url: str) -> AsyncIterator[tuple[RedisBlockIndex, aioredis.Redis]]:
+    """A ``RedisBlockIndex`` under a key prefix of its own (and its client), deleted afterwards."""
     prefix = f"bench-{uuid.uuid4().hex[:12]}"
     client = aioredis.Redis.from_url(url, decode_responses=True)
     index = RedisBlockIndex(client, key_prefix=prefix, timeout_s=0.5)
     try:
-        yield index
+        yield index, client
     finally:
         keys = [key async for key in client.scan_iter(match=f"{{{prefix}}}:*", count=1000)]
         for start in range(0, len(keys), 1000):
@@ -271,8 +283,8 @@ async def run_all(args: argparse.Namespace, redis_url: str | None) -> list[Row]:
                 rows.append(await measure(backend, MemoryBlockIndex(), replicas, prompts, w))
             else:
                 assert redis_url is not None
-                async with redis_index(redis_url) as index:
-                    rows.append(await measure(backend, index, replicas, prompts, w))
+                async with redis_index(redis_url) as (index, client):
+                    rows.append(await measure(backend, index, replicas, prompts, w, client))
             print(format_row(rows[-1]), file=sys.stderr)
     return rows
 
@@ -344,6 +356,12 @@ def render(rows: Sequence[Row], args: argparse.Namespace, command: str, redis_no
             f"decision at p50; the engine alone takes {row.engine[0]:.3f} ms p50 / "
             f"{row.engine[1]:.3f} ms p99. The index matched {row.matched_replicas:.1f} replicas "
             f"per decision, {row.matched_blocks:.0f} blocks deep on average."
+            + (
+                f" Redis itself spent {row.server_ms:.3f} ms per lookup script (mean, "
+                "`INFO commandstats`); the rest of the lookup is the round trip and the client."
+                if row.server_ms is not None
+                else ""
+            )
         )
     lines.append("")
     missed = [row for row in rows if not row.meets_target]
@@ -431,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report)
     else:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(report, encoding="utf-8")
+        write_page(args.output, report)
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
