@@ -21,7 +21,8 @@ import logging
 import math
 import operator
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import types
+from collections.abc import Coroutine, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -339,6 +340,61 @@ def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0
 
 
+class _Plan:
+    """What ``route`` needs of a profile, worked out once per profile instead of per request."""
+
+    __slots__ = ("filters", "needs_prefix", "picker_key", "picker_name", "profile", "scorers")
+
+    def __init__(self, profile: Profile, builtin_filter: Filter) -> None:
+        self.profile = profile
+        self.needs_prefix = profile.needs_prefix  # a property walking every plugin
+        filter_names = [_plugin_name(f) for f in (builtin_filter, *profile.filters)]
+        #: (filter, its name, its timings key), the built-in filter first.
+        self.filters: tuple[tuple[Filter, str, str], ...] = tuple(
+            (plugin, name, f"filter:{name}")
+            for plugin, name in zip((builtin_filter, *profile.filters), filter_names, strict=True)
+        )
+        #: (scorer, weight, its name, its timings key).
+        self.scorers: tuple[tuple[Scorer, float, str, str], ...] = tuple(
+            (scorer, weight, _plugin_name(scorer), f"scorer:{_plugin_name(scorer)}")
+            for scorer, weight in profile.scorers
+        )
+        self.picker_name = _plugin_name(profile.picker)
+        self.picker_key = f"picker:{self.picker_name}"
+
+
+class _Resumed:
+    """Awaits the rest of a coroutine that was stepped once by hand and is waiting on ``pending``.
+
+    Sends and throws (a timeout's cancellation) go on into the coroutine, as ``await`` would.
+    """
+
+    __slots__ = ("_coro", "_pending")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], pending: Any) -> None:
+        self._coro = coro
+        self._pending = pending
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, pending = self._coro, self._pending
+        while True:
+            try:
+                sent = yield pending
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:
+                try:
+                    pending = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    pending = coro.send(sent)
+                except StopIteration as done:
+                    return done.value
+
+
 class RoutingEngine:
     """Runs routing profiles over the current replica states.
 
@@ -362,6 +418,7 @@ class RoutingEngine:
         self._index_warning = _RateLimitedWarning()
         self._plugin_warning = _RateLimitedWarning()
         self._profiles: dict[str, Profile] = {}
+        self._plans: dict[str, _Plan] = {}
         self._observers: list[object] = []
         self.replace_profiles(profiles)
 
@@ -397,7 +454,8 @@ class RoutingEngine:
             for plugin in profile.plugins:
                 if hasattr(plugin, "on_request_start") or hasattr(plugin, "on_request_complete"):
                     observers[id(plugin)] = plugin
-        self._profiles = checked
+        plans = {key: _Plan(profile, self._builtin_filter) for key, profile in checked.items()}
+        self._profiles, self._plans = checked, plans
         self._observers = list(observers.values())
 
     # ------------------------------------------------------------------ routing
@@ -412,25 +470,26 @@ class RoutingEngine:
         """
         started = time.perf_counter()
         try:
-            prof = self._profiles[profile]
+            plan = self._plans[profile]
         except KeyError:
             known = ", ".join(sorted(self._profiles)) or "none"
             raise ValueError(f"unknown routing profile {profile!r} (known: {known})") from None
+        prof = plan.profile
         timings: dict[str, float] = {}
         stages = _Stages()
         # Loads now: replica states change in place after the decision (in-flight counts).
         loads = {r.replica_id: float(r.load) for r in replicas}
 
-        candidates = self._run_filters(request, replicas, prof, timings, stages)
+        candidates = self._run_filters(request, replicas, plan, timings, stages)
 
         degraded = False
-        if prof.needs_prefix:
+        if plan.needs_prefix:
             degraded = not await self._lookup_prefix(request, timings)
         if request.prefix_matches:
             stages.matches = dict(request.prefix_matches)
 
-        totals = self._run_scorers(request, candidates, prof, timings, stages)
-        order = self._run_picker(request, candidates, totals, prof, timings, stages)
+        totals = self._run_scorers(request, candidates, plan, timings, stages)
+        order = self._run_picker(request, candidates, totals, plan, timings, stages)
 
         timings["total"] = _ms_since(started)
         return RoutingDecision(
@@ -446,17 +505,16 @@ class RoutingEngine:
         self,
         request: RoutingRequest,
         replicas: Sequence[ReplicaState],
-        prof: Profile,
+        plan: _Plan,
         timings: dict[str, float],
         stages: _Stages,
     ) -> list[ReplicaState]:
         candidates = list(replicas)
         filtered_out_by = stages.filtered_out_by
-        for plugin in (self._builtin_filter, *prof.filters):
-            name = _plugin_name(plugin)
+        for plugin, name, key in plan.filters:
             start = time.perf_counter()
             kept = plugin.filter(request, candidates)
-            timings[f"filter:{name}"] = _ms_since(start)
+            timings[key] = _ms_since(start)
             if not (
                 type(kept) is list
                 and len(kept) == len(candidates)
@@ -469,7 +527,9 @@ class RoutingEngine:
                 # A filter may only remove replicas, never add ones it was not given.
                 candidates = [r for r in candidates if r.replica_id in kept_ids]
             if not candidates:
-                raise NoReplicaAvailable(self._no_replica_message(request, replicas, prof, name))
+                raise NoReplicaAvailable(
+                    self._no_replica_message(request, replicas, plan.profile, name)
+                )
         return candidates
 
     @staticmethod
@@ -496,8 +556,20 @@ class RoutingEngine:
             return True
         start = time.perf_counter()
         try:
-            async with asyncio.timeout(self._index_timeout_s):
-                matches = await self._index.match(request.chain)
+            lookup = self._index.match(request.chain)
+            if type(lookup) is types.CoroutineType:
+                # Step it by hand first: a lookup that finishes without suspending (the in-memory
+                # index) cannot be timed out, so arming a timer for it (~4 us) would be wasted.
+                try:
+                    pending = lookup.send(None)
+                except StopIteration as done:
+                    matches = done.value
+                else:
+                    async with asyncio.timeout(self._index_timeout_s):
+                        matches = await _Resumed(lookup, pending)
+            else:
+                async with asyncio.timeout(self._index_timeout_s):
+                    matches = await lookup
         except Exception as exc:  # IndexUnavailable, TimeoutError, or a backend bug: degrade.
             timings["index"] = _ms_since(start)
             self._index_warning.warn(
@@ -515,14 +587,13 @@ class RoutingEngine:
         self,
         request: RoutingRequest,
         candidates: list[ReplicaState],
-        prof: Profile,
+        plan: _Plan,
         timings: dict[str, float],
         stages: _Stages,
     ) -> dict[ReplicaId, float]:
         totals = dict.fromkeys([r.replica_id for r in candidates], 0.0)
         stages.totals = totals
-        for scorer, weight in prof.scorers:
-            name = _plugin_name(scorer)
+        for scorer, weight, name, key in plan.scorers:
             start = time.perf_counter()
             terms: PluginTerms = {}
             # getattr, not isinstance(ExplainingScorer): protocol checks are slow on a hot path.
@@ -536,7 +607,7 @@ class RoutingEngine:
                 # A scorer bug must not take routing down: it gives no opinion for this request.
                 self._plugin_warning.warn("scorer %r failed; ignoring it", name, exc_info=True)
                 raw = {}
-            timings[f"scorer:{name}"] = _ms_since(start)
+            timings[key] = _ms_since(start)
             stages.scorers.append((name, raw, terms))
             get = raw.get
             for rid in totals:
@@ -551,12 +622,12 @@ class RoutingEngine:
         request: RoutingRequest,
         candidates: list[ReplicaState],
         totals: dict[ReplicaId, float],
-        prof: Profile,
+        plan: _Plan,
         timings: dict[str, float],
         stages: _Stages,
     ) -> list[ReplicaId]:
-        picker = prof.picker
-        name = _plugin_name(picker)
+        picker = plan.profile.picker
+        name = plan.picker_name
         start = time.perf_counter()
         terms: PluginTerms = {}
         explaining = getattr(picker, "pick_with_terms", None)
@@ -568,7 +639,7 @@ class RoutingEngine:
         except Exception:
             self._plugin_warning.warn("picker %r failed; using scores", name, exc_info=True)
             order = []
-        timings[f"picker:{name}"] = _ms_since(start)
+        timings[plan.picker_key] = _ms_since(start)
         stages.picker_terms = terms
         # Keep only candidates, once each; a picker that returned nothing usable falls back to
         # the weighted scores, then load, so a picker bug degrades rather than fails.

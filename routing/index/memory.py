@@ -2,15 +2,22 @@
 
 Layout: every live *incarnation* (a replica at one epoch) owns one bit. An ``OrderedDict`` maps
 each block hash, oldest first, to an int bitmask of the incarnations holding it
-engine-confirmed; the few blocks with speculative entries also have a small dict of them, with
-their expiry, on the side.
+engine-confirmed; blocks with speculative entries also map, on the side, to an immutable
+*speculative state*: the OR of the guessing incarnations' bits, the earliest expiry among them,
+and the guesses themselves (one per replica). States are shared: one write gives every block it
+touches in the same state the same new state (a transition memoised for the call), so the blocks
+of a prompt that were written by the same writes hold one state object, not a dict each (and,
+being tuples of ints, floats and strings, states are soon untracked by the garbage collector).
 
 A lookup is then one big-int AND per block, whatever the number of replicas::
 
     running = live & mask[b0]
     nxt = running & mask[bi]        # replicas in running & ~nxt stop at depth i
 
-so it costs O(matched blocks), not O(matched blocks x replicas holding them).
+so it costs O(matched blocks), not O(matched blocks x replicas holding them). A block with a
+speculative state ORs in the state's bits as long as the lookup's clock is before the state's
+earliest expiry and none of its bits is dead (checked once per state object, not per block);
+otherwise the lookup drops the expired or dead guesses first.
 
 Liveness is decided when an entry is *read*, never by scanning:
 
@@ -51,12 +58,123 @@ from routing.types import BlockHash, Epoch, ReplicaId
 __all__ = ["MemoryBlockIndex"]
 
 
-#: Speculative entries of one block: replica -> (incarnation bit value, expiry).
-_Spec = dict[ReplicaId, tuple[int, float]]
+#: One speculative write's entry, shared by every block it wrote (reclamation tells a write's
+#: own entry from a newer one by identity): (incarnation bit value, expiry, replica).
+_Guess = tuple[int, float, ReplicaId]
+
+#: The speculative entries of a block, immutable and shared by every block in the same state:
+#: (OR of the guesses' bit values, earliest expiry among them, the guesses, at most one per
+#: replica). Never empty: a block whose last guess goes has no state.
+_SpecState = tuple[int, float, tuple[_Guess, ...]]
+_BITS, _EARLIEST, _GUESSES = 0, 1, 2
 
 #: One speculative write awaiting reclamation, a heap item (a list: the cursor moves):
-#: [expiry, sequence number, the entry it wrote (shared by its blocks), replica, blocks, cursor].
+#: [expiry, sequence number, the guess it wrote (shared by its blocks), replica, blocks, cursor].
 _EXPIRY, _GUESS, _REPLICA, _BLOCKS, _CURSOR = 0, 2, 3, 4, 5
+
+_MAX_U64 = 2**64 - 1
+_INT_ONLY = {int}
+
+
+def _checked_blocks(blocks: Sequence[BlockHash]) -> None:
+    """``check_blocks``, with a fast path for the usual list or tuple of plain ints.
+
+    Element by element in Python, ``check_blocks`` was a sizeable share of a ``record``; the fast
+    path checks types and range in C. Anything it does not accept goes to ``check_blocks``,
+    which raises the precise error (or accepts, e.g. int subclasses), so errors are unchanged.
+    """
+    kind = type(blocks)
+    if (
+        (kind is list or kind is tuple)
+        and blocks
+        and set(map(type, blocks)) == _INT_ONLY
+        and min(blocks) >= 0
+        and max(blocks) <= _MAX_U64
+    ):
+        return
+    check_blocks(blocks)
+
+
+def _state_of(guesses: tuple[_Guess, ...]) -> _SpecState | None:
+    """The speculative state holding ``guesses`` (``None`` if there are none)."""
+    if not guesses:
+        return None
+    bits = 0
+    earliest = math.inf
+    for value, until, _ in guesses:
+        bits |= value
+        if until < earliest:
+            earliest = until
+    return (bits, earliest, guesses)
+
+
+def _with_guess(state: _SpecState | None, guess: _Guess) -> _SpecState:
+    """``state`` with ``guess`` replacing its replica's guess, if any (of any incarnation)."""
+    if state is None:
+        return (guess[0], guess[1], (guess,))
+    replica = guess[2]
+    new = _state_of((*[g for g in state[_GUESSES] if g[2] != replica], guess))
+    assert new is not None
+    return new
+
+
+def _without_replica(state: _SpecState, replica: ReplicaId) -> _SpecState | None:
+    """``state`` less ``replica``'s guess (``state`` itself, unchanged, if it has none)."""
+    guesses = state[_GUESSES]
+    kept = tuple(g for g in guesses if g[2] != replica)
+    return state if len(kept) == len(guesses) else _state_of(kept)
+
+
+def _without_incarnation(state: _SpecState, replica: ReplicaId, value: int) -> _SpecState | None:
+    """``state`` less ``replica``'s guess if it is of the incarnation whose bit is ``value``."""
+    guesses = state[_GUESSES]
+    kept = tuple(g for g in guesses if not (g[0] == value and g[2] == replica))
+    return state if len(kept) == len(guesses) else _state_of(kept)
+
+
+def _without_guess(state: _SpecState, guess: _Guess) -> _SpecState | None:
+    """``state`` less this very ``guess`` object (``state`` itself if it does not hold it)."""
+    guesses = state[_GUESSES]
+    kept = tuple(g for g in guesses if g is not guess)
+    return state if len(kept) == len(guesses) else _state_of(kept)
+
+
+def _without_stale(state: _SpecState, now: float, dead: int) -> _SpecState | None:
+    """``state`` less its guesses expired at ``now`` or of dead incarnations (itself if none)."""
+    if now < state[_EARLIEST] and not state[_BITS] & dead:
+        return state
+    return _state_of(tuple(g for g in state[_GUESSES] if now < g[1] and not g[0] & dead))
+
+
+class _Transitions:
+    """Memoises one state transition within a call: old state object -> new state object.
+
+    Keyed by identity (the old state is kept alive here so its id cannot be reused meanwhile);
+    the blocks a call touches mostly share a handful of states, so each is computed once.
+    """
+
+    __slots__ = ("_last_new", "_last_old", "_memo", "_step")
+
+    def __init__(self, step: Callable[[_SpecState], _SpecState | None]) -> None:
+        self._step = step
+        self._last_old: object = _NO_STATE
+        self._last_new: _SpecState | None = None
+        self._memo: dict[int, tuple[_SpecState, _SpecState | None]] = {}
+
+    def __call__(self, state: _SpecState) -> _SpecState | None:
+        if state is self._last_old:
+            return self._last_new
+        hit = self._memo.get(id(state))
+        if hit is None:
+            new = self._step(state)
+            self._memo[id(state)] = (state, new)
+        else:
+            new = hit[1]
+        self._last_old, self._last_new = state, new
+        return new
+
+
+_NO_STATE = object()
 
 
 class MemoryBlockIndex:
@@ -99,8 +217,8 @@ class MemoryBlockIndex:
         # Plain ints, not objects: a million blocks add nothing for the garbage collector to
         # walk, which would otherwise stall every process-wide collection for milliseconds.
         self._blocks: OrderedDict[BlockHash, int] = OrderedDict()
-        #: Speculative entries, only for the (few) blocks that have some.
-        self._spec: dict[BlockHash, _Spec] = {}
+        #: Speculative state, only for the blocks that have guesses; states are shared by blocks.
+        self._spec: dict[BlockHash, _SpecState] = {}
         #: Speculative writes by expiry (a heap of ``_EXPIRY``.. items), for reclamation. One
         #: item per ``record`` call, not per block: pushing costs O(log writes) per call.
         self._expiring: list[list[Any]] = []
@@ -178,11 +296,15 @@ class MemoryBlockIndex:
         keep = ~dead
         index = self._blocks
         spec_blocks = self._spec
-        for block_hash, spec in list(spec_blocks.items()):
-            for replica in [r for r, (value, _) in spec.items() if value & dead]:
-                del spec[replica]
-            if not spec:
+        # At a clock of -inf no guess has expired: only dead ones go (expiry is left to lookups
+        # and reclamation, as before).
+        drop_dead = _Transitions(lambda state: _without_stale(state, -math.inf, dead))
+        for block_hash, state in list(spec_blocks.items()):
+            new = drop_dead(state)
+            if new is None:
                 del spec_blocks[block_hash]
+            elif new is not state:
+                spec_blocks[block_hash] = new
         empty: list[BlockHash] = []
         # Rewriting a value in place keeps the LRU order (only insertion and move_to_end move).
         for block_hash, mask in index.items():
@@ -213,7 +335,7 @@ class MemoryBlockIndex:
         Each write's blocks are walked once in all (a cursor remembers where a walk stopped), so
         the cost is O(1) amortised per block written. An entry rewritten since (a newer guess, a
         confirmed write) or already dropped (lookup, LRU, compaction) is not the write's own
-        tuple any more and is left alone.
+        guess object any more and is left alone.
         """
         heap = self._expiring
         index, spec_blocks = self._blocks, self._spec
@@ -223,19 +345,23 @@ class MemoryBlockIndex:
             item = heap[0]
             if item[_EXPIRY] > now:
                 break
-            guess, replica = item[_GUESS], item[_REPLICA]
+            guess: _Guess = item[_GUESS]
+            drop = _Transitions(lambda state, guess=guess: _without_guess(state, guess))
             blocks: tuple[BlockHash, ...] = item[_BLOCKS]
             start: int = item[_CURSOR]
             end = min(len(blocks), start + budget)
             budget -= end - start
             for position in range(start, end):
                 block_hash = blocks[position]
-                spec = spec_blocks.get(block_hash)
-                if spec is None or spec.get(replica) is not guess:
+                state = spec_blocks.get(block_hash)
+                if state is None:
                     continue
-                del spec[replica]
+                new = drop(state)
+                if new is state:
+                    continue
                 reclaimed += 1
-                if spec:
+                if new is not None:
+                    spec_blocks[block_hash] = new
                     continue
                 del spec_blocks[block_hash]
                 mask = index.get(block_hash)
@@ -330,7 +456,7 @@ class MemoryBlockIndex:
         check_replica(replica)
         check_epoch(epoch)
         check_ttl(ttl_s)
-        check_blocks(blocks)
+        _checked_blocks(blocks)
         if not blocks:
             return  # nothing to hold: no epoch is adopted either (as in the Redis backend)
         now = self._clock() if ttl_s is not None or self._expiring else 0.0
@@ -342,10 +468,12 @@ class MemoryBlockIndex:
             return
         value = 1 << self._bit_of[(replica, epoch)]
         # The replica's other incarnations' entries are replaced in place (one per block).
-        keep = ~(self._replica_bits[replica] & ~value)
+        others = self._replica_bits[replica] & ~value
+        keep = ~others
         index = self._blocks
         spec_blocks = self._spec
         if ttl_s is None:
+            drop = _Transitions(lambda state: _without_replica(state, replica))
             for block_hash in blocks:
                 mask = index.get(block_hash)
                 if mask is None:
@@ -354,56 +482,71 @@ class MemoryBlockIndex:
                 index.move_to_end(block_hash)
                 index[block_hash] = (mask & keep) | value
                 if spec_blocks:
-                    spec = spec_blocks.get(block_hash)
-                    if spec is not None and spec.pop(replica, None) is not None and not spec:
-                        del spec_blocks[block_hash]
+                    state = spec_blocks.get(block_hash)
+                    if state is not None:
+                        new = drop(state)
+                        if new is None:
+                            del spec_blocks[block_hash]
+                        elif new is not state:
+                            spec_blocks[block_hash] = new
         else:
             until = now + ttl_s
-            guess = (value, until)
+            guess: _Guess = (value, until, replica)
             blocks = tuple(blocks)  # kept for reclamation: the caller may reuse its list
             self._queue_for_reclaim([until, next(self._sequence), guess, replica, blocks, 0])
+            fresh: _SpecState = (value, until, (guess,))  # the state of a block guessed only now
+            add = _Transitions(lambda state: _with_guess(state, guess))
+            # The last transition, inline: consecutive blocks nearly always share their state.
+            last_old: _SpecState | None = None
+            last_new = fresh
+            get, move_to_end, spec_get = index.get, index.move_to_end, spec_blocks.get
             for block_hash in blocks:
-                mask = index.get(block_hash)
+                mask = get(block_hash)
                 if mask is None:
+                    # A block absent from the LRU map has no speculative state either.
                     index[block_hash] = 0
-                else:
-                    index.move_to_end(block_hash)
-                    if mask & value:
-                        continue  # keep the engine's word over our own guess
+                    spec_blocks[block_hash] = fresh
+                    continue
+                move_to_end(block_hash)
+                if mask & value:
+                    continue  # keep the engine's word over our own guess
+                if mask & others:
                     index[block_hash] = mask & keep
-                spec = spec_blocks.get(block_hash)
-                if spec is None:
-                    spec_blocks[block_hash] = {replica: guess}
-                else:
-                    spec[replica] = guess
+                state = spec_get(block_hash)
+                if state is not last_old:
+                    last_old = state
+                    last_new = fresh if state is None else add(state)
+                spec_blocks[block_hash] = last_new
         self._evict_overflow()
 
     async def remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
         """Forget that ``replica`` at ``epoch`` holds ``blocks``; other epochs' entries stay."""
         check_replica(replica)
         check_epoch(epoch)
-        check_blocks(blocks)
+        _checked_blocks(blocks)
         bit = self._bit_of.get((replica, epoch))
         if bit is None:
             return  # no bit, so no entry of that incarnation anywhere
         value = 1 << bit
         index = self._blocks
         spec_blocks = self._spec
+        # Only the guess of this incarnation goes (the replica's entry of another one stays).
+        drop = _Transitions(lambda state: _without_incarnation(state, replica, value))
         for block_hash in blocks:
             mask = index.get(block_hash)
             if mask is None:
                 continue
             mask &= ~value
             index[block_hash] = mask
-            spec = spec_blocks.get(block_hash)
-            if spec is not None:
-                held = spec.get(replica)
-                if held is not None and held[0] == value:
-                    del spec[replica]
-                    if not spec:
-                        del spec_blocks[block_hash]
-                        spec = None
-            if not mask and spec is None:
+            state = spec_blocks.get(block_hash)
+            if state is not None:
+                new = drop(state)
+                if new is None:
+                    del spec_blocks[block_hash]
+                elif new is not state:
+                    spec_blocks[block_hash] = new
+                state = new
+            if not mask and state is None:
                 del index[block_hash]
 
     def _evict_overflow(self) -> None:
@@ -416,26 +559,33 @@ class MemoryBlockIndex:
 
     # ------------------------------------------------------------------ lookup
 
-    def _holders(self, block_hash: BlockHash, mask: int, now: float) -> int:
+    def _holders(
+        self,
+        block_hash: BlockHash,
+        mask: int,
+        state: _SpecState | None,
+        drop_stale: Callable[[_SpecState], _SpecState | None],
+    ) -> int:
         """The block's holder bits with live speculative entries OR-ed in; drops dead entries.
 
-        Only called when the block may have speculative entries or has dead bits (uncommon).
+        The slow path of ``match``: only called when the block has dead confirmed bits, or a
+        speculative state with an expired guess or a dead bit (uncommon). ``drop_stale`` is the
+        lookup's memoised ``_without_stale`` transition.
         """
         dead = self._dead_mask
         if mask & dead:
             mask &= ~dead  # an old incarnation can never match again: drop it now
             self._blocks[block_hash] = mask
         holders = mask
-        spec = self._spec.get(block_hash)
-        if spec is not None:
-            expired = [r for r, (value, until) in spec.items() if until <= now or value & dead]
-            for replica in expired:
-                del spec[replica]
-            for value, _ in spec.values():
-                holders |= value
-            if not spec:
+        if state is not None:
+            new = drop_stale(state)
+            if new is None:
                 del self._spec[block_hash]
-        if not holders and not mask:
+            else:
+                if new is not state:
+                    self._spec[block_hash] = new
+                holders |= new[_BITS]
+        if not holders:
             del self._blocks[block_hash]
         return holders
 
@@ -454,21 +604,37 @@ class MemoryBlockIndex:
         if not running:
             return {}
         index = self._blocks
-        spec_blocks = self._spec
+        get = index.get
+        move_to_end = index.move_to_end
+        spec_get = self._spec.get
         dead = self._dead_mask
         owner = self._owner
         depths: dict[ReplicaId, int] = {}
         matched = 0
+        # The last speculative state found usable as it is (nothing expired, no dead bit): the
+        # blocks of a prompt mostly share one state, so it is checked once, not once per block.
+        usable: object = _NO_STATE
+        stale: _Transitions | None = None  # made on first need: most lookups never need it
         for block_hash in chain:
-            mask = index.get(block_hash)
+            mask = get(block_hash)
             if mask is None:
                 break
-            if (spec_blocks and block_hash in spec_blocks) or mask & dead:
-                mask = self._holders(block_hash, mask, now)
+            state = spec_get(block_hash)
+            if mask & dead or (
+                state is not None
+                and state is not usable
+                and not (now < state[_EARLIEST] and not state[_BITS] & dead)
+            ):
+                if stale is None:
+                    stale = _Transitions(lambda old: _without_stale(old, now, dead))
+                mask = self._holders(block_hash, mask, state, stale)
+            elif state is not None:
+                usable = state
+                mask |= state[_BITS]
             still = running & mask
             if not still:
                 break
-            index.move_to_end(block_hash)  # a hit keeps the block young (LRU)
+            move_to_end(block_hash)  # a hit keeps the block young (LRU)
             if still != running:
                 # Replicas live but lacking the first block simply never start (depth 0).
                 ended = running & ~still if matched else 0

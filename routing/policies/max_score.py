@@ -50,22 +50,31 @@ class MaxScorePicker(ExplainingPicker):
         """``pick`` plus, per replica, whether the load bound made it ineligible."""
         if not replicas:
             return [], {}
+        p = self.params
         rng = self.rng(request)
         loads = {r.replica_id: r.load for r in replicas}  # ``load`` is a property: read it once
         mean = sum(loads.values()) / len(loads)
-        bound = (1.0 + self.params.load_epsilon) * mean + self.params.load_slack
+        bound = (1.0 + p.load_epsilon) * mean + p.load_slack
+        score_of = scores.get
+        draw = rng.random
         # Ids sorted before drawing tie-breakers, so a fixed seed gives a fixed order whatever
         # the input order; then best score first, random among equal scores.
-        ranked = sorted((-scores.get(rid, 0.0), rng.random(), rid) for rid in sorted(loads))
-        eligible = [rid for _, _, rid in ranked if loads[rid] <= bound]
-        over = [rid for _, _, rid in ranked if loads[rid] > bound]
+        ranked = sorted([(-score_of(rid, 0.0), draw(), rid) for rid in sorted(loads)])
+        eligible: list[ReplicaId] = []
+        over: list[ReplicaId] = []
+        for _, _, rid in ranked:
+            (eligible if loads[rid] <= bound else over).append(rid)
 
-        best = scores.get(eligible[0], 0.0)
-        floor = best - self.params.tie_tolerance * abs(best)
-        near = [rid for rid in eligible if scores.get(rid, 0.0) >= floor]
-        chosen = near[rng.randrange(len(near))]
-        order = [chosen, *(rid for rid in eligible if rid != chosen), *over]
+        best = score_of(eligible[0], 0.0)
+        floor = best - p.tie_tolerance * abs(best)
+        near = [rid for rid in eligible if score_of(rid, 0.0) >= floor]
+        # One candidate needs no draw (the seeded choice is the same either way).
+        chosen = near[rng.randrange(len(near))] if len(near) > 1 else near[0]
+        if chosen == eligible[0]:
+            order = eligible + over  # the best ranked was chosen: the ranking is the order
+        else:
+            order = [chosen, *(rid for rid in eligible if rid != chosen), *over]
         terms: dict[ReplicaId, dict[str, float]] = {
-            rid: {"over_load_bound": float(load > bound)} for rid, load in loads.items()
+            rid: {"over_load_bound": 1.0 if load > bound else 0.0} for rid, load in loads.items()
         }
         return order, terms
