@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from gateway import adapters, errors, proxy
+from gateway import adapters, errors, proxy, speculative
 from gateway.auth import authenticate
 from gateway.errors import GatewayError, model_not_found
 from gateway.policy_view import Route, Tenant
@@ -258,51 +258,6 @@ def _decision_metrics(gw: GatewayState, route: str, decision: RoutingDecision) -
         m.index_errors.labels(gw.index_backend).inc()
 
 
-def start_speculative_insert(
-    gw: GatewayState, replica: ReplicaId, chain: list[Any]
-) -> asyncio.Task[None] | None:
-    """Start telling the index ``replica`` is about to hold the prompt's blocks; the task.
-
-    The only index write of a request served by the chosen replica: accounting refreshes the
-    entry only when a fallback served it (``accounting._prediction``). It runs beside the
-    upstream call, not before it: ``_forward`` starts it, sends, and awaits it before answering,
-    so the client never waits for the write unless the replica answered first, and the index
-    knows the blocks by the time the client has the answer.
-    """
-    if not chain or gw.registry.get(replica) is None:
-        return None
-    task = asyncio.get_running_loop().create_task(_speculative_insert(gw, replica, chain))
-    gw.background.add(task)
-    task.add_done_callback(gw.background.discard)
-    return task
-
-
-async def _speculative_insert(gw: GatewayState, replica: ReplicaId, chain: list[Any]) -> None:
-    # Yield once first: the task was created before the upstream request, and on Python < 3.12
-    # aiohttp writes a request body from a task of its own, queued after this one. Yielding lets
-    # the body go out first, so the write overlaps the replica's work instead of preceding it.
-    await asyncio.sleep(0)
-    state = gw.registry.get(replica)
-    if state is None:
-        return
-    try:
-        record = gw.index.record(replica, state.epoch, chain, ttl_s=gw.config.speculative_ttl_s)
-        if type(gw.index).__module__ == "routing.index.memory":
-            await record  # in-process and never waits: no timer to arm
-        else:
-            async with asyncio.timeout(0.05):
-                await record
-    except Exception as exc:  # index down or slow: routing still works, just less informed
-        gw.metrics.index_errors.labels(gw.index_backend).inc()
-        log.debug("speculative index insert failed: %s", exc)
-
-
-async def _insert_done(task: asyncio.Task[None] | None) -> None:
-    """Wait for the speculative insert (it bounds itself; it never raises)."""
-    if task is not None and not task.done():
-        await asyncio.shield(task)  # a cancelled handler must not cancel the index write
-
-
 def upstream_body(body: Mapping[str, Any], tenant: Tenant) -> tuple[dict[str, Any], bool]:
     """The body vLLM gets: the client's, with the gateway-owned fields set.
 
@@ -421,7 +376,9 @@ async def _forward(
 
     hooks = _Attempts(gw, routed, uncached, arrived)
     candidates = [decision.replica, *decision.fallbacks]
-    insert = start_speculative_insert(gw, decision.replica, routed.routing_request.chain)
+    routing_request = routed.routing_request
+    depth = (routing_request.prefix_matches or {}).get(decision.replica, 0)
+    insert = gw.speculative.start(gw, decision.replica, routing_request.chain, depth)
     with gw.tracer.start_as_current_span("fleetgate.upstream") as span:
         try:
             response = await proxy.send(
@@ -452,7 +409,7 @@ async def _forward(
             asyncio.get_running_loop().call_soon(
                 _after_response, gw, routed, outcome, arrived, hooks.replica_seconds, stream
             )
-        await _insert_done(insert)
+        await speculative.done(insert)
     return response
 
 

@@ -20,6 +20,7 @@ from gateway.policy_view import GatewayPolicy
 from gateway.ratelimit import RateLimiter
 from gateway.replicas import ReplicaRegistry
 from gateway.routing_glue import Router
+from gateway.speculative import SpeculativeWriter
 from gateway.upstream_client import UpstreamPool
 from routing.contracts import BlockIndex, PromptTokenizer
 
@@ -57,6 +58,8 @@ class GatewayState:
     max_retries: int = 2
     policy_errors: list[str] = field(default_factory=list)
     policy_mtime: float | None = None
+    #: The per-request speculative index write (``gateway/speculative.py``).
+    speculative: SpeculativeWriter = field(default_factory=SpeculativeWriter)
     #: Short-lived tasks (index refreshes); awaited or cancelled on shutdown, never leaked.
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     #: Optional extra replica source (agents' fleet store), polled with the health loop.

@@ -1,0 +1,114 @@
+"""The speculative index write: "the chosen replica is about to hold this prompt's blocks".
+
+Every routed request tells the index that its replica will hold the prompt's block chain (the
+entry expires after ``speculative_ttl_s`` unless the engine's KV events confirm it), so the next
+request with that prefix is routed to the warm cache even before any event arrives.
+
+Most of a prompt is usually a prefix the replica already holds (a system prompt, a conversation
+so far): the decision's match says so, ``depth`` blocks deep. Rewriting those blocks on every
+request only pushes their expiry out, so ``SpeculativeWriter`` writes them only when their last
+full write through this gateway is older than half the TTL, and otherwise writes just the blocks
+past ``depth``. A hot prefix is thus rewritten about twice per TTL, never expires while it is
+used, and a request costs an index write proportional to its new blocks (for the in-memory index,
+CPU on the request path; for Redis, script time and bytes on the wire).
+
+The write runs as a task beside the upstream call (``start``); the handler awaits it (``done``)
+before answering, so the next request from the same client already sees the blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from routing.types import BlockHash, ReplicaId
+
+if TYPE_CHECKING:
+    from gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+#: Remembered prefixes (replica, last block of the prefix) before the table starts over.
+MAX_REMEMBERED = 65_536
+#: A redis (or any non-memory) index write is abandoned past this: routing must not wait on it.
+REMOTE_WRITE_TIMEOUT_S = 0.05
+
+
+class SpeculativeWriter:
+    """Writes each routed prompt's blocks to the index for the chosen replica (see module doc)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        #: (replica, hash of the prefix's last block) -> when the whole prefix was last written.
+        self._written_at: dict[tuple[ReplicaId, BlockHash], float] = {}
+        self.full_writes = 0
+        self.partial_writes = 0
+        self.skipped_writes = 0
+
+    def blocks_to_write(
+        self, replica: ReplicaId, chain: Sequence[BlockHash], depth: int, ttl_s: float
+    ) -> Sequence[BlockHash]:
+        """The part of ``chain`` to write, given that ``replica`` holds its first ``depth``."""
+        depth = min(max(depth, 0), len(chain))
+        if depth == 0:
+            self.full_writes += 1
+            return chain
+        now = self._clock()
+        key = (replica, chain[depth - 1])
+        written_at = self._written_at.get(key)
+        if written_at is not None and now - written_at < ttl_s / 2:
+            if depth == len(chain):
+                self.skipped_writes += 1
+            else:
+                self.partial_writes += 1
+            return chain[depth:]
+        if len(self._written_at) >= MAX_REMEMBERED:
+            self._written_at.clear()  # forgetting only costs full writes until it refills
+        self._written_at[key] = now
+        self.full_writes += 1
+        return chain
+
+    def start(
+        self, gw: GatewayState, replica: ReplicaId, chain: Sequence[BlockHash], depth: int
+    ) -> asyncio.Task[None] | None:
+        """Start the write for a request routed to ``replica`` (matched ``depth`` blocks deep).
+
+        Returns the task, or None when there is nothing to write.
+        """
+        if not chain or gw.registry.get(replica) is None:
+            return None
+        blocks = self.blocks_to_write(replica, chain, depth, gw.config.speculative_ttl_s)
+        if not blocks:
+            return None
+        task = asyncio.get_running_loop().create_task(_write(gw, replica, list(blocks)))
+        gw.background.add(task)
+        task.add_done_callback(gw.background.discard)
+        return task
+
+
+async def _write(gw: GatewayState, replica: ReplicaId, blocks: list[BlockHash]) -> None:
+    # The task's first step runs once the handler waits on the replica: the upstream client
+    # writes the request synchronously before that (gateway/upstream_client), so this write
+    # overlaps the replica's work instead of preceding it.
+    state = gw.registry.get(replica)
+    if state is None:
+        return
+    try:
+        record = gw.index.record(replica, state.epoch, blocks, ttl_s=gw.config.speculative_ttl_s)
+        if type(gw.index).__module__ == "routing.index.memory":
+            await record  # in-process and never waits: no timer to arm
+        else:
+            async with asyncio.timeout(REMOTE_WRITE_TIMEOUT_S):
+                await record
+    except Exception as exc:  # index down or slow: routing still works, just less informed
+        gw.metrics.index_errors.labels(gw.index_backend).inc()
+        log.debug("speculative index insert failed: %s", exc)
+
+
+async def done(task: asyncio.Task[None] | None) -> None:
+    """Wait for a write ``start`` began (it bounds itself and never raises)."""
+    if task is not None and not task.done():
+        await asyncio.shield(task)  # a cancelled handler must not cancel the index write
