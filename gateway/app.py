@@ -116,7 +116,8 @@ def create_app(
         metrics=GatewayMetrics(),
         inflight=inflight,
         tracer=build_tracer(config.otlp_endpoint),
-        layout=LayoutDiagnostics(sample_every=4),
+        # One request in 16 past a route's first 200: the detector reads ~500 recent observations.
+        layout=LayoutDiagnostics(sample_every=16, full_requests=200),
         window=RouteWindow(config.window_s),
         decisions=deque(maxlen=config.decision_log_size),
         max_retries=config.max_retries,

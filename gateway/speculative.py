@@ -12,8 +12,9 @@ past ``depth``. A hot prefix is thus rewritten about twice per TTL, never expire
 used, and a request costs an index write proportional to its new blocks (for the in-memory index,
 CPU on the request path; for Redis, script time and bytes on the wire).
 
-The write runs as a task beside the upstream call (``start``); the handler awaits it (``done``)
-before answering, so the next request from the same client already sees the blocks.
+The write runs beside the upstream call (``start``): a callback for the in-memory index (it
+never suspends), a task for Redis, which the handler awaits (``done``) before answering; either
+way the next request from the same client already sees the blocks.
 """
 
 from __future__ import annotations
@@ -83,10 +84,34 @@ class SpeculativeWriter:
         blocks = self.blocks_to_write(replica, chain, depth, gw.config.speculative_ttl_s)
         if not blocks:
             return None
-        task = asyncio.get_running_loop().create_task(_write(gw, replica, list(blocks)))
+        loop = asyncio.get_running_loop()
+        if type(gw.index).__module__ == "routing.index.memory":
+            # In-process and never suspends: a plain callback, run once the handler waits on
+            # the replica (the request's bytes are out by then), costs less than a task.
+            loop.call_soon(_write_now, gw, replica, list(blocks))
+            return None
+        task = loop.create_task(_write(gw, replica, list(blocks)))
         gw.background.add(task)
         task.add_done_callback(gw.background.discard)
         return task
+
+
+def _write_now(gw: GatewayState, replica: ReplicaId, blocks: list[BlockHash]) -> None:
+    """The in-memory index's write, driven to completion in one step (it never suspends)."""
+    state = gw.registry.get(replica)
+    if state is None:
+        return
+    record = gw.index.record(replica, state.epoch, blocks, ttl_s=gw.config.speculative_ttl_s)
+    try:
+        record.send(None)
+    except StopIteration:
+        return
+    except Exception as exc:  # a bug must not take the event loop's callback down with it
+        gw.metrics.index_errors.labels(gw.index_backend).inc()
+        log.warning("speculative index insert failed: %s", exc)
+        return
+    record.close()  # it suspended after all: not expected of the in-memory index
+    log.warning("the in-memory index suspended in record(); the speculative insert was dropped")
 
 
 async def _write(gw: GatewayState, replica: ReplicaId, blocks: list[BlockHash]) -> None:
@@ -97,12 +122,8 @@ async def _write(gw: GatewayState, replica: ReplicaId, blocks: list[BlockHash]) 
     if state is None:
         return
     try:
-        record = gw.index.record(replica, state.epoch, blocks, ttl_s=gw.config.speculative_ttl_s)
-        if type(gw.index).__module__ == "routing.index.memory":
-            await record  # in-process and never waits: no timer to arm
-        else:
-            async with asyncio.timeout(REMOTE_WRITE_TIMEOUT_S):
-                await record
+        async with asyncio.timeout(REMOTE_WRITE_TIMEOUT_S):
+            await gw.index.record(replica, state.epoch, blocks, ttl_s=gw.config.speculative_ttl_s)
     except Exception as exc:  # index down or slow: routing still works, just less informed
         gw.metrics.index_errors.labels(gw.index_backend).inc()
         log.debug("speculative index insert failed: %s", exc)
