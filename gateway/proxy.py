@@ -25,6 +25,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 from aiohttp import web
 from yarl import URL
 
@@ -119,10 +120,29 @@ def _upstream_url(base: str, path: str) -> URL:
     return url
 
 
-def _usage(payload: Any) -> Mapping[str, Any] | None:
-    if isinstance(payload, Mapping) and isinstance(payload.get("usage"), Mapping):
-        return payload["usage"]
-    return None
+class _BodyUsage(msgspec.Struct):
+    """The one field the gateway reads from an answer: decoding skips everything else."""
+
+    usage: dict[str, Any] | None = None
+
+
+class _EventUsage(msgspec.Struct):
+    """A stream event that mentions usage: the usage, and whether it carries choices too."""
+
+    usage: dict[str, Any] | None = None
+    choices: list[Any] | None = None
+
+
+_decode_body_usage = msgspec.json.Decoder(_BodyUsage).decode
+_decode_event_usage = msgspec.json.Decoder(_EventUsage).decode
+
+
+def body_usage(body: bytes) -> Mapping[str, Any] | None:
+    """The ``usage`` object of a JSON answer; None if it has none or is not a JSON object."""
+    try:
+        return _decode_body_usage(body).usage
+    except ValueError:  # msgspec's DecodeError and ValidationError
+        return None
 
 
 class SseRelay:
@@ -161,16 +181,16 @@ class SseRelay:
             if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
-            if data == b"[DONE]" or not data.startswith(b"{"):
+            # Token events never mention usage: only the (rare) events that do are decoded.
+            if not data.startswith(b"{") or b'"usage"' not in data:
                 continue
             try:
-                payload = json.loads(data)
+                payload = _decode_event_usage(data)
             except ValueError:
                 continue
-            usage = _usage(payload)
-            if usage is not None:
-                self.usage = usage
-                if self.hide_usage_chunk and not payload.get("choices"):
+            if payload.usage is not None:
+                self.usage = payload.usage
+                if self.hide_usage_chunk and not payload.choices:
                     return False
         return True
 
@@ -263,10 +283,7 @@ async def _relay_body(
     body = await resp.read()
     outcome.ttft_s = None
     if resp.status == 200:
-        try:
-            outcome.usage = _usage(json.loads(body))
-        except ValueError:
-            outcome.usage = None
+        outcome.usage = body_usage(body)
     headers = {k: v for k, v in resp.headers if k.lower() not in _DROP_HEADERS}
     headers["X-Request-Id"] = request_id
     return web.Response(status=resp.status, body=body, headers=headers)

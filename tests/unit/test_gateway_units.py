@@ -12,7 +12,7 @@ from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.cost import ReplicaTimeMeter, RouteWindow
 from gateway.errors import GatewayError
 from gateway.policy_view import AdapterEntry, GatewayPolicy, Route, Tenant, sha256_hex
-from gateway.proxy import SseRelay
+from gateway.proxy import SseRelay, body_usage
 from gateway.ratelimit import RateLimiter
 from gateway.replicas import parse_vllm_metrics
 from gateway.request_body import validate
@@ -111,6 +111,34 @@ def test_sse_relay_keeps_usage_chunk_the_client_asked_for() -> None:
     relay = SseRelay(hide_usage_chunk=False)
     usage = _sse({"choices": [], "usage": {"prompt_tokens": 5}})
     assert relay.feed(usage) == [usage]
+
+
+def test_sse_relay_passes_odd_events_through_and_ignores_what_is_not_usage() -> None:
+    relay = SseRelay(hide_usage_chunk=True)
+    events = [
+        b"data: not json but mentions \"usage\"\n\n",
+        _sse({"choices": [{"delta": {"content": 'say "usage"'}}]}),
+        _sse({"choices": [], "usage": None}),
+        _sse({"choices": [], "usage": 5}),
+        b": keep-alive comment\n\n",
+    ]
+    assert relay.feed(b"".join(events)) == events
+    assert relay.usage is None
+
+
+@pytest.mark.parametrize(
+    ("body", "usage"),
+    [
+        (b'{"choices": [], "usage": {"prompt_tokens": 3}}', {"prompt_tokens": 3}),
+        (b'{"choices": []}', None),
+        (b'{"usage": null}', None),
+        (b'{"usage": [1]}', None),
+        (b"[1, 2]", None),
+        (b"<html>bad gateway</html>", None),
+    ],
+)
+def test_body_usage_reads_usage_only_and_never_raises(body: bytes, usage: object) -> None:
+    assert body_usage(body) == usage
 
 
 def test_rate_limiter_refills_at_the_configured_rate() -> None:
