@@ -36,6 +36,7 @@ from replica.launcher import VllmEngine
 from replica.tiny_model import TinyModel
 from routing.index import RedisBlockIndex
 from tests.integration.test_gateway_support import serve
+from tests.support.polling import wait_until
 
 SERVED_MODEL = "tiny"
 BLOCK_SIZE = 32
@@ -64,16 +65,7 @@ async def eventually(
     predicate: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = 30.0
 ) -> None:
     """Poll ``predicate`` (bounded) until it holds; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting until {what}")
-        await asyncio.sleep(0.05)
+    await wait_until(predicate, what, timeout_s=timeout_s, interval_s=0.05)
 
 
 # --------------------------------------------------------------------------- the policy

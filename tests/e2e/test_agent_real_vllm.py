@@ -10,9 +10,10 @@ engine caches, these tests would fail.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -27,6 +28,7 @@ from routing.hashing import chain_seed, hash_token_blocks
 from routing.index import RedisBlockIndex
 from routing.tokenize.local import LocalTokenizer
 from tests.e2e.conftest import SERVED_MODEL
+from tests.support import polling
 from tests.support.redis_server import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
@@ -35,20 +37,8 @@ BLOCK_SIZE = 32
 _unique = itertools.count()
 
 
-async def wait_until(
-    predicate: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = 30.0
-) -> None:
-    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = predicate()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for: {what}")
-        await asyncio.sleep(0.02)
+#: Real engines are slow to act on: 30 s by default.
+wait_until = functools.partial(polling.wait_until, timeout_s=30.0, interval_s=0.02)
 
 
 def fresh_prompt(words: int = 90) -> str:
