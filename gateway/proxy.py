@@ -105,6 +105,8 @@ class UpstreamOutcome:
     finished_at: float | None = None
     client_gone: bool = False
     attempts: int = 0
+    #: The client's response has started (headers sent): from then on, never a retry.
+    responded: bool = False
 
 
 _URLS: dict[tuple[str, str], URL] = {}
@@ -199,6 +201,10 @@ class UpstreamDiedBeforeFirstEvent(ConnectionError):
     """The replica answered 200 but failed before its first SSE event: still safe to retry."""
 
 
+class UpstreamDiedBeforeAnswer(ConnectionError):
+    """The replica's (non-streamed) answer broke off: nothing reached the client, so retry."""
+
+
 async def _first_events(resp: UpstreamResponse, relay: SseRelay) -> list[bytes]:
     """Read until the first complete SSE event (or the end of the stream).
 
@@ -241,6 +247,7 @@ async def _relay_stream(
 
     try:
         await out.prepare(request)
+        outcome.responded = True
         async for events in upstream_events():
             now = time.monotonic()
             if last is None:
@@ -260,10 +267,14 @@ async def _relay_stream(
         log.warning("upstream %s failed mid-stream: %s", outcome.replica, type(exc).__name__)
         outcome.status = 502
         error = GatewayError(502, errors.UPSTREAM_ERROR, "upstream failed mid-stream")
-        await out.write(b"data: " + json.dumps(error.envelope()).encode() + b"\n\n")
-    except ConnectionResetError:
-        # The client went away (a write failed): close the upstream connection so the engine
-        # aborts the request instead of generating for nobody.
+        if not await _write_to_client(
+            out, b"data: " + json.dumps(error.envelope()).encode() + b"\n\n", outcome, resp
+        ):
+            return out
+    except ConnectionError:
+        # The client went away (a write failed; aiohttp raises ConnectionResetError or its
+        # ClientConnectionResetError): close the upstream connection so the engine aborts the
+        # request instead of generating for nobody. Never a retry: the client has bytes.
         outcome.client_gone = True
         resp.close()
         return out
@@ -273,14 +284,33 @@ async def _relay_stream(
         resp.close()
         raise
     outcome.usage = relay.usage
-    await out.write_eof()
+    try:
+        await out.write_eof()
+    except ConnectionError:
+        outcome.client_gone = True  # the answer is complete upstream; the client left
     return out
+
+
+async def _write_to_client(
+    out: web.StreamResponse, data: bytes, outcome: UpstreamOutcome, resp: UpstreamResponse
+) -> bool:
+    """Write to a client that may have left; False (and the upstream closed) if it has."""
+    try:
+        await out.write(data)
+    except ConnectionError:
+        outcome.client_gone = True
+        resp.close()
+        return False
+    return True
 
 
 async def _relay_body(
     resp: UpstreamResponse, outcome: UpstreamOutcome, request_id: str
 ) -> web.Response:
-    body = await resp.read()
+    try:
+        body = await resp.read()
+    except UpstreamPayloadError as exc:
+        raise UpstreamDiedBeforeAnswer(str(exc)) from exc
     outcome.ttft_s = None
     if resp.status == 200:
         outcome.usage = body_usage(body)
@@ -376,6 +406,8 @@ async def send(
                     outcome.finished_at = time.monotonic()
                     return result
             except _RETRYABLE as exc:
+                if outcome.responded:
+                    raise  # bytes reached the client: the request is never replayed elsewhere
                 breaker.failure()
                 log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)
                 connect_failed = True

@@ -23,6 +23,8 @@ async def health_loop(gw: GatewayState) -> None:
             await gw.registry.poll_once(gw.http(), timeout_s=max(2.0, gw.config.health_interval_s))
         except Exception:  # one bad poll must not end the loop
             log.exception("replica health poll failed")
+        if gw.upstream is not None:
+            gw.upstream.close_idle()  # idle keep-alive connections past their timeout
         await asyncio.sleep(gw.config.health_interval_s)
 
 

@@ -22,9 +22,13 @@ Leaving ``post``'s context with the response fully read returns the connection t
 leaving it any other way (an error, a client that went away, ``close()``) closes the connection,
 so the engine sees the disconnect and aborts the generation.
 
-Idle connections are reused newest first and dropped after ``idle_timeout_s`` (4 s by default:
-below uvicorn's 5 s keep-alive, so the gateway, not the engine, closes an idle connection and a
-request never races the engine's close).
+Idle connections are reused newest first and dropped ``idle_timeout_s`` after the answer's last
+byte (4 s by default: below uvicorn's 5 s keep-alive, so the gateway, not the engine, closes an
+idle connection and a request does not race the engine's close); the check runs when a
+connection is taken or released and from ``close_idle`` (the gateway's health loop). A connection
+whose engine closed its side is never handed out again (``eof_received``). Interim answers
+(100 Continue, 103 Early Hints from a proxy in front of the engine) are skipped; a 101 upgrade
+drops the connection.
 """
 
 from __future__ import annotations
@@ -50,9 +54,8 @@ __all__ = [
 ]
 
 #: Buffered body bytes past which the connection stops reading (a slow client must not make the
-#: gateway hold a whole generation in memory); reading resumes below the low mark.
+#: gateway hold a whole generation in memory); reading resumes once the reader drained them.
 _HIGH_WATER = 256 * 1024
-_LOW_WATER = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -85,6 +88,7 @@ class UpstreamResponse:
         "_read_timeout_s",
         "_waiter",
         "close_delimited",
+        "completed_at",
         "headers",
         "headers_done",
         "raw_headers",
@@ -109,6 +113,8 @@ class UpstreamResponse:
         self._keep_alive = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        #: When the last byte arrived (the engine's keep-alive timer starts then).
+        self.completed_at = 0.0
 
     # -- called by the connection (parser callbacks, connection loss) -------------------------
 
@@ -141,6 +147,7 @@ class UpstreamResponse:
     def _on_complete(self, keep_alive: bool) -> None:
         self._done = True
         self._keep_alive = keep_alive
+        self.completed_at = time.monotonic()
         self._wake()
 
     def _on_lost(self, exc: BaseException | None) -> None:
@@ -157,6 +164,8 @@ class UpstreamResponse:
         self._wake()
 
     def _on_parse_error(self, exc: Exception) -> None:
+        if self._done:
+            return  # stray bytes after a complete answer: the connection is dropped, not the answer
         if self.headers_done:
             self._error = UpstreamPayloadError(f"malformed response body: {exc}")
         else:
@@ -231,6 +240,8 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._response: UpstreamResponse | None = None
         self._paused = False
+        #: An interim (1xx) response is being parsed: its end is not the answer's end.
+        self._interim = False
         self.closed = False
         self.idle_since = 0.0
 
@@ -247,12 +258,16 @@ class _Connection(asyncio.Protocol):
             return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except Exception as exc:  # HttpParserError, HttpParserUpgrade (a 101), a callback's bug
             response._on_parse_error(exc)
             self.abort()
 
     def eof_received(self) -> bool:
-        return False  # close our side too; connection_lost reports the end
+        # The engine closed its side: never hand this connection out again, from now on (the
+        # transport reports connection_lost only on a later loop turn).
+        self.closed = True
+        self._pool._forget(self)
+        return False  # close our side too; connection_lost reports the end of the answer
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -268,14 +283,27 @@ class _Connection(asyncio.Protocol):
             self._response.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self._response is not None:
-            self._response._on_headers(self._parser.get_status_code())
+        response = self._response
+        if response is None:
+            return
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            # 100 Continue, 103 Early Hints (a proxy in front of the engine may forward them):
+            # interim answers, followed by the real one on the same connection. (A 101 makes
+            # the parser raise HttpParserUpgrade: the connection is dropped.)
+            self._interim = True
+            response.raw_headers.clear()
+            return
+        response._on_headers(status)
 
     def on_body(self, body: bytes) -> None:
         if self._response is not None:
             self._response._on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         if self._response is not None:
             self._response._on_complete(self._parser.should_keep_alive())
 
@@ -340,7 +368,7 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_origin = max_idle_per_origin
-        self._ssl_context = ssl_context
+        self._ssl_context = ssl_context  # made once, on the first https origin, if not given
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._heads: dict[tuple[str, str], bytes] = {}
@@ -404,7 +432,11 @@ class UpstreamPool:
             now = time.monotonic()
             while idle:
                 conn = idle.pop()  # newest first: the warmest connection
-                if not conn.closed and now - conn.idle_since < self.idle_timeout_s:
+                if (
+                    not conn.closed
+                    and now - conn.idle_since < self.idle_timeout_s
+                    and not (conn.transport is not None and conn.transport.is_closing())
+                ):
                     return conn
                 conn.abort()
         return await self._connect(origin)
@@ -414,7 +446,9 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         context: ssl.SSLContext | None = None
         if scheme == "https":
-            context = self._ssl_context or ssl.create_default_context()
+            if self._ssl_context is None:
+                self._ssl_context = ssl.create_default_context()  # loads the CA store: once
+            context = self._ssl_context
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(
@@ -437,8 +471,27 @@ class UpstreamPool:
         if len(idle) >= self.max_idle_per_origin:
             conn.abort()
             return
-        conn.idle_since = time.monotonic()
+        # Idle since the answer's last byte, when the engine's keep-alive timer started (the
+        # relay to a slow client may have taken longer).
+        conn.idle_since = response.completed_at or time.monotonic()
         idle.append(conn)
+        self._trim(idle, time.monotonic())
+
+    def _trim(self, idle: list[_Connection], now: float) -> None:
+        """Close the oldest idle connections past ``idle_timeout_s`` (the list is oldest first)."""
+        while idle and now - idle[0].idle_since >= self.idle_timeout_s:
+            idle.pop(0).abort()
+
+    def close_idle(self) -> int:
+        """Close every idle connection past ``idle_timeout_s``; how many are left open.
+
+        The gateway calls it from its health loop, so connections to a replica that stopped
+        getting traffic (or vanished without closing them) do not stay open.
+        """
+        now = time.monotonic()
+        for idle in list(self._idle.values()):
+            self._trim(idle, now)
+        return len(self._open)
 
     def _forget(self, conn: _Connection) -> None:
         self._open.discard(conn)

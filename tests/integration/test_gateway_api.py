@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -170,6 +171,67 @@ async def test_retry_on_fallback_when_replica_drops_before_first_byte() -> None:
     assert 'fleetgate_upstream_retries_total{reason="connect_failed",route="default"} 1.0' in (
         metrics
     )
+
+
+class BrokenBodyUpstream(FakeUpstream):
+    """Answers 200 with a Content-Length, sends part of the body, then drops the connection."""
+
+    async def _complete(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        self.attempts += 1
+        await request.read()
+        transport = request.transport
+        assert transport is not None
+        transport.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"partial":'
+        )
+        transport.close()
+        return aiohttp.web.Response()  # never written: the connection is gone
+
+
+async def test_a_non_streamed_answer_that_breaks_off_is_retried_on_a_fallback() -> None:
+    """Nothing reached the client yet: a fallback serves it (it used to be a 500)."""
+    broken, good = BrokenBodyUpstream(), FakeUpstream()
+    async with (
+        gateway([broken, good], profile="round-robin") as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/v1/chat/completions", json=CHAT) as resp,
+    ):
+        status, body = resp.status, await resp.json()
+    assert status == 200 and body["object"] == "chat.completion"
+    assert broken.attempts == 1 and len(good.received) == 1
+
+
+async def test_a_client_gone_at_the_end_of_a_stream_is_never_replayed_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client write failing after the stream started must not send the request to a fallback."""
+    import gateway.proxy as proxy
+
+    class ClientGoneAtEof(aiohttp.web.StreamResponse):
+        async def write_eof(self, data: bytes = b"") -> None:
+            raise ConnectionResetError("Cannot write to closing transport")
+
+    class Web:  # the proxy's view of aiohttp.web, with the failing stream response
+        StreamResponse = ClientGoneAtEof
+        Response = aiohttp.web.Response
+        Request = aiohttp.web.Request
+
+    monkeypatch.setattr(proxy, "web", Web)
+    first, second = FakeUpstream(), FakeUpstream()
+    async with (
+        gateway([first, second], profile="round-robin") as url,
+        aiohttp.ClientSession() as http,
+    ):
+        body = {**CHAT, "stream": True}
+        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            with contextlib.suppress(aiohttp.ClientError):
+                await resp.read()
+        async with http.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+    assert len(first.received) + len(second.received) == 1, "the request was replayed"
+    assert "fleetgate_upstream_retries_total{" not in metrics
 
 
 def _error(body: bytes) -> dict[str, object]:

@@ -288,3 +288,148 @@ async def test_a_closed_pool_refuses_new_requests() -> None:
     with pytest.raises(UpstreamConnectError, match="closed"):
         async with pool.post(URL("http://127.0.0.1:1/x"), b"{}", {}):
             pass
+
+
+# --------------------------------------------------------------------------- review findings
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request's body (the head was read by ``_raw_server``'s handler or here)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return await reader.readexactly(length)
+
+
+async def _keepalive_server(
+    answer: Callable[[bytes, asyncio.StreamWriter], Awaitable[None]],
+) -> tuple[asyncio.Server, URL]:
+    """A raw keep-alive server: ``answer(body, writer)`` for each request of each connection."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    body = await _read_request(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                await answer(body, writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, URL(f"http://127.0.0.1:{port}/v1/chat/completions")
+
+
+async def test_interim_1xx_answers_are_skipped_and_never_leak_into_the_next_request(
+    pool: UpstreamPool,
+) -> None:
+    async def answer(body: bytes, writer: asyncio.StreamWriter) -> None:
+        if body == b"A":  # a proxy in front of the engine forwards Early Hints first
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nanswer-" + body)
+        await writer.drain()
+
+    server, url = await _keepalive_server(answer)
+    async with server:
+        async with pool.post(url, b"A", {}, read_timeout_s=2) as resp:
+            assert (resp.status, await resp.read()) == (200, b"answer-A")
+            assert ("Link", "</x>") not in resp.headers
+        async with pool.post(url, b"B", {}, read_timeout_s=2) as resp:
+            assert (resp.status, await resp.read()) == (200, b"answer-B")
+        assert pool.open_connections == 1  # the same connection served both
+
+
+async def test_an_upgrade_answer_drops_the_connection(pool: UpstreamPool) -> None:
+    async def upgrade(body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+        )
+        await writer.drain()
+
+    server, url = await _keepalive_server(upgrade)
+    async with server:
+        with pytest.raises(UpstreamDisconnected):
+            async with pool.post(url, b"{}", {}, read_timeout_s=2):
+                pass
+        assert pool.open_connections == 0
+
+
+async def test_a_connection_the_engine_closed_is_not_handed_out_before_connection_lost(
+    pool: UpstreamPool,
+) -> None:
+    """The engine's FIN and connection_lost are a loop turn apart: no request in between."""
+
+    async def answer_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request_rest(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the engine's keep-alive timer fires: it closes
+
+    server, url = await _raw_server(answer_then_close)
+    async with server:
+        async with pool.post(url, b"a", {}) as resp:
+            assert await resp.read() == b"ok"
+        conn = pool._idle[("http", "127.0.0.1", url.port or 0)][0]
+        eof = asyncio.Event()
+        original = conn.eof_received
+
+        def on_eof() -> bool:
+            eof.set()
+            return original()
+
+        async def next_request() -> bytes:
+            # Woken by the FIN itself, before connection_lost runs (a loop turn later): the
+            # race of a handler that was already scheduled when the engine closed.
+            await eof.wait()
+            async with pool.post(url, b"b", {}, read_timeout_s=2) as resp:
+                return await resp.read()
+
+        waiting = asyncio.create_task(next_request())
+        await asyncio.sleep(0)  # it waits on the event now
+        conn.eof_received = on_eof  # type: ignore[method-assign]
+        assert await asyncio.wait_for(waiting, 5) == b"ok"
+
+
+async def _read_request_rest(reader: asyncio.StreamReader) -> None:
+    """``_raw_server`` read the head already; the tests' bodies are tiny and already here."""
+    await asyncio.sleep(0)
+
+
+async def test_stray_bytes_after_a_complete_answer_keep_the_answer_but_drop_the_connection(
+    pool: UpstreamPool,
+) -> None:
+    async def extra(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokGARBAGE")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+
+    server, url = await _raw_server(extra)
+    async with server:
+        async with pool.post(url, b"{}", {}) as resp:
+            assert await resp.read() == b"ok"
+        assert pool.open_connections == 0
+
+
+async def test_close_idle_closes_connections_past_the_idle_timeout() -> None:
+    pool = UpstreamPool(idle_timeout_s=0.05)
+    runner, url = await _serve_app(_echo)
+    try:
+
+        async def one() -> None:
+            async with pool.post(url, b"{}", {}) as resp:
+                await resp.read()
+
+        await asyncio.gather(*(one() for _ in range(4)))  # four connections, all idle after
+        assert pool.open_connections == 4
+        assert pool.close_idle() == 4  # not idle long enough yet
+        await asyncio.sleep(0.1)
+        assert pool.close_idle() == 0
+    finally:
+        await pool.close()
+        await runner.cleanup()
