@@ -10,16 +10,19 @@ import pytest
 
 from gateway.commands import sim
 from replica.sim.fleet import SimFleet
-from tests.support.redis_server import free_port
+from tests.support.redis_server import free_port_block
 
 
-# The ports are picked free and then bound by a subprocess: another process can take one in between
-# (seen once in CI: "Address already in use"). Rerun rather than fail on that race.
+# The ports are picked free and then bound by the fleet: another process can take one in between.
+# The HTTP and event ports come from one block of four consecutive free ports (two free_port()
+# calls could return neighbours, and the fleet binds port + 1 too: the cause of the earlier
+# "Address already in use"). Rerun only for an outside process winning the race.
 @pytest.mark.flaky(reruns=2, reruns_delay=1)
 async def test_sim_command_serves_replicas_on_consecutive_ports() -> None:
     parser = argparse.ArgumentParser()
     sim.add_arguments(parser)
-    http_port, events_port = free_port(), free_port()
+    http_port = free_port_block(4)
+    events_port = http_port + 2
     args = parser.parse_args([
         "--replicas", "2", "--port", str(http_port), "--profile", "tiny", "--speed", "1000",
         "--kv-events", f"tcp://*:{events_port}", "--model", "cli-model", "--block-size", "32",

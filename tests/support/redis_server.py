@@ -17,6 +17,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def free_port_block(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that are all free right now.
+
+    For servers that bind ``port``, ``port + 1``, ... (``fleetgate sim --replicas N``): two
+    separate ``free_port()`` calls may return neighbours, so one fleet's ports would overlap the
+    other's. Every port of the block is bound at once before any is released.
+    """
+    for _ in range(100):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        sockets: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return base
+    raise RuntimeError(f"no block of {count} free consecutive ports found")
+
+
 @dataclass
 class RedisServer:
     """One private redis-server process. ``stop()`` and ``start()`` simulate an outage."""
