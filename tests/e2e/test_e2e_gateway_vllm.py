@@ -522,9 +522,11 @@ async def _match_patiently(index: RedisBlockIndex, chain: list[BlockHash]) -> di
     raise AssertionError("unreachable")
 
 
-# Known flaky on a loaded 2-core machine (2 of the last 8 full-tier runs): the long requests do not
-# always land on the engine the test kills, so no retry is observed. Rerun up to twice; a real
-# failover failure fails all three runs. Tracked in the session note.
+# Was flaky on a loaded 2-core machine (2 of 8 full-tier runs): the long request seen running on the
+# victim could finish before the kill (tokenizing and an index read sat in between), so no retry
+# was observed. Now the chains are computed before the requests start, the kill follows the
+# sighting at once, and the generations are about twice as long. Reruns stay as a guard against
+# a loaded machine; a real failover failure fails all three runs.
 @pytest.mark.flaky(reruns=2, reruns_delay=2)
 async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
     stack: Stack, tokenizer: LocalTokenizer, e2e_results: E2EResults
@@ -538,13 +540,19 @@ async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
         hashlib.sha256(api_key("alpha").encode()).hexdigest()
     ].cache_salt
 
-    # Requests in flight when an engine dies: long generations, not streamed. The victim is
-    # the engine that runs one of them (and holds its prompt's blocks).
+    # Requests in flight when an engine dies: long generations (1,500 tokens on a 2,048-token
+    # context), not streamed. The victim is the engine that runs one of them (and holds its
+    # prompt's blocks). Their chains are computed first: nothing slow between sighting and kill.
     flight_ids = [rid("long") for _ in range(3)]
+    seed = chain_seed(SERVED_MODEL, None, salt)
+    flight_chains = [
+        hash_token_blocks(await tokens_of(tokenizer, prefix + f" long {j}?"), BLOCK_SIZE, seed)
+        for j in range(len(flight_ids))
+    ]
     in_flight = [
         asyncio.create_task(
             complete(
-                stack, prefix + f" long {j}?", max_tokens=800, ignore_eos=True, request_id=r
+                stack, prefix + f" long {j}?", max_tokens=1500, ignore_eos=True, request_id=r
             )
         )
         for j, r in enumerate(flight_ids)
@@ -569,8 +577,7 @@ async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
     ((victim_id, j_on_victim),) = running_on.items()
     victim_i = stack.engine_index(victim_id)
     victim = stack.engines[victim_i]
-    tokens = await tokens_of(tokenizer, prefix + f" long {j_on_victim}?")
-    chain = hash_token_blocks(tokens, BLOCK_SIZE, chain_seed(SERVED_MODEL, None, salt))
+    chain = flight_chains[j_on_victim]
     # It runs, so its prompt was prefilled and stored: what the index says of it right now.
     indexed_before = (await _match_patiently(stack.index, chain)).get(victim_id, 0)
     killed_at = time.monotonic()
