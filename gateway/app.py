@@ -169,6 +169,9 @@ def _lifecycle(
             auto_decompress=False,
         )
         gw.upstream = UpstreamPool(connect_timeout_s=gw.config.connect_timeout_s)
+        gw.metrics.upstream_connections.set_function(
+            lambda: gw.upstream.open_connections if gw.upstream is not None else 0
+        )
         # One poll before serving, so /ready and routing know the replicas from the start.
         if gw.fleet_store is not None:
             await merge_fleet_store(gw)

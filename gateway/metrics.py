@@ -199,6 +199,11 @@ class GatewayMetrics:
             ["route", "reason"],
             registry=r,
         )
+        self.upstream_connections = Gauge(
+            "fleetgate_upstream_connections",
+            "Keep-alive connections to replicas open now (idle or serving a request)",
+            registry=r,
+        )
         self.replica_inflight = Gauge(
             "fleetgate_replica_inflight",
             "Requests in flight as this gateway sees them",

@@ -32,7 +32,7 @@ from yarl import URL
 from gateway import errors
 from gateway.errors import GatewayError
 from gateway.state import GatewayState
-from gateway.upstream_client import UpstreamPayloadError, UpstreamResponse
+from gateway.upstream_client import UpstreamConnectError, UpstreamPayloadError, UpstreamResponse
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -348,7 +348,8 @@ async def send(
     queue = list(candidates)
     retried_missing: set[ReplicaId] = set()
     unsuitable: ReplicaUnsuitable | None = None
-    connect_failed = False  # the previous attempt could not reach its replica
+    #: Why the previous attempt failed before answering (the retry's metric label), or None.
+    retry_reason: str | None = None
     while queue and tried < max_attempts:
         replica_id = queue.pop(0)
         replica = gw.registry.get(replica_id)
@@ -366,9 +367,9 @@ async def send(
                 gw.metrics.upstream_retries.labels(route, exc.reason).inc()
                 continue
             unsuitable = None
-            if connect_failed:
-                gw.metrics.upstream_retries.labels(route, "connect_failed").inc()
-                connect_failed = False
+            if retry_reason is not None:
+                gw.metrics.upstream_retries.labels(route, retry_reason).inc()
+                retry_reason = None
             tried += 1
             breaker.begin()
             outcome.replica = replica_id
@@ -409,8 +410,14 @@ async def send(
                 if outcome.responded:
                     raise  # bytes reached the client: the request is never replayed elsewhere
                 breaker.failure()
-                log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)
-                connect_failed = True
+                if isinstance(exc, UpstreamConnectError):
+                    retry_reason = "connect_failed"  # it never saw the request
+                    log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)
+                else:
+                    retry_reason = "upstream_dropped"  # it dropped it before answering
+                    log.info(
+                        "replica %s dropped the request (%s); trying a fallback", replica_id, exc
+                    )
                 continue
             except TimeoutError:
                 breaker.failure()

@@ -168,9 +168,38 @@ async def test_retry_on_fallback_when_replica_drops_before_first_byte() -> None:
             metrics = await resp.text()
     assert statuses == [200, 200]
     assert dropper.attempts == 1 and len(good.received) == 2
-    assert 'fleetgate_upstream_retries_total{reason="connect_failed",route="default"} 1.0' in (
+    # It took the request, then dropped the connection: not a connect failure.
+    assert 'fleetgate_upstream_retries_total{reason="upstream_dropped",route="default"} 1.0' in (
         metrics
     )
+
+
+async def test_an_unreachable_replica_is_a_connect_failed_retry_and_connections_are_counted() -> (
+    None
+):
+    """A replica that died between health polls refuses connections: a fallback serves."""
+    doomed, good = FakeUpstream(), FakeUpstream()
+    async with serve(good.app()) as good_url:
+        doomed_serving = serve(doomed.app())
+        doomed_url = await doomed_serving.__aenter__()
+        specs = [
+            ReplicaSpec("r0", doomed_url, models=frozenset(doomed.models)),
+            ReplicaSpec("r1", good_url, models=frozenset(good.models)),
+        ]
+        policy = GatewayPolicy.default(specs, profile="round-robin")
+        app = create_app(GatewayConfig(health_interval_s=3600), policy)
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            await doomed_serving.__aexit__(None, None, None)  # it dies; no poll notices yet
+            statuses = []
+            for _ in range(4):
+                async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+                    statuses.append(resp.status)
+            async with http.get(f"{url}/metrics") as resp:
+                metrics = await resp.text()
+    assert statuses == [200] * 4 and len(good.received) == 4 and not doomed.received
+    assert 'fleetgate_upstream_retries_total{reason="connect_failed",route="default"}' in metrics
+    # One keep-alive connection to the live replica served all four.
+    assert "fleetgate_upstream_connections 1.0" in metrics
 
 
 class BrokenBodyUpstream(FakeUpstream):
