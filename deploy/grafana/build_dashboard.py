@@ -77,6 +77,12 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("In flight per replica (gateway view)", "short", [
             ("{{replica}}", "sum by (replica) (fleetgate_replica_inflight)"),
         ]),
+        ("Retries on a fallback per second", "short", [
+            ("{{reason}}", f"sum by (reason) (rate(fleetgate_upstream_retries_total[{RATE}]))"),
+        ]),
+        ("Gateway connections to engines", "short", [
+            ("{{pod}}", "sum by (pod) (fleetgate_upstream_connections)"),
+        ]),
     ]),
     ("Adapters", [
         ("LoRA slots in use", "short", [
