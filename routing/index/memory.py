@@ -173,6 +173,20 @@ class _Transitions:
         self._last_old, self._last_new = state, new
         return new
 
+    def apply(
+        self, spec_blocks: dict[BlockHash, _SpecState], block_hash: BlockHash, state: _SpecState
+    ) -> _SpecState | None:
+        """Move ``block_hash`` from ``state`` to its new state in ``spec_blocks``; the new one.
+
+        A block left without guesses leaves ``spec_blocks``; an unchanged state is not rewritten.
+        """
+        new = self(state)
+        if new is None:
+            del spec_blocks[block_hash]
+        elif new is not state:
+            spec_blocks[block_hash] = new
+        return new
+
 
 _NO_STATE = object()
 
@@ -300,11 +314,7 @@ class MemoryBlockIndex:
         # and reclamation, as before).
         drop_dead = _Transitions(lambda state: _without_stale(state, -math.inf, dead))
         for block_hash, state in list(spec_blocks.items()):
-            new = drop_dead(state)
-            if new is None:
-                del spec_blocks[block_hash]
-            elif new is not state:
-                spec_blocks[block_hash] = new
+            drop_dead.apply(spec_blocks, block_hash, state)
         empty: list[BlockHash] = []
         # Rewriting a value in place keeps the LRU order (only insertion and move_to_end move).
         for block_hash, mask in index.items():
@@ -484,11 +494,7 @@ class MemoryBlockIndex:
                 if spec_blocks:
                     state = spec_blocks.get(block_hash)
                     if state is not None:
-                        new = drop(state)
-                        if new is None:
-                            del spec_blocks[block_hash]
-                        elif new is not state:
-                            spec_blocks[block_hash] = new
+                        drop.apply(spec_blocks, block_hash, state)
         else:
             until = now + ttl_s
             guess: _Guess = (value, until, replica)
@@ -540,12 +546,7 @@ class MemoryBlockIndex:
             index[block_hash] = mask
             state = spec_blocks.get(block_hash)
             if state is not None:
-                new = drop(state)
-                if new is None:
-                    del spec_blocks[block_hash]
-                elif new is not state:
-                    spec_blocks[block_hash] = new
-                state = new
+                state = drop.apply(spec_blocks, block_hash, state)
             if not mask and state is None:
                 del index[block_hash]
 
