@@ -122,9 +122,19 @@ async def test_a_chunked_stream_arrives_piece_by_piece(pool: UpstreamPool) -> No
         await runner.cleanup()
 
 
-async def _raw_server(
-    on_request: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
-) -> tuple[asyncio.Server, URL]:
+Connection = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def _listen(handle: Connection) -> tuple[asyncio.Server, URL]:
+    """A raw asyncio server on a free port running ``handle`` per connection; its URL."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, URL(f"http://127.0.0.1:{port}/v1/chat/completions")
+
+
+async def _raw_server(on_request: Connection) -> tuple[asyncio.Server, URL]:
+    """One request per connection: the head is read, then ``on_request`` answers (or not)."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")  # the request head; bodies here are tiny
         try:
@@ -132,9 +142,7 @@ async def _raw_server(
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    return server, URL(f"http://127.0.0.1:{port}/v1/chat/completions")
+    return await _listen(handle)
 
 
 async def test_a_close_delimited_body_ends_with_the_connection(pool: UpstreamPool) -> None:
@@ -319,9 +327,7 @@ async def _keepalive_server(
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    return server, URL(f"http://127.0.0.1:{port}/v1/chat/completions")
+    return await _listen(handle)
 
 
 async def test_interim_1xx_answers_are_skipped_and_never_leak_into_the_next_request(
@@ -365,8 +371,9 @@ async def test_a_connection_the_engine_closed_is_not_handed_out_before_connectio
 ) -> None:
     """The engine's FIN and connection_lost are a loop turn apart: no request in between."""
 
-    async def answer_then_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request_rest(reader)
+    async def answer_then_close(
+        _reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
         await writer.drain()
         await asyncio.sleep(0.05)  # the engine's keep-alive timer fires: it closes
@@ -394,11 +401,6 @@ async def test_a_connection_the_engine_closed_is_not_handed_out_before_connectio
         await asyncio.sleep(0)  # it waits on the event now
         conn.eof_received = on_eof  # type: ignore[method-assign]
         assert await asyncio.wait_for(waiting, 5) == b"ok"
-
-
-async def _read_request_rest(reader: asyncio.StreamReader) -> None:
-    """``_raw_server`` read the head already; the tests' bodies are tiny and already here."""
-    await asyncio.sleep(0)
 
 
 async def test_stray_bytes_after_a_complete_answer_keep_the_answer_but_drop_the_connection(
