@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Mapping
@@ -10,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.proxy import UpstreamOutcome
 from gateway.state import GatewayState
+from routing.types import ReplicaId
 
 if TYPE_CHECKING:
     from gateway.pipeline import Routed
@@ -173,26 +173,7 @@ def _prediction(
     routed.log_entry["prediction"] = result
     if result != "exact" and outcome.replica != routed.decision.replica:
         # The index was wrong about this replica; the engine now holds the whole prompt, so
-        # refresh the entry (with the speculative TTL) rather than trust the stale one. The
-        # chosen replica needs no refresh: the speculative insert wrote this very chain for it
-        # (same TTL) moments ago, so only a fallback that served the request is written.
-        task = asyncio.get_running_loop().create_task(_refresh(gw, outcome.replica, routed))
-        gw.background.add(task)
-        task.add_done_callback(gw.background.discard)
-
-
-async def _refresh(gw: GatewayState, replica: str, routed: Routed) -> None:
-    from routing.types import ReplicaId
-
-    state = gw.registry.get(ReplicaId(replica))
-    if state is None:
-        return
-    try:
-        await gw.index.record(
-            state.replica_id,
-            state.epoch,
-            list(routed.routing_request.chain),
-            ttl_s=gw.config.speculative_ttl_s,
-        )
-    except Exception as exc:  # best effort: the next decision's insert will try again
-        log.debug("index refresh after a misprediction failed: %s", exc)
+        # write the whole chain for it (with the speculative TTL) rather than trust the stale
+        # entry. The chosen replica needs no refresh: the speculative write covered it (same
+        # TTL) moments ago, so only a fallback that served the request is written.
+        gw.speculative.start(gw, ReplicaId(outcome.replica), routed.routing_request.chain, 0)
