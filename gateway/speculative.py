@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from routing.index.memory import MemoryBlockIndex
 from routing.types import BlockHash, ReplicaId
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class SpeculativeWriter:
         if not blocks:
             return None
         loop = asyncio.get_running_loop()
-        if type(gw.index).__module__ == "routing.index.memory":
+        if type(gw.index) is MemoryBlockIndex:  # exact: a subclass may override ``record``
             # In-process and never suspends: a plain callback, run once the handler waits on
             # the replica (the request's bytes are out by then), costs less than a task.
             loop.call_soon(_write_now, gw, replica, list(blocks))
@@ -97,21 +98,15 @@ class SpeculativeWriter:
 
 
 def _write_now(gw: GatewayState, replica: ReplicaId, blocks: list[BlockHash]) -> None:
-    """The in-memory index's write, driven to completion in one step (it never suspends)."""
+    """The in-memory index's write (``MemoryBlockIndex.record_now``: it never waits)."""
     state = gw.registry.get(replica)
     if state is None:
         return
-    record = gw.index.record(replica, state.epoch, blocks, ttl_s=gw.config.speculative_ttl_s)
     try:
-        record.send(None)
-    except StopIteration:
-        return
+        gw.index.record_now(replica, state.epoch, blocks, ttl_s=gw.config.speculative_ttl_s)
     except Exception as exc:  # a bug must not take the event loop's callback down with it
         gw.metrics.index_errors.labels(gw.index_backend).inc()
         log.warning("speculative index insert failed: %s", exc)
-        return
-    record.close()  # it suspended after all: not expected of the in-memory index
-    log.warning("the in-memory index suspended in record(); the speculative insert was dropped")
 
 
 async def _write(gw: GatewayState, replica: ReplicaId, blocks: list[BlockHash]) -> None:

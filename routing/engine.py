@@ -21,8 +21,7 @@ import logging
 import math
 import operator
 import time
-import types
-from collections.abc import Coroutine, Generator, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -36,6 +35,7 @@ from routing.contracts import (
     RoutingRequest,
     Scorer,
 )
+from routing.index.memory import MemoryBlockIndex
 from routing.policies.serves_model import ServesModelFilter
 from routing.state import ReplicaState
 from routing.types import ReplicaId
@@ -363,38 +363,6 @@ class _Plan:
         self.picker_key = f"picker:{self.picker_name}"
 
 
-class _Resumed:
-    """Awaits the rest of a coroutine that was stepped once by hand and is waiting on ``pending``.
-
-    Sends and throws (a timeout's cancellation) go on into the coroutine, as ``await`` would.
-    """
-
-    __slots__ = ("_coro", "_pending")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], pending: Any) -> None:
-        self._coro = coro
-        self._pending = pending
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, pending = self._coro, self._pending
-        while True:
-            try:
-                sent = yield pending
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:
-                try:
-                    pending = coro.throw(exc)
-                except StopIteration as done:
-                    return done.value
-            else:
-                try:
-                    pending = coro.send(sent)
-                except StopIteration as done:
-                    return done.value
-
-
 class RoutingEngine:
     """Runs routing profiles over the current replica states.
 
@@ -413,6 +381,9 @@ class RoutingEngine:
         if not (index_timeout_s > 0 and math.isfinite(index_timeout_s)):
             raise ValueError(f"index_timeout_s must be a positive number (got {index_timeout_s!r})")
         self._index = index
+        #: The in-memory index's synchronous lookup. Exact type only: a subclass may override the
+        #: async protocol method (tests do, to fail or count calls), which must then be used.
+        self._match_now = index.match_now if type(index) is MemoryBlockIndex else None
         self._index_timeout_s = index_timeout_s
         self._builtin_filter = ServesModelFilter()
         self._index_warning = _RateLimitedWarning()
@@ -556,20 +527,14 @@ class RoutingEngine:
             return True
         start = time.perf_counter()
         try:
-            lookup = self._index.match(request.chain)
-            if type(lookup) is types.CoroutineType:
-                # Step it by hand first: a lookup that finishes without suspending (the in-memory
-                # index) cannot be timed out, so arming a timer for it (~4 us) would be wasted.
-                try:
-                    pending = lookup.send(None)
-                except StopIteration as done:
-                    matches = done.value
-                else:
-                    async with asyncio.timeout(self._index_timeout_s):
-                        matches = await _Resumed(lookup, pending)
+            match_now = self._match_now
+            if match_now is not None:
+                # An in-process index (MemoryBlockIndex) answers without waiting: no coroutine,
+                # and no timer to arm (~4 us a decision) for a lookup that cannot time out.
+                matches = match_now(request.chain)
             else:
                 async with asyncio.timeout(self._index_timeout_s):
-                    matches = await lookup
+                    matches = await self._index.match(request.chain)
         except Exception as exc:  # IndexUnavailable, TimeoutError, or a backend bug: degrade.
             timings["index"] = _ms_since(start)
             self._index_warning.warn(

@@ -458,6 +458,19 @@ class MemoryBlockIndex:
     ) -> None:
         """Record that ``replica`` at ``epoch`` holds ``blocks`` (speculatively if ``ttl_s``).
 
+        The ``BlockIndex`` protocol's form of ``record_now`` (it never waits).
+        """
+        self.record_now(replica, epoch, blocks, ttl_s)
+
+    def record_now(
+        self,
+        replica: ReplicaId,
+        epoch: Epoch,
+        blocks: Sequence[BlockHash],
+        ttl_s: float | None = None,
+    ) -> None:
+        """Record that ``replica`` at ``epoch`` holds ``blocks`` (speculatively if ``ttl_s``).
+
         Writes for an epoch that is not the replica's live one are dropped: a late event or a
         stale routing decision must not overwrite the live incarnation's entries. A replica seen
         for the first time adopts ``epoch``. A speculative write never downgrades an
@@ -591,7 +604,13 @@ class MemoryBlockIndex:
         return holders
 
     async def match(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+        """Longest live prefix of ``chain`` per replica (``match_now``; it never waits)."""
+        return self.match_now(chain)
+
+    def match_now(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]:
         """Longest live prefix of ``chain`` per replica, in blocks; replicas with 0 omitted.
+
+        Synchronous: the engine and the gateway call it directly, with no coroutine or timer.
 
         Walks the chain once, one bitmask AND per block, and stops at the first block that no
         still-matching replica holds: O(matched blocks), whatever the number of replicas.

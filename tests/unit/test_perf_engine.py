@@ -1,8 +1,8 @@
-"""The engine's index lookup fast path: a lookup that never suspends needs no timer.
+"""The engine's index lookup: every kind of lookup behaves as a timed ``await`` would.
 
-The engine steps the lookup coroutine by hand and arms the timeout only once it suspends; these
-cases pin down that every kind of lookup (instant, suspending, failing before or after
-suspending, too slow, a plain awaitable) behaves as a timed ``await`` would.
+An in-process index (``match_now``) is called directly, with no timer; any other lookup is
+awaited under the index timeout. These cases pin the awaited path down: instant, suspending,
+failing before or after suspending, too slow, a plain awaitable, cancelled from outside.
 """
 
 from __future__ import annotations
