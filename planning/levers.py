@@ -5,10 +5,12 @@ weight and KV memory, whether they fit, prefill-only TTFT, TPOT, throughput and 
 million output tokens. The timing comes from ``replica/sim/roofline.py``, the same functions the
 simulated engine steps with, so the table and the simulator never disagree.
 
-Assumptions (see ``docs/levers.md``): decode reads all weights plus every sequence's KV at the
-average context ``prompt + output/2`` each step; a shared prefix is *stored* once but still *read*
-by every sequence; TTFT is prefill compute only (no queueing), and with the prefix cache only the
-unshared tokens are prefilled.
+Assumptions (see ``docs/levers.md``): every running sequence sits at the average context
+``prompt + output/2`` (in steady state sequences are spread evenly over their output), and that one
+context sizes both the KV *held* and the KV each decode step *reads*; a shared prefix is *stored*
+once but still *read* by every sequence; TTFT is prefill compute only (no queueing), and with the
+prefix cache only the unshared tokens are prefilled (the shared prefix is already in the cache,
+its one-time prefill is amortised over all requests and left out). GB are decimal (1e9 bytes).
 """
 
 from __future__ import annotations
@@ -105,7 +107,12 @@ class Lever:
 
 
 def scenarios(params: LeverParams) -> list[Lever]:
-    """The seven lever settings, each named for what it changes."""
+    """The seven reference lever settings, in the reference order, each named for what it changes.
+
+    Rows 1-5 pull one lever each on top of the row before; row 6 is the plain bf16 baseline at the
+    large batch (to show it does not fit); row 7 is the memory-lean stack (INT4 weights, FP8 KV,
+    prefix cache) back at the normal batch, so it compares with row 4.
+    """
     big = params.large_batch
     shared = f"{params.shared_prefix_tokens / 1000:g}k"
     return [
@@ -115,7 +122,7 @@ def scenarios(params: LeverParams) -> list[Lever]:
         Lever(f"+ prefix cache ({shared} shared)", "fp8", "fp8", True, False),
         Lever(f"+ batch {big}", "fp8", "fp8", True, True),
         Lever(f"bf16 at batch {big}", "bf16", "bf16", False, True),
-        Lever("INT4 weights (W4A16) + FP8 KV + cache", "int4", "fp8", True, True),
+        Lever(f"INT4 (W4A16) + FP8 KV + cache, batch {params.batch}", "int4", "fp8", True, False),
     ]
 
 
@@ -129,13 +136,54 @@ class LeverRow:
     prefix_cache: bool
     batch: int
     weight_gb: float
-    #: KV held at peak: every sequence at full length (shared prefix once when cached).
+    #: KV held in steady state: every sequence at the average context (shared prefix once when
+    #: cached), the same context the decode reads use.
     kv_gb: float
     fits: bool
     ttft_ms: float
     tpot_ms: float
     tokens_per_s: float
     usd_per_m_output_tokens: float
+
+
+def average_context(params: LeverParams) -> float:
+    """Tokens of context a running sequence has on average: ``prompt + output / 2``.
+
+    Sequences in a steady batch are spread evenly over their output, so on average each has
+    generated half of it. Both the KV held and the KV read per step use this one figure.
+    """
+    return params.prompt_tokens + params.output_tokens / 2
+
+
+def kv_tokens_held(params: LeverParams, batch: int, prefix_cache: bool) -> float:
+    """Tokens of KV the cache holds for ``batch`` sequences at the average context.
+
+    With the prefix cache the shared blocks are stored once, not once per sequence.
+    """
+    context = average_context(params)
+    if not prefix_cache:
+        return batch * context
+    shared = params.shared_prefix_tokens
+    return shared + batch * (context - shared)
+
+
+def kv_tokens_read(params: LeverParams, batch: int) -> float:
+    """Tokens of KV one decode step reads: every sequence reads its whole context.
+
+    The prefix cache saves storage, not bandwidth: shared blocks are read by each sequence.
+    """
+    return batch * average_context(params)
+
+
+def prefilled_tokens(params: LeverParams, prefix_cache: bool) -> int:
+    """Prompt tokens one request computes before its first output token.
+
+    With the prefix cache the shared prefix is already cached (its one-time prefill is spread over
+    every request that reuses it, so it is left out), and only the unshared tokens are computed.
+    """
+    if prefix_cache:
+        return params.prompt_tokens - params.shared_prefix_tokens
+    return params.prompt_tokens
 
 
 def lever_row(params: LeverParams, lever: Lever) -> LeverRow:
@@ -149,18 +197,8 @@ def lever_row(params: LeverParams, lever: Lever) -> LeverRow:
         mfu=params.mfu,
     )
     batch = params.large_batch if lever.large_batch else params.batch
-    full_length = params.prompt_tokens + params.output_tokens
-    if lever.prefix_cache:
-        shared = params.shared_prefix_tokens
-        kv_tokens_held = shared + batch * (full_length - shared)
-        prefilled = params.prompt_tokens - shared
-    else:
-        kv_tokens_held = batch * full_length
-        prefilled = params.prompt_tokens
-    kv_bytes = kv_tokens_held * roofline.kv_bytes_per_token
-    # Every sequence reads its whole context, shared blocks included, at every decode step.
-    average_context = params.prompt_tokens + params.output_tokens / 2
-    tpot_s = roofline.decode_s(batch * average_context)
+    kv_bytes = kv_tokens_held(params, batch, lever.prefix_cache) * roofline.kv_bytes_per_token
+    tpot_s = roofline.decode_s(kv_tokens_read(params, batch))
     tokens_per_s = batch / tpot_s
     return LeverRow(
         scenario=lever.name,
@@ -171,7 +209,7 @@ def lever_row(params: LeverParams, lever: Lever) -> LeverRow:
         weight_gb=roofline.weight_bytes / GB,
         kv_gb=kv_bytes / GB,
         fits=kv_bytes <= roofline.kv_capacity_bytes(params.fits_fraction),
-        ttft_ms=roofline.prefill_s(prefilled) * 1000,
+        ttft_ms=roofline.prefill_s(prefilled_tokens(params, lever.prefix_cache)) * 1000,
         tpot_ms=tpot_s * 1000,
         tokens_per_s=tokens_per_s,
         usd_per_m_output_tokens=params.price_per_hour / 3600 / tokens_per_s * 1e6,

@@ -17,7 +17,7 @@ import sys
 TOOLS: dict[str, tuple[str, str]] = {
     "levers": (
         "planning.levers",
-        "Roofline lever table: what FP8/INT4, KV dtype, batch and TP do to cost and latency.",
+        "Roofline lever table: what FP8/INT4, KV dtype, prefix cache and batch do to cost/latency.",
     ),
     "capacity": (
         "planning.capacity",
