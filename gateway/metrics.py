@@ -193,6 +193,13 @@ class GatewayMetrics:
             ["route", "reason"],
             registry=r,
         )
+        self.last_resort = Counter(
+            "fleetgate_last_resort_decisions",
+            "Decisions among replicas marked unhealthy by missed health polls, made because every "
+            "replica of the model was (circuit breakers still apply)",
+            ["route"],
+            registry=r,
+        )
         self.upstream_retries = Counter(
             "fleetgate_upstream_retries",
             "Retries on another replica before the first byte",

@@ -196,13 +196,13 @@ async def route_request(
     replicas = gw.registry.routable()
     adapters.fill_cold_load_estimates(gw, routing_request, replicas)
     decide_start_ns = time.time_ns()
+    last_resort = False
     with gw.tracer.start_as_current_span("fleetgate.route") as span:
         try:
             decision = await gw.engine.route(routing_request, replicas, route.profile)
         except NoReplicaAvailable as exc:
-            raise GatewayError(
-                503, errors.NO_HEALTHY_REPLICA, str(exc), headers={"Retry-After": "1"}
-            ) from None
+            decision = await _route_last_resort(gw, routing_request, route, exc)
+            last_resort = True
         span.set_attribute("fleetgate.replica", decision.replica)
         span.set_attribute("fleetgate.degraded", decision.degraded)
         if not isinstance(gw.tracer, NullTracer):
@@ -234,6 +234,7 @@ async def route_request(
         "fallbacks": list(decision.fallbacks),
         "profile": decision.profile,
         "degraded": decision.degraded,
+        "last_resort": last_resort,
         "timings_ms": dict(decision.timings_ms),
         # The engine's lazy explanation map, rendered only when /admin/decisions is read: copying
         # every replica's terms on every request cost more than the routing decision itself.
@@ -243,6 +244,33 @@ async def route_request(
     return Routed(
         route, tenant, base_model, adapter, prompt, block_size, routing_request, decision, entry
     )
+
+
+async def _route_last_resort(
+    gw: GatewayState, request: RoutingRequest, route: Route, cause: NoReplicaAvailable
+) -> RoutingDecision:
+    """No replica of the model is healthy: route among those that only missed health polls.
+
+    503 only when none is left (none known, or every circuit open): degrade rather than fail.
+    """
+    replicas = gw.registry.last_resort(request.model)
+    if not replicas:
+        raise GatewayError(
+            503, errors.NO_HEALTHY_REPLICA, str(cause), headers={"Retry-After": "1"}
+        ) from None
+    log.warning(
+        "no healthy replica serves %s; last resort among %d that missed health polls",
+        request.model,
+        len(replicas),
+    )
+    gw.metrics.last_resort.labels(request.route).inc()
+    adapters.fill_cold_load_estimates(gw, request, replicas)
+    try:
+        return await gw.engine.route(request, replicas, route.profile)
+    except NoReplicaAvailable as exc:  # e.g. a filter of the profile left none of them
+        raise GatewayError(
+            503, errors.NO_HEALTHY_REPLICA, str(exc), headers={"Retry-After": "1"}
+        ) from None
 
 
 def _decision_metrics(gw: GatewayState, route: str, decision: RoutingDecision) -> None:

@@ -182,6 +182,23 @@ class ReplicaRegistry:
             out.append(state if allowed else replace(state, healthy=False))
         return out
 
+    def last_resort(self, model: str) -> list[ReplicaState]:
+        """Replicas of ``model`` that missed their health polls but whose circuit is closed,
+        as routable copies: where to send a request when no replica of the model is healthy.
+
+        A replica under heavy load can miss ``/health`` polls while it still serves (a busy CPU,
+        a long GC pause); when that takes out every replica, answering 503 fails requests that a
+        replica would have served. Circuit breakers still apply: a replica that refused or
+        dropped requests on the request path is left out, so a truly dead fleet still gets 503.
+        """
+        out = []
+        for rid, state in self._states.items():
+            if state.healthy or model not in state.models:
+                continue
+            if self._breakers[rid].allows():
+                out.append(replace(state, healthy=True))
+        return out
+
     def adapters_read_at(self, replica: ReplicaId) -> float:
         """When ``replica``'s adapter list was last read (0.0: never)."""
         return self._adapters_read_at.get(replica, 0.0)

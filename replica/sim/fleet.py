@@ -122,7 +122,11 @@ async def start_sim_fleet(
                 default_max_tokens=default_max_tokens,
             )
             app = build_app(config, tokenizer)
-            runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            # handler_cancellation: like vLLM, a request whose client closed the connection is
+            # aborted (its handler cancelled, the engine request dropped), streamed or not.
+            runner = web.AppRunner(
+                app, access_log=None, handle_signals=False, handler_cancellation=True
+            )
             await runner.setup()
             try:
                 site = web.TCPSite(runner, host, port + i if port else 0)

@@ -26,6 +26,8 @@ class FakeUpstream:
     adapters: dict[str, str] = field(default_factory=dict)
     #: Close the connection without answering completions (a replica dying mid-request).
     drop_completions: bool = False
+    #: False: ``/health`` answers 503 (a replica too busy to answer its health polls).
+    health_ok: bool = True
     #: When set, a streaming response sends its first chunk, then waits for this gate.
     stream_gate: asyncio.Event | None = None
     #: When set, a response waits here before sending headers (upstream timeout tests).
@@ -61,7 +63,7 @@ class FakeUpstream:
         return web.Response(text="Success")
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
+        return web.Response(text="", status=200 if self.health_ok else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "parent": None} for m in self.models]
