@@ -6,18 +6,15 @@ import argparse
 import asyncio
 
 import aiohttp
-import pytest
 
 from gateway.commands import sim
 from replica.sim.fleet import SimFleet
 from tests.support.redis_server import free_port_block
 
 
-# The ports are picked free and then bound by the fleet: another process can take one in between.
-# The HTTP and event ports come from one block of four consecutive free ports (two free_port()
-# calls could return neighbours, and the fleet binds port + 1 too: the cause of the earlier
-# "Address already in use"). Rerun only for an outside process winning the race.
-@pytest.mark.flaky(reruns=2, reruns_delay=1)
+# The HTTP and event ports come from one block of four consecutive ports below the kernel's
+# ephemeral range (tests/support/redis_server.py): no client connection can take one between the
+# probe and the fleet's bind.
 async def test_sim_command_serves_replicas_on_consecutive_ports() -> None:
     parser = argparse.ArgumentParser()
     sim.add_arguments(parser)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import random
 import shutil
 import socket
 import subprocess
@@ -9,38 +11,58 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+#: Where test servers get their ports: below the kernel's ephemeral range, which the kernel
+#: never hands to a ``bind(0)`` or to an outgoing connection's local port. A port probed free in
+#: the ephemeral range can be taken by any client connection before the server binds it (the
+#: "Address already in use" races); here only an explicit bind to that very port could.
+_FIRST_TEST_PORT = 10_000
+#: Ports this process has handed out: never twice, even before the first taker binds it.
+_handed_out: set[int] = set()
+_rng = random.Random(os.getpid() ^ time.time_ns())
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that are all free right now.
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1, free and outside the kernel's
+    ephemeral range, never handed out before by this process.
 
-    For servers that bind ``port``, ``port + 1``, ... (``fleetgate sim --replicas N``): two
-    separate ``free_port()`` calls may return neighbours, so one fleet's ports would overlap the
-    other's. Every port of the block is bound at once before any is released.
+    For servers that bind ``port``, ``port + 1``, ... (``fleetgate sim --replicas N``) and for
+    servers a test stops and restarts on the same port (``RedisServer``).
     """
-    for _ in range(100):
-        base = free_port()
-        if base + count > 65535:
+    low, _high = _ephemeral_range()
+    last_base = low - count
+    if last_base <= _FIRST_TEST_PORT:
+        raise RuntimeError(f"the ephemeral port range starts at {low}: no room for test ports")
+    for _ in range(500):
+        base = _rng.randrange(_FIRST_TEST_PORT, last_base)
+        ports = range(base, base + count)
+        if any(p in _handed_out for p in ports) or not all(_bindable(p) for p in ports):
             continue
-        sockets: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
+        _handed_out.update(ports)
         return base
     raise RuntimeError(f"no block of {count} free consecutive ports found")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on and no client connection can take."""
+    return free_port_block(1)
 
 
 @dataclass
