@@ -1,0 +1,93 @@
+"""The kernel plugin an engine loads: ``FLEETGATE_KERNEL_PLUGINS=replica.kernels.vllm_plugin``.
+
+Importing it (fleetgate's hook does, in every engine process) registers the ``fleetgate::`` ops
+and replaces vLLM's ``RMSNorm`` layer through vLLM's supported out-of-tree mechanism,
+``CustomOp.register_oot``: every ``RMSNorm(...)`` a model builds afterwards is a
+``FleetgateRMSNorm``, whose platform forwards call the Triton kernel.
+
+Two vLLM rules decide whether the kernel runs, and both are kept rather than overridden:
+
+* vLLM's own switch for the op, ``--compilation-config '{"custom_ops": ["+rms_norm"]}'``
+  (or ``-rms_norm``): the class keeps the in-tree name ``rms_norm`` for it. When vLLM compiles
+  with Inductor, custom ops default to off and Inductor's fused native code runs instead; the
+  layer then logs once that the kernel is not in use.
+* ``VLLM_BATCH_INVARIANT=1`` keeps vLLM's batch-invariant implementation.
+
+On a CPU-only engine Triton has no backend: the import fails (strict mode then refuses to start)
+unless ``TRITON_INTERPRET=1`` runs the kernel through Triton's interpreter, which is slow and meant
+for validation (the e2e test does exactly that).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm import envs
+from vllm.logger import init_logger
+from vllm.model_executor.custom_op import CustomOp
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.platforms import current_platform
+
+from replica.kernels import __version__, ops
+from replica.kernels.rms_norm import KernelUnavailable, interpreting
+
+__all__ = ["FLEETGATE_OPS", "FleetgateRMSNorm", "__version__"]
+
+#: Ops the kernel-plugin hook verifies in ``torch.ops`` after importing this module.
+FLEETGATE_OPS = ops.OPS
+
+logger = init_logger(__name__)
+
+if current_platform.is_cpu() and not interpreting():
+    raise KernelUnavailable(
+        "replica.kernels needs a GPU for its Triton kernels; this engine is CPU-only. Set "
+        "TRITON_INTERPRET=1 to run them through Triton's interpreter (slow: validation only), "
+        "or do not list replica.kernels.vllm_plugin on CPU replicas"
+    )
+
+
+@CustomOp.register_oot(name="RMSNorm")
+class FleetgateRMSNorm(RMSNorm):
+    """vLLM's ``RMSNorm`` with the forward replaced by fleetgate's fused Triton kernel."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if getattr(self._forward_method, "__func__", None) is not FleetgateRMSNorm._triton:
+            _warn_disabled_once()
+
+    def _triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.variance_size_override is not None or envs.VLLM_BATCH_INVARIANT:
+            # Variance over a prefix of the row, or batch invariance: vLLM's own code path.
+            return super().forward_native(x, residual)
+        if residual is None:
+            weight = self.weight.data if self.pass_weight else None
+            return ops.rms_norm(x, weight, self.variance_epsilon)
+        weight = self.weight.data if self.pass_weight_add else None
+        return ops.fused_add_rms_norm(x, residual, weight, self.variance_epsilon)
+
+    # The dispatch targets of an enabled CustomOp on the platforms Triton serves (and on CPU,
+    # where only the interpreter gets here). ``forward_native`` stays vLLM's: it is what runs
+    # when the op is disabled, and the reference the kernel is held to.
+    forward_cuda = _triton
+    forward_hip = _triton
+    forward_cpu = _triton
+
+
+# register_oot named the class after the registry key; give it back the in-tree op name so
+# vLLM's custom_ops switch ("+rms_norm" / "-rms_norm") governs it as it governs RMSNorm.
+FleetgateRMSNorm.name = "rms_norm"
+
+_warned = False
+
+
+def _warn_disabled_once() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning(
+            "fleetgate kernels %s: vLLM has the rms_norm custom op disabled (the default when it "
+            "compiles with Inductor), so RMSNorm layers use vLLM's native code, not the Triton "
+            "kernel. Enable it with --compilation-config '{\"custom_ops\": [\"+rms_norm\"]}'.",
+            __version__,
+        )
