@@ -32,6 +32,7 @@ from routing.policies.max_score import MaxScorePicker
 from routing.policies.power_of_two import PowerOfTwoPicker
 from routing.policies.prefix_affinity import PrefixAffinityScorer
 from routing.policies.random_choice import RandomPicker
+from routing.policies.requires_kernels import RequiresKernelsFilter
 from routing.policies.round_robin import RoundRobinPicker
 from routing.policies.serves_model import ServesModelFilter
 
@@ -50,6 +51,7 @@ PLUGINS: dict[str, type[Plugin]] = {
     for cls in (
         # filters
         ServesModelFilter,
+        RequiresKernelsFilter,
         # scorers
         ExpectedTtftScorer,
         PrefixAffinityScorer,
