@@ -24,6 +24,7 @@ from aiohttp import web
 
 from replica.agent.config import AgentConfig
 from replica.agent.ingest import INDEX_DOWN_ERRORS, EventApplier
+from replica.agent.kernels import build_kernel_reader
 from replica.agent.metrics import AgentMetrics
 from replica.agent.scrape import EngineScraper, EngineSnapshot
 from replica.agent.sequence import SequenceTracker, SeqVerdict
@@ -91,6 +92,13 @@ class ReplicaAgent:
         )
         self.applier.on_epoch_change(self._epoch_changed)
         self.scraper = EngineScraper(config.engine_url)
+        # The engine's vLLM plugin records its kernel plugins in the fleet's Redis.
+        self.kernel_reader = build_kernel_reader(
+            config.fleet_url or config.index_url or None, config.fleet_key_prefix,
+            config.replica_id,
+        )
+        #: Kernel plugins the engine reported loaded (module -> version), as last read.
+        self.kernel_plugins: dict[str, str] = {}
         self.tracker = SequenceTracker()
         self.subscriber: KVEventSubscriber | None = None
         self.snapshot: EngineSnapshot | None = None
@@ -154,6 +162,8 @@ class ReplicaAgent:
             with contextlib.suppress(FleetStoreUnavailable):
                 await self.fleet.remove(self.replica)
         await self.scraper.close()
+        if self.kernel_reader is not None:
+            await self.kernel_reader.close()
         if self._owns_index:
             await self.index.close()
         if self._owns_fleet:
@@ -303,6 +313,10 @@ class ReplicaAgent:
             return
         self.metrics.scrape_seconds(time.perf_counter() - started)
         self.snapshot = snapshot
+        if self.kernel_reader is not None:
+            kernels = await self.kernel_reader.read()
+            if kernels is not None:
+                self.kernel_plugins = kernels
         if self.applier.model is None and snapshot.models:
             self.applier.model = snapshot.models[0]
             self._model_known.set()
@@ -331,6 +345,7 @@ class ReplicaAgent:
             waiting_adapters=snap.waiting_adapters,
             max_loras=snap.max_loras,
             max_cpu_loras=self.config.max_cpu_loras,
+            kernel_plugins=dict(self.kernel_plugins),
             metrics_read_at=snap.read_at,
         )
 
