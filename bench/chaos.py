@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import json
 import shlex
 import sys
 import tempfile
@@ -190,6 +192,7 @@ class Chaos:
         served = self.monitor.served_by
         for record in self.load.records:
             record.served_by = served.get(record.request_id)
+        self._dump_raw()
         results = [
             analyse(w, self.fleet, self.load.records, self.monitor.gateway_samples,
                     self.monitor.agent_samples, MONITOR_INTERVAL_S)
@@ -202,6 +205,20 @@ class Chaos:
                 plot_window(window, self.load.records, path)
                 plots[window.fault.name] = path
         return ChaosRun(self.windows, results, plots, self.fleet.log_dir)
+
+
+    def _dump_raw(self) -> None:
+        """Every record and sample as JSON beside the logs, to re-read a surprising result."""
+        raw = {
+            "windows": [{"fault": w.fault.name, "start": w.start, "inject": w.inject,
+                         "heal": w.heal, "end": w.end,
+                         "stale_reads": [(t, n, s.missing) for t, n, s in w.stale_reads]}
+                        for w in self.windows],
+            "records": [dataclasses.asdict(r) for r in self.load.records],
+            "gateway_samples": [dataclasses.asdict(s) for s in self.monitor.gateway_samples],
+            "agent_samples": [dataclasses.asdict(s) for s in self.monitor.agent_samples],
+        }
+        (self.fleet.log_dir / "raw.json").write_text(json.dumps(raw))
 
 
 def page_header(config: ChaosConfig, shown_argv: Sequence[str]) -> list[str]:
