@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("gateway.commands.plan", "Capacity planning: roofline levers, Erlang-C sizing."),
     "triage": ("gateway.commands.triage", "Read a gateway's metrics and print the levers to pull."),
     "bench": ("gateway.commands.bench", "Benchmarks: replay a trace against an OpenAI endpoint."),
+    "kernels": ("gateway.commands.kernels", "Check fleetgate's kernels against their references."),
 }
 
 

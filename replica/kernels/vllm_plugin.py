@@ -8,9 +8,10 @@ and replaces vLLM's ``RMSNorm`` layer through vLLM's supported out-of-tree mecha
 Two vLLM rules decide whether the kernel runs, and both are kept rather than overridden:
 
 * vLLM's own switch for the op, ``--compilation-config '{"custom_ops": ["+rms_norm"]}'``
-  (or ``-rms_norm``): the class keeps the in-tree name ``rms_norm`` for it. When vLLM compiles
-  with Inductor, custom ops default to off and Inductor's fused native code runs instead; the
-  layer then logs once that the kernel is not in use.
+  (or ``-rms_norm``): the class keeps the in-tree name ``rms_norm`` for it. Whenever vLLM's
+  compile backend is Inductor — the default on GPUs, and on CPU even when LoRA then makes the
+  model run eagerly — custom ops default to off and vLLM's native code runs instead; the layer
+  then logs once that the kernel is not in use. So deploy with ``+rms_norm``.
 * ``VLLM_BATCH_INVARIANT=1`` keeps vLLM's batch-invariant implementation.
 
 On a CPU-only engine Triton has no backend: the import fails (strict mode then refuses to start)
@@ -86,8 +87,9 @@ def _warn_disabled_once() -> None:
     if not _warned:
         _warned = True
         logger.warning(
-            "fleetgate kernels %s: vLLM has the rms_norm custom op disabled (the default when it "
-            "compiles with Inductor), so RMSNorm layers use vLLM's native code, not the Triton "
-            "kernel. Enable it with --compilation-config '{\"custom_ops\": [\"+rms_norm\"]}'.",
+            "fleetgate kernels %s: vLLM has the rms_norm custom op disabled (its default whenever "
+            "the compile backend is Inductor), so RMSNorm layers run vLLM's native code, not the "
+            "Triton kernel. Enable it with --compilation-config '{\"custom_ops\": "
+            "[\"+rms_norm\"]}'.",
             __version__,
         )

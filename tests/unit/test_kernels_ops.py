@@ -1,0 +1,114 @@
+"""The kernels as torch ops and as a vLLM layer, checked inside the vLLM venv (torch, Triton).
+
+One subprocess runs ``PROBE`` and prints a JSON verdict per check; each check is a test here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.unit.test_kernels_numerics import run_in_kernel_env
+
+PROBE = r'''
+import json, os, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "1"
+trace_dir = tempfile.mkdtemp()
+os.environ["FLEETGATE_KERNEL_TRACE_DIR"] = trace_dir
+import torch
+from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+import replica.kernels.vllm_plugin as plugin
+from replica.kernels import ops, trace
+from vllm.model_executor.layers.layernorm import RMSNorm
+
+out = {}
+x = torch.randn(5, 96, dtype=torch.bfloat16)
+r = torch.randn(5, 96, dtype=torch.bfloat16)
+w = torch.randn(96, dtype=torch.bfloat16)
+
+# The ops exist in torch.ops and pass PyTorch's own op checks (schema, fake tensor, autograd
+# registration), so torch.compile can treat them as opaque.
+for op, args in ((torch.ops.fleetgate.rms_norm.default, (x, w, 1e-6)),
+                 (torch.ops.fleetgate.rms_norm.default, (x, None, 1e-6)),
+                 (torch.ops.fleetgate.fused_add_rms_norm.default, (x, r, w, 1e-6))):
+    torch.library.opcheck(op, args)
+out["ops"] = list(plugin.FLEETGATE_OPS)
+
+trace.reset()
+compiled = torch.compile(lambda a, b: ops.fused_add_rms_norm(a * 2, b, w, 1e-6),
+                         backend="eager", fullgraph=True)
+compiled(x, r)
+compiled(x, r)
+out["compiled_calls"] = trace.counts()["fused_add_rms_norm"]["calls"]
+
+# register_oot: every RMSNorm a model builds is fleetgate's, and with the op enabled its forward
+# is the Triton kernel, with vLLM's native numerics.
+trace.reset()
+with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(
+        custom_ops=["none", "+rms_norm"]))):
+    layer = RMSNorm(96, eps=1e-6, dtype=torch.bfloat16)
+with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(
+        custom_ops=["none"]))):
+    disabled = RMSNorm(96, eps=1e-6, dtype=torch.bfloat16)
+with torch.no_grad():
+    layer.weight.copy_(w)
+    got, got_res = layer(x, r)
+    want, want_res = layer.forward_native(x.clone(), r.clone())
+    out["layer_class"] = type(layer).__name__
+    out["layer_equal_native"] = bool(torch.equal(got, want) and torch.equal(got_res, want_res))
+    out["layer_no_residual_equal"] = bool(torch.equal(layer(x), layer.forward_native(x)))
+    disabled(x, r)
+out["layer_counts"] = trace.counts()
+out["disabled_forward"] = disabled._forward_method.__name__
+with open(trace.trace_path(trace_dir)) as f:
+    out["trace_file"] = json.load(f)
+out["pid"] = os.getpid()
+print(json.dumps(out))
+'''
+
+NO_INTERPRETER = (
+    "import os; os.environ.pop('TRITON_INTERPRET', None); "
+    "import replica.kernels.vllm_plugin"
+)
+
+
+@pytest.fixture(scope="module")
+def probe() -> dict[str, Any]:
+    proc = run_in_kernel_env("-c", PROBE, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_ops_are_registered_and_pass_opcheck(probe: dict[str, Any]) -> None:
+    assert probe["ops"] == ["fleetgate::rms_norm", "fleetgate::fused_add_rms_norm"]
+
+
+def test_torch_compile_keeps_the_op_opaque_and_every_call_is_counted(
+    probe: dict[str, Any],
+) -> None:
+    assert probe["compiled_calls"] == 2  # fullgraph: no graph break around the Triton launch
+
+
+def test_vllm_rms_norm_is_replaced_and_calls_the_kernel(probe: dict[str, Any]) -> None:
+    assert probe["layer_class"] == "FleetgateRMSNorm"
+    assert probe["layer_equal_native"] and probe["layer_no_residual_equal"]
+    # One call each through the layer; the layer built with the op disabled never reaches it.
+    assert probe["layer_counts"] == {"fused_add_rms_norm": {"calls": 1, "rows": 5},
+                                     "rms_norm": {"calls": 1, "rows": 5}}
+    assert probe["disabled_forward"] == "forward_native"
+
+
+def test_trace_file_holds_this_process_counters(probe: dict[str, Any]) -> None:
+    trace = probe["trace_file"]
+    assert trace["pid"] == probe["pid"]
+    assert trace["ops"] == probe["layer_counts"]
+    assert trace["version"]
+
+
+def test_a_cpu_engine_without_the_interpreter_refuses_the_plugin() -> None:
+    # Strict mode then stops the engine: better than a replica that claims a kernel it cannot run.
+    proc = run_in_kernel_env("-c", NO_INTERPRETER, timeout=300)
+    assert proc.returncode != 0
+    assert "KernelUnavailable" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr
