@@ -201,26 +201,68 @@ def _lifecycle(
         try:
             yield
         finally:
-            for task in (*tasks, *gw.background):
-                task.cancel()
-            await asyncio.gather(*tasks, *gw.background, return_exceptions=True)
-            if gw.adapters is not None:  # cancels loads in progress, before the session closes
-                await gw.adapters.close()
-                gw.adapters = None
-            await gw.session.close()
-            gw.session = None
-            await gw.upstream.close()
-            gw.upstream = None
-            await gw.inflight.close()
-            close_tokenizer = getattr(gw.tokenizer, "close", None)
-            if owns_tokenizer and close_tokenizer is not None:
-                await close_tokenizer()
-            if owns_index:
-                await gw.index.close()
-            if owns_fleet and gw.fleet_store is not None:
-                await gw.fleet_store.close()
+            await _clean_up(gw, tasks, owns_index, owns_tokenizer, owns_fleet)
 
     return lifecycle
+
+
+async def _clean_up(
+    gw: GatewayState,
+    tasks: list[asyncio.Task[Any]],
+    owns_index: bool,
+    owns_tokenizer: bool,
+    owns_fleet: bool,
+) -> None:
+    """Stop the background tasks and close every connection, within ``cleanup_timeout_s``.
+
+    Each step gets what is left of the budget; one that overruns (a task that does not end when
+    cancelled, a close waiting on a hung Redis) is abandoned with a warning naming it, so the
+    next steps still run and the process still exits.
+    """
+    deadline = asyncio.get_running_loop().time() + gw.config.cleanup_timeout_s
+    running = [*tasks, *gw.background]
+    for task in running:
+        task.cancel()
+    if running:
+        # asyncio.wait, not gather: a cancelled gather still waits for every child to end.
+        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+        _done, stuck = await asyncio.wait(running, timeout=remaining)
+        if stuck:
+            names = ", ".join(sorted(t.get_name() for t in stuck))
+            log.warning(
+                "shutdown: background tasks did not finish within the clean-up budget; "
+                "abandoned: %s",
+                names,
+            )
+    if gw.adapters is not None:  # cancels loads in progress, before the session closes
+        await _within(deadline, "adapter registry", gw.adapters.close())
+        gw.adapters = None
+    if gw.session is not None:
+        await _within(deadline, "health-poll session", gw.session.close())
+        gw.session = None
+    if gw.upstream is not None:
+        await _within(deadline, "upstream connections", gw.upstream.close())
+        gw.upstream = None
+    await _within(deadline, "in-flight counts", gw.inflight.close())
+    close_tokenizer = getattr(gw.tokenizer, "close", None)
+    if owns_tokenizer and close_tokenizer is not None:
+        await _within(deadline, "tokenizer", close_tokenizer())
+    if owns_index:
+        await _within(deadline, "block index", gw.index.close())
+    if owns_fleet and gw.fleet_store is not None:
+        await _within(deadline, "fleet store", gw.fleet_store.close())
+
+
+async def _within(deadline: float, what: str, step: Awaitable[Any]) -> None:
+    """Await ``step`` until ``deadline`` (loop time); past it, give up on it and say so."""
+    remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+    try:
+        async with asyncio.timeout(remaining):
+            await step
+    except TimeoutError:
+        log.warning("shutdown: %s did not finish within the clean-up budget; abandoned", what)
+    except Exception:  # a close that fails must not stop the ones after it
+        log.exception("shutdown: closing %s failed", what)
 
 
 async def _start_draining(app: web.Application) -> None:

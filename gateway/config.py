@@ -41,6 +41,10 @@ class GatewayConfig:
     breaker_cooldown_s: float = 10.0
     #: In-flight streams get this long to finish on shutdown.
     drain_timeout_s: float = 30.0
+    #: After the drain, the most the clean-up may take (background tasks, adapter loads, Redis
+    #: and upstream connections): a step that overruns is abandoned and logged, so SIGTERM ends
+    #: the process in bounded time even with Redis or an engine hung.
+    cleanup_timeout_s: float = 10.0
     #: Seconds between policy-file modification checks (0 disables polling).
     policy_poll_s: float = 2.0
     #: Routing decisions kept for ``/admin/decisions``.

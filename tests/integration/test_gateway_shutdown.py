@@ -1,0 +1,125 @@
+"""Shutdown ends in bounded time, whatever is hung: Redis, a background task, an engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.policy_view import GatewayPolicy, ReplicaSpec
+from gateway.state import GATEWAY
+from tests.integration.test_gateway_support import FakeUpstream, serve
+from tests.support.redis_server import free_port
+
+#: Far above the budgets under test: a guard against hanging the run, not a latency bound.
+HANG_GUARD_S = 60
+
+
+@asynccontextmanager
+async def hung_server() -> AsyncIterator[int]:
+    """A TCP port that accepts connections and never answers (a hung Redis)."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hold(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        for writer in accepted:
+            writer.close()
+        server.close()
+
+
+async def test_cleanup_abandons_a_task_that_ignores_cancellation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    released = asyncio.Event()
+
+    async def stubborn() -> None:
+        """A background task that does not end when cancelled (a bug the budget must survive)."""
+        while not released.is_set():
+            try:
+                await released.wait()
+            except asyncio.CancelledError:
+                continue
+
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(
+            GatewayConfig(health_interval_s=3600, cleanup_timeout_s=0.5),
+            GatewayPolicy.default([spec]),
+        )
+        runner = web.AppRunner(app, shutdown_timeout=1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        task = asyncio.create_task(stubborn())
+        app[GATEWAY].background.add(task)
+        try:
+            with caplog.at_level(logging.WARNING, logger="gateway.app"):
+                async with asyncio.timeout(HANG_GUARD_S):
+                    await runner.cleanup()
+        finally:
+            released.set()  # let the task end, whatever happened, so the test cannot hang
+            await task
+    assert "background tasks did not finish within the clean-up budget" in caplog.text
+    assert app[GATEWAY].upstream is None  # the steps after the overrun still ran
+
+
+async def _start_serve(*args: str) -> tuple[asyncio.subprocess.Process, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.cli", "serve", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    assert process.stdout is not None
+    async with asyncio.timeout(HANG_GUARD_S):
+        while True:
+            line = (await process.stdout.readline()).decode()
+            assert line, "fleetgate serve exited before it listened"
+            if "listening on" in line:
+                return process, line.rsplit(" ", 1)[1].strip()
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (a Redis that is down)."""
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # still free: nothing else took it
+    return port
+
+
+@pytest.mark.parametrize("redis", ["down", "hung"])
+async def test_sigterm_ends_serve_while_redis_is_down_or_hung(redis: str) -> None:
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url, hung_server() as hung_port:
+        port = hung_port if redis == "hung" else _closed_port()
+        process, url = await _start_serve(
+            "--replica", upstream_url, "--model", "base-model",
+            "--redis", f"redis://127.0.0.1:{port}/0", "--port", "0",
+        )
+        try:
+            # It serves (on load alone: the index is unreachable), then is told to stop.
+            body = {"model": "base-model", "prompt": "hello", "max_tokens": 2}
+            async with aiohttp.ClientSession() as http, http.post(
+                f"{url}/v1/completions", json=body
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+            process.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(HANG_GUARD_S):
+                assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
