@@ -2,7 +2,8 @@
 
 The policy YAML refers to plugins by ``type`` (a key of ``PLUGINS``); ``build_plugin`` validates
 their ``parameters`` strictly through the type's ``Params`` model. ``builtin_profile`` gives the
-ready-made policies (``expected-ttft``, ``round-robin`` …) so a gateway runs without any YAML.
+ready-made policies (``fleet-cost``, ``expected-ttft``, ``round-robin`` …) so a gateway runs
+without any YAML.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from routing.policies import (
     cache_aware,
     consistent_hash,
     expected_ttft,
+    fleet_cost,
     least_loaded,
     power_of_two,
     random_choice,
@@ -24,6 +26,7 @@ from routing.policies.base import Plugin
 from routing.policies.cache_aware import CacheAwarePicker
 from routing.policies.consistent_hash import ConsistentHashPicker
 from routing.policies.expected_ttft import ExpectedTtftScorer
+from routing.policies.fleet_cost import FleetCostScorer
 from routing.policies.kv_pressure import KvPressureScorer
 from routing.policies.least_loaded import LeastLoadedPicker
 from routing.policies.load import LoadScorer
@@ -54,6 +57,7 @@ PLUGINS: dict[str, type[Plugin]] = {
         RequiresKernelsFilter,
         # scorers
         ExpectedTtftScorer,
+        FleetCostScorer,
         PrefixAffinityScorer,
         LoraAffinityScorer,
         LoadScorer,
@@ -71,6 +75,7 @@ PLUGINS: dict[str, type[Plugin]] = {
 
 #: Built-in profile name -> factory of a fresh profile (fresh plugin instances and state).
 BUILTIN_PROFILES: dict[str, Callable[[], Profile]] = {
+    "fleet-cost": fleet_cost.profile,
     "expected-ttft": expected_ttft.profile,
     "cache-aware": cache_aware.profile,
     "consistent-hash": consistent_hash.profile,
@@ -81,7 +86,7 @@ BUILTIN_PROFILES: dict[str, Callable[[], Profile]] = {
 }
 
 #: The profile a route uses when it names none.
-DEFAULT_PROFILE = "expected-ttft"
+DEFAULT_PROFILE = "fleet-cost"
 
 
 def build_plugin(

@@ -24,6 +24,7 @@ POLICIES = [
     "consistent-hash",
     "cache-aware",
     "expected-ttft",
+    "fleet-cost",
 ]
 
 
@@ -71,6 +72,7 @@ def test_plugin_refuses_params_of_another_type() -> None:
         ("consistent-hash", False),  # keys on the chain itself, no index lookup
         ("cache-aware", True),
         ("expected-ttft", True),
+        ("fleet-cost", True),
     ],
 )
 def test_builtin_profiles(name: str, needs_prefix: bool) -> None:
@@ -80,9 +82,9 @@ def test_builtin_profiles(name: str, needs_prefix: bool) -> None:
     assert builtin_profile(name).picker is not profile.picker  # fresh state each time
 
 
-def test_every_policy_is_built_in_and_the_default_is_expected_ttft() -> None:
+def test_every_policy_is_built_in_and_the_default_is_fleet_cost() -> None:
     assert set(BUILTIN_PROFILES) == set(POLICIES)
     assert set(builtin_profiles()) == set(POLICIES)
-    assert DEFAULT_PROFILE == "expected-ttft"
+    assert DEFAULT_PROFILE == "fleet-cost"
     with pytest.raises(ValueError, match="unknown built-in routing profile 'fastest'"):
         builtin_profile("fastest")

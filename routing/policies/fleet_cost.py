@@ -1,0 +1,279 @@
+"""``fleet-cost`` policy: the request's own expected TTFT plus what the choice costs everyone else.
+
+``expected-ttft`` minimises the time to first token of the request in hand. That is the right
+goal for a lone request, and the wrong one for a fleet under load: a replica with a slightly
+shorter queue wins even when sending the request there means prefilling, a second time, a prefix
+another replica already holds. The queue difference it chased is transient (the next arrivals
+fill the shorter queue anyway); the duplicated prefill is permanent work, and it is paid by every
+request that queues behind it on that replica, by the decodes running there (chunked prefill
+shares their steps), and by whoever owned the blocks its new KV evicts.
+
+For every candidate replica the scorer computes, in milliseconds::
+
+    cost_ms = expected_ttft_ms                   # expected-ttft's own terms (queue, prefill, …)
+            + decode_interference_ms             # expected-ttft's recent-prefill duty cycle
+            + duplicate_ms × duplicate_weight    # prefill that a better-placed replica would skip
+            + externality_ms                     # this prefill, as paid by others on the replica
+            + eviction_ms                        # the prefixes its new blocks push out
+
+* ``duplicate_ms`` is this replica's prefill time minus the least prefill time of any candidate
+  (the work the fleet would not do if the request went to the best-matched replica).
+  ``duplicate_weight`` grows with **fleet congestion**: ``duplicate_base + duplicate_per_queued
+  ×`` the fleet's mean number of requests queued per replica (engine gauges, or the gateway's
+  in-flight requests not yet running, whichever is larger). On an idle fleet it is 0 and the
+  policy is ``expected-ttft``: a shorter queue may beat a cache hit (balance wins TTFT). Once
+  requests queue everywhere, duplicated work is what everyone waits for and affinity wins —
+  "sticky until saturated", with the threshold set by the fleet's own queue depth rather than a
+  tuned constant.
+* ``externality_ms`` charges this request's prefill to the requests it delays on that replica:
+  ``prefill_ms × (decode_weight × running + queue_weight × expected arrivals during its wait)``.
+  The arrival rate is measured online (decayed count of decisions). Off by default (weights 0):
+  on the simulator's workloads it cost p95 TTFT without adding goodput.
+* ``eviction_ms`` charges the uncached tokens written to a replica whose KV cache is nearly full
+  (above ``evict_threshold``): they evict someone's prefix, which that someone prefills again.
+  Off by default (weight 0).
+
+Scores are ``(best + floor) / (cost + floor)`` as in ``expected-ttft``, picked by ``max-score``
+with its bounded-load guard (a hot prefix's holder over ``1.25 × mean + 2`` requests is passed
+over, so the prefix is replicated onto the next-cheapest replica instead of piling up there) and
+random tie-breaks among costs within 1%. Prefill speed, the backlog drain and adapter load times
+are calibrated online exactly as in ``expected-ttft`` (this scorer extends it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import ClassVar
+
+from pydantic import Field
+
+from routing.contracts import RoutingRequest
+from routing.engine import PluginTerms, Profile
+from routing.policies.base import PluginKind, PluginParams
+from routing.policies.expected_ttft import TERM_NAMES as TTFT_TERM_NAMES
+from routing.policies.expected_ttft import ExpectedTtftScorer, _Pending
+from routing.policies.max_score import MaxScorePicker
+from routing.state import ReplicaState
+from routing.types import ReplicaId
+
+__all__ = ["TERM_NAMES", "ArrivalRate", "FleetCostScorer", "profile"]
+
+#: The cost terms: expected-ttft's, then this scorer's own, the total last.
+TERM_NAMES = (
+    *TTFT_TERM_NAMES,
+    "duplicate_ms",
+    "duplicate_weight",
+    "externality_ms",
+    "eviction_ms",
+    "fleet_cost_ms",
+)
+_TTFT_COST = TTFT_TERM_NAMES.index("cost_ms")
+_PREFILL = TTFT_TERM_NAMES.index("prefill_ms")
+_QUEUE = TTFT_TERM_NAMES.index("queue_wait_ms")
+_UNCACHED = TTFT_TERM_NAMES.index("uncached_tokens")
+_FLEET_COST = TERM_NAMES.index("fleet_cost_ms")
+
+
+class _LazyTerms(Mapping[ReplicaId, Mapping[str, float]]):
+    """Replica -> its cost terms as a dict, built from the computed tuple on first read."""
+
+    __slots__ = ("_built", "_raw")
+
+    def __init__(self, raw: dict[ReplicaId, tuple[float, ...]]) -> None:
+        self._raw = raw
+        self._built: dict[ReplicaId, dict[str, float]] = {}
+
+    def __getitem__(self, replica: ReplicaId) -> dict[str, float]:
+        built = self._built.get(replica)
+        if built is None:
+            built = self._built[replica] = dict(zip(TERM_NAMES, self._raw[replica], strict=True))
+        return built
+
+    def __contains__(self, replica: object) -> bool:
+        return replica in self._raw
+
+    def __iter__(self) -> Iterator[ReplicaId]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+
+class ArrivalRate:
+    """Requests per second routed by this plugin: a count decayed with time constant ``window_s``.
+
+    ``rate = count / window`` once ``window_s`` has passed since the first request; before that,
+    the count over the time elapsed so far (so a burst at start-up is not read as idle).
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._count = 0.0
+        self._at: float | None = None
+        self._first: float | None = None
+
+    def tick(self, now: float) -> None:
+        """One request arrived at ``now`` (monotonic seconds)."""
+        self._decay(now)
+        self._count += 1.0
+
+    def _decay(self, now: float) -> None:
+        if self._at is None:
+            self._at = self._first = now
+            return
+        elapsed = now - self._at
+        if elapsed > 0:
+            self._count *= math.exp(-elapsed / self._window_s)
+            self._at = now
+
+    def rate(self, now: float) -> float:
+        """Requests per second around ``now`` (0 before any request)."""
+        if self._at is None or self._first is None:
+            return 0.0
+        self._decay(now)
+        span = now - self._first
+        # A decayed count over an exponential window of length w estimates rate × w; before the
+        # window has filled, it counts only ``span`` seconds' worth.
+        filled = self._window_s * (1.0 - math.exp(-span / self._window_s)) if span > 0 else 0.0
+        return self._count / max(filled, 1e-3) if self._count > 0 else 0.0
+
+
+class FleetCostScorer(ExpectedTtftScorer):
+    """Scores replicas by own expected TTFT plus the delay the choice puts on everyone else."""
+
+    type_name: ClassVar[str] = "fleet-cost"
+    kind: ClassVar[PluginKind] = "scorer"
+    needs_prefix: ClassVar[bool] = True
+
+    class Params(ExpectedTtftScorer.Params):
+        """Parameters of ``fleet-cost`` (expected-ttft's, and the externality terms)."""
+
+        #: Weight of duplicated prefill on an idle fleet (on top of its own TTFT share) ...
+        duplicate_base: float = Field(default=0.0, ge=0.0)
+        #: ... plus this per request waiting per replica (fleet mean).
+        duplicate_per_queued: float = Field(default=2.0, ge=0.0)
+        #: Ceiling on the duplicate weight (a pathological queue must not freeze all balance).
+        max_duplicate_weight: float = Field(default=50.0, ge=0.0)
+        #: Share of this prefill charged per decode running on the replica (their TPOT stall).
+        decode_weight: float = Field(default=0.0, ge=0.0)
+        #: Share of this prefill charged per request expected to arrive there during its wait.
+        queue_weight: float = Field(default=0.0, ge=0.0)
+        #: Time constant of the arrival-rate estimate.
+        rate_window_s: float = Field(default=5.0, gt=0.0)
+        #: KV usage above which new blocks are charged as evictions ...
+        evict_threshold: float = Field(default=0.8, ge=0.0, lt=1.0)
+        #: ... at this share of their prefill time, growing linearly to a full cache.
+        evict_weight: float = Field(default=0.0, ge=0.0)
+
+    params: Params
+
+    def __init__(
+        self,
+        params: PluginParams | None = None,
+        *,
+        name: str | None = None,
+        clock: Callable[[], float] = time.time,
+        elapsed_clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(params, name=name, clock=clock, elapsed_clock=elapsed_clock)
+        self._arrivals = ArrivalRate(self.params.rate_window_s)
+
+    # ------------------------------------------------------------------ congestion
+
+    @staticmethod
+    def queued(replica: ReplicaState) -> int:
+        """Requests waiting on ``replica`` for their prefill to start.
+
+        The engine's waiting queue, or — when the gateway's view is fresher — the requests this
+        gateway has in flight beyond those the engine reports running.
+        """
+        return max(replica.waiting, replica.inflight_requests - replica.running, 0)
+
+    def duplicate_weight(self, replicas: Sequence[ReplicaState]) -> float:
+        """Weight of duplicated prefill: base + per-queued × fleet-mean queue depth, capped."""
+        p = self.params
+        if not replicas:
+            return p.duplicate_base
+        depth = sum(self.queued(r) for r in replicas) / len(replicas)
+        return min(p.max_duplicate_weight, p.duplicate_base + p.duplicate_per_queued * depth)
+
+    def arrival_rate(self) -> float:
+        """Requests per second this scorer has been asked to route, recently."""
+        return self._arrivals.rate(self._elapsed_clock())
+
+    # ------------------------------------------------------------------ scoring
+
+    def score_with_terms(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaState]
+    ) -> tuple[dict[ReplicaId, float], PluginTerms]:
+        """``score`` plus every replica's cost terms; remembers them for calibration."""
+        p = self.params
+        now = self._clock()
+        elapsed_now = self._elapsed_clock()
+        self._arrivals.tick(elapsed_now)
+        base: dict[ReplicaId, tuple[float, ...]] = {}
+        cold_ours: set[ReplicaId] = set()
+        for replica in replicas:
+            values, cold_is_ours = self._terms(request, replica, now, elapsed_now)
+            base[replica.replica_id] = values
+            if cold_is_ours:
+                cold_ours.add(replica.replica_id)
+        if not base:
+            terms = _LazyTerms({})
+            self._remember(request.request_id, _Pending(terms, cold_ours))
+            return {}, terms
+
+        least_prefill = min(values[_PREFILL] for values in base.values())
+        weight = self.duplicate_weight(replicas)
+        per_replica_rate = self._arrivals.rate(elapsed_now) / len(base)
+        raw: dict[ReplicaId, tuple[float, ...]] = {}
+        for replica in replicas:
+            values = base[replica.replica_id]
+            prefill_ms = values[_PREFILL]
+            duplicate_ms = prefill_ms - least_prefill
+            externality_ms = 0.0
+            if prefill_ms > 0:
+                affected = 0.0
+                if p.decode_weight > 0:
+                    affected += p.decode_weight * replica.running
+                if p.queue_weight > 0:
+                    wait_s = (values[_QUEUE] + prefill_ms) / 1000.0
+                    affected += p.queue_weight * per_replica_rate * wait_s
+                externality_ms = prefill_ms * affected
+            eviction_ms = 0.0
+            if p.evict_weight > 0 and replica.kv_usage > p.evict_threshold and prefill_ms > 0:
+                fullness = (min(1.0, replica.kv_usage) - p.evict_threshold) / (
+                    1.0 - p.evict_threshold
+                )
+                eviction_ms = p.evict_weight * fullness * prefill_ms
+            total = values[_TTFT_COST] + weight * duplicate_ms + externality_ms + eviction_ms
+            raw[replica.replica_id] = (
+                *values,
+                duplicate_ms,
+                weight,
+                externality_ms,
+                eviction_ms,
+                total,
+            )
+        terms = _LazyTerms(raw)
+        self._remember(request.request_id, _Pending(terms, cold_ours))
+        floor = p.cost_floor_ms
+        costs = {rid: values[_FLEET_COST] + floor for rid, values in raw.items()}
+        best = min(costs.values())
+        return {rid: best / cost for rid, cost in costs.items()}, terms
+
+
+#: As in expected-ttft: near-equal costs within 1% count as ties.
+TIE_TOLERANCE = 0.01
+
+
+def profile() -> Profile:
+    """The built-in ``fleet-cost`` profile: this scorer alone, picked by ``max-score``."""
+    return Profile(
+        name="fleet-cost",
+        filters=(),
+        scorers=((FleetCostScorer(), 1.0),),
+        picker=MaxScorePicker(MaxScorePicker.Params(tie_tolerance=TIE_TOLERANCE)),
+    )

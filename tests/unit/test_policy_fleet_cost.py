@@ -1,0 +1,257 @@
+"""``fleet-cost``: its terms, its choices at light and heavy load, and hot-prefix spread."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from routing.contracts import RoutingRequest
+from routing.engine import Profile, RoutingEngine
+from routing.policies.fleet_cost import TIE_TOLERANCE, ArrivalRate, FleetCostScorer
+from routing.policies.max_score import MaxScorePicker
+from routing.policies.registry import builtin_profile
+from routing.state import ReplicaState
+from routing.types import BlockHash, ReplicaId
+from tests.unit.test_policy_hot_prefix import REPLICAS, REQUESTS, route_hot_prefix
+
+NOW = 1_000_000.0
+
+
+class _Clock:
+    """A settable elapsed clock (the backlog drain and the arrival rate read it)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scorer(clock: _Clock | None = None, **params: Any) -> FleetCostScorer:
+    """A scorer whose wall clock reads ``NOW`` (fresh replica figures), elapsed time frozen."""
+    return FleetCostScorer(
+        FleetCostScorer.Params(**params),
+        clock=lambda: NOW,
+        elapsed_clock=clock or _Clock(),
+    )
+
+
+def profile(**params: Any) -> Profile:
+    return Profile(
+        "fleet-cost",
+        (),
+        ((scorer(**params), 1.0),),
+        MaxScorePicker(MaxScorePicker.Params(tie_tolerance=TIE_TOLERANCE)),
+    )
+
+
+def rep(rid: str, **fields: Any) -> ReplicaState:
+    fields.setdefault("models", frozenset({"m"}))
+    fields.setdefault("metrics_read_at", NOW)
+    fields.setdefault("prefill_tokens_per_s", 10_000.0)
+    fields.setdefault("decode_step_ms", 30.0)
+    return ReplicaState(replica_id=ReplicaId(rid), url=f"http://{rid}", **fields)
+
+
+def req(**fields: Any) -> RoutingRequest:
+    values: dict[str, Any] = {
+        "request_id": "r", "model": "m", "adapter": None, "tenant": "t", "route": "d",
+        "prompt_tokens": 2_000, "chain": [BlockHash(i) for i in range(125)], "seed": 1,
+    }
+    values.update(fields)
+    return RoutingRequest(**values)
+
+
+# --------------------------------------------------------------------------- terms
+
+#: No externality terms: each row switches on the one it shows.
+QUIET = {"decode_weight": 0.0, "queue_weight": 0.0, "evict_weight": 0.0}
+
+TERMS = [
+    pytest.param(
+        {}, [rep("holder"), rep("cold")], {"holder": 100},
+        {"holder": {"duplicate_ms": 0.0, "duplicate_weight": 0.0},
+         "cold": {"duplicate_ms": 160.0, "duplicate_weight": 0.0, "fleet_cost_ms": 200.0}},
+        id="duplicate: 1600 tokens the holder would skip; idle fleet: only its own TTFT counts",
+    ),
+    pytest.param(
+        {"duplicate_base": 1.0, "duplicate_per_queued": 0.5},
+        [rep("holder", waiting=8), rep("cold", waiting=4)], {"holder": 100},
+        # cold: 4 waiting x 512 tokens = 204.8 ms queue, 200 ms prefill, 160 ms of it duplicated
+        {"cold": {"duplicate_weight": 1.0 + 0.5 * 6, "fleet_cost_ms": 204.8 + 200.0 + 4.0 * 160.0}},
+        id="duplicate weight grows with the fleet's mean queue (6 waiting)",
+    ),
+    pytest.param(
+        {"duplicate_base": 1.0, "duplicate_per_queued": 1.0},
+        [rep("a", inflight_requests=5, running=2), rep("b", inflight_requests=1, running=1)], {},
+        {"a": {"duplicate_weight": 1.0 + 1.5}},
+        id="gateway in-flight beyond running counts as queued (3 and 0)",
+    ),
+    pytest.param(
+        {"decode_weight": 0.1},
+        [rep("busy", running=20), rep("idle")], {},
+        {"busy": {"externality_ms": 200.0 * 0.1 * 20}, "idle": {"externality_ms": 0.0}},
+        id="decodes stalled by this prefill",
+    ),
+    pytest.param(
+        {"evict_weight": 1.0, "evict_threshold": 0.8},
+        [rep("full", kv_usage=0.9), rep("free", kv_usage=0.5)], {},
+        {"full": {"eviction_ms": 0.5 * 200.0}, "free": {"eviction_ms": 0.0}},
+        id="blocks written into a nearly full cache evict others",
+    ),
+]
+
+
+@pytest.mark.parametrize(("params", "replicas", "matches", "expected"), TERMS)
+def test_cost_terms(
+    params: dict[str, Any],
+    replicas: list[ReplicaState],
+    matches: dict[str, int],
+    expected: dict[str, dict[str, float]],
+) -> None:
+    s = scorer(**{**QUIET, **params})
+    request = req(prefix_matches={ReplicaId(k): v for k, v in matches.items()})
+    _, terms = s.score_with_terms(request, replicas)
+    for rid, values in expected.items():
+        for name, value in values.items():
+            assert terms[ReplicaId(rid)][name] == pytest.approx(value), (rid, name)
+    for rid in terms:
+        t = terms[rid]
+        total = (
+            t["cost_ms"] + t["duplicate_weight"] * t["duplicate_ms"] + t["externality_ms"]
+            + t["eviction_ms"]
+        )
+        assert t["fleet_cost_ms"] == pytest.approx(total)
+
+
+def test_scores_are_relative_fleet_cost_with_a_floor() -> None:
+    s = scorer(**QUIET, cost_floor_ms=10.0)
+    replicas = [rep("fast"), rep("slow", inflight_prefill_tokens=4_000)]
+    scores, terms = s.score_with_terms(req(), replicas)
+    # fast: 200 ms, slow: 400 + 200 ms (nothing cached anywhere: no duplicate work)
+    assert scores == {"fast": 1.0, "slow": pytest.approx(210 / 610)}
+    assert terms[ReplicaId("slow")]["duplicate_ms"] == 0.0
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+# The holder has 100 of the 125 blocks (saves 160 ms of prefill) and a longer queue than the
+# other replicas. Rows: how many requests wait on every replica (the fleet's congestion), the
+# holder's extra prefill backlog in tokens, and where the request should go.
+STICKY = [
+    pytest.param(0, 3_000, "idle-1", id="idle fleet: a 300 ms queue is not worth 160 ms"),
+    pytest.param(0, 1_000, "holder", id="idle fleet: a 100 ms queue is"),
+    pytest.param(8, 3_000, "holder", id="congested fleet: duplicated prefill costs everyone"),
+    pytest.param(8, 12_000, "holder", id="congested fleet: sticky well past the ttft break-even"),
+    pytest.param(8, 60_000, "idle-1", id="congested fleet: a 6 s hole is still too deep"),
+]
+
+
+@pytest.mark.parametrize(("waiting", "holder_backlog", "expected"), STICKY)
+async def test_sticky_until_the_holder_is_far_behind(
+    waiting: int, holder_backlog: int, expected: str
+) -> None:
+    engine = RoutingEngine(
+        None, {"fleet-cost": profile(**QUIET, duplicate_base=0.0, duplicate_per_queued=1.0)}
+    )
+    # Engine-reported waiting requests count 512 tokens each in the queue estimate; the holder's
+    # own backlog comes on top through the gateway's in-flight prefill counter.
+    replicas = [
+        rep("holder", waiting=waiting, inflight_prefill_tokens=waiting * 512 + holder_backlog),
+        rep("idle-1", waiting=waiting),
+        rep("idle-2", waiting=waiting, inflight_prefill_tokens=waiting * 512 + 1_000),
+    ]
+    request = req(prefix_matches={ReplicaId("holder"): 100})
+    decision = await engine.route(request, replicas, "fleet-cost")
+    assert decision.replica == expected
+
+
+async def test_expected_ttft_would_leave_the_holder_where_fleet_cost_stays() -> None:
+    """The difference in one row: same state, the stock policy chases the shorter queue."""
+    replicas = [
+        rep("holder", waiting=8, inflight_prefill_tokens=8 * 512 + 3_000),
+        rep("idle-1", waiting=8),
+    ]
+    request = req(prefix_matches={ReplicaId("holder"): 100})
+    ours = await RoutingEngine(None, {"fleet-cost": profile(**QUIET, duplicate_base=0.0)}).route(
+        request, replicas, "fleet-cost"
+    )
+    theirs = await RoutingEngine(None, {"expected-ttft": builtin_profile("expected-ttft")}).route(
+        req(prefix_matches={ReplicaId("holder"): 100}), replicas, "expected-ttft"
+    )
+    assert (ours.replica, theirs.replica) == ("holder", "idle-1")
+
+
+async def test_a_cold_prompt_avoids_stalling_many_decodes() -> None:
+    engine = RoutingEngine(None, {"fleet-cost": profile(**{**QUIET, "decode_weight": 0.1})})
+    replicas = [rep("busy", running=40), rep("calm", running=2, inflight_prefill_tokens=500)]
+    decision = await engine.route(req(), replicas, "fleet-cost")
+    # busy: 200 ms prefill + 40 x 30 x 0.05 contention + 200 x 0.1 x 40 externality;
+    # calm: 50 ms queue + 200 ms + small terms.
+    assert decision.replica == "calm"
+
+
+async def test_a_cold_prompt_avoids_the_nearly_full_cache() -> None:
+    engine = RoutingEngine(None, {"fleet-cost": profile(**{**QUIET, "evict_weight": 1.0})})
+    replicas = [rep("full", kv_usage=0.88), rep("roomy", kv_usage=0.3, inflight_prefill_tokens=300)]
+    assert (await engine.route(req(), replicas, "fleet-cost")).replica == "roomy"
+
+
+def test_queue_externality_follows_the_measured_arrival_rate() -> None:
+    clock = _Clock(0.0)
+    s = scorer(clock, **{**QUIET, "queue_weight": 1.0, "rate_window_s": 5.0})
+    replicas = [rep("a", inflight_prefill_tokens=10_000), rep("b", inflight_prefill_tokens=10_000)]
+    # 40 requests/s for 20 s: 20 per replica per second, each waiting 1 s queue + 0.2 s prefill.
+    for i in range(800):
+        clock.now = i / 40.0
+        s.score_with_terms(req(request_id=f"q{i}"), replicas)
+    _, terms = s.score_with_terms(req(request_id="last"), replicas)
+    assert s.arrival_rate() == pytest.approx(40.0, rel=0.05)
+    # Backlog is not drained here (nothing was started), so the wait is the counter's 1 s.
+    assert terms[ReplicaId("a")]["externality_ms"] == pytest.approx(200.0 * 20 * 1.2, rel=0.05)
+
+
+def test_arrival_rate_is_zero_before_any_request_and_decays_when_idle() -> None:
+    rate = ArrivalRate(window_s=2.0)
+    assert rate.rate(0.0) == 0.0
+    for i in range(100):
+        rate.tick(i * 0.1)  # 10/s for 10 s
+    assert rate.rate(9.9) == pytest.approx(10.0, rel=0.05)
+    assert rate.rate(29.9) < 0.1
+    assert math.isfinite(rate.rate(1e9))
+
+
+def test_calibration_still_learns_prefill_speed() -> None:
+    s = scorer(**QUIET)
+    replica = rep("a")
+    for i in range(30):
+        request = req(request_id=f"cal-{i}")
+        s.score_with_terms(request, [replica])
+        s.on_request_start(request, ReplicaId("a"))
+        s.on_request_complete(request, ReplicaId("a"), 400.0, 0, True)  # half the speed
+    speed = s.calibrated_speed(ReplicaId("a"))
+    assert speed is not None and speed == pytest.approx(5_000.0, rel=0.02)
+
+
+# --------------------------------------------------------------------------- hot prefix
+
+
+async def test_hot_prefix_spreads_under_the_load_bound() -> None:
+    """Stickiness must not defeat the bounded-load guard: a hot prefix is replicated."""
+    p = builtin_profile("fleet-cost")
+    for plugin in p.plugins:
+        if isinstance(plugin, FleetCostScorer):
+            plugin._clock = lambda: NOW  # replica figures in the scenario are read at NOW
+    counts = await route_hot_prefix(p)
+    assert sum(counts.values()) == REQUESTS
+    assert counts.most_common(1)[0][1] <= 0.3 * REQUESTS
+    assert len(counts) >= REPLICAS // 2
+
+
+def test_builtin_profile_and_plugin_are_registered() -> None:
+    p = builtin_profile("fleet-cost")
+    assert p.name == "fleet-cost" and p.needs_prefix
+    assert builtin_profile("fleet-cost").picker is not p.picker
