@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from bench._bench_common import drop_option, machine_line, write_page
 from bench.chaos_faults import ALL_FAULTS, Fault, FaultContext
-from bench.chaos_fleet import HEALTH_INTERVAL_S, Fleet
+from bench.chaos_fleet import HEALTH_INTERVAL_S, SIM, EngineKind, Fleet, vllm_kind
 from bench.chaos_observe import (
     Clock,
     EngineTruth,
@@ -70,6 +71,7 @@ class ChaosConfig:
     speed: float
     seed: int
     plots_dir: Path | None
+    engines: str = "sim"
 
     @property
     def warmup_s(self) -> float:
@@ -98,7 +100,7 @@ class Chaos:
     def __init__(self, config: ChaosConfig, log_dir: Path) -> None:
         self.config = config
         self.clock = Clock()
-        self.fleet = Fleet(log_dir, config.replicas, config.speed)
+        self.fleet = Fleet(log_dir, config.replicas, config.speed, engine_kind(config.engines))
         self.truths: list[EngineTruth] = []
         self.load = OpenLoopLoad(self.fleet, LoadConfig(rate=config.rate, seed=config.seed),
                                  self.clock)
@@ -120,7 +122,7 @@ class Chaos:
         tasks: list[asyncio.Task[None]] = []
         try:
             for replica in self.fleet.replicas:
-                truth = EngineTruth(replica.replica_id, replica.kv_events)
+                truth = EngineTruth(replica.replica_id, replica.kv_events, self.fleet.engine.model)
                 await truth.start()
                 self.truths.append(truth)
             tasks.append(asyncio.create_task(self.monitor.run(self._budget_s())))
@@ -143,7 +145,7 @@ class Chaos:
         while self.clock() < deadline:
             now = self.clock()
             states = fleet_states(self.monitor.gateway_samples, self.monitor.agent_samples,
-                                  now, now, 1.0)
+                                  now - 2.0, now, MONITOR_INTERVAL_S)
             if states and steady(states[-1], self.fleet):
                 return True
             await asyncio.sleep(MONITOR_INTERVAL_S)
@@ -221,18 +223,40 @@ class Chaos:
         (self.fleet.log_dir / "raw.json").write_text(json.dumps(raw))
 
 
-def page_header(config: ChaosConfig, shown_argv: Sequence[str]) -> list[str]:
+def engine_kind(engines: str) -> EngineKind:
+    """The sims, or vLLM with the tiny model (built once, cached where the e2e tier keeps it)."""
+    if engines == "sim":
+        return SIM
+    from replica.tiny_model import RECIPE_VERSION, ensure_tiny_model
+
+    cache = Path(tempfile.gettempdir()) / f"fleetgate-tiny-model-r{RECIPE_VERSION}"
+    return vllm_kind(ensure_tiny_model(cache, adapters=3).model_dir)
+
+
+def _engines_text(config: ChaosConfig) -> str:
+    if config.engines == "vllm":
+        return (f"{config.replicas} real vLLM CPU engines (`.venv-vllm`, the tiny generated "
+                "model of the e2e tier, block size 32, exact tokenizer)")
+    return f"{config.replicas} simulated replicas (`fleetgate sim --speed {config.speed:g}`)"
+
+
+def page_header(config: ChaosConfig, shown_argv: Sequence[str],
+                load_before: Sequence[float]) -> list[str]:
     command = " ".join(["python -m bench.chaos", *map(shlex.quote, shown_argv)])
+    load = " / ".join(f"{x:.1f}" for x in load_before) + " before, " + " / ".join(
+        f"{x:.1f}" for x in os.getloadavg()) + " after (1 / 5 / 15 min)"
     return [
         "# Chaos benchmark",
         "",
-        f"Command: `{command}` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {machine_line()}.",
+        f"Command: `{command}` — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {machine_line()}, "
+        f"load average {load}: the machine is shared, so latencies and index-budget misses "
+        "include other work.",
         "Rewritten by the benchmark; notes below the marker are kept.",
         "",
         f"Setup: two gateways (`fleetgate serve --config`, Redis index, two tenants, health "
-        f"polls every {HEALTH_INTERVAL_S:g} s) in front of {config.replicas} simulated replicas "
-        f"(one `fleetgate sim --speed {config.speed:g}` process each, its own `fleetgate agent`, "
-        "discovery through Redis), one private `redis-server`. Gateways reach the replicas and "
+        f"polls every {HEALTH_INTERVAL_S:g} s) in front of {_engines_text(config)} (each its "
+        "own process and its own `fleetgate agent`, discovery through Redis), one private "
+        "`redis-server`. Gateways reach the replicas and "
         "Redis, and agents reach Redis, through fault proxies run by the benchmark. Load: "
         f"open loop, Poisson at {config.rate:g} req/s, half streamed, two tenants, chat "
         "completions of 24 tokens, spread over the gateways the load balancer sees ready "
@@ -245,10 +269,11 @@ def page_header(config: ChaosConfig, shown_argv: Sequence[str]) -> list[str]:
         "fault leaves a replica up); *broken mid-stream* — `200`, then the body ended early "
         "(allowed only on the killed replica); *lost with gateway* — in flight on the gateway "
         "that was killed; *detect* — from injection to the first monitor sample (every "
-        f"{MONITOR_INTERVAL_S:g} s) showing the fault (replica unrouted by a gateway, degraded "
-        "decisions or index errors rising, gateway not answering; for the slow replica: its "
-        "share of requests below half its warm-up share); *recover* — from the heal to the "
-        "fleet being steady again (both gateways route to every replica, no index trouble, "
+        f"{MONITOR_INTERVAL_S:g} s) showing the fault (replica unrouted by a gateway, ≥ 80 % "
+        "of a gateway's decisions over 1 s made on load alone, gateway not answering; for the "
+        "slow replica: its share of requests below half its warm-up share); *recover* — from "
+        "the heal to the "
+        "fleet being steady again (both gateways route to every replica, under 80 % degraded, "
         "agents clean), the fault's own condition (the restarted replica or gateway serves) "
         "and no later failure; *stale* — index entries a lookup would return for a replica "
         "whose engine does not hold the block (checked against a second KV-event subscriber "
@@ -262,17 +287,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help=f"comma-separated subset of: {', '.join(ALL_FAULTS)}")
     parser.add_argument("--duration", type=float, default=8.0,
                         help="seconds of warm-up and of fault held (observed twice as long)")
-    parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
-    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--rate", type=float,
+                        help="requests per second (default: 20 on sims, 2 on vLLM CPU engines)")
+    parser.add_argument("--replicas", type=int, help="default: 3 sims, 2 vLLM engines")
     parser.add_argument("--speed", type=float, default=1.0, help="sim --speed")
-    parser.add_argument("--engines", choices=("sim",), default="sim",
-                        help="sim only so far (the vLLM CPU tier is not built yet)")
+    parser.add_argument("--engines", choices=("sim", "vllm"), default="sim",
+                        help="simulated replicas, or real vLLM CPU engines (.venv-vllm) serving "
+                             "the tiny generated model (the e2e tier)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUTPUT)
     parser.add_argument("--plots", type=Path,
                         help="timeline PNG folder (default: chaos/ beside --out); 'off' for none")
     parser.add_argument("--log-dir", type=Path, help="process logs (default: a temp dir)")
     args = parser.parse_args(argv)
+    vllm = args.engines == "vllm"
+    args.rate = args.rate or (2.0 if vllm else 20.0)
+    args.replicas = args.replicas or (2 if vllm else 3)
     unknown = [f for f in args.faults.split(",") if f not in ALL_FAULTS]
     if unknown:
         parser.error(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(ALL_FAULTS)}")
@@ -288,7 +318,7 @@ def config_of(args: argparse.Namespace) -> ChaosConfig:
         plots = None if str(args.plots) == "off" else args.plots
     return ChaosConfig(faults=args.faults.split(","), duration_s=args.duration, rate=args.rate,
                        replicas=args.replicas, speed=args.speed, seed=args.seed,
-                       plots_dir=plots)
+                       plots_dir=plots, engines=args.engines)
 
 
 def run_chaos(config: ChaosConfig, log_dir: Path | None = None) -> ChaosRun:
@@ -303,11 +333,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     config = config_of(args)
+    load_before = os.getloadavg()
     run = run_chaos(config, args.log_dir)
     shown = argv
     for option in ("--log-dir", "--out", "--plots"):
         shown = drop_option(shown, option)
-    page = render(run.results, page_header(config, shown), run.plots, args.out)
+    page = render(run.results, page_header(config, shown, load_before), run.plots, args.out)
     write_page(args.out, page)
     print(page)
     print(f"logs: {run.log_dir}", file=sys.stderr)

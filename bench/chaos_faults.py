@@ -147,12 +147,12 @@ class ReplicaSlow(_ReplicaFault):
     async def inject(self, ctx: FaultContext) -> None:
         proxy = ctx.fleet.replicas[self.slowed].proxy
         assert proxy is not None
-        proxy.set_mode(Mode.SCALE, factor=SLOW_FACTOR)
+        await proxy.set_mode(Mode.SCALE, factor=SLOW_FACTOR)
 
     async def heal(self, ctx: FaultContext) -> None:
         proxy = ctx.fleet.replicas[self.slowed].proxy
         assert proxy is not None
-        proxy.heal()
+        await proxy.heal()
 
     def detected(self, state: FleetState, fleet: Fleet) -> bool:
         return False  # detection is a routing shift, computed from the requests (chaos.py)
@@ -227,12 +227,12 @@ class RedisSlow(_RedisFault):
     async def inject(self, ctx: FaultContext) -> None:
         for proxy in (ctx.fleet.gw_redis_proxy, ctx.fleet.agent_redis_proxy):
             assert proxy is not None
-            proxy.set_mode(Mode.DELAY, delay_ms=REDIS_DELAY_MS)
+            await proxy.set_mode(Mode.DELAY, delay_ms=REDIS_DELAY_MS)
 
     async def heal(self, ctx: FaultContext) -> None:
         for proxy in (ctx.fleet.gw_redis_proxy, ctx.fleet.agent_redis_proxy):
             assert proxy is not None
-            proxy.heal()
+            await proxy.heal()
 
 
 class RedisStall(_RedisFault):
@@ -243,11 +243,11 @@ class RedisStall(_RedisFault):
 
     async def inject(self, ctx: FaultContext) -> None:
         assert ctx.fleet.gw_redis_proxy is not None
-        ctx.fleet.gw_redis_proxy.set_mode(Mode.STALL)
+        await ctx.fleet.gw_redis_proxy.set_mode(Mode.STALL)
 
     async def heal(self, ctx: FaultContext) -> None:
         assert ctx.fleet.gw_redis_proxy is not None
-        ctx.fleet.gw_redis_proxy.heal()
+        await ctx.fleet.gw_redis_proxy.heal()
 
 
 class GatewayKilled(Fault):

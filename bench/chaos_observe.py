@@ -26,7 +26,7 @@ import aiohttp
 import redis.asyncio
 from prometheus_client import CollectorRegistry
 
-from bench._bench_common import HOST, MODEL, words
+from bench._bench_common import HOST, words
 from bench.chaos_fleet import ADMIN_KEY, TENANT_KEYS, Fleet
 from replica.agent.ingest import EventApplier
 from replica.agent.metrics import AgentMetrics
@@ -155,7 +155,7 @@ class OpenLoopLoad:
         if len(self._tasks) >= self.config.max_inflight:
             record.error = "client in-flight bound reached"
             return
-        body = {"model": MODEL, "messages": _prompt(rng, tenant),
+        body = {"model": self.fleet.engine.model, "messages": _prompt(rng, tenant),
                 "max_tokens": self.config.max_tokens, "stream": record.stream}
         task = asyncio.create_task(self._send(session, record, body))
         self._tasks.add(task)
@@ -229,6 +229,7 @@ class GatewaySample:
     degraded_total: float = 0.0
     index_errors_total: float = 0.0
     retries_total: float = 0.0
+    requests_total: float = 0.0
 
 
 @dataclass
@@ -301,6 +302,7 @@ class Monitor:
         sample.degraded_total = _metric_sum(text, "fleetgate_degraded_decisions_total")
         sample.index_errors_total = _metric_sum(text, "fleetgate_index_errors_total")
         sample.retries_total = _metric_sum(text, "fleetgate_upstream_retries_total")
+        sample.requests_total = _metric_sum(text, "fleetgate_requests_total")
         self.gateway_samples.append(sample)
 
     async def _agent(self, session: aiohttp.ClientSession, replica: str, url: str) -> None:
@@ -362,12 +364,12 @@ class _TruthSet:
 class EngineTruth:
     """What one engine's KV cache holds, from its own KV events (a second subscriber)."""
 
-    def __init__(self, replica_id: str, endpoint: str) -> None:
+    def __init__(self, replica_id: str, endpoint: str, model: str) -> None:
         self.replica_id = replica_id
         self.endpoint = endpoint
         self.truth = _TruthSet()
         metrics = AgentMetrics(replica_id, registry=CollectorRegistry())
-        self.applier = EventApplier(self.truth, ReplicaId(replica_id), metrics, model=MODEL)
+        self.applier = EventApplier(self.truth, ReplicaId(replica_id), metrics, model=model)
         self.expected_seq: int | None = None
         #: Sequence gaps seen: after one the truth may miss events (reported, never guessed).
         self.gaps = 0

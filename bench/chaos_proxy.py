@@ -21,11 +21,16 @@ chunk never delays the reading (and timing) of the next one.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import dataclasses
 import enum
+import signal
 import time
 from dataclasses import dataclass, field
+
+from aiohttp import web
 
 _CHUNK = 65536
 
@@ -218,3 +223,87 @@ class FaultProxy:
         for writer in (conn.client, conn.upstream):
             with contextlib.suppress(Exception):
                 writer.close()
+
+
+# --------------------------------------------------------------------------- a process of them
+#
+# The benchmark runs its proxies in a process of their own, so the load generator's and the
+# index reader's work never delays a relayed byte (a Redis call has a 20 ms budget).
+
+
+@dataclass
+class ProxySpec:
+    """``name=LISTEN_PORT:UPSTREAM_PORT`` on the command line."""
+
+    name: str
+    listen_port: int
+    upstream_port: int
+
+    @classmethod
+    def parse(cls, text: str) -> ProxySpec:
+        name, _, ports = text.partition("=")
+        listen, _, upstream = ports.partition(":")
+        return cls(name, int(listen), int(upstream))
+
+    def arg(self) -> str:
+        return f"{self.name}={self.listen_port}:{self.upstream_port}"
+
+
+def _control_app(proxies: dict[str, FaultProxy]) -> web.Application:
+    """``POST /mode {"name", "mode", "delay_ms", "factor"}``, ``POST /drop {"name"}``."""
+
+    async def mode(request: web.Request) -> web.Response:
+        body = await request.json()
+        proxy = proxies[body["name"]]
+        proxy.set_mode(Mode(body["mode"]), delay_ms=float(body.get("delay_ms", 0.0)),
+                       factor=float(body.get("factor", 1.0)))
+        return web.json_response({"ok": True})
+
+    async def drop(request: web.Request) -> web.Response:
+        proxies[(await request.json())["name"]].drop_all()
+        return web.json_response({"ok": True})
+
+    async def stats(_request: web.Request) -> web.Response:
+        return web.json_response({name: {"mode": p.mode.value, **dataclasses.asdict(p.stats)}
+                                  for name, p in proxies.items()})
+
+    app = web.Application()
+    app.router.add_post("/mode", mode)
+    app.router.add_post("/drop", drop)
+    app.router.add_get("/stats", stats)
+    return app
+
+
+async def serve_proxies(specs: list[ProxySpec], control_port: int, max_s: float) -> None:
+    """Run ``specs`` and the control API until SIGINT/SIGTERM or ``max_s`` (a bound)."""
+    proxies = {}
+    for spec in specs:
+        proxies[spec.name] = await FaultProxy(spec.name, spec.upstream_port).start(
+            spec.listen_port)
+    runner = web.AppRunner(_control_app(proxies), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", control_port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), max_s)
+    for proxy in proxies.values():
+        await proxy.stop()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Fault proxies for bench.chaos")
+    parser.add_argument("--proxy", action="append", default=[], type=ProxySpec.parse,
+                        help="NAME=LISTEN_PORT:UPSTREAM_PORT (repeatable)")
+    parser.add_argument("--control-port", type=int, required=True)
+    parser.add_argument("--max-s", type=float, default=7200.0, help="stop after this anyway")
+    args = parser.parse_args(argv)
+    asyncio.run(serve_proxies(args.proxy, args.control_port, args.max_s))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
