@@ -52,7 +52,8 @@ class FleetgateRMSNorm(RMSNorm):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        if getattr(self._forward_method, "__func__", None) is not FleetgateRMSNorm._triton:
+        # A disabled custom op dispatches to forward_native (vLLM's code), never to ours.
+        if getattr(self._forward_method, "__func__", None) is RMSNorm.forward_native:
             _warn_disabled_once()
 
     def _triton(
