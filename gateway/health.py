@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.policy_view import Route
 from gateway.state import GATEWAY, GatewayState
 
 
@@ -33,6 +34,8 @@ async def ready(request: web.Request) -> web.Response:
 def refresh_gauges(gw: GatewayState) -> None:
     """Recompute window gauges (hit rate, cost, layout, replica health) just before a scrape."""
     m = gw.metrics
+    # At each scrape, not once at start: a policy reload may add routes.
+    m.precreate(((r.name, _slos(r)) for r in gw.policy.routes), gw.index_backend)
     for route, rate in gw.window.hit_rates().items():
         m.prefix_hit_rate.labels(route).set(rate)
     pools: dict[str, int] = {}
@@ -47,6 +50,12 @@ def refresh_gauges(gw: GatewayState) -> None:
     for state in gw.registry.routable():
         m.replica_healthy.labels(state.replica_id).set(1 if state.healthy else 0)
         m.replica_inflight.labels(state.replica_id).set(counts.get(state.replica_id, (0, 0))[0])
+
+
+def _slos(route: Route) -> list[str]:
+    """The SLOs accounting checks ``route`` against (``fleetgate_slo_requests_total{slo}``)."""
+    declared = {"ttft": route.ttft_slo_ms, "tpot": route.tpot_slo_ms}
+    return [slo for slo, target in declared.items() if target is not None]
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -7,10 +7,13 @@ base models the replicas serve, status codes, stable error codes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+
+from gateway import errors
 
 # TTFT spans sub-10 ms cache hits to multi-second cold prefills.
 _LATENCY_BUCKETS = (
@@ -32,6 +35,10 @@ _LATENCY_BUCKETS = (
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
 # Routing decisions should take well under a millisecond; resolve that range finely.
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+# Label values created at 0 for every route (``GatewayMetrics.precreate``): the errors a routed
+# request can end in (the no-healthy-replica alert reads one), the retry reasons of any fleet.
+_ROUTE_ERROR_CODES = (errors.NO_HEALTHY_REPLICA, errors.UPSTREAM_TIMEOUT, errors.UPSTREAM_ERROR)
+_RETRY_REASONS = ("connect_failed", "upstream_dropped")
 
 
 class CachedLabels:
@@ -244,3 +251,22 @@ class GatewayMetrics:
         for name, metric in list(vars(self).items()):
             if isinstance(metric, MetricWrapperBase) and metric._labelnames:
                 setattr(self, name, CachedLabels(metric))
+
+    def precreate(self, routes: Iterable[tuple[str, Iterable[str]]], backend: str) -> None:
+        """Create, at 0, the label sets that dashboards and alerts select, before any event.
+
+        A series that does not exist yet is "No data" on a panel instead of 0, and ``rate()`` /
+        ``increase()`` miss the first event of a counter born at 1. ``routes``: each route's
+        name and the SLOs it is measured against (``ttft``, ``tpot``). Idempotent (cached).
+        """
+        self.index_errors.labels(backend)
+        for route, slos in routes:
+            for code in _ROUTE_ERROR_CODES:
+                self.errors.labels(route, code)
+            for reason in _RETRY_REASONS:
+                self.upstream_retries.labels(route, reason)
+            self.degraded.labels(route, "index_unavailable")
+            checked = list(slos)
+            for slo in [*checked, "all"] if checked else []:
+                for outcome in ("met", "missed"):
+                    self.slo_requests.labels(route, slo, outcome)

@@ -16,6 +16,14 @@ from typing import Any, Protocol
 DEFAULT_TENANT = "default"
 DEFAULT_ROUTE = "default"
 DEFAULT_PROFILE = "expected-ttft"
+#: Objectives a route without an ``slo`` is measured against (docs/metrics.md), so goodput and
+#: the TTFT burn-rate alerts have data in every mode: generous interactive-chat targets.
+DEFAULT_TTFT_SLO_MS = 2000.0
+DEFAULT_TPOT_SLO_MS = 100.0
+#: Price of a GPU-hour when none is given (no ``--usd-per-hour``, a pool without a price), so cost
+#: per 1M tokens is always reported: an H100's on-demand list price, as in the sims' profiles.
+#: Without a policy file a replica counts as one GPU.
+DEFAULT_USD_PER_GPU_HOUR = 3.0
 
 
 @dataclass(frozen=True)
@@ -62,8 +70,8 @@ class Route:
     profile: str = DEFAULT_PROFILE
     #: None matches every request.
     match: RouteMatcher | None = None
-    ttft_slo_ms: float | None = None
-    tpot_slo_ms: float | None = None
+    ttft_slo_ms: float | None = DEFAULT_TTFT_SLO_MS
+    tpot_slo_ms: float | None = DEFAULT_TPOT_SLO_MS
 
     def matches(self, path: str, model: str, tenant: str, headers: Mapping[str, str]) -> bool:
         """True if this route takes the request."""
@@ -119,7 +127,8 @@ class GatewayPolicy:
         usd_per_hour: float | None = None,
     ) -> GatewayPolicy:
         """Policy-less mode: one open tenant, one route, replicas from the command line."""
-        prices = {"default": usd_per_hour} if usd_per_hour is not None else {}
+        price = DEFAULT_USD_PER_GPU_HOUR if usd_per_hour is None else usd_per_hour
+        prices = {"default": price}
         return cls(
             routes=(Route(DEFAULT_ROUTE, profile=profile),),
             replicas=tuple(replicas),
@@ -206,13 +215,19 @@ def from_policy(policy: Any) -> GatewayPolicy:
     for r in _get(policy, "routes", None) or ():
         match = _get(r, "match")
         slo = _get(r, "slo")
+        # A route that declares an slo keeps exactly what it declares; one without gets defaults.
+        ttft_slo, tpot_slo = (
+            (DEFAULT_TTFT_SLO_MS, DEFAULT_TPOT_SLO_MS)
+            if slo is None
+            else (_get(slo, "ttft_p95_ms"), _get(slo, "tpot_p95_ms"))
+        )
         routes.append(
             Route(
                 name=str(_get(r, "name")),
                 profile=str(_get(r, "profile", DEFAULT_PROFILE) or DEFAULT_PROFILE),
                 match=None if match is None or _get(match, "is_catch_all", False) else match,
-                ttft_slo_ms=_get(slo, "ttft_p95_ms"),
-                tpot_slo_ms=_get(slo, "tpot_p95_ms"),
+                ttft_slo_ms=ttft_slo,
+                tpot_slo_ms=tpot_slo,
             )
         )
     adapters = {}
@@ -237,8 +252,9 @@ def from_policy(policy: Any) -> GatewayPolicy:
         pool = str(_get(p, "name", "default"))
         price_fn = getattr(policy, "usd_per_replica_hour", None)
         price = price_fn(pool) if callable(price_fn) else _get(p, "gpu_price_per_hour")
-        if price is not None:
-            prices[pool] = float(price)
+        if price is None:
+            price = DEFAULT_USD_PER_GPU_HOUR * int(_get(p, "gpus_per_replica", 1) or 1)
+        prices[pool] = float(price)
         block_size = int(_get(p, "block_size", 16) or 16)
         for i, url in enumerate(_get(p, "replicas", None) or ()):
             replicas.append(
