@@ -42,6 +42,8 @@ class EmbeddedStack:
     app: web.Application
     #: Demo adapters in the catalog (empty unless started with ``adapters``).
     adapters: list[str] = field(default_factory=list)
+    #: The agents' own ``/metrics`` base URLs, one per replica (Prometheus scrapes them too).
+    agent_urls: list[str] = field(default_factory=list)
 
 
 def demo_adapter_setup(
@@ -84,7 +86,7 @@ async def embedded_stack(
     port: int = 0,
     model: str = "sim-model",
     profile: str = "expected-ttft",
-    usd_per_hour: float = 2.0,
+    usd_per_hour: float | None = None,
     admin_key: str | None = None,
     sim_speed: float = 1.0,
     sim_profile: str = "h100-llama3-8b",
@@ -94,7 +96,8 @@ async def embedded_stack(
     """Start the sims, their agents and the gateway; stop everything on exit.
 
     ``adapters``: demo LoRA adapters in the catalog (0: the adapter registry is off);
-    ``max_loras``: the sims' ``--max-loras`` (default: the sim profile's).
+    ``max_loras``: the sims' ``--max-loras`` (default: the sim profile's);
+    ``usd_per_hour``: price of a replica-hour for the cost metric (default: the sim profile's).
     """
     from replica.agent.agent import ReplicaAgent
     from replica.agent.config import AgentConfig
@@ -115,6 +118,7 @@ async def embedded_stack(
         ) as fleet,
         contextlib.AsyncExitStack() as stack,
     ):
+        agent_urls = []
         for handle in fleet.replicas:
             agent = ReplicaAgent(
                 AgentConfig(
@@ -123,12 +127,15 @@ async def embedded_stack(
                     model=model,
                     kv_events_endpoint=handle.kv_events_endpoint,
                     replay_endpoint=handle.kv_replay_endpoint,
-                    listen_port=None,
+                    # Its own /metrics on a free port, as in production (agent lag and gaps).
+                    listen_host="127.0.0.1",
+                    listen_port=0,
                 ),
                 index=index,
                 fleet=fleet_store,
             )
             await stack.enter_async_context(agent)
+            agent_urls.append(f"http://127.0.0.1:{agent.listen_port}")
         await _wait_registered(fleet_store, replicas)
         config = GatewayConfig(default_profile=profile, admin_key=admin_key, health_interval_s=0.5)
         setup = None
@@ -139,7 +146,7 @@ async def embedded_stack(
             )
         app = create_app(
             config,
-            GatewayPolicy.default(profile=profile, usd_per_hour=usd_per_hour),
+            GatewayPolicy.default(profile=profile, usd_per_hour=_price(fleet, usd_per_hour)),
             index=index,
             tokenizer=SimPromptTokenizer(),
             fleet_store=fleet_store,
@@ -148,9 +155,16 @@ async def embedded_stack(
         runner, url = await start_site(app, host, port, config.drain_timeout_s)
         names = [a.name for a in setup.policy.adapters] if setup is not None else []
         try:
-            yield EmbeddedStack(url, model, fleet.urls, app, names)
+            yield EmbeddedStack(url, model, fleet.urls, app, names, agent_urls)
         finally:
             await runner.cleanup()
+
+
+def _price(fleet: Any, usd_per_hour: float | None) -> float:
+    """``usd_per_hour``, else what the sim profile says a replica costs (GPU price x TP)."""
+    if usd_per_hour is not None:
+        return usd_per_hour
+    return float(fleet.replicas[0].replica.engine_config.replica_price_per_hour)
 
 
 async def _wait_registered(fleet_store: Any, count: int, timeout_s: float = 15.0) -> None:

@@ -28,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sim-speed", type=float, default=1.0, help="simulated engine speed-up (1 = real time)"
     )
     parser.add_argument(
-        "--usd-per-hour", type=float, default=2.0, help="GPU price per replica-hour (cost metric)"
+        "--usd-per-hour",
+        type=float,
+        default=None,
+        help="price per replica-hour for the cost metric (default: the sim profile's, $3.00)",
     )
     parser.add_argument("--admin-key", default=None, help="admin API key (default: generated)")
     parser.add_argument(
@@ -57,8 +60,16 @@ def banner(stack: EmbeddedStack, admin_key: str) -> str:
   print(reply.choices[0].message.content)
 {_adapter_example(stack, admin_key)}
   metrics:   {stack.url}/metrics
+{_scrape_targets(stack)}
   admin API: curl -H 'Authorization: Bearer {admin_key}' {stack.url}/admin/decisions
 Press Ctrl-C to stop."""
+
+
+def _scrape_targets(stack: EmbeddedStack) -> str:
+    """The other /metrics a Prometheus should scrape: each sim's (vLLM's names) and agent's."""
+    lines = [f"  replica:   {url}/metrics" for url in stack.replica_urls]
+    lines += [f"  agent:     {url}/metrics" for url in stack.agent_urls]
+    return "\n".join(lines)
 
 
 def _adapter_example(stack: EmbeddedStack, admin_key: str) -> str:

@@ -50,6 +50,10 @@ class AgentMetrics:
             labels, registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
         )
+        # Counters the dashboard and alerts take increase()/rate() of exist from the start, at 0:
+        # a series born at 1 shows "No data" until then and its first event is never counted.
+        self._gaps.labels(replica)
+        self._redis_errors.labels(replica)
 
     def event_applied(self, kind: str) -> None:
         """One event of ``kind`` (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``)."""
