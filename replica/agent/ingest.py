@@ -99,7 +99,8 @@ class EventApplier:
         self.epoch: Epoch | None = None
         #: True after a failed index write, until ``resync`` succeeds.
         self.dirty = False
-        #: Events skipped because they cannot be keyed (unknown parent, bad shape, no adapter name).
+        #: Events skipped because they cannot be keyed (unknown parent, bad shape, no adapter
+        #: name, token ids outside [0, 2**32)).
         self.skipped_events = 0
         #: Serialises event application against resync and epoch changes.
         self.lock = asyncio.Lock()
@@ -229,14 +230,22 @@ class EventApplier:
             self._skip("adapter block without lora_name (legacy encoding)", event)
             return None
         if event.parent_block_hash is None:
+            parent = None
             seed = chain_seed(self.model, event.lora_name, cache_salt_of(event))
-            return extend_chain(None, event.token_ids, event.block_size, seed)
-        parent = self.hashes.resolve(event.parent_block_hash)
-        if parent is None:
-            self._skip(f"unknown parent block {event.parent_block_hash!r}", event)
+        else:
+            parent = self.hashes.resolve(event.parent_block_hash)
+            if parent is None:
+                self._skip(f"unknown parent block {event.parent_block_hash!r}", event)
+                return None
+            # With a parent, the chain continues from its hash; the seed is only used at the root.
+            seed = parent
+        try:
+            return extend_chain(parent, event.token_ids, event.block_size, seed)
+        except ValueError as exc:
+            # Token ids outside [0, 2**32) decode as ints but cannot be hashed: a corrupt event,
+            # skipped like the others rather than raised out of the ingest loop.
+            self._skip(str(exc), event)
             return None
-        # With a parent, the chain continues from its hash; the seed is only used at the root.
-        return extend_chain(parent, event.token_ids, event.block_size, parent)
 
     async def _stored(self, event: BlockStored) -> None:
         if event.group_idx not in (None, 0) or event.medium not in _TRACKED_MEDIUMS:

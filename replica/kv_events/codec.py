@@ -196,6 +196,17 @@ def decode_payload(payload: bytes | bytearray | memoryview) -> EventBatch:
     Accepts vLLM 0.32/0.33's format, the older array-encoded events and a map-encoded batch.
     Unknown extra fields are ignored. Raises ``KVEventDecodeError`` on anything else.
     """
+    # msgspec reports two kinds of garbage outside ``DecodeError``; they must not take the ingest
+    # loop down any more than the others.
+    try:
+        return _decode_batch(payload)
+    except RecursionError:  # values nested ~1,000 deep, even in a field the decoder skips
+        raise KVEventDecodeError("not a KV-event batch: nested too deeply") from None
+    except UnicodeDecodeError as exc:  # a msgpack str that is not UTF-8
+        raise KVEventDecodeError(f"not a KV-event batch: a string is not UTF-8: {exc}") from None
+
+
+def _decode_batch(payload: bytes | bytearray | memoryview) -> EventBatch:
     try:
         return _batch_decoder.decode(payload)
     except msgspec.DecodeError:

@@ -156,7 +156,10 @@ _decoder = msgspec.json.Decoder()
 async def _json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = _decoder.decode(await request.read())
-    except msgspec.DecodeError as exc:
+    except RecursionError:
+        # msgspec's stack guard, past ~1,000 levels: a client error, not a server one.
+        raise ApiError(400, "Invalid JSON body: nested too deeply.") from None
+    except ValueError as exc:  # msgspec.DecodeError, and UnicodeDecodeError for invalid UTF-8
         raise ApiError(400, f"Invalid JSON body: {exc}") from exc
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
