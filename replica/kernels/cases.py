@@ -19,8 +19,8 @@ final rounding can carry that to two ulps. Hence:
 * fp16: ``rtol = 2e-3`` (two ulps, 2 x 2^-10) — vLLM's rms_norm fp16 override; ``atol = 1e-3``.
 
 The new residual (``x + residual`` rounded once) involves no reduction: it must be bit-exact.
-Observed in practice (docs/benchmarks/kernels.md): bf16 is bit-exact, fp16 differs by one ulp in
-a few elements per million, fp32 by 1-2 ulps.
+Observed in practice (docs/benchmarks/kernels.md): in bf16 and fp16 a few elements per million
+differ, by one or two ulps (none at all in most bf16 cases); in fp32 many differ, by 1-2 ulps.
 """
 
 from __future__ import annotations

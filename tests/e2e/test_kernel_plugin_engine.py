@@ -9,8 +9,9 @@ CPU tensors). One engine of this module runs at a time. The tests show, in order
 * the engine's model really called the kernel: the call counters the ops keep (written per
   process to ``FLEETGATE_KERNEL_TRACE_DIR``) grow by one RMSNorm and ``2 x layers`` fused
   add+RMSNorm calls per forward pass, in the worker process that runs the model;
-* greedy completions are identical to the engine without the plugin (bf16 model: the kernel
-  rounds exactly as vLLM's native RMSNorm does, see replica/kernels/reference.py);
+* greedy completions are identical to the engine without the plugin. The bf16 kernel performs
+  vLLM's native roundings (replica/kernels/reference.py), so outputs differ at most by rare
+  one-ulp flips, too small to change an argmax on these prompts;
 * the replica's agent publishes the kernel and its version, ``/admin/replicas`` shows it, and a
   route whose profile has a ``requires-kernels`` filter sends every request to that replica
   and none to a replica without it (a simulated one: it only has to be a healthy candidate).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def test_check_exits_1_and_names_the_case_when_a_kernel_is_wrong() -> None:
 
 def test_fleetgate_kernels_check_passes_here() -> None:
     # From fleetgate's own venv (no torch): the command runs the check in the vLLM venv.
-    fleetgate = Path(os.environ.get("VIRTUAL_ENV", REPO_ROOT / ".venv")) / "bin" / "fleetgate"
+    fleetgate = Path(sys.executable).parent / "fleetgate"
     proc = subprocess.run([str(fleetgate), "kernels", "check", "--match", "1x128"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                           check=False)
