@@ -10,7 +10,6 @@ each (or put the adapter in the policy file, which every gateway reads).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
@@ -18,6 +17,7 @@ from aiohttp import web
 from adapters_registry import AdapterNotFound, AdapterRegistry, InvalidAdapter
 from gateway import errors
 from gateway.errors import GatewayError
+from gateway.request_body import parse_json_object
 from gateway.state import GATEWAY, GatewayState
 
 
@@ -87,13 +87,10 @@ async def add_adapter(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     try:
         registry = _registry(gw)
-        spec = await request.json()
+        # The request body parser: invalid, non-object and too deeply nested bodies are a 400.
+        spec = parse_json_object(await request.read())
     except GatewayError as err:
         return err.response()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return GatewayError(400, errors.INVALID_JSON, "The body is not valid JSON.").response()
-    if not isinstance(spec, dict):
-        return GatewayError(400, errors.INVALID_JSON, "The body must be a JSON object.").response()
     replace = request.query.get("replace", "").lower() in ("1", "true", "yes")
     try:
         adapter = registry.add(spec, replace=replace)

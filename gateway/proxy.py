@@ -143,7 +143,7 @@ def body_usage(body: bytes) -> Mapping[str, Any] | None:
     """The ``usage`` object of a JSON answer; None if it has none or is not a JSON object."""
     try:
         return _decode_body_usage(body).usage
-    except ValueError:  # msgspec's DecodeError and ValidationError
+    except (ValueError, RecursionError):  # msgspec's DecodeError, ValidationError; too deep
         return None
 
 
@@ -188,7 +188,7 @@ class SseRelay:
                 continue
             try:
                 payload = _decode_event_usage(data)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if payload.usage is not None:
                 self.usage = payload.usage

@@ -160,6 +160,11 @@ async def test_invalid_runtime_adapter_is_refused_with_every_reason(
         assert any(d.startswith("owners:") for d in error["details"])
         async with http.post(f"{url}/admin/adapters", json=adapter("x")) as resp:
             assert resp.status == 401  # the admin key guards it
+        # Bodies that are not a JSON object, or nest absurdly deep: a 400, never a 500.
+        for raw in (b"[" * 5000 + b"]" * 5000, b'{"name": ', b"[1, 2]", b"\xff\xfe"):
+            async with http.post(f"{url}/admin/adapters", data=raw, headers=ADMIN) as resp:
+                assert resp.status == 400, raw[:20]
+                assert (await resp.json())["error"]["code"] == "invalid_json"
 
 
 async def test_pinned_adapter_survives_eviction_pressure(
