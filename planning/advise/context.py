@@ -1,0 +1,69 @@
+"""``--max-model-len`` from the measured p99 prompt + output length.
+
+vLLM refuses a request whose prompt + ``max_tokens`` exceeds ``--max-model-len``, and at start-up
+it refuses to run unless the KV cache holds at least one sequence of that length. The paged cache
+holds only what sequences use, so the flag does not reserve memory per user; what it sets is the
+*guaranteed* concurrency (vLLM logs it as "Maximum concurrency for N tokens per request": KV blocks
+/ blocks of one max-length sequence) and whether the engine starts at all on a given GPU and TP.
+A model's own limit (128k for Llama 3) is rarely what a fleet serves.
+
+Advised value: the larger of p99 × 1.25 and the longest request seen (the top non-empty
+histogram bucket), rounded up to a block multiple, so no request already served would be refused.
+It is advised only when it cuts the flag by at least a quarter: smaller cuts buy little.
+"""
+
+from __future__ import annotations
+
+from planning.advise.model import Advice, PoolSnapshot
+from planning.advise.rows import change, keep, tokens, unchecked
+from planning.advise.sizing import blocks_for, round_up
+
+HEADROOM = 1.25
+#: Advise a cut only when the new value is at most this share of today's.
+WORTH_CUTTING = 0.75
+
+FIELD = "max_model_len"
+
+
+def advised_max_model_len(pool: PoolSnapshot) -> int | None:
+    """The length the traffic needs, block-aligned and at most today's; None when unmeasured."""
+    m, flags = pool.measured, pool.flags
+    if m.context_p99 is None or flags.max_model_len is None:
+        return None
+    block = flags.block_size or 16
+    target = max(m.context_p99 * HEADROOM, m.context_max or 0.0)
+    return min(round_up(target, block), flags.max_model_len)
+
+
+def max_model_len(pool: PoolSnapshot) -> Advice:
+    """One row: cut ``--max-model-len`` to what the traffic uses, or keep it."""
+    flags, m = pool.flags, pool.measured
+    if flags.max_model_len is None:
+        return unchecked(flags, FIELD, "--max-model-len (the engine's /v1/models, or --flags)")
+    advised = advised_max_model_len(pool)
+    if advised is None or m.context_p99 is None:
+        return unchecked(flags, FIELD, "measured request lengths (prompt + output histograms)")
+    current = flags.max_model_len
+    longest = f", longest ≤ {tokens(m.context_max)}" if m.context_max is not None else ""
+    seen = f"p99 prompt+output {tokens(m.context_p99)} tokens{longest}"
+    if m.requests is not None:
+        seen += f" over {m.requests:,} requests"
+    if advised > current * WORTH_CUTTING:
+        near = " (p99 within 10% of it: check for refused requests)" if (
+            m.context_p99 >= 0.9 * current
+        ) else ""
+        return keep(flags, FIELD, f"{seen} vs --max-model-len {tokens(current)}{near}")
+    block = flags.block_size or 16
+    before, after = blocks_for(current, block), blocks_for(advised, block)
+    effect = f"a max-length sequence holds {before:,} -> {after:,} blocks"
+    if flags.num_gpu_blocks:
+        effect += (
+            f"; guaranteed concurrent sequences {flags.num_gpu_blocks // before:,} -> "
+            f"{flags.num_gpu_blocks // after:,} (of {flags.num_gpu_blocks:,} blocks)"
+        )
+    effect += "; a GPU or TP too small to start at today's value may start at this one"
+    why = (
+        f"{seen}; --max-model-len {tokens(current)} is {current / m.context_p99:.0f}x the p99. "
+        f"Advised = max(p99 x {HEADROOM:g}, longest) rounded up to the {block}-token block"
+    )
+    return change(flags, FIELD, advised, why, effect)
