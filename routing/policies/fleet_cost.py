@@ -73,6 +73,7 @@ _TTFT_COST = TTFT_TERM_NAMES.index("cost_ms")
 _PREFILL = TTFT_TERM_NAMES.index("prefill_ms")
 _QUEUE = TTFT_TERM_NAMES.index("queue_wait_ms")
 _UNCACHED = TTFT_TERM_NAMES.index("uncached_tokens")
+_SPEED = TTFT_TERM_NAMES.index("prefill_tokens_per_s")
 _FLEET_COST = TERM_NAMES.index("fleet_cost_ms")
 
 
@@ -160,6 +161,11 @@ class FleetCostScorer(ExpectedTtftScorer):
         decode_weight: float = Field(default=0.0, ge=0.0)
         #: Share of this prefill charged per request expected to arrive there during its wait.
         queue_weight: float = Field(default=0.0, ge=0.0)
+        #: Share of this prefill charged per running decode while the replica's recent prefill
+        #: duty cycle is below ``protect_duty`` (past it, those decodes are lost anyway) ...
+        protect_weight: float = Field(default=0.0, ge=0.0)
+        #: ... the duty cycle (recent prefill ms / window) at which decodes count as lost.
+        protect_duty: float = Field(default=0.8, gt=0.0)
         #: Time constant of the arrival-rate estimate.
         rate_window_s: float = Field(default=5.0, gt=0.0)
         #: KV usage above which new blocks are charged as evictions ...
@@ -225,15 +231,26 @@ class FleetCostScorer(ExpectedTtftScorer):
             self._remember(request.request_id, _Pending(terms, cold_ours))
             return {}, terms
 
-        least_prefill = min(values[_PREFILL] for values in base.values())
+        least_uncached = min(values[_UNCACHED] for values in base.values())
         weight = self.duplicate_weight(replicas)
+        window_ms = p.recent_prefill_window_s * 1000.0
         per_replica_rate = self._arrivals.rate(elapsed_now) / len(base)
         raw: dict[ReplicaId, tuple[float, ...]] = {}
         for replica in replicas:
             values = base[replica.replica_id]
             prefill_ms = values[_PREFILL]
-            duplicate_ms = prefill_ms - least_prefill
+            # In tokens, at this replica's speed: replicas calibrated to different speeds must not
+            # count a speed difference as duplicated work.
+            duplicate_ms = (values[_UNCACHED] - least_uncached) / values[_SPEED] * 1000.0
             externality_ms = 0.0
+            if p.protect_weight > 0 and prefill_ms > 0 and replica.running > 0:
+                # The share of this prefill that lands while the replica's prefill duty cycle is
+                # still below ``protect_duty``: past it, its decodes miss their TPOT anyway.
+                duty = self._recent.load_ms(replica.replica_id, elapsed_now) / window_ms
+                added = prefill_ms / window_ms
+                cap = p.protect_duty
+                below = max(0.0, min(duty + added, cap) - min(duty, cap)) / added
+                externality_ms += p.protect_weight * replica.running * prefill_ms * below
             if prefill_ms > 0:
                 affected = 0.0
                 if p.decode_weight > 0:
@@ -241,7 +258,7 @@ class FleetCostScorer(ExpectedTtftScorer):
                 if p.queue_weight > 0:
                     wait_s = (values[_QUEUE] + prefill_ms) / 1000.0
                     affected += p.queue_weight * per_replica_rate * wait_s
-                externality_ms = prefill_ms * affected
+                externality_ms += prefill_ms * affected
             eviction_ms = 0.0
             if p.evict_weight > 0 and replica.kv_usage > p.evict_threshold and prefill_ms > 0:
                 fullness = (min(1.0, replica.kv_usage) - p.evict_threshold) / (

@@ -90,6 +90,12 @@ TERMS = [
         id="gateway in-flight beyond running counts as queued (3 and 0)",
     ),
     pytest.param(
+        {"duplicate_per_queued": 1.0},
+        [rep("fast", waiting=4), rep("slow", waiting=4, prefill_tokens_per_s=5_000.0)], {},
+        {"fast": {"duplicate_ms": 0.0}, "slow": {"duplicate_ms": 0.0, "prefill_ms": 400.0}},
+        id="a slower replica does no duplicate work: nothing is cached anywhere",
+    ),
+    pytest.param(
         {"decode_weight": 0.1},
         [rep("busy", running=20), rep("idle")], {},
         {"busy": {"externality_ms": 200.0 * 0.1 * 20}, "idle": {"externality_ms": 0.0}},
@@ -198,6 +204,27 @@ async def test_a_cold_prompt_avoids_the_nearly_full_cache() -> None:
     engine = RoutingEngine(None, {"fleet-cost": profile(**{**QUIET, "evict_weight": 1.0})})
     replicas = [rep("full", kv_usage=0.88), rep("roomy", kv_usage=0.3, inflight_prefill_tokens=300)]
     assert (await engine.route(req(), replicas, "fleet-cost")).replica == "roomy"
+
+
+@pytest.mark.parametrize(("protect_weight", "expected"), [(0.0, "calm"), (0.2, "lost")])
+async def test_protection_sends_new_prefill_where_decodes_are_lost_anyway(
+    protect_weight: float, expected: str
+) -> None:
+    """``protect_weight`` (off by default): prefill stalls decodes only below ``protect_duty``."""
+    s = scorer(**{**QUIET, "protect_weight": protect_weight, "protect_duty": 0.8})
+    engine = RoutingEngine(
+        None,
+        {"fleet-cost": Profile("fleet-cost", (), ((s, 1.0),), MaxScorePicker())},
+    )
+    replicas = [rep("lost", running=40), rep("calm", running=40)]
+    # 2 s of prefill sent to "lost" within the 2 s window: a duty cycle of 1, past 0.8.
+    big = req(request_id="big", prompt_tokens=20_000, chain=[])
+    s.score_with_terms(big, replicas)
+    s.on_request_start(big, ReplicaId("lost"))
+    decision = await engine.route(req(request_id="next"), replicas, "fleet-cost")
+    # lost: 200 ms prefill + 60 contention + 100 decode interference, no protection charge;
+    # calm: 200 + 60, plus 0.2 x 40 decodes x 200 ms when protection is on.
+    assert decision.replica == expected
 
 
 def test_queue_externality_follows_the_measured_arrival_rate() -> None:
