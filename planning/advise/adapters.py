@@ -71,7 +71,8 @@ def max_cpu_loras(pool: PoolSnapshot) -> Advice:
         return unchecked(flags, field, "the adapter working set and --max-cpu-loras")
     needed = max(m.adapter_working_set, flags.max_loras or 0)
     if flags.max_cpu_loras >= needed or not thrashing(pool):
-        return keep(flags, field, f"{_working_set(pool)}; the host cache holds "
-                                  f"{flags.max_cpu_loras}")
+        return keep(
+            flags, field, f"{_working_set(pool)}; the host cache holds {flags.max_cpu_loras}"
+        )
     why = f"{_working_set(pool)}: a host cache of {flags.max_cpu_loras} reloads from storage"
     return change(flags, field, needed, why, "swaps read host memory, not storage")

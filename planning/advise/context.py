@@ -49,9 +49,11 @@ def max_model_len(pool: PoolSnapshot) -> Advice:
     if m.requests is not None:
         seen += f" over {m.requests:,} requests"
     if advised > current * WORTH_CUTTING:
-        near = " (p99 within 10% of it: check for refused requests)" if (
-            m.context_p99 >= 0.9 * current
-        ) else ""
+        near = (
+            " (p99 within 10% of it: check for refused requests)"
+            if (m.context_p99 >= 0.9 * current)
+            else ""
+        )
         return keep(flags, FIELD, f"{seen} vs --max-model-len {tokens(current)}{near}")
     block = flags.block_size or 16
     before, after = blocks_for(current, block), blocks_for(advised, block)

@@ -67,9 +67,7 @@ def kv_cache_dtype(pool: PoolSnapshot, sizing: Sizing | None) -> Advice:
     effect = "2x the KV blocks in the same memory"
     if flags.num_gpu_blocks:
         effect += f": {flags.num_gpu_blocks:,} -> {2 * flags.num_gpu_blocks:,} blocks per replica"
-    capable = (
-        f"{sizing.hardware.name} has FP8" if sizing else "check the GPU has FP8 (Hopper/Ada+)"
-    )
+    capable = f"{sizing.hardware.name} has FP8" if sizing else "check the GPU has FP8 (Hopper/Ada+)"
     why = (
         f"{pressure_text(pool)}: the cache is pinned and sequences wait or are preempted; an FP8 "
         f"cache stores half the bytes per token ({capable})"
@@ -95,8 +93,9 @@ def gpu_memory_utilization(pool: PoolSnapshot, sizing: Sizing | None) -> Advice:
     if sizing is not None:
         tp = flags.tensor_parallel_size or 1
         freed = (SAFE_UTILISATION - current) * sizing.hardware.memory_gb * 1e9 * tp
-        blocks = int(freed // sizing.block_bytes(kv_dtype_of(flags.kv_cache_dtype),
-                                                 flags.block_size or 16))
+        blocks = int(
+            freed // sizing.block_bytes(kv_dtype_of(flags.kv_cache_dtype), flags.block_size or 16)
+        )
         effect = f"+{freed / 1e9:.1f} GB for KV, about +{blocks:,} blocks per replica"
     why = f"{pressure_text(pool)} while {1 - current:.0%} of HBM is held back"
     return change(flags, field, SAFE_UTILISATION, why, effect)
@@ -113,8 +112,12 @@ def quantization(pool: PoolSnapshot, sizing: Sizing | None) -> Advice:
     if weight_dtype_of(flags.quantization) != "bf16":
         return keep(flags, field, f"{pressure_text(pool)}; weights already {flags.quantization}")
     if kv_dtype_of(flags.kv_cache_dtype) != "fp8":
-        return keep(flags, field, f"{pressure_text(pool)}: FP8 KV first (2x the cache, no "
-                                  "weight change); quantize weights if still pinned after it")
+        return keep(
+            flags,
+            field,
+            f"{pressure_text(pool)}: FP8 KV first (2x the cache, no "
+            "weight change); quantize weights if still pinned after it",
+        )
     if sizing is None:
         return unchecked(flags, field, "the hardware and model (--hardware, --model)")
     if not sizing.fp8_capable:

@@ -28,9 +28,7 @@ def needed_blocks(pool: PoolSnapshot) -> tuple[int, str] | None:
         options.append((blocks_for(length, block), f"one {length:,}-token sequence"))
     if m.running_peak and m.prompt_mean is not None and m.output_mean is not None:
         per_seq = blocks_for(m.prompt_mean + m.output_mean, block)
-        options.append(
-            (m.running_peak * per_seq, f"{m.running_peak} running x {per_seq} blocks")
-        )
+        options.append((m.running_peak * per_seq, f"{m.running_peak} running x {per_seq} blocks"))
     return max(options) if options else None
 
 
@@ -50,8 +48,12 @@ def tensor_parallel_size(pool: PoolSnapshot, sizing: Sizing | None) -> Advice:
     heads = sizing.model.kv_heads
     fit = f"{sizing.model.name} ({weights} weights, {kv} KV) + {blocks:,} blocks ({what})"
     if smallest is None:
-        return keep(flags, FIELD, f"{fit} does not fit even at TP {heads} (the KV-head count): "
-                                  "cut --max-model-len or quantize first")
+        return keep(
+            flags,
+            FIELD,
+            f"{fit} does not fit even at TP {heads} (the KV-head count): "
+            "cut --max-model-len or quantize first",
+        )
     if smallest == current:
         return keep(flags, FIELD, f"{fit} needs TP {smallest} on {sizing.hardware.name}")
     if smallest > current:
@@ -61,7 +63,5 @@ def tensor_parallel_size(pool: PoolSnapshot, sizing: Sizing | None) -> Advice:
         f"{fit} fits at TP {smallest} on {sizing.hardware.name}; TP {current} spends all-reduces "
         f"on a model that does not need them (cap: {heads} KV heads, powers of two)"
     )
-    effect = (
-        f"the same GPUs as {current // smallest}x the replicas at TP {smallest}"
-    )
+    effect = f"the same GPUs as {current // smallest}x the replicas at TP {smallest}"
     return change(flags, FIELD, smallest, why, effect)

@@ -95,11 +95,18 @@ def to_text(
                 lines.append(f"  {now} -> {value(row.advised)}")
             else:
                 lines.append(f"  {now}: {row.kind}")
-            lines.append(textwrap.fill(row.evidence, width, initial_indent=indent,
-                                       subsequent_indent=indent))
+            lines.append(
+                textwrap.fill(row.evidence, width, initial_indent=indent, subsequent_indent=indent)
+            )
             if row.effect:
-                lines.append(textwrap.fill(f"effect: {row.effect}", width,
-                                           initial_indent=indent, subsequent_indent=indent))
+                lines.append(
+                    textwrap.fill(
+                        f"effect: {row.effect}",
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent,
+                    )
+                )
         if not any(row.kind == "change" for row in rows):
             lines.append("  no change: every flag checked fits what this pool serves")
         blocks.append("\n".join(lines))

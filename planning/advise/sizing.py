@@ -17,12 +17,29 @@ from replica.sim.profiles import HardwareProfile, ModelProfile, load_hardware, l
 from replica.sim.roofline import Roofline
 
 #: vLLM ``--kv-cache-dtype`` values -> the roofline's dtype. ``auto`` is the model's (16-bit).
-_KV_DTYPES = {"auto": "bf16", "bfloat16": "bf16", "bf16": "bf16", "float16": "fp16",
-              "fp16": "fp16", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+_KV_DTYPES = {
+    "auto": "bf16",
+    "bfloat16": "bf16",
+    "bf16": "bf16",
+    "float16": "fp16",
+    "fp16": "fp16",
+    "fp8": "fp8",
+    "fp8_e4m3": "fp8",
+    "fp8_e5m2": "fp8",
+}
 #: vLLM ``--quantization`` values -> weight dtype (None: unquantized 16-bit).
-_WEIGHT_DTYPES = {None: "bf16", "fp8": "fp8", "fbgemm_fp8": "fp8", "modelopt": "fp8",
-                  "awq": "int4", "awq_marlin": "int4", "gptq": "int4", "gptq_marlin": "int4",
-                  "int4": "int4", "compressed-tensors": "fp8"}
+_WEIGHT_DTYPES = {
+    None: "bf16",
+    "fp8": "fp8",
+    "fbgemm_fp8": "fp8",
+    "modelopt": "fp8",
+    "awq": "int4",
+    "awq_marlin": "int4",
+    "gptq": "int4",
+    "gptq_marlin": "int4",
+    "int4": "int4",
+    "compressed-tensors": "fp8",
+}
 
 
 def kv_dtype_of(cache_dtype: str | None) -> str:

@@ -83,8 +83,9 @@ def parse_pool(name: str, body: Any, where: str) -> PoolSnapshot:
     for key, source in sources.items():
         field = str(key).lstrip("-").replace("-", "_")
         if field not in FLAG_FIELDS or source not in SOURCES:
-            raise AdviceError(f"{where}.flag_sources.{key}: expected a flag -> one of "
-                              f"{', '.join(SOURCES)}")
+            raise AdviceError(
+                f"{where}.flag_sources.{key}: expected a flag -> one of {', '.join(SOURCES)}"
+            )
         merged[field] = source
     flags = EngineFlags(**_values(flags), sources=merged)
     replicas = body.get("replicas", 1)
