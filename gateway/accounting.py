@@ -93,6 +93,10 @@ def _account(
         if cached is not None:
             m.cached_tokens.labels(route, model).inc(cached)
         pool = next(iter(replica_seconds), "unknown")
+        if prompt_tokens:  # no usage, no lengths: a zero would drag the percentiles down
+            m.request_prompt_tokens.labels(route, pool).observe(prompt_tokens)
+            m.request_output_tokens.labels(route, pool).observe(completion_tokens)
+            m.request_context_tokens.labels(route, pool).observe(prompt_tokens + completion_tokens)
         gw.window.add(
             route,
             pool,

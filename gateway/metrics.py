@@ -33,6 +33,11 @@ _LATENCY_BUCKETS = (
     120.0,
 )
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
+# Request lengths in tokens: fine where --max-model-len is usually set (1k-16k), up to 128k.
+_LENGTH_BUCKETS = (
+    16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576,
+    32768, 49152, 65536, 98304, 131072,
+)
 # Routing decisions should take well under a millisecond; resolve that range finely.
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 # Label values created at 0 for every route (``GatewayMetrics.precreate``): the errors a routed
@@ -124,6 +129,29 @@ class GatewayMetrics:
             "fleetgate_prompt_tokens",
             "Prompt tokens (upstream usage)",
             ["route", "model"],
+            registry=r,
+        )
+        # Per-request length distributions: `fleetgate advise` sets --max-model-len from the
+        # p99 of prompt + output, per pool (flags are per pool) and route (traffic is per route).
+        self.request_prompt_tokens = Histogram(
+            "fleetgate_request_prompt_tokens",
+            "Prompt tokens per request (upstream usage)",
+            ["route", "pool"],
+            buckets=_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.request_output_tokens = Histogram(
+            "fleetgate_request_output_tokens",
+            "Output tokens per request (upstream usage)",
+            ["route", "pool"],
+            buckets=_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.request_context_tokens = Histogram(
+            "fleetgate_request_context_tokens",
+            "Prompt + output tokens per request: what --max-model-len bounds",
+            ["route", "pool"],
+            buckets=_LENGTH_BUCKETS,
             registry=r,
         )
         self.cached_tokens = Counter(
