@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("gateway.commands.simulate", "Replay a trace through policies in virtual time."),
     "plan": ("gateway.commands.plan", "Capacity planning: roofline levers, Erlang-C sizing."),
     "triage": ("gateway.commands.triage", "Read a gateway's metrics and print the levers to pull."),
+    "advise": ("gateway.commands.advise", "Advise each pool's vLLM flags from what it serves."),
     "bench": ("gateway.commands.bench", "Benchmarks: replay a trace against an OpenAI endpoint."),
     "kernels": ("gateway.commands.kernels", "Check fleetgate's kernels against their references."),
 }

@@ -161,6 +161,8 @@ class Measurements:
     """
 
     requests: int | None = None
+    #: Requests per second over the window (the whole pool); ``--verify`` replays at this rate.
+    request_rate_per_s: float | None = None
     context_p99: float | None = None
     #: Upper bound of the longest request seen (the top non-empty histogram bucket).
     context_max: float | None = None
@@ -200,6 +202,7 @@ class Measurements:
             "adapter_loads_per_min",
             "adapter_unloads_per_min",
             "window_s",
+            "request_rate_per_s",
         ):
             _check_number(name, getattr(self, name), 0.0, None)
         _check_number("waiting_growth_per_min", self.waiting_growth_per_min, None, None)

@@ -1,0 +1,215 @@
+"""``fleetgate advise``: per pool, the vLLM flags to change, by how much, and why.
+
+The rules live in ``planning/advise/`` (pure); this module picks the source (a snapshot file, a
+gateway, engines), lays ``--flags`` files and profile names over what the engines reported,
+prints, and with ``--verify`` replays the traffic through the simulator with both flag sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import yaml
+
+from planning.advise import AdviceError, EngineFlags, PoolSnapshot, advise
+from planning.advise.live import Target, gateway_targets, overlay_flags, parse_target, read_live
+from planning.advise.render import to_json, to_text
+from planning.advise.snapshot import load_flags, load_snapshot, to_mapping
+from planning.triage.model import SourceError
+
+EPILOG = """\
+what it checks, per pool (docs/advise.md has each rule and a worked example):
+  --max-model-len           cut to max(p99 prompt+output x 1.25, longest seen), block-aligned
+  --gpu-memory-utilization  back to 0.9 when lowered and KV is pinned
+  --kv-cache-dtype          fp8 when KV is pinned (>= 90% with a growing queue or preemptions)
+                            on a GPU with FP8: exactly 2x the blocks
+  --quantization            fp8 weights when KV is still pinned with an FP8 cache
+  --enable-prefix-caching   on (it costs nothing where it buys little)
+  --enable-chunked-prefill  on (long prefills stop stalling decodes)
+  --tensor-parallel-size    the smallest power of two that fits, at most the KV-head count
+  --max-num-seqs            90% of the running level at which preemptions start
+  --max-loras/--max-cpu-loras  the adapter working set, when adapters thrash
+Each value says where it came from: measured, engine-reported, given (--flags, the snapshot),
+or assumed default (vLLM's).
+
+sources:
+  --input FILE          a snapshot (YAML/JSON; `--save` writes one from a live fleet)
+  --gateway URL         the gateway's /metrics (request lengths per pool, adapter activity)
+                        and /admin/replicas (needs --admin-key or FLEETGATE_ADMIN_KEY), then
+                        each replica's /metrics and /v1/models, --samples times
+  --engine [POOL=]URL   engines directly, no gateway (repeatable; lengths from vLLM's own
+                        histograms)
+
+examples:
+  fleetgate advise --input fleet.yaml
+  fleetgate advise --gateway http://gw:8000 --admin-key $KEY --samples 10 --interval 3
+  fleetgate advise --engine chat=http://10.0.0.5:8000 --flags chat=chat-flags.yaml \\
+      --hardware h100-sxm --model llama3-8b
+  fleetgate advise --input fleet.yaml --verify --requests 2000 --json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``fleetgate advise``."""
+    parser.description = (
+        "Read each pool's engine flags and what it actually serves, and print the recommended\n"
+        "value of each capacity flag with its evidence."
+    )
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--input", metavar="FILE", help="a snapshot file (YAML or JSON)")
+    source.add_argument("--gateway", metavar="URL", help="a running fleetgate gateway")
+    source.add_argument(
+        "--engine", metavar="[POOL=]URL", action="append", help="a vLLM engine (repeatable)"
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("FLEETGATE_ADMIN_KEY"),
+        help="the gateway's admin key, to list replicas (default: $FLEETGATE_ADMIN_KEY)",
+    )
+    parser.add_argument("--samples", type=int, default=5, help="scrapes of each engine (default 5)")
+    parser.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between scrapes (default 2)"
+    )
+    parser.add_argument(
+        "--flags",
+        metavar="[POOL=]FILE",
+        action="append",
+        default=[],
+        help="YAML of flag: value the engines do not report (--max-num-seqs, TP, ...); "
+        "without POOL= for every pool",
+    )
+    parser.add_argument("--hardware", help="hardware profile for pools that name none (h100-sxm)")
+    parser.add_argument("--model", help="model profile for pools that name none (llama3-8b)")
+    parser.add_argument("--sim-profile", help="simulator preset for --verify (e.g. tiny)")
+    parser.add_argument("--pool", action="append", help="only these pools (repeatable)")
+    parser.add_argument("--changes-only", action="store_true", help="print only the changes")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--save", metavar="FILE", help="also write what was read as a snapshot")
+    verify = parser.add_argument_group("--verify: replay through `fleetgate simulate`")
+    verify.add_argument(
+        "--verify", action="store_true", help="simulate today's and the advised flags"
+    )
+    verify.add_argument("--trace", metavar="FILE", help="replay this trace instead")
+    verify.add_argument(
+        "--requests", type=int, default=2000, help="synthetic trace size (default 2000)"
+    )
+    verify.add_argument("--rate", type=float, help="requests/s of the synthetic trace")
+    verify.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default 2000")
+    verify.add_argument("--slo-tpot-ms", type=float, default=50.0, help="default 50")
+    verify.add_argument("--seed", type=int, default=0, help="trace and routing seed")
+    parser.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout, s (default 10)")
+
+
+def _given_flags(specs: list[str]) -> dict[str | None, EngineFlags]:
+    given: dict[str | None, EngineFlags] = {}
+    for spec in specs:
+        pool, sep, path = spec.partition("=")
+        given[pool if sep else None] = load_flags(path if sep else spec)
+    return given
+
+
+def load(args: argparse.Namespace) -> dict[str, PoolSnapshot]:
+    """Pools from the chosen source, with --flags, profiles and --pool applied."""
+    if args.input:
+        pools = load_snapshot(args.input)
+    else:
+        if args.samples < 1 or args.interval < 0:
+            raise AdviceError("--samples must be >= 1 and --interval >= 0")
+        with httpx.Client(timeout=args.timeout) as client:
+            targets: list[Target]
+            if args.gateway:
+                targets = gateway_targets(args.gateway, args.admin_key, client)
+            else:
+                targets = [parse_target(text) for text in args.engine]
+            pools = read_live(
+                targets,
+                client,
+                samples=args.samples,
+                interval_s=args.interval,
+                gateway_url=args.gateway,
+            )
+    given = _given_flags(args.flags)
+    if None in given:
+        pools = overlay_flags(pools, {name: given[None] for name in pools})
+    pools = overlay_flags(pools, {k: v for k, v in given.items() if k is not None})
+    pools = {
+        name: replace(
+            pool,
+            hardware=pool.hardware or args.hardware,
+            model=pool.model or args.model,
+            sim_profile=pool.sim_profile or args.sim_profile,
+            measured=replace(pool.measured, request_rate_per_s=args.rate)
+            if args.rate
+            else pool.measured,
+        )
+        for name, pool in pools.items()
+    }
+    if args.pool:
+        unknown = sorted(set(args.pool) - set(pools))
+        if unknown:
+            raise AdviceError(f"--pool {unknown[0]}: not read; pools: {', '.join(pools)}")
+        pools = {name: pools[name] for name in args.pool}
+    return pools
+
+
+def run(args: argparse.Namespace) -> int:
+    """Advise every pool; exit 2 on bad input, 1 when a source cannot be read."""
+    try:
+        pools = load(args)
+        results = {name: advise(pool) for name, pool in pools.items()}
+        checks = _verify(args, pools, results) if args.verify else {}
+    except AdviceError as exc:
+        print(f"fleetgate advise: error: {exc}", file=sys.stderr)
+        return 2
+    except SourceError as exc:
+        print(f"fleetgate advise: cannot read the fleet: {exc}", file=sys.stderr)
+        return 1
+    if args.save:
+        Path(args.save).write_text(yaml.safe_dump(to_mapping(pools), sort_keys=False))
+    if args.json:
+        payload = json.loads(to_json(pools, results))
+        for name, rows in checks.items():
+            payload[name]["verify"] = [row.to_dict() for row in rows]
+        print(json.dumps(payload, indent=2))
+        return 0
+    print(to_text(pools, results, only_changes=args.changes_only))
+    if checks:
+        from planning.advise.verify import format_rows
+
+        for name, rows in checks.items():
+            print(f"\nverify pool {name} (fleetgate simulate, same trace and policy):")
+            print(format_rows(rows))
+    return 0
+
+
+def _verify(args: argparse.Namespace, pools: dict[str, PoolSnapshot], results: dict) -> dict:
+    # The simulator is heavy to import; only --verify pays for it.
+    from bench.workloads.trace import TraceFormatError, read_trace
+    from planning.advise.verify import synthetic_trace, verify
+
+    checks = {}
+    for name, pool in pools.items():
+        if args.trace:
+            try:
+                records = read_trace(args.trace)
+            except (OSError, TraceFormatError) as exc:
+                raise AdviceError(f"--trace {args.trace}: {exc}") from exc
+        else:
+            records = synthetic_trace(pool, args.requests, seed=args.seed)
+        checks[name] = verify(
+            pool,
+            results[name],
+            records,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_tpot_ms=args.slo_tpot_ms,
+            seed=args.seed,
+        )
+    return checks
