@@ -35,7 +35,8 @@ def refresh_gauges(gw: GatewayState) -> None:
     """Recompute window gauges (hit rate, cost, layout, replica health) just before a scrape."""
     m = gw.metrics
     # At each scrape, not once at start: a policy reload may add routes.
-    m.precreate(((r.name, _slos(r)) for r in gw.policy.routes), gw.index_backend)
+    routes = [(r.name, _slos(r)) for r in gw.policy.routes]
+    m.precreate(routes, configured_models(gw), gw.index_backend)
     for route, rate in gw.window.hit_rates().items():
         m.prefix_hit_rate.labels(route).set(rate)
     pools: dict[str, int] = {}

@@ -280,15 +280,24 @@ class GatewayMetrics:
             if isinstance(metric, MetricWrapperBase) and metric._labelnames:
                 setattr(self, name, CachedLabels(metric))
 
-    def precreate(self, routes: Iterable[tuple[str, Iterable[str]]], backend: str) -> None:
+    def precreate(
+        self, routes: Iterable[tuple[str, Iterable[str]]], models: Iterable[str], backend: str
+    ) -> None:
         """Create, at 0, the label sets that dashboards and alerts select, before any event.
 
         A series that does not exist yet is "No data" on a panel instead of 0, and ``rate()`` /
-        ``increase()`` miss the first event of a counter born at 1. ``routes``: each route's
-        name and the SLOs it is measured against (``ttft``, ``tpot``). Idempotent (cached).
+        ``increase()`` miss the first event of a counter born at 1. Token counters matter most:
+        Prometheus extrapolates each series' rate on its own, so a cached-tokens series born at a
+        different value than its prompt-tokens series can make their ratio exceed 1. ``routes``:
+        each route's name and the SLOs it is measured against (``ttft``, ``tpot``); ``models``:
+        the base models known now. Idempotent (cached).
         """
         self.index_errors.labels(backend)
+        models = list(models)
         for route, slos in routes:
+            for model in models:
+                for tokens in (self.prompt_tokens, self.cached_tokens, self.completion_tokens):
+                    tokens.labels(route, model)
             for code in _ROUTE_ERROR_CODES:
                 self.errors.labels(route, code)
             for reason in _RETRY_REASONS:
