@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--interval", type=float, default=2.0, help="seconds between scrapes (default 2)"
     )
     parser.add_argument(
+        "--window-lengths",
+        action="store_true",
+        help="request lengths from the watch window only (default: since the gateway or "
+        "engine started)",
+    )
+    parser.add_argument(
         "--flags",
         metavar="[POOL=]FILE",
         action="append",
@@ -135,6 +141,7 @@ def load(args: argparse.Namespace) -> dict[str, PoolSnapshot]:
                 samples=args.samples,
                 interval_s=args.interval,
                 gateway_url=args.gateway,
+                window_lengths=args.window_lengths,
             )
     given = _given_flags(args.flags)
     if None in given:

@@ -50,6 +50,15 @@ class Histogram:
         self.total += other.total
         self.count += other.count
 
+    def since(self, earlier: Histogram) -> Histogram:
+        """What was observed after ``earlier`` (a previous reading of the same histogram)."""
+        out = Histogram()
+        for le, value in self.buckets.items():
+            out.buckets[le] = max(0.0, value - earlier.buckets.get(le, 0.0))
+        out.total = max(0.0, self.total - earlier.total)
+        out.count = max(0.0, self.count - earlier.count)
+        return out
+
 
 @dataclass
 class EngineReading:

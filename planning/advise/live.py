@@ -135,8 +135,13 @@ def read_live(
     gateway_url: str | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    window_lengths: bool = False,
 ) -> dict[str, PoolSnapshot]:
-    """Pool name -> snapshot, from ``samples`` rounds of scrapes ``interval_s`` apart."""
+    """Pool name -> snapshot, from ``samples`` rounds of scrapes ``interval_s`` apart.
+
+    Lengths are lifetime histograms (everything the gateway or engine served since it started),
+    or with ``window_lengths`` only what was served between the first and the last round.
+    """
     if not targets:
         raise SourceError("no engines to read (the gateway lists no replicas)")
     pools: dict[str, list[Target]] = defaultdict(list)
@@ -160,7 +165,10 @@ def read_live(
     result = {}
     for pool, members in sorted(pools.items()):
         series = [Sample(at, [readings[t.url] for t in members]) for at, readings in rounds]
-        lengths = _lengths(gateway_last, pool) or engine_lengths(series[-1].readings)
+        before = gateway_first if window_lengths else None
+        lengths = _lengths(gateway_last, pool, before) or engine_lengths(
+            series[-1].readings, series[0].readings if window_lengths else None
+        )
         activity = _activity(gateway_first, gateway_last, members, len(pools), window)
         model_len = max_model_len_of(_get(client, members[0].url + "/v1/models").json())
         flags = flags_of(series[-1].readings[0], model_len)
@@ -173,12 +181,17 @@ def read_live(
     return result
 
 
-def _lengths(gateway: GatewayReading | None, pool: str) -> Lengths | None:
+def _lengths(
+    gateway: GatewayReading | None, pool: str, before: GatewayReading | None
+) -> Lengths | None:
     if gateway is None or pool not in gateway.lengths:
         return None
     kinds = gateway.lengths[pool]
     if "prompt" not in kinds or "output" not in kinds:
         return None
+    if before is not None:
+        earlier = before.lengths.get(pool, {})
+        kinds = {k: h.since(earlier.get(k, Histogram())) for k, h in kinds.items()}
     return Lengths(kinds["prompt"], kinds["output"], kinds.get("context"))
 
 

@@ -88,12 +88,20 @@ def _pool_histogram(readings: Sequence[EngineReading], family: str) -> Histogram
     return total
 
 
-def engine_lengths(readings: Sequence[EngineReading]) -> Lengths | None:
-    """vLLM's own prompt/generation histograms summed over a pool's replicas."""
+def engine_lengths(
+    readings: Sequence[EngineReading], earlier: Sequence[EngineReading] | None = None
+) -> Lengths | None:
+    """vLLM's own prompt/generation histograms summed over a pool's replicas.
+
+    With ``earlier`` (the same replicas read before), only what they served since.
+    """
     prompt = _pool_histogram(readings, ENGINE_LENGTHS["prompt"])
     output = _pool_histogram(readings, ENGINE_LENGTHS["output"])
     if prompt is None or output is None:
         return None
+    if earlier is not None:
+        prompt = prompt.since(_pool_histogram(earlier, ENGINE_LENGTHS["prompt"]) or Histogram())
+        output = output.since(_pool_histogram(earlier, ENGINE_LENGTHS["output"]) or Histogram())
     return Lengths(prompt, output)
 
 
@@ -150,15 +158,7 @@ def measurements(
     seen_adapters = frozenset(a for s in samples for r in s.readings for a in r.adapters)
     working = seen_adapters | (adapters.requested if adapters else frozenset())
     lora_on = any(r.max_lora is not None for r in last.readings)
-    context = (lengths.context if lengths else None) or None
-    ctx_p99 = percentile(context, 0.99)
-    ctx_max = longest(context)
-    if lengths is not None and context is None:
-        # Only separate histograms: the sum of the p99s bounds the p99 of the sum from above.
-        p, o = percentile(lengths.prompt, 0.99), percentile(lengths.output, 0.99)
-        ctx_p99 = p + o if p is not None and o is not None else None
-        lp, lo = longest(lengths.prompt), longest(lengths.output)
-        ctx_max = lp + lo if lp is not None and lo is not None else None
+    ctx_p99, ctx_max = context_bounds(lengths)
     return Measurements(
         requests=int(lengths.prompt.count) if lengths and lengths.prompt.count else None,
         request_rate_per_s=rate,
@@ -181,6 +181,33 @@ def measurements(
         timers=timers(last.readings),
         window_s=window,
     )
+
+
+def context_bounds(lengths: Lengths | None) -> tuple[float | None, float | None]:
+    """(p99, longest) of prompt + output, as tight as the histograms allow.
+
+    Length buckets double, so the prompt + output histogram alone can overstate its p99 by up to
+    2x. The separate histograms bound it too: at most 1% of requests have a prompt over its p99,
+    so p99(prompt + output) <= p99(prompt) + longest output (and symmetrically); the longest
+    request is at most the longest prompt plus the longest output. The smallest bound wins.
+    """
+    if lengths is None:
+        return None, None
+    p99s = [percentile(lengths.context, 0.99)]
+    tops = [longest(lengths.context)]
+    prompt_p99, output_p99 = percentile(lengths.prompt, 0.99), percentile(lengths.output, 0.99)
+    prompt_top, output_top = longest(lengths.prompt), longest(lengths.output)
+    if prompt_p99 is not None and output_top is not None:
+        p99s.append(prompt_p99 + output_top)
+    if prompt_top is not None and output_p99 is not None:
+        p99s.append(prompt_top + output_p99)
+    if prompt_top is not None and output_top is not None:
+        tops.append(prompt_top + output_top)
+    known_p99 = [x for x in p99s if x is not None]
+    known_top = [x for x in tops if x is not None]
+    top = min(known_top, default=None)
+    p99 = min(known_p99, default=None)
+    return (min(p99, top) if p99 is not None and top is not None else p99), top
 
 
 def _preemption_onset(samples: Sequence[Sample]) -> int | None:
