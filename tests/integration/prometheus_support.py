@@ -28,6 +28,7 @@ from tests.support.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 ALERT_RULES = REPO / "deploy" / "base" / "prometheus-rules.yaml"
+ADAPTER_RULES = REPO / "deploy" / "base" / "prometheus-adapter-rules.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "fleetgate-dashboard.json"
 RULE_TESTS = REPO / "deploy" / "prometheus" / "tests"
 SETUP_HINT = "run `bash tests/setup_prometheus.sh` (installs Debian's prometheus package)"
@@ -97,6 +98,20 @@ def panel_queries() -> list[PanelQuery]:
         for target in panel.get("targets", []):
             expr = expand_grafana_variables(target["expr"])
             out.append(PanelQuery(panel["title"], unit, target["refId"], expr))
+    return out
+
+
+def adapter_queries(namespace: str) -> dict[str, list[str]]:
+    """prometheus-adapter's rules (the HPAs' metrics): name -> [series query, metrics query].
+
+    The metrics query's templates are filled as prometheus-adapter fills them for one namespace's
+    pods: ``<<.LabelMatchers>>`` selects the namespace, ``<<.GroupBy>>`` is ``pod``.
+    """
+    config = yaml.safe_load(yaml.safe_load(ADAPTER_RULES.read_text())["data"]["config.yaml"])
+    out = {}
+    for rule in config["rules"]:
+        metrics = rule["metricsQuery"].replace("<<.LabelMatchers>>", f'namespace="{namespace}"')
+        out[rule["name"]["as"]] = [rule["seriesQuery"], metrics.replace("<<.GroupBy>>", "pod")]
     return out
 
 

@@ -4,7 +4,8 @@ Prometheus scrapes every second, with the alert rules loaded, while a few hundre
 (streamed or not, several tenants' prefixes) go through the gateway. Then every Grafana panel
 target and every recording rule is evaluated through the HTTP API: each must return data, ratios
 (hit rates, goodput, KV usage) must lie in [0, 1], costs must be positive, and every rule must
-evaluate without error. Two modes, as users start them:
+evaluate without error; so must the queries prometheus-adapter serves the HPAs
+(deploy/base/prometheus-adapter-rules.yaml). Two modes, as users start them:
 
 - ``fleetgate up --sim 2 --adapters 2``: gateway, simulated replicas, their agents and the
   adapter registry; every panel must have data.
@@ -33,6 +34,7 @@ from tests.integration.prometheus_support import (
     PanelQuery,
     PrometheusServer,
     ScrapeJob,
+    adapter_queries,
     panel_queries,
     rules,
     values,
@@ -48,6 +50,8 @@ CONCURRENCY = 12
 SYSTEM_PROMPTS = [f"You are assistant {n}. " + "Answer briefly and politely. " * 30 for n in "ABC"]
 #: Metric families only agents and the adapter registry export: the quick start runs neither.
 QUICK_START_ABSENT = ("fleetgate_agent_", "fleetgate_adapter_")
+#: The namespace label the scrape configs add, as Kubernetes service discovery would.
+NAMESPACE = "fleetgate"
 
 
 @dataclass
@@ -121,9 +125,9 @@ def _host(url: str) -> str:
 def _jobs(gateway: str, replicas: list[str], agents: list[str]) -> list[ScrapeJob]:
     # The labels the Kubernetes service discovery adds (deploy/base/servicemonitors.yaml): the
     # dashboard groups engines by pod.
-    labels = {"namespace": "fleetgate", "pod": "sim"}
+    labels = {"namespace": NAMESPACE, "pod": "sim"}
     jobs = [
-        ScrapeJob("fleetgate-gateway", [_host(gateway)], {"namespace": "fleetgate", "pod": "gw"}),
+        ScrapeJob("fleetgate-gateway", [_host(gateway)], {"namespace": NAMESPACE, "pod": "gw"}),
         ScrapeJob("vllm-engines", [_host(u) for u in replicas], labels),
     ]
     if agents:
@@ -259,6 +263,10 @@ def _problems(prometheus: PrometheusServer, stack: Stack) -> dict[str, str]:
     for rule in rules():
         if "record" in rule and not prometheus.query(rule["record"]):
             problems[f"recording rule {rule['record']}"] = f"no data: {rule['expr']}"
+    for name, queries in adapter_queries(NAMESPACE).items():
+        for expr in queries:
+            if not prometheus.query(expr):
+                problems[f"HPA metric {name}"] = f"no data: {expr}"
     for group in prometheus.api("rules")["groups"]:
         for rule in group["rules"]:
             if rule["health"] != "ok":
