@@ -144,3 +144,13 @@ def test_snapshot_round_trips_through_save_format() -> None:
     again = parse_snapshot(to_mapping(pools))
     assert again == pools
     assert again["internal"].measured.timers == pools["internal"].measured.timers
+
+
+def test_triage_levers_that_name_a_flag_carry_the_advised_value() -> None:
+    from planning.triage import RouteMetrics, triage
+    from planning.triage.flags import annotate
+
+    _pool, rows = _advice("fp8_capable_kv_pinned")
+    levers = annotate(triage(RouteMetrics(kv_cache_usage=0.96)), {"rag": rows})
+    kv = next(lever for lever in levers if lever.category == "kv-quantization")
+    assert kv.why.endswith("fleetgate advise: pool rag: --kv-cache-dtype auto -> fp8")
