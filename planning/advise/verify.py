@@ -140,9 +140,11 @@ def _configs(pool: PoolSnapshot, advice: Sequence[Advice]) -> tuple[dict, dict, 
     reported = today.num_gpu_blocks
     if reported:
         # Start where the real engine is; move by the simulator's ratio for the change.
+        # (From memory, not from a preset's pinned block count, which would make it 1.)
+        free = {"num_gpu_blocks_override": None}
         ratio = (
-            EngineConfig.from_profile(preset, **new).num_gpu_blocks
-            / EngineConfig.from_profile(preset, **now).num_gpu_blocks
+            EngineConfig.from_profile(preset, **new, **free).num_gpu_blocks
+            / EngineConfig.from_profile(preset, **now, **free).num_gpu_blocks
         )
         now["num_gpu_blocks_override"] = reported
         new["num_gpu_blocks_override"] = max(1, int(reported * ratio))

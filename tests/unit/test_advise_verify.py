@@ -1,0 +1,61 @@
+"""`fleetgate advise --verify`: today's and the advised flags through the simulator."""
+
+from __future__ import annotations
+
+from planning.advise import EngineFlags, Measurements, PoolSnapshot, advise
+from planning.advise.verify import _configs, engine_overrides, synthetic_trace, verify
+
+POOL = PoolSnapshot(
+    "tiny",
+    EngineFlags(
+        max_model_len=4096,
+        block_size=16,
+        num_gpu_blocks=256,
+        max_num_seqs=16,
+        sources={"num_gpu_blocks": "engine-reported"},
+    ),
+    Measurements(
+        requests=500,
+        request_rate_per_s=20.0,
+        context_p99=700,
+        context_max=768,
+        prompt_mean=300,
+        prompt_p99=600,
+        output_mean=40,
+        output_p99=100,
+        kv_usage=0.97,
+        waiting_mean=4.0,
+        preemptions_per_min=0,
+    ),
+    replicas=2,
+    hardware="l4",
+    model="tiny",
+    sim_profile="tiny",
+)
+
+
+def test_synthetic_trace_follows_the_measurements() -> None:
+    records = synthetic_trace(POOL, 400, seed=1)
+    assert len(records) == 400
+    assert all(r.input_length + r.output_length <= 768 for r in records)
+    mean_prompt = sum(r.input_length for r in records) / len(records)
+    assert 200 < mean_prompt < 400
+    span_s = (records[-1].timestamp - records[0].timestamp) / 1000
+    assert 14 < len(records) / span_s < 26  # ~20 req/s
+
+
+def test_advised_engine_starts_from_the_reported_blocks_scaled_by_the_change() -> None:
+    rows = advise(POOL)
+    today, advised, preset = _configs(POOL, rows)
+    assert preset == "tiny"
+    assert today["num_gpu_blocks_override"] == 256
+    assert advised["kv_dtype"] == "fp8" and advised["num_gpu_blocks_override"] == 512
+    assert advised["max_model_len"] < today["max_model_len"] == 4096
+    assert engine_overrides(POOL.flags.with_defaults())["max_num_seqs"] == 16
+
+
+def test_verify_prints_both_rows() -> None:
+    rows = advise(POOL)
+    result = verify(POOL, rows, synthetic_trace(POOL, 120), slo_tpot_ms=200.0)
+    assert [r.flags for r in result] == ["today", "advised"]
+    assert all(r.requests == 120 and r.goodput is not None for r in result)
