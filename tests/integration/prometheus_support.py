@@ -173,7 +173,6 @@ class PrometheusServer:
                     f"--config.file={self.config}",
                     f"--storage.tsdb.path={self.workdir / 'data'}",
                     f"--web.listen-address=127.0.0.1:{self.port}",
-                    "--web.enable-lifecycle",
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
