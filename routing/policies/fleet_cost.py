@@ -155,6 +155,9 @@ class FleetCostScorer(ExpectedTtftScorer):
         duplicate_base: float = Field(default=0.0, ge=0.0)
         #: ... plus this per request waiting per replica (fleet mean).
         duplicate_per_queued: float = Field(default=2.0, ge=0.0)
+        #: Queue depth (requests per replica, fleet mean) that costs nothing: the weight grows
+        #: only with the depth beyond it.
+        duplicate_free_depth: float = Field(default=0.0, ge=0.0)
         #: Ceiling on the duplicate weight (a pathological queue must not freeze all balance).
         max_duplicate_weight: float = Field(default=50.0, ge=0.0)
         #: Share of this prefill charged per decode running on the replica (their TPOT stall).
@@ -198,12 +201,14 @@ class FleetCostScorer(ExpectedTtftScorer):
         return max(replica.waiting, replica.inflight_requests - replica.running, 0)
 
     def duplicate_weight(self, replicas: Sequence[ReplicaState]) -> float:
-        """Weight of duplicated prefill: base + per-queued × fleet-mean queue depth, capped."""
+        """Weight of duplicated prefill: base + per-queued × fleet-mean queue depth beyond the
+        free depth, capped."""
         p = self.params
         if not replicas:
             return p.duplicate_base
         depth = sum(self.queued(r) for r in replicas) / len(replicas)
-        return min(p.max_duplicate_weight, p.duplicate_base + p.duplicate_per_queued * depth)
+        excess = depth - p.duplicate_free_depth if depth > p.duplicate_free_depth else 0.0
+        return min(p.max_duplicate_weight, p.duplicate_base + p.duplicate_per_queued * excess)
 
     def arrival_rate(self) -> float:
         """Requests per second this scorer has been asked to route, recently."""

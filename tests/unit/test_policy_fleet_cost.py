@@ -90,6 +90,12 @@ TERMS = [
         id="gateway in-flight beyond running counts as queued (3 and 0)",
     ),
     pytest.param(
+        {"duplicate_per_queued": 1.0, "duplicate_free_depth": 1.0},
+        [rep("a", waiting=4), rep("b", waiting=4)], {"a": 100},
+        {"b": {"duplicate_weight": 3.0}},
+        id="the free depth costs nothing: weight from the 3 queued beyond it",
+    ),
+    pytest.param(
         {"duplicate_per_queued": 1.0},
         [rep("fast", waiting=4), rep("slow", waiting=4, prefill_tokens_per_s=5_000.0)], {},
         {"fast": {"duplicate_ms": 0.0}, "slow": {"duplicate_ms": 0.0, "prefill_ms": 400.0}},
