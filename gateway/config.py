@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from routing.policies.registry import DEFAULT_PROFILE
+
 
 @dataclass
 class GatewayConfig:
@@ -13,7 +15,7 @@ class GatewayConfig:
     #: Policy YAML path; None runs policy-less (open default tenant, one route).
     policy_path: str | None = None
     #: Profile of the default route in policy-less mode.
-    default_profile: str = "expected-ttft"
+    default_profile: str = DEFAULT_PROFILE
     #: Redis URL for the shared index, in-flight counts and agent-registered replicas.
     redis_url: str | None = None
     #: Redis key prefix of the block index; None: the backend's default (the agents' too).

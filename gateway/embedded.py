@@ -27,6 +27,7 @@ from gateway.policy_view import GatewayPolicy
 from gateway.server import start_site
 from gateway.sim_tokenizer import SimPromptTokenizer
 from routing.config import parse_policy
+from routing.policies.registry import DEFAULT_PROFILE
 
 #: Names of the demo adapters ``fleetgate up --adapters N`` registers.
 DEMO_ADAPTER_PREFIX = "demo-lora-"
@@ -85,7 +86,7 @@ async def embedded_stack(
     host: str = "127.0.0.1",
     port: int = 0,
     model: str = "sim-model",
-    profile: str = "expected-ttft",
+    profile: str = DEFAULT_PROFILE,
     usd_per_hour: float | None = None,
     admin_key: str | None = None,
     sim_speed: float = 1.0,

@@ -13,9 +13,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from routing.policies.registry import DEFAULT_PROFILE as _REGISTRY_DEFAULT
+
 DEFAULT_TENANT = "default"
 DEFAULT_ROUTE = "default"
-DEFAULT_PROFILE = "expected-ttft"
+DEFAULT_PROFILE = _REGISTRY_DEFAULT
 #: Objectives a route without an ``slo`` is measured against (docs/metrics.md), so goodput and
 #: the TTFT burn-rate alerts have data in every mode: generous interactive-chat targets.
 DEFAULT_TTFT_SLO_MS = 2000.0

@@ -24,6 +24,9 @@ if ! command -v redis-server >/dev/null 2>&1; then
   fi
 fi
 
+echo "==> Prometheus and promtool (Debian's package) for the rule and dashboard tests"
+bash tests/setup_prometheus.sh
+
 if [ -f replica/vllm_env/install.sh ]; then
   echo "==> installing the real vLLM (CPU build) into .venv-vllm for the e2e tier"
   bash replica/vllm_env/install.sh

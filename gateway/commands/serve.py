@@ -21,6 +21,7 @@ from aiohttp import web
 from gateway.config import GatewayConfig
 from gateway.logging_setup import configure_logging
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
+from routing.policies.registry import DEFAULT_PROFILE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--redis", help="Redis URL: shared index, in-flight counts, agents")
     parser.add_argument("--tokenizer", help="tokenizer directory (default: text blocks)")
-    parser.add_argument("--profile", default="expected-ttft", help="profile without --config")
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"profile without --config (default: {DEFAULT_PROFILE})",
+    )
     parser.add_argument("--block-size", type=int, default=16, help="vLLM --block-size")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)

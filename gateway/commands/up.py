@@ -15,6 +15,7 @@ import secrets
 from gateway.embedded import EmbeddedStack, embedded_stack
 from gateway.logging_setup import configure_logging
 from gateway.server import StopSignals, run_event_loop
+from routing.policies.registry import DEFAULT_PROFILE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="gateway port (0: any free)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--model", default="sim-model", help="model name the sims serve")
-    parser.add_argument("--profile", default="expected-ttft", help="routing profile")
+    parser.add_argument(
+        "--profile", default=DEFAULT_PROFILE, help=f"routing profile (default: {DEFAULT_PROFILE})"
+    )
     parser.add_argument(
         "--sim-speed", type=float, default=1.0, help="simulated engine speed-up (1 = real time)"
     )

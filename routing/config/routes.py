@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from pydantic import Field, field_validator, model_validator
 
 from routing.config.base import HeaderName, ModelName, Name, PositiveFloat, StrictModel
+from routing.policies.registry import DEFAULT_PROFILE as _REGISTRY_DEFAULT
 
 
 class HeaderMatch(StrictModel):
@@ -84,8 +85,9 @@ class Slo(StrictModel):
         return self
 
 
-#: The profile a route uses when it names none: the project's headline policy.
-DEFAULT_PROFILE = "expected-ttft"
+#: The profile a route uses when it names none: the project's headline policy (one name, kept by
+#: the policy registry).
+DEFAULT_PROFILE = _REGISTRY_DEFAULT
 
 
 class Route(StrictModel):

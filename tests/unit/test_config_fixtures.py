@@ -15,7 +15,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.config import PluginCatalog, Policy, PolicyError, parse_policy
+from routing.config import DEFAULT_PROFILE, PluginCatalog, Policy, PolicyError, parse_policy
 
 
 class _Params(BaseModel):
@@ -53,7 +53,8 @@ FAKE_CATALOG = PluginCatalog(
         "fake-needs-params": FakeNeedsParams,
         "fake-picker": FakePicker,
     },
-    builtin_profiles=frozenset({"builtin-a", "builtin-b", "expected-ttft"}),
+    # The default profile is always built in: a route that names none uses it.
+    builtin_profiles=frozenset({"builtin-a", "builtin-b", DEFAULT_PROFILE}),
 )
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from routing.config import Policy, derive_cache_salt, load_policy, parse_policy
+from routing.config import DEFAULT_PROFILE, Policy, derive_cache_salt, load_policy, parse_policy
 from routing.config.policy import IMPLICIT_ROUTE
 from routing.engine import Profile
 from tests.unit.test_config_fixtures import BASE, mutate, parse
@@ -73,7 +73,7 @@ def test_first_matching_route_wins(
 
 def test_unmatched_requests_take_the_implicit_default_route(policy: Policy) -> None:
     chosen = policy.match_route(path="/other", model="org/base-m", tenant="acme2", headers={})
-    assert chosen is IMPLICIT_ROUTE and chosen.profile == "expected-ttft" and chosen.slo is None
+    assert chosen is IMPLICIT_ROUTE and chosen.profile == DEFAULT_PROFILE and chosen.slo is None
 
 
 def test_model_resolution_splits_base_and_adapter(policy: Policy) -> None:

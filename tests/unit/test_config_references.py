@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from routing.config import DEFAULT_PROFILE
 from tests.unit.test_config_fixtures import BASE, errors_of, mutate, parse, sha
 
 # (path to change, new value, exact error expected after "<string>:LINE: ")
@@ -13,8 +14,9 @@ CASES: list[tuple[str, Any, str]] = [
     (
         "routes[0].profile",
         "prfo",
-        "routes[0].profile: unknown profile 'prfo' (did you mean 'prof'? defined: builtin-a, "
-        "builtin-b, expected-ttft, prof)",
+        "routes[0].profile: unknown profile 'prfo' (did you mean 'prof'? defined: "
+        + ", ".join(sorted({"builtin-a", "builtin-b", DEFAULT_PROFILE, "prof"}))
+        + ")",
     ),
     (
         "routes[0].match.model",
