@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -87,11 +88,31 @@ class ChaosConfig:
 
 
 @dataclass
+class ShutdownProbe:
+    """SIGTERM to one gateway under load, after the faults."""
+
+    sent_at: float
+    exit_s: float | None
+    bound_s: float
+    returncode: int | None
+    #: Requests of that gateway in flight at the signal or sent after it, by outcome.
+    outcomes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def line(self) -> str:
+        took = (f"exited in {self.exit_s:.1f} s (status {self.returncode})"
+                if self.exit_s is not None else f"had not exited after {self.bound_s:g} s")
+        counts = ", ".join(f"{n} {k}" for k, n in sorted(self.outcomes.items())) or "none"
+        return (f"SIGTERM to gateway 1 under load, after the faults: it {took}; its requests in "
+                f"flight at the signal or sent after it: {counts}.")
+
+
+@dataclass
 class ChaosRun:
     windows: list[FaultWindow]
     results: list[FaultResult]
     plots: dict[str, Path]
     log_dir: Path
+    shutdown: ShutdownProbe | None = None
 
 
 class Chaos:
@@ -106,6 +127,7 @@ class Chaos:
                                  self.clock)
         self.monitor = Monitor(self.fleet, self.clock, MONITOR_INTERVAL_S)
         self.windows: list[FaultWindow] = []
+        self.shutdown: ShutdownProbe | None = None
 
     @property
     def ctx(self) -> FaultContext:
@@ -129,6 +151,7 @@ class Chaos:
             tasks.append(asyncio.create_task(self.load.run(self._budget_s())))
             for name in self.config.faults:
                 await self._one(ALL_FAULTS[name]())
+            self.shutdown = await self._sigterm_under_load()
         finally:
             self.load.stop()
             self.monitor.stop()
@@ -138,6 +161,24 @@ class Chaos:
                 await truth.stop()
             await self.fleet.stop()
         return self._results()
+
+    async def _sigterm_under_load(self, bound_s: float = 60.0) -> ShutdownProbe:
+        """SIGTERM to gateway 1 while the load runs: how long until it exits (bounded), and what
+        became of the requests in flight on it (the load balancer stops sending once ``/ready``
+        turns 503)."""
+        gateway = self.fleet.gateways[1]
+        assert gateway.proc is not None and gateway.proc.popen is not None
+        sent_at = self.clock()
+        gateway.proc.popen.send_signal(signal.SIGTERM)
+        exited = None
+        while self.clock() - sent_at < bound_s:
+            if gateway.proc.popen.poll() is not None:
+                exited = self.clock() - sent_at
+                break
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.0)  # let the last answers of the other gateway come in
+        return ShutdownProbe(sent_at=sent_at, exit_s=exited, bound_s=bound_s,
+                             returncode=gateway.proc.popen.poll())
 
     async def _wait_steady(self) -> bool:
         """Until the last monitor tick shows a steady fleet (bounded by ``STEADY_WAIT_S``)."""
@@ -157,6 +198,8 @@ class Chaos:
         window = FaultWindow(fault=fault, start=self.clock(), steady_before=is_steady)
         self.windows.append(window)
         await asyncio.sleep(self.config.warmup_s)
+        _count, before = await self._persistent_stale()
+        window.missing_before = None if before is None else before.missing
         window.inject = self.clock()
         await fault.inject(self.ctx)
         await self._watch_stale(window, until=window.inject + self.config.hold_s, during=True)
@@ -206,7 +249,12 @@ class Chaos:
                 path = self.config.plots_dir / f"{window.fault.name}.png"
                 plot_window(window, self.load.records, path)
                 plots[window.fault.name] = path
-        return ChaosRun(self.windows, results, plots, self.fleet.log_dir)
+        if self.shutdown is not None:
+            probe = self.shutdown
+            for record in self.load.records:
+                if record.gateway == 1 and (record.end or probe.sent_at) >= probe.sent_at:
+                    probe.outcomes[record.outcome] = probe.outcomes.get(record.outcome, 0) + 1
+        return ChaosRun(self.windows, results, plots, self.fleet.log_dir, self.shutdown)
 
 
     def _dump_raw(self) -> None:
@@ -338,7 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     shown = argv
     for option in ("--log-dir", "--out", "--plots"):
         shown = drop_option(shown, option)
-    page = render(run.results, page_header(config, shown, load_before), run.plots, args.out)
+    header = page_header(config, shown, load_before)
+    if run.shutdown is not None:
+        header += ["", run.shutdown.line()]
+    page = render(run.results, header, run.plots, args.out)
     write_page(args.out, page)
     print(page)
     print(f"logs: {run.log_dir}", file=sys.stderr)

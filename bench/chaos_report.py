@@ -57,6 +57,8 @@ class FaultWindow:
     stale_reads: list[tuple[float, int, IndexSnapshot]] = field(default_factory=list)
     stale_max_during: int = 0
     steady_before: bool = True
+    #: Engine-held blocks the index lacked just before the injection (earlier faults' share).
+    missing_before: int | None = None
 
 
 @dataclass
@@ -77,6 +79,7 @@ class FaultResult:
     stale_after: int | None
     stale_zero_s: float | None
     missing_after: int | None
+    missing_before: int | None
     p50_ms: float | None
     p99_ms: float | None
     errors: list[str] = field(default_factory=list)
@@ -233,6 +236,7 @@ def analyse(window: FaultWindow, fleet: Fleet, records: Sequence[RequestRecord],
         recover_s=None if recover_t is None else max(0.0, recover_t - window.heal),
         stale_during_max=window.stale_max_during,
         stale_after=None, stale_zero_s=None, missing_after=None,
+        missing_before=window.missing_before,
         p50_ms=_percentile(latencies, 0.5), p99_ms=_percentile(latencies, 0.99),
         errors=_top_errors(failed + broken + lost),
     )
@@ -339,8 +343,8 @@ def render(results: Sequence[FaultResult], header: Sequence[str], plots: dict[st
             f"| stale index entries: max during the fault / after recovery | "
             f"{_n(r.stale_during_max)} / {_n(r.stale_after)} |",
             f"| stale entries reached 0 (after the heal) | {_s(r.stale_zero_s)} |",
-            f"| engine-held blocks the index lacks after recovery (cold, not wrong) | "
-            f"{_n(r.missing_after)} |",
+            f"| engine-held blocks the index lacks (cold, not wrong): before the fault / "
+            f"after recovery | {_n(r.missing_before)} / {_n(r.missing_after)} |",
             f"| latency of OK requests during the fault, p50 / p99 | "
             f"{_ms(r.p50_ms)} / {_ms(r.p99_ms)} ms |",
         ]
