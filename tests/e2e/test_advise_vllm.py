@@ -68,6 +68,7 @@ def test_advise_reads_a_real_engine_and_cuts_max_model_len(vllm_engine: VllmEngi
     assert "prefill" in m.timers and "ttft" in m.timers
 
     row = next(r for r in advise(pool) if r.flag == "--max-model-len")
+    print(f"\nadvise, real engine: {row.flag} {row.current} -> {row.advised}: {row.evidence}")
     assert row.kind == "change", row
     assert row.advised % BLOCK == 0
     assert max(sent) <= m.context_max <= row.advised < ENGINE_MAX_MODEL_LEN
