@@ -45,6 +45,8 @@ sources:
                         each replica's /metrics and /v1/models, --samples times
   --engine [POOL=]URL   engines directly, no gateway (repeatable; lengths from vLLM's own
                         histograms)
+  --prometheus URL      PromQL over --window (default 10m); engine series grouped by
+                        --pool-label (default pool); --max-model-len needs --flags there
 
 examples:
   fleetgate advise --input fleet.yaml
@@ -68,6 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--gateway", metavar="URL", help="a running fleetgate gateway")
     source.add_argument(
         "--engine", metavar="[POOL=]URL", action="append", help="a vLLM engine (repeatable)"
+    )
+    source.add_argument(
+        "--prometheus", metavar="URL", help="a Prometheus scraping the gateway and engines"
+    )
+    parser.add_argument("--window", default="10m", help="--prometheus: PromQL range (default: 10m)")
+    parser.add_argument(
+        "--pool-label",
+        default="pool",
+        help="--prometheus: the engine series' label naming their pool (default: pool)",
     )
     parser.add_argument(
         "--admin-key",
@@ -126,6 +137,11 @@ def load(args: argparse.Namespace) -> dict[str, PoolSnapshot]:
     """Pools from the chosen source, with --flags, profiles and --pool applied."""
     if args.input:
         pools = load_snapshot(args.input)
+    elif args.prometheus:
+        from planning.advise.prometheus_source import fetch_prometheus_pools
+
+        with httpx.Client(timeout=args.timeout) as client:
+            pools = fetch_prometheus_pools(args.prometheus, client, args.window, args.pool_label)
     else:
         if args.samples < 1 or args.interval < 0:
             raise AdviceError("--samples must be >= 1 and --interval >= 0")
