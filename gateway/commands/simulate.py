@@ -6,13 +6,31 @@ The work is done by ``planning/simulator``; this module only parses flags and pr
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bench.workloads.trace import DEFAULT_BLOCK_SIZE, TraceFormatError, read_trace
+from bench.workloads.trace import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
 
-DEFAULT_POLICIES = "round-robin,least-loaded,power-of-two,consistent-hash,cache-aware,expected-ttft"
+if TYPE_CHECKING:
+    from planning.simulator.api import SweepPoint
 
-EPILOG = f"""\
+
+def default_policies() -> str:
+    """Every built-in policy but ``random``: the simplest first, the gateway's default last.
+
+    Derived from the registry so that a new default policy is compared without editing this
+    list (the registry lists the smartest first; the table reads better from the simplest up).
+    """
+    from routing.policies.registry import BUILTIN_PROFILES, DEFAULT_PROFILE
+
+    others = [p for p in reversed(BUILTIN_PROFILES) if p not in ("random", DEFAULT_PROFILE)]
+    return ",".join([*others, DEFAULT_PROFILE])
+
+
+EPILOG = """\
 what it does:
   Each policy replays the trace on a fresh fleet of --replicas simulated vLLM engines
   (replica/sim: roofline step times, continuous batching, paged prefix cache, LoRA slots),
@@ -32,6 +50,13 @@ output (one row per policy):
                   pooled: one LRU cache as large as the whole fleet's KV capacity
                   (what a perfect router without duplication could reach)
 
+load sweep: --rate-scale 0.5,1,2,3,4 replays the trace at each scale in turn (one progress bar
+  for all runs) and prints one table per scale. --json rows carry "rate_scale", and "default":
+  true on the row of the policy that `fleetgate serve` and `fleetgate up` route with when a
+  route names none (false on every other row). With several scales, --plot DIR also writes
+  goodput_vs_load.png, ttft_p95_vs_load.png and hit_rate_vs_load.png (x = rate scale, one line
+  per policy, the default in bold black), and each scale's own plots as scale-X-*.png.
+
 trace format: JSONL, one request per line (Mooncake / NVIDIA Dynamo):
   {{"timestamp": 1532, "input_length": 4310, "output_length": 212, "hash_ids": [0, 1, 2]}}
   timestamp in ms; one hash id per --trace-block-size prompt tokens; equal ids = equal content
@@ -43,10 +68,11 @@ examples:
   fleetgate simulate --trace rag.jsonl --replicas 8
   fleetgate simulate --trace rag.jsonl --policies round-robin,expected-ttft --rate-scale 2 \\
       --json > results.json
+  fleetgate simulate --trace rag.jsonl --rate-scale 0.5,1,2,3,4 --plot sweep/   # knee plots
   fleetgate simulate --trace chat.jsonl --adapters zipf:40 --plot plots/
   fleetgate simulate --trace rag.jsonl --stats-interval-ms 1000   # stale engine gauges
 
-default policies: {DEFAULT_POLICIES}
+default policies: {policies}
 """
 
 
@@ -64,9 +90,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def rate_scales(text: str) -> tuple[float, ...]:
+    """``--rate-scale``: one positive number or a comma list of them (each listed once)."""
+    scales = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {item.strip()!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"each scale must be a positive number (got {item})")
+        if value in scales:
+            raise argparse.ArgumentTypeError(f"scale {value:g} is listed twice")
+        scales.append(value)
+    return tuple(scales)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``fleetgate simulate``."""
-    parser.epilog = EPILOG
+    parser.epilog = EPILOG.format(policies=default_policies())
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--trace", required=True, metavar="FILE", help="JSONL trace to replay")
     parser.add_argument(
@@ -88,16 +130,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policies",
-        default=DEFAULT_POLICIES,
+        default=default_policies(),
         metavar="A,B,…",
         help="comma-separated built-in routing policies to compare (default: all but random)",
     )
     parser.add_argument(
         "--rate-scale",
-        type=_positive_float,
-        default=1.0,
-        metavar="X",
-        help="multiply the trace's request rate by X (timestamps divided by X; default: 1)",
+        type=rate_scales,
+        default=(1.0,),
+        metavar="X[,Y,…]",
+        help="multiply the trace's request rate by X (timestamps divided by X; default: 1); a "
+        "comma list (0.5,1,2,3,4) runs every policy at each scale: a load sweep",
     )
     parser.add_argument(
         "--limit", type=_positive_int, metavar="N", help="replay only the first N requests"
@@ -133,76 +176,125 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    parser.add_argument("--plot", metavar="DIR", help="write TTFT CDF and hit-rate/goodput PNGs")
+    parser.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write TTFT CDF and hit-rate/goodput PNGs; with several rate scales, those per scale "
+        "and goodput, p95 TTFT and hit rate against load",
+    )
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (default: shown on a TTY)"
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the simulation and print the table (or JSON)."""
-    from planning.simulator import (
-        SimulationConfig,
-        parse_adapter_spec,
-        prepare_requests,
-        simulate,
-    )
-    from planning.simulator.report import render_json, render_table, write_plots
+    """Run the simulation (or the load sweep) and print the tables (or JSON)."""
+    from planning.simulator.report import render_json
     from routing.policies.registry import BUILTIN_PROFILES
-
-    def fail(message: str) -> int:
-        print(f"fleetgate simulate: {message}", file=sys.stderr)
-        return 2
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in BUILTIN_PROFILES]
     if unknown or not policies:
-        return fail(
+        return _fail(
             f"unknown policy {unknown[0] if unknown else '(none)'}; choose from: "
             + ", ".join(BUILTIN_PROFILES)
         )
     if args.stats_interval_ms < 0:
-        return fail(f"--stats-interval-ms must be >= 0 (got {args.stats_interval_ms})")
+        return _fail(f"--stats-interval-ms must be >= 0 (got {args.stats_interval_ms})")
     try:
         records = read_trace(args.trace, args.trace_block_size)
     except OSError as exc:
-        return fail(f"cannot read {args.trace}: {exc.strerror}")
+        return _fail(f"cannot read {args.trace}: {exc.strerror}")
     except TraceFormatError as exc:
-        return fail(str(exc))
+        return _fail(str(exc))
     if not records:
-        return fail(f"{args.trace} holds no requests")
+        return _fail(f"{args.trace} holds no requests")
     try:
-        adapters = parse_adapter_spec(args.adapters) if args.adapters else None
-        config = SimulationConfig(
-            replicas=args.replicas,
-            profile=args.profile,
-            trace_block_size=args.trace_block_size,
-            slo_ttft_ms=args.slo_ttft_ms,
-            slo_tpot_ms=args.slo_tpot_ms,
-            seed=args.seed,
-            stats_interval_s=args.stats_interval_ms / 1000.0,
-        )
-        requests = prepare_requests(
-            records, rate_scale=args.rate_scale, limit=args.limit, adapters=adapters, seed=args.seed
-        )
-        progress = not args.no_progress and sys.stderr.isatty() and len(requests) >= 500
-        report = simulate(requests, policies, config, progress=progress)
+        points = _sweep(args, records, policies)
     except ValueError as exc:
-        return fail(str(exc))
-    if args.json:
-        print(render_json(report))
-    else:
-        span_s = requests[-1].arrival_s - requests[0].arrival_s
-        rate = len(requests) / span_s if span_s > 0 else float("nan")
-        title = (
-            f"{args.trace}: {len(requests)} requests at {rate:.2f} req/s on {args.replicas} x "
-            f"{args.profile}; SLOs TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms"
-        )
-        print(render_table(report, title))
-    rejected = {name: run.rejected for name, run in report.runs.items() if run.rejected}
-    if rejected:
-        print(f"warning: engines refused requests (too long?): {rejected}", file=sys.stderr)
+        return _fail(str(exc))
+    print(render_json(points) if args.json else _tables(args, points))
+    _warn_refused(points)
     if args.plot:
-        for path in write_plots(report, args.plot):
+        for path in _plots(args, points):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _fail(message: str) -> int:
+    print(f"fleetgate simulate: {message}", file=sys.stderr)
+    return 2
+
+
+def _sweep(
+    args: argparse.Namespace, records: Sequence[TraceRecord], policies: list[str]
+) -> list[SweepPoint]:
+    """Every policy at every ``--rate-scale``; raises ValueError on a bad setting."""
+    from planning.simulator import SimulationConfig, parse_adapter_spec
+    from planning.simulator.api import simulate_sweep
+
+    adapters = parse_adapter_spec(args.adapters) if args.adapters else None
+    config = SimulationConfig(
+        replicas=args.replicas,
+        profile=args.profile,
+        trace_block_size=args.trace_block_size,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        seed=args.seed,
+        stats_interval_s=args.stats_interval_ms / 1000.0,
+    )
+    replayed = min(len(records), args.limit or len(records))
+    # A bar is worth drawing only on a terminal, and only when the whole sweep takes a while.
+    progress = (
+        not args.no_progress and sys.stderr.isatty() and replayed * len(args.rate_scale) >= 500
+    )
+    return simulate_sweep(
+        records,
+        args.rate_scale,
+        policies,
+        config,
+        limit=args.limit,
+        adapters=adapters,
+        progress=progress,
+    )
+
+
+def _warn_refused(points: list[SweepPoint]) -> None:
+    for point in points:
+        refused = {name: run.rejected for name, run in point.report.runs.items() if run.rejected}
+        if refused:
+            where = f" at rate scale {point.rate_scale:g}" if len(points) > 1 else ""
+            print(
+                f"warning: engines refused requests{where} (too long?): {refused}", file=sys.stderr
+            )
+
+
+def _tables(args: argparse.Namespace, points: list[SweepPoint]) -> str:
+    """One table per rate scale, each titled with the trace, its load and the fleet."""
+    from planning.simulator.report import render_table
+
+    blocks = []
+    for point in points:
+        scale = f" (rate scale {point.rate_scale:g})" if len(points) > 1 else ""
+        title = (
+            f"{args.trace}: {point.requests} requests at {point.rate:.2f} req/s{scale} on "
+            f"{args.replicas} x {args.profile}; SLOs TTFT {args.slo_ttft_ms:g} ms, "
+            f"TPOT {args.slo_tpot_ms:g} ms"
+        )
+        blocks.append(render_table(point.report, title))
+    return "\n\n".join(blocks)
+
+
+def _plots(args: argparse.Namespace, points: list[SweepPoint]) -> list[Path]:
+    """One run's plots; for a sweep, each scale's (prefixed ``scale-X-``) and the load plots."""
+    from planning.simulator.report import write_load_plots, write_plots
+
+    if len(points) == 1:
+        return write_plots(points[0].report, args.plot)
+    written = []
+    for point in points:
+        written += write_plots(point.report, args.plot, prefix=f"scale-{point.rate_scale:g}-")
+    written += write_load_plots(
+        points, args.plot, title=Path(args.trace).name, slo_ttft_ms=args.slo_ttft_ms
+    )
+    return written

@@ -1,4 +1,7 @@
-"""``simulate()``: replay a trace through several policies and the two hit-rate ceilings."""
+"""``simulate()``: replay a trace through several policies and the two hit-rate ceilings.
+
+``simulate_sweep()`` does it at several rate scales (a load sweep), under one progress bar.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +9,29 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from bench.workloads.trace import TraceRecord
+from planning.simulator.adapters import AdapterMix
 from planning.simulator.ceilings import Ceilings, hit_rate_ceilings
-from planning.simulator.config import SimulationConfig, TraceRequest
+from planning.simulator.config import SimulationConfig, TraceRequest, prepare_requests
 from planning.simulator.loop import PolicyRun, run_policy
 from planning.simulator.prompts import PromptFactory
 from planning.simulator.summary import PolicySummary, summarize
 from replica.sim.engine import EngineConfig
 from routing.engine import Profile
 
-__all__ = ["SimulationReport", "engine_config_for", "simulate"]
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+__all__ = [
+    "SimulationReport",
+    "SweepPoint",
+    "engine_config_for",
+    "mean_rate",
+    "simulate",
+    "simulate_sweep",
+]
 
 
 @dataclass
@@ -56,9 +72,85 @@ def simulate(
     deterministic for a given ``config.seed``. A policy is a built-in profile name, or a name in
     ``profile_factories`` (experimental variants: a factory returns a fresh ``Profile``).
     """
-    factories = dict(profile_factories or {})
     if not policies:
         raise ValueError("policies: name at least one routing policy")
+    bar = _progress_bar(len(requests) * len(policies)) if progress else None
+    try:
+        return _simulate(requests, policies, config, bar, profile_factories or {})
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One point of a load sweep: every policy replayed at one rate scale with one seed."""
+
+    rate_scale: float
+    seed: int
+    #: Requests replayed (refused ones included).
+    requests: int
+    #: Mean arrival rate of the replayed requests, requests/s (nan for a single request).
+    rate: float
+    report: SimulationReport
+
+
+def simulate_sweep(
+    records: Sequence[TraceRecord],
+    rate_scales: Sequence[float],
+    policies: Sequence[str],
+    config: SimulationConfig,
+    *,
+    limit: int | None = None,
+    adapters: AdapterMix | None = None,
+    progress: bool = False,
+) -> list[SweepPoint]:
+    """``simulate`` at each of ``rate_scales`` (in the order given), one progress bar for all.
+
+    The same records are replayed at each scale (arrivals divided by it), so the points differ
+    only in load.
+    """
+    if not rate_scales:
+        raise ValueError("rate_scales: name at least one rate scale")
+    if not policies:
+        raise ValueError("policies: name at least one routing policy")
+    batches = [
+        prepare_requests(records, rate_scale=x, limit=limit, adapters=adapters, seed=config.seed)
+        for x in rate_scales
+    ]
+    total = sum(len(batch) for batch in batches) * len(policies)
+    bar = _progress_bar(total) if progress else None
+    points = []
+    try:
+        for scale, batch in zip(rate_scales, batches, strict=True):
+            report = _simulate(batch, policies, config, bar, {})
+            points.append(SweepPoint(scale, config.seed, len(batch), mean_rate(batch), report))
+    finally:
+        if bar is not None:
+            bar.close()
+    return points
+
+
+def mean_rate(requests: Sequence[TraceRequest]) -> float:
+    """Requests per second between the first and the last arrival (nan when they coincide)."""
+    span_s = requests[-1].arrival_s - requests[0].arrival_s if requests else 0.0
+    return len(requests) / span_s if span_s > 0 else float("nan")
+
+
+def _progress_bar(total: int) -> tqdm:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", leave=False)
+
+
+def _simulate(
+    requests: Sequence[TraceRequest],
+    policies: Sequence[str],
+    config: SimulationConfig,
+    bar: tqdm | None,
+    factories: Mapping[str, Callable[[], Profile]],
+) -> SimulationReport:
+    """``simulate``'s work; completions tick ``bar``, which the caller owns (and closes)."""
     engine_config = engine_config_for(config)
     capacity = config.replicas * engine_config.num_gpu_blocks * engine_config.block_size
     ceilings = hit_rate_ceilings(
@@ -71,31 +163,22 @@ def simulate(
         engine_config.model.vocab_size,
     )
     report = SimulationReport([], ceilings)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(requests) * len(policies), unit="req", leave=False)
-    try:
-        for policy in policies:
-            if bar is not None:
-                bar.set_description(policy)
-            started = time.perf_counter()
-            run = asyncio.run(
-                run_policy(
-                    policy,
-                    requests,
-                    config,
-                    engine_config,
-                    prompts,
-                    bar.update if bar is not None else None,
-                    factories.get(policy),
-                )
-            )
-            report.wall_s[policy] = time.perf_counter() - started
-            report.runs[policy] = run
-            report.summaries.append(summarize(run, config.slo_ttft_ms, config.slo_tpot_ms))
-    finally:
+    for policy in policies:
         if bar is not None:
-            bar.close()
+            bar.set_description(policy)
+        started = time.perf_counter()
+        run = asyncio.run(
+            run_policy(
+                policy,
+                requests,
+                config,
+                engine_config,
+                prompts,
+                bar.update if bar is not None else None,
+                factories.get(policy),
+            )
+        )
+        report.wall_s[policy] = time.perf_counter() - started
+        report.runs[policy] = run
+        report.summaries.append(summarize(run, config.slo_ttft_ms, config.slo_tpot_ms))
     return report

@@ -1,17 +1,36 @@
-"""Render a ``SimulationReport``: the text table, the ``--json`` list, the ``--plot`` PNGs."""
+"""Render simulation results: the text table, the ``--json`` list, the ``--plot`` PNGs.
+
+A single run renders from its ``SimulationReport``; a load sweep (several rate scales, maybe
+several seeds per scale) from its ``SweepPoint`` list: JSON rows carry their ``rate_scale``, and
+``write_load_plots`` draws each figure against load.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from planning.simulator.api import SimulationReport
-from planning.simulator.summary import PolicySummary
+from planning.simulator.api import SimulationReport, SweepPoint
+from planning.simulator.summary import PolicySummary, Spread, default_policy
 
-__all__ = ["render_json", "render_table", "write_plots"]
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+__all__ = [
+    "LoadCurve",
+    "json_rows",
+    "load_curves",
+    "render_json",
+    "render_table",
+    "write_load_plots",
+    "write_plots",
+]
 
 #: (header, attribute, format) of each table column.
 _COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -63,12 +82,33 @@ def render_table(report: SimulationReport, title: str = "") -> str:
             )
         )
     lines.append("TTFT, TPOT and queue times in ms; goodput = share meeting both SLOs.")
+    default = default_policy()
+    if any(row.policy == default for row in report.summaries):
+        lines.append(f"default policy (fleetgate serve / up): {default}")
     return "\n".join(lines)
 
 
-def render_json(report: SimulationReport) -> str:
-    """The ``--json`` output: one object per policy, then the ``unbounded``/``pooled`` rows."""
-    return json.dumps([row.as_json() for row in report.rows()], indent=2)
+def json_rows(report: SimulationReport, rate_scale: float) -> list[dict[str, object]]:
+    """One JSON object per policy, then the ceilings, each with exactly ``JSON_FIELDS``.
+
+    ``default`` is true on the row of the policy the gateway uses when a route names none, and
+    false on every other row (the ceilings included).
+    """
+    default = default_policy()
+    rows = []
+    for row in report.rows():
+        fields = row.as_json()
+        del fields["policy"]
+        rows.append(
+            {"policy": row.policy, "rate_scale": rate_scale, "default": row.policy == default}
+            | fields
+        )
+    return rows
+
+
+def render_json(points: Sequence[SweepPoint]) -> str:
+    """The ``--json`` output: each point's policy rows and ceiling rows, points in order."""
+    return json.dumps([row for p in points for row in json_rows(p.report, p.rate_scale)], indent=2)
 
 
 def write_plots(report: SimulationReport, directory: str | Path, prefix: str = "") -> list[Path]:
@@ -121,3 +161,175 @@ def write_plots(report: SimulationReport, directory: str | Path, prefix: str = "
     plt.close(fig)
     written.append(path)
     return written
+
+
+# --------------------------------------------------------------------------- load sweeps
+
+
+@dataclass(frozen=True)
+class LoadCurve:
+    """One policy's figure against load: a spread over seeds at each rate scale, scales sorted."""
+
+    policy: str
+    scales: tuple[float, ...]
+    values: tuple[Spread, ...]
+
+
+def load_curves(points: Sequence[SweepPoint], attribute: str) -> list[LoadCurve]:
+    """Per policy (first-seen order), ``PolicySummary.<attribute>`` at each scale, over seeds.
+
+    The ceilings are curves too, named ``unbounded`` and ``pooled`` (hit rate only).
+    """
+    by_policy: dict[str, dict[float, list[float | None]]] = {}
+    for point in points:
+        for row in point.report.rows():
+            values = by_policy.setdefault(row.policy, {}).setdefault(point.rate_scale, [])
+            values.append(getattr(row, attribute))
+    return [
+        LoadCurve(
+            policy,
+            tuple(sorted(per_scale)),
+            tuple(Spread.of(per_scale[x]) for x in sorted(per_scale)),
+        )
+        for policy, per_scale in by_policy.items()
+    ]
+
+
+@dataclass(frozen=True)
+class _LoadPlot:
+    """One figure drawn against load by ``write_load_plots``."""
+
+    stem: str
+    #: The ``PolicySummary`` attribute plotted.
+    attribute: str
+    y_label: str
+    #: From the attribute's unit to the plotted one (shares to percent).
+    factor: float = 1.0
+    log_y: bool = False
+    #: Fixed y range (goodput: the whole 0-100% so that the knee shows as a drop).
+    y_range: tuple[float, float] | None = None
+
+
+_LOAD_PLOTS = (
+    _LoadPlot(
+        "goodput_vs_load",
+        "goodput",
+        "goodput (% of requests within both SLOs)",
+        100.0,
+        y_range=(0.0, 102.0),
+    ),
+    _LoadPlot("ttft_p95_vs_load", "ttft_p95_ms", "p95 TTFT (ms, log scale)", log_y=True),
+    _LoadPlot("hit_rate_vs_load", "prefix_hit_rate", "prefix hit rate (%)", 100.0),
+)
+
+_CEILINGS = ("unbounded", "pooled")
+
+
+def write_load_plots(
+    points: Sequence[SweepPoint],
+    directory: str | Path,
+    prefix: str = "",
+    *,
+    title: str = "",
+    x_label: str = "rate scale (x the trace's request rate)",
+    slo_ttft_ms: float | None = None,
+) -> list[Path]:
+    """Goodput, p95 TTFT and hit rate against rate scale: one line per policy, default in bold.
+
+    Where a scale has several seeds, the line goes through their mean and a bar spans min–max.
+    The hit-rate plot adds the pooled ceiling (dashed); the TTFT plot the TTFT SLO, if given.
+    Files: ``<prefix>goodput_vs_load.png``, ``…ttft_p95_vs_load.png``, ``…hit_rate_vs_load.png``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never needs a display
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    default = default_policy()
+    scales = sorted({p.rate_scale for p in points})
+    written = []
+    for plot in _LOAD_PLOTS:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for curve in load_curves(points, plot.attribute):
+            if curve.policy == "pooled" and plot.attribute == "prefix_hit_rate":
+                _draw_curve(ax, curve, plot.factor, "pooled ceiling", "gray", "--", marker=None)
+            elif curve.policy not in _CEILINGS:
+                _draw_policy(ax, curve, plot.factor, curve.policy == default)
+        if slo_ttft_ms is not None and plot.attribute == "ttft_p95_ms":
+            ax.axhline(slo_ttft_ms, color="gray", linestyle=":", label="TTFT SLO")
+        if plot.log_y:
+            _log_axis_in_plain_numbers(ax)
+        if plot.y_range is not None:
+            ax.set_ylim(*plot.y_range)
+        ax.set_xticks(scales, [f"{x:g}×" for x in scales])
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(plot.y_label)
+        heading = plot.y_label.split(" (")[0] + " vs load"
+        ax.set_title(f"{title}: {heading}" if title else heading)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+        path = out / f"{prefix}{plot.stem}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _log_axis_in_plain_numbers(ax: Axes) -> None:
+    # An SRE reads "500 ms", not "5 x 10^2": label 1-2-5 steps as plain numbers.
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _draw_policy(ax: Axes, curve: LoadCurve, factor: float, is_default: bool) -> None:
+    # The default policy is the one an SRE gets without choosing: it must stand out, on top.
+    if is_default:
+        _draw_curve(
+            ax, curve, factor, f"{curve.policy} (default)", "black", "-", width=2.6, zorder=4
+        )
+    else:
+        _draw_curve(ax, curve, factor, curve.policy, None, "-", width=1.2)
+
+
+def _draw_curve(
+    ax: Axes,
+    curve: LoadCurve,
+    factor: float,
+    label: str,
+    color: str | None,
+    style: str,
+    width: float = 1.2,
+    marker: str | None = "o",
+    zorder: float = 2,
+) -> None:
+    means = np.array([v.mean for v in curve.values]) * factor
+    low = np.array([v.low for v in curve.values]) * factor
+    high = np.array([v.high for v in curve.values]) * factor
+    (line,) = ax.plot(
+        curve.scales,
+        means,
+        style,
+        marker=marker,
+        label=label,
+        color=color,
+        linewidth=width,
+        zorder=zorder,
+    )
+    if any(v.count > 1 for v in curve.values):
+        ax.errorbar(
+            curve.scales,
+            means,
+            yerr=np.vstack([means - low, high - means]),
+            fmt="none",
+            ecolor=line.get_color(),
+            capsize=3,
+            linewidth=width * 0.8,
+            zorder=zorder,
+        )

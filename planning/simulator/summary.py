@@ -9,11 +9,19 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from planning.simulator.loop import PolicyRun, RequestOutcome
+from routing.policies import registry
 
-__all__ = ["JSON_FIELDS", "PolicySummary", "summarize"]
+__all__ = [
+    "JSON_FIELDS",
+    "SUMMARY_FIELDS",
+    "PolicySummary",
+    "Spread",
+    "default_policy",
+    "summarize",
+]
 
-#: The ``--json`` field names, in order (one object per policy).
-JSON_FIELDS = (
+#: The fields of ``PolicySummary.as_json``, in order (one object per policy and run).
+SUMMARY_FIELDS = (
     "policy",
     "requests",
     "prefix_hit_rate",
@@ -29,6 +37,19 @@ JSON_FIELDS = (
     "load_imbalance",
     "preemptions",
 )
+
+#: The ``fleetgate simulate --json`` field names, in order: a summary plus the rate scale it was
+#: measured at and whether the policy is the gateway's default (so tooling can find it by flag,
+#: not by a name that changes when the default does).
+JSON_FIELDS = ("policy", "rate_scale", "default", *SUMMARY_FIELDS[1:])
+
+
+def default_policy() -> str:
+    """The built-in profile ``fleetgate serve`` and ``fleetgate up`` route with by default.
+
+    Read at call time from the registry, never copied: the default changes by editing one line.
+    """
+    return registry.DEFAULT_PROFILE
 
 
 @dataclass(frozen=True)
@@ -57,12 +78,31 @@ class PolicySummary:
     preemptions: int | None = None
 
     def as_json(self) -> dict[str, object]:
-        """The row as a JSON object with exactly ``JSON_FIELDS``; NaN becomes null."""
+        """The row as a JSON object with exactly ``SUMMARY_FIELDS``; NaN becomes null."""
         row = asdict(self)
         return {
             name: None if isinstance(row[name], float) and math.isnan(row[name]) else row[name]
-            for name in JSON_FIELDS
+            for name in SUMMARY_FIELDS
         }
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One figure over several runs (seeds): its mean and its min–max range."""
+
+    mean: float
+    low: float
+    high: float
+    #: Runs that had the figure (runs where it was None or NaN are left out).
+    count: int
+
+    @classmethod
+    def of(cls, values: Sequence[float | None]) -> Spread:
+        """The spread of ``values``, ignoring None and NaN; all NaN when nothing is left."""
+        kept = [v for v in values if v is not None and not math.isnan(v)]
+        if not kept:
+            return cls(math.nan, math.nan, math.nan, 0)
+        return cls(sum(kept) / len(kept), min(kept), max(kept), len(kept))
 
 
 def _percentile(values: np.ndarray, q: float) -> float:

@@ -155,6 +155,8 @@ def test_json_output_has_exactly_the_documented_fields(
         assert list(row) == list(JSON_FIELDS)
     assert list(JSON_FIELDS) == [
         "policy",
+        "rate_scale",
+        "default",
         "requests",
         "prefix_hit_rate",
         "ttft_p50_ms",

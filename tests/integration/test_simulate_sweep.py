@@ -1,0 +1,142 @@
+"""``fleetgate simulate --rate-scale A,B,…`` (a load sweep) and the benchmark built on it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import routing_quality
+from bench.workloads.trace import TraceRecord, write_trace
+from gateway.cli import main
+from gateway.commands.simulate import default_policies, rate_scales
+from planning.simulator import JSON_FIELDS
+from routing.policies import registry
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _trace(path: Path) -> Path:
+    """Two groups of three-block prefixes, six requests 100 ms apart."""
+    records = [
+        TraceRecord(i * 100, 4 * 512, 4, (group * 10 + 1, group * 10 + 2, group * 10 + 3, 100 + i))
+        for i, group in enumerate([0, 1, 0, 1, 0, 1])
+    ]
+    write_trace(records, path)
+    return path
+
+
+def _simulate(tmp_path: Path, *extra: str) -> list[str]:
+    trace = _trace(tmp_path / "trace.jsonl")
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    return [*argv, "--policies", _policies(), "--no-progress", *extra]
+
+
+def _policies() -> str:
+    """A baseline and the gateway's default policy, whatever it is called today."""
+    return f"round-robin,{registry.DEFAULT_PROFILE}"
+
+
+@pytest.mark.parametrize(
+    ("text", "scales"),
+    [("2", (2.0,)), ("0.5,1,2,3,4", (0.5, 1.0, 2.0, 3.0, 4.0)), ("4, 1", (4.0, 1.0))],
+)
+def test_rate_scale_takes_one_number_or_a_list(text: str, scales: tuple[float, ...]) -> None:
+    assert rate_scales(text) == scales
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "x", "1,1", "inf", "nan", "", "1,,2"])
+def test_rate_scale_refuses_what_is_not_a_list_of_positive_numbers(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        rate_scales(text)
+
+
+def test_default_policies_end_with_the_default_and_leave_out_random() -> None:
+    policies = default_policies().split(",")
+    assert policies[-1] == registry.DEFAULT_PROFILE
+    assert "random" not in policies
+    assert set(policies) == set(registry.BUILTIN_PROFILES) - {"random"}
+
+
+def test_json_rows_carry_their_rate_scale_and_mark_the_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_simulate(tmp_path, "--rate-scale", "0.5,2", "--json")) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(row["rate_scale"], row["policy"]) for row in rows] == [
+        (scale, policy)
+        for scale in (0.5, 2.0)
+        for policy in ("round-robin", registry.DEFAULT_PROFILE, "unbounded", "pooled")
+    ]
+    for row in rows:
+        assert list(row) == list(JSON_FIELDS)
+        assert row["default"] is (row["policy"] == registry.DEFAULT_PROFILE)
+    assert sum(row["default"] for row in rows) == 2  # one per scale
+
+
+def test_the_default_flag_follows_the_registry_not_a_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(registry, "DEFAULT_PROFILE", "round-robin")
+    policies = ["--policies", "round-robin,least-loaded"]
+    assert main(_simulate(tmp_path, "--rate-scale", "3", "--json", *policies)) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["policy"] for row in rows if row["default"]] == ["round-robin"]
+    assert {row["rate_scale"] for row in rows} == {3.0}
+
+
+def test_the_table_has_one_block_per_scale(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_simulate(tmp_path, "--rate-scale", "1,4")) == 0
+    out = capsys.readouterr().out
+    assert "(rate scale 1)" in out and "(rate scale 4)" in out
+    assert out.count("ceilings (hit rate only):") == 2
+    assert f"default policy (fleetgate serve / up): {registry.DEFAULT_PROFILE}" in out
+
+
+def test_a_sweep_plots_goodput_and_p95_ttft_against_load(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plots = tmp_path / "plots"
+    assert main(_simulate(tmp_path, "--rate-scale", "1,2", "--plot", str(plots))) == 0
+    expected = {
+        "goodput_vs_load.png",
+        "ttft_p95_vs_load.png",
+        "hit_rate_vs_load.png",
+        "scale-1-ttft_cdf.png",
+        "scale-1-hit_rate_goodput.png",
+        "scale-2-ttft_cdf.png",
+        "scale-2-hit_rate_goodput.png",
+    }
+    assert {p.name for p in plots.iterdir()} == expected
+    for name in expected:
+        assert (plots / name).read_bytes()[:8] == PNG_MAGIC
+    assert "wrote" in capsys.readouterr().err
+
+
+def test_one_scale_still_writes_only_the_single_run_plots(tmp_path: Path) -> None:
+    plots = tmp_path / "plots"
+    assert main(_simulate(tmp_path, "--rate-scale", "2", "--plot", str(plots))) == 0
+    assert {p.name for p in plots.iterdir()} == {"ttft_cdf.png", "hit_rate_goodput.png"}
+
+
+def test_the_benchmark_sweeps_a_trace_file_and_writes_its_page(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _trace(tmp_path / "mine.jsonl")
+    page = tmp_path / "out" / "page.md"
+    argv = ["--trace", str(trace), "--scales", "1,2", "--spread-scales", "2", "--seeds", "2"]
+    argv += ["--policies", _policies(), "--replicas", "2", "--jobs", "1"]
+    argv += ["--out", str(page)]
+    assert routing_quality.main(argv) == 0
+    text = page.read_text(encoding="utf-8")
+    assert "--trace" in text and "the trace's own rate" in text
+    assert "| mine | 1× |" in text and "| mine | 2× |" in text
+    for stem in ("goodput_vs_load", "ttft_p95_vs_load", "hit_rate_vs_load"):
+        assert (tmp_path / "out" / "page" / f"mine-{stem}.png").read_bytes()[:8] == PNG_MAGIC
+    out = capsys.readouterr()
+    assert "checks:" in out.out and "0 of 0" not in out.out
+    assert "[3/3]" in out.err  # 1x seed 0, 2x seeds 0 and 1
