@@ -31,13 +31,19 @@ class ColdStartSettings:
     default_size_mb: float = 100.0
     #: Weight of the newest observation in the EWMA (0 < alpha <= 1).
     ewma_alpha: float = 0.3
+    #: A load from storage is never estimated below this, measured or not. Besides its own wait
+    #: it takes a GPU slot (and may evict an adapter another tenant is using): a duplicate load
+    #: must not look like a near-tie with a replica that has the adapter resident, as a small
+    #: adapter's few-ms load would (routing treats costs within ~10 ms as ties).
+    min_load_ms: float = 200.0
 
     def __post_init__(self) -> None:
         for name in ("storage_mb_per_s", "h2d_mb_per_s", "default_size_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0 (got {getattr(self, name)})")
-        if self.load_overhead_ms < 0:
-            raise ValueError(f"load_overhead_ms: must be >= 0 (got {self.load_overhead_ms})")
+        for name in ("load_overhead_ms", "min_load_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (got {getattr(self, name)})")
         if not 0 < self.ewma_alpha <= 1:
             raise ValueError(f"ewma_alpha: must be in (0, 1] (got {self.ewma_alpha})")
 
@@ -61,15 +67,16 @@ class LoadTimeModel:
         return new if old is None else alpha * new + (1 - alpha) * old
 
     def load_ms(self, adapter: str, replica: ReplicaId, size_mb: float | None) -> float:
-        """Expected time to load ``adapter`` onto ``replica`` from storage."""
+        """Expected cost of loading ``adapter`` onto ``replica`` from storage (at least
+        ``min_load_ms``): the measured time when there is one, else the size-based guess."""
+        s = self.settings
         measured = self._pair.get((adapter, replica))
         if measured is None:
             measured = self._adapter.get(adapter)
-        if measured is not None:
-            return measured
-        s = self.settings
-        size = size_mb if size_mb is not None else s.default_size_mb
-        return s.load_overhead_ms + size / s.storage_mb_per_s * 1000.0
+        if measured is None:
+            size = size_mb if size_mb is not None else s.default_size_mb
+            measured = s.load_overhead_ms + size / s.storage_mb_per_s * 1000.0
+        return max(measured, s.min_load_ms)
 
     def host_copy_ms(self, size_mb: float | None) -> float:
         """Time to move a host-cached adapter into a GPU slot."""

@@ -36,7 +36,7 @@ def test_thrash_guard_counts_loads_in_window(loads: list[float], tripped: bool) 
 
 def test_load_time_model_defaults_then_ewma() -> None:
     model = LoadTimeModel(ColdStartSettings(storage_mb_per_s=100, load_overhead_ms=10,
-                                            ewma_alpha=0.5, default_size_mb=50))
+                                            ewma_alpha=0.5, default_size_mb=50, min_load_ms=0))
     r0, r1 = ReplicaId("r0"), ReplicaId("r1")
     assert model.load_ms("a", r0, 200.0) == pytest.approx(10 + 2000)
     assert model.load_ms("a", r0, None) == pytest.approx(10 + 500)
@@ -49,9 +49,21 @@ def test_load_time_model_defaults_then_ewma() -> None:
     assert model.load_ms("a", r1, 200.0) == pytest.approx(100.0)
 
 
+def test_a_load_is_never_estimated_below_the_floor() -> None:
+    # A tiny adapter loads in a few ms, but the load still takes a slot: never a near-tie with
+    # a replica that has it resident.
+    model = LoadTimeModel(ColdStartSettings(load_overhead_ms=1, min_load_ms=200))
+    r0 = ReplicaId("r0")
+    assert model.load_ms("tiny", r0, 0.01) == 200.0  # size-based guess: 1 ms
+    model.observe("tiny", r0, 3.0)
+    assert model.load_ms("tiny", r0, 0.01) == 200.0  # measured: 3 ms
+    model.observe("big", r0, 900.0)
+    assert model.load_ms("big", r0, None) == 900.0  # above the floor: the measurement
+
+
 @pytest.mark.parametrize(
     "bad", [{"storage_mb_per_s": 0}, {"ewma_alpha": 0}, {"ewma_alpha": 1.5},
-            {"load_overhead_ms": -1}],
+            {"load_overhead_ms": -1}, {"min_load_ms": -1}],
 )
 def test_cold_start_settings_refuse_nonsense(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
