@@ -115,10 +115,10 @@ routes:
       headers:
         - {{name: X-Fleetgate-Workload, value: rr}}
     profile: round-robin
+  # No profile: the default one (routing.policies.registry.DEFAULT_PROFILE), what a user gets.
   - name: main
     match:
       path_prefix: /v1/
-    profile: expected-ttft
 """
 
 

@@ -33,6 +33,7 @@ from replica.tiny_model import TinyModel
 from routing.contracts import IndexUnavailable
 from routing.hashing import chain_seed, hash_token_blocks
 from routing.index import RedisBlockIndex
+from routing.policies.registry import DEFAULT_PROFILE
 from routing.tokenize.local import LocalTokenizer
 from routing.types import BlockHash, ReplicaId
 from tests.e2e.conftest import ENGINE_START_TIMEOUT_S, KV_BLOCKS_PER_ENGINE
@@ -252,12 +253,12 @@ async def test_prefix_aware_routing_reaches_90_percent_of_ideal_on_vllm_counters
         "|---|---|---|---|",
         f"| ideal (one engine, cache never evicts) | {ideal_hits} / {queried} | {ideal:.3f} "
         "| 100% |",
-        f"| expected-ttft (gateway) | {aware.hits:.0f} / {aware.queries:.0f} "
+        f"| {DEFAULT_PROFILE} (gateway default) | {aware.hits:.0f} / {aware.queries:.0f} "
         f"| {aware.hit_rate:.3f} | {aware.hit_rate / ideal:.1%} |",
         f"| round-robin (gateway) | {blind.hits:.0f} / {blind.queries:.0f} "
         f"| {blind.hit_rate:.3f} | {blind.hit_rate / ideal:.1%} (1/N = 50%) |",
         "",
-        f"expected-ttft placed the prefixes {dict(sorted(per_replica.items()))} "
+        f"{DEFAULT_PROFILE} placed the prefixes {dict(sorted(per_replica.items()))} "
         f"(prefix -> replicas used: "
         f"{ {p: dict(c) for p, c in sorted(placement.items())} })",
     ]
