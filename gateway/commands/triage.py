@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import httpx
 
 from planning.triage import MetricsError, RouteMetrics, triage
+from planning.triage.flags import annotate
 from planning.triage.gateway_source import fetch_gateway_metrics
 from planning.triage.inputs import load_metrics_file
 from planning.triage.model import SourceError
@@ -80,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--route", action="append", help="only these routes (repeatable)")
     parser.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout, s (default 10)")
     parser.add_argument("--json", action="store_true", help="print levers as JSON")
+    parser.add_argument(
+        "--advice",
+        metavar="SNAPSHOT",
+        help="a `fleetgate advise --save` snapshot: levers that name a vLLM flag also say, per "
+        "pool, the value advise recommends for it",
+    )
 
 
 def load(args: argparse.Namespace) -> dict[str, RouteMetrics]:
@@ -107,6 +115,14 @@ def load(args: argparse.Namespace) -> dict[str, RouteMetrics]:
     return {name: metrics.merged(defaults) for name, metrics in routes.items()}
 
 
+def _advice(path: str) -> dict[str, list[Any]]:
+    """Advise's rows per pool for the snapshot at ``path`` (the flags triage's levers name)."""
+    from planning.advise.decide import advise
+    from planning.advise.snapshot import load_snapshot
+
+    return {pool: advise(snapshot) for pool, snapshot in load_snapshot(path).items()}
+
+
 def run(args: argparse.Namespace) -> int:
     """Triage every route; exit 2 on bad input, 1 when a source cannot be read."""
     try:
@@ -121,5 +137,12 @@ def run(args: argparse.Namespace) -> int:
         print("fleetgate triage: the source has no per-route metrics yet", file=sys.stderr)
         return 1
     results = {name: triage(metrics) for name, metrics in routes.items()}
+    if args.advice:
+        try:
+            advice = _advice(args.advice)
+        except (OSError, ValueError) as exc:
+            print(f"fleetgate triage: --advice {args.advice}: {exc}", file=sys.stderr)
+            return 2
+        results = {name: annotate(levers, advice) for name, levers in results.items()}
     print(to_json(results) if args.json else to_text(routes, results))
     return 0

@@ -126,3 +126,34 @@ def test_unreachable_source_exits_1(monkeypatch, capsys) -> None:
     )
     code, _, err = _run(capsys, "--prometheus", "http://prom:9090")
     assert code == 1 and "cannot read metrics" in err and "prom:9090" in err
+
+
+def test_advice_snapshot_adds_the_advised_flag_value_to_levers(tmp_path, capsys) -> None:
+    # A route pinned on KV: triage names --kv-cache-dtype fp8; advise, from the pool's own
+    # engine flags, says by how much (auto -> fp8 on the FP8-capable pool).
+    pinned = {
+        "ttft_p95_ms": 3000,
+        "ttft_slo_ms": 1000,
+        "tpot_p95_ms": 90,
+        "tpot_slo_ms": 50,
+        "kv_cache_usage": 0.97,
+        "preemptions_per_min": 12,
+    }
+    path = tmp_path / "route.json"
+    path.write_text(json.dumps(pinned))
+    advice = "tests/unit/fixtures/advise/fp8_capable_kv_pinned.json"
+    code, out, _ = _run(capsys, "--input", str(path), "--json", "--advice", advice)
+    assert code == 0
+    reasons = [item["reason"] for item in json.loads(out)]
+    noted = [r for r in reasons if "--kv-cache-dtype" in r and "fleetgate advise:" in r]
+    assert noted and "-> fp8" in noted[0], reasons
+    # Without the snapshot the same levers carry no advice.
+    code, out, _ = _run(capsys, "--input", str(path), "--json")
+    assert all("fleetgate advise:" not in item["reason"] for item in json.loads(out))
+
+
+def test_unreadable_advice_snapshot_is_exit_2(tmp_path, capsys) -> None:
+    path = tmp_path / "route.json"
+    path.write_text(json.dumps(RAG))
+    code, _, err = _run(capsys, "--input", str(path), "--advice", str(tmp_path / "missing.json"))
+    assert code == 2 and "--advice" in err
