@@ -157,7 +157,7 @@ class FleetCostScorer(ExpectedTtftScorer):
         duplicate_per_queued: float = Field(default=2.0, ge=0.0)
         #: Queue depth (requests per replica, fleet mean) that costs nothing: the weight grows
         #: only with the depth beyond it.
-        duplicate_free_depth: float = Field(default=0.0, ge=0.0)
+        duplicate_free_depth: float = Field(default=0.5, ge=0.0)
         #: Ceiling on the duplicate weight (a pathological queue must not freeze all balance).
         max_duplicate_weight: float = Field(default=50.0, ge=0.0)
         #: Share of this prefill charged per decode running on the replica (their TPOT stall).

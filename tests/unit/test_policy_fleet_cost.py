@@ -66,8 +66,10 @@ def req(**fields: Any) -> RoutingRequest:
 
 # --------------------------------------------------------------------------- terms
 
-#: No externality terms: each row switches on the one it shows.
-QUIET = {"decode_weight": 0.0, "queue_weight": 0.0, "evict_weight": 0.0}
+#: No externality terms and no free queue depth: each row switches on the one it shows.
+QUIET = {
+    "decode_weight": 0.0, "queue_weight": 0.0, "evict_weight": 0.0, "duplicate_free_depth": 0.0
+}
 
 TERMS = [
     pytest.param(
