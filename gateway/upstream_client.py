@@ -37,7 +37,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import TracebackType
 from typing import cast
 
@@ -147,7 +147,7 @@ class UpstreamResponse:
     def _on_complete(self, keep_alive: bool) -> None:
         self._done = True
         self._keep_alive = keep_alive
-        self.completed_at = time.monotonic()
+        self.completed_at = self._conn.clock()
         self._wake()
 
     def _on_lost(self, exc: BaseException | None) -> None:
@@ -243,6 +243,7 @@ class _Connection(asyncio.Protocol):
         #: An interim (1xx) response is being parsed: its end is not the answer's end.
         self._interim = False
         self.closed = False
+        self.clock = pool.clock
         self.idle_since = 0.0
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
@@ -364,8 +365,11 @@ class UpstreamPool:
         idle_timeout_s: float = 4.0,
         max_idle_per_origin: int = 256,
         ssl_context: ssl.SSLContext | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
+        #: Time source for the idle timeout (tests inject one instead of sleeping).
+        self.clock = clock
         self.idle_timeout_s = idle_timeout_s
         self.max_idle_per_origin = max_idle_per_origin
         self._ssl_context = ssl_context  # made once, on the first https origin, if not given
@@ -429,7 +433,7 @@ class UpstreamPool:
         origin = (scheme, host, port)
         idle = self._idle.get(origin)
         if idle:
-            now = time.monotonic()
+            now = self.clock()
             while idle:
                 conn = idle.pop()  # newest first: the warmest connection
                 if (
@@ -473,9 +477,9 @@ class UpstreamPool:
             return
         # Idle since the answer's last byte, when the engine's keep-alive timer started (the
         # relay to a slow client may have taken longer).
-        conn.idle_since = response.completed_at or time.monotonic()
+        conn.idle_since = response.completed_at or self.clock()
         idle.append(conn)
-        self._trim(idle, time.monotonic())
+        self._trim(idle, self.clock())
 
     def _trim(self, idle: list[_Connection], now: float) -> None:
         """Close the oldest idle connections past ``idle_timeout_s`` (the list is oldest first)."""
@@ -488,7 +492,7 @@ class UpstreamPool:
         The gateway calls it from its health loop, so connections to a replica that stopped
         getting traffic (or vanished without closing them) do not stay open.
         """
-        now = time.monotonic()
+        now = self.clock()
         for idle in list(self._idle.values()):
             self._trim(idle, now)
         return len(self._open)

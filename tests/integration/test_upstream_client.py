@@ -245,13 +245,28 @@ async def test_leaving_early_closes_the_connection_so_the_engine_sees_it(
         await runner.cleanup()
 
 
+class _Clock:
+    """A monotonic clock the test moves by hand: idle timeouts without sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def test_idle_connections_past_the_idle_timeout_are_not_reused() -> None:
-    pool = UpstreamPool(idle_timeout_s=0.05)
+    clock = _Clock()
+    pool = UpstreamPool(idle_timeout_s=4.0, clock=clock)
     runner, url = await _serve_app(_echo)
     try:
         async with pool.post(url, b"{}", {}) as resp:
             first = json.loads(await resp.read())["peer"]
-        await asyncio.sleep(0.1)
+        clock.now += 3.9  # still within the timeout: the same connection
+        async with pool.post(url, b"{}", {}) as resp:
+            again = json.loads(await resp.read())["peer"]
+        assert again == first
+        clock.now += 4.0  # idle for the whole timeout: a new connection
         async with pool.post(url, b"{}", {}) as resp:
             second = json.loads(await resp.read())["peer"]
         assert first != second
@@ -419,7 +434,8 @@ async def test_stray_bytes_after_a_complete_answer_keep_the_answer_but_drop_the_
 
 
 async def test_close_idle_closes_connections_past_the_idle_timeout() -> None:
-    pool = UpstreamPool(idle_timeout_s=0.05)
+    clock = _Clock()
+    pool = UpstreamPool(idle_timeout_s=4.0, clock=clock)
     runner, url = await _serve_app(_echo)
     try:
 
@@ -430,7 +446,7 @@ async def test_close_idle_closes_connections_past_the_idle_timeout() -> None:
         await asyncio.gather(*(one() for _ in range(4)))  # four connections, all idle after
         assert pool.open_connections == 4
         assert pool.close_idle() == 4  # not idle long enough yet
-        await asyncio.sleep(0.1)
+        clock.now += 4.0
         assert pool.close_idle() == 0
     finally:
         await pool.close()
