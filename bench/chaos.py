@@ -83,6 +83,11 @@ class ChaosConfig:
         return self.duration_s
 
     @property
+    def restart_allowance_s(self) -> float:
+        """Extra observation and settling time: a vLLM CPU engine takes minutes to restart."""
+        return 180.0 if self.engines == "vllm" else 0.0
+
+    @property
     def observe_s(self) -> float:
         return 2 * self.duration_s
 
@@ -136,7 +141,7 @@ class Chaos:
     def _budget_s(self) -> float:
         """An upper bound on the whole run, for the load and monitor loops."""
         per_fault = (self.config.warmup_s + self.config.hold_s + self.config.observe_s
-                     + STALE_WAIT_S + STEADY_WAIT_S + 10)
+                     + STALE_WAIT_S + STEADY_WAIT_S + self.config.restart_allowance_s + 10)
         return 60 + per_fault * len(self.config.faults)
 
     async def run(self) -> ChaosRun:
@@ -180,14 +185,17 @@ class Chaos:
         return ShutdownProbe(sent_at=sent_at, exit_s=exited, bound_s=bound_s,
                              returncode=gateway.proc.popen.poll())
 
+    def _steady_now(self) -> bool:
+        now = self.clock()
+        states = fleet_states(self.monitor.gateway_samples, self.monitor.agent_samples,
+                              now - 2.0, now, MONITOR_INTERVAL_S)
+        return bool(states) and steady(states[-1], self.fleet)
+
     async def _wait_steady(self) -> bool:
         """Until the last monitor tick shows a steady fleet (bounded by ``STEADY_WAIT_S``)."""
-        deadline = self.clock() + STEADY_WAIT_S
+        deadline = self.clock() + STEADY_WAIT_S + self.config.restart_allowance_s
         while self.clock() < deadline:
-            now = self.clock()
-            states = fleet_states(self.monitor.gateway_samples, self.monitor.agent_samples,
-                                  now - 2.0, now, MONITOR_INTERVAL_S)
-            if states and steady(states[-1], self.fleet):
+            if self._steady_now():
                 return True
             await asyncio.sleep(MONITOR_INTERVAL_S)
         return False
@@ -206,6 +214,10 @@ class Chaos:
         window.heal = self.clock()
         await fault.heal(self.ctx)
         await self._watch_stale(window, until=window.heal + self.config.observe_s)
+        # A real engine may still be restarting: observe on (bounded) until the fleet is steady.
+        allowance_until = self.clock() + self.config.restart_allowance_s
+        while self.clock() < allowance_until and not self._steady_now():
+            await self._watch_stale(window, until=self.clock() + 1.0)
         # Stale entries must reach 0: keep reading (bounded) while any persist.
         extra_until = self.clock() + STALE_WAIT_S
         while window.stale_reads and window.stale_reads[-1][1] and self.clock() < extra_until:
@@ -281,6 +293,13 @@ def engine_kind(engines: str) -> EngineKind:
     return vllm_kind(ensure_tiny_model(cache, adapters=3).model_dir)
 
 
+def _allowance_text(config: ChaosConfig) -> str:
+    if not config.restart_allowance_s:
+        return ""
+    return (f", and up to {config.restart_allowance_s:g} s more until the fleet is steady: "
+            "an engine restart takes minutes")
+
+
 def _engines_text(config: ChaosConfig) -> str:
     if config.engines == "vllm":
         return (f"{config.replicas} real vLLM CPU engines (`.venv-vllm`, the tiny generated "
@@ -311,7 +330,8 @@ def page_header(config: ChaosConfig, shown_argv: Sequence[str],
         "(`/ready` every 0.5 s; a refused connection is resent to the other gateway). Each "
         f"fault: {config.warmup_s:g} s warm-up, {config.hold_s:g} s held, healed, "
         f"{config.observe_s:g} s observed (longer while stale entries remain, up to "
-        f"{STALE_WAIT_S:g} s). Requests are counted by start time over the whole window.",
+        f"{STALE_WAIT_S:g} s{_allowance_text(config)}). Requests are counted by start time "
+        "over the whole window.",
         "",
         "Definitions: *failed before 1st byte* — no `200` reached the client (must be 0: every "
         "fault leaves a replica up); *broken mid-stream* — `200`, then the body ended early "

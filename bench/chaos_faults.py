@@ -100,7 +100,8 @@ class _ReplicaFault(Fault):
 class ReplicaKilled(_ReplicaFault):
     name = "replica-killed"
     title = "replica killed and restarted"
-    how = "SIGKILL of one `fleetgate sim` process; heal: the same command on the same ports"
+    how = ("SIGKILL of one engine's process group (`fleetgate sim`, or vLLM's API server with "
+           "its EngineCore); heal: the same command on the same ports")
 
     async def inject(self, ctx: FaultContext) -> None:
         assert self.target_replica is not None
@@ -115,7 +116,8 @@ class ReplicaKilled(_ReplicaFault):
 class ReplicaHung(_ReplicaFault):
     name = "replica-hung"
     title = "replica hung (accepts, never answers)"
-    how = "SIGSTOP of one sim process (the kernel still accepts connections); heal: SIGCONT"
+    how = ("SIGSTOP of one engine's process group (the kernel still accepts connections); "
+           "heal: SIGCONT")
 
     async def inject(self, ctx: FaultContext) -> None:
         assert self.target_replica is not None
