@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -73,8 +73,17 @@ class ReplicaRegistry:
         failure_threshold: int = 3,
         cooldown_s: float = 10.0,
         unhealthy_after_polls: int = 2,
+        discovery_grace_s: float = 15.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._states: dict[ReplicaId, ReplicaState] = {}
+        #: A discovered replica missing from the fleet store's listing is kept this long before
+        #: it is forgotten: a restarted (empty) Redis lists nobody until the agents register
+        #: again, and dropping every replica then answered 503 with the whole fleet up. Health
+        #: polls go on meanwhile, so a replica that is really gone is unhealthy, not routed.
+        self.discovery_grace_s = discovery_grace_s
+        self._clock = clock
+        self._missing_since: dict[ReplicaId, float] = {}
         #: Consecutive failed /health polls per replica; ``unhealthy_after_polls`` in a row
         #: mark it unhealthy.
         self._failed_polls: dict[ReplicaId, int] = {}
@@ -140,6 +149,7 @@ class ReplicaRegistry:
             if state.replica_id in self._static:
                 continue  # listed statically: the policy file wins over a registration
             seen.add(state.replica_id)
+            self._missing_since.pop(state.replica_id, None)
             old = self._states.get(state.replica_id)
             if old is None:
                 self.upsert(state)
@@ -151,8 +161,13 @@ class ReplicaRegistry:
                 )
             # The agent read the adapters with its metrics: its time goes with its list.
             self._adapters_read_at[state.replica_id] = state.metrics_read_at
+        now = self._clock()
         for rid in self._discovered - seen:
-            self.remove(rid)
+            since = self._missing_since.setdefault(rid, now)
+            if now - since >= self.discovery_grace_s:
+                self.remove(rid)
+            else:
+                seen.add(rid)  # still known: within the grace period
         self._discovered = seen
 
     def remove(self, replica: ReplicaId) -> None:
@@ -161,6 +176,7 @@ class ReplicaRegistry:
         self._breakers.pop(replica, None)
         self._adapters_read_at.pop(replica, None)
         self._failed_polls.pop(replica, None)
+        self._missing_since.pop(replica, None)
 
     # ------------------------------------------------------------------ reading
 

@@ -98,7 +98,7 @@ async def test_adapter_list_freshness_is_its_own_not_the_gauges() -> None:
 
 
 def test_agent_reports_carry_their_own_read_time() -> None:
-    registry = ReplicaRegistry()
+    registry = ReplicaRegistry(discovery_grace_s=0)
     reported = ReplicaState(
         replica_id=R0, url="http://r0", loaded_adapters=frozenset({"a"}), metrics_read_at=123.0
     )
@@ -106,6 +106,25 @@ def test_agent_reports_carry_their_own_read_time() -> None:
     assert registry.adapters_read_at(R0) == 123.0
     registry.sync_discovered([])  # registration expired
     assert registry.get(R0) is None and registry.adapters_read_at(R0) == 0.0
+
+
+def test_a_replica_missing_from_one_listing_is_kept_for_the_grace_period() -> None:
+    # A restarted, empty Redis lists nobody until the agents register again: the replicas must
+    # stay routable meanwhile (dropping them answered 503 with the whole fleet up).
+    now = [100.0]
+    registry = ReplicaRegistry(discovery_grace_s=15.0, clock=lambda: now[0])
+    r1 = ReplicaId("r1")
+    registry.sync_discovered([ReplicaState(replica_id=R0, url="http://r0"),
+                              ReplicaState(replica_id=r1, url="http://r1")])
+    registry.sync_discovered([])  # Redis restarted: an empty listing
+    now[0] += 14.9
+    registry.sync_discovered([ReplicaState(replica_id=R0, url="http://r0")])  # r0 is back
+    assert {s.replica_id for s in registry.routable()} == {R0, r1}
+    now[0] += 0.1  # r1 missing for the whole grace period: forgotten
+    registry.sync_discovered([ReplicaState(replica_id=R0, url="http://r0")])
+    assert [s.replica_id for s in registry.routable()] == [R0]
+    registry.sync_discovered([])  # r0's grace starts afresh: it was seen since
+    assert registry.get(R0) is not None
 
 
 class _Registry:
