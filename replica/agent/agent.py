@@ -276,7 +276,14 @@ class ReplicaAgent:
                 logger.debug("replica %s: scrape slower than %.1fs; republishing last state",
                              self.replica, self.config.heartbeat_ttl_s / 2)
             await self.publish_state()
-            if started - last_heartbeat >= heartbeat_every and not self.applier.dirty:
+            # No heartbeat for an engine that is down: its entries then stop matching once the
+            # heartbeat expires, instead of drawing requests (last-resort routing included) to
+            # a replica that holds nothing; the restart brings a new epoch and new heartbeats.
+            if (
+                started - last_heartbeat >= heartbeat_every
+                and not self.applier.dirty
+                and self.engine_up
+            ):
                 last_heartbeat = started
                 await self._index_heartbeat()
             elapsed = time.monotonic() - started
@@ -377,5 +384,5 @@ class ReplicaAgent:
     async def _resync_loop(self) -> None:
         while not self._stopping:
             await asyncio.sleep(self.config.resync_interval_s)
-            if self.applier.dirty and await self.applier.resync():
+            if self.applier.dirty and await self.applier.resync() and self.engine_up:
                 await self._index_heartbeat()
