@@ -173,6 +173,9 @@ class Chaos:
         turns 503)."""
         gateway = self.fleet.gateways[1]
         assert gateway.proc is not None and gateway.proc.popen is not None
+        # A quiet second first: requests the last fault's window counted end before the signal
+        # (one still in flight on gateway 1 was counted as that fault's failure).
+        await asyncio.sleep(1.0)
         sent_at = self.clock()
         gateway.proc.popen.send_signal(signal.SIGTERM)
         exited = None

@@ -43,6 +43,11 @@ class GatewayConfig:
     breaker_cooldown_s: float = 10.0
     #: In-flight streams get this long to finish on shutdown.
     drain_timeout_s: float = 30.0
+    #: On SIGTERM, ``/ready`` turns 503 at once but the gateway keeps accepting and serving for
+    #: this long before it stops listening: load balancers (Kubernetes endpoints) need a moment
+    #: to stop sending, and a connection that arrives after the listener closed is refused or
+    #: reset instead of served (the in-process form of a preStop sleep).
+    stop_delay_s: float = 2.0
     #: After the drain, the most the clean-up may take (background tasks, adapter loads, Redis
     #: and upstream connections): a step that overruns is abandoned and logged, so SIGTERM ends
     #: the process in bounded time even with Redis or an engine hung.

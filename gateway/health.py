@@ -24,9 +24,9 @@ async def ready(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     serving = gw.registry.ready_models()
     models = {m: serving.get(m, False) for m in configured_models(gw)}
-    is_ready = bool(models) and all(models.values()) and not gw.draining
+    is_ready = bool(models) and all(models.values()) and not (gw.draining or gw.stopping)
     return web.json_response(
-        {"ready": is_ready, "draining": gw.draining, "models": models},
+        {"ready": is_ready, "draining": gw.draining or gw.stopping, "models": models},
         status=200 if is_ready else 503,
     )
 

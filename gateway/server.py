@@ -71,6 +71,17 @@ async def start_site(
     return runner, f"http://{shown}:{bound_port}"
 
 
+async def stop_serving(app: web.Application, runner: web.AppRunner) -> None:
+    """Leave the load balancer's rotation, then stop: ``/ready`` 503 for ``stop_delay_s`` while
+    requests are still served, then the listener closes and in-flight requests drain."""
+    gw = app[GATEWAY]
+    gw.stopping = True
+    if gw.config.stop_delay_s > 0:
+        log.info("stopping: /ready is 503; still serving for %.1f s", gw.config.stop_delay_s)
+        await asyncio.sleep(gw.config.stop_delay_s)
+    await runner.cleanup()
+
+
 class StopSignals:
     """SIGTERM/SIGINT set ``stopped``; SIGHUP reloads the policy. Install before announcing
     readiness, so a signal sent right after the announcement is never lost."""
@@ -114,7 +125,7 @@ def _worker(
         try:
             await signals.wait()
         finally:
-            await runner.cleanup()
+            await stop_serving(app, runner)
 
     # A stop signal that arrives before the loop installs its handlers (still starting up) is a
     # clean stop too, not a traceback and exit code 1.

@@ -53,6 +53,9 @@ class GatewayState:
     upstream: UpstreamPool | None = None
     #: Set while shutting down: new requests get 503, in-flight ones drain.
     draining: bool = False
+    #: Set on SIGTERM, ``stop_delay_s`` before the listener closes: ``/ready`` answers 503 so
+    #: load balancers stop sending, while requests that still arrive are served.
+    stopping: bool = False
     active_requests: int = 0
     #: Retries on fallbacks before the first byte (the policy's ``gateway.max_retries``).
     max_retries: int = 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -19,6 +20,7 @@ from gateway.config import GatewayConfig
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
 from gateway.state import GATEWAY
 from tests.integration.test_gateway_support import FakeUpstream, serve
+from tests.support.polling import wait_until
 from tests.support.redis_server import free_port
 
 #: Far above the budgets under test: a guard against hanging the run, not a latency bound.
@@ -123,3 +125,34 @@ async def test_sigterm_ends_serve_while_redis_is_down_or_hung(redis: str) -> Non
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+async def test_after_sigterm_ready_is_503_while_requests_are_still_served() -> None:
+    # stop_serving: out of the load balancer's rotation first, still serving for stop_delay_s.
+    from gateway.server import start_site, stop_serving
+
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(
+            GatewayConfig(health_interval_s=3600, stop_delay_s=3600), GatewayPolicy.default([spec])
+        )
+        runner, url = await start_site(app, "127.0.0.1", 0, drain_timeout_s=1)
+        stopping = asyncio.create_task(stop_serving(app, runner))
+        try:
+            async with aiohttp.ClientSession() as http:
+
+                async def unready() -> bool:
+                    async with http.get(f"{url}/ready") as resp:
+                        return resp.status == 503
+
+                await wait_until(unready, "/ready turns 503 once stopping")
+                body = {"model": "base-model", "prompt": "hello", "max_tokens": 2}
+                async with http.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200  # still served: the listener is open
+            assert not stopping.done()
+        finally:
+            stopping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stopping
+            await runner.cleanup()
