@@ -1,11 +1,11 @@
-"""The chaos benchmark on a small scale: its fault proxy, and two quick faults end to end.
+"""The chaos benchmark on a small scale: its fault proxy, and three quick faults end to end.
 
 The end-to-end test runs ``bench.chaos`` (real processes: redis-server, two ``fleetgate sim``,
-two agents, two gateways) through "replica killed" and "network stall gateway ↔ Redis", a few
-seconds each, and checks the benchmark's own invariants: no request failed before its first
-byte while a replica was up, no stream broke off a replica that was not killed, the fleet
-recovered, and stale index entries reached 0. Nothing here asserts a duration; every wait is
-bounded and says what it waited for.
+two agents, two gateways) through "replica killed", "Redis killed and restarted" and "network
+stall gateway ↔ Redis", a few seconds each, and checks the benchmark's own invariants: no
+request failed before its first byte while a replica was up, no stream broke off a replica that
+was not killed, the fleet recovered, and stale index entries reached 0. Nothing here asserts a
+duration; every wait is bounded and says what it waited for.
 """
 
 from __future__ import annotations
@@ -61,13 +61,12 @@ async def test_fault_proxy_stall_holds_bytes_and_heal_delivers_them() -> None:
 
 
 async def test_chaos_bench_small_run_keeps_its_invariants(tmp_path: Path) -> None:
-    # Not "redis-flushed" / "redis-killed" yet: right after either, a gateway may read the empty
-    # fleet store and drop every replica for one health interval (docs/benchmarks/chaos.md,
-    # "Found" 1), a race that would make this test fail now and then. Add them once it is fixed.
-    config = ChaosConfig(faults=["replica-killed", "redis-stall"], duration_s=3.0, rate=15.0,
-                         replicas=2, speed=1.0, seed=0, plots_dir=None)
+    # "redis-killed" guards the fix of the chaos page's Found 1 (an empty Redis listing after the
+    # restart dropped every replica from the gateways: 503s with the fleet up).
+    config = ChaosConfig(faults=["replica-killed", "redis-killed", "redis-stall"], duration_s=3.0,
+                         rate=15.0, replicas=2, speed=1.0, seed=0, plots_dir=None)
     run = await asyncio.wait_for(Chaos(config, tmp_path).run(), RUN_GUARD_S)
-    assert [r.name for r in run.results] == ["replica-killed", "redis-stall"]
+    assert [r.name for r in run.results] == ["replica-killed", "redis-killed", "redis-stall"]
     for result in run.results:
         context = f"{result.name}: {result} (logs in {tmp_path})"
         assert result.sent > 0, context
