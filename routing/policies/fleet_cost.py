@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from pydantic import Field
@@ -53,7 +53,7 @@ from routing.contracts import RoutingRequest
 from routing.engine import PluginTerms, Profile
 from routing.policies.base import PluginKind, PluginParams
 from routing.policies.expected_ttft import TERM_NAMES as TTFT_TERM_NAMES
-from routing.policies.expected_ttft import ExpectedTtftScorer, _Pending
+from routing.policies.expected_ttft import ExpectedTtftScorer, LazyTerms, _Pending
 from routing.policies.max_score import MaxScorePicker
 from routing.state import ReplicaState
 from routing.types import ReplicaId
@@ -75,31 +75,6 @@ _QUEUE = TTFT_TERM_NAMES.index("queue_wait_ms")
 _UNCACHED = TTFT_TERM_NAMES.index("uncached_tokens")
 _SPEED = TTFT_TERM_NAMES.index("prefill_tokens_per_s")
 _FLEET_COST = TERM_NAMES.index("fleet_cost_ms")
-
-
-class _LazyTerms(Mapping[ReplicaId, Mapping[str, float]]):
-    """Replica -> its cost terms as a dict, built from the computed tuple on first read."""
-
-    __slots__ = ("_built", "_raw")
-
-    def __init__(self, raw: dict[ReplicaId, tuple[float, ...]]) -> None:
-        self._raw = raw
-        self._built: dict[ReplicaId, dict[str, float]] = {}
-
-    def __getitem__(self, replica: ReplicaId) -> dict[str, float]:
-        built = self._built.get(replica)
-        if built is None:
-            built = self._built[replica] = dict(zip(TERM_NAMES, self._raw[replica], strict=True))
-        return built
-
-    def __contains__(self, replica: object) -> bool:
-        return replica in self._raw
-
-    def __iter__(self) -> Iterator[ReplicaId]:
-        return iter(self._raw)
-
-    def __len__(self) -> int:
-        return len(self._raw)
 
 
 class ArrivalRate:
@@ -232,7 +207,7 @@ class FleetCostScorer(ExpectedTtftScorer):
             if cold_is_ours:
                 cold_ours.add(replica.replica_id)
         if not base:
-            terms = _LazyTerms({})
+            terms = LazyTerms({}, TERM_NAMES)
             self._remember(request.request_id, _Pending(terms, cold_ours))
             return {}, terms
 
@@ -279,7 +254,7 @@ class FleetCostScorer(ExpectedTtftScorer):
                 eviction_ms,
                 total,
             )
-        terms = _LazyTerms(raw)
+        terms = LazyTerms(raw, TERM_NAMES)
         self._remember(request.request_id, _Pending(terms, cold_ours))
         floor = p.cost_floor_ms
         costs = {rid: values[_FLEET_COST] + floor for rid, values in raw.items()}
