@@ -42,7 +42,6 @@ from bench.workloads.arrivals import arrivals
 from bench.workloads.blocks import BlockIdAllocator, prompt_length
 from bench.workloads.shapes.base import Zipf
 from bench.workloads.shapes.lora import ADAPTERS, ZIPF_EXPONENT, B2BLora, adapter_name
-from bench.workloads.trace import DEFAULT_BLOCK_SIZE, TraceRecord
 from planning.capacity import CapacityError, engine_model, replicas_needed
 from planning.simulator import SimulationConfig, engine_config_for, prepare_requests
 from planning.simulator import replica as sim_replica
@@ -57,6 +56,7 @@ from routing.policies.max_score import MaxScorePicker
 from routing.policies.registry import builtin_profile
 from routing.state import ReplicaState
 from routing.types import ReplicaId
+from traces.format import DEFAULT_BLOCK_SIZE, TraceRecord
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DOC = REPO / "docs" / "benchmarks" / "forty-tunes.md"

@@ -48,8 +48,7 @@ from pathlib import Path
 
 from bench.workloads import generate
 from bench.workloads.blocks import BlockIdAllocator, Segment
-from bench.workloads.trace import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
-from gateway.commands.simulate import rate_scales
+from fleetgate.commands.simulate import rate_scales
 from planning.simulator import (
     PolicySummary,
     SimulationConfig,
@@ -61,6 +60,7 @@ from planning.simulator.api import SweepPoint, mean_rate
 from planning.simulator.report import write_load_plots
 from planning.simulator.summary import Spread, default_policy
 from routing.policies.registry import BUILTIN_PROFILES
+from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
 
 DEFAULT_SCALES = (0.5, 1.0, 2.0, 3.0, 4.0)
 #: Load levels replayed with several seeds, to show how much one seed's figures can move.

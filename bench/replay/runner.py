@@ -13,7 +13,7 @@ import aiohttp
 from bench.replay.client import RequestResult, stream_completion
 from bench.replay.prompts import PromptText
 from bench.replay.server_metrics import CacheCounters, scrape_all
-from bench.workloads.trace import TraceRecord
+from traces.format import TraceRecord
 
 __all__ = ["ReplayConfig", "ReplayResult", "replay", "replay_async"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from bench.workloads.arrivals import ARRIVALS, BurstParams
 from bench.workloads.generators import generate
 from bench.workloads.shapes import SHAPES
-from bench.workloads.trace import (
+from traces.format import (
     DEFAULT_BLOCK_SIZE,
     TraceFormatError,
     TraceRecord,

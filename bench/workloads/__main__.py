@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from bench.workloads.arrivals import ARRIVALS, BurstParams
 from bench.workloads.generators import generate
 from bench.workloads.shapes import SHAPES
-from bench.workloads.trace import DEFAULT_BLOCK_SIZE, TraceRecord, write_trace
+from traces.format import DEFAULT_BLOCK_SIZE, TraceRecord, write_trace
 
 EPILOG = """\
 trace format (one JSON object per line, as Mooncake traces / NVIDIA Dynamo):

@@ -7,7 +7,7 @@ import random
 from bench.workloads.arrivals import BurstParams, arrivals
 from bench.workloads.blocks import BlockIdAllocator, prompt_length
 from bench.workloads.shapes import SHAPES
-from bench.workloads.trace import DEFAULT_BLOCK_SIZE, TraceRecord
+from traces.format import DEFAULT_BLOCK_SIZE, TraceRecord
 
 
 def generate(

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bench.workloads.trace import TraceRecord
 from planning.advise.model import Advice, AdviceError, EngineFlags, PoolSnapshot
 from planning.advise.sizing import kv_dtype_of, weight_dtype_of
 from planning.simulator import SimulationConfig, prepare_requests, simulate
 from planning.simulator.summary import PolicySummary, default_policy
 from replica.sim.engine import EngineConfig
+from traces.format import TraceRecord
 
 #: z of the 99th percentile of a standard normal.
 _Z99 = 2.3263

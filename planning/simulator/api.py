@@ -11,7 +11,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from bench.workloads.trace import TraceRecord
 from planning.simulator.adapters import AdapterMix
 from planning.simulator.ceilings import Ceilings, hit_rate_ceilings
 from planning.simulator.config import SimulationConfig, TraceRequest, prepare_requests
@@ -20,6 +19,7 @@ from planning.simulator.prompts import PromptFactory
 from planning.simulator.summary import PolicySummary, summarize
 from replica.sim.engine import EngineConfig
 from routing.engine import Profile
+from traces.format import TraceRecord
 
 if TYPE_CHECKING:
     from tqdm import tqdm

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from bench.workloads.trace import TraceRecord
+from traces.format import TraceRecord
 
 __all__ = ["Ceilings", "hit_rate_ceilings"]
 

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.workloads.trace import DEFAULT_BLOCK_SIZE, TraceRecord
 from planning.simulator.adapters import AdapterMix
+from traces.format import DEFAULT_BLOCK_SIZE, TraceRecord
 
 __all__ = ["SimulationConfig", "TraceRequest", "prepare_requests"]
 

@@ -43,7 +43,7 @@ class CliProcess:
 
     def start(self) -> CliProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", *self.args],
+            [sys.executable, "-m", "fleetgate.cli", *self.args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -13,7 +13,7 @@ import math
 import aiohttp
 import httpx
 
-from gateway.embedded import embedded_stack
+from fleetgate.embedded import embedded_stack
 from planning.advise import advise
 from planning.advise.live import Target, gateway_targets, read_live
 from planning.advise.snapshot import parse_snapshot, to_mapping

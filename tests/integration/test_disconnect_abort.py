@@ -13,7 +13,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from gateway.embedded import embedded_stack
+from fleetgate.embedded import embedded_stack
 from tests.support.polling import wait_until
 
 

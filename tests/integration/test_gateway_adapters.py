@@ -11,8 +11,8 @@ import pytest
 
 from adapters_registry import RegistrySettings
 from adapters_registry.thrash import ThrashSettings
-from gateway.commands.up import banner
-from gateway.embedded import embedded_stack
+from fleetgate.commands.up import banner
+from fleetgate.embedded import embedded_stack
 from replica.sim.fleet import SimFleet, start_sim_fleet
 from tests.integration.test_adapters_fixtures import count_engine_loads, served_adapters
 from tests.integration.test_gateway_adapters_support import (

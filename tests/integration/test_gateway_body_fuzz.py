@@ -21,8 +21,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from fleetgate.embedded import embedded_stack
 from gateway import errors
-from gateway.embedded import embedded_stack
 from gateway.request_body import MAX_JSON_DEPTH
 from tests.unit.test_request_body_properties import (
     JSON_VALUES,

@@ -22,7 +22,7 @@ async def _start(*args: str) -> tuple[asyncio.subprocess.Process, str, list[str]
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "gateway.cli",
+        "fleetgate.cli",
         *args,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

@@ -82,7 +82,7 @@ async def test_cleanup_abandons_a_task_that_ignores_cancellation(
 
 async def _start_serve(*args: str) -> tuple[asyncio.subprocess.Process, str]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.cli", "serve", *args,
+        sys.executable, "-m", "fleetgate.cli", "serve", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
     assert process.stdout is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from gateway.embedded import embedded_stack
+from fleetgate.embedded import embedded_stack
 
 SYSTEM_PROMPTS = [
     " ".join(f"{topic} policy clause {i}." for i in range(60))

@@ -98,7 +98,7 @@ async def _fleetgate(*argv: str) -> Process:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "gateway.cli",
+        "fleetgate.cli",
         *argv,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

@@ -11,9 +11,9 @@ from bench.replay import PromptText, ReplayConfig
 from bench.replay.runner import replay_async
 from bench.replay.server_metrics import CacheCounters, parse_cache_counters
 from bench.replay.summary import summarize
-from bench.workloads.trace import TraceRecord, write_trace
 from replica.sim.fleet import start_sim_fleet
 from replica.sim.tokenizer import load_tokenizer
+from traces.format import TraceRecord, write_trace
 
 BLOCK = 32  # words (= tokens on the simulated replica) per trace block
 
@@ -83,7 +83,7 @@ def test_cli_replays_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixtu
     import asyncio
     import threading
 
-    from gateway.cli import main
+    from fleetgate.cli import main
 
     trace = tmp_path / "trace.jsonl"
     write_trace(_trace(), trace)

@@ -7,7 +7,7 @@ import asyncio
 
 import aiohttp
 
-from gateway.commands import sim
+from fleetgate.commands import sim
 from replica.sim.fleet import SimFleet
 from tests.support.redis_server import free_port_block
 

@@ -40,8 +40,8 @@ from bench.replay.runner import ReplayResult, replay_async
 from bench.replay.server_metrics import CacheCounters
 from bench.replay.summary import summarize
 from bench.workloads.generators import generate
-from bench.workloads.trace import TraceRecord, write_trace
-from gateway.cli import main as fleetgate
+from fleetgate.cli import main as fleetgate
+from traces.format import TraceRecord, write_trace
 
 REPLICAS = 2
 N_REQUESTS = 120
@@ -137,7 +137,7 @@ async def _live_once(policy: str, records: list[TraceRecord]) -> tuple[ReplayRes
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "gateway.cli",
+        "fleetgate.cli",
         *argv,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from bench import routing_quality
-from bench.workloads.trace import TraceRecord, write_trace
-from gateway.cli import main
-from gateway.commands.simulate import default_policies, rate_scales
+from fleetgate.cli import main
+from fleetgate.commands.simulate import default_policies, rate_scales
 from planning.simulator import JSON_FIELDS
 from routing.policies import registry
+from traces.format import TraceRecord, write_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from fleetgate.cli import main
 from planning.advise.engine_metrics import (
     Histogram,
     flags_of,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.commands.replica import inspect_vllm_args
+from fleetgate.commands.replica import inspect_vllm_args
 from replica.agent import AgentConfig, EpochClock
 from replica.agent.hash_map import EngineHashMap
 from replica.agent.scrape import parse_metrics, parse_models

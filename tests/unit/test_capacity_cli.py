@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from gateway.cli import main
-from gateway.commands import plan
+from fleetgate.cli import main
+from fleetgate.commands import plan
 
 
 def test_capacity_runs_through_the_top_level_cli(capsys: pytest.CaptureFixture[str]) -> None:

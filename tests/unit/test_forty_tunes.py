@@ -144,7 +144,7 @@ def test_cli_help_and_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_uncached_tokens_counts_whole_seen_blocks() -> None:
-    from bench.workloads.trace import TraceRecord
+    from traces.format import TraceRecord
 
     records = [
         TraceRecord(0, 1000, 1, (1, 2)),

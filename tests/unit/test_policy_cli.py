@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cli import main
+from fleetgate.cli import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 EXAMPLE = EXAMPLES / "policy.yaml"

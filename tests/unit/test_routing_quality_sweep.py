@@ -8,11 +8,11 @@ from collections.abc import Sequence
 import pytest
 
 from bench import routing_quality as rq
-from bench.workloads.trace import TraceRecord
 from planning.simulator import SimulationConfig, SimulationReport, TraceRequest
 from planning.simulator.api import SweepPoint
 from planning.simulator.ceilings import Ceilings
 from planning.simulator.summary import PolicySummary, Spread
+from traces.format import TraceRecord
 
 
 def _summary(policy: str, goodput: float, ttft_p95: float, hit: float) -> PolicySummary:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workloads.trace import TraceRecord, write_trace
-from gateway.cli import main
+from fleetgate.cli import main
 from planning.simulator import (
     JSON_FIELDS,
     SimulationConfig,
@@ -17,6 +16,7 @@ from planning.simulator import (
     prepare_requests,
     simulate,
 )
+from traces.format import TraceRecord, write_trace
 
 #: The tiny engine (L4 + 50M-parameter model) with room for every test prompt: fast to simulate.
 BIG_CACHE = {"num_gpu_blocks_override": 4096, "max_model_len": 8192}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.workloads.trace import TraceRecord
 from planning.simulator import SimulationConfig, parse_adapter_spec, prepare_requests, simulate
 from planning.simulator.prompts import PromptFactory
 from replica.sim.engine import EngineConfig, EngineModel, SimRequest
+from traces.format import TraceRecord
 
 
 def _factory(trace_block: int = 64, engine_block: int = 16) -> PromptFactory:

@@ -8,8 +8,8 @@ import httpx
 import pytest
 import yaml
 
-from gateway.cli import main
-from gateway.commands import triage as triage_command
+from fleetgate.cli import main
+from fleetgate.commands import triage as triage_command
 
 RAG = {"ttft_p95_ms": 2400, "ttft_slo_ms": 1000, "shared_prefix_fraction": 0.7}
 HEALTHY = {

@@ -11,7 +11,7 @@ import pytest
 from bench.workloads import SHAPES, BurstParams, generate
 from bench.workloads.__main__ import main
 from bench.workloads.shapes import chat, lora, rag
-from bench.workloads.trace import blocks_for, read_trace
+from traces.format import blocks_for, read_trace
 
 BLOCK = 512
 

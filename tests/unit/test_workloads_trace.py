@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from bench.workloads.trace import TraceFormatError, TraceRecord, iter_trace, write_trace
+from traces.format import TraceFormatError, TraceRecord, iter_trace, write_trace
 
 RECORDS = [
     TraceRecord(0, 600, 20, (0, 1)),

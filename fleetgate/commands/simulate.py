@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.workloads.trace import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
+from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
 
 if TYPE_CHECKING:
     from planning.simulator.api import SweepPoint

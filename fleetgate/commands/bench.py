@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from bench.workloads.trace import DEFAULT_BLOCK_SIZE
+from traces.format import DEFAULT_BLOCK_SIZE
 
 REPLAY_EPILOG = f"""\
 what it sends:
@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_replay(args: argparse.Namespace) -> int:
     from bench.replay import ReplayConfig, replay
     from bench.replay.summary import render_table, summarize
-    from bench.workloads.trace import TraceFormatError, read_trace
+    from traces.format import TraceFormatError, read_trace
 
     def fail(message: str) -> int:
         print(f"fleetgate bench replay: {message}", file=sys.stderr)

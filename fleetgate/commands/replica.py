@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.commands.agent import add_agent_arguments, agent_config_from_args
+from fleetgate.commands.agent import add_agent_arguments, agent_config_from_args
 from replica.agent import ReplicaAgent
 from replica.kv_events import subscriber_endpoint_for
 from replica.launcher import (

@@ -1,6 +1,6 @@
 """The ``fleetgate`` command line: one entry point, one small module per subcommand.
 
-Each subcommand lives in ``gateway/commands/<name>.py`` and exposes two functions:
+Each subcommand lives in ``fleetgate/commands/<name>.py`` and exposes two functions:
 ``add_arguments(parser)`` and ``run(args) -> int``. Modules are imported only when their command
 runs, so ``fleetgate --help`` stays fast and a broken optional dependency of one command never
 breaks another.
@@ -13,20 +13,21 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-#: name -> (module, one-line purpose). The order here is the order ``--help`` shows.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("gateway.commands.up", "Run gateway + N simulated replicas in one process (no Redis)."),
-    "serve": ("gateway.commands.serve", "Run the production gateway (policy YAML, Redis index)."),
-    "policy": ("gateway.commands.policy", "Validate or explain a routing-policy YAML file."),
-    "sim": ("gateway.commands.sim", "Run simulated vLLM replicas that speak vLLM's wire formats."),
-    "agent": ("gateway.commands.agent", "Run the replica agent: KV events + metrics to the index."),
-    "replica": ("gateway.commands.replica", "Start and supervise a vLLM engine with its agent."),
-    "simulate": ("gateway.commands.simulate", "Replay a trace through policies in virtual time."),
-    "plan": ("gateway.commands.plan", "Capacity planning: roofline levers, Erlang-C sizing."),
-    "triage": ("gateway.commands.triage", "Read a gateway's metrics and print the levers to pull."),
-    "advise": ("gateway.commands.advise", "Advise each pool's vLLM flags from what it serves."),
-    "bench": ("gateway.commands.bench", "Benchmarks: replay a trace against an OpenAI endpoint."),
-    "kernels": ("gateway.commands.kernels", "Check fleetgate's kernels against their references."),
+#: The order here is the order ``--help`` shows.
+#: name -> one-line purpose; the command's module is ``fleetgate.commands.<name>``.
+COMMANDS: dict[str, str] = {
+    "up": "Run gateway + N simulated replicas in one process (no Redis).",
+    "serve": "Run the production gateway (policy YAML, Redis index).",
+    "policy": "Validate or explain a routing-policy YAML file.",
+    "sim": "Run simulated vLLM replicas that speak vLLM's wire formats.",
+    "agent": "Run the replica agent: KV events + metrics to the index.",
+    "replica": "Start and supervise a vLLM engine with its agent.",
+    "simulate": "Replay a trace through policies in virtual time.",
+    "plan": "Capacity planning: roofline levers, Erlang-C sizing.",
+    "triage": "Read a gateway's metrics and print the levers to pull.",
+    "advise": "Advise each pool's vLLM flags from what it serves.",
+    "bench": "Benchmarks: replay a trace against an OpenAI endpoint.",
+    "kernels": "Check fleetgate's kernels against their references.",
 }
 
 
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `fleetgate COMMAND --help` for a command's options and examples.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_module, purpose) in COMMANDS.items():
+    for name, purpose in COMMANDS.items():
         sub.add_parser(name, help=purpose, description=purpose, add_help=False)
     return parser
 
@@ -62,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     name = args[0]
-    module_name, purpose = COMMANDS[name]
-    module = importlib.import_module(module_name)
+    purpose = COMMANDS[name]
+    module = importlib.import_module(f"fleetgate.commands.{name}")
     parser = argparse.ArgumentParser(
         prog=f"fleetgate {name}",
         description=purpose,

@@ -215,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace, pools: dict[str, PoolSnapshot], results: dict) -> dict:
     # The simulator is heavy to import; only --verify pays for it.
-    from bench.workloads.trace import TraceFormatError, read_trace
     from planning.advise.verify import synthetic_trace, verify
+    from traces.format import TraceFormatError, read_trace
 
     checks = {}
     for name, pool in pools.items():

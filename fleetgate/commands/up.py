@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import secrets
 
-from gateway.embedded import EmbeddedStack, embedded_stack
+from fleetgate.embedded import EmbeddedStack, embedded_stack
 from gateway.logging_setup import configure_logging
 from gateway.server import StopSignals, run_event_loop
 from routing.policies.registry import DEFAULT_PROFILE
