@@ -28,6 +28,7 @@ from replica.agent.kernels import build_kernel_reader
 from replica.agent.metrics import AgentMetrics
 from replica.agent.scrape import EngineScraper, EngineSnapshot
 from replica.agent.sequence import SequenceTracker, SeqVerdict
+from replica.agent.server import start_server
 from replica.fleet_store import FleetStore, FleetStoreUnavailable, build_fleet_store
 from replica.kv_events import EventBatch, KVEventDecodeError, KVEventSubscriber
 from routing.contracts import BlockIndex
@@ -134,8 +135,6 @@ class ReplicaAgent:
         self._tasks.append(asyncio.create_task(self._scrape_loop(), name="agent-scrape"))
         self._tasks.append(asyncio.create_task(self._resync_loop(), name="agent-resync"))
         if self.config.listen_port is not None:
-            from replica.agent.server import start_server
-
             self._server, self.listen_port = await start_server(
                 self, self.config.listen_host, self.config.listen_port
             )

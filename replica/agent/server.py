@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-if TYPE_CHECKING:
-    from replica.agent.agent import ReplicaAgent
+from replica.agent.ingest import EventApplier
+from replica.agent.metrics import AgentMetrics
+from routing.types import ReplicaId
 
-AGENT_KEY: web.AppKey[ReplicaAgent] = web.AppKey("agent")
+
+class ServedAgent(Protocol):
+    """What these endpoints read from the agent; ``ReplicaAgent`` is the one implementation.
+
+    A protocol rather than an import of ``ReplicaAgent``: the agent starts this server, so the
+    server naming the agent back would make the two files an import cycle.
+    """
+
+    @property
+    def replica(self) -> ReplicaId: ...
+
+    @property
+    def applier(self) -> EventApplier: ...
+
+    @property
+    def metrics(self) -> AgentMetrics: ...
+
+    @property
+    def engine_up(self) -> bool: ...
+
+    @property
+    def batches_applied(self) -> int: ...
+
+
+AGENT_KEY: web.AppKey[ServedAgent] = web.AppKey("agent")
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -34,7 +59,7 @@ async def _health(request: web.Request) -> web.Response:
     )
 
 
-def build_app(agent: ReplicaAgent) -> web.Application:
+def build_app(agent: ServedAgent) -> web.Application:
     """The aiohttp application serving one agent's endpoints."""
     app = web.Application()
     app[AGENT_KEY] = agent
@@ -43,7 +68,7 @@ def build_app(agent: ReplicaAgent) -> web.Application:
     return app
 
 
-async def start_server(agent: ReplicaAgent, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def start_server(agent: ServedAgent, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve ``agent`` on ``host:port`` (0: a free port); return the runner and the bound port."""
     runner = web.AppRunner(build_app(agent), access_log=None)
     await runner.setup()

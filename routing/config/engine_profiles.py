@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from routing.config.catalog import PluginCatalog
+from routing.config.plugins import PluginSpec, ProfileSpec
 
-if TYPE_CHECKING:
-    from routing.config.policy import Policy
+
+class ProfileDefinitions(Protocol):
+    """The part of a validated ``Policy`` this module reads: its profiles and plugin specs.
+
+    A protocol rather than an import of ``Policy``: ``Policy.profiles_for_engine`` calls into
+    this module, so naming ``Policy`` here would make the two files an import cycle.
+    """
+
+    @property
+    def profiles(self) -> Sequence[ProfileSpec]: ...
+
+    def plugin(self, ref: str) -> PluginSpec | None: ...
 
 
 def _previous_instances(previous: Mapping[str, Any]) -> dict[str, Any]:
@@ -23,7 +34,7 @@ def _previous_instances(previous: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def build_engine_profiles(
-    policy: Policy,
+    policy: ProfileDefinitions,
     catalog: PluginCatalog | None = None,
     previous: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
