@@ -10,14 +10,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from routing.contracts import TokenizedPrompt
+from routing.tokenize.word_hash import load_tokenizer
 
 
 class SimPromptTokenizer:
-    """Wraps ``replica.sim.tokenizer`` (the built-in word-hash tokenizer, or an HF directory)."""
+    """Wraps ``routing.tokenize.word_hash``: the built-in word-hash tokenizer or an HF directory."""
 
     def __init__(self, tokenizer_dir: str | None = None) -> None:
-        from replica.sim.tokenizer import load_tokenizer
-
         self._tokenizer = load_tokenizer(tokenizer_dir)
 
     async def tokenize_completion(self, model: str, prompt: str) -> TokenizedPrompt:

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from replica.kv_events import offset_port, subscriber_endpoint_for
 from replica.sim.server import REPLICA_KEY, SimReplica, SimServerConfig, build_app
-from replica.sim.tokenizer import load_tokenizer
+from routing.tokenize.word_hash import load_tokenizer
 
 
 @dataclass

@@ -33,7 +33,7 @@ from replica.sim.responses import (
     sse,
     usage,
 )
-from replica.sim.tokenizer import SimTokenizer, load_tokenizer
+from routing.tokenize.word_hash import SimTokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

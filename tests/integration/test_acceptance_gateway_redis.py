@@ -77,7 +77,7 @@ def _workload(requests: int, seed: int = 11) -> list[list[dict[str, str]]]:
 
 
 def _kv_blocks_per_replica() -> int:
-    from replica.sim.tokenizer import load_tokenizer
+    from routing.tokenize.word_hash import load_tokenizer
 
     tokens = len(load_tokenizer(None).encode_chat(_messages(0, 0)))
     blocks_per_prompt = -(-tokens // BLOCK_SIZE)

@@ -12,7 +12,7 @@ from bench.replay.runner import replay_async
 from bench.replay.server_metrics import CacheCounters, parse_cache_counters
 from bench.replay.summary import summarize
 from replica.sim.fleet import start_sim_fleet
-from replica.sim.tokenizer import load_tokenizer
+from routing.tokenize.word_hash import load_tokenizer
 from traces.format import TraceRecord, write_trace
 
 BLOCK = 32  # words (= tokens on the simulated replica) per trace block

@@ -1,4 +1,8 @@
-"""Tokenizers for the simulated replica: a built-in deterministic one, or a real HF tokenizer.
+"""Tokenizers for simulated replicas: a built-in deterministic one, or a real HF tokenizer.
+
+Here rather than in ``replica/sim`` because two sides use it: the simulated replica tokenizes with
+it, and the embedded gateway (``fleetgate up``, ``gateway/sim_tokenizer.py``) hashes the very same
+token ids; the gateway must not import the simulator, and both may import ``routing``.
 
 The built-in ``WordHashTokenizer`` needs no files: each whitespace-led word maps to a token id by
 hashing it into the vocabulary (xxh3, so ids are stable across processes and machines). Equal text
@@ -17,6 +21,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import xxhash
+
+from routing.tokenize.errors import TokenizationError
+from routing.tokenize.local import LocalTokenizer
 
 #: Words the simulated model "generates"; a fixed list so outputs are reproducible.
 FILLER_WORDS: tuple[str, ...] = (
@@ -135,8 +142,6 @@ class HFTokenizer:
         # Deferred: only needed with --tokenizer.
         from tokenizers import Tokenizer
 
-        from routing.tokenize import LocalTokenizer
-
         path = Path(directory)
         self._local = LocalTokenizer(path)
         self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -153,8 +158,6 @@ class HFTokenizer:
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        from routing.tokenize import TokenizationError
-
         try:
             text = self._local.render_chat(messages, add_generation_prompt=add_generation_prompt)
         except TokenizationError as exc:  # no template, or the template refused the messages
