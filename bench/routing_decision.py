@@ -434,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             redis_note = "`REDIS_URL` (same host assumed)"
         else:
             # Same helper the tests use: a private redis-server on a free local port.
-            from tests.support.redis_server import RedisServer
+            from bench.local_redis import RedisServer
 
             server = RedisServer().start()
             redis_url = server.url

@@ -1,0 +1,112 @@
+"""A real ``redis-server`` started on a free port, so a benchmark or a test can kill and restart it.
+
+Here, not in ``tests/``, because ``bench.routing_decision`` starts one too and must run from an
+installed wheel, where ``tests`` does not exist; ``tests/support/redis_server.py`` re-exports it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+#: Where test servers get their ports: below the kernel's ephemeral range, which the kernel
+#: never hands to a ``bind(0)`` or to an outgoing connection's local port. A port probed free in
+#: the ephemeral range can be taken by any client connection before the server binds it (the
+#: "Address already in use" races); here only an explicit bind to that very port could.
+_FIRST_TEST_PORT = 10_000
+#: Ports this process has handed out: never twice, even before the first taker binds it.
+_handed_out: set[int] = set()
+_rng = random.Random(os.getpid() ^ time.time_ns())
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1, free and outside the kernel's
+    ephemeral range, never handed out before by this process.
+
+    For servers that bind ``port``, ``port + 1``, ... (``fleetgate sim --replicas N``) and for
+    servers a test stops and restarts on the same port (``RedisServer``).
+    """
+    low, _high = _ephemeral_range()
+    last_base = low - count
+    if last_base <= _FIRST_TEST_PORT:
+        raise RuntimeError(f"the ephemeral port range starts at {low}: no room for test ports")
+    for _ in range(500):
+        base = _rng.randrange(_FIRST_TEST_PORT, last_base)
+        ports = range(base, base + count)
+        if any(p in _handed_out for p in ports) or not all(_bindable(p) for p in ports):
+            continue
+        _handed_out.update(ports)
+        return base
+    raise RuntimeError(f"no block of {count} free consecutive ports found")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on and no client connection can take."""
+    return free_port_block(1)
+
+
+@dataclass
+class RedisServer:
+    """One private redis-server process. ``stop()`` and ``start()`` simulate an outage."""
+
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="fg-redis-"))
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "redis-server not found: install it (apt-get install redis-server) or set REDIS_URL"
+            )
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.workdir],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within 10 s")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
