@@ -1,10 +1,12 @@
 """A simulated vLLM replica: vLLM 0.32's HTTP API, metrics and KV events over a modelled engine.
 
 Endpoints (as vLLM serves them): ``/v1/completions`` and ``/v1/chat/completions`` (streaming and
-not), ``/v1/models``, ``/tokenize``, ``/health``, ``/version``, ``/metrics``, and the runtime-LoRA
-``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``. Errors use vLLM's envelope and status
-codes. Text is deterministic filler; timings, prefix-cache hits, preemptions, adapter loads and
-KV events come from ``replica.sim.engine.EngineModel`` driven in real time by ``EngineDriver``.
+not), ``/v1/models``, ``/tokenize``, the Responses, Anthropic Messages, embeddings and
+``/detokenize`` endpoints of ``replica.sim.api_server``, ``/health``, ``/version``, ``/metrics``,
+and the runtime-LoRA ``/v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``. Errors use vLLM's
+envelope and status codes. Text is deterministic filler; timings, prefix-cache hits, preemptions,
+adapter loads and KV events come from ``replica.sim.engine.EngineModel`` driven in real time by
+``EngineDriver``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class SimServerConfig:
     default_max_tokens: int | None = 256
     #: Report ``usage.prompt_tokens_details.cached_tokens`` (``--enable-prompt-tokens-details``).
     enable_prompt_tokens_details: bool = True
+    #: Keep ``/v1/responses`` answers for ``previous_response_id`` and ``GET /v1/responses/{id}``
+    #: (vLLM with ``VLLM_ENABLE_RESPONSES_API_STORE=1``; without it vLLM ignores ``store``).
+    responses_store: bool = True
 
 
 class ApiError(Exception):
@@ -500,4 +505,8 @@ def build_app(config: SimServerConfig, tokenizer: SimTokenizer | None = None) ->
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
+    # Local import: api_server builds on this module's request helpers.
+    from replica.sim.api_server import add_api_routes
+
+    add_api_routes(app)
     return app
