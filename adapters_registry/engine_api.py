@@ -1,9 +1,12 @@
-"""vLLM's runtime LoRA API (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) over aiohttp.
+"""What the registry needs from an engine: vLLM's runtime LoRA API, as a protocol.
 
-``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` and
-``POST /v1/unload_lora_adapter {"lora_name"}``. vLLM answers 400 "has already been loaded" for a
-second load of the same name, which for us means the goal is reached; likewise a 404 on unload
-means the adapter is already gone.
+vLLM (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``) offers ``POST /v1/load_lora_adapter
+{"lora_name", "lora_path"}`` and ``POST /v1/unload_lora_adapter {"lora_name"}``. vLLM answers 400
+"has already been loaded" for a second load of the same name, which for us means the goal is
+reached; likewise a 404 on unload means the adapter is already gone.
+
+This package speaks no HTTP (tests/unit/test_layering.py holds it to that): the gateway passes in
+``gateway.engine_api.EngineLoraClient``, the aiohttp implementation; unit tests pass a fake.
 """
 
 from __future__ import annotations
@@ -12,11 +15,8 @@ import json
 from dataclasses import dataclass
 from typing import Protocol
 
-import aiohttp
-
-from adapters_registry.errors import AdapterLoadFailed, AdapterUnloadFailed
-
-_ALREADY_LOADED = "already been loaded"
+#: What vLLM's 400 says when the adapter is loaded already: success for a load.
+ALREADY_LOADED = "already been loaded"
 
 
 @dataclass(frozen=True)
@@ -46,59 +46,13 @@ def engine_message(status: int, body: str) -> str:
 
 
 class LoraEngineApi(Protocol):
-    """What the loader needs from an engine; ``EngineLoraClient`` is the HTTP implementation."""
+    """Load and unload adapters on the engine at ``url`` (``replica`` names it in errors).
+
+    ``load`` raises ``AdapterLoadFailed`` and ``unload`` raises ``AdapterUnloadFailed`` with the
+    engine's reason; a load of a loaded adapter, or an unload of an absent one, is a success
+    with ``changed=False``.
+    """
 
     async def load(self, url: str, replica: str, adapter: str, path: str) -> EngineReply: ...
 
     async def unload(self, url: str, replica: str, adapter: str) -> EngineReply: ...
-
-
-class EngineLoraClient:
-    """Loads and unloads adapters on one engine URL at a time."""
-
-    def __init__(self, session: aiohttp.ClientSession, timeout_s: float = 60.0) -> None:
-        self._session = session
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.timeout_s = timeout_s
-
-    async def load(self, url: str, replica: str, adapter: str, path: str) -> EngineReply:
-        """Load ``adapter`` from ``path``; raises ``AdapterLoadFailed`` with the engine's reason."""
-        body = {"lora_name": adapter, "lora_path": path}
-        try:
-            async with self._session.post(
-                f"{url}/v1/load_lora_adapter", json=body, timeout=self._timeout
-            ) as resp:
-                text = await resp.text()
-                if resp.status == 200:
-                    return EngineReply(changed=True)
-                message = engine_message(resp.status, text)
-                if resp.status == 400 and _ALREADY_LOADED in message:
-                    return EngineReply(changed=False)
-                raise AdapterLoadFailed(adapter, replica, message, resp.status)
-        except TimeoutError:
-            raise AdapterLoadFailed(
-                adapter, replica, f"no answer within {self.timeout_s:g}s"
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise AdapterLoadFailed(adapter, replica, f"request failed: {exc}") from exc
-
-    async def unload(self, url: str, replica: str, adapter: str) -> EngineReply:
-        """Unload ``adapter``; raises ``AdapterUnloadFailed`` with the engine's reason."""
-        try:
-            async with self._session.post(
-                f"{url}/v1/unload_lora_adapter", json={"lora_name": adapter}, timeout=self._timeout
-            ) as resp:
-                text = await resp.text()
-                if resp.status == 200:
-                    return EngineReply(changed=True)
-                if resp.status == 404:
-                    return EngineReply(changed=False)
-                raise AdapterUnloadFailed(
-                    adapter, replica, engine_message(resp.status, text), resp.status
-                )
-        except TimeoutError:
-            raise AdapterUnloadFailed(
-                adapter, replica, f"no answer within {self.timeout_s:g}s"
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise AdapterUnloadFailed(adapter, replica, f"request failed: {exc}") from exc

@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from prometheus_client import CollectorRegistry
 
 from adapters_registry.catalog import AdapterCatalog
@@ -33,7 +32,7 @@ from adapters_registry.cold_start import (
     cold_load_estimate_ms,
     residency_now,
 )
-from adapters_registry.engine_api import EngineLoraClient, LoraEngineApi
+from adapters_registry.engine_api import LoraEngineApi
 from adapters_registry.errors import AdapterError
 from adapters_registry.loader import AdapterLoader, LoaderSettings, LoadResult
 from adapters_registry.metrics import AdapterMetrics
@@ -89,16 +88,16 @@ class AdapterRegistry:
         self,
         policy: Policy,
         store: PlacementStore,
-        session: aiohttp.ClientSession,
+        engine: LoraEngineApi,
         *,
         settings: RegistrySettings | None = None,
         metrics: AdapterMetrics | None = None,
         metrics_registry: CollectorRegistry | None = None,
         gateway_id: str | None = None,
         clock: Callable[[], float] = time.time,
-        engine: LoraEngineApi | None = None,
     ) -> None:
-        """``engine`` replaces vLLM's HTTP API (``EngineLoraClient`` over ``session``)."""
+        """``engine`` loads and unloads on the replicas: vLLM's runtime LoRA API in the gateway
+        (``gateway.engine_api.EngineLoraClient``), a fake in unit tests."""
         self.settings = settings or RegistrySettings()
         self.catalog = AdapterCatalog(policy, self.settings.storage_roots)
         self.store = store
@@ -112,7 +111,7 @@ class AdapterRegistry:
         self.loader = AdapterLoader(
             self.catalog,
             store,
-            engine or EngineLoraClient(session, self.settings.loader.load_timeout_s),
+            engine,
             self.view,
             self.capacity,
             metrics=self.metrics,
@@ -125,10 +124,10 @@ class AdapterRegistry:
 
     @classmethod
     def in_memory(
-        cls, policy: Policy, session: aiohttp.ClientSession, **kwargs: Any
+        cls, policy: Policy, engine: LoraEngineApi, **kwargs: Any
     ) -> AdapterRegistry:
         """A registry for a single gateway (``fleetgate up``): placement in process memory."""
-        return cls(policy, MemoryPlacementStore(), session, **kwargs)
+        return cls(policy, MemoryPlacementStore(), engine, **kwargs)
 
     # ------------------------------------------------------------------ policy
 

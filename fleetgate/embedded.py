@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from aiohttp import web
@@ -28,6 +28,9 @@ from gateway.server import start_site
 from gateway.sim_tokenizer import SimPromptTokenizer
 from routing.config import parse_policy
 from routing.policies.registry import DEFAULT_PROFILE
+
+if TYPE_CHECKING:
+    from replica.fleet_store import FleetStore
 
 #: Names of the demo adapters ``fleetgate up --adapters N`` registers.
 DEMO_ADAPTER_PREFIX = "demo-lora-"
@@ -168,7 +171,7 @@ def _price(fleet: Any, usd_per_hour: float | None) -> float:
     return float(fleet.replicas[0].replica.engine_config.replica_price_per_hour)
 
 
-async def _wait_registered(fleet_store: Any, count: int, timeout_s: float = 15.0) -> None:
+async def _wait_registered(fleet_store: FleetStore, count: int, timeout_s: float = 15.0) -> None:
     """Wait until every agent has registered its replica (their first scrape)."""
     async with asyncio.timeout(timeout_s):
         while len(await fleet_store.list_replicas()) < count:

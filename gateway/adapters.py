@@ -34,6 +34,8 @@ from adapters_registry import (
     ThrashGuardTripped,
 )
 from gateway import errors
+from gateway.config import GatewayConfig
+from gateway.engine_api import EngineLoraClient
 from gateway.errors import GatewayError, model_not_found
 from gateway.policy_view import Tenant
 from gateway.proxy import ReplicaUnsuitable
@@ -59,7 +61,7 @@ class AdapterSetup:
     prewarm_interval_s: float | None = 30.0
 
 
-def setup_from_policy(policy: Any, config: Any) -> AdapterSetup | None:
+def setup_from_policy(policy: Policy | None, config: GatewayConfig) -> AdapterSetup | None:
     """The registry setup of policy mode (``policy`` is the loaded file); None without one."""
     if policy is None:
         return None
@@ -74,6 +76,7 @@ def setup_from_policy(policy: Any, config: Any) -> AdapterSetup | None:
 
 def open_registry(gw: GatewayState, setup: AdapterSetup) -> AdapterRegistry:
     """The registry over the gateway's pooled session, its metrics in the gateway's registry."""
+    engine = EngineLoraClient(gw.http(), setup.settings.loader.load_timeout_s)
     kwargs: dict[str, Any] = {
         "settings": setup.settings,
         # The gateway's own registry: /metrics shows adapter metrics, and several gateway apps in
@@ -82,8 +85,8 @@ def open_registry(gw: GatewayState, setup: AdapterSetup) -> AdapterRegistry:
     }
     if setup.redis_url:
         store = RedisPlacementStore.from_url(setup.redis_url, setup.key_prefix)
-        return AdapterRegistry(setup.policy, store, gw.http(), **kwargs)
-    return AdapterRegistry.in_memory(setup.policy, gw.http(), **kwargs)
+        return AdapterRegistry(setup.policy, store, engine, **kwargs)
+    return AdapterRegistry.in_memory(setup.policy, engine, **kwargs)
 
 
 # --------------------------------------------------------------------------- request path

@@ -14,7 +14,7 @@ import logging
 import os
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -35,7 +35,11 @@ from gateway.state import GATEWAY, GatewayState
 from gateway.tasks import health_loop, inflight_loop, merge_fleet_store, policy_poll_loop
 from gateway.tracing import build_tracer
 from gateway.upstream_client import UpstreamPool
+from routing.config import Policy
 from routing.contracts import BlockIndex, PromptTokenizer
+
+if TYPE_CHECKING:
+    from replica.fleet_store import FleetStore
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +84,7 @@ def create_app(
     index: BlockIndex | None = None,
     tokenizer: PromptTokenizer | None = None,
     inflight: InflightTracker | None = None,
-    fleet_store: Any = None,
+    fleet_store: FleetStore | None = None,
     adapters: AdapterSetup | None = None,
 ) -> web.Application:
     """Build a gateway application. Collaborators passed in are shared, not closed on exit.
@@ -148,7 +152,7 @@ def create_app(
     return app
 
 
-def _discovery_store(policy: Any) -> Any:
+def _discovery_store(policy: Policy | None) -> FleetStore | None:
     """The fleet store of the first pool with ``discovery`` (agents register replicas there)."""
     for pool in getattr(policy, "replica_pools", None) or ():
         if pool.discovery is not None:

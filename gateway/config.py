@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from adapters_registry.registry import RegistrySettings
 from routing.policies.registry import DEFAULT_PROFILE
 
 
@@ -68,7 +69,7 @@ class GatewayConfig:
     adapter_prewarm_interval_s: float | None = 30.0
     #: ``adapters_registry.RegistrySettings`` (loader timeouts, thrash guard, pre-warm budget);
     #: None: the registry's defaults.
-    adapter_settings: Any = None
+    adapter_settings: RegistrySettings | None = None
 
     def apply_policy(self, policy: Any, startup: bool = False) -> None:
         """Take the policy's ``gateway:`` and ``index:`` settings over the process defaults.

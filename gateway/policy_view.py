@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from routing.config import Policy
 from routing.policies.registry import DEFAULT_PROFILE as _REGISTRY_DEFAULT
 
 DEFAULT_TENANT = "default"
@@ -114,7 +115,7 @@ class GatewayPolicy:
     #: Base models the policy declares; empty in policy-less mode (replicas say what they serve).
     known_models: frozenset[str] = frozenset()
     #: The loaded ``routing.config.Policy`` (None in default mode); the engine reads profiles here.
-    source: Any = None
+    source: Policy | None = None
 
     @property
     def open_access(self) -> bool:
@@ -199,7 +200,7 @@ def _salt(tenant: Any) -> str | None:
     return str(salt) if salt is not None else _get(tenant, "cache_salt")
 
 
-def from_policy(policy: Any) -> GatewayPolicy:
+def from_policy(policy: Policy) -> GatewayPolicy:
     """Read a loaded ``routing.config.Policy`` into the gateway's view."""
     tenants: dict[str, Tenant] = {}
     for t in _get(policy, "tenants", None) or ():

@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 
 from adapters_registry.placement_redis import RedisPlacementStore
 from adapters_registry.registry import AdapterRegistry
+from gateway.engine_api import EngineLoraClient
 from replica.sim.fleet import SimFleet, start_sim_fleet
 from routing.state import ReplicaState
 from routing.types import ReplicaId
@@ -58,9 +59,9 @@ async def gateways(fleet: SimFleet, redis_url: str) -> AsyncIterator[Gateways]:
     trace, calls = load_call_counter()
     async with aiohttp.ClientSession(trace_configs=[trace]) as s1, \
             aiohttp.ClientSession(trace_configs=[trace]) as s2:
-        g1 = AdapterRegistry(policy, RedisPlacementStore(client, prefix), s1,
+        g1 = AdapterRegistry(policy, RedisPlacementStore(client, prefix), EngineLoraClient(s1),
                              metrics_registry=CollectorRegistry(), gateway_id="g1")
-        g2 = AdapterRegistry(policy, RedisPlacementStore(client, prefix), s2,
+        g2 = AdapterRegistry(policy, RedisPlacementStore(client, prefix), EngineLoraClient(s2),
                              metrics_registry=CollectorRegistry(), gateway_id="g2")
         yield Gateways(g1, g2, client, calls)
         await g1.close()
@@ -142,7 +143,9 @@ async def test_redis_outage_degrades_to_unlocked_loads(
     store = RedisPlacementStore.from_url(redis_server.url)
     loads = count_engine_loads(fleet.replicas[0])
     async with aiohttp.ClientSession() as session:
-        reg = AdapterRegistry(policy, store, session, metrics_registry=CollectorRegistry())
+        reg = AdapterRegistry(
+            policy, store, EngineLoraClient(session), metrics_registry=CollectorRegistry()
+        )
         redis_server.stop()
         assert (await reg.ensure_loaded(state(fleet), "a")).loaded_now
         # Without the store the registry cannot know it is resident; the engine's own

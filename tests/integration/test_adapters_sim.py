@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from adapters_registry.errors import AdapterLoadFailed, NoAdapterSlot
 from adapters_registry.registry import AdapterRegistry
+from gateway.engine_api import EngineLoraClient
 from replica.sim.fleet import SimFleet, start_sim_fleet
 from routing.state import ReplicaState
 from tests.integration.test_adapters_fixtures import (
@@ -52,7 +53,9 @@ async def registry(
     fleet: SimFleet, session: aiohttp.ClientSession
 ) -> AsyncIterator[AdapterRegistry]:
     policy = make_policy(ADAPTERS, urls=fleet.urls, max_loras=1, max_cpu_loras=2)
-    reg = AdapterRegistry.in_memory(policy, session, metrics_registry=CollectorRegistry())
+    reg = AdapterRegistry.in_memory(
+        policy, EngineLoraClient(session), metrics_registry=CollectorRegistry()
+    )
     yield reg
     await reg.close()
 
@@ -162,7 +165,9 @@ async def test_refresh_adopts_the_engines_view(
 async def test_engine_refusal_carries_its_message(session: aiohttp.ClientSession) -> None:
     async with start_sim_fleet(1, kv_events=None, kv_replay=None, max_loras=0) as no_lora:
         policy = make_policy(ADAPTERS, urls=no_lora.urls)
-        reg = AdapterRegistry.in_memory(policy, session, metrics_registry=CollectorRegistry())
+        reg = AdapterRegistry.in_memory(
+            policy, EngineLoraClient(session), metrics_registry=CollectorRegistry()
+        )
         with pytest.raises(AdapterLoadFailed) as err:
             await reg.ensure_loaded(replica("solo", url=no_lora.urls[0]), "a")
         assert err.value.status == 500
@@ -189,7 +194,9 @@ async def test_prewarm_places_pinned_and_hot_adapters(
         adapter("idle"),
     ]
     policy = make_policy(catalog, urls=fleet.urls, max_loras=1, max_cpu_loras=2)
-    reg = AdapterRegistry.in_memory(policy, session, metrics_registry=CollectorRegistry())
+    reg = AdapterRegistry.in_memory(
+        policy, EngineLoraClient(session), metrics_registry=CollectorRegistry()
+    )
     for _ in range(9):
         reg.record_request("hot")
     reg.record_request("cold")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -14,7 +13,13 @@ from adapters_registry.registry import AdapterRegistry, RegistrySettings
 from adapters_registry.thrash import ThrashGuard, ThrashSettings
 from routing.contracts import RoutingRequest
 from routing.types import ReplicaId
-from tests.unit.test_adapters_fixtures import BASE_MODEL, adapter, make_policy, replica
+from tests.unit.test_adapters_fixtures import (
+    BASE_MODEL,
+    FakeEngine,
+    adapter,
+    make_policy,
+    replica,
+)
 
 NOW = 10_000.0
 
@@ -76,41 +81,39 @@ async def test_cold_load_ms_by_tier_and_thrash_penalty() -> None:
         cold_start=ColdStartSettings(storage_mb_per_s=100, h2d_mb_per_s=1000, load_overhead_ms=0),
         thrash=ThrashSettings(max_loads=2, window_s=60, penalty_ms=99_999),
     )
-    async with aiohttp.ClientSession() as session:
-        reg = AdapterRegistry.in_memory(
-            policy, session, settings=settings, metrics_registry=CollectorRegistry(),
-            clock=lambda: NOW,
-        )
-        r0 = replica("r0", loaded=["b"], read_at=NOW, max_loras=1, max_cpu_loras=4)
-        # Engine says "b" is loaded and nothing else is known: b is in a GPU slot.
-        assert reg.cold_load_ms(r0, "b") == 0.0
-        assert reg.cold_load_ms(r0, "a") == pytest.approx(2000.0)
-        assert reg.cold_load_ms(r0, "c") == pytest.approx(1000.0)  # default size 100 MB
-        # The view knows "a" was used more recently than "b": with one GPU slot, b is host-side.
-        reg.view.update(ReplicaPlacement(r0.replica_id, {
-            "a": Residency(True, changed_at=NOW, last_used=NOW),
-            "b": Residency(True, changed_at=NOW - 100, last_used=NOW - 50),
-        }))
-        assert reg.cold_load_ms(r0, "a") == 0.0
-        assert reg.cold_load_ms(r0, "b") == pytest.approx(100.0)  # 100 MB at 1000 MB/s
-        # Two loads in the last minute: the guard trips for adapters that need a load.
-        reg.view.update(ReplicaPlacement(r0.replica_id, {}, {}, (NOW - 5, NOW - 1)))
-        assert reg.cold_load_ms(r0, "c") == 99_999
-        assert reg.cold_load_ms(r0, "b") == 0.0  # resident adapters are unaffected
+    reg = AdapterRegistry.in_memory(
+        policy, FakeEngine(), settings=settings, metrics_registry=CollectorRegistry(),
+        clock=lambda: NOW,
+    )
+    r0 = replica("r0", loaded=["b"], read_at=NOW, max_loras=1, max_cpu_loras=4)
+    # Engine says "b" is loaded and nothing else is known: b is in a GPU slot.
+    assert reg.cold_load_ms(r0, "b") == 0.0
+    assert reg.cold_load_ms(r0, "a") == pytest.approx(2000.0)
+    assert reg.cold_load_ms(r0, "c") == pytest.approx(1000.0)  # default size 100 MB
+    # The view knows "a" was used more recently than "b": with one GPU slot, b is host-side.
+    reg.view.update(ReplicaPlacement(r0.replica_id, {
+        "a": Residency(True, changed_at=NOW, last_used=NOW),
+        "b": Residency(True, changed_at=NOW - 100, last_used=NOW - 50),
+    }))
+    assert reg.cold_load_ms(r0, "a") == 0.0
+    assert reg.cold_load_ms(r0, "b") == pytest.approx(100.0)  # 100 MB at 1000 MB/s
+    # Two loads in the last minute: the guard trips for adapters that need a load.
+    reg.view.update(ReplicaPlacement(r0.replica_id, {}, {}, (NOW - 5, NOW - 1)))
+    assert reg.cold_load_ms(r0, "c") == 99_999
+    assert reg.cold_load_ms(r0, "b") == 0.0  # resident adapters are unaffected
 
-        request = RoutingRequest("q", BASE_MODEL, "c", "acme", "default", 10)
-        r1 = replica("r1", loaded=["c"], read_at=NOW, max_loras=1)
-        assert reg.estimates_for(request, [r0, r1]) == {"r0": 99_999, "r1": 0.0}
-        base = RoutingRequest("q", BASE_MODEL, None, "acme", "default", 10)
-        assert reg.estimates_for(base, [r0, r1]) == {}
+    request = RoutingRequest("q", BASE_MODEL, "c", "acme", "default", 10)
+    r1 = replica("r1", loaded=["c"], read_at=NOW, max_loras=1)
+    assert reg.estimates_for(request, [r0, r1]) == {"r0": 99_999, "r1": 0.0}
+    base = RoutingRequest("q", BASE_MODEL, None, "acme", "default", 10)
+    assert reg.estimates_for(base, [r0, r1]) == {}
 
 
 async def test_engine_host_cache_report_costs_the_copy() -> None:
     policy = make_policy([adapter("a", size_mb=500.0)])
     settings = RegistrySettings(cold_start=ColdStartSettings(h2d_mb_per_s=1000))
-    async with aiohttp.ClientSession() as session:
-        reg = AdapterRegistry.in_memory(
-            policy, session, settings=settings, metrics_registry=CollectorRegistry(),
-        )
-        state = replace(replica("r0", read_at=NOW), cpu_cached_adapters=frozenset({"a"}))
-        assert reg.cold_load_ms(state, "a") == pytest.approx(500.0)
+    reg = AdapterRegistry.in_memory(
+        policy, FakeEngine(), settings=settings, metrics_registry=CollectorRegistry(),
+    )
+    state = replace(replica("r0", read_at=NOW), cpu_cached_adapters=frozenset({"a"}))
+    assert reg.cold_load_ms(state, "a") == pytest.approx(500.0)

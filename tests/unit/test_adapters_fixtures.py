@@ -2,16 +2,45 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
+from adapters_registry.engine_api import EngineReply
+from adapters_registry.errors import AdapterLoadFailed
 from routing.config import Policy, parse_policy
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 BASE_MODEL = "sim-model"
+
+
+class FakeEngine:
+    """Records calls; a load can be held at a gate or made to fail."""
+
+    def __init__(self) -> None:
+        self.loaded: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+        self.gate: asyncio.Event | None = None
+        self.fail_with: AdapterLoadFailed | None = None
+
+    async def load(self, url: str, replica: str, adapter: str, path: str) -> EngineReply:
+        self.calls.append(("load", adapter))
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
+        changed = adapter not in self.loaded
+        self.loaded.add(adapter)
+        return EngineReply(changed=changed)
+
+    async def unload(self, url: str, replica: str, adapter: str) -> EngineReply:
+        self.calls.append(("unload", adapter))
+        changed = adapter in self.loaded
+        self.loaded.discard(adapter)
+        return EngineReply(changed=changed)
 
 
 def adapter(name: str, **fields: Any) -> dict[str, Any]:

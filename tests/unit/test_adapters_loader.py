@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from adapters_registry.engine_api import EngineReply
 from adapters_registry.errors import (
     AdapterLoadFailed,
     AdapterNotFound,
@@ -22,33 +20,7 @@ from adapters_registry.errors import (
 from adapters_registry.registry import AdapterRegistry, RegistrySettings
 from adapters_registry.thrash import ThrashSettings
 from routing.state import ReplicaState
-from tests.unit.test_adapters_fixtures import adapter, make_policy, replica
-
-
-class FakeEngine:
-    """Records calls; a load can be held at a gate or made to fail."""
-
-    def __init__(self) -> None:
-        self.loaded: set[str] = set()
-        self.calls: list[tuple[str, str]] = []
-        self.gate: asyncio.Event | None = None
-        self.fail_with: AdapterLoadFailed | None = None
-
-    async def load(self, url: str, replica: str, adapter: str, path: str) -> EngineReply:
-        self.calls.append(("load", adapter))
-        if self.gate is not None:
-            await self.gate.wait()
-        if self.fail_with is not None:
-            raise self.fail_with
-        changed = adapter not in self.loaded
-        self.loaded.add(adapter)
-        return EngineReply(changed=changed)
-
-    async def unload(self, url: str, replica: str, adapter: str) -> EngineReply:
-        self.calls.append(("unload", adapter))
-        changed = adapter in self.loaded
-        self.loaded.discard(adapter)
-        return EngineReply(changed=changed)
+from tests.unit.test_adapters_fixtures import FakeEngine, adapter, make_policy, replica
 
 
 class Clock:
@@ -69,13 +41,12 @@ async def setup() -> AsyncIterator[tuple[AdapterRegistry, FakeEngine, Clock]]:
     clock = Clock()
     engine = FakeEngine()
     settings = RegistrySettings(thrash=ThrashSettings(max_loads=4, window_s=60))
-    async with aiohttp.ClientSession() as session:
-        reg = AdapterRegistry.in_memory(
-            POLICY, session, settings=settings, metrics_registry=CollectorRegistry(), clock=clock,
-            engine=engine,  # the fake replaces HTTP; everything else is real
-        )
-        yield reg, engine, clock
-        await reg.close()
+    reg = AdapterRegistry.in_memory(
+        POLICY, engine,  # the fake replaces HTTP; everything else is real
+        settings=settings, metrics_registry=CollectorRegistry(), clock=clock,
+    )
+    yield reg, engine, clock
+    await reg.close()
 
 
 def full(max_cpu_loras: int) -> ReplicaState:
