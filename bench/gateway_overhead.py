@@ -318,7 +318,12 @@ def hot_spots(prof: Path, requests: int) -> str:
     functions by self time; µs per request and share of the request handler's time."""
     stats = pstats.Stats(str(prof)).stats  # type: ignore[attr-defined]
     handler = next(
-        (v[3] for k, v in stats.items() if k[2] == "handle_completion"), None
+        (
+            v[3]
+            for k, v in stats.items()
+            if k[2] == "handle" and k[0].endswith("gateway/request/handler.py")
+        ),
+        None,
     ) or max(v[3] for v in stats.values())
     root = str(Path(__file__).resolve().parent.parent) + "/"
     idle = ("poll' of 'select.epoll", "select")
@@ -347,7 +352,7 @@ def hot_spots(prof: Path, requests: int) -> str:
     lines = [
         f"Process busy (all self time but the event loop's idle `epoll`): "
         f"{busy * 1e6 / requests:.0f} µs per request under the profiler, of which the request "
-        f"handler (`gateway/pipeline.py handle_completion`, cumulative) is "
+        f"handler (`gateway/request/handler.py handle`, cumulative) is "
         f"{handler * 1e6 / requests:.0f} µs ({100 * handler / busy:.0f} %); the rest is aiohttp's"
         " HTTP server and client plumbing, health polling and start-up. A coroutine's every"
         " resumption counts as a call (hence 2 calls/req for the handler).",

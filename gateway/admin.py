@@ -117,23 +117,9 @@ async def decisions(request: web.Request) -> web.Response:
         n = max(1, min(int(request.query.get("n", "20")), len(gw.decisions) or 1))
     except ValueError:
         n = 20
-    recent = [_render_decision(entry) for entry in list(gw.decisions)[-n:][::-1]]
+    # Explanations are materialised only here, on read (``DecisionRecord.as_json``).
+    recent = [record.as_json() for record in list(gw.decisions)[-n:][::-1]]
     return _json({"decisions": recent})
-
-
-def _render_decision(entry: dict[str, Any]) -> dict[str, Any]:
-    """A decision log entry as JSON: explanations are materialised only here, on read."""
-    rendered = dict(entry)
-    rendered["explanations"] = {
-        rid: {
-            "matched_blocks": e.matched_blocks,
-            "scores": dict(e.scores),
-            "terms": dict(e.terms),
-            "filtered_out_by": e.filtered_out_by,
-        }
-        for rid, e in entry.get("explanations", {}).items()
-    }
-    return rendered
 
 
 async def layout(request: web.Request) -> web.Response:

@@ -9,7 +9,9 @@ from aiohttp import web
 from gateway.adapters import model_cards
 from gateway.auth import authenticate
 from gateway.errors import GatewayError
-from gateway.pipeline import UNROUTED, handle_completion
+from gateway.request.handler import handle
+from gateway.request.kinds import CHAT, COMPLETION
+from gateway.request.route import UNROUTED
 from gateway.request_body import request_id_of
 from gateway.state import GATEWAY
 
@@ -19,12 +21,12 @@ _STARTED = int(time.time())
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions``."""
-    return await handle_completion(request, "chat", "/v1/chat/completions")
+    return await handle(request, CHAT)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions``."""
-    return await handle_completion(request, "completion", "/v1/completions")
+    return await handle(request, COMPLETION)
 
 
 def _model_card(model_id: str, parent: str | None) -> dict[str, object]:

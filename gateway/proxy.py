@@ -1,5 +1,8 @@
 """Sending a routed request to a replica and relaying the answer, streaming or not.
 
+``send`` takes the request's ``ForwardPlan`` (``gateway/request/forward.py``) and reports every
+attempt to its ``AttemptHooks`` (the request's ``AttemptRecorder``), whose ``outcome`` it fills.
+
 Retries go to the decision's fallbacks only when a replica could not be reached at all (no byte
 reached the client yet). Once the stream has started, a failure ends the stream: replaying a
 generation elsewhere would duplicate tokens the client already has. A client that disconnects
@@ -30,9 +33,15 @@ from aiohttp import web
 from yarl import URL
 
 from gateway import errors
+from gateway.breaker import CircuitBreaker
 from gateway.errors import GatewayError
-from gateway.state import GatewayState
-from gateway.upstream_client import UpstreamConnectError, UpstreamPayloadError, UpstreamResponse
+from gateway.request.record import AdapterLoad
+from gateway.upstream_client import (
+    UpstreamConnectError,
+    UpstreamPayloadError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -67,8 +76,45 @@ class ReplicaUnsuitable(Exception):
         self.error = error
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardPlan:
+    """Everything ``send`` needs for one request, fixed before the first attempt.
+
+    Built by ``gateway/request/forward.plan_forward`` from the request's ``RouteDecision``.
+    """
+
+    request_id: str
+    #: The route's name: the label of the retry metrics.
+    route: str
+    #: The replica's path (``RequestKind.upstream_path``).
+    upstream_path: str
+    #: The JSON body to send, as is.
+    payload: bytes
+    #: The client asked for a stream.
+    stream: bool
+    #: Drop the usage-only stream chunk: the gateway asked for it, the client did not.
+    hide_usage_chunk: bool
+    #: The chosen replica, then its fallbacks, best first.
+    candidates: tuple[ReplicaId, ...]
+    #: Attempts at most (the first plus ``max_retries`` before the first byte).
+    max_attempts: int
+    #: Bound on each wait for the replica (the first byte, then each next chunk).
+    read_timeout_s: float
+
+
+class ReplicaDirectory(Protocol):
+    """The replicas ``send`` may try, and each one's circuit breaker."""
+
+    def get(self, replica: ReplicaId) -> ReplicaState | None: ...
+
+    def breaker(self, replica: ReplicaId) -> CircuitBreaker: ...
+
+
 class AttemptHooks(Protocol):
     """Bookkeeping for the replica being tried (in-flight counts, replica time, calibration)."""
+
+    #: What happened upstream; ``send`` fills it in as the attempts go.
+    outcome: UpstreamOutcome
 
     def prepare(
         self, replica: ReplicaState, last_resort: bool
@@ -80,6 +126,9 @@ class AttemptHooks(Protocol):
 
     async def model_missing(self, replica: ReplicaId) -> bool:
         """The replica answered 404: True if the model should be there (retry once)."""
+
+    def retrying(self, reason: str) -> None:
+        """The next candidate is tried because of ``reason`` (a low-cardinality label)."""
 
     def started(self, replica: ReplicaId) -> None:
         """The request is being sent to ``replica``."""
@@ -107,6 +156,10 @@ class UpstreamOutcome:
     attempts: int = 0
     #: The client's response has started (headers sent): from then on, never a retry.
     responded: bool = False
+    #: pool -> replica seconds charged to this request (a retry may span two pools).
+    replica_seconds: dict[str, float] = field(default_factory=dict)
+    #: The request's LoRA adapter as held for the latest attempt; None without one.
+    adapter_load: AdapterLoad | None = None
 
 
 _URLS: dict[tuple[str, str], URL] = {}
@@ -320,55 +373,49 @@ async def _relay_body(
 
 
 async def send(
-    gw: GatewayState,
     request: web.Request,
-    path: str,
-    payload: bytes,
-    stream: bool,
-    candidates: list[ReplicaId],
-    request_id: str,
-    route: str,
-    hide_usage_chunk: bool,
-    outcome: UpstreamOutcome,
+    plan: ForwardPlan,
     hooks: AttemptHooks,
+    upstream: UpstreamPool,
+    replicas: ReplicaDirectory,
 ) -> web.StreamResponse:
-    """Send to the first reachable candidate and relay its answer; raise 503/504 otherwise.
+    """Send ``plan`` to its first reachable candidate and relay the answer; 503/504 otherwise.
 
-    ``payload`` is the JSON body to send as is; ``stream``: the client asked for a stream.
     ``hooks`` keep in-flight counts and replica-time accounting for exactly the replica that is
-    being tried.
+    being tried, and ``hooks.outcome`` records what happened.
     """
-    upstream = gw.upstream_pool()
-    # upstream_timeout_s bounds each wait for the replica (the first byte, then each next
-    # chunk), never the whole response: a long stream that keeps producing is never cut.
-    read_timeout_s = gw.config.upstream_timeout_s
+    outcome = hooks.outcome
+    request_id = plan.request_id
+    # read_timeout_s bounds each wait for the replica (the first byte, then each next chunk),
+    # never the whole response: a long stream that keeps producing is never cut.
+    read_timeout_s = plan.read_timeout_s
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-    max_attempts = 1 + gw.max_retries
+    max_attempts = plan.max_attempts
     tried = 0
-    queue = list(candidates)
+    queue = list(plan.candidates)
     retried_missing: set[ReplicaId] = set()
     unsuitable: ReplicaUnsuitable | None = None
     #: Why the previous attempt failed before answering (the retry's metric label), or None.
     retry_reason: str | None = None
     while queue and tried < max_attempts:
         replica_id = queue.pop(0)
-        replica = gw.registry.get(replica_id)
+        replica = replicas.get(replica_id)
         if replica is None:
             continue
-        breaker = gw.registry.breaker(replica_id)
+        breaker = replicas.breaker(replica_id)
         if not breaker.allows():
             continue
-        last_resort = tried + 1 >= max_attempts or not _any_usable(gw, queue)
+        last_resort = tried + 1 >= max_attempts or not _any_usable(replicas, queue)
         async with contextlib.AsyncExitStack() as held:
             try:
                 await held.enter_async_context(hooks.prepare(replica, last_resort))
             except ReplicaUnsuitable as exc:
                 unsuitable = exc
-                gw.metrics.upstream_retries.labels(route, exc.reason).inc()
+                hooks.retrying(exc.reason)
                 continue
             unsuitable = None
             if retry_reason is not None:
-                gw.metrics.upstream_retries.labels(route, retry_reason).inc()
+                hooks.retrying(retry_reason)
                 retry_reason = None
             tried += 1
             breaker.begin()
@@ -378,8 +425,8 @@ async def send(
             hooks.started(replica_id)
             try:
                 async with upstream.post(
-                    _upstream_url(replica.url, path),
-                    payload,
+                    _upstream_url(replica.url, plan.upstream_path),
+                    plan.payload,
                     headers,
                     read_timeout_s=read_timeout_s,
                 ) as resp:
@@ -395,11 +442,11 @@ async def send(
                         retried_missing.add(replica_id)
                         queue.insert(0, replica_id)
                         tried -= 1  # the retry replaces this attempt
-                        gw.metrics.upstream_retries.labels(route, "adapter_missing").inc()
+                        hooks.retrying("adapter_missing")
                         continue
-                    if resp.status == 200 and stream:
+                    if resp.status == 200 and plan.stream:
                         result = await _relay_stream(
-                            request, resp, outcome, request_id, hide_usage_chunk, hooks
+                            request, resp, outcome, request_id, plan.hide_usage_chunk, hooks
                         )
                     else:
                         result = await _relay_body(resp, outcome, request_id)
@@ -436,9 +483,9 @@ async def send(
     )
 
 
-def _any_usable(gw: GatewayState, candidates: Sequence[ReplicaId]) -> bool:
+def _any_usable(replicas: ReplicaDirectory, candidates: Sequence[ReplicaId]) -> bool:
     """True if any of ``candidates`` is known and its circuit lets a request through."""
     for replica_id in candidates:
-        if gw.registry.get(replica_id) is not None and gw.registry.breaker(replica_id).allows():
+        if replicas.get(replica_id) is not None and replicas.breaker(replica_id).allows():
             return True
     return False

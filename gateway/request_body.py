@@ -125,6 +125,15 @@ def _containers_below(level: list[Any]) -> list[Any]:
 
 def validate(body: Mapping[str, Any], kind: str) -> None:
     """Check the fields the gateway reads; every other field passes through to vLLM untouched."""
+    validate_common(body)
+    if kind == "chat":
+        validate_chat(body)
+    else:
+        validate_completion(body)
+
+
+def validate_common(body: Mapping[str, Any]) -> None:
+    """``model``, ``stream`` and ``stream_options``: what every kind of request is read for."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("`model` is required and must be a non-empty string.", "model")
@@ -133,18 +142,21 @@ def validate(body: Mapping[str, Any], kind: str) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("`stream_options` must be an object.", "stream_options")
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("`messages` must be a non-empty array.", "messages")
-        if not all(isinstance(m, dict) for m in messages):
-            raise bad_request("Each message must be an object.", "messages")
-    else:
-        prompt = body.get("prompt")
-        if not _valid_prompt(prompt):
-            raise bad_request(
-                "`prompt` must be a string, an array of strings, or token ids.", "prompt"
-            )
+
+
+def validate_chat(body: Mapping[str, Any]) -> None:
+    """``messages``: a non-empty array of objects."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` must be a non-empty array.", "messages")
+    if not all(isinstance(m, dict) for m in messages):
+        raise bad_request("Each message must be an object.", "messages")
+
+
+def validate_completion(body: Mapping[str, Any]) -> None:
+    """``prompt``: a string, an array of strings, or token ids (one list or a batch of lists)."""
+    if not _valid_prompt(body.get("prompt")):
+        raise bad_request("`prompt` must be a string, an array of strings, or token ids.", "prompt")
 
 
 def _valid_prompt(prompt: Any) -> bool:

@@ -23,13 +23,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from routing.contracts import BlockIndex
 from routing.index.memory import MemoryBlockIndex
+from routing.state import ReplicaState
 from routing.types import BlockHash, ReplicaId
-
-if TYPE_CHECKING:
-    from gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,25 @@ log = logging.getLogger(__name__)
 MAX_REMEMBERED = 65_536
 #: A redis (or any non-memory) index write is abandoned past this: routing must not wait on it.
 REMOTE_WRITE_TIMEOUT_S = 0.05
+
+
+class ReplicaLookup(Protocol):
+    """The replicas the gateway knows (their epoch goes with every index write)."""
+
+    def get(self, replica: ReplicaId) -> ReplicaState | None: ...
+
+
+@dataclass(frozen=True)
+class SpeculativeTarget:
+    """Where the writes go and what they need: the gateway's index, replicas, TTL, task set."""
+
+    index: BlockIndex
+    replicas: ReplicaLookup
+    ttl_s: float
+    #: Counts a failed write (``fleetgate_index_errors_total`` of this gateway's backend).
+    count_error: Callable[[], None]
+    #: Short-lived tasks the app awaits or cancels on shutdown (the Redis writes).
+    background: set[asyncio.Task[Any]]
 
 
 class SpeculativeWriter:
@@ -74,53 +93,59 @@ class SpeculativeWriter:
         return chain
 
     def start(
-        self, gw: GatewayState, replica: ReplicaId, chain: Sequence[BlockHash], depth: int
+        self,
+        target: SpeculativeTarget,
+        replica: ReplicaId,
+        chain: Sequence[BlockHash],
+        depth: int,
     ) -> asyncio.Task[None] | None:
         """Start the write for a request routed to ``replica`` (matched ``depth`` blocks deep).
 
         Returns the task, or None when there is nothing to write.
         """
-        if not chain or gw.registry.get(replica) is None:
+        if not chain or target.replicas.get(replica) is None:
             return None
-        blocks = self.blocks_to_write(replica, chain, depth, gw.config.speculative_ttl_s)
+        blocks = self.blocks_to_write(replica, chain, depth, target.ttl_s)
         if not blocks:
             return None
         loop = asyncio.get_running_loop()
-        if type(gw.index) is MemoryBlockIndex:  # exact: a subclass may override ``record``
+        if type(target.index) is MemoryBlockIndex:  # exact: a subclass may override ``record``
             # In-process and never suspends: a plain callback, run once the handler waits on
             # the replica (the request's bytes are out by then), costs less than a task.
-            loop.call_soon(_write_now, gw, replica, list(blocks))
+            loop.call_soon(_write_now, target, target.index, replica, list(blocks))
             return None
-        task = loop.create_task(_write(gw, replica, list(blocks)))
-        gw.background.add(task)
-        task.add_done_callback(gw.background.discard)
+        task = loop.create_task(_write(target, replica, list(blocks)))
+        target.background.add(task)
+        task.add_done_callback(target.background.discard)
         return task
 
 
-def _write_now(gw: GatewayState, replica: ReplicaId, blocks: list[BlockHash]) -> None:
+def _write_now(
+    target: SpeculativeTarget, index: MemoryBlockIndex, replica: ReplicaId, blocks: list[BlockHash]
+) -> None:
     """The in-memory index's write (``MemoryBlockIndex.record_now``: it never waits)."""
-    state = gw.registry.get(replica)
+    state = target.replicas.get(replica)
     if state is None:
         return
     try:
-        gw.index.record_now(replica, state.epoch, blocks, ttl_s=gw.config.speculative_ttl_s)
+        index.record_now(replica, state.epoch, blocks, ttl_s=target.ttl_s)
     except Exception as exc:  # a bug must not take the event loop's callback down with it
-        gw.metrics.index_errors.labels(gw.index_backend).inc()
+        target.count_error()
         log.warning("speculative index insert failed: %s", exc)
 
 
-async def _write(gw: GatewayState, replica: ReplicaId, blocks: list[BlockHash]) -> None:
+async def _write(target: SpeculativeTarget, replica: ReplicaId, blocks: list[BlockHash]) -> None:
     # The task's first step runs once the handler waits on the replica: the upstream client
     # writes the request synchronously before that (gateway/upstream_client), so this write
     # overlaps the replica's work instead of preceding it.
-    state = gw.registry.get(replica)
+    state = target.replicas.get(replica)
     if state is None:
         return
     try:
         async with asyncio.timeout(REMOTE_WRITE_TIMEOUT_S):
-            await gw.index.record(replica, state.epoch, blocks, ttl_s=gw.config.speculative_ttl_s)
+            await target.index.record(replica, state.epoch, blocks, ttl_s=target.ttl_s)
     except Exception as exc:  # index down or slow: routing still works, just less informed
-        gw.metrics.index_errors.labels(gw.index_backend).inc()
+        target.count_error()
         log.debug("speculative index insert failed: %s", exc)
 
 

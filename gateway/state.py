@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,8 +20,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.policy_view import GatewayPolicy
 from gateway.ratelimit import RateLimiter
 from gateway.replicas import ReplicaRegistry
+from gateway.request.record import DecisionRecord
+from gateway.response_affinity import MemoryResponseAffinity, ResponseAffinity
 from gateway.routing_glue import Router
-from gateway.speculative import SpeculativeWriter
+from gateway.speculative import SpeculativeTarget, SpeculativeWriter
 from gateway.upstream_client import UpstreamPool
 from routing.contracts import BlockIndex, PromptTokenizer
 
@@ -46,7 +49,8 @@ class GatewayState:
     layout: LayoutDiagnostics = field(default_factory=LayoutDiagnostics)
     meter: ReplicaTimeMeter = field(default_factory=ReplicaTimeMeter)
     window: RouteWindow = field(default_factory=RouteWindow)
-    decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=200))
+    #: The decision log (``/admin/decisions``): one record per finished request, newest last.
+    decisions: deque[DecisionRecord] = field(default_factory=lambda: deque(maxlen=200))
     #: Pooled connections for health polls and adapter calls; opened in the cleanup context.
     session: aiohttp.ClientSession | None = None
     #: Keep-alive connections for the proxied requests themselves (``gateway/upstream_client``).
@@ -70,6 +74,20 @@ class GatewayState:
     #: The LoRA adapter registry (see ``gateway/adapters.py``); None when adapters are off.
     #: Built in the app's cleanup context, once the upstream session exists.
     adapters: AdapterRegistry | None = None
+    #: Which replica stored each ``/v1/responses`` answer (``previous_response_id`` goes back
+    #: there): in memory, or in Redis when the gateway runs with Redis.
+    response_affinity: ResponseAffinity = field(default_factory=MemoryResponseAffinity)
+
+    @functools.cached_property
+    def speculative_target(self) -> SpeculativeTarget:
+        """What the speculative writes need (index, replicas, TTL): fixed for the app's life."""
+        return SpeculativeTarget(
+            index=self.index,
+            replicas=self.registry,
+            ttl_s=self.config.speculative_ttl_s,
+            count_error=self.metrics.index_errors.labels(self.index_backend).inc,
+            background=self.background,
+        )
 
     def http(self) -> aiohttp.ClientSession:
         """The pooled upstream session (only valid while the app runs)."""

@@ -144,6 +144,20 @@ def engine_model(preset: str) -> EngineModel:
             kv_dtype=settings.get("kv_dtype", "bf16"),
             tensor_parallel_size=tensor_parallel,
         )
+        step_time = settings.get("step_time")
+        if step_time is not None:
+            # A calibrated profile (`fleetgate sim calibrate`): its measured prefill time.
+            from replica.sim.step_time import StepTimeModel
+
+            measured = StepTimeModel.from_mapping(step_time)
+            return EngineModel(
+                describe=(
+                    f"measured step time: profile {preset} "
+                    f"({measured.prefill_tokens_per_s():,.0f} prefill tokens/s)"
+                ),
+                prefill_ms=lambda tokens: measured.step_s(tokens, 0, 0) * 1000.0,
+                price_per_hour=roofline.hardware.price_per_hour * tensor_parallel,
+            )
     except ValueError as exc:  # ProfileError is a ValueError: unknown preset, bad YAML
         raise CapacityError(f"--profile {preset}: {exc}") from exc
     return EngineModel(
@@ -406,7 +420,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile",
-        help="engine preset for the roofline prefill time and price (e.g. h100-llama3-8b)",
+        help="engine preset for the roofline prefill time and price (e.g. h100-llama3-8b), or "
+        "a profile YAML from `fleetgate sim calibrate` (its measured prefill time)",
     )
     parser.add_argument(
         "--prefill-ms",

@@ -8,6 +8,10 @@ Examples::
     # a small engine with KV pressure, ten times faster than real time
     fleetgate sim --profile tiny --speed 10
 
+    # fit a profile to a live vLLM engine, then simulate it
+    fleetgate sim calibrate --engine http://127.0.0.1:8000 --output cpu.yaml
+    fleetgate sim --profile cpu.yaml
+
 Point any OpenAI client at ``http://HOST:PORT/v1``; ``model`` is ``--model`` or a LoRA adapter
 loaded with ``POST /v1/load_lora_adapter``.
 """
@@ -21,6 +25,7 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+from fleetgate.commands import sim_calibrate
 from gateway.logging_setup import configure_logging
 from replica.sim.fleet import SimFleet, start_sim_fleet
 
@@ -28,6 +33,10 @@ from replica.sim.fleet import SimFleet, start_sim_fleet
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fleetgate sim``."""
     parser.epilog = __doc__.split("Examples::", 1)[1] if __doc__ else None
+    parser.add_argument(
+        "action", nargs="?", choices=["calibrate"],
+        help="calibrate: fit a profile YAML to a live engine (see the calibrate options)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
     parser.add_argument(
         "--port", type=int, default=8001,
@@ -36,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="number of replicas (default 1)")
     parser.add_argument(
         "--profile", default="h100-llama3-8b",
-        help="engine preset from replica/sim/profiles/presets.yaml (default: h100-llama3-8b)",
+        help="engine preset from replica/sim/profiles/presets.yaml, or a profile YAML file "
+        "(e.g. from `fleetgate sim calibrate`) (default: h100-llama3-8b)",
     )
     parser.add_argument("--model", default="sim-model", help="served model name")
     parser.add_argument(
@@ -66,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="waiting requests beyond which a replica answers 503 (default 1024)",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    sim_calibrate.add_arguments(parser)
 
 
 def fleet_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -118,6 +129,8 @@ async def serve(
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fleetgate sim``."""
     configure_logging(args.log_level.upper())
+    if args.action == "calibrate":
+        return sim_calibrate.run(args)
     if args.replicas < 1:
         print("fleetgate sim: --replicas must be >= 1", flush=True)
         return 2

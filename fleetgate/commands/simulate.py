@@ -124,9 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         default="h100-llama3-8b",
-        metavar="NAME",
+        metavar="NAME|FILE.yaml",
         help="engine preset from replica/sim/profiles/presets.yaml (default: h100-llama3-8b; "
-        "also h200-llama3-8b, a100-llama3-8b, l4-llama3-8b-fp8, h100-llama3-70b-tp4, …)",
+        "also h200-llama3-8b, a100-llama3-8b, l4-llama3-8b-fp8, h100-llama3-70b-tp4, …), "
+        "or a profile YAML file from `fleetgate sim calibrate`",
     )
     parser.add_argument(
         "--policies",

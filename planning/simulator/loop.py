@@ -35,6 +35,14 @@ __all__ = ["PolicyRun", "RequestOutcome", "run_policy"]
 log = logging.getLogger(__name__)
 
 
+def _request_overhead_s(replica: SimulatedReplica) -> float:
+    """A calibrated profile's API-server latency (tokenise, hand to the engine): every request
+    pays it before the engine sees it, so it shifts that replica's whole schedule by a constant
+    and adds exactly itself to each TTFT and end-to-end time."""
+    step_time = replica.engine.config.step_time
+    return 0.0 if step_time is None else step_time.request_overhead_s
+
+
 @dataclass(slots=True)
 class RequestOutcome:
     """What happened to one request (times in virtual seconds)."""
@@ -234,7 +242,7 @@ class _Simulation:
                 waiting.discard(request_id)
         for request_id in result.first_token:
             outcome = self.outcomes[request_id]
-            outcome.first_token_s = self.now
+            outcome.first_token_s = self.now + _request_overhead_s(replica)
             outcome.cached_tokens = replica.engine.cached_tokens(request_id)
             replica.inflight_prefilled(outcome.predicted_uncached)
         for request_id in result.finished:
@@ -246,7 +254,7 @@ class _Simulation:
 
     def _finish(self, replica: SimulatedReplica, request_id: str) -> None:
         outcome = self.outcomes[request_id]
-        outcome.finish_s = self.now
+        outcome.finish_s = self.now + _request_overhead_s(replica)
         replica.inflight_finish()
         routing_request = self.routing_requests.pop(request_id)
         ttft_ms = (outcome.first_token_s - outcome.arrival_s) * 1000.0

@@ -23,6 +23,7 @@ from replica.sim.profiles import (
     load_preset,
 )
 from replica.sim.roofline import Roofline
+from replica.sim.step_time import StepTimeModel
 
 __all__ = [
     "EngineConfig",
@@ -131,6 +132,9 @@ class EngineConfig:
     price_per_hour: float | None = None
     #: Fixed CPU-side cost of every step (scheduling, sampling, detokenising), seconds.
     step_overhead_s: float = 0.0
+    #: A measured step-time model (``fleetgate sim calibrate``); when set it replaces the
+    #: roofline's step time. Profiles give it as a ``step_time`` mapping.
+    step_time: StepTimeModel | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.hardware, HardwareProfile) or not isinstance(
@@ -206,6 +210,8 @@ class EngineConfig:
             settings["hardware"] = load_hardware(settings["hardware"])
         if isinstance(settings["model"], str):
             settings["model"] = load_model(settings["model"])
+        if settings.get("step_time") is not None:
+            settings["step_time"] = StepTimeModel.from_mapping(settings["step_time"])
         return cls(**settings)
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
@@ -432,16 +438,7 @@ class EngineModel:
         if not preempted:
             load_s = self._schedule_waiting(budget, scheduled)
 
-        scheduled_tokens = 0
-        context_tokens = 0
-        for request, count in scheduled:
-            scheduled_tokens += count
-            context_tokens += request.num_computed
-        if scheduled:
-            duration = self._roofline.step_s(scheduled_tokens, context_tokens)
-        else:  # defensive: never spin at zero cost if nothing could be scheduled
-            duration = self._roofline.decode_s(0)
-        duration += load_s + self.config.step_overhead_s
+        duration = self._step_duration(scheduled) + load_s + self.config.step_overhead_s
 
         tokens: dict[str, int] = {}
         first_token: set[str] = set()
@@ -462,6 +459,28 @@ class EngineModel:
                 self._finish(request)
         events = self._kv.take_events()
         return StepResult(duration, tokens, first_token, finished, events, preempted)
+
+    def _step_duration(self, scheduled: list[tuple[_Request, int]]) -> float:
+        """Modelled time of a step computing ``scheduled``: the measured model or the roofline."""
+        step_time = self.config.step_time
+        scheduled_tokens = 0
+        prefill_tokens = 0
+        decode_seqs = 0
+        context_tokens = 0
+        for request, count in scheduled:
+            scheduled_tokens += count
+            context_tokens += request.num_computed
+            # A decode computes the one token sampled last step; anything else (a prompt chunk,
+            # a recompute after preemption) is prefill work.
+            if count == 1 and request.num_computed >= request.prompt_len:
+                decode_seqs += 1
+            else:
+                prefill_tokens += count
+        if not scheduled:  # defensive: never spin at zero cost if nothing could be scheduled
+            return self._roofline.decode_s(0)
+        if step_time is not None:
+            return step_time.step_s(prefill_tokens, decode_seqs, context_tokens)
+        return self._roofline.step_s(scheduled_tokens, context_tokens)
 
     def _schedule_running(
         self, budget: int, scheduled: list[tuple[_Request, int]], preempted: list[str]

@@ -13,6 +13,7 @@ from gateway.config import GatewayConfig
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
 from gateway.state import GATEWAY, GatewayState
 from routing.index.memory import MemoryBlockIndex
+from routing.types import ReplicaId
 from tests.integration.test_gateway_support import FakeUpstream, serve
 
 # ~6,000 characters: ~1,500 tokens by the text-mode estimate (characters / 4).
@@ -72,18 +73,19 @@ async def test_text_mode_counts_tokens_in_the_units_of_matched_blocks() -> None:
         await _chat(http, url)
         first = gw.decisions[-1]
         # The engine's own count, and a cache holding every full block of the prompt.
-        upstream.prompt_tokens = first["prompt_tokens"]
-        upstream.cached_tokens = first["blocks"] * 16
+        upstream.prompt_tokens = first.prompt_tokens
+        upstream.cached_tokens = first.blocks * 16
         await _chat(http, url)
         second = gw.decisions[-1]
-    tokens = second["prompt_tokens"]
+    tokens = second.prompt_tokens
     assert abs(tokens - len(LONG) / 4) < 20  # an estimate in tokens, not characters
-    matched = second["explanations"]["r0"].matched_blocks
-    assert matched == second["blocks"]
+    matched = second.explanations[ReplicaId("r0")].matched_blocks
+    assert matched == second.blocks
     # Holding the whole prompt leaves less than one block uncached (was 75 % in characters).
     assert 0 <= tokens - matched * 16 < 16
     # The cached-token prediction matches the engine's (it was 4x low).
-    assert second["prediction"] == "exact"
-    assert second["predicted_cached_tokens"] == upstream.cached_tokens
+    assert second.prediction is not None
+    assert second.prediction.outcome == "exact"
+    assert second.prediction.predicted_cached_tokens == upstream.cached_tokens
     # One index write per request: the speculative insert, no refresh after the answer.
     assert index.writes == 2

@@ -7,8 +7,9 @@ import json
 from gateway.cost import RouteWindow
 from gateway.layout import BoundedSet, LayoutDiagnostics, block_content_hashes
 from gateway.metrics import GatewayMetrics
-from gateway.pipeline import prompt_units, upstream_body, upstream_payload
 from gateway.policy_view import Tenant
+from gateway.request.forward import upstream_body, upstream_payload
+from gateway.request.route import prompt_units
 from routing.contracts import TokenizedPrompt
 from routing.hashing import chain_seed, prompt_chain
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from gateway.accounting import cached_tokens_of, prediction_outcome
 from gateway.breaker import BreakerState, CircuitBreaker
 from gateway.cost import ReplicaTimeMeter, RouteWindow
 from gateway.errors import GatewayError
@@ -15,6 +14,7 @@ from gateway.policy_view import AdapterEntry, GatewayPolicy, Route, Tenant, sha2
 from gateway.proxy import SseRelay, body_usage
 from gateway.ratelimit import RateLimiter
 from gateway.replicas import parse_vllm_metrics
+from gateway.request.account import cached_tokens_of, prediction_outcome
 from gateway.request_body import validate
 from routing.types import ReplicaId
 

@@ -20,9 +20,11 @@ __all__ = [
     "ModelProfile",
     "ProfileError",
     "hardware_names",
+    "is_profile_file",
     "load_hardware",
     "load_model",
     "load_preset",
+    "load_profile_file",
     "model_names",
     "preset_names",
 ]
@@ -125,8 +127,39 @@ def load_model(name: str) -> ModelProfile:
     return _build(ModelProfile, "models.yaml", name)
 
 
+#: Top-level keys of a profile file that describe where it came from; the engine ignores them.
+PROFILE_FILE_METADATA = ("calibration",)
+
+
+def is_profile_file(name: str) -> bool:
+    """Whether ``--profile NAME`` names a YAML file (``*.yaml``/``*.yml``) rather than a preset."""
+    return name.endswith((".yaml", ".yml"))
+
+
+def load_profile_file(path: str) -> dict[str, Any]:
+    """A profile file: one preset's mapping (``hardware``, ``model``, engine settings, and
+    optionally a measured ``step_time``), as ``fleetgate sim calibrate`` writes it."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as exc:
+        raise ProfileError(f"profile file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"profile file {path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile file {path}: expected a mapping of engine settings")
+    preset = {k: v for k, v in data.items() if k not in PROFILE_FILE_METADATA}
+    for key in ("hardware", "model"):
+        if not isinstance(preset.get(key), str):
+            raise ProfileError(f"profile file {path}: {key}: required profile name")
+    return preset
+
+
 def load_preset(name: str) -> dict[str, Any]:
-    """The preset ``name`` from ``presets.yaml``: ``hardware``, ``model`` and engine settings."""
+    """The preset ``name`` from ``presets.yaml`` (or the profile file ``name`` if it ends in
+    ``.yaml``/``.yml``): ``hardware``, ``model`` and engine settings."""
+    if is_profile_file(name):
+        return load_profile_file(name)
     presets = _read("presets.yaml")
     if name not in presets:
         raise ProfileError(

@@ -1,18 +1,22 @@
-"""After a request: metrics, the index-prediction check, TTFT calibration, cost and hit rate."""
+"""Phase 3 of a request: account for it, once the answer is on its way.
+
+Metrics, the index-prediction check, TTFT calibration, cost and hit rate, the prompt-layout
+detector, and one ``DecisionRecord`` appended to the decision log (``/admin/decisions``). Reads the
+route phase's ``RouteDecision`` and the forward phase's ``UpstreamOutcome``; never raises.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.proxy import UpstreamOutcome
+from gateway.request.record import CachePrediction, DecisionRecord
+from gateway.request.route import RouteDecision
 from gateway.state import GatewayState
 from routing.types import ReplicaId
-
-if TYPE_CHECKING:
-    from gateway.pipeline import Routed
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +44,37 @@ def prediction_outcome(predicted: int, actual: int, block_size: int) -> str:
 
 def account(
     gw: GatewayState,
-    routed: Routed,
+    routed: RouteDecision,
     outcome: UpstreamOutcome,
     arrived: float,
-    replica_seconds: Mapping[str, float],
     streamed: bool,
 ) -> None:
-    """Record everything about one finished (or failed) request. Never raises."""
+    """Record everything about one finished (or failed) request. Never raises.
+
+    Runs as a loop callback right after the handler returns (``handler.handle``): aiohttp has
+    written the response by then, so none of this adds to the client's latency, and it is still
+    done before this gateway reads the client's next request.
+    """
     try:
-        _account(gw, routed, outcome, arrived, replica_seconds, streamed)
+        _account(gw, routed, outcome, arrived, streamed)
     except Exception:  # accounting must never turn a served request into an error
         log.exception("accounting failed for request %s", routed.routing_request.request_id)
+    try:
+        chain = routed.routing_request.chain
+        gw.layout.observe(routed.route.name, routed.prompt, chain, routed.block_size)
+    except Exception:  # a detector must never disturb serving
+        log.exception("prompt layout detector failed")
 
 
 def _account(
     gw: GatewayState,
-    routed: Routed,
+    routed: RouteDecision,
     outcome: UpstreamOutcome,
     arrived: float,
-    replica_seconds: Mapping[str, float],
     streamed: bool,
 ) -> None:
     m = gw.metrics
+    replica_seconds = outcome.replica_seconds
     route, model = routed.route.name, routed.base_model
     replica = outcome.replica or "none"
     # 499: nginx's "client closed request", the de-facto code for an abandoned request.
@@ -106,20 +119,52 @@ def _account(
             completion_tokens,
         )
         _slo(gw, routed, ttft_ms, outcome, completion_tokens)
-    _prediction(gw, routed, outcome, prompt_tokens, cached)
-    routed.log_entry["status"] = status
-    routed.log_entry["served_by"] = outcome.replica
-    routed.log_entry["cached_tokens"] = cached
-    routed.log_entry["ttft_ms"] = ttft_ms
+    prediction = _prediction(gw, routed, outcome, prompt_tokens, cached)
+    gw.decisions.append(_record(routed, outcome, prediction, status, cached, ttft_ms))
     if outcome.replica is not None:
         gw.engine.observe_complete(
             routed.routing_request, outcome.replica, ttft_ms if streamed else None, cached, ok
         )
 
 
+def _record(
+    routed: RouteDecision,
+    outcome: UpstreamOutcome,
+    prediction: CachePrediction | None,
+    status: int,
+    cached: int | None,
+    ttft_ms: float | None,
+) -> DecisionRecord:
+    decision = routed.decision
+    request = routed.routing_request
+    return DecisionRecord(
+        at=routed.routed_at,
+        request_id=request.request_id,
+        route=routed.route.name,
+        tenant=routed.tenant.name,
+        model=routed.base_model,
+        adapter=routed.adapter,
+        prompt_tokens=request.prompt_tokens,
+        blocks=len(request.chain),
+        replica=decision.replica,
+        fallbacks=tuple(decision.fallbacks),
+        profile=decision.profile,
+        degraded=decision.degraded,
+        last_resort=routed.last_resort,
+        timings_ms=decision.timings_ms,
+        explanations=decision.explanations,
+        adapter_load=outcome.adapter_load,
+        prediction=prediction,
+        status=status,
+        served_by=outcome.replica,
+        cached_tokens=cached,
+        ttft_ms=ttft_ms,
+    )
+
+
 def _slo(
     gw: GatewayState,
-    routed: Routed,
+    routed: RouteDecision,
     ttft_ms: float | None,
     outcome: UpstreamOutcome,
     completion_tokens: int,
@@ -149,14 +194,14 @@ def _slo(
 
 def _prediction(
     gw: GatewayState,
-    routed: Routed,
+    routed: RouteDecision,
     outcome: UpstreamOutcome,
     prompt_tokens: int,
     cached: int | None,
-) -> None:
+) -> CachePrediction | None:
     """Compare the index's prediction with the engine's ``cached_tokens``; refresh on a miss."""
     if outcome.replica is None or cached is None or not prompt_tokens:
-        return
+        return None
     explanation = routed.decision.explanations.get(outcome.replica)
     # Tokens; in text mode estimated (a block of block_size * CHARS_PER_TOKEN characters counts
     # block_size tokens), so rescale to the engine's count of this prompt.
@@ -173,11 +218,12 @@ def _prediction(
     route = routed.route.name
     gw.metrics.predicted_cached.labels(route).inc(predicted)
     gw.metrics.cache_prediction.labels(route, result).inc()
-    routed.log_entry["predicted_cached_tokens"] = predicted
-    routed.log_entry["prediction"] = result
     if result != "exact" and outcome.replica != routed.decision.replica:
         # The index was wrong about this replica; the engine now holds the whole prompt, so
         # write the whole chain for it (with the speculative TTL) rather than trust the stale
         # entry. The chosen replica needs no refresh: the speculative write covered it (same
         # TTL) moments ago, so only a fallback that served the request is written.
-        gw.speculative.start(gw, ReplicaId(outcome.replica), routed.routing_request.chain, 0)
+        gw.speculative.start(
+            gw.speculative_target, ReplicaId(outcome.replica), routed.routing_request.chain, 0
+        )
+    return CachePrediction(predicted, result)

@@ -1,0 +1,107 @@
+"""``fleetgate sim calibrate``: fit a profile YAML to a live vLLM engine.
+
+Examples::
+
+    # measure a running engine (~1 minute), print the fit's residuals, write the profile
+    fleetgate sim calibrate --engine http://127.0.0.1:8000 --output cpu-tiny.yaml \\
+        --max-num-seqs 256 --max-num-batched-tokens 2048
+
+    # then use it wherever a preset goes
+    fleetgate sim --profile cpu-tiny.yaml
+    fleetgate simulate --trace t.jsonl --profile cpu-tiny.yaml
+    fleetgate plan capacity --profile cpu-tiny.yaml ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from planning.calibrate import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    CalibrationPlan,
+    EngineLimits,
+    ProbeError,
+    calibrate,
+    write_profile,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fleetgate sim calibrate`` (on the ``fleetgate sim`` parser)."""
+    group = parser.add_argument_group("calibrate (fleetgate sim calibrate --engine URL)")
+    group.add_argument("--engine", help="the engine's OpenAI base URL, e.g. http://HOST:8000")
+    group.add_argument("--metrics-url", help="its Prometheus metrics (default: ENGINE/metrics)")
+    group.add_argument(
+        "--output", type=Path, default=Path("profile.yaml"),
+        help="where to write the profile YAML (default: profile.yaml)",
+    )
+    group.add_argument(
+        "--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+        help="the engine's --max-num-seqs (not published in its metrics; default vLLM's 256)",
+    )
+    group.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="the engine's --max-num-batched-tokens (default 2048)",
+    )
+    group.add_argument(
+        "--base-profile", default="tiny",
+        help="preset whose hardware and model geometry the profile keeps (default: tiny)",
+    )
+    group.add_argument(
+        "--quick", action="store_true",
+        help="a shorter workload (fewer lengths, repeats and batch sizes)",
+    )
+
+
+QUICK_PLAN = CalibrationPlan(
+    prefill_lengths=(32, 256, 1024),
+    prefill_repeats=2,
+    decode_batches=(1, 4, 8),
+    decode_contexts=(32, 256),
+    decode_tokens=16,
+    decode_repeats=1,
+    warmup_requests=2,
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``fleetgate sim calibrate``."""
+    if not args.engine:
+        print("fleetgate sim calibrate: --engine URL is required", flush=True)
+        return 2
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            print(f"fleetgate sim calibrate: --{name.replace('_', '-')} must be >= 1", flush=True)
+            return 2
+    limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens)
+    plan = QUICK_PLAN if args.quick else CalibrationPlan()
+    try:
+        result = asyncio.run(
+            calibrate(
+                args.engine, args.metrics_url, plan, limits, args.base_profile,
+                progress=lambda line: print(f"  {line}", flush=True),
+            )
+        )
+        write_profile(result, args.output)
+    except (ProbeError, ValueError, OSError) as exc:
+        print(f"fleetgate sim calibrate: {exc}", flush=True)
+        return 1
+    model = result.fit.model
+    print(result.fit.table())
+    print(
+        f"fitted step time: base {model.base_s * 1e3:.2f} ms + "
+        f"{model.prefill_token_s * 1e6:.2f} us/prefill token "
+        f"({model.prefill_tokens_per_s():,.0f} tokens/s) + "
+        f"{model.decode_seq_s * 1e3:.3f} ms/decoding sequence + "
+        f"{model.context_token_s * 1e6:.3f} us/context token; "
+        f"request overhead {model.request_overhead_s * 1e3:.2f} ms"
+    )
+    print(
+        f"KV cache: {result.cache.num_gpu_blocks} blocks of {result.cache.block_size} tokens; "
+        f"max_model_len {result.max_model_len}; measured in {result.elapsed_s:.0f} s"
+    )
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,226 @@
+"""Phase 2 of a request: forward it. A frozen ``ForwardPlan`` in, an ``UpstreamOutcome`` out.
+
+(Both types live in ``gateway/proxy.py``, next to the code that reads the one and fills the other.)
+
+``plan_forward`` turns the ``RouteDecision`` into the plan: the bytes to send (the client's, with
+the gateway-owned fields set), the candidates in order (the choice, then its fallbacks), the retry
+budget. ``forward`` starts the speculative index write for the chosen replica and hands the plan to
+``gateway/proxy.py``, which tries the candidates and relays the answer. Every attempt reports to
+the request's ``AttemptRecorder``: in-flight counts, replica time, the adapter held, the engine's
+calibration, retries. When ``forward`` returns or raises, ``recorder.outcome`` is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from gateway import adapters, proxy, speculative
+from gateway.errors import GatewayError
+from gateway.policy_view import Tenant
+from gateway.proxy import ForwardPlan, UpstreamOutcome
+from gateway.request.kinds import RequestKind
+from gateway.request.record import AdapterLoad
+from gateway.request.route import RouteDecision
+from gateway.state import GatewayState
+from routing.state import ReplicaState
+from routing.types import ReplicaId
+
+_request_keys = itertools.count()
+
+
+def plan_forward(
+    gw: GatewayState, routed: RouteDecision, kind: RequestKind, body: Mapping[str, Any], raw: bytes
+) -> ForwardPlan:
+    """The plan for ``routed``: ``raw`` reused as the payload where nothing must change."""
+    payload, hide_usage = upstream_payload(body, raw, routed.tenant)
+    decision = routed.decision
+    return ForwardPlan(
+        request_id=routed.routing_request.request_id,
+        route=routed.route.name,
+        upstream_path=kind.upstream_path,
+        payload=payload,
+        stream=bool(body.get("stream")),
+        hide_usage_chunk=hide_usage,
+        candidates=(decision.replica, *decision.fallbacks),
+        max_attempts=1 + gw.max_retries,
+        read_timeout_s=gw.config.upstream_timeout_s,
+    )
+
+
+async def forward(
+    gw: GatewayState,
+    request: web.Request,
+    routed: RouteDecision,
+    plan: ForwardPlan,
+    recorder: AttemptRecorder,
+) -> web.StreamResponse:
+    """Send ``plan``, relay the answer; ``recorder.outcome`` says what happened, even on error."""
+    outcome = recorder.outcome
+    routing_request = routed.routing_request
+    chosen = routed.decision.replica
+    depth = (routing_request.prefix_matches or {}).get(chosen, 0)
+    insert = gw.speculative.start(gw.speculative_target, chosen, routing_request.chain, depth)
+    with gw.tracer.start_as_current_span("fleetgate.upstream") as span:
+        try:
+            response = await proxy.send(request, plan, recorder, gw.upstream_pool(), gw.registry)
+        except GatewayError as err:
+            outcome.status = err.status
+            raise
+        except asyncio.CancelledError:
+            outcome.client_gone = True  # aiohttp cancels the handler when the client leaves
+            raise
+        finally:
+            span.set_attribute("fleetgate.status", outcome.status)
+    await speculative.done(insert)
+    return response
+
+
+#: ``AttemptRecorder.prepare`` for a request without an adapter (reusable: it holds no state).
+_NOTHING_TO_HOLD = contextlib.nullcontext()
+
+
+class AttemptRecorder:
+    """One request's per-attempt bookkeeping, the proxy's ``AttemptHooks``.
+
+    In-flight counts and not-yet-prefilled tokens per replica, replica time per pool, the
+    engine's start/complete calibration, queue time, retries, and the adapter held per attempt.
+    """
+
+    def __init__(self, gw: GatewayState, routed: RouteDecision, arrived: float) -> None:
+        self.gw = gw
+        self.routed = routed
+        self.uncached = routed.uncached_tokens
+        self.arrived = arrived
+        self.key = next(_request_keys)
+        self.outcome = UpstreamOutcome()
+        self._unprefilled: dict[ReplicaId, int] = {}
+        self.attempts = 0
+
+    def prepare(
+        self, replica: ReplicaState, last_resort: bool
+    ) -> contextlib.AbstractAsyncContextManager[object]:
+        """Hold the request's adapter loaded on ``replica`` for this attempt (if it has one)."""
+        if self.routed.adapter is None or self.gw.adapters is None:
+            return _NOTHING_TO_HOLD
+        return self._hold_adapter(replica, last_resort)
+
+    @contextlib.asynccontextmanager
+    async def _hold_adapter(self, replica: ReplicaState, last_resort: bool) -> AsyncIterator[None]:
+        adapter = self.routed.adapter
+        assert adapter is not None
+        async with adapters.hold_adapter(self.gw, replica, adapter, last_resort) as load:
+            self.outcome.adapter_load = AdapterLoad(
+                replica.replica_id, load.cold_ms, load.loaded_now
+            )
+            yield
+
+    async def model_missing(self, replica: ReplicaId) -> bool:
+        """An upstream 404 for the request's adapter: the engine lost it; load it again."""
+        adapter = self.routed.adapter
+        if adapter is None or self.gw.adapters is None:
+            return False
+        await self.gw.adapters.report_missing(replica, adapter)
+        return True
+
+    def retrying(self, reason: str) -> None:
+        """The next candidate is tried because of ``reason`` (a low-cardinality label)."""
+        self.gw.metrics.upstream_retries.labels(self.routed.route.name, reason).inc()
+
+    def started(self, replica: ReplicaId) -> None:
+        gw = self.gw
+        self.attempts += 1
+        if self.attempts == 1:  # queue time ends when the request first leaves the gateway
+            gw.metrics.queue_time.labels(self.routed.route.name).observe(
+                time.monotonic() - self.arrived
+            )
+        gw.inflight.start(replica, self.uncached)
+        self._unprefilled[replica] = self.uncached
+        gw.meter.start(replica, self.key)
+        gw.engine.observe_start(self.routed.routing_request, replica)
+
+    def first_byte(self, replica: ReplicaId) -> None:
+        tokens = self._unprefilled.pop(replica, 0)
+        self.gw.inflight.prefilled(replica, tokens)
+
+    def ended(self, replica: ReplicaId) -> None:
+        gw = self.gw
+        gw.inflight.finish(replica, self._unprefilled.pop(replica, 0))
+        state = gw.registry.get(replica)
+        pool = state.pool if state else "unknown"
+        charged = gw.meter.finish(replica, self.key)
+        spent = self.outcome.replica_seconds
+        spent[pool] = spent.get(pool, 0.0) + charged
+
+
+# --------------------------------------------------------------------------- the payload
+
+
+def upstream_body(body: Mapping[str, Any], tenant: Tenant) -> tuple[dict[str, Any], bool]:
+    """The body vLLM gets: the client's, with the gateway-owned fields set.
+
+    Returns the body and whether the stream's usage chunk must be hidden from the client (the
+    gateway asks for it to learn ``cached_tokens``; a client that did not ask must not see it).
+    """
+    out = dict(body)
+    if tenant.cache_salt:
+        out["cache_salt"] = tenant.cache_salt
+    else:
+        out.pop("cache_salt", None)  # the gateway owns the salt: never trust the client's
+    hide_usage = False
+    if out.get("stream"):
+        options = dict(out.get("stream_options") or {})
+        if not options.get("include_usage"):
+            options["include_usage"] = True
+            hide_usage = True
+        out["stream_options"] = options
+    return out, hide_usage
+
+
+_msgspec_encode = msgspec.json.encode
+
+
+def _encode(value: Any) -> bytes:
+    """JSON bytes, fast (msgspec); the standard library for what msgspec refuses."""
+    try:
+        return _msgspec_encode(value)
+    except (TypeError, ValueError, OverflowError):
+        return json.dumps(value).encode()
+
+
+def upstream_payload(body: Mapping[str, Any], raw: bytes, tenant: Tenant) -> tuple[bytes, bool]:
+    """``upstream_body`` as bytes, reusing the client's ``raw`` bytes where possible.
+
+    Nothing to change: ``raw`` itself. Fields to add that the client did not send: spliced in
+    before the closing brace. Anything else (a client ``cache_salt`` to replace or drop,
+    ``stream_options`` to amend): the changed body, re-encoded.
+    """
+    salt = tenant.cache_salt or None
+    streaming = bool(body.get("stream"))
+    options = body.get("stream_options") if streaming else None
+    has_usage = bool(options and options.get("include_usage"))
+    hide_usage = streaming and not has_usage
+    head = raw.rstrip()
+    if (
+        "cache_salt" not in body
+        and (options is None or has_usage)
+        and body
+        and head.startswith(b"{")
+        and head.endswith(b"}")
+    ):
+        extra = b""
+        if salt is not None:
+            extra += b',"cache_salt":' + _encode(salt)
+        if hide_usage:
+            extra += b',"stream_options":{"include_usage":true}'
+        return (head[:-1] + extra + b"}" if extra else raw), hide_usage
+    out, hide_usage = upstream_body(body, tenant)
+    return _encode(out), hide_usage

@@ -1,0 +1,58 @@
+"""The completion handler: one request through route → forward → account, top to bottom."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from gateway import errors
+from gateway.errors import GatewayError
+from gateway.request.account import account
+from gateway.request.forward import AttemptRecorder, forward, plan_forward
+from gateway.request.kinds import RequestKind
+from gateway.request.route import RequestLabels, admit, route
+from gateway.request_body import read_body, request_id_of
+from gateway.state import GATEWAY
+
+
+async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
+    """``POST`` of one OpenAI request of ``kind`` (``/v1/chat/completions``, ...)."""
+    gw = request.app[GATEWAY]
+    request_id = request_id_of(request)
+    arrived = time.monotonic()
+    labels = RequestLabels()
+    forwarded = False
+    gw.active_requests += 1
+    try:
+        with gw.tracer.start_as_current_span("fleetgate.request") as span:
+            span.set_attribute("fleetgate.kind", kind.name)
+            if gw.draining:
+                raise GatewayError(503, errors.SHUTTING_DOWN, "The gateway is shutting down.")
+            tenant = admit(gw, request)
+            body, raw = await read_body(request, gw.config.max_body_bytes)
+            kind.validate(body)
+            # ADMISSION: an admission step (queueing, concurrency limits) is awaited here, with
+            # the tenant and the checked body known and nothing routed yet.
+            routed = await route(gw, request, tenant, kind, body, request_id, labels)
+            span.set_attribute("fleetgate.route", routed.route.name)
+            plan = plan_forward(gw, routed, kind, body, raw)
+            recorder = AttemptRecorder(gw, routed, arrived)
+            forwarded = True  # from here on, accounting records the request
+            try:
+                return await forward(gw, request, routed, plan, recorder)
+            finally:
+                # After the handler returns, aiohttp writes the response before the loop runs
+                # the next callback: accounting stays off the client's latency.
+                asyncio.get_running_loop().call_soon(
+                    account, gw, routed, recorder.outcome, arrived, plan.stream
+                )
+    except GatewayError as err:
+        gw.metrics.errors.labels(labels.route, err.code).inc()
+        if not forwarded:
+            status = str(err.status)
+            gw.metrics.requests.labels(labels.route, labels.model, "none", status).inc()
+        return err.response(request_id)
+    finally:
+        gw.active_requests -= 1

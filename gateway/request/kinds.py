@@ -1,0 +1,67 @@
+"""What differs between the OpenAI endpoints the gateway routes: one ``RequestKind`` each.
+
+A kind says how to check the body, what text to route on (how to tokenize it the way vLLM will),
+where the replica serves it, and whether its prompt is prefix-routed at all. Everything else
+(admission, routing, forwarding, accounting) is the same for every kind. To add an endpoint,
+write its ``RequestKind`` here and mount ``handler.handle(request, KIND)`` in ``gateway/app.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.request_body import validate_chat, validate_common, validate_completion
+from routing.contracts import PromptTokenizer, TokenizedPrompt
+
+Body = Mapping[str, Any]
+#: Checks the fields the gateway reads; raises ``GatewayError`` (400) on bad input.
+BodyCheck = Callable[[Body], None]
+#: What vLLM will tokenize for this body, through ``tokenizer``, for base model ``model``.
+PromptOf = Callable[[PromptTokenizer, str, Body], Awaitable[TokenizedPrompt]]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKind:
+    """One endpoint's request shape (see the module doc)."""
+
+    #: Short name, for spans and logs ("chat", "completion").
+    name: str
+    #: The replica's path for it (the same path vLLM serves).
+    upstream_path: str
+    validate: BodyCheck
+    #: The prompt to route on. Ignored when ``prefix_routed`` is False.
+    prompt: PromptOf
+    #: False: no prompt blocks to match (routing on load alone, no speculative index write).
+    prefix_routed: bool = True
+
+
+def _validate_chat(body: Body) -> None:
+    validate_common(body)
+    validate_chat(body)
+
+
+def _validate_completion(body: Body) -> None:
+    validate_common(body)
+    validate_completion(body)
+
+
+async def _chat_prompt(tokenizer: PromptTokenizer, model: str, body: Body) -> TokenizedPrompt:
+    kwargs = body.get("chat_template_kwargs") or {}
+    return await tokenizer.tokenize_chat(model, body["messages"], **kwargs)
+
+
+async def _completion_prompt(tokenizer: PromptTokenizer, model: str, body: Body) -> TokenizedPrompt:
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return await tokenizer.tokenize_completion(model, prompt)
+    if isinstance(prompt[0], str):  # a batch goes to one replica: route on its first prompt
+        return await tokenizer.tokenize_completion(model, prompt[0])
+    if isinstance(prompt[0], int):
+        return TokenizedPrompt(token_ids=list(prompt))
+    return TokenizedPrompt(token_ids=list(prompt[0]))
+
+
+CHAT = RequestKind("chat", "/v1/chat/completions", _validate_chat, _chat_prompt)
+COMPLETION = RequestKind("completion", "/v1/completions", _validate_completion, _completion_prompt)

@@ -1,0 +1,287 @@
+"""Phase 1 of a request: admit it, then route it. Hands on a ``RouteDecision``.
+
+In order: ``admit`` (tenant from the API key, its rate limit: before the body is read) → the
+handler reads and checks the body → *admission* → ``route``: model and adapter the tenant may use →
+the policy's route → the prompt, tokenized as vLLM will → its block chain → the route's profile
+picks a replica (``routing/engine.py``; last resort among replicas that only missed health polls).
+
+Extending it:
+
+- A new endpoint (Responses, Anthropic Messages, embeddings, ...) is a new ``RequestKind`` in
+  ``kinds.py`` (how to check its body, what prompt to route on, its upstream path, whether it is
+  prefix-routed); ``route`` takes the kind and needs no change.
+- Admission control (queueing, concurrency limits) goes in ``handler.handle``, at the line marked
+  ``ADMISSION``: after authentication and body checks, before ``route``. Anything it raises as a
+  ``GatewayError`` reaches the client in the OpenAI error envelope and is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway import adapters, errors
+from gateway.auth import authenticate
+from gateway.errors import GatewayError, model_not_found
+from gateway.policy_view import Route, Tenant
+from gateway.request.kinds import Body, RequestKind
+from gateway.state import GatewayState
+from gateway.tracing import NullTracer, record_stage_spans
+from routing.contracts import NoReplicaAvailable, RoutingDecision, RoutingRequest, TokenizedPrompt
+from routing.hashing import CHARS_PER_TOKEN, chain_seed, prompt_chain
+
+log = logging.getLogger(__name__)
+
+#: Route label for errors raised before a route was matched.
+UNROUTED = "unrouted"
+#: The prompt of a kind that is not prefix-routed: no blocks to match.
+_NO_PROMPT = TokenizedPrompt(token_ids=[])
+
+
+class RequestLabels:
+    """Metric labels of the request, filled in as they become known (server-controlled values)."""
+
+    __slots__ = ("model", "route")
+
+    def __init__(self) -> None:
+        self.route = UNROUTED
+        self.model = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """A routed request: what the forward and account phases need to know about it."""
+
+    route: Route
+    tenant: Tenant
+    base_model: str
+    adapter: str | None
+    prompt: TokenizedPrompt
+    block_size: int
+    routing_request: RoutingRequest
+    decision: RoutingDecision
+    #: Routed among replicas that only missed health polls (none was healthy).
+    last_resort: bool
+    #: Wall-clock time of the decision, for the decision log.
+    routed_at: float
+
+    @property
+    def uncached_tokens(self) -> int:
+        """Prompt tokens the chosen replica must prefill (estimated in text mode)."""
+        matched = self.decision.explanations.get(self.decision.replica)
+        matched_blocks = matched.matched_blocks if matched else 0
+        return max(0, self.routing_request.prompt_tokens - matched_blocks * self.block_size)
+
+
+def admit(gw: GatewayState, request: web.Request) -> Tenant:
+    """The caller's tenant, within its rate limit: checked before the body is even read."""
+    tenant = authenticate(request, gw.policy)
+    wait_s = gw.rate_limiter.acquire(tenant.name, tenant.rate_limit_rps, tenant.burst)
+    if wait_s is not None:
+        raise GatewayError(
+            429,
+            errors.RATE_LIMITED,
+            "Rate limit exceeded for this API key.",
+            headers={"Retry-After": str(max(1, round(wait_s)))},
+        )
+    return tenant
+
+
+async def route(
+    gw: GatewayState,
+    request: web.Request,
+    tenant: Tenant,
+    kind: RequestKind,
+    body: Body,
+    request_id: str,
+    labels: RequestLabels,
+) -> RouteDecision:
+    """Everything between admission and the upstream call; raises ``GatewayError``.
+
+    Fills ``labels`` (route, base model) as soon as they are known, for error metrics.
+    """
+    model = str(body["model"])
+    base_model, adapter = resolve_model(gw, tenant, model)
+    labels.model = base_model
+    if adapter is not None and gw.adapters is not None:
+        gw.adapters.record_request(adapter)  # once per client request, not per attempt
+    matched_route = gw.policy.route_for(request.path, model, tenant.name, request.headers)
+    if matched_route is None:
+        raise GatewayError(404, errors.NO_ROUTE, f"No route accepts model `{model}`.", "model")
+    labels.route = matched_route.name
+    if kind.prefix_routed:
+        with gw.tracer.start_as_current_span("fleetgate.tokenize"):
+            prompt = await _prompt_or_degrade(gw, kind, base_model, body)
+    else:
+        prompt = _NO_PROMPT
+    block_size = block_size_for(gw, base_model)
+    try:
+        chain = prompt_chain(prompt, block_size, chain_seed(base_model, adapter, tenant.cache_salt))
+    except ValueError as exc:  # e.g. token ids outside [0, 2**32)
+        raise GatewayError(
+            400, errors.INVALID_REQUEST, f"Invalid prompt: {exc}", "prompt"
+        ) from None
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    routing_request = RoutingRequest(
+        request_id=request_id,
+        model=base_model,
+        adapter=adapter,
+        tenant=tenant.name,
+        route=matched_route.name,
+        prompt_tokens=prompt_units(prompt),
+        chain=chain,
+        block_size=block_size,
+        max_output_tokens=max_tokens if isinstance(max_tokens, int) else None,
+    )
+    decision, last_resort = await _pick_replica(gw, routing_request, matched_route)
+    return RouteDecision(
+        matched_route,
+        tenant,
+        base_model,
+        adapter,
+        prompt,
+        block_size,
+        routing_request,
+        decision,
+        last_resort,
+        time.time(),
+    )
+
+
+def resolve_model(gw: GatewayState, tenant: Tenant, model: str) -> tuple[str, str | None]:
+    """(base model, adapter) for ``model``; 404 if unknown or another tenant's adapter."""
+    if gw.adapters is not None:  # the catalog decides (runtime additions included)
+        return adapters.resolve_model(gw, tenant, model)
+    policy = gw.policy
+    if policy.source is not None:
+        resolved = policy.resolve_model(tenant, model)
+        if resolved is None or resolved[0] not in policy.known_models:
+            raise model_not_found(model)
+        return resolved
+    if model in gw.registry.base_models():
+        return model, None
+    parent = gw.registry.served_adapters.get(model)
+    if parent is not None:
+        return parent, model
+    raise model_not_found(model)
+
+
+async def _prompt_or_degrade(
+    gw: GatewayState, kind: RequestKind, model: str, body: Body
+) -> TokenizedPrompt:
+    """Tokenize; a malformed message is the client's 400, a tokenizer outage degrades to text."""
+    # Imported here, not at the top: ``routing.tokenize`` pulls in the tokenizer libraries
+    # (~150 ms), which a gateway without a local or remote tokenizer never needs at start-up.
+    from routing.tokenize import InvalidMessages, TextTokenizer
+
+    try:
+        return await kind.prompt(gw.tokenizer, model, body)
+    except (InvalidMessages, ValueError, TypeError) as exc:
+        message = f"Invalid prompt: {exc}"
+        raise GatewayError(400, errors.INVALID_REQUEST, message, "messages") from None
+    except Exception as exc:  # remote tokenizer down: route on text blocks rather than fail
+        log.warning("tokenizer failed (%s); routing on text blocks for this request", exc)
+        return await kind.prompt(TextTokenizer(), model, body)
+
+
+def prompt_units(prompt: TokenizedPrompt) -> int:
+    """The prompt's length in tokens: exact with token ids, estimated in text mode.
+
+    A text block is ``block_size * CHARS_PER_TOKEN`` characters and stands for ``block_size``
+    tokens (``routing.hashing.prompt_chain``), so the estimate is characters / CHARS_PER_TOKEN
+    (rounded up): ``matched_blocks * block_size`` and this length are then in the same units.
+    """
+    if prompt.token_ids is not None:
+        return len(prompt.token_ids)
+    return -(-len(prompt.text or "") // CHARS_PER_TOKEN)
+
+
+def block_size_for(gw: GatewayState, model: str) -> int:
+    """Hashing granularity: the policy's, else a serving replica's, else the configured default."""
+    if model in gw.policy.block_sizes:
+        return gw.policy.block_sizes[model]
+    for state in gw.registry.all():
+        if state.serves(model):
+            return state.block_size
+    return gw.config.block_size
+
+
+async def _pick_replica(
+    gw: GatewayState, request: RoutingRequest, matched_route: Route
+) -> tuple[RoutingDecision, bool]:
+    """The engine's decision (and whether it was a last resort), traced and measured."""
+    gw.registry.set_inflight(gw.inflight.counts())
+    replicas = gw.registry.routable()
+    adapters.fill_cold_load_estimates(gw, request, replicas)
+    decide_start_ns = time.time_ns()
+    last_resort = False
+    with gw.tracer.start_as_current_span("fleetgate.route") as span:
+        try:
+            decision = await gw.engine.route(request, replicas, matched_route.profile)
+        except NoReplicaAvailable as exc:
+            decision = await _route_last_resort(gw, request, matched_route, exc)
+            last_resort = True
+        span.set_attribute("fleetgate.replica", decision.replica)
+        span.set_attribute("fleetgate.degraded", decision.degraded)
+        if not isinstance(gw.tracer, NullTracer):
+            _stage_spans(gw, decide_start_ns, decision.timings_ms)
+    _decision_metrics(gw, matched_route.name, decision)
+    return decision, last_resort
+
+
+def _stage_spans(gw: GatewayState, start_ns: int, timings: dict[str, Any]) -> None:
+    plugin_ms = sum(
+        ms for key, ms in timings.items() if key.startswith(("filter:", "scorer:", "picker:"))
+    )
+    stages = {"index": timings["index"]} if "index" in timings else {}
+    stages["scoring"] = plugin_ms
+    record_stage_spans(
+        gw.tracer,
+        start_ns,
+        stages,
+        {"index": "fleetgate.index_lookup", "scoring": "fleetgate.scoring"},
+    )
+
+
+async def _route_last_resort(
+    gw: GatewayState, request: RoutingRequest, matched_route: Route, cause: NoReplicaAvailable
+) -> RoutingDecision:
+    """No replica of the model is healthy: route among those that only missed health polls.
+
+    503 only when none is left (none known, or every circuit open): degrade rather than fail.
+    """
+    replicas = gw.registry.last_resort(request.model)
+    if not replicas:
+        raise GatewayError(
+            503, errors.NO_HEALTHY_REPLICA, str(cause), headers={"Retry-After": "1"}
+        ) from None
+    log.warning(
+        "no healthy replica serves %s; last resort among %d that missed health polls",
+        request.model,
+        len(replicas),
+    )
+    gw.metrics.last_resort.labels(request.route).inc()
+    adapters.fill_cold_load_estimates(gw, request, replicas)
+    try:
+        return await gw.engine.route(request, replicas, matched_route.profile)
+    except NoReplicaAvailable as exc:  # e.g. a filter of the profile left none of them
+        raise GatewayError(
+            503, errors.NO_HEALTHY_REPLICA, str(exc), headers={"Retry-After": "1"}
+        ) from None
+
+
+def _decision_metrics(gw: GatewayState, route_name: str, decision: RoutingDecision) -> None:
+    m = gw.metrics
+    total_ms = decision.timings_ms.get("total")
+    if total_ms is not None:
+        m.decision_seconds.labels(decision.profile).observe(total_ms / 1000)
+    index_ms = decision.timings_ms.get("index")
+    if index_ms is not None:
+        m.index_lookup_seconds.labels(gw.index_backend).observe(index_ms / 1000)
+    if decision.degraded:
+        m.degraded.labels(route_name, "index_unavailable").inc()
+        m.index_errors.labels(gw.index_backend).inc()

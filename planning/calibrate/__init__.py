@@ -1,0 +1,147 @@
+"""``fleetgate sim calibrate``: fit the engine model's step time to a live engine.
+
+Drive the engine with a designed workload (``workload.py``), fit the linear step-time model by
+least squares (``fit.py``), read the KV cache's shape from its metrics, and write a profile YAML
+that ``fleetgate sim``, ``fleetgate simulate`` and ``fleetgate plan capacity`` accept as
+``--profile FILE.yaml``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from planning.calibrate.fit import FitResult, Observation, fit_step_time
+from planning.calibrate.probe import CacheInfo, EngineProbe, ProbeError
+from planning.calibrate.workload import CalibrationPlan, run_workload
+from replica.sim.engine import EngineConfig
+from replica.sim.profiles import load_preset
+
+__all__ = [
+    "DEFAULT_MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_MAX_NUM_SEQS",
+    "CalibrationPlan",
+    "CalibrationResult",
+    "EngineLimits",
+    "ProbeError",
+    "calibrate",
+    "write_profile",
+]
+
+
+#: vLLM's defaults for the scheduler limits its metrics do not publish.
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """Scheduler limits the engine does not publish: say what it was started with."""
+
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationResult:
+    """Everything calibration learned about one engine."""
+
+    engine_url: str
+    served_model: str
+    cache: CacheInfo
+    max_model_len: int
+    limits: EngineLimits
+    fit: FitResult
+    observations: list[Observation]
+    #: The preset whose hardware and model geometry the profile keeps (for LoRA sizes, price).
+    base_profile: str
+    elapsed_s: float
+
+    def profile(self) -> dict[str, Any]:
+        """The profile mapping (validated by building an ``EngineConfig`` from it)."""
+        base = load_preset(self.base_profile)
+        settings: dict[str, Any] = {
+            "hardware": base["hardware"],
+            "model": base["model"],
+            "block_size": self.cache.block_size,
+            "num_gpu_blocks_override": self.cache.num_gpu_blocks,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.limits.max_num_seqs,
+            "max_num_batched_tokens": self.limits.max_num_batched_tokens,
+            "step_time": {k: float(f"{v:.6g}") for k, v in self.fit.model.as_mapping().items()},
+        }
+        for key in ("max_loras", "max_cpu_loras"):
+            if key in base:
+                settings[key] = base[key]
+        EngineConfig.from_profile(**_as_overrides(settings))  # raises on anything invalid
+        settings["calibration"] = {
+            "engine": self.engine_url,
+            "served_model": self.served_model,
+            "measured_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "observations": len(self.observations),
+            "median_abs_error": round(self.fit.median_abs_error, 4),
+            "max_abs_error": round(self.fit.max_abs_error, 4),
+        }
+        return settings
+
+
+def _as_overrides(settings: dict[str, Any]) -> dict[str, Any]:
+    """``EngineConfig.from_profile`` arguments for a profile mapping (any preset as the base:
+    every field it sets is overridden)."""
+    return {"name": "tiny", **settings}
+
+
+def write_profile(result: CalibrationResult, path: Path) -> None:
+    """Write the calibrated profile YAML, with a header saying where it came from."""
+    header = (
+        f"# Calibrated by `fleetgate sim calibrate --engine {result.engine_url}`.\n"
+        "# Use with: fleetgate sim|simulate|plan capacity --profile THIS_FILE.yaml\n"
+    )
+    body = yaml.safe_dump(result.profile(), sort_keys=False)
+    path.write_text(header + body, encoding="utf-8")
+
+
+async def calibrate(
+    engine_url: str,
+    metrics_url: str | None = None,
+    plan: CalibrationPlan | None = None,
+    limits: EngineLimits | None = None,
+    base_profile: str = "tiny",
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    request_timeout_s: float = 120.0,
+) -> CalibrationResult:
+    """Run the designed workload against a live engine and fit the step-time model."""
+    limits = limits or EngineLimits()
+    started = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        probe = EngineProbe(session, engine_url, metrics_url)
+        try:
+            model, reported_len = await probe.model()
+            cache = await probe.cache_info()
+        except aiohttp.ClientError as exc:
+            raise ProbeError(f"cannot reach the engine at {engine_url}: {exc}") from exc
+        max_model_len = reported_len or 2048
+        fitted_plan = (plan or CalibrationPlan()).fitted_to(
+            max_model_len, limits.max_num_batched_tokens
+        )
+        observations = await run_workload(probe, model, fitted_plan, seed, progress)
+    return CalibrationResult(
+        engine_url=engine_url,
+        served_model=model,
+        cache=cache,
+        max_model_len=max_model_len,
+        limits=limits,
+        fit=fit_step_time(observations),
+        observations=observations,
+        base_profile=base_profile,
+        elapsed_s=time.perf_counter() - started,
+    )

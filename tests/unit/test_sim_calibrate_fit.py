@@ -1,0 +1,122 @@
+"""The step-time model, its least-squares fit, and profile files that carry it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planning.calibrate.fit import Observation, fit_step_time
+from replica.sim.engine import EngineConfig, EngineModel, SimRequest
+from replica.sim.profiles import ProfileError, load_preset
+from replica.sim.step_time import StepTimeModel
+
+TRUE = StepTimeModel(
+    base_s=0.02, prefill_token_s=1e-4, decode_seq_s=2e-3, context_token_s=5e-6,
+    request_overhead_s=3e-3,
+)
+
+
+def _designed() -> list[Observation]:
+    """Exact observations of ``TRUE`` for the kinds of step calibration measures."""
+    observations = []
+    for length, cached in [(32, 0), (32, 16), (512, 0), (512, 496), (1024, 0), (1024, 1008)]:
+        ttft = TRUE.request_overhead_s + TRUE.step_s(length - cached, 0, cached)
+        observations.append(Observation("prefill", f"p{length}", ttft, length - cached, 0, cached))
+    for batch in (1, 2, 4, 8):
+        for context in (40.0, 300.0):
+            gap = TRUE.step_s(0, batch, batch * context)
+            observations.append(
+                Observation("decode", f"d{batch}", gap, decode_seqs=batch,
+                            context_tokens=batch * context)
+            )
+    return observations
+
+
+def test_fit_recovers_exact_parameters() -> None:
+    result = fit_step_time(_designed())
+    for name, value in TRUE.as_mapping().items():
+        assert getattr(result.model, name) == pytest.approx(value, rel=1e-6), name
+    assert result.max_abs_error < 1e-6
+    assert "median |error|" in result.table()
+
+
+def test_fit_fixes_an_unsupported_coefficient_at_zero() -> None:
+    # An engine whose decode gets *cheaper* with context would fit a negative coefficient.
+    observations = [
+        Observation("prefill", "p", 0.01 + 1e-5 * n, n, 0, 0) for n in (10, 100, 1000)
+    ] + [
+        Observation("decode", "d", 0.01 + 1e-3 * b - 1e-7 * b * c, decode_seqs=b,
+                    context_tokens=b * c)
+        for b in (1, 4, 8)
+        for c in (100, 1000)
+    ]
+    model = fit_step_time(observations).model
+    assert model.context_token_s == 0.0
+    assert all(v >= 0 for v in model.as_mapping().values())
+
+
+def test_fit_needs_both_kinds_of_observation() -> None:
+    with pytest.raises(ValueError, match="prefill and decode"):
+        fit_step_time([Observation("prefill", "p", 0.01, 10)])
+
+
+def test_step_time_rejects_bad_mappings() -> None:
+    with pytest.raises(ValueError, match=r"step_time\.nope: unknown key"):
+        StepTimeModel.from_mapping({"base_s": 1, "prefill_token_s": 0, "decode_seq_s": 0,
+                                    "nope": 1})
+    with pytest.raises(ValueError, match=r"step_time\.decode_seq_s: required"):
+        StepTimeModel.from_mapping({"base_s": 1, "prefill_token_s": 0})
+    with pytest.raises(ValueError, match=r"step_time\.base_s: must be a number >= 0"):
+        StepTimeModel(base_s=-1, prefill_token_s=0, decode_seq_s=0)
+
+
+def test_engine_times_steps_with_a_measured_model() -> None:
+    config = EngineConfig.from_profile("tiny", step_time=TRUE.as_mapping())
+    engine = EngineModel(config)
+    engine.submit(SimRequest("a", list(range(100, 200)), max_tokens=3))
+    prefill = engine.step(0.0)
+    assert prefill.duration_s == pytest.approx(TRUE.step_s(100, 0, 0))
+    decode = engine.step(prefill.duration_s)
+    # The decode computes the first output token over the 100 prompt tokens.
+    assert decode.duration_s == pytest.approx(TRUE.step_s(0, 1, 100))
+
+
+def test_profile_file_is_a_preset(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        "hardware: l4\nmodel: tiny\nnum_gpu_blocks_override: 64\nstep_time:\n"
+        "  base_s: 0.01\n  prefill_token_s: 0.0001\n  decode_seq_s: 0.001\n"
+        "calibration:\n  engine: http://x\n",
+        encoding="utf-8",
+    )
+    config = EngineConfig.from_profile(str(path))
+    assert config.num_gpu_blocks == 64
+    assert config.step_time == StepTimeModel(0.01, 0.0001, 0.001)
+
+
+def test_profile_file_errors_name_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match=r"missing\.yaml"):
+        load_preset(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: tiny\n", encoding="utf-8")
+    with pytest.raises(ProfileError, match=r"bad\.yaml: hardware: required"):
+        load_preset(str(bad))
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("hardware: l4\nmodel: tiny\nwarp_drive: 1\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="unknown setting 'warp_drive'"):
+        EngineConfig.from_profile(str(unknown))
+
+
+def test_plan_capacity_uses_a_calibrated_prefill_time(tmp_path: Path) -> None:
+    from planning.capacity import engine_model
+
+    path = tmp_path / "cal.yaml"
+    path.write_text(
+        "hardware: l4\nmodel: tiny\nstep_time:\n  base_s: 0.01\n  prefill_token_s: 0.0001\n"
+        "  decode_seq_s: 0.001\n",
+        encoding="utf-8",
+    )
+    model = engine_model(str(path))
+    assert model.prefill_ms(1000) == pytest.approx(10.0 + 100.0)
+    assert "measured step time" in model.describe
