@@ -12,12 +12,13 @@ from gateway.policy_view import GatewayPolicy, Tenant, sha256_hex
 
 
 def bearer_key(request: web.Request) -> str | None:
-    """The key of ``Authorization: Bearer <key>`` (also ``api-key:``), or None."""
+    """The key of ``Authorization: Bearer <key>`` (also ``api-key:``, and ``x-api-key:``, which
+    the official ``anthropic`` client sends), or None."""
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    return request.headers.get("api-key") or None
+    return request.headers.get("api-key") or request.headers.get("x-api-key") or None
 
 
 def authenticate(request: web.Request, policy: GatewayPolicy) -> Tenant:

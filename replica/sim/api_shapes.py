@@ -48,7 +48,10 @@ class ResponseShapes:
     """Bodies of one ``/v1/responses`` answer; ``id`` is vLLM's ``request_id`` (``resp_…``)."""
 
     def __init__(self, body: Mapping[str, Any], model: str, max_output_tokens: int) -> None:
-        self.id = f"resp_{uuid.uuid4().hex}"
+        # vLLM: the response id is the request's ``request_id`` (a client, or the gateway, may set
+        # it), else ``resp_`` and a random uuid.
+        given = body.get("request_id")
+        self.id = given if isinstance(given, str) and given else f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.model = model
         self.created_at = int(time.time())

@@ -1,0 +1,93 @@
+"""OpenAI's Responses API (``/v1/responses``) through the gateway, as vLLM serves it.
+
+A new response is routed like chat: ``instructions`` + ``input`` become the chat messages vLLM
+renders (``routing.api_messages.responses_messages``), tokenized through the chat template and
+hashed for prefix-aware routing. The gateway sets vLLM's ``request_id`` (which vLLM uses as the
+response's ``id``) so it knows the id before the answer, and records which replica answered
+(``gateway/response_affinity.py``). vLLM keeps stored responses in the engine that made them:
+
+- ``previous_response_id`` goes to that replica, skipping the routing policy (its prompt is the
+  stored conversation plus the new input, held only there);
+- ``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` go there too;
+- an id the gateway never saw (or another tenant's) is a 404; one whose replica has left the
+  fleet is a 404 saying so (the stored conversation went with it).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.errors import GatewayError, bad_request
+from gateway.response_affinity import ResponseAffinity, ResponseHome
+from gateway.state import GatewayState
+from routing.api_messages import responses_messages
+from routing.contracts import PromptTokenizer, TokenizedPrompt
+from routing.types import ReplicaId
+
+#: Stable error codes of this API (also ``fleetgate_errors_total`` labels).
+RESPONSE_NOT_FOUND = "response_not_found"
+RESPONSE_REPLICA_GONE = "response_replica_gone"
+
+
+def new_response_id() -> str:
+    """An id in vLLM's own form (``resp_`` + 32 hex digits), set as the request's ``request_id``."""
+    return f"resp_{uuid.uuid4().hex}"
+
+
+def validate(body: Mapping[str, Any]) -> None:
+    """The fields the gateway reads: model, stream, input, instructions, previous_response_id."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required and must be a non-empty string.", "model")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise bad_request("`stream` must be a boolean.", "stream")
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise bad_request("`previous_response_id` must be a non-empty string.",
+                          "previous_response_id")
+    try:
+        responses_messages(body)
+    except ValueError as exc:
+        raise bad_request(f"Invalid request: {exc}", str(exc).split(":", 1)[0]) from None
+
+
+async def prompt(tokenizer: PromptTokenizer, model: str, body: Mapping[str, Any]) -> (
+    TokenizedPrompt
+):
+    """``instructions`` + ``input`` as vLLM renders them (a follow-up's history is not known)."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    return await tokenizer.tokenize_chat(model, responses_messages(body), **kwargs)
+
+
+def not_found(response_id: str) -> GatewayError:
+    return GatewayError(
+        404, RESPONSE_NOT_FOUND, f"Response with id '{response_id}' not found.",
+        "previous_response_id",
+    )
+
+
+async def home_replica(
+    gw: GatewayState, affinity: ResponseAffinity, tenant: str, response_id: str
+) -> ReplicaId:
+    """The replica that stored ``response_id``; 404 if unknown, another tenant's, or gone."""
+    home = await affinity.home_of(response_id)
+    if home is None or home.tenant != tenant:  # never reveal another tenant's response
+        raise not_found(response_id)
+    if gw.registry.get(home.replica) is None:
+        raise GatewayError(
+            404, RESPONSE_REPLICA_GONE,
+            f"Response with id '{response_id}' was stored by replica {home.replica}, which has "
+            "left the fleet; vLLM keeps stored responses in the engine's memory, so it is gone. "
+            "Send the whole conversation as `input` instead of `previous_response_id`.",
+            "previous_response_id",
+        )
+    return home.replica
+
+
+async def remember(
+    affinity: ResponseAffinity, response_id: str, replica: ReplicaId, tenant: str
+) -> None:
+    await affinity.remember(response_id, ResponseHome(replica, tenant))
+
