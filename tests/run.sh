@@ -11,9 +11,9 @@ if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   "$PYTHON" -m venv .venv
 fi
-echo "==> installing fleetgate and its dev dependencies into .venv"
+echo "==> installing fleetgate with its dev, plan and bench extras into .venv"
 .venv/bin/pip install -q --upgrade pip >/dev/null
-.venv/bin/pip install -q -e '.[dev]'
+.venv/bin/pip install -q -e '.[dev,plan,bench]'
 
 if ! command -v redis-server >/dev/null 2>&1; then
   echo "==> installing redis-server (tests start their own on a free port)"

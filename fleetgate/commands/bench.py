@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from fleetgate.extras import BENCH, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE
 
 REPLAY_EPILOG = f"""\
@@ -138,7 +139,12 @@ def _run_replay(args: argparse.Namespace) -> int:
         return fail(str(exc))
     if not records:
         return fail(f"{args.trace} holds no requests")
-    progress = not args.no_progress and not args.json and sys.stderr.isatty()
+    progress = (
+        not args.no_progress
+        and not args.json
+        and sys.stderr.isatty()
+        and progress_available(BENCH, "fleetgate bench replay")
+    )
     result = replay(config, records, progress=progress)
     summary = summarize(result)
     print(json.dumps(summary, indent=2) if args.json else render_table(summary))

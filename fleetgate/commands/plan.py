@@ -13,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from fleetgate.extras import PLAN, missing_extra
+
 #: tool -> (module exposing add_arguments/run, one-line purpose), in ``--help`` order.
 TOOLS: dict[str, tuple[str, str]] = {
     "levers": (
@@ -67,4 +69,10 @@ def run(args: argparse.Namespace) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(parser)
-    return int(module.run(parser.parse_args(args.tool_args)) or 0)
+    parsed = parser.parse_args(args.tool_args)
+    # Checked before the tool runs, so a missing extra costs no work (fleetgate/extras.py).
+    problem = missing_extra("matplotlib", PLAN, "--plot") if getattr(parsed, "plot", None) else None
+    if problem is not None:
+        print(f"fleetgate plan {args.tool}: {problem}", file=sys.stderr)
+        return 2
+    return int(module.run(parsed) or 0)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleetgate.extras import PLAN, missing_extra, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
 
 if TYPE_CHECKING:
@@ -202,6 +203,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.stats_interval_ms < 0:
         return _fail(f"--stats-interval-ms must be >= 0 (got {args.stats_interval_ms})")
+    # Before the (possibly long) simulation, so a missing extra costs no work.
+    if args.plot and (problem := missing_extra("matplotlib", PLAN, "--plot")):
+        return _fail(problem)
     try:
         records = read_trace(args.trace, args.trace_block_size)
     except OSError as exc:
@@ -247,7 +251,10 @@ def _sweep(
     replayed = min(len(records), args.limit or len(records))
     # A bar is worth drawing only on a terminal, and only when the whole sweep takes a while.
     progress = (
-        not args.no_progress and sys.stderr.isatty() and replayed * len(args.rate_scale) >= 500
+        not args.no_progress
+        and sys.stderr.isatty()
+        and replayed * len(args.rate_scale) >= 500
+        and progress_available(PLAN, "fleetgate simulate")
     )
     return simulate_sweep(
         records,
