@@ -3,9 +3,10 @@
 1. **The import-linter contracts** in pyproject.toml (``[tool.importlinter]``): routing speaks no
    HTTP and imports neither replica, gateway nor the CLI; serving code imports neither planning,
    bench nor the CLI; only tests import tests; the agent and the simulated replica run without the
-   gateway; adapters_registry works without aiohttp; planning does not import bench; traces imports
-   nothing of ours; serving code needs neither matplotlib nor tqdm. ``lint-imports`` runs them and
-   a broken contract fails this test with import-linter's own report (which file, which line).
+   gateway, and the gateway does not import the simulated replica; adapters_registry works without
+   aiohttp; planning imports neither bench nor the CLI; traces imports nothing of ours; serving
+   code needs neither matplotlib nor tqdm. ``lint-imports`` runs them, and a broken contract fails
+   this test with its report (which file, which line).
 
 2. **No import cycle between two of our files.** Counted: every ``import`` statement in a file,
    at module level, under ``if TYPE_CHECKING:``, and inside functions. A cycle that a
