@@ -53,6 +53,23 @@ def _guard(handler: Handler) -> Handler:
     return guarded
 
 
+def guard_where_configured(handler: Handler) -> Handler:
+    """The admin key's guard where one is configured; open otherwise (the dashboard's data).
+
+    The dashboard shows what ``/metrics`` (open) shows, plus replica ids and recent decisions;
+    a gateway without an admin key, like the quick start, still gets a dashboard.
+    """
+    guarded_handler = _guard(handler)
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        gw = request.app[GATEWAY]
+        if gw.config.admin_key is None and not gw.policy.admin_key_sha256:
+            return await handler(request)
+        return await guarded_handler(request)
+
+    return guarded
+
+
 async def replicas(request: web.Request) -> web.Response:
     """Every known replica: state as policies see it, circuit breaker, in-flight counts."""
     gw = request.app[GATEWAY]

@@ -21,9 +21,10 @@ from aiohttp import web
 
 from gateway import errors, health, openai_api
 from gateway.adapters import AdapterSetup, open_registry, setup_from_policy
-from gateway.admin import add_admin_routes
+from gateway.admin import add_admin_routes, guard_where_configured
 from gateway.config import GatewayConfig
 from gateway.cost import RouteWindow
+from gateway.dashboard import add_dashboard_routes
 from gateway.errors import GatewayError
 from gateway.inflight import InflightTracker, MemoryInflight, RedisInflight
 from gateway.layout import LayoutDiagnostics
@@ -140,6 +141,7 @@ def create_app(
     app.router.add_get("/ready", health.ready)
     app.router.add_get("/metrics", health.metrics)
     add_admin_routes(app)
+    add_dashboard_routes(app, guard_where_configured)
     app.cleanup_ctx.append(
         _lifecycle(
             owns_index,

@@ -26,6 +26,8 @@ fi
 
 echo "==> Prometheus and promtool (Debian's package) for the rule and dashboard tests"
 bash tests/setup_prometheus.sh
+echo "==> Chromium (Debian's package) for the /dashboard browser test"
+bash tests/setup_chromium.sh
 
 if [ -f replica/vllm_env/install.sh ]; then
   echo "==> installing the real vLLM (CPU build) into .venv-vllm for the e2e tier"

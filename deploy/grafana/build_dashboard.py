@@ -21,6 +21,12 @@ def _quantile(q: float, metric: str, by: str = "route") -> str:
     )
 
 
+def _percentiles(metric: str, by: str = "route") -> list[tuple[str, str]]:
+    """p50, p95 and p99 of a histogram, one target each, per ``by``."""
+    legend = "{{" + by + "}}"
+    return [(f"p{round(q * 100)} {legend}", _quantile(q, metric, by)) for q in (0.5, 0.95, 0.99)]
+
+
 def _ratio(num: str, den: str, by: str = "route") -> str:
     return f"sum by ({by}) (rate({num}[{RATE}])) / sum by ({by}) (rate({den}[{RATE}]))"
 
@@ -38,27 +44,43 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("{{route}}", _ratio('fleetgate_slo_requests_total{slo="all",outcome="met"}',
                                 'fleetgate_slo_requests_total{slo="all"}')),
         ]),
-        ("TTFT p50 / p95", "s", [
-            ("p50 {{route}}", _quantile(0.5, "fleetgate_ttft_seconds")),
-            ("p95 {{route}}", _quantile(0.95, "fleetgate_ttft_seconds")),
-        ]),
-        ("TPOT p50 / p95", "s", [
-            ("p50 {{route}}", _quantile(0.5, "fleetgate_tpot_seconds")),
-            ("p95 {{route}}", _quantile(0.95, "fleetgate_tpot_seconds")),
-        ]),
-        ("ITL p50 / p95", "s", [
-            ("p50 {{route}}", _quantile(0.5, "fleetgate_itl_seconds")),
-            ("p95 {{route}}", _quantile(0.95, "fleetgate_itl_seconds")),
-        ]),
-        ("Queue time p95 (gateway and engine)", "s", [
-            ("gateway {{route}}", _quantile(0.95, "fleetgate_queue_time_seconds")),
-            ("engine {{pod}}", _quantile(0.95, "vllm:request_queue_time_seconds", by="pod")),
-        ]),
+        ("TTFT p50 / p95 / p99", "s", _percentiles("fleetgate_ttft_seconds")),
+        ("TPOT p50 / p95 / p99", "s", _percentiles("fleetgate_tpot_seconds")),
+        ("ITL p50 / p95 / p99", "s", _percentiles("fleetgate_itl_seconds")),
+        ("Gateway queue time p50 / p95 / p99", "s", _percentiles("fleetgate_queue_time_seconds")),
         ("Requests by status", "reqps", [
             ("{{status}}", f"sum by (status) (rate(fleetgate_requests_total[{RATE}]))"),
         ]),
         ("Errors by code", "reqps", [
             ("{{code}}", f"sum by (code) (rate(fleetgate_errors_total[{RATE}]))"),
+        ]),
+    ]),
+    # The eight numbers `fleetgate advise` reads (docs/advise.md), per pool: engines carry the
+    # pool label through the scrape relabelling (deploy/base/servicemonitors.yaml).
+    ("Pools: what fleetgate advise reads", [
+        ("KV cache usage (fullest replica)", "percentunit", [
+            ("{{pool}}", "max by (pool) (vllm:kv_cache_usage_perc)"),
+        ]),
+        ("Requests waiting", "short", [("{{pool}}", "sum by (pool) (vllm:num_requests_waiting)")]),
+        ("Preemptions per minute", "short", [
+            ("{{pool}}", f"60 * sum by (pool) (rate(vllm:num_preemptions_total[{RATE}]))"),
+        ]),
+        ("Engine prefix-cache hit rate", "percentunit", [
+            ("{{pool}}", _ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+                                by="pool")),
+        ]),
+        ("Engine queue time p50 / p95 / p99", "s",
+         _percentiles("vllm:request_queue_time_seconds", by="pool")),
+        ("Engine prefill time p50 / p95 / p99 (vLLM's own timer)", "s",
+         _percentiles("vllm:request_prefill_time_seconds", by="pool")),
+        ("Engine TTFT p50 / p95 / p99", "s",
+         _percentiles("vllm:time_to_first_token_seconds", by="pool")),
+        ("Engine ITL p50 / p95 / p99", "s",
+         _percentiles("vllm:inter_token_latency_seconds", by="pool")),
+        ("Prompt + output tokens p50 / p95 / p99 (what --max-model-len bounds)", "short", [
+            (f"p{round(q * 100)} {{{{route}}}} / {{{{pool}}}}",
+             _quantile(q, "fleetgate_request_context_tokens", by="route, pool"))
+            for q in (0.5, 0.95, 0.99)
         ]),
     ]),
     ("Replicas", [

@@ -62,6 +62,7 @@ def banner(stack: EmbeddedStack, admin_key: str) -> str:
       model="{stack.model}", messages=[{{"role": "user", "content": "Hello!"}}])
   print(reply.choices[0].message.content)
 {_adapter_example(stack, admin_key)}
+  dashboard: {stack.url}/dashboard#key={admin_key}
   metrics:   {stack.url}/metrics
 {_scrape_targets(stack)}
   admin API: curl -H 'Authorization: Bearer {admin_key}' {stack.url}/admin/decisions

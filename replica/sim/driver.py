@@ -247,6 +247,8 @@ class EngineDriver:
                 stream.first_token_s = end_s
                 stream.cached_tokens = self.engine.cached_tokens(rid)
                 metrics.ttft.observe(end_s - stream.arrival_s)
+                scheduled_s = stream.arrival_s if stream.scheduled_s is None else stream.scheduled_s
+                metrics.prefill_time.observe(end_s - scheduled_s)
                 metrics.prompt_tokens.inc(stream.prompt_tokens)
             elif stream.last_token_s is not None:
                 metrics.itl.observe((end_s - stream.last_token_s) / count)

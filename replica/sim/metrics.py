@@ -96,6 +96,11 @@ class ReplicaMetrics:
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS,
         ).labels(*values)
+        # vLLM's own prefill timer: first scheduled to first token (what TTFT adds to the queue).
+        self.prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS,
+        ).labels(*values)
 
         self._max_lora = config.max_loras
         self._lora_info: Gauge | None = None

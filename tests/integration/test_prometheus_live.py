@@ -126,9 +126,11 @@ def _jobs(gateway: str, replicas: list[str], agents: list[str]) -> list[ScrapeJo
     # The labels the Kubernetes service discovery adds (deploy/base/servicemonitors.yaml): the
     # dashboard groups engines by pod.
     labels = {"namespace": NAMESPACE, "pod": "sim"}
+    # The engines' pool, as the ServiceMonitor's relabelling adds it; both modes name it default.
+    engine_labels = {**labels, "pool": "default"}
     jobs = [
         ScrapeJob("fleetgate-gateway", [_host(gateway)], {"namespace": NAMESPACE, "pod": "gw"}),
-        ScrapeJob("vllm-engines", [_host(u) for u in replicas], labels),
+        ScrapeJob("vllm-engines", [_host(u) for u in replicas], engine_labels),
     ]
     if agents:
         jobs.append(ScrapeJob("fleetgate-agents", [_host(u) for u in agents], labels))

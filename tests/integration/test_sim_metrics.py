@@ -23,6 +23,7 @@ ENGINE_SAMPLES = [
     "vllm:time_to_first_token_seconds_count",
     "vllm:inter_token_latency_seconds_count",
     "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_count",
 ]
 
 
@@ -67,6 +68,10 @@ async def test_vllm_metric_names_labels_and_values(fleet: SimFleet) -> None:
 
     assert _value(samples, "vllm:time_to_first_token_seconds_count") == 3
     assert _value(samples, "vllm:request_queue_time_seconds_count") == 3
+    # vLLM's prefill timer: scheduled to first token, once per request, never more than TTFT.
+    assert _value(samples, "vllm:request_prefill_time_seconds_count") == 3
+    prefill_s = _value(samples, "vllm:request_prefill_time_seconds_sum")
+    assert 0 < prefill_s <= _value(samples, "vllm:time_to_first_token_seconds_sum")
     # Three requests of 4 tokens: 3 inter-token gaps each.
     assert _value(samples, "vllm:inter_token_latency_seconds_count") == 9
     assert _value(samples, "vllm:num_requests_running") == 0
