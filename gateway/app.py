@@ -22,6 +22,7 @@ from aiohttp import web
 from gateway import errors, health, openai_api
 from gateway.adapters import AdapterSetup, open_registry, setup_from_policy
 from gateway.admin import add_admin_routes, guard_where_configured
+from gateway.apis.endpoints import add_api_routes
 from gateway.config import GatewayConfig
 from gateway.cost import RouteWindow
 from gateway.dashboard import add_dashboard_routes
@@ -31,6 +32,7 @@ from gateway.layout import LayoutDiagnostics
 from gateway.metrics import GatewayMetrics
 from gateway.policy_view import GatewayPolicy, from_policy
 from gateway.replicas import ReplicaRegistry
+from gateway.response_affinity import build_response_affinity
 from gateway.routing_glue import build_engine, build_gateway_index, build_prompt_tokenizer
 from gateway.state import GATEWAY, GatewayState
 from gateway.tasks import health_loop, inflight_loop, merge_fleet_store, policy_poll_loop
@@ -127,6 +129,8 @@ def create_app(
         decisions=deque(maxlen=config.decision_log_size),
         max_retries=config.max_retries,
         fleet_store=fleet_store,
+        # Shared through Redis when the gateway runs with Redis: a follow-up may reach any gateway.
+        response_affinity=build_response_affinity(config.redis_url),
     )
     if config.policy_path is not None:
         with contextlib.suppress(OSError):
@@ -137,6 +141,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_get("/v1/models", openai_api.list_models)
+    add_api_routes(app)  # Responses, Anthropic Messages, embeddings, tokenize (gateway/apis/)
     app.router.add_get("/health", health.health)
     app.router.add_get("/ready", health.ready)
     app.router.add_get("/metrics", health.metrics)
@@ -250,6 +255,7 @@ async def _clean_up(
         await _within(deadline, "upstream connections", gw.upstream.close())
         gw.upstream = None
     await _within(deadline, "in-flight counts", gw.inflight.close())
+    await _within(deadline, "response affinity", gw.response_affinity.close())
     close_tokenizer = getattr(gw.tokenizer, "close", None)
     if owns_tokenizer and close_tokenizer is not None:
         await _within(deadline, "tokenizer", close_tokenizer())

@@ -100,6 +100,9 @@ class ForwardPlan:
     max_attempts: int
     #: Bound on each wait for the replica (the first byte, then each next chunk).
     read_timeout_s: float
+    #: Bytes of the first stream event that carries output (``RequestKind.first_token_marker``):
+    #: the time to first token ends there. None: at the first event.
+    first_token_marker: bytes | None = None
 
 
 class ReplicaDirectory(Protocol):
@@ -182,10 +185,15 @@ class _BodyUsage(msgspec.Struct):
 
 
 class _EventUsage(msgspec.Struct):
-    """A stream event that mentions usage: the usage, and whether it carries choices too."""
+    """A stream event that mentions usage: the usage, and whether it carries choices too.
+
+    The Responses API streams its usage inside the final ``response.completed`` event's
+    ``response`` object instead.
+    """
 
     usage: dict[str, Any] | None = None
     choices: list[Any] | None = None
+    response: _BodyUsage | None = None
 
 
 _decode_body_usage = msgspec.json.Decoder(_BodyUsage).decode
@@ -247,6 +255,8 @@ class SseRelay:
                 self.usage = payload.usage
                 if self.hide_usage_chunk and not payload.choices:
                     return False
+            elif payload.response is not None and payload.response.usage is not None:
+                self.usage = payload.response.usage
         return True
 
 
@@ -281,6 +291,7 @@ async def _relay_stream(
     request_id: str,
     hide_usage_chunk: bool,
     hooks: AttemptHooks,
+    first_token_marker: bytes | None = None,
 ) -> web.StreamResponse:
     relay = SseRelay(hide_usage_chunk)
     first = await _first_events(resp, relay)  # raises before any byte reached the client
@@ -303,6 +314,12 @@ async def _relay_stream(
         outcome.responded = True
         async for events in upstream_events():
             now = time.monotonic()
+            if last is None and first_token_marker is not None and not any(
+                first_token_marker in event for event in events
+            ):
+                for event in events:  # before any output (response.created): not yet TTFT
+                    await out.write(event)
+                continue
             if last is None:
                 outcome.ttft_s = now - (outcome.sent_at or now)
                 if outcome.replica is not None:
@@ -446,7 +463,8 @@ async def send(
                         continue
                     if resp.status == 200 and plan.stream:
                         result = await _relay_stream(
-                            request, resp, outcome, request_id, plan.hide_usage_chunk, hooks
+                            request, resp, outcome, request_id, plan.hide_usage_chunk, hooks,
+                            plan.first_token_marker,
                         )
                     else:
                         result = await _relay_body(resp, outcome, request_id)

@@ -41,7 +41,7 @@ def plan_forward(
     gw: GatewayState, routed: RouteDecision, kind: RequestKind, body: Mapping[str, Any], raw: bytes
 ) -> ForwardPlan:
     """The plan for ``routed``: ``raw`` reused as the payload where nothing must change."""
-    payload, hide_usage = upstream_payload(body, raw, routed.tenant)
+    payload, hide_usage = (kind.payload or upstream_payload)(body, raw, routed.tenant)
     decision = routed.decision
     return ForwardPlan(
         request_id=routed.routing_request.request_id,
@@ -53,6 +53,7 @@ def plan_forward(
         candidates=(decision.replica, *decision.fallbacks),
         max_attempts=1 + gw.max_retries,
         read_timeout_s=gw.config.upstream_timeout_s,
+        first_token_marker=kind.first_token_marker,
     )
 
 

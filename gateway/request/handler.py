@@ -33,16 +33,31 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             tenant = admit(gw, request)
             body, raw = await read_body(request, gw.config.max_body_bytes)
             kind.validate(body)
+            if kind.prepare is not None:
+                body = kind.prepare(body)
             # ADMISSION: an admission step (queueing, concurrency limits) is awaited here, with
             # the tenant and the checked body known and nothing routed yet.
-            routed = await route(gw, request, tenant, kind, body, request_id, labels)
+            pinned = None
+            if kind.pinned_replica is not None:  # e.g. where a previous response is stored
+                pinned = await kind.pinned_replica(gw, tenant, body)
+            routed = await route(
+                gw, request, tenant, kind, body, request_id, labels, pinned=pinned
+            )
             span.set_attribute("fleetgate.route", routed.route.name)
             plan = plan_forward(gw, routed, kind, body, raw)
             recorder = AttemptRecorder(gw, routed, arrived)
             forwarded = True  # from here on, accounting records the request
+            if kind.served_by is not None:  # told before the first byte can reach the client
+                await kind.served_by(gw, tenant, body, routed.decision.replica)
             try:
-                return await forward(gw, request, routed, plan, recorder)
+                response = await forward(gw, request, routed, plan, recorder)
+                served = recorder.outcome.replica
+                if kind.served_by is not None and served not in (None, routed.decision.replica):
+                    await kind.served_by(gw, tenant, body, served)  # a fallback answered
+                return response
             finally:
+                if kind.usage is not None:  # the API's own usage shape, as accounting reads it
+                    recorder.outcome.usage = kind.usage(recorder.outcome.usage)
                 # After the handler returns, aiohttp writes the response before the loop runs
                 # the next callback: accounting stays off the client's latency.
                 asyncio.get_running_loop().call_soon(
@@ -53,6 +68,8 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         if not forwarded:
             status = str(err.status)
             gw.metrics.requests.labels(labels.route, labels.model, "none", status).inc()
+        if kind.error_response is not None:
+            return kind.error_response(err, request_id)
         return err.response(request_id)
     finally:
         gw.active_requests -= 1

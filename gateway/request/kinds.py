@@ -10,16 +10,36 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.request_body import validate_chat, validate_common, validate_completion
 from routing.contracts import PromptTokenizer, TokenizedPrompt
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from gateway.errors import GatewayError
+    from gateway.policy_view import Tenant
+    from gateway.state import GatewayState
+    from routing.types import ReplicaId
 
 Body = Mapping[str, Any]
 #: Checks the fields the gateway reads; raises ``GatewayError`` (400) on bad input.
 BodyCheck = Callable[[Body], None]
 #: What vLLM will tokenize for this body, through ``tokenizer``, for base model ``model``.
 PromptOf = Callable[[PromptTokenizer, str, Body], Awaitable[TokenizedPrompt]]
+#: The body with the gateway-owned fields this API needs (run once, after the check).
+BodyPrep = Callable[[dict[str, Any]], dict[str, Any]]
+#: (body, the client's bytes, tenant) -> (the bytes the replica gets, hide the usage chunk).
+PayloadOf = Callable[[Body, bytes, "Tenant"], tuple[bytes, bool]]
+#: The answer's ``usage`` in the chat shape accounting reads.
+UsageOf = Callable[[Mapping[str, Any] | None], Mapping[str, Any] | None]
+#: A gateway error as this API's clients expect it (its own envelope).
+ErrorOf = Callable[["GatewayError", str], "web.Response"]
+#: The one replica this request must go to, whatever the policy says (or None: route it).
+PinOf = Callable[["GatewayState", "Tenant", Body], Awaitable["ReplicaId | None"]]
+#: Told which replica is about to serve, or served, the request (before its answer is relayed).
+ServedBy = Callable[["GatewayState", "Tenant", Body, "ReplicaId"], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +55,19 @@ class RequestKind:
     prompt: PromptOf
     #: False: no prompt blocks to match (routing on load alone, no speculative index write).
     prefix_routed: bool = True
+    # The hooks below let an API that is not chat-shaped (``gateway/apis/``: Responses,
+    # Anthropic Messages, embeddings) use the same path; None keeps chat's behaviour.
+    prepare: BodyPrep | None = None
+    #: None: chat's (``forward.upstream_payload``: the tenant's salt, the stream's usage chunk).
+    payload: PayloadOf | None = None
+    usage: UsageOf | None = None
+    #: None: the OpenAI envelope.
+    error_response: ErrorOf | None = None
+    pinned_replica: PinOf | None = None
+    served_by: ServedBy | None = None
+    #: Bytes that mark a stream event carrying output tokens; events before the first such one
+    #: (Responses' ``response.created``) do not end the time to first token. None: any event.
+    first_token_marker: bytes | None = None
 
 
 def _validate_chat(body: Body) -> None:

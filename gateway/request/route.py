@@ -33,6 +33,7 @@ from gateway.state import GatewayState
 from gateway.tracing import NullTracer, record_stage_spans
 from routing.contracts import NoReplicaAvailable, RoutingDecision, RoutingRequest, TokenizedPrompt
 from routing.hashing import CHARS_PER_TOKEN, chain_seed, prompt_chain
+from routing.types import ReplicaId
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,13 @@ async def route(
     body: Body,
     request_id: str,
     labels: RequestLabels,
+    pinned: ReplicaId | None = None,
 ) -> RouteDecision:
     """Everything between admission and the upstream call; raises ``GatewayError``.
 
     Fills ``labels`` (route, base model) as soon as they are known, for error metrics.
+    ``pinned``: the one replica that can serve the request (``RequestKind.pinned_replica``);
+    the policy is not asked, and there is no fallback.
     """
     model = str(body["model"])
     base_model, adapter = resolve_model(gw, tenant, model)
@@ -137,7 +141,10 @@ async def route(
         block_size=block_size,
         max_output_tokens=max_tokens if isinstance(max_tokens, int) else None,
     )
-    decision, last_resort = await _pick_replica(gw, routing_request, matched_route)
+    if pinned is not None:
+        decision, last_resort = pinned_decision(pinned), False
+    else:
+        decision, last_resort = await _pick_replica(gw, routing_request, matched_route)
     return RouteDecision(
         matched_route,
         tenant,
@@ -149,6 +156,17 @@ async def route(
         decision,
         last_resort,
         time.time(),
+    )
+
+
+#: The ``profile`` a pinned request's decision shows in the decision log.
+PINNED_PROFILE = "pinned"
+
+
+def pinned_decision(replica: ReplicaId) -> RoutingDecision:
+    """The decision for a request that only ``replica`` can serve: no scoring, no fallback."""
+    return RoutingDecision(
+        replica=replica, fallbacks=[], profile=PINNED_PROFILE, degraded=False, explanations={}
     )
 
 

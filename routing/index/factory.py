@@ -6,23 +6,37 @@ from typing import Any
 
 from routing.contracts import BlockIndex
 
-__all__ = ["build_index"]
+__all__ = ["INDEX_MODES", "build_index"]
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
-def build_index(url: str | None = None, **opts: Any) -> BlockIndex:
-    """Build the index that ``url`` names.
+#: How a Redis-backed index is read: ``lookup`` runs one Redis script per lookup
+#: (``RedisBlockIndex``); ``mirror`` keeps a local copy fed by Redis streams
+#: (``MirrorBlockIndex``; writers that never look up use ``StreamIndexWriter``).
+INDEX_MODES = ("lookup", "mirror")
+
+
+def build_index(url: str | None = None, *, mode: str = "lookup", **opts: Any) -> BlockIndex:
+    """Build the index that ``url`` and ``mode`` name.
 
     ``None``, ``""`` or ``"memory"`` give a ``MemoryBlockIndex`` (``opts``: ``max_entries``,
     ``clock``, ``require_heartbeat``); a ``redis://``, ``rediss://`` or ``unix://`` URL gives a
-    ``RedisBlockIndex`` (``opts``: ``key_prefix``, ``timeout_s``, ``block_ttl_s``, ...).
+    ``RedisBlockIndex`` in ``lookup`` mode (``opts``: ``key_prefix``, ``timeout_s``,
+    ``block_ttl_s``, ...) or a ``MirrorBlockIndex`` in ``mirror`` mode (``opts``: ``key_prefix``,
+    ``shards``, ``timeout_s``, ``max_entries``, ...).
     """
+    if mode not in INDEX_MODES:
+        raise ValueError(f"index mode must be one of {', '.join(INDEX_MODES)} (got {mode!r})")
     if url is None or url in ("", "memory"):
         from routing.index.memory import MemoryBlockIndex
 
         return MemoryBlockIndex(**opts)
     if isinstance(url, str) and url.startswith(_REDIS_SCHEMES):
+        if mode == "mirror":
+            from routing.index.mirror import MirrorBlockIndex
+
+            return MirrorBlockIndex(url, **opts)
         from routing.index.redis_backend import RedisBlockIndex
 
         return RedisBlockIndex(url, **opts)

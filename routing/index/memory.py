@@ -419,6 +419,10 @@ class MemoryBlockIndex:
 
     async def set_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
         """Declare ``epoch`` the live incarnation of ``replica``; entries of other epochs die."""
+        self.set_epoch_now(replica, epoch)
+
+    def set_epoch_now(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """``set_epoch`` without a coroutine (the mirror applies stream events with it)."""
         check_replica(replica)
         check_epoch(epoch)
         self._make_live(replica, epoch)
@@ -428,6 +432,10 @@ class MemoryBlockIndex:
 
         Retiring an epoch that is not the live one changes nothing: its entries are already dead.
         """
+        self.retire_epoch_now(replica, epoch)
+
+    def retire_epoch_now(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """``retire_epoch`` without a coroutine."""
         check_replica(replica)
         check_epoch(epoch)
         if self._epochs.get(replica) == epoch:
@@ -436,6 +444,10 @@ class MemoryBlockIndex:
 
     async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
         """Keep ``replica``'s entries matching for ``ttl_s`` more seconds."""
+        self.heartbeat_now(replica, ttl_s)
+
+    def heartbeat_now(self, replica: ReplicaId, ttl_s: float) -> None:
+        """``heartbeat`` without a coroutine."""
         check_replica(replica)
         check_ttl(ttl_s, optional=False)
         now = self._clock()
@@ -540,6 +552,10 @@ class MemoryBlockIndex:
 
     async def remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
         """Forget that ``replica`` at ``epoch`` holds ``blocks``; other epochs' entries stay."""
+        self.remove_now(replica, epoch, blocks)
+
+    def remove_now(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
+        """``remove`` without a coroutine."""
         check_replica(replica)
         check_epoch(epoch)
         _checked_blocks(blocks)

@@ -16,7 +16,7 @@ import pytest
 
 from routing.contracts import BlockIndex, IndexStats
 from routing.hashing import chain_seed, hash_token_blocks
-from routing.index import MemoryBlockIndex, RedisBlockIndex
+from routing.index import MemoryBlockIndex, MirrorBlockIndex, RedisBlockIndex
 from routing.types import BlockHash, Epoch, ReplicaId
 
 R1, R2, R3 = ReplicaId("pool/r1"), ReplicaId("pool/r2"), ReplicaId("pool/r3")
@@ -53,8 +53,52 @@ class Backend:
     pass_time: Callable[[float, Callable[[], Awaitable[bool]]], Awaitable[None]]
 
 
-@pytest.fixture(params=["memory", "redis"])
+class MirrorPair:
+    """Two gateways' mirrors on one Redis: writes go through ``writer``, reads come from
+    ``reader`` once it has applied everything in the streams, so every case also checks that
+    a change reaches another gateway through Redis alone."""
+
+    def __init__(self, writer: MirrorBlockIndex, reader: MirrorBlockIndex) -> None:
+        self.writer, self.reader = writer, reader
+
+    def __getattr__(self, name: str):  # set_epoch, retire_epoch, record, remove, heartbeat
+        return getattr(self.writer, name)
+
+    async def match(self, chain: list[BlockHash]) -> dict[ReplicaId, int]:
+        await self.reader.sync()
+        return await self.reader.match(chain)
+
+    async def stats(self) -> IndexStats:
+        await self.reader.sync()
+        return await self.reader.stats()
+
+
+@pytest.fixture(params=["memory", "redis", "mirror", "mirror-peer"])
 async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    if request.param in ("mirror", "mirror-peer"):
+        clock = FakeClock()
+        prefix = f"fgtest-{uuid.uuid4().hex}"
+        redis_url = request.getfixturevalue("redis_url")
+        mirrors = [
+            MirrorBlockIndex(redis_url, key_prefix=prefix, timeout_s=2.0, clock=clock, shards=4)
+            for _ in range(2 if request.param == "mirror-peer" else 1)
+        ]
+        for mirror in mirrors:
+            await mirror.start()
+
+        async def advance_mirror(seconds: float, done: Callable[[], Awaitable[bool]]) -> None:
+            for mirror in mirrors:  # a peer times a guess or heartbeat from when it applies it
+                await mirror.sync()
+            clock.now += seconds
+            assert await done(), f"condition still false after moving the clock {seconds}s"
+
+        index: BlockIndex = mirrors[0] if len(mirrors) == 1 else MirrorPair(*mirrors)  # type: ignore[assignment]
+        try:
+            yield Backend(index, advance_mirror)
+        finally:
+            for mirror in mirrors:
+                await mirror.close()
+        return
     if request.param == "memory":
         clock = FakeClock()
 
@@ -237,7 +281,7 @@ async def test_stats_count_blocks_and_live_replicas(backend: Backend) -> None:
     await index.retire_epoch(R3, E1)
     stats = await index.stats()
     assert isinstance(stats, IndexStats)
-    assert stats.backend in {"memory", "redis"}
+    assert stats.backend in {"memory", "redis", "mirror"}
     assert (stats.entries, stats.replicas) == (5, 2)
 
 

@@ -1,0 +1,152 @@
+"""The ``RequestKind`` of each API beyond chat and completions (``gateway/request/kinds.py``).
+
+Each goes through the same route → forward → account path as chat. What differs is here: the
+body check, the prompt to route on, the upstream body (the tenant's ``cache_salt``; no
+``stream_options``, which these APIs do not take), the usage shape, the error envelope, and for
+the Responses API the replica a follow-up is pinned to.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from gateway.apis import anthropic, responses, usage
+from gateway.errors import bad_request
+from gateway.policy_view import Tenant
+from gateway.request.kinds import Body, RequestKind
+from gateway.request_body import validate_common
+from gateway.state import GatewayState
+from routing.contracts import PromptTokenizer, TokenizedPrompt
+from routing.types import ReplicaId
+
+
+def _encode(value: Any) -> bytes:
+    try:
+        return msgspec.json.encode(value)
+    except (TypeError, ValueError, OverflowError):
+        return json.dumps(value).encode()
+
+
+def salted_payload(body: Body, raw: bytes, tenant: Tenant) -> tuple[bytes, bool]:
+    """The body with the tenant's ``cache_salt`` (any client salt replaced or dropped)."""
+    out = dict(body)
+    if tenant.cache_salt:
+        out["cache_salt"] = tenant.cache_salt
+    else:
+        out.pop("cache_salt", None)  # the gateway owns the salt: never trust the client's
+    return _encode(out), False
+
+
+def unchanged_payload(body: Body, raw: bytes, tenant: Tenant) -> tuple[bytes, bool]:
+    """The client's bytes as they are (tokenize/detokenize use no cache)."""
+    return raw, False
+
+
+async def _no_prompt(tokenizer: PromptTokenizer, model: str, body: Body) -> TokenizedPrompt:
+    return TokenizedPrompt(token_ids=[])
+
+
+# --------------------------------------------------------------------------- Responses
+
+
+def _with_response_id(body: dict[str, Any]) -> dict[str, Any]:
+    # The gateway owns vLLM's request_id here (it becomes the response id): it must know the id
+    # before the answer, and a client's own could collide with another tenant's.
+    return {**body, "request_id": responses.new_response_id()}
+
+
+async def _previous_response_home(
+    gw: GatewayState, tenant: Tenant, body: Body
+) -> ReplicaId | None:
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return None
+    return await responses.home_replica(gw, gw.response_affinity, tenant.name, str(previous))
+
+
+async def _remember_home(gw: GatewayState, tenant: Tenant, body: Body, replica: ReplicaId) -> None:
+    if body.get("store", True) is not False:
+        await responses.remember(gw.response_affinity, str(body["request_id"]), replica,
+                                 tenant.name)
+
+
+RESPONSES = RequestKind(
+    "responses",
+    "/v1/responses",
+    responses.validate,
+    responses.prompt,
+    prepare=_with_response_id,
+    payload=salted_payload,
+    usage=usage.from_responses,
+    pinned_replica=_previous_response_home,
+    served_by=_remember_home,
+    first_token_marker=b'"response.output_text.delta"',
+)
+
+
+# --------------------------------------------------------------------------- Anthropic Messages
+
+
+MESSAGES = RequestKind(
+    "messages",
+    "/v1/messages",
+    anthropic.validate,
+    anthropic.prompt,
+    payload=salted_payload,
+    usage=usage.from_anthropic,
+    error_response=anthropic.error_response,
+)
+
+
+# --------------------------------------------------------------------------- pooling, tokenizer
+
+
+def _validate_embeddings(body: Body) -> None:
+    validate_common(body)
+    value = body.get("input")
+    if isinstance(value, str):
+        return
+    if isinstance(value, list) and value and (
+        all(isinstance(x, str) for x in value)
+        or all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+        or all(isinstance(x, list) for x in value)
+    ):
+        return
+    raise bad_request(
+        "`input` must be a string, an array of strings, token ids, or arrays of token ids.",
+        "input",
+    )
+
+
+def _validate_tokenize(body: Body) -> None:
+    validate_common(body)
+    if not isinstance(body.get("prompt"), str) and not isinstance(body.get("messages"), list):
+        raise bad_request("Either `prompt` (a string) or `messages` (an array) is required.",
+                          "prompt")
+
+
+def _validate_detokenize(body: Body) -> None:
+    validate_common(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise bad_request("`tokens` must be an array of token ids.", "tokens")
+
+
+EMBEDDINGS = RequestKind(
+    "embeddings", "/v1/embeddings", _validate_embeddings, _no_prompt, prefix_routed=False,
+    payload=salted_payload, usage=usage.from_pooling,
+)
+TOKENIZE = RequestKind(
+    "tokenize", "/tokenize", _validate_tokenize, _no_prompt, prefix_routed=False,
+    payload=unchanged_payload,
+)
+DETOKENIZE = RequestKind(
+    "detokenize", "/detokenize", _validate_detokenize, _no_prompt, prefix_routed=False,
+    payload=unchanged_payload,
+)
+

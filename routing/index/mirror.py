@@ -1,0 +1,520 @@
+"""``MirrorBlockIndex``: each gateway's in-process copy of the shared index, fed by Redis streams.
+
+Lookups never leave the process: ``match_now`` walks a local ``MemoryBlockIndex``. Redis holds
+the shared truth in the stream layout (``stream_layout``): per replica its live epoch, sequence
+number, heartbeat deadline and confirmed blocks, plus one capped event stream per shard. A mirror
+
+1. **bootstraps**: reads each shard's last stream id, then each replica's snapshot (atomic per
+   replica: epoch, sequence number, blocks), then the last ``speculative_catchup_s`` of guesses
+   still in the streams;
+2. **tails** every shard's stream from those ids and applies each event to the local index, in
+   order. Engine-confirmed events carry the replica's sequence number and the incarnation of its
+   Redis state: an event already covered by the snapshot is skipped; a *gap* (the mirror fell
+   behind the stream's cap, or missed events while Redis was unreachable) or a *new
+   incarnation* (Redis lost the replica's keys) reloads that replica's snapshot, and
+   ``stats().extra["replica_reloads"]`` counts each by reason;
+3. **notices a lost Redis** (``FLUSHALL``, a restart without persistence): the generation token
+   it read at bootstrap is gone. It then routes load-only (lookups raise ``IndexUnavailable``)
+   until it has rebuilt from what Redis holds; the agents notice too and re-publish.
+
+Store epochs (the agents' numbers) map to *local* epochs that this mirror numbers itself, so a
+snapshot reload can start a replica afresh in the local index without ever reusing an epoch
+number there. Own writes go to Redis first (confirmed) or after (speculative: the decision must
+show at once) and are applied locally at once; their echo from the stream is idempotent.
+
+While Redis is unreachable the mirror keeps answering from what it holds; heartbeats stop
+arriving, so replicas that heartbeat stop matching after their TTL (load-only, as in lookup
+mode), and the tail resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from routing.contracts import IndexStats, IndexUnavailable
+from routing.index import stream_scripts
+from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
+from routing.index.memory import MemoryBlockIndex
+from routing.index.stream_layout import DEFAULT_SHARDS
+from routing.index.stream_writer import DEFAULT_STREAM_MAX_LEN, StreamIndexWriter, unpack_blocks
+from routing.types import BlockHash, Epoch, ReplicaId
+
+__all__ = ["MirrorBlockIndex"]
+
+log = logging.getLogger(__name__)
+
+#: Replicas whose snapshots one pipeline reads at bootstrap.
+_SNAPSHOT_BATCH = 128
+#: Stream entries one tail read takes at most.
+_TAIL_COUNT = 2000
+_REDIS_DOWN = (RedisError, OSError, TimeoutError, IndexUnavailable)
+
+
+def _stream_id(raw: bytes | str) -> tuple[int, int]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class MirrorBlockIndex:
+    """A ``BlockIndex`` answered in process, kept in step with Redis streams (module doc).
+
+    ``redis_url`` names the shared Redis; ``key_prefix`` and ``shards`` must match the agents'.
+    Local options (``max_entries``, ``clock``, ``require_heartbeat``) are the memory index's.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        key_prefix: str = "fleetgate:",
+        shards: int = DEFAULT_SHARDS,
+        timeout_s: float = 0.1,
+        stream_max_len: int = DEFAULT_STREAM_MAX_LEN,
+        max_entries: int = 1_000_000,
+        clock: Callable[[], float] = time.monotonic,
+        require_heartbeat: bool = False,
+        check_interval_s: float = 1.0,
+        tail_block_ms: int = 500,
+        bootstrap_timeout_s: float = 30.0,
+        speculative_catchup_s: float = 30.0,
+    ) -> None:
+        if not isinstance(redis_url, str):
+            raise TypeError(f"redis_url must be a URL string (got {redis_url!r})")
+        check_ttl(check_interval_s, "check_interval_s", optional=False)
+        check_ttl(bootstrap_timeout_s, "bootstrap_timeout_s", optional=False)
+        check_ttl(speculative_catchup_s, "speculative_catchup_s", optional=False)
+        if isinstance(tail_block_ms, bool) or not isinstance(tail_block_ms, int) or (
+            tail_block_ms <= 0
+        ):
+            raise ValueError(f"tail_block_ms must be a positive integer (got {tail_block_ms!r})")
+        self._origin = uuid.uuid4().hex[:16]
+        self._writer = StreamIndexWriter(
+            redis_url, key_prefix=key_prefix, shards=shards, timeout_s=timeout_s,
+            stream_max_len=stream_max_len, origin=self._origin,
+        )
+        self.layout = self._writer.layout
+        # The tail blocks in XREAD for up to tail_block_ms: its own client, with a socket
+        # timeout above that (the writer's would cut every blocking read short).
+        self._tail_client = aioredis.Redis.from_url(
+            redis_url,
+            socket_timeout=tail_block_ms / 1000 + max(timeout_s, 1.0),
+            socket_connect_timeout=max(timeout_s, 1.0),
+        )
+        self._snapshot = self._writer.client.register_script(stream_scripts.SNAPSHOT)
+        self._local_options: dict[str, Any] = {
+            "max_entries": max_entries, "clock": clock, "require_heartbeat": require_heartbeat,
+        }
+        self._local = MemoryBlockIndex(**self._local_options)
+        self._check_interval_s = float(check_interval_s)
+        self._tail_block_ms = tail_block_ms
+        self._bootstrap_timeout_s = float(bootstrap_timeout_s)
+        self._catchup_ms = round(speculative_catchup_s * 1000)
+        self._local_epochs = itertools.count(1)
+        #: Per replica: its store epoch (``None``: retired) and the local epoch standing for it.
+        self._store_epoch: dict[ReplicaId, Epoch | None] = {}
+        self._local_epoch: dict[ReplicaId, Epoch] = {}
+        #: Per replica: (incarnation of its Redis state, last sequence number applied).
+        self._seq: dict[ReplicaId, tuple[bytes, int]] = {}
+        self._last_ids: dict[str, bytes] = {}
+        self._generation: bytes | None = None
+        self._ready = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._events_applied = 0
+        self._reloads: Counter[str] = Counter()
+        self._rebuilds = 0
+        self._tail_errors = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _ensure_started(self) -> None:
+        if self._task is None and not self._closed:
+            self._task = asyncio.get_running_loop().create_task(
+                self._follow(), name="fleetgate-index-mirror"
+            )
+
+    async def start(self) -> None:
+        """Start following Redis and wait (up to ``bootstrap_timeout_s``) for the bootstrap."""
+        self._ensure_started()
+        await self._wait_ready()
+
+    async def _wait_ready(self) -> None:
+        if self._ready.is_set():
+            return
+        self._ensure_started()
+        try:
+            async with asyncio.timeout(self._bootstrap_timeout_s):
+                await self._ready.wait()
+        except TimeoutError as exc:
+            raise IndexUnavailable(
+                f"index mirror not bootstrapped within {self._bootstrap_timeout_s}s"
+            ) from exc
+
+    @property
+    def ready(self) -> bool:
+        """True once bootstrapped (and not rebuilding after Redis lost its data)."""
+        return self._ready.is_set()
+
+    async def close(self) -> None:
+        """Stop following and close both Redis clients."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._tail_client.aclose()
+        await self._writer.close()
+
+    # ------------------------------------------------------------------ following Redis
+
+    async def _follow(self) -> None:
+        """Bootstrap, then tail; on Redis errors retry (the local index keeps answering)."""
+        backoff = 0.05
+        # ``_closed`` too, not only cancellation: redis-py may turn a cancel that lands inside a
+        # blocking read into a connection error, which the retry below would otherwise absorb.
+        while not self._closed:
+            try:
+                if not self._ready.is_set():
+                    await self._bootstrap()
+                    self._ready.set()
+                    self._progress.set()
+                await self._tail()
+            except asyncio.CancelledError:
+                raise
+            except _REDIS_DOWN as exc:
+                self._tail_errors += 1
+                log.warning(
+                    "index mirror: Redis unavailable (%s: %s); retrying", type(exc).__name__, exc
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            else:
+                backoff = 0.05
+
+    async def _read_generation(self) -> bytes:
+        client = self._writer.client
+        token = await client.get(self.layout.generation_key)
+        if token is None:
+            await client.set(self.layout.generation_key, uuid.uuid4().hex, nx=True)
+            token = await client.get(self.layout.generation_key)
+        return bytes(token)
+
+    async def _bootstrap(self) -> None:
+        """Read every replica's snapshot and the recent guesses; set the tail's start ids."""
+        client = self._writer.client
+        generation = await self._read_generation()
+        keys = self.layout.all_events_keys()
+        pipe = client.pipeline(transaction=False)
+        for shard, key in enumerate(keys):
+            pipe.xrevrange(key, count=1)
+            pipe.smembers(self.layout.replicas_key(shard))
+        pipe.time()
+        replies = await pipe.execute()
+        seconds, micros = replies[-1]
+        server_ms = seconds * 1000 + micros // 1000
+        last_ids: dict[str, bytes] = {}
+        replicas: list[ReplicaId] = []
+        for shard, key in enumerate(keys):
+            newest, members = replies[2 * shard], replies[2 * shard + 1]
+            last_ids[key] = newest[0][0] if newest else b"0-0"
+            replicas.extend(sorted(member.decode() for member in members))
+        # Start afresh: this is the first bootstrap, or a rebuild after Redis lost its data.
+        self._local = MemoryBlockIndex(**self._local_options)
+        self._store_epoch.clear()
+        self._local_epoch.clear()
+        self._seq.clear()
+        for start in range(0, len(replicas), _SNAPSHOT_BATCH):
+            batch = replicas[start : start + _SNAPSHOT_BATCH]
+            pipe = client.pipeline(transaction=False)
+            for replica in batch:
+                keys_of = self.layout.replica_keys(replica)
+                await self._snapshot(keys=[keys_of.state, keys_of.blocks], client=pipe)
+            for replica, reply in zip(batch, await pipe.execute(), strict=True):
+                self._apply_snapshot(replica, reply)
+        # Guesses are not in the snapshots: take the ones young enough to still matter.
+        since = f"{max(0, server_ms - self._catchup_ms)}-0"
+        for key in keys:
+            if last_ids[key] == b"0-0":
+                continue
+            for entry_id, fields in await client.xrange(key, min=since, max=last_ids[key]):
+                if fields.get(b"o") == b"s":
+                    age_ms = server_ms - _stream_id(entry_id)[0]
+                    self._apply_guess(fields, age_ms)
+        self._last_ids = last_ids
+        self._generation = generation
+        log.info("index mirror: bootstrapped %d replicas", len(replicas))
+
+    async def _tail(self) -> None:
+        """Apply stream events until an error or a lost generation (then rebuild)."""
+        next_check = time.monotonic() + self._check_interval_s
+        while not self._closed:
+            replies = await self._tail_client.xread(
+                streams=dict(self._last_ids), count=_TAIL_COUNT, block=self._tail_block_ms
+            )
+            for raw_key, entries in replies or ():
+                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                for entry_id, fields in entries:
+                    await self._apply_event(fields)
+                    self._last_ids[key] = entry_id
+            self._progress.set()
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + self._check_interval_s
+                if await self._read_generation() != self._generation:
+                    self._lost_store()
+                    return
+
+    def _lost_store(self) -> None:
+        """Redis lost its data: route load-only until rebuilt (``_follow`` bootstraps again)."""
+        self._rebuilds += 1
+        self._ready.clear()
+        log.warning("index mirror: Redis lost the index (flush or restart); rebuilding")
+
+    async def sync(self, timeout_s: float = 5.0) -> None:
+        """Wait until this mirror has applied every event in the streams now (tests, tools).
+
+        Raises ``TimeoutError`` naming what it waited for if that takes over ``timeout_s``.
+        """
+        await self._wait_ready()
+        pipe = self._writer.client.pipeline(transaction=False)
+        keys = self.layout.all_events_keys()
+        for key in keys:
+            pipe.xrevrange(key, count=1)
+        targets = {
+            key: _stream_id(reply[0][0])
+            for key, reply in zip(keys, await pipe.execute(), strict=True)
+            if reply
+        }
+        try:
+            async with asyncio.timeout(timeout_s):
+                while any(
+                    _stream_id(self._last_ids.get(key, b"0-0")) < target
+                    for key, target in targets.items()
+                ):
+                    self._progress.clear()
+                    await self._progress.wait()
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"index mirror did not reach the streams' ends within {timeout_s}s"
+            ) from exc
+
+    # ------------------------------------------------------------------ applying events
+
+    async def _apply_event(self, fields: dict[bytes, bytes]) -> None:
+        op = fields[b"o"]
+        if op == b"s":
+            if fields.get(b"g", b"").decode() != self._origin:  # our own guess is applied
+                self._apply_guess(fields, 0)
+            return
+        replica = ReplicaId(fields[b"p"].decode())
+        seq, incarnation = int(fields[b"q"]), fields[b"i"]
+        known = self._seq.get(replica)
+        if known is not None and known[0] == incarnation:
+            if seq <= known[1]:
+                return  # the snapshot (or an earlier reload) covered it
+            if seq != known[1] + 1:
+                await self._reload(replica, "gap")
+                return
+        elif seq != 1:
+            await self._reload(replica, "gap" if known is None else "store_reset")
+            return
+        elif known is not None:
+            # A new incarnation of the replica's Redis state: Redis lost it. Start it afresh.
+            self._reloads["store_reset"] += 1
+            self._forget(replica)
+        self._seq[replica] = (incarnation, seq)
+        self._events_applied += 1
+        epoch_text = fields.get(b"e", b"")
+        epoch = Epoch(int(epoch_text)) if epoch_text else None
+        if op == b"e" and epoch is not None:
+            self._apply_set_epoch(replica, epoch)
+        elif op == b"t" and epoch is not None:
+            self._apply_retire(replica, epoch)
+        elif op == b"r" and epoch is not None:
+            self._apply_record(replica, epoch, unpack_blocks(fields[b"b"]), None)
+        elif op == b"x" and epoch is not None:
+            self._apply_remove(replica, epoch, unpack_blocks(fields[b"b"]))
+        elif op == b"h":
+            self._local.heartbeat_now(replica, int(fields[b"t"]) / 1000)
+
+    def _apply_guess(self, fields: dict[bytes, bytes], age_ms: float) -> None:
+        ttl_ms = int(fields[b"t"]) - age_ms
+        if ttl_ms <= 0:
+            return
+        self._apply_record(
+            ReplicaId(fields[b"p"].decode()), Epoch(int(fields[b"e"])),
+            unpack_blocks(fields[b"b"]), ttl_ms / 1000,
+        )
+
+    async def _reload(self, replica: ReplicaId, reason: str) -> None:
+        keys = self.layout.replica_keys(replica)
+        reply = await self._snapshot(keys=[keys.state, keys.blocks])
+        self._reloads[reason] += 1
+        log.info("index mirror: reloaded replica %s (%s)", replica, reason)
+        self._apply_snapshot(replica, reply)
+
+    def _apply_snapshot(self, replica: ReplicaId, reply: Sequence[bytes]) -> None:
+        epoch_text = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        self._seq[replica] = (bytes(reply[2]), int(reply[1]))
+        if epoch_text and not epoch_text.startswith("~"):
+            self._declare(replica, Epoch(int(epoch_text)))
+            blocks = unpack_blocks(b"".join(reply[4:]))
+            if blocks:
+                self._local.record_now(replica, self._local_epoch[replica], blocks)
+        else:
+            self._forget(replica)
+            if epoch_text:  # retired: writes for it are dropped, as in Redis
+                self._store_epoch[replica] = None
+        left_ms = int(reply[3])
+        if left_ms >= 0:
+            self._local.heartbeat_now(replica, max(left_ms, 1) / 1000)
+
+    def _declare(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """A fresh local incarnation for ``replica`` at store epoch ``epoch`` (empty)."""
+        local = Epoch(next(self._local_epochs))
+        self._local.set_epoch_now(replica, local)
+        self._store_epoch[replica] = epoch
+        self._local_epoch[replica] = local
+
+    def _forget(self, replica: ReplicaId) -> None:
+        """The replica matches nothing locally; its next write adopts an epoch again."""
+        local = self._local_epoch.pop(replica, None)
+        if local is not None:
+            self._local.retire_epoch_now(replica, local)
+        self._store_epoch.pop(replica, None)
+
+    def _apply_set_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        if self._store_epoch.get(replica) != epoch or replica not in self._local_epoch:
+            self._declare(replica, epoch)
+
+    def _apply_retire(self, replica: ReplicaId, epoch: Epoch) -> None:
+        if self._store_epoch.get(replica) == epoch:
+            self._local.retire_epoch_now(replica, self._local_epoch[replica])
+            self._store_epoch[replica] = None
+
+    def _apply_record(
+        self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash], ttl_s: float | None
+    ) -> None:
+        if replica not in self._store_epoch:
+            self._declare(replica, epoch)  # a replica seen for the first time adopts the epoch
+        if self._store_epoch[replica] == epoch:
+            self._local.record_now(replica, self._local_epoch[replica], blocks, ttl_s)
+
+    def _apply_remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
+        if self._store_epoch.get(replica) == epoch:
+            self._local.remove_now(replica, self._local_epoch[replica], blocks)
+
+    # ------------------------------------------------------------------ the BlockIndex protocol
+
+    async def set_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """Declare ``epoch`` live, in Redis (every mirror) and here."""
+        check_replica(replica)
+        check_epoch(epoch)
+        await self._wait_ready()
+        await self._writer.set_epoch(replica, epoch)
+        self._apply_set_epoch(replica, epoch)
+
+    async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """Retire ``epoch`` if it is the live one, in Redis and here."""
+        check_replica(replica)
+        check_epoch(epoch)
+        await self._wait_ready()
+        await self._writer.retire_epoch(replica, epoch)
+        self._apply_retire(replica, epoch)
+
+    async def record(
+        self,
+        replica: ReplicaId,
+        epoch: Epoch,
+        blocks: Sequence[BlockHash],
+        ttl_s: float | None = None,
+    ) -> None:
+        """Record blocks: a guess shows here at once, then goes to the stream; a confirmed write
+        goes to Redis first (the truth must hold whatever a mirror holds)."""
+        check_replica(replica)
+        check_epoch(epoch)
+        check_ttl(ttl_s)
+        check_blocks(blocks)
+        if not blocks:
+            return
+        await self._wait_ready()
+        if ttl_s is not None:
+            self._apply_record(replica, epoch, blocks, ttl_s)
+            await self._writer.record(replica, epoch, blocks, ttl_s)
+            return
+        await self._writer.record(replica, epoch, blocks)
+        self._apply_record(replica, epoch, blocks, None)
+
+    async def remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
+        """Forget confirmed blocks of the live ``epoch``, in Redis and here."""
+        check_replica(replica)
+        check_epoch(epoch)
+        check_blocks(blocks)
+        if not blocks:
+            return
+        await self._wait_ready()
+        await self._writer.remove(replica, epoch, blocks)
+        self._apply_remove(replica, epoch, blocks)
+
+    async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
+        """Keep ``replica``'s entries matching for ``ttl_s`` more seconds (every mirror)."""
+        await self.heartbeat_known(replica, ttl_s)
+
+    async def heartbeat_known(self, replica: ReplicaId, ttl_s: float) -> bool:
+        """Heartbeat; False when Redis no longer knows the replica's epoch (see the writer)."""
+        check_replica(replica)
+        check_ttl(ttl_s, optional=False)
+        await self._wait_ready()
+        known = await self._writer.heartbeat_known(replica, ttl_s)
+        self._local.heartbeat_now(replica, ttl_s)
+        return known
+
+    def match_now(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+        """Longest live prefix per replica, from the local mirror: no network, no waiting.
+
+        Raises ``IndexUnavailable`` until bootstrapped, and while rebuilding after Redis lost
+        its data (routing is then load-only).
+        """
+        if not self._ready.is_set():
+            self._ensure_started()
+            raise IndexUnavailable("index mirror is not bootstrapped (starting or rebuilding)")
+        return self._local.match_now(chain)
+
+    async def match(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+        """``match_now``, once bootstrapped."""
+        await self._wait_ready()
+        return self.match_now(chain)
+
+    async def stats(self) -> IndexStats:
+        """The local mirror's figures, plus how it follows Redis."""
+        local = await self._local.stats()
+        return IndexStats(
+            backend="mirror",
+            entries=local.entries,
+            replicas=local.replicas,
+            max_entries=local.max_entries,
+            extra={
+                **local.extra,
+                "key_prefix": self.layout.key_prefix,
+                "shards": self.layout.shards,
+                "ready": self.ready,
+                "events_applied": self._events_applied,
+                "replica_reloads": dict(self._reloads),
+                "rebuilds": self._rebuilds,
+                "tail_errors": self._tail_errors,
+            },
+        )
+

@@ -1,0 +1,171 @@
+"""The write side of the mirrored index: engine events and guesses into Redis streams.
+
+Agents write through it (``index.mode: mirror``); gateways' ``MirrorBlockIndex`` writes through
+it too. Confirmed writes run the ``WRITE`` script (the replica's keys and the stream change
+together); a speculative write is one plain ``XADD`` (guesses are not part of the snapshot: they
+live seconds, and a gateway that starts late reads the stream's last ``speculative_ttl`` of them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from routing.contracts import IndexUnavailable
+from routing.index import stream_scripts
+from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
+from routing.index.stream_layout import DEFAULT_SHARDS, StreamLayout
+from routing.types import BlockHash, Epoch, ReplicaId
+
+__all__ = ["DEFAULT_STREAM_MAX_LEN", "StreamIndexWriter", "pack_blocks", "unpack_blocks"]
+
+_T = TypeVar("_T")
+
+#: Events kept per shard stream (``XADD MAXLEN ~``). A gateway further behind than this reloads
+#: the replicas whose events it lost (it notices by their sequence numbers).
+DEFAULT_STREAM_MAX_LEN = 100_000
+
+
+def pack_blocks(blocks: Sequence[BlockHash]) -> bytes:
+    """Block hashes as one binary string, 8 bytes big-endian each (packed in C)."""
+    return struct.pack(f">{len(blocks)}Q", *blocks)
+
+
+def unpack_blocks(payload: bytes) -> tuple[BlockHash, ...]:
+    """The inverse of ``pack_blocks``."""
+    return struct.unpack(f">{len(payload) // 8}Q", payload)  # type: ignore[return-value]
+
+
+def _ms(seconds: float) -> str:
+    return str(max(1, round(seconds * 1000)))
+
+
+class StreamIndexWriter:
+    """Writes one fleet's block events to the stream layout (see ``stream_layout``).
+
+    ``redis`` is a URL (owned, closed by ``close``) or a ``redis.asyncio.Redis`` created with
+    ``decode_responses=False`` (values are binary). ``timeout_s`` bounds every call; a failure
+    raises ``IndexUnavailable``.
+    """
+
+    def __init__(
+        self,
+        redis: str | aioredis.Redis,
+        *,
+        key_prefix: str = "fleetgate:",
+        shards: int = DEFAULT_SHARDS,
+        timeout_s: float = 0.1,
+        stream_max_len: int = DEFAULT_STREAM_MAX_LEN,
+        origin: str = "",
+    ) -> None:
+        check_ttl(timeout_s, "timeout_s", optional=False)
+        if isinstance(stream_max_len, bool) or not isinstance(stream_max_len, int) or (
+            stream_max_len < 100
+        ):
+            raise ValueError(f"stream_max_len must be an integer >= 100 (got {stream_max_len!r})")
+        self.layout = StreamLayout(key_prefix, shards)
+        self._timeout_s = float(timeout_s)
+        self._max_len = str(stream_max_len)
+        #: Tags this writer's speculative events, so the gateway that wrote them skips the echo.
+        self.origin = origin
+        if isinstance(redis, str):
+            self._client = aioredis.Redis.from_url(
+                redis,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 1),
+            )
+            self._owns_client = True
+        else:
+            self._client = redis
+            self._owns_client = False
+        self._write = self._client.register_script(stream_scripts.WRITE)
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The Redis client (binary replies)."""
+        return self._client
+
+    async def _call(self, what: str, operation: Awaitable[_T]) -> _T:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await operation
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise IndexUnavailable(
+                f"redis index stream {what} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def _run(
+        self, op: str, replica: ReplicaId, epoch: Epoch | None, payload: bytes = b"",
+        ttl: str = "",
+    ) -> int:
+        keys = self.layout.replica_keys(replica).as_list()
+        args = [op, replica, "" if epoch is None else str(epoch), self._max_len, payload, ttl]
+        return int(await self._call(op, self._write(keys=keys, args=args)))
+
+    async def set_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """Declare ``epoch`` live: the replica's confirmed blocks are emptied."""
+        check_replica(replica)
+        check_epoch(epoch)
+        await self._run("e", replica, epoch)
+
+    async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
+        """Retire ``epoch`` if it is the live one."""
+        check_replica(replica)
+        check_epoch(epoch)
+        await self._run("t", replica, epoch)
+
+    async def record(
+        self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash],
+        ttl_s: float | None = None,
+    ) -> None:
+        """Record confirmed blocks (script), or append a speculative guess (one ``XADD``)."""
+        check_replica(replica)
+        check_epoch(epoch)
+        check_ttl(ttl_s)
+        check_blocks(blocks)
+        if not blocks:
+            return
+        if ttl_s is None:
+            await self._run("r", replica, epoch, pack_blocks(blocks))
+            return
+        fields = {
+            "o": "s", "p": replica, "e": str(epoch), "b": pack_blocks(blocks),
+            "t": _ms(ttl_s), "g": self.origin,
+        }
+        stream = self.layout.events_key(self.layout.shard_of(replica))
+        await self._call(
+            "speculative record",
+            self._client.xadd(stream, fields, maxlen=int(self._max_len), approximate=True),  # type: ignore[arg-type]
+        )
+
+    async def remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
+        """Forget confirmed blocks of the live ``epoch``."""
+        check_replica(replica)
+        check_epoch(epoch)
+        check_blocks(blocks)
+        if blocks:
+            await self._run("x", replica, epoch, pack_blocks(blocks))
+
+    async def heartbeat_known(self, replica: ReplicaId, ttl_s: float) -> bool:
+        """Heartbeat; False when Redis no longer knows the replica's epoch (flushed, restarted
+        without persistence): the caller must declare an epoch and re-record its blocks."""
+        check_replica(replica)
+        check_ttl(ttl_s, optional=False)
+        return bool(await self._run("h", replica, None, ttl=_ms(ttl_s)))
+
+    async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
+        """Keep the replica's entries matching for ``ttl_s`` more seconds."""
+        await self.heartbeat_known(replica, ttl_s)
+
+    async def close(self) -> None:
+        """Close the client if this writer created it."""
+        if self._owns_client:
+            await self._client.aclose()
