@@ -9,6 +9,7 @@ Rates and percentiles cover the last ``window_s`` (or since start, when the gate
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ POOL_TIMERS = {
     "itl": "vllm:inter_token_latency_seconds",
 }
 DECISIONS_SHOWN = 12
+#: Engine ``/metrics`` reads younger than this are reused: several open pages, one read.
+ENGINE_READ_REUSE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -133,17 +136,15 @@ class DashboardSource:
         self._clock = clock
         self._gateway = SampleWindow(window_s, clock())
         self._engines = SampleWindow(window_s, clock())
+        self._engine_read: tuple[float, list[EngineSample], set[str]] | None = None
+        self._engine_lock = asyncio.Lock()
 
     async def build(self, gw: GatewayState) -> DashboardData:
         refresh_gauges(gw)  # exactly what a /metrics scrape does first
         now = self._clock()
         current = _registry_snapshot(gw, now)
         window = self._gateway.add(current)
-        states = gw.registry.all()
-        samples: list[EngineSample] = []
-        unreadable: set[str] = set()
-        if gw.session is not None:
-            samples, unreadable = await read_engines(gw.session, states)
+        samples, unreadable = await self._read_engines(gw)
         engines_now = snapshot(now, ((s.name, s.labels, s.value) for s in samples))
         engine_window = self._engines.add(engines_now)
         layout = [
@@ -166,6 +167,19 @@ class DashboardSource:
             layout=layout,
             warnings=warnings,
         )
+
+
+    async def _read_engines(self, gw: GatewayState) -> tuple[list[EngineSample], set[str]]:
+        async with self._engine_lock:
+            last = self._engine_read
+            if last is not None and self._clock() - last[0] < ENGINE_READ_REUSE_S:
+                return last[1], last[2]
+            samples: list[EngineSample] = []
+            unreadable: set[str] = set()
+            if gw.session is not None:
+                samples, unreadable = await read_engines(gw.session, gw.registry.all())
+            self._engine_read = (self._clock(), samples, unreadable)
+            return samples, unreadable
 
 
 def _registry_snapshot(gw: GatewayState, now: float) -> Snapshot:

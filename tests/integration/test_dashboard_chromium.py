@@ -2,10 +2,10 @@
 
 Real traffic goes through a gateway with two simulated replicas and two demo adapters; then the
 page is loaded with the admin key (as a URL fragment) and must render every panel, show the same
-request count and prefix hit rate as ``/metrics`` (and a cost between two scrapes of it), list
-both replicas with the adapters they loaded and the last routing decisions, and log no console
-error. A screenshot is written to the test's directory, and to
-``$FLEETGATE_DASHBOARD_SCREENSHOT`` when set (``docs/dashboard.png`` is made that way).
+request count, prefix hit rate and TTFT p95 as ``/metrics`` (and a cost between two scrapes of
+it) and the engines' own prefix hit rate for the pool, list both replicas with the adapters they
+loaded and the last routing decisions, and log no console error. A screenshot is written to the
+test's directory, and to ``$FLEETGATE_DASHBOARD_SCREENSHOT`` when set.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetgate.commands.up import banner
 from fleetgate.embedded import embedded_stack
+from gateway.dashboard.histograms import histogram_quantile
 from tests.support.chromium import headless_page
 from tests.support.polling import wait_until
 
@@ -41,6 +42,8 @@ READ_PAGE = """(() => ({
   replicas: [...document.querySelectorAll("#replicas tbody tr[data-replica]")].map((tr) =>
     [tr.dataset.replica, tr.children[2].textContent, tr.children[8].textContent]),
   pools: [...document.querySelectorAll("#pools tbody tr[data-pool]")].map((tr) => tr.dataset.pool),
+  poolHitRate: Number(document.querySelector(
+    '#pools tr[data-pool="default"] td[data-field="prefix_hit_rate"]').dataset.value),
   decisions: document.querySelectorAll("#decisions tbody tr td.cand").length,
   tiles: document.querySelectorAll("#tiles .tile").length,
   loginShown: getComputedStyle(document.getElementById("login")).display !== "none",
@@ -65,6 +68,36 @@ async def _send_traffic(http: aiohttp.ClientSession, url: str, models: list[str]
         async with http.post(f"{url}/v1/chat/completions", json=body) as response:
             await response.read()
             assert response.status == 200, await response.text()
+
+
+async def _engine_hit_rate(http: aiohttp.ClientSession, replica_urls: list[str]) -> float:
+    """The engines' own prefix-cache hit rate, summed over replicas: hits / queries (tokens)."""
+    totals = {"vllm:prefix_cache_hits_total": 0.0, "vllm:prefix_cache_queries_total": 0.0}
+    for url in replica_urls:
+        async with http.get(f"{url}/metrics") as response:
+            text = await response.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+    return totals["vllm:prefix_cache_hits_total"] / totals["vllm:prefix_cache_queries_total"]
+
+
+def _ttft_p95(text_buckets: dict[float, float]) -> float | None:
+    return histogram_quantile(0.95, sorted(text_buckets.items()))
+
+
+async def _route_ttft_buckets(http: aiohttp.ClientSession, url: str) -> dict[float, float]:
+    """``sum by (le) (fleetgate_ttft_seconds_bucket{route})`` from ``/metrics``."""
+    async with http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "fleetgate_ttft_seconds_bucket" and sample.labels["route"] == ROUTE:
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+    return buckets
 
 
 async def _metrics(http: aiohttp.ClientSession, url: str) -> dict[str, dict[str, float]]:
@@ -110,6 +143,8 @@ async def test_dashboard_renders_in_chromium_and_matches_metrics(tmp_path: Path)
             shown = await page.evaluate(READ_PAGE)
             # Read /metrics again after the page: the window gauges are recomputed per scrape.
             metrics = await _metrics(http, stack.url)
+            engine_hit_rate = await _engine_hit_rate(http, stack.replica_urls)
+            ttft_buckets = await _route_ttft_buckets(http, stack.url)
             # Let one more poll land so a late console error from it would be seen.
             before = await page.evaluate("document.body.dataset.generatedAt")
             await wait_until(
@@ -127,6 +162,8 @@ async def test_dashboard_renders_in_chromium_and_matches_metrics(tmp_path: Path)
     cost = "fleetgate_cost_per_1m_tokens_usd"
     assert 0 < metrics_before[cost][ROUTE] <= row[cost.removeprefix("fleetgate_")]
     assert row[cost.removeprefix("fleetgate_")] <= metrics[cost][ROUTE]
+    assert row["ttft_p95"] == _ttft_p95(ttft_buckets)
+    assert shown["poolHitRate"] == engine_hit_rate
     assert row["goodput"] is not None and 0 <= row["goodput"] <= 1
     for timer in ("queue", "ttft", "itl", "tpot"):
         assert row[f"{timer}_p50"] <= row[f"{timer}_p95"] <= row[f"{timer}_p99"], timer
