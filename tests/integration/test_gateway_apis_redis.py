@@ -1,0 +1,93 @@
+"""Two gateways sharing Redis share the Responses affinity: a follow-up sent to either gateway
+lands on the replica that stored the previous response (two simulated replicas, real Redis)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.policy_view import GatewayPolicy, ReplicaSpec
+from gateway.response_affinity import RedisResponseAffinity, ResponseHome
+from replica.sim.fleet import SimFleet, start_sim_fleet
+from routing.types import ReplicaId
+from tests.integration.test_gateway_support import serve
+
+pytestmark = pytest.mark.redis
+
+ADMIN_KEY = "apis-redis-admin"
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[SimFleet]:
+    async with start_sim_fleet(2, profile="tiny", speed=500, kv_events=None) as running:
+        yield running
+
+
+async def test_redis_affinity_round_trip_and_expiry(redis_url: str) -> None:
+    prefix = f"test-{uuid.uuid4().hex}:"
+    writer = RedisResponseAffinity(redis_url, key_prefix=prefix, ttl_s=60)
+    reader = RedisResponseAffinity(redis_url, key_prefix=prefix, ttl_s=60)
+    home = ResponseHome(ReplicaId("pool/1"), "acme")
+    try:
+        await writer.remember("resp_x", home)
+        assert await reader.home_of("resp_x") == home
+        assert await reader.home_of("resp_y") is None
+        ttl_ms = await reader._redis.pttl(f"{prefix}response:resp_x")
+        assert 0 < ttl_ms <= 60_000
+    finally:
+        await writer.close()
+        await reader.close()
+
+
+async def test_follow_up_through_the_other_gateway_lands_on_the_same_replica(
+    redis_url: str, fleet: SimFleet
+) -> None:
+    specs = [
+        ReplicaSpec(f"sim/{i}", url, models=frozenset({"sim-model"}))
+        for i, url in enumerate(fleet.urls)
+    ]
+
+    def gateway() -> web.Application:
+        config = GatewayConfig(redis_url=redis_url, admin_key=ADMIN_KEY, health_interval_s=3600)
+        return create_app(config, GatewayPolicy.default(specs))
+
+    async with serve(gateway()) as url_a, serve(gateway()) as url_b:
+        clients = [
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0)
+            for url in (url_a, url_b)
+        ]
+        try:
+            for c in range(4):
+                first = await clients[0].responses.create(
+                    model="sim-model", input=f"conversation {c} starts here", max_output_tokens=2,
+                    extra_headers={"X-Request-Id": f"a-{c}"},
+                )
+                # Through the other gateway, with a prompt that shares nothing: only the
+                # affinity in Redis can send it to the replica that holds the conversation.
+                follow = await clients[1].responses.create(
+                    model="sim-model", input="go on", previous_response_id=first.id,
+                    max_output_tokens=2, extra_headers={"X-Request-Id": f"b-{c}"},
+                )
+                assert follow.previous_response_id == first.id
+                # ... and the stored response is readable through either gateway.
+                assert (await clients[1].responses.retrieve(first.id)).id == first.id
+        finally:
+            for client in clients:
+                await client.close()
+        async with aiohttp.ClientSession() as http:
+            logs = []
+            for url in (url_a, url_b):
+                async with http.get(
+                    f"{url}/admin/decisions?n=50", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+                ) as resp:
+                    logs.append({d["request_id"]: d for d in (await resp.json())["decisions"]})
+    for c in range(4):
+        assert logs[1][f"b-{c}"]["served_by"] == logs[0][f"a-{c}"]["served_by"]
+        assert logs[1][f"b-{c}"]["profile"] == "pinned"
