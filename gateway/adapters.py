@@ -37,8 +37,9 @@ from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.engine_api import EngineLoraClient
 from gateway.errors import GatewayError, model_not_found
-from gateway.policy_view import Tenant
+from gateway.policy_view import GatewayPolicy, Tenant
 from gateway.proxy import ReplicaUnsuitable
+from gateway.replicas import ReplicaRegistry
 from gateway.state import GatewayState
 from routing.config import Policy
 from routing.contracts import RoutingRequest
@@ -92,14 +93,19 @@ def open_registry(gw: GatewayState, setup: AdapterSetup) -> AdapterRegistry:
 # --------------------------------------------------------------------------- request path
 
 
-def resolve_model(gw: GatewayState, tenant: Tenant, model: str) -> tuple[str, str | None]:
+def resolve_model(
+    registry: AdapterRegistry,
+    policy: GatewayPolicy,
+    replicas: ReplicaRegistry,
+    tenant: Tenant,
+    model: str,
+) -> tuple[str, str | None]:
     """(base model, adapter) for ``model`` through the registry's catalog; 404 otherwise.
 
-    An adapter the tenant may not use raises the same 404 as a name that does not exist.
+    Base models: the policy's, else those the replicas serve. An adapter the tenant may not use
+    raises the same 404 as a name that does not exist.
     """
-    registry = gw.adapters
-    assert registry is not None
-    if model in (gw.policy.known_models or gw.registry.base_models()):
+    if model in (policy.known_models or replicas.base_models()):
         return model, None
     try:
         adapter = registry.authorize(tenant.name, model)
@@ -118,18 +124,25 @@ def model_cards(gw: GatewayState, tenant: Tenant) -> list[tuple[str, str | None]
 
 
 def fill_cold_load_estimates(
-    gw: GatewayState, request: RoutingRequest, replicas: list[ReplicaState]
+    registry: AdapterRegistry | None,
+    replicas: ReplicaRegistry,
+    request: RoutingRequest,
+    candidates: list[ReplicaState],
 ) -> None:
     """Set ``request.adapter_cold_load_ms`` so expected-TTFT routing prefers warm replicas."""
-    if gw.adapters is None or request.adapter is None:
+    if registry is None or request.adapter is None:
         return
-    views = [gw.registry.adapter_view(state) for state in replicas]
-    request.adapter_cold_load_ms = gw.adapters.estimates_for(request, views)
+    views = [replicas.adapter_view(state) for state in candidates]
+    request.adapter_cold_load_ms = registry.estimates_for(request, views)
 
 
 @contextlib.asynccontextmanager
 async def hold_adapter(
-    gw: GatewayState, replica: ReplicaState, adapter: str, last_resort: bool
+    registry: AdapterRegistry,
+    replicas: ReplicaRegistry,
+    replica: ReplicaState,
+    adapter: str,
+    last_resort: bool,
 ) -> AsyncIterator[LoadResult]:
     """Keep ``adapter`` loaded on ``replica`` (loading it first) for one upstream attempt.
 
@@ -137,9 +150,7 @@ async def hold_adapter(
     the thrash guard (unless ``last_resort``), or the engine refused or failed the load. Loads
     finish before any byte is sent, so a failure here can always move on.
     """
-    registry = gw.adapters
-    assert registry is not None
-    view = gw.registry.adapter_view(replica)
+    view = replicas.adapter_view(replica)
     async with contextlib.AsyncExitStack() as stack:
         try:
             result = await stack.enter_async_context(

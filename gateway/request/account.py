@@ -9,16 +9,41 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
+from gateway.cost import RouteWindow
+from gateway.layout import LayoutDiagnostics
+from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamOutcome
 from gateway.request.record import CachePrediction, DecisionRecord
 from gateway.request.route import RouteDecision
-from gateway.state import GatewayState
+from gateway.routing_glue import Router
+from gateway.speculative import SpeculativeTarget, SpeculativeWriter
 from routing.types import ReplicaId
 
 log = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class AccountDeps(Protocol):
+    """What the account phase writes to (``GatewayState`` is one)."""
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+    @property
+    def window(self) -> RouteWindow: ...
+    @property
+    def engine(self) -> Router: ...
+    @property
+    def layout(self) -> LayoutDiagnostics: ...
+    @property
+    def decisions(self) -> deque[DecisionRecord]: ...
+    @property
+    def speculative(self) -> SpeculativeWriter: ...
+    @property
+    def speculative_target(self) -> SpeculativeTarget: ...
 
 
 def _int(value: Any) -> int:
@@ -43,7 +68,7 @@ def prediction_outcome(predicted: int, actual: int, block_size: int) -> str:
 
 
 def account(
-    gw: GatewayState,
+    gw: AccountDeps,
     routed: RouteDecision,
     outcome: UpstreamOutcome,
     arrived: float,
@@ -67,7 +92,7 @@ def account(
 
 
 def _account(
-    gw: GatewayState,
+    gw: AccountDeps,
     routed: RouteDecision,
     outcome: UpstreamOutcome,
     arrived: float,
@@ -163,7 +188,7 @@ def _record(
 
 
 def _slo(
-    gw: GatewayState,
+    gw: AccountDeps,
     routed: RouteDecision,
     ttft_ms: float | None,
     outcome: UpstreamOutcome,
@@ -193,7 +218,7 @@ def _slo(
 
 
 def _prediction(
-    gw: GatewayState,
+    gw: AccountDeps,
     routed: RouteDecision,
     outcome: UpstreamOutcome,
     prompt_tokens: int,

@@ -18,27 +18,76 @@ import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
 from aiohttp import web
+from opentelemetry.trace import Tracer
 
 from gateway import adapters, proxy, speculative
+from gateway.cost import ReplicaTimeMeter
 from gateway.errors import GatewayError
+from gateway.inflight import InflightTracker
+from gateway.metrics import GatewayMetrics
 from gateway.policy_view import Tenant
 from gateway.proxy import ForwardPlan, UpstreamOutcome
+from gateway.replicas import ReplicaRegistry
 from gateway.request.kinds import RequestKind
 from gateway.request.record import AdapterLoad
 from gateway.request.route import RouteDecision
-from gateway.state import GatewayState
+from gateway.routing_glue import Router
+from gateway.speculative import SpeculativeTarget, SpeculativeWriter
+from gateway.upstream_client import UpstreamPool
 from routing.state import ReplicaState
 from routing.types import ReplicaId
+
+if TYPE_CHECKING:
+    from adapters_registry import AdapterRegistry
 
 _request_keys = itertools.count()
 
 
+@runtime_checkable
+class ForwardDeps(Protocol):
+    """What ``forward`` reads from the gateway (``GatewayState`` is one)."""
+
+    @property
+    def registry(self) -> ReplicaRegistry: ...
+    @property
+    def tracer(self) -> Tracer: ...
+    @property
+    def speculative(self) -> SpeculativeWriter: ...
+    @property
+    def speculative_target(self) -> SpeculativeTarget: ...
+    def upstream_pool(self) -> UpstreamPool: ...
+
+
+@runtime_checkable
+class AttemptDeps(Protocol):
+    """What an ``AttemptRecorder`` updates per attempt (``GatewayState`` is one)."""
+
+    @property
+    def adapters(self) -> AdapterRegistry | None: ...
+    @property
+    def registry(self) -> ReplicaRegistry: ...
+    @property
+    def inflight(self) -> InflightTracker: ...
+    @property
+    def meter(self) -> ReplicaTimeMeter: ...
+    @property
+    def engine(self) -> Router: ...
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+
 def plan_forward(
-    gw: GatewayState, routed: RouteDecision, kind: RequestKind, body: Mapping[str, Any], raw: bytes
+    routed: RouteDecision,
+    kind: RequestKind,
+    body: Mapping[str, Any],
+    raw: bytes,
+    *,
+    max_retries: int,
+    read_timeout_s: float,
 ) -> ForwardPlan:
     """The plan for ``routed``: ``raw`` reused as the payload where nothing must change."""
     payload, hide_usage = (kind.payload or upstream_payload)(body, raw, routed.tenant)
@@ -51,14 +100,14 @@ def plan_forward(
         stream=bool(body.get("stream")),
         hide_usage_chunk=hide_usage,
         candidates=(decision.replica, *decision.fallbacks),
-        max_attempts=1 + gw.max_retries,
-        read_timeout_s=gw.config.upstream_timeout_s,
+        max_attempts=1 + max_retries,
+        read_timeout_s=read_timeout_s,
         first_token_marker=kind.first_token_marker,
     )
 
 
 async def forward(
-    gw: GatewayState,
+    gw: ForwardDeps,
     request: web.Request,
     routed: RouteDecision,
     plan: ForwardPlan,
@@ -96,7 +145,7 @@ class AttemptRecorder:
     engine's start/complete calibration, queue time, retries, and the adapter held per attempt.
     """
 
-    def __init__(self, gw: GatewayState, routed: RouteDecision, arrived: float) -> None:
+    def __init__(self, gw: AttemptDeps, routed: RouteDecision, arrived: float) -> None:
         self.gw = gw
         self.routed = routed
         self.uncached = routed.uncached_tokens
@@ -118,7 +167,11 @@ class AttemptRecorder:
     async def _hold_adapter(self, replica: ReplicaState, last_resort: bool) -> AsyncIterator[None]:
         adapter = self.routed.adapter
         assert adapter is not None
-        async with adapters.hold_adapter(self.gw, replica, adapter, last_resort) as load:
+        registry = self.gw.adapters
+        assert registry is not None  # prepare() checked
+        async with adapters.hold_adapter(
+            registry, self.gw.registry, replica, adapter, last_resort
+        ) as load:
             self.outcome.adapter_load = AdapterLoad(
                 replica.replica_id, load.cold_ms, load.loaded_now
             )

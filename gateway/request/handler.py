@@ -30,7 +30,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             span.set_attribute("fleetgate.kind", kind.name)
             if gw.draining:
                 raise GatewayError(503, errors.SHUTTING_DOWN, "The gateway is shutting down.")
-            tenant = admit(gw, request)
+            tenant = admit(request, gw.policy, gw.rate_limiter)
             body, raw = await read_body(request, gw.config.max_body_bytes)
             kind.validate(body)
             if kind.prepare is not None:
@@ -44,7 +44,14 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 gw, request, tenant, kind, body, request_id, labels, pinned=pinned
             )
             span.set_attribute("fleetgate.route", routed.route.name)
-            plan = plan_forward(gw, routed, kind, body, raw)
+            plan = plan_forward(
+                routed,
+                kind,
+                body,
+                raw,
+                max_retries=gw.max_retries,
+                read_timeout_s=gw.config.upstream_timeout_s,
+            )
             recorder = AttemptRecorder(gw, routed, arrived)
             forwarded = True  # from here on, accounting records the request
             if kind.served_by is not None:  # told before the first byte can reach the client

@@ -20,20 +20,35 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from aiohttp import web
+from opentelemetry.trace import Tracer
 
 from gateway import adapters, errors
 from gateway.auth import authenticate
+from gateway.config import GatewayConfig
 from gateway.errors import GatewayError, model_not_found
-from gateway.policy_view import Route, Tenant
+from gateway.inflight import InflightTracker
+from gateway.metrics import GatewayMetrics
+from gateway.policy_view import GatewayPolicy, Route, Tenant
+from gateway.ratelimit import RateLimiter
+from gateway.replicas import ReplicaRegistry
 from gateway.request.kinds import Body, RequestKind
-from gateway.state import GatewayState
+from gateway.routing_glue import Router
 from gateway.tracing import NullTracer, record_stage_spans
-from routing.contracts import NoReplicaAvailable, RoutingDecision, RoutingRequest, TokenizedPrompt
+from routing.contracts import (
+    NoReplicaAvailable,
+    PromptTokenizer,
+    RoutingDecision,
+    RoutingRequest,
+    TokenizedPrompt,
+)
 from routing.hashing import CHARS_PER_TOKEN, chain_seed, prompt_chain
 from routing.types import ReplicaId
+
+if TYPE_CHECKING:
+    from adapters_registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +56,36 @@ log = logging.getLogger(__name__)
 UNROUTED = "unrouted"
 #: The prompt of a kind that is not prefix-routed: no blocks to match.
 _NO_PROMPT = TokenizedPrompt(token_ids=[])
+
+
+@runtime_checkable
+class RouteDeps(Protocol):
+    """What the route phase reads from the gateway (``GatewayState`` is one).
+
+    Read per request, not copied: a policy reload swaps ``policy``, and the adapter registry
+    exists only once the app has started.
+    """
+
+    @property
+    def policy(self) -> GatewayPolicy: ...
+    @property
+    def adapters(self) -> AdapterRegistry | None: ...
+    @property
+    def registry(self) -> ReplicaRegistry: ...
+    @property
+    def tokenizer(self) -> PromptTokenizer: ...
+    @property
+    def engine(self) -> Router: ...
+    @property
+    def inflight(self) -> InflightTracker: ...
+    @property
+    def tracer(self) -> Tracer: ...
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+    @property
+    def index_backend(self) -> str: ...
+    @property
+    def config(self) -> GatewayConfig: ...
 
 
 class RequestLabels:
@@ -78,10 +123,10 @@ class RouteDecision:
         return max(0, self.routing_request.prompt_tokens - matched_blocks * self.block_size)
 
 
-def admit(gw: GatewayState, request: web.Request) -> Tenant:
+def admit(request: web.Request, policy: GatewayPolicy, rate_limiter: RateLimiter) -> Tenant:
     """The caller's tenant, within its rate limit: checked before the body is even read."""
-    tenant = authenticate(request, gw.policy)
-    wait_s = gw.rate_limiter.acquire(tenant.name, tenant.rate_limit_rps, tenant.burst)
+    tenant = authenticate(request, policy)
+    wait_s = rate_limiter.acquire(tenant.name, tenant.rate_limit_rps, tenant.burst)
     if wait_s is not None:
         raise GatewayError(
             429,
@@ -93,7 +138,7 @@ def admit(gw: GatewayState, request: web.Request) -> Tenant:
 
 
 async def route(
-    gw: GatewayState,
+    gw: RouteDeps,
     request: web.Request,
     tenant: Tenant,
     kind: RequestKind,
@@ -109,20 +154,21 @@ async def route(
     the policy is not asked, and there is no fallback.
     """
     model = str(body["model"])
-    base_model, adapter = resolve_model(gw, tenant, model)
+    policy = gw.policy  # one policy for the whole decision, even if a reload swaps it meanwhile
+    base_model, adapter = resolve_model(policy, gw.registry, gw.adapters, tenant, model)
     labels.model = base_model
     if adapter is not None and gw.adapters is not None:
         gw.adapters.record_request(adapter)  # once per client request, not per attempt
-    matched_route = gw.policy.route_for(request.path, model, tenant.name, request.headers)
+    matched_route = policy.route_for(request.path, model, tenant.name, request.headers)
     if matched_route is None:
         raise GatewayError(404, errors.NO_ROUTE, f"No route accepts model `{model}`.", "model")
     labels.route = matched_route.name
     if kind.prefix_routed:
         with gw.tracer.start_as_current_span("fleetgate.tokenize"):
-            prompt = await _prompt_or_degrade(gw, kind, base_model, body)
+            prompt = await _prompt_or_degrade(gw.tokenizer, kind, base_model, body)
     else:
         prompt = _NO_PROMPT
-    block_size = block_size_for(gw, base_model)
+    block_size = block_size_for(policy, gw.registry, base_model, gw.config.block_size)
     try:
         chain = prompt_chain(prompt, block_size, chain_seed(base_model, adapter, tenant.cache_salt))
     except ValueError as exc:  # e.g. token ids outside [0, 2**32)
@@ -170,26 +216,31 @@ def pinned_decision(replica: ReplicaId) -> RoutingDecision:
     )
 
 
-def resolve_model(gw: GatewayState, tenant: Tenant, model: str) -> tuple[str, str | None]:
+def resolve_model(
+    policy: GatewayPolicy,
+    replicas: ReplicaRegistry,
+    adapter_registry: AdapterRegistry | None,
+    tenant: Tenant,
+    model: str,
+) -> tuple[str, str | None]:
     """(base model, adapter) for ``model``; 404 if unknown or another tenant's adapter."""
-    if gw.adapters is not None:  # the catalog decides (runtime additions included)
-        return adapters.resolve_model(gw, tenant, model)
-    policy = gw.policy
+    if adapter_registry is not None:  # the catalog decides (runtime additions included)
+        return adapters.resolve_model(adapter_registry, policy, replicas, tenant, model)
     if policy.source is not None:
         resolved = policy.resolve_model(tenant, model)
         if resolved is None or resolved[0] not in policy.known_models:
             raise model_not_found(model)
         return resolved
-    if model in gw.registry.base_models():
+    if model in replicas.base_models():
         return model, None
-    parent = gw.registry.served_adapters.get(model)
+    parent = replicas.served_adapters.get(model)
     if parent is not None:
         return parent, model
     raise model_not_found(model)
 
 
 async def _prompt_or_degrade(
-    gw: GatewayState, kind: RequestKind, model: str, body: Body
+    tokenizer: PromptTokenizer, kind: RequestKind, model: str, body: Body
 ) -> TokenizedPrompt:
     """Tokenize; a malformed message is the client's 400, a tokenizer outage degrades to text."""
     # Imported here, not at the top: ``routing.tokenize`` pulls in the tokenizer libraries
@@ -197,7 +248,7 @@ async def _prompt_or_degrade(
     from routing.tokenize import InvalidMessages, TextTokenizer
 
     try:
-        return await kind.prompt(gw.tokenizer, model, body)
+        return await kind.prompt(tokenizer, model, body)
     except (InvalidMessages, ValueError, TypeError) as exc:
         message = f"Invalid prompt: {exc}"
         raise GatewayError(400, errors.INVALID_REQUEST, message, "messages") from None
@@ -218,23 +269,25 @@ def prompt_units(prompt: TokenizedPrompt) -> int:
     return -(-len(prompt.text or "") // CHARS_PER_TOKEN)
 
 
-def block_size_for(gw: GatewayState, model: str) -> int:
+def block_size_for(
+    policy: GatewayPolicy, replicas: ReplicaRegistry, model: str, default: int
+) -> int:
     """Hashing granularity: the policy's, else a serving replica's, else the configured default."""
-    if model in gw.policy.block_sizes:
-        return gw.policy.block_sizes[model]
-    for state in gw.registry.all():
+    if model in policy.block_sizes:
+        return policy.block_sizes[model]
+    for state in replicas.all():
         if state.serves(model):
             return state.block_size
-    return gw.config.block_size
+    return default
 
 
 async def _pick_replica(
-    gw: GatewayState, request: RoutingRequest, matched_route: Route
+    gw: RouteDeps, request: RoutingRequest, matched_route: Route
 ) -> tuple[RoutingDecision, bool]:
     """The engine's decision (and whether it was a last resort), traced and measured."""
     gw.registry.set_inflight(gw.inflight.counts())
     replicas = gw.registry.routable()
-    adapters.fill_cold_load_estimates(gw, request, replicas)
+    adapters.fill_cold_load_estimates(gw.adapters, gw.registry, request, replicas)
     decide_start_ns = time.time_ns()
     last_resort = False
     with gw.tracer.start_as_current_span("fleetgate.route") as span:
@@ -246,19 +299,19 @@ async def _pick_replica(
         span.set_attribute("fleetgate.replica", decision.replica)
         span.set_attribute("fleetgate.degraded", decision.degraded)
         if not isinstance(gw.tracer, NullTracer):
-            _stage_spans(gw, decide_start_ns, decision.timings_ms)
-    _decision_metrics(gw, matched_route.name, decision)
+            _stage_spans(gw.tracer, decide_start_ns, decision.timings_ms)
+    _decision_metrics(gw.metrics, gw.index_backend, matched_route.name, decision)
     return decision, last_resort
 
 
-def _stage_spans(gw: GatewayState, start_ns: int, timings: dict[str, Any]) -> None:
+def _stage_spans(tracer: Tracer, start_ns: int, timings: dict[str, float]) -> None:
     plugin_ms = sum(
         ms for key, ms in timings.items() if key.startswith(("filter:", "scorer:", "picker:"))
     )
     stages = {"index": timings["index"]} if "index" in timings else {}
     stages["scoring"] = plugin_ms
     record_stage_spans(
-        gw.tracer,
+        tracer,
         start_ns,
         stages,
         {"index": "fleetgate.index_lookup", "scoring": "fleetgate.scoring"},
@@ -266,7 +319,7 @@ def _stage_spans(gw: GatewayState, start_ns: int, timings: dict[str, Any]) -> No
 
 
 async def _route_last_resort(
-    gw: GatewayState, request: RoutingRequest, matched_route: Route, cause: NoReplicaAvailable
+    gw: RouteDeps, request: RoutingRequest, matched_route: Route, cause: NoReplicaAvailable
 ) -> RoutingDecision:
     """No replica of the model is healthy: route among those that only missed health polls.
 
@@ -283,7 +336,7 @@ async def _route_last_resort(
         len(replicas),
     )
     gw.metrics.last_resort.labels(request.route).inc()
-    adapters.fill_cold_load_estimates(gw, request, replicas)
+    adapters.fill_cold_load_estimates(gw.adapters, gw.registry, request, replicas)
     try:
         return await gw.engine.route(request, replicas, matched_route.profile)
     except NoReplicaAvailable as exc:  # e.g. a filter of the profile left none of them
@@ -292,14 +345,15 @@ async def _route_last_resort(
         ) from None
 
 
-def _decision_metrics(gw: GatewayState, route_name: str, decision: RoutingDecision) -> None:
-    m = gw.metrics
+def _decision_metrics(
+    m: GatewayMetrics, index_backend: str, route_name: str, decision: RoutingDecision
+) -> None:
     total_ms = decision.timings_ms.get("total")
     if total_ms is not None:
         m.decision_seconds.labels(decision.profile).observe(total_ms / 1000)
     index_ms = decision.timings_ms.get("index")
     if index_ms is not None:
-        m.index_lookup_seconds.labels(gw.index_backend).observe(index_ms / 1000)
+        m.index_lookup_seconds.labels(index_backend).observe(index_ms / 1000)
     if decision.degraded:
         m.degraded.labels(route_name, "index_unavailable").inc()
-        m.index_errors.labels(gw.index_backend).inc()
+        m.index_errors.labels(index_backend).inc()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -144,9 +143,10 @@ class _Registry:
         yield LoadResult(cold_ms=12.0, loaded_now=True)
 
 
-def _gateway(registry: _Registry) -> Any:
-    replicas = ReplicaRegistry()
-    return SimpleNamespace(adapters=registry, registry=replicas)
+def _hold(registry: _Registry, replica: ReplicaState, last_resort: bool) -> Any:
+    """``hold_adapter`` of adapter ``x`` on ``replica``, over the fake registry."""
+    fake: Any = registry  # the registry's ``serving`` is all hold_adapter calls
+    return hold_adapter(fake, ReplicaRegistry(), replica, "x", last_resort=last_resort)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +172,7 @@ async def test_registry_refusals_become_fallbacks(
 ) -> None:
     replica = ReplicaState(replica_id=R0, url="http://r0")
     with pytest.raises(ReplicaUnsuitable) as caught:
-        async with hold_adapter(_gateway(_Registry(error)), replica, "x", last_resort=False):
+        async with _hold(_Registry(error), replica, last_resort=False):
             pytest.fail("the body must not run when the adapter could not be held")
     assert caught.value.reason == reason
     assert (caught.value.error.status, caught.value.error.code) == (status, code)
@@ -182,7 +182,7 @@ async def test_registry_refusals_become_fallbacks(
 async def test_hold_passes_last_resort_and_yields_the_load() -> None:
     registry = _Registry(None)
     replica = ReplicaState(replica_id=R0, url="http://r0")
-    async with hold_adapter(_gateway(registry), replica, "x", last_resort=True) as load:
+    async with _hold(registry, replica, last_resort=True) as load:
         assert load.loaded_now and load.cold_ms == 12.0
     assert registry.last_resort is True
 
@@ -190,5 +190,5 @@ async def test_hold_passes_last_resort_and_yields_the_load() -> None:
 async def test_errors_inside_the_held_attempt_are_not_fallbacks() -> None:
     replica = ReplicaState(replica_id=R0, url="http://r0")
     with pytest.raises(GatewayError):
-        async with hold_adapter(_gateway(_Registry(None)), replica, "x", last_resort=False):
+        async with _hold(_Registry(None), replica, last_resort=False):
             raise GatewayError(504, "upstream_timeout", "slow")
