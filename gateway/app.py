@@ -105,7 +105,7 @@ def create_app(
     index = (
         index
         if index is not None
-        else build_gateway_index(config.redis_url, config.index_key_prefix)
+        else build_gateway_index(config.redis_url, config.index_key_prefix, config.index_mode)
     )
     if inflight is None:
         inflight = RedisInflight(config.redis_url) if config.redis_url else MemoryInflight()
@@ -116,7 +116,9 @@ def create_app(
         policy=view,
         registry=registry,
         index=index,
-        index_backend="redis" if config.redis_url else "memory",
+        index_backend=(config.index_mode if config.index_mode == "mirror" else "redis")
+        if config.redis_url
+        else "memory",
         engine=build_engine(index, view, config.index_timeout_s),
         tokenizer=tokenizer
         or build_prompt_tokenizer(config.tokenizer_dir, config.remote_tokenizer_url, view),

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapters_registry.registry import RegistrySettings
+from routing.index.factory import DEFAULT_INDEX_MODE
 from routing.policies.registry import DEFAULT_PROFILE
 
 
@@ -21,6 +22,9 @@ class GatewayConfig:
     redis_url: str | None = None
     #: Redis key prefix of the block index; None: the backend's default (the agents' too).
     index_key_prefix: str | None = None
+    #: With Redis: ``lookup`` (a Redis script per lookup) or ``mirror`` (an in-process copy fed
+    #: by Redis streams); agents must write the same mode (docs/index.md).
+    index_mode: str = DEFAULT_INDEX_MODE
     tokenizer_dir: str | None = None
     remote_tokenizer_url: str | None = None
     #: Block size for hashing when a replica does not say (tokens; characters in text mode).
@@ -95,3 +99,4 @@ class GatewayConfig:
             self.redis_url = index.redis_url
         # Gateways and agents must share keys; every component defaults to "fleetgate:".
         self.index_key_prefix = index.key_prefix
+        self.index_mode = index.mode

@@ -98,13 +98,17 @@ def build_prompt_tokenizer(
 # --------------------------------------------------------------------------- index
 
 
-def build_gateway_index(redis_url: str | None, key_prefix: str | None = None) -> BlockIndex:
-    """The block index: Redis when ``redis_url`` is given, else in-memory."""
+def build_gateway_index(
+    redis_url: str | None, key_prefix: str | None = None, mode: str | None = None
+) -> BlockIndex:
+    """The block index: Redis (``mode`` lookup or mirror) when ``redis_url`` is given, else
+    in-memory."""
     from routing.index import build_index
 
+    opts = {"mode": mode} if mode else {}
     if redis_url and key_prefix:
-        return build_index(redis_url, key_prefix=key_prefix)
-    return build_index(redis_url)
+        return build_index(redis_url, key_prefix=key_prefix, **opts)
+    return build_index(redis_url, **opts)
 
 
 # --------------------------------------------------------------------------- engine

@@ -8,7 +8,7 @@ through these same types.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -120,6 +120,38 @@ class BlockIndex(Protocol):
     async def close(self) -> None:
         """Release connections."""
         ...
+
+
+@runtime_checkable
+class InProcessLookup(Protocol):
+    """A ``BlockIndex`` whose lookups never wait (the memory index, the mirror): the engine calls
+    ``match_now`` directly, with no coroutine or timer."""
+
+    def match_now(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]: ...
+
+
+@runtime_checkable
+class EpochAwareHeartbeat(Protocol):
+    """An index that can tell a heartbeating agent that it lost the agent's epoch (Redis flushed
+    or restarted empty): the agent then declares a new epoch and re-records its blocks."""
+
+    async def heartbeat_known(self, replica: ReplicaId, ttl_s: float) -> bool: ...
+
+
+def in_process_match(
+    index: object,
+) -> Callable[[Sequence[BlockHash]], dict[ReplicaId, int]] | None:
+    """``index.match_now`` when lookups on ``index`` never wait, else ``None`` (checked once).
+
+    Only when the class that defines ``match_now`` also defines the ``match`` in use: a subclass
+    that overrides the async ``match`` (tests do, to fail or count calls) must be called there.
+    """
+    if not isinstance(index, InProcessLookup):
+        return None
+    mro = type(index).__mro__
+    match_owner = next((k for k in mro if "match" in k.__dict__), None)
+    match_now_owner = next((k for k in mro if "match_now" in k.__dict__), None)
+    return index.match_now if match_owner is match_now_owner else None
 
 
 # --------------------------------------------------------------------------- routing requests

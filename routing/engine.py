@@ -34,8 +34,8 @@ from routing.contracts import (
     RoutingDecision,
     RoutingRequest,
     Scorer,
+    in_process_match,
 )
-from routing.index.memory import MemoryBlockIndex
 from routing.policies.serves_model import ServesModelFilter
 from routing.state import ReplicaState
 from routing.types import ReplicaId
@@ -381,9 +381,9 @@ class RoutingEngine:
         if not (index_timeout_s > 0 and math.isfinite(index_timeout_s)):
             raise ValueError(f"index_timeout_s must be a positive number (got {index_timeout_s!r})")
         self._index = index
-        #: The in-memory index's synchronous lookup. Exact type only: a subclass may override the
-        #: async protocol method (tests do, to fail or count calls), which must then be used.
-        self._match_now = index.match_now if type(index) is MemoryBlockIndex else None
+        #: The synchronous lookup of an in-process index (memory, mirror), found once; a
+        #: subclass overriding the async ``match`` (tests do) is called through that instead.
+        self._match_now = in_process_match(index)
         self._index_timeout_s = index_timeout_s
         self._builtin_filter = ServesModelFilter()
         self._index_warning = _RateLimitedWarning()

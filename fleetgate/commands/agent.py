@@ -49,6 +49,12 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     )
     group.add_argument("--fleet-url", help="fleet store URL (default: --index-url)")
     group.add_argument(
+        "--index-mode",
+        choices=("lookup", "mirror"),
+        help="Redis index layout to write; must equal the gateways' index.mode "
+        "(default: lookup)",
+    )
+    group.add_argument(
         "--index-key-prefix",
         default="fleetgate:",
         help="index key prefix; must equal the gateways' index.key_prefix (default: fleetgate:)",
@@ -96,6 +102,7 @@ def agent_config_from_args(args: argparse.Namespace, **overrides: object) -> Age
         "index_url": args.index_url,
         "fleet_url": args.fleet_url,
         "index_key_prefix": args.index_key_prefix,
+        **({"index_mode": args.index_mode} if args.index_mode else {}),
         "fleet_key_prefix": args.fleet_key_prefix,
         "scrape_interval_s": args.scrape_interval,
         "heartbeat_ttl_s": args.heartbeat_ttl,

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model the --replica URLs serve (default: ask them)",
     )
     parser.add_argument("--redis", help="Redis URL: shared index, in-flight counts, agents")
+    parser.add_argument(
+        "--index-mode",
+        choices=("lookup", "mirror"),
+        help="with --redis and no --config: lookup asks Redis per request, mirror keeps an "
+        "in-process copy fed by Redis streams (agents must match; default: lookup)",
+    )
     parser.add_argument("--tokenizer", help="tokenizer directory (default: text blocks)")
     parser.add_argument(
         "--profile",
@@ -103,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         policy_path=args.policy,
         default_profile=args.profile,
         redis_url=args.redis,
+        **({"index_mode": args.index_mode} if args.index_mode else {}),
         tokenizer_dir=args.tokenizer,
         block_size=args.block_size,
         admin_key=args.admin_key,

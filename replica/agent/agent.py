@@ -31,8 +31,9 @@ from replica.agent.sequence import SequenceTracker, SeqVerdict
 from replica.agent.server import start_server
 from replica.fleet_store import FleetStore, FleetStoreUnavailable, build_fleet_store
 from replica.kv_events import EventBatch, KVEventDecodeError, KVEventSubscriber
-from routing.contracts import BlockIndex
+from routing.contracts import BlockIndex, EpochAwareHeartbeat
 from routing.index import build_index
+from routing.index.stream_writer import StreamIndexWriter
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
 
@@ -60,6 +61,11 @@ async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
 def _build_index(config: AgentConfig) -> BlockIndex:
     if config.index_url in (None, "", "memory", "memory://"):
         return build_index(None)
+    if config.index_mode == "mirror":
+        # Agents only write: the stream layout, without a mirror of the whole fleet.
+        return StreamIndexWriter(  # type: ignore[return-value]
+            config.index_url, key_prefix=config.index_key_prefix, timeout_s=1.0
+        )
     return build_index(config.index_url, key_prefix=config.index_key_prefix, timeout_s=1.0)
 
 
@@ -371,7 +377,18 @@ class ReplicaAgent:
 
     async def _index_heartbeat(self) -> None:
         try:
-            await self.index.heartbeat(self.replica, self.config.heartbeat_ttl_s)
+            if isinstance(self.index, EpochAwareHeartbeat):
+                known = await self.index.heartbeat_known(self.replica, self.config.heartbeat_ttl_s)
+                if not known and not self.applier.dirty:
+                    # Redis forgot our epoch (FLUSHALL, a restart without persistence): without
+                    # this the index stayed cold until the engine stored its blocks again.
+                    self.metrics.index_lost()
+                    self.applier.dirty = True
+                    logger.warning(
+                        "replica %s: Redis lost the index entries; re-publishing", self.replica
+                    )
+            else:
+                await self.index.heartbeat(self.replica, self.config.heartbeat_ttl_s)
         except INDEX_DOWN_ERRORS as exc:
             # A Redis that failed may come back empty: resync re-records what the engine holds.
             self.metrics.redis_error()

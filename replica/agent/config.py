@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from routing.index.factory import DEFAULT_INDEX_MODE, INDEX_MODES
+
 
 @dataclass
 class AgentConfig:
@@ -29,6 +31,8 @@ class AgentConfig:
     fleet_url: str | None = None
     #: Key prefixes: the index's hash tag, and the fleet store's prefix.
     index_key_prefix: str = "fleetgate:"
+    #: Redis index layout to write: ``lookup`` or ``mirror`` (streams); the gateways' mode.
+    index_mode: str = DEFAULT_INDEX_MODE
     fleet_key_prefix: str = "fleetgate:"
     scrape_interval_s: float = 0.25
     #: How long the replica stays listed (and its index entries match) without a heartbeat.
@@ -59,6 +63,10 @@ class AgentConfig:
             )
         if self.replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("replay_endpoint is set but kv_events_endpoint is not")
+        if self.index_mode not in INDEX_MODES:
+            raise ValueError(
+                f"index_mode must be one of {', '.join(INDEX_MODES)} (got {self.index_mode!r})"
+            )
         if self.map_capacity < 1:
             raise ValueError(f"map_capacity must be >= 1 (got {self.map_capacity})")
 

@@ -41,6 +41,13 @@ class AgentMetrics:
             "fleetgate_agent_redis_errors_total", "Failed writes to Redis", labels,
             registry=self.registry,
         )
+        self._index_lost = Counter(
+            "fleetgate_agent_index_lost_total",
+            "Heartbeats that found Redis had forgotten the replica's epoch (flushed, restarted "
+            "empty): the agent re-publishes its engine's blocks under a new epoch",
+            labels,
+            registry=self.registry,
+        )
         self._engine_up = Gauge(
             "fleetgate_agent_engine_up", "1 when the engine's /health answers", labels,
             registry=self.registry,
@@ -74,6 +81,9 @@ class AgentMetrics:
 
     def redis_error(self) -> None:
         self._redis_errors.labels(self.replica).inc()
+
+    def index_lost(self) -> None:
+        self._index_lost.labels(self.replica).inc()
 
     def engine_up(self, up: bool) -> None:
         self._engine_up.labels(self.replica).set(1 if up else 0)

@@ -15,6 +15,7 @@ from routing.config.base import (
     RedisUrl,
     StrictModel,
 )
+from routing.index.factory import DEFAULT_INDEX_MODE
 
 
 class IndexSettings(StrictModel):
@@ -26,6 +27,9 @@ class IndexSettings(StrictModel):
 
     backend: Literal["memory", "redis"] = "memory"
     redis_url: RedisUrl | None = None
+    #: With ``redis``: ``lookup`` asks Redis on every request; ``mirror`` keeps an in-process
+    #: copy fed by Redis streams (docs/index.md). Agents must run the same mode.
+    mode: Literal["lookup", "mirror"] = DEFAULT_INDEX_MODE  # type: ignore[assignment]
     key_prefix: KeyPrefix = "fleetgate:"
     #: Lifetime of entries the gateway inserts for its own routing decisions, until an engine
     #: event confirms them. Short: a wrong guess should not steer traffic for long.

@@ -6,7 +6,7 @@ from typing import Any
 
 from routing.contracts import BlockIndex
 
-__all__ = ["INDEX_MODES", "build_index"]
+__all__ = ["DEFAULT_INDEX_MODE", "INDEX_MODES", "build_index"]
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -15,9 +15,14 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 #: (``RedisBlockIndex``); ``mirror`` keeps a local copy fed by Redis streams
 #: (``MirrorBlockIndex``; writers that never look up use ``StreamIndexWriter``).
 INDEX_MODES = ("lookup", "mirror")
+#: The mode gateways and agents use unless told otherwise (they must agree: agents in lookup
+#: mode write the lookup layout, in mirror mode the streams).
+DEFAULT_INDEX_MODE = "lookup"
 
 
-def build_index(url: str | None = None, *, mode: str = "lookup", **opts: Any) -> BlockIndex:
+def build_index(
+    url: str | None = None, *, mode: str = DEFAULT_INDEX_MODE, **opts: Any
+) -> BlockIndex:
     """Build the index that ``url`` and ``mode`` name.
 
     ``None``, ``""`` or ``"memory"`` give a ``MemoryBlockIndex`` (``opts``: ``max_entries``,

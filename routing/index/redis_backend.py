@@ -149,6 +149,17 @@ class RedisBlockIndex:
             "heartbeat", self._heartbeat(keys=[self._alive_key], args=[replica, _to_ms(ttl_s)])
         )
 
+    async def heartbeat_known(self, replica: ReplicaId, ttl_s: float) -> bool:
+        """Heartbeat; False when Redis no longer knows the replica's epoch (``FLUSHALL``, a
+        restart without persistence): the agent must declare an epoch and re-record."""
+        check_replica(replica)
+        check_ttl(ttl_s, optional=False)
+        keys = [self._alive_key, self._epochs_key]
+        known = await self._call(
+            "heartbeat", self._heartbeat(keys=keys, args=[replica, _to_ms(ttl_s)])
+        )
+        return bool(int(known))
+
     # ------------------------------------------------------------------ writes
 
     async def record(

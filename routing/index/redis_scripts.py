@@ -330,6 +330,8 @@ HEARTBEAT = (
     _PRELUDE
     + """
 redis.call('HSET', KEYS[1], ARGV[1], string.format('%.0f', now_ms() + tonumber(ARGV[2])))
+-- KEYS[2], the epoch table, when given: 0 tells an agent that Redis forgot its epoch (flushed).
+if KEYS[2] then return redis.call('HEXISTS', KEYS[2], ARGV[1]) end
 return 1
 """
 )

@@ -18,7 +18,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from routing.contracts import IndexUnavailable
+from routing.contracts import IndexStats, IndexUnavailable
 from routing.index import stream_scripts
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
 from routing.index.stream_layout import DEFAULT_SHARDS, StreamLayout
@@ -164,6 +164,17 @@ class StreamIndexWriter:
     async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
         """Keep the replica's entries matching for ``ttl_s`` more seconds."""
         await self.heartbeat_known(replica, ttl_s)
+
+    async def match(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]:
+        """A writer does not look up: gateways' ``MirrorBlockIndex`` does."""
+        raise IndexUnavailable("a stream index writer does not answer lookups (use a mirror)")
+
+    async def stats(self) -> IndexStats:
+        """What this writer knows without scanning: its layout."""
+        return IndexStats(
+            backend="mirror-writer", entries=0, replicas=0,
+            extra={"key_prefix": self.layout.key_prefix, "shards": self.layout.shards},
+        )
 
     async def close(self) -> None:
         """Close the client if this writer created it."""
