@@ -150,3 +150,35 @@ DETOKENIZE = RequestKind(
     payload=unchanged_payload,
 )
 
+
+
+def _validate_model_only(body: Body) -> None:
+    validate_common(body)
+
+
+def pooling_kind(path: str) -> RequestKind:
+    """A vLLM pooling endpoint (score, rerank, classify, ...): routed by load, body untouched."""
+    return RequestKind(
+        f"pooling:{path}", path, _validate_model_only, _no_prompt, prefix_routed=False,
+        payload=unchanged_payload, usage=usage.from_pooling,
+    )
+
+
+#: vLLM's other pooling endpoints, JSON in and out, routed like embeddings.
+POOLING_PATHS = ("/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                 "/v2/rerank", "/v2/embed")
+POOLING = {path: pooling_kind(path) for path in POOLING_PATHS}
+
+
+def _validate_count_tokens(body: Body) -> None:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required and must be a non-empty string.", "model")
+    if not isinstance(body.get("messages"), list) or not body["messages"]:
+        raise bad_request("`messages` must be a non-empty array.", "messages")
+
+
+COUNT_TOKENS = RequestKind(
+    "messages_count_tokens", "/v1/messages/count_tokens", _validate_count_tokens, _no_prompt,
+    prefix_routed=False, payload=unchanged_payload, error_response=anthropic.error_response,
+)

@@ -258,3 +258,40 @@ async def test_embeddings_and_tokenize_detokenize(
         async with http.post(f"{stack.url}/tokenize", json={"prompt": "no model"}) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["param"] == "model"
+
+
+async def test_count_tokens_pooling_relay_and_unrouted_endpoints(stack: EmbeddedStack) -> None:
+    async with anthropic.AsyncAnthropic(
+        base_url=stack.url, api_key="any", max_retries=0
+    ) as claude:
+        counted = await claude.messages.count_tokens(
+            model=stack.model, system=INSTRUCTIONS, messages=[{"role": "user", "content": "hi"}]
+        )
+        sent = await claude.messages.create(
+            model=stack.model, system=INSTRUCTIONS, max_tokens=1,
+            messages=[{"role": "user", "content": "hi"}],
+        )
+    # The count is the whole prompt the engine then prefills (input + cache reads).
+    assert counted.input_tokens == sent.usage.input_tokens + (
+        sent.usage.cache_read_input_tokens or 0
+    )
+    async with aiohttp.ClientSession() as http:
+        # A pooling endpoint is routed to a replica of the model and its answer relayed as it is
+        # (the simulated replica, a generative engine, has no /rerank: vLLM's own 404 comes back).
+        async with http.post(
+            f"{stack.url}/rerank", json={"model": stack.model, "query": "q", "documents": ["d"]},
+            headers={"X-Request-Id": "rerank-1"},
+        ) as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["message"] == "Not Found: /rerank"
+        async with http.post(
+            f"{stack.url}/v1/audio/transcriptions", data=b"audio bytes"
+        ) as resp:
+            assert resp.status == 501
+            error = (await resp.json())["error"]
+            assert error["code"] == "not_routed"
+            assert "/v1/audio/transcriptions" in error["message"]
+        async with http.post(f"{stack.url}/v1/load_lora_adapter", json={}) as resp:
+            assert resp.status == 404  # engine control is not exposed to tenants
+    rerank = (await _decisions(stack))["rerank-1"]
+    assert rerank["served_by"] in ("sim/0", "sim/1") and rerank["status"] == 404
