@@ -21,7 +21,7 @@ import numpy as np
 
 from replica.sim.step_time import STEP_TIME_FIELDS, StepTimeModel
 
-__all__ = ["FitResult", "Observation", "fit_step_time"]
+__all__ = ["FitResult", "Observation", "combine_repeats", "fit_step_time"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +88,33 @@ class FitResult:
         return "\n".join(lines)
 
 
+def combine_repeats(observations: Sequence[Observation]) -> list[Observation]:
+    """One observation per distinct step content: the median of its repeats.
+
+    On a shared machine a repeat is sometimes several times slower (another process had the
+    CPU); the median of a few repeats ignores such a stall where a mean or a least-squares fit
+    over every repeat would chase it.
+    """
+    groups: dict[tuple[str, float, float, float], list[Observation]] = {}
+    for o in observations:
+        key = (o.kind, o.prefill_tokens, o.decode_seqs, o.context_tokens)
+        groups.setdefault(key, []).append(o)
+    combined = []
+    for group in groups.values():
+        first = group[0]
+        label = first.label if len(group) == 1 else f"{first.label} (median of {len(group)})"
+        median = float(np.median([o.measured_s for o in group]))
+        combined.append(
+            Observation(first.kind, label, median, first.prefill_tokens, first.decode_seqs,
+                        first.context_tokens)
+        )
+    return combined
+
+
 def fit_step_time(observations: Sequence[Observation]) -> FitResult:
-    """Fit the step-time model; relative least squares, so short and long steps weigh alike."""
+    """Fit the step-time model to the medians of repeated observations; relative least
+    squares, so short and long steps weigh alike."""
+    observations = combine_repeats(observations)
     if not any(o.kind == "decode" for o in observations) or not any(
         o.kind == "prefill" for o in observations
     ):

@@ -7,7 +7,9 @@
   of context.
 - **Decodes**: ``B`` requests of ``P`` fresh prompt tokens sent together, ``N`` output tokens
   each; the mean gap between a request's tokens is one decode step of ``B`` sequences over a
-  mean context of ``P + (N − 2) / 2`` tokens each.
+  mean context of ``P + (N − 2) / 2`` tokens each. The gap is read from the engine's
+  ``vllm:inter_token_latency_seconds`` (sum and count around the batch), falling back to the
+  client's token arrival times when the engine does not publish it.
 
 Prompts are random token ids (fresh per request, so nothing is cached unless meant to be).
 """
@@ -109,10 +111,18 @@ async def run_workload(
             say(f"decode batch {batch} over {context}-token prompts x{plan.decode_repeats}")
             for _ in range(plan.decode_repeats):
                 batch_prompts = [prompts.fresh(context) for _ in range(batch)]
+                itl_before = await probe.itl_totals()
                 timed = await asyncio.gather(
                     *(probe.complete(model, p, tokens) for p in batch_prompts)
                 )
-                gap = statistics.median(t.mean_itl_s for t in timed)
+                itl_after = await probe.itl_totals()
+                gaps = itl_after[1] - itl_before[1]
+                if gaps > 0:
+                    # The engine's own gaps: a busy API server streams several tokens in one
+                    # chunk, so the client's gaps are bunched; the engine's are not.
+                    gap = (itl_after[0] - itl_before[0]) / gaps
+                else:
+                    gap = statistics.median(t.mean_itl_s for t in timed)
                 mean_context = context + (tokens - 2) / 2
                 observations.append(
                     Observation(

@@ -120,3 +120,15 @@ def test_plan_capacity_uses_a_calibrated_prefill_time(tmp_path: Path) -> None:
     model = engine_model(str(path))
     assert model.prefill_ms(1000) == pytest.approx(10.0 + 100.0)
     assert "measured step time" in model.describe
+
+
+def test_repeats_are_combined_by_their_median() -> None:
+    # One repeat stalled (another process had the CPU): the median ignores it.
+    stalled = [Observation("decode", "d", t, decode_seqs=3, context_tokens=300)
+               for t in (0.010, 0.011, 0.050)]
+    observations = _designed() + stalled
+    result = fit_step_time(observations)
+    labels = [r.observation.label for r in result.residuals]
+    assert "d (median of 3)" in labels
+    combined = next(r for r in result.residuals if r.observation.label == "d (median of 3)")
+    assert combined.observation.measured_s == pytest.approx(0.011)

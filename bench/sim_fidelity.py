@@ -1,0 +1,432 @@
+"""Does the simulator predict a real vLLM engine? Calibrate, replay, compare.
+
+    python -m bench.sim_fidelity                    # starts one real vLLM CPU engine (tiny model)
+    python -m bench.sim_fidelity --engine URL       # or measures a running one (DEV mode on)
+
+1. Start a real vLLM CPU engine (the e2e tier's tiny model; ``.venv-vllm``), unless ``--engine``.
+2. ``fleetgate sim calibrate`` against it: a profile YAML with the measured step time.
+3. Three trace slices — shared-prefix, multi-turn, and one over capacity (a burst) — each
+   replayed **twice** against the real engine (prefix cache reset before each run; the second
+   run is the noise floor: the same real run repeated), and once through ``fleetgate simulate``
+   (one replica, the calibrated profile, the same token ids).
+4. Compare per-request TTFT and end-to-end latency (median and p95), the prefix hit rate by
+   vLLM's own counters, preemptions and queue time; write docs/benchmarks/sim-fidelity.md and
+   predicted-vs-measured PNGs.
+
+Requests go straight to the engine with token-id prompts made by the simulator's own
+``PromptFactory`` (trace block = engine block = 32 tokens), so both sides see identical prompts;
+there is one engine, so a gateway in front would add only its proxy overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from planning.calibrate import (
+    CalibrationPlan,
+    EngineLimits,
+    calibrate,
+    write_profile,
+)
+from planning.calibrate.probe import EngineProbe, metric_total
+from planning.simulator import SimulationConfig
+from planning.simulator.api import simulate
+from planning.simulator.config import prepare_requests
+from planning.simulator.prompts import PromptFactory
+from traces.format import TraceRecord
+
+if TYPE_CHECKING:
+    from replica.launcher import VllmEngine
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "benchmarks" / "sim-fidelity.md"
+PLOT_DIR = REPO / "docs" / "benchmarks" / "sim-fidelity"
+#: Trace block = the engine's block (vLLM's CPU backend needs a multiple of 32).
+BLOCK = 32
+MODEL = "tiny"
+#: The engine's scheduler limits (passed to vLLM and to calibration).
+MAX_NUM_SEQS = 16
+MAX_NUM_BATCHED_TOKENS = 2048
+KV_BLOCKS = 256
+
+
+# --------------------------------------------------------------------------- trace slices
+
+
+def shared_prefix_slice(seed: int, requests: int = 40, rate: float = 2.0) -> list[TraceRecord]:
+    """Four 8-block system prompts, each request adds 1-6 blocks of its own; Poisson arrivals."""
+    rng = random.Random(f"{seed}:shared-prefix")
+    prefixes = [tuple(range(1000 * (p + 1), 1000 * (p + 1) + 8)) for p in range(4)]
+    records, t, fresh = [], 0.0, 100_000
+    for _ in range(requests):
+        t += rng.expovariate(rate)
+        own = rng.randint(1, 6)
+        hash_ids = prefixes[rng.randrange(4)] + tuple(range(fresh, fresh + own))
+        fresh += own
+        length = len(hash_ids) * BLOCK - rng.randrange(BLOCK)
+        records.append(TraceRecord(round(t * 1000), length, rng.randint(8, 32), hash_ids))
+    return records
+
+
+def multi_turn_slice(seed: int, conversations: int = 8, turns: int = 4,
+                     rate: float = 2.0) -> list[TraceRecord]:
+    """Conversations whose every turn resends the history plus 1-3 new blocks."""
+    rng = random.Random(f"{seed}:multi-turn")
+    pending: list[tuple[float, int, int]] = []  # (time, conversation, turn)
+    for c in range(conversations):
+        start = rng.uniform(0, conversations / rate)
+        for turn in range(turns):
+            pending.append((start + turn * rng.uniform(1.5, 3.0), c, turn))
+    pending.sort()
+    history: dict[int, tuple[int, ...]] = {}
+    fresh = 200_000
+    records = []
+    for t, c, _turn in pending:
+        add = rng.randint(1, 3)
+        hash_ids = history.get(c, ()) + tuple(range(fresh, fresh + add))
+        fresh += add
+        history[c] = hash_ids
+        length = len(hash_ids) * BLOCK - rng.randrange(BLOCK)
+        records.append(TraceRecord(round(t * 1000), length, rng.randint(8, 24), hash_ids))
+    return records
+
+
+def over_capacity_slice(seed: int, requests: int = 48, window_s: float = 1.0) -> list[TraceRecord]:
+    """The shared-prefix mix arriving as a burst: far more than ``max_num_seqs`` at once."""
+    burst = shared_prefix_slice(seed + 7, requests, rate=requests / window_s)
+    return [TraceRecord(r.timestamp, r.input_length, 32, r.hash_ids) for r in burst]
+
+
+SLICES = {
+    "shared-prefix": shared_prefix_slice,
+    "multi-turn": multi_turn_slice,
+    "over-capacity": over_capacity_slice,
+}
+#: Slices whose arrival rate is below the engine's capacity (TTFT error bounds apply).
+BELOW_CAPACITY = ("shared-prefix", "multi-turn")
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+@dataclass
+class SliceRun:
+    """One replay of a slice: per-request times (trace order) and the engine's counters."""
+
+    ttft_s: list[float]
+    e2e_s: list[float]
+    prefix_queries: float
+    prefix_hits: float
+    preemptions: float
+    queue_time_sum_s: float
+    queue_time_count: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else float("nan")
+
+    @property
+    def mean_queue_s(self) -> float:
+        return self.queue_time_sum_s / self.queue_time_count if self.queue_time_count else 0.0
+
+
+COUNTERS = {
+    "prefix_queries": "vllm:prefix_cache_queries_total",
+    "prefix_hits": "vllm:prefix_cache_hits_total",
+    "preemptions": "vllm:num_preemptions_total",
+    "queue_time_sum_s": "vllm:request_queue_time_seconds_sum",
+    "queue_time_count": "vllm:request_queue_time_seconds_count",
+}
+
+
+async def replay_live(
+    probe: EngineProbe, records: Sequence[TraceRecord], prompts: PromptFactory
+) -> SliceRun:
+    """Send ``records`` at their timestamps to the engine; read its counters around the run."""
+    async with probe.session.post(f"{probe.base}/reset_prefix_cache") as response:
+        if response.status != 200:
+            raise RuntimeError(
+                f"POST /reset_prefix_cache answered {response.status}: start the engine with "
+                "VLLM_SERVER_DEV_MODE=1 (the bench resets the cache before every run)"
+            )
+    token_ids = [prompts.tokens(r.hash_ids, r.input_length) for r in records]
+    before = await probe.metrics()
+    start = time.perf_counter()
+
+    async def one(record: TraceRecord, ids: list[int]) -> tuple[float, float]:
+        delay = start + record.timestamp / 1000.0 - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        timed = await probe.complete(MODEL, ids, record.output_length)
+        return timed.ttft_s, timed.e2e_s
+
+    first = records[0].timestamp
+    shifted = [TraceRecord(r.timestamp - first, r.input_length, r.output_length, r.hash_ids)
+               for r in records]
+    results = await asyncio.gather(*(one(r, ids) for r, ids in zip(shifted, token_ids,
+                                                                    strict=True)))
+    after = await probe.metrics()
+    deltas = {k: metric_total(after, name) - metric_total(before, name)
+              for k, name in COUNTERS.items()}
+    return SliceRun([t for t, _ in results], [e for _, e in results], **deltas)
+
+
+def simulate_slice(records: Sequence[TraceRecord], profile: Path) -> SliceRun:
+    """The same slice through ``fleetgate simulate``: one replica of the calibrated profile."""
+    config = SimulationConfig(replicas=1, profile=str(profile), trace_block_size=BLOCK,
+                              model=MODEL)
+    first = records[0].timestamp
+    shifted = [TraceRecord(r.timestamp - first, r.input_length, r.output_length, r.hash_ids)
+               for r in records]
+    report = simulate(prepare_requests(shifted), ["round-robin"], config)
+    run = report.runs["round-robin"]
+    outcomes = run.outcomes
+    if len(outcomes) != len(records):
+        raise RuntimeError(f"simulate served {len(outcomes)} of {len(records)} requests")
+    queries = sum(o.prompt_tokens for o in outcomes)
+    hits = sum(o.cached_tokens for o in outcomes)
+    queue = [o.scheduled_s - o.arrival_s for o in outcomes]
+    return SliceRun(
+        [o.first_token_s - o.arrival_s for o in outcomes],
+        [o.finish_s - o.arrival_s for o in outcomes],
+        queries, hits, run.preemptions, sum(queue), len(queue),
+    )
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def rel_error(predicted: float, measured: float) -> float:
+    return predicted / measured - 1.0 if measured else float("nan")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Predicted (or repeated) against measured, for one slice."""
+
+    ttft_median: float
+    ttft_p95: float
+    e2e_median: float
+    e2e_p95: float
+    hit_points: float
+
+    @classmethod
+    def of(cls, other: SliceRun, measured: SliceRun) -> Comparison:
+        return cls(
+            rel_error(statistics.median(other.ttft_s), statistics.median(measured.ttft_s)),
+            rel_error(quantile(other.ttft_s, 0.95), quantile(measured.ttft_s, 0.95)),
+            rel_error(statistics.median(other.e2e_s), statistics.median(measured.e2e_s)),
+            rel_error(quantile(other.e2e_s, 0.95), quantile(measured.e2e_s, 0.95)),
+            100.0 * (other.hit_rate - measured.hit_rate),
+        )
+
+
+def plot(results: dict[str, tuple[SliceRun, SliceRun, SliceRun]], out_dir: Path) -> list[Path]:
+    """Predicted vs measured per request (TTFT and e2e), one panel per slice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for metric in ("ttft", "e2e"):
+        fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.5))
+        for ax, (name, (live, repeat, sim)) in zip(axes, results.items(), strict=True):
+            measured = [1e3 * v for v in getattr(live, f"{metric}_s")]
+            ax.scatter(measured, [1e3 * v for v in getattr(sim, f"{metric}_s")], s=12,
+                       label="simulate (calibrated)")
+            ax.scatter(measured, [1e3 * v for v in getattr(repeat, f"{metric}_s")], s=12,
+                       marker="x", label="real, repeated run")
+            top = max(max(measured), *(1e3 * v for v in getattr(sim, f"{metric}_s")))
+            ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
+            ax.set_title(f"{name}: {metric.upper()} per request")
+            ax.set_xlabel("measured on real vLLM (ms)")
+            ax.set_ylabel("predicted / repeated (ms)")
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{metric}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _pct(value: float) -> str:
+    return f"{value:+.1%}"
+
+
+def render(
+    command: str, calibration_text: str, profile_text: str,
+    results: dict[str, tuple[SliceRun, SliceRun, SliceRun]], elapsed_s: float,
+) -> str:
+    lines = [
+        "# Simulator fidelity against a real vLLM CPU engine",
+        "",
+        f"Command: `{command}` ({elapsed_s / 60:.1f} min). One real vLLM 0.32 CPU engine (the e2e",
+        f"tier's tiny Llama, block 32, {KV_BLOCKS} KV blocks, `--max-num-seqs {MAX_NUM_SEQS}`, "
+        f"`--max-num-batched-tokens {MAX_NUM_BATCHED_TOKENS}`) on a 2-core machine shared with",
+        "other jobs. **Noise floor** = the same real run repeated (prefix cache reset before each",
+        "run); every error below has the noise floor beside it. Errors are predicted/measured − 1",
+        "of the slice's median or p95; hit-rate differences are in points, by vLLM's counters.",
+        "",
+        "## Calibration (`fleetgate sim calibrate`)",
+        "",
+        "```",
+        calibration_text.rstrip(),
+        "```",
+        "",
+        "Profile written:",
+        "",
+        "```yaml",
+        profile_text.rstrip(),
+        "```",
+        "",
+        "## Predicted vs measured",
+        "",
+        "| slice | requests | TTFT median: sim / noise | TTFT p95: sim / noise | "
+        "e2e median: sim / noise | e2e p95: sim / noise | hit rate real / sim (Δ pts, noise) |"
+        " preemptions real / sim | mean queue ms real / sim |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, (live, repeat, sim) in results.items():
+        c, n = Comparison.of(sim, live), Comparison.of(repeat, live)
+        lines.append(
+            f"| {name} | {len(live.ttft_s)} | {_pct(c.ttft_median)} / {_pct(n.ttft_median)} | "
+            f"{_pct(c.ttft_p95)} / {_pct(n.ttft_p95)} | {_pct(c.e2e_median)} / "
+            f"{_pct(n.e2e_median)} | {_pct(c.e2e_p95)} / {_pct(n.e2e_p95)} | "
+            f"{live.hit_rate:.1%} / {sim.hit_rate:.1%} ({c.hit_points:+.1f}, "
+            f"{n.hit_points:+.1f}) | {live.preemptions:g} / {sim.preemptions:g} | "
+            f"{1e3 * live.mean_queue_s:.0f} / {1e3 * sim.mean_queue_s:.0f} |"
+        )
+    lines += ["", "Measured medians and p95 (ms, first real run):", "",
+              "| slice | TTFT median | TTFT p95 | e2e median | e2e p95 |", "|---|---|---|---|---|"]
+    for name, (live, _repeat, _sim) in results.items():
+        lines.append(
+            f"| {name} | {1e3 * statistics.median(live.ttft_s):.0f} | "
+            f"{1e3 * quantile(live.ttft_s, 0.95):.0f} | {1e3 * statistics.median(live.e2e_s):.0f}"
+            f" | {1e3 * quantile(live.e2e_s, 0.95):.0f} |"
+        )
+    lines += [
+        "",
+        "![TTFT predicted vs measured](sim-fidelity/ttft.png)",
+        "",
+        "![e2e predicted vs measured](sim-fidelity/e2e.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+async def run_bench(args: argparse.Namespace) -> str:
+    started = time.perf_counter()
+    engine = None
+    url = args.engine
+    if url is None:
+        engine = _start_engine()
+        url = engine.url
+    try:
+        limits = EngineLimits(MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS)
+        print(f"calibrating against {url} ...", flush=True)
+        result = await calibrate(url, plan=CalibrationPlan(), limits=limits,
+                                 progress=lambda s: print(f"  {s}", flush=True))
+        profile = args.out_dir / "calibrated-profile.yaml"
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        write_profile(result, profile)
+        calibration_text = result.fit.table()
+        print(calibration_text, flush=True)
+        prompts = PromptFactory(MODEL, BLOCK, BLOCK, args.vocab_size)
+        results: dict[str, tuple[SliceRun, SliceRun, SliceRun]] = {}
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            probe = EngineProbe(session, url)
+            for name, make in SLICES.items():
+                records = make(args.seed)
+                print(f"slice {name}: {len(records)} requests, run 1 ...", flush=True)
+                live = await replay_live(probe, records, prompts)
+                print(f"slice {name}: run 2 (noise floor) ...", flush=True)
+                repeat = await replay_live(probe, records, prompts)
+                sim = await asyncio.to_thread(simulate_slice, records, profile)
+                results[name] = (live, repeat, sim)
+                c, n = Comparison.of(sim, live), Comparison.of(repeat, live)
+                print(f"  sim vs real: {c}\n  repeat vs real: {n}", flush=True)
+        plot(results, PLOT_DIR if args.write_doc else args.out_dir)
+        text = render(
+            "python -m bench.sim_fidelity", calibration_text,
+            profile.read_text(encoding="utf-8"), results, time.perf_counter() - started,
+        )
+        if args.write_doc:
+            DOC.write_text(text, encoding="utf-8")
+            print(f"wrote {DOC}", flush=True)
+        return text
+    finally:
+        if engine is not None:
+            engine.stop()
+
+
+def _start_engine() -> VllmEngine:
+    """One real vLLM CPU engine on the tiny model, DEV mode on (for /reset_prefix_cache)."""
+    import tempfile
+
+    from replica.launcher import EngineSpec, VllmEngine
+    from replica.tiny_model import RECIPE_VERSION, ensure_tiny_model
+    from replica.vllm_env import require_vllm_env
+
+    python = require_vllm_env(check_import=True)
+    tiny = ensure_tiny_model(
+        Path(tempfile.gettempdir()) / f"fleetgate-tiny-model-r{RECIPE_VERSION}", 3, python
+    )
+    engine = VllmEngine(
+        EngineSpec(
+            model=tiny.model_dir, served_model_name=MODEL, enable_lora=False,
+            extra_args=("--num-gpu-blocks-override", str(KV_BLOCKS),
+                        "--max-num-seqs", str(MAX_NUM_SEQS),
+                        "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS)),
+            extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+        ),
+        python=python,
+    )
+    engine.start()
+    print(f"vLLM engine healthy after {engine.wait_healthy(300):.0f} s", flush=True)
+    return engine
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_fidelity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", help="a running engine's URL (started with "
+                        "VLLM_SERVER_DEV_MODE=1 and this bench's flags); default: start one")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=584,
+                        help="the engine model's vocabulary (tiny model: 584)")
+    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/sim-fidelity"))
+    parser.add_argument("--no-doc", dest="write_doc", action="store_false",
+                        help="do not write docs/benchmarks/sim-fidelity.md")
+    args = parser.parse_args(argv)
+    text = asyncio.run(run_bench(args))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
