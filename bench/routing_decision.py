@@ -44,13 +44,15 @@ from bench._bench_common import write_page
 from routing.contracts import BlockIndex, RoutingRequest
 from routing.engine import RoutingEngine
 from routing.hashing import chain_seed, hash_token_blocks
-from routing.index import MemoryBlockIndex, RedisBlockIndex
+from routing.index import MemoryBlockIndex, MirrorBlockIndex, RedisBlockIndex
 from routing.policies.registry import builtin_profile
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
 
 MODEL = "bench-model"
-TARGET_P99_MS = {"memory": 1.0, "redis": 2.0}
+TARGET_P99_MS = {"memory": 1.0, "redis": 2.0, "mirror": 1.0}
+#: TTL of the speculative write that follows each decision (as the gateway's).
+SPECULATIVE_TTL_S = 10.0
 DEFAULT_OUTPUT = Path("docs/benchmarks/routing-decision.md")
 
 
@@ -88,6 +90,9 @@ class Row:
     matched_blocks: float
     #: Redis only: the server's own time per match script call (``INFO commandstats``), ms.
     server_ms: float | None = None
+    #: Redis and mirror, with ``--speculative-writes``: the server's time per routed request,
+    #: all commands it caused (lookup, speculative write, the mirror's stream reads), ms.
+    server_ms_per_request: float | None = None
 
     @property
     def target_ms(self) -> float:
@@ -166,10 +171,13 @@ async def measure(
     prompts: Prompts,
     w: Workload,
     redis_client: aioredis.Redis | None = None,
+    speculative_writes: bool = False,
 ) -> Row:
     """Time ``w.decisions`` expected-ttft decisions, each followed by a round-robin baseline."""
     seed = chain_seed(MODEL, None, "tenant-salt")
     await prefill(index, replicas, prompts, w, seed)
+    if isinstance(index, MirrorBlockIndex):
+        await index.sync(timeout_s=60.0)  # the mirror has applied its own prefill's echo
     stats = await index.stats()
     profiles = {"expected-ttft": builtin_profile("expected-ttft")}
     profiles["round-robin"] = builtin_profile("round-robin")
@@ -211,6 +219,10 @@ async def measure(
         start_baseline = clock()
         await engine.route(plain, replicas, "round-robin")
         done = clock()
+        if speculative_writes:
+            # What the gateway does next (in the background, untimed here): the chosen replica
+            # is about to hold the prompt's chain, a guess with a TTL.
+            await index.record(result.replica, Epoch(1), chain, ttl_s=SPECULATIVE_TTL_S)
         if i < w.warmup:
             if i == w.warmup - 1 and redis_client is not None:
                 await redis_client.config_resetstat()  # count the timed lookups only
@@ -226,12 +238,24 @@ async def measure(
         matched_replicas.append(len(matches))
         matched_blocks.extend(matches.values())
     server_ms = None
+    server_ms_per_request = None
     if redis_client is not None:
-        scripts = (await redis_client.info("commandstats")).get("cmdstat_evalsha", {})
-        if scripts.get("calls"):
+        if isinstance(index, MirrorBlockIndex):
+            await index.sync(timeout_s=60.0)  # its stream reads of the run count too
+        commandstats = await redis_client.info("commandstats")
+        scripts = commandstats.get("cmdstat_evalsha", {})
+        if scripts.get("calls") and not speculative_writes:
             server_ms = scripts["usec"] / scripts["calls"] / 1000
+        # Every command the routed requests caused; not the benchmark's own INFO / CONFIG, nor
+        # the sync's XREVRANGE probes.
+        own = {"cmdstat_info", "cmdstat_config", "cmdstat_xrevrange"}
+        caused_usec = sum(
+            stats_of["usec"] for name, stats_of in commandstats.items() if name not in own
+        )
+        server_ms_per_request = caused_usec / w.decisions / 1000
     return Row(
         server_ms=server_ms,
+        server_ms_per_request=server_ms_per_request,
         backend=backend,
         replicas=len(replicas),
         decisions=w.decisions,
@@ -262,6 +286,23 @@ async def redis_index(url: str) -> AsyncIterator[tuple[RedisBlockIndex, aioredis
         await client.aclose()
 
 
+@asynccontextmanager
+async def mirror_index(url: str) -> AsyncIterator[tuple[MirrorBlockIndex, aioredis.Redis]]:
+    """A started ``MirrorBlockIndex`` under a key prefix of its own, deleted afterwards."""
+    prefix = f"bench-{uuid.uuid4().hex[:12]}"
+    client = aioredis.Redis.from_url(url, decode_responses=True)
+    index = MirrorBlockIndex(url, key_prefix=prefix, timeout_s=0.5, bootstrap_timeout_s=60.0)
+    await index.start()
+    try:
+        yield index, client
+    finally:
+        await index.close()
+        keys = [key async for key in client.scan_iter(match=f"{{{prefix}*", count=1000)]
+        for start in range(0, len(keys), 1000):
+            await client.delete(*keys[start : start + 1000])
+        await client.aclose()
+
+
 async def run_all(args: argparse.Namespace, redis_url: str | None) -> list[Row]:
     w = Workload(
         prompt_tokens=args.prompt_tokens,
@@ -279,12 +320,19 @@ async def run_all(args: argparse.Namespace, redis_url: str | None) -> list[Row]:
             rng = random.Random(f"{args.seed}-{count}")
             prompts = Prompts(w, np.random.default_rng(args.seed))
             replicas = make_replicas(count, rng)
+            writes = args.speculative_writes
             if backend == "memory":
-                rows.append(await measure(backend, MemoryBlockIndex(), replicas, prompts, w))
+                rows.append(
+                    await measure(backend, MemoryBlockIndex(), replicas, prompts, w, None, writes)
+                )
+            elif backend == "mirror":
+                assert redis_url is not None
+                async with mirror_index(redis_url) as (index, client):
+                    rows.append(await measure(backend, index, replicas, prompts, w, client, writes))
             else:
                 assert redis_url is not None
                 async with redis_index(redis_url) as (index, client):
-                    rows.append(await measure(backend, index, replicas, prompts, w, client))
+                    rows.append(await measure(backend, index, replicas, prompts, w, client, writes))
             print(format_row(rows[-1]), file=sys.stderr)
     return rows
 
@@ -297,11 +345,14 @@ def format_row(row: Row) -> str:
         return f"{values[0]:.3f} / {values[1]:.3f}"
 
     verdict = "yes" if row.meets_target else "**no**"
+    per_request = (
+        "—" if row.server_ms_per_request is None else f"{row.server_ms_per_request:.3f}"
+    )
     return (
         f"| {row.backend} | {row.replicas} | {row.index_entries:,} | {pair(row.hashing)} | "
         f"{pair(row.index)} | {pair(row.engine)} | {pair(row.decision)} | "
         f"{pair(row.baseline)} | {ratio:.1f}x | "
-        f"≤ {row.target_ms:g} ms: {verdict} |"
+        f"≤ {row.target_ms:g} ms: {verdict} | {per_request} |"
     )
 
 
@@ -340,8 +391,8 @@ def render(rows: Sequence[Row], args: argparse.Namespace, command: str, redis_no
         "replicas; *ratio* = decision p50 / round-robin p50.",
         "",
         "| index | replicas | index blocks | hashing | index lookup | engine | decision "
-        "| round-robin | ratio | target (decision p99) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| round-robin | ratio | target (decision p99) | Redis ms / routed request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(format_row(row) for row in rows),
         "",
     ]
@@ -387,7 +438,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--replicas", type=int, nargs="+", default=[16, 64], help="fleet sizes to measure"
     )
     parser.add_argument(
-        "--backends", nargs="+", choices=["memory", "redis"], default=["memory", "redis"]
+        "--backends", nargs="+", choices=["memory", "redis", "mirror"],
+        default=["memory", "redis"],
+    )
+    parser.add_argument(
+        "--speculative-writes",
+        action="store_true",
+        help="after each decision, write the speculative entry the gateway writes (untimed), "
+        "and report Redis server time per routed request over all commands",
     )
     parser.add_argument("--prompt-tokens", type=int, default=6_000)
     parser.add_argument("--system-prompt-tokens", type=int, default=4_000)
@@ -428,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = None
     redis_url = None
     redis_note = "not measured"
-    if "redis" in args.backends:
+    if "redis" in args.backends or "mirror" in args.backends:
         redis_url = os.environ.get("REDIS_URL")
         if redis_url:
             redis_note = "`REDIS_URL` (same host assumed)"

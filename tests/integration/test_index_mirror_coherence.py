@@ -1,0 +1,219 @@
+"""Three gateways' mirrors on one real Redis route as one (issue 19).
+
+Each "gateway" here is what decides a request in a gateway process: a ``MirrorBlockIndex`` and
+a ``RoutingEngine`` over it. An agent-side ``StreamIndexWriter`` publishes engine events. The
+cases: every event reaches every mirror (and the time it took is reported); a gateway started
+late, or restarted, catches up from the snapshots and the stream and decides exactly as the
+others; Redis flushed or restarted: decisions degrade to load-only, none fails, and the mirrors
+rebuild once the agents re-publish.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from routing.contracts import RoutingRequest
+from routing.engine import RoutingEngine
+from routing.hashing import chain_seed, hash_token_blocks
+from routing.index import MirrorBlockIndex
+from routing.index.stream_writer import StreamIndexWriter
+from routing.policies.registry import builtin_profile
+from routing.state import ReplicaState
+from routing.types import Epoch, ReplicaId
+from tests.support.polling import wait_until
+
+pytestmark = pytest.mark.redis
+
+MODEL = "m"
+BLOCK = 16
+PREFIX = "coherence"
+REPLICAS = [ReplicaId(f"pool/r{n}") for n in range(12)]
+
+
+def chain_of(n: int, blocks: int = 8) -> list[int]:
+    tokens = list(range(n * 10_000, n * 10_000 + blocks * BLOCK))
+    return hash_token_blocks(tokens, BLOCK, chain_seed(MODEL))
+
+
+def states() -> list[ReplicaState]:
+    rng = random.Random(7)
+    return [
+        ReplicaState(
+            replica_id=rid, url=f"http://10.0.0.{n}:8000", models=frozenset({MODEL}),
+            running=rng.randint(0, 8), waiting=0, kv_usage=0.3,
+        )
+        for n, rid in enumerate(REPLICAS)
+    ]
+
+
+class Gateway:
+    """The deciding half of a gateway: its mirror and an engine over it."""
+
+    def __init__(self, redis_url: str, prefix: str) -> None:
+        self.index = MirrorBlockIndex(
+            redis_url, key_prefix=prefix, shards=4, timeout_s=1.0, check_interval_s=0.1,
+            tail_block_ms=50,
+        )
+        self.engine = RoutingEngine(
+            self.index, {"expected-ttft": builtin_profile("expected-ttft")}, index_timeout_s=1.0
+        )
+
+    async def decide(self, chain: list[int], request_id: str) -> tuple[ReplicaId, bool]:
+        request = RoutingRequest(
+            request_id=request_id, model=MODEL, adapter=None, tenant="t", route="r",
+            prompt_tokens=len(chain) * BLOCK, chain=chain, block_size=BLOCK, seed=1,
+        )
+        decision = await self.engine.route(request, states(), "expected-ttft")
+        return decision.replica, decision.degraded
+
+
+async def start_gateway(stack: AsyncExitStack, redis_url: str, prefix: str = PREFIX) -> Gateway:
+    gateway = Gateway(redis_url, prefix)
+    stack.push_async_callback(gateway.index.close)
+    await gateway.index.start()
+    return gateway
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key space of the test's own on the shared test Redis."""
+    return f"{PREFIX}-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+async def writer(redis_url: str, prefix: str) -> AsyncIterator[StreamIndexWriter]:
+    agent_writer = StreamIndexWriter(redis_url, key_prefix=prefix, shards=4, timeout_s=1.0)
+    yield agent_writer
+    await agent_writer.close()
+
+
+async def publish_fleet(writer: StreamIndexWriter, chains: int) -> None:
+    """Each replica declares epoch 1 and holds a few chains, some partly removed or retired."""
+    rng = random.Random(3)
+    for rid in REPLICAS:
+        await writer.set_epoch(rid, Epoch(1))
+    for n in range(chains):
+        for rid in rng.sample(REPLICAS, 3):
+            await writer.record(rid, Epoch(1), chain_of(n)[: rng.randint(2, 8)])
+    await writer.remove(REPLICAS[0], Epoch(1), chain_of(0)[4:])
+    await writer.retire_epoch(REPLICAS[1], Epoch(1))
+    await writer.set_epoch(REPLICAS[1], Epoch(2))
+    await writer.record(REPLICAS[1], Epoch(2), chain_of(1))
+
+
+async def test_an_engine_event_reaches_every_gateway(
+    redis_url: str, prefix: str, writer  # type: ignore[no-untyped-def]
+) -> None:
+    async with AsyncExitStack() as stack:
+        gateways = [await start_gateway(stack, redis_url, prefix) for _ in range(3)]
+        await writer.set_epoch(REPLICAS[0], Epoch(1))
+        delays_ms: list[float] = []
+        for n in range(40):
+            chain = chain_of(100 + n)
+            published = time.perf_counter()
+            await writer.record(REPLICAS[0], Epoch(1), chain)
+            for gateway in gateways:
+
+                def seen(gateway: Gateway = gateway, chain: list[int] = chain) -> bool:
+                    return gateway.index.match_now(chain) == {REPLICAS[0]: len(chain)}
+
+                await wait_until(seen, f"event {n} to reach a gateway", interval_s=0.001)
+                delays_ms.append((time.perf_counter() - published) * 1000)
+        p50, p99 = np.percentile(delays_ms, [50, 99])
+        # Reported, not asserted: this machine is shared; docs/index.md quotes a run.
+        print(f"event -> visible in all 3 gateways: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+
+
+async def test_a_late_or_restarted_gateway_routes_as_the_others(
+    redis_url: str, prefix: str, writer  # type: ignore[no-untyped-def]
+) -> None:
+    async with AsyncExitStack() as stack:
+        first = await start_gateway(stack, redis_url, prefix)
+        second = await start_gateway(stack, redis_url, prefix)
+        await publish_fleet(writer, chains=30)
+        late = await start_gateway(stack, redis_url, prefix)  # catches up from snapshots + stream
+        for gateway in (first, second, late):
+            await gateway.index.sync()
+        chains = [chain_of(n) for n in range(30)]
+        expected = [first.index.match_now(chain) for chain in chains]
+        assert any(expected), "the fleet holds nothing: the comparison would be empty"
+        assert expected[0].get(REPLICAS[0]) != 8  # the removal is in every view
+        assert [second.index.match_now(c) for c in chains] == expected
+        assert [late.index.match_now(c) for c in chains] == expected
+        decisions = [await first.decide(c, f"q{n}") for n, c in enumerate(chains)]
+        assert [await late.decide(c, f"q{n}") for n, c in enumerate(chains)] == decisions
+
+        # Restart the second gateway while the fleet keeps changing.
+        await second.index.close()
+        await writer.record(REPLICAS[2], Epoch(1), chain_of(29))
+        await writer.retire_epoch(REPLICAS[3], Epoch(1))
+        restarted = await start_gateway(stack, redis_url, prefix)
+        for gateway in (first, late, restarted):
+            await gateway.index.sync()
+        expected = [first.index.match_now(chain) for chain in chains]
+        assert expected[29].get(REPLICAS[2]) == 8
+        assert [restarted.index.match_now(c) for c in chains] == expected
+        assert [late.index.match_now(c) for c in chains] == expected
+
+
+@pytest.mark.parametrize("loss", ["flushall", "restart"])
+async def test_redis_lost_gateways_degrade_then_rebuild(
+    redis_server, loss: str  # type: ignore[no-untyped-def]
+) -> None:
+    async with AsyncExitStack() as stack:
+        writer = StreamIndexWriter(redis_server.url, key_prefix=PREFIX, shards=4, timeout_s=1.0)
+        stack.push_async_callback(writer.close)
+        gateways = [await start_gateway(stack, redis_server.url) for _ in range(3)]
+        await publish_fleet(writer, chains=10)
+        for gateway in gateways:
+            await gateway.index.sync()
+        chain = chain_of(2)
+        held = gateways[0].index.match_now(chain)
+        assert held
+
+        failures = degraded = 0
+
+        async def route_everywhere(tag: str) -> None:
+            nonlocal failures, degraded
+            for n, gateway in enumerate(gateways):
+                try:
+                    _, was_degraded = await gateway.decide(chain, f"{tag}-{n}")
+                except Exception:  # a failed request: what must never happen
+                    failures += 1
+                else:
+                    degraded += was_degraded
+
+        if loss == "flushall":
+            client = aioredis.Redis.from_url(redis_server.url)
+            await client.flushall()
+            await client.aclose()
+        else:
+            redis_server.stop()
+            await route_everywhere("down")  # Redis unreachable: the mirrors still answer
+            redis_server.start()  # same port, no persistence: empty
+
+        async def all_rebuilt() -> bool:
+            await route_everywhere("rebuilding")
+            stats = [await g.index.stats() for g in gateways]
+            return all(s.extra["rebuilds"] >= 1 and s.extra["ready"] for s in stats)
+
+        await wait_until(all_rebuilt, "every gateway to notice the lost Redis and rebuild")
+        # Nothing re-published yet: load-only routing on an empty index, still no failure.
+        assert all(g.index.match_now(chain) == {} for g in gateways)
+        await publish_fleet(writer, chains=10)  # what agents do once they notice (see the
+        # agent test in test_index_flush.py)
+
+        async def refilled() -> bool:
+            await route_everywhere("refilled")
+            return all(g.index.match_now(chain) == held for g in gateways)
+
+        await wait_until(refilled, "every gateway to hold the re-published blocks")
+        assert failures == 0
