@@ -43,6 +43,7 @@ SHARED_FAMILIES = (
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
     "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
     "vllm:lora_requests_info",
     "vllm:cache_config_info",
 )
