@@ -43,10 +43,6 @@ PACKAGES = (
 #: Cycles known today, each with the reason it is tolerated for now. An entry whose cycle is gone
 #: is harmless; a cycle that grows beyond its entry fails.
 KNOWN_CYCLES: Mapping[frozenset[str], str] = {
-    frozenset({"gateway.pipeline", "gateway.accounting"}):
-        "being removed by the request-path refactor",
-    frozenset({"gateway.speculative", "gateway.state"}):
-        "being removed by the request-path refactor",
     frozenset({"replica.sim.api_server", "replica.sim.server"}):
         "new with issue 17's sim API endpoints (db5a590); its owner moves the shared request "
         "helpers out of server.py",
