@@ -18,7 +18,7 @@ from gateway.layout import LayoutDiagnostics
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamOutcome
 from gateway.request.record import CachePrediction, DecisionRecord
-from gateway.request.route import RouteDecision
+from gateway.request.route import PINNED_PROFILE, RouteDecision
 from gateway.routing_glue import Router
 from gateway.speculative import SpeculativeTarget, SpeculativeWriter
 from routing.types import ReplicaId
@@ -227,6 +227,8 @@ def _prediction(
     """Compare the index's prediction with the engine's ``cached_tokens``; refresh on a miss."""
     if outcome.replica is None or cached is None or not prompt_tokens:
         return None
+    if routed.decision.profile == PINNED_PROFILE:
+        return None  # the index was not asked (a stored response's replica): nothing to check
     explanation = routed.decision.explanations.get(outcome.replica)
     # Tokens; in text mode estimated (a block of block_size * CHARS_PER_TOKEN characters counts
     # block_size tokens), so rescale to the engine's count of this prompt.

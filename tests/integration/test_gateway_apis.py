@@ -93,6 +93,9 @@ async def test_responses_follow_ups_land_on_the_replica_that_stored_them(
         assert log[f"turn-{turn}"]["served_by"] == home
         assert log[f"turn-{turn}"]["profile"] == "pinned"
         assert log[f"turn-{turn}"]["status"] == 200
+        # The index was not asked: no prediction to check against the engine's cached tokens.
+        assert "predicted_cached_tokens" not in log[f"turn-{turn}"]
+    assert "predicted_cached_tokens" in log["turn-0"]
     # Accounted like chat: the responses' usage reached the token counters.
     metrics = await _metrics(stack)
     assert _metric(metrics, "fleetgate_completion_tokens_total") == 4 * 4
