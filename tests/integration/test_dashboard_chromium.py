@@ -203,3 +203,42 @@ async def test_dashboard_is_open_without_an_admin_key_and_guarded_with_one() -> 
             assert response.status == 200
             assert [r["replica"] for r in (await response.json())["replicas"]] == ["sim/0"]
 
+
+
+async def test_dashboard_shows_a_cache_busting_layout_warning() -> None:
+    """A per-request stamp before the shared system prompt: the page warns, as /metrics flags."""
+    shared = SYSTEM_PROMPTS[0]
+    async with (
+        embedded_stack(2, sim_speed=200.0, admin_key=ADMIN_KEY) as stack,
+        aiohttp.ClientSession() as http,
+    ):
+        for n in range(24):
+            system = f"request {n} at 2026-11-29T12:{n:02d}:00Z. {shared}"
+            body = {
+                "model": stack.model,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": "hi"},
+                ],
+                "max_tokens": 4,
+            }
+            async with http.post(f"{stack.url}/v1/chat/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+        metrics = await _metrics(http, stack.url)
+        assert metrics["fleetgate_cache_busting_layout"][ROUTE] == 1.0
+        async with headless_page() as page:
+            await page.navigate(f"{stack.url}/dashboard#key={ADMIN_KEY}")
+
+            async def warned() -> bool:
+                items = await page.evaluate(
+                    '[...document.querySelectorAll("#warnings li")].map((li) => li.textContent)'
+                )
+                return any(item.startswith(f"route {ROUTE}:") for item in items or [])
+
+            await wait_until(warned, "the page lists the route's layout warning", timeout_s=30)
+            marked = await page.evaluate(
+                f'document.querySelector(\'#routes tr[data-route="{ROUTE}"]\').textContent'
+            )
+            problems = list(page.problems)
+    assert "⚠ layout" in marked
+    assert not problems, problems
