@@ -147,6 +147,8 @@ async def test_responses_stream_through_the_gateway(
     assert follow.status in ("completed", "incomplete")
     log = await _decisions(stack)
     assert log["after-stream"]["served_by"] == log["streamed"]["served_by"]
+    # TTFT ends at the first output_text.delta (the marker was seen), not at response.created.
+    assert log["streamed"]["ttft_ms"] is not None
     # The usage sits inside response.completed: the gateway still counted the output tokens.
     metrics = await _metrics(stack)
     assert _metric(metrics, "fleetgate_completion_tokens_total") == 5 + 2
