@@ -176,6 +176,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how often routing sees fresh engine gauges (running, waiting, KV usage); in-flight "
         "counts are always fresh (default: 0 = every decision)",
     )
+    parser.add_argument(
+        "--classes",
+        metavar="MIX",
+        help="request classes by conversation, e.g. critical=0.2,standard=0.5,sheddable=0.3 "
+        "(default: every request standard); JSON rows gain goodput_by_class",
+    )
+    parser.add_argument(
+        "--flow-control",
+        choices=("on", "off"),
+        help="the gateway's flow control (priority queue, SLO-aware shedding; "
+        "docs/flow-control.md) in front of routing (default: on with --classes, else off)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.add_argument(
@@ -237,8 +249,12 @@ def _sweep(
     """Every policy at every ``--rate-scale``; raises ValueError on a bad setting."""
     from planning.simulator import SimulationConfig, parse_adapter_spec
     from planning.simulator.api import simulate_sweep
+    from planning.simulator.flow import parse_class_mix
+    from routing.flow_control import FlowControlSettings
 
     adapters = parse_adapter_spec(args.adapters) if args.adapters else None
+    classes = parse_class_mix(args.classes) if args.classes else None
+    flow_on = args.flow_control == "on" or (args.flow_control is None and classes is not None)
     config = SimulationConfig(
         replicas=args.replicas,
         profile=args.profile,
@@ -247,6 +263,8 @@ def _sweep(
         slo_tpot_ms=args.slo_tpot_ms,
         seed=args.seed,
         stats_interval_s=args.stats_interval_ms / 1000.0,
+        classes=classes,
+        flow_control=FlowControlSettings() if flow_on else None,
     )
     replayed = min(len(records), args.limit or len(records))
     # A bar is worth drawing only on a terminal, and only when the whole sweep takes a while.

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planning.simulator.adapters import AdapterMix
+from planning.simulator.flow import ClassMix
+from routing.flow_control import FlowControlSettings
 from traces.format import DEFAULT_BLOCK_SIZE, TraceRecord
 
 __all__ = ["SimulationConfig", "TraceRequest", "prepare_requests"]
@@ -35,6 +37,10 @@ class SimulationConfig:
     model: str = "sim-model"
     #: Block-index bound, in distinct trace blocks.
     index_max_entries: int = 1_000_000
+    #: Request classes by conversation (``--classes``); None: every request is standard.
+    classes: ClassMix | None = None
+    #: Flow control at the simulated gateway (``--flow-control on``); None: off.
+    flow_control: FlowControlSettings | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

@@ -6,6 +6,9 @@ so a decision sees the freshest state):
 * **arrival** — route the request through the real ``RoutingEngine`` exactly as the gateway does
   (in-flight counts, one index lookup, the profile's scorers and picker), then insert its chain
   into the index speculatively, count it in flight, and submit it to the chosen engine;
+* **pump** (flow control only) — judge the head of the gateway queue again on a fresh routing
+  estimate; queued after the step ends of the same instant, and every ``PUMP_INTERVAL_S`` while
+  requests wait, so an idle fleet still drains the queue;
 * **step end** — deliver the step's first tokens, finished requests and KV events: TTFT and
   completion go to the policy's learning hooks, ``BlockStored``/``BlockRemoved`` go to the block
   index (the feed a live replica agent provides), and the engine starts its next step.
@@ -21,18 +24,33 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from planning.simulator.config import SimulationConfig, TraceRequest
-from planning.simulator.prompts import PromptFactory
+from planning.simulator.flow import assign_classes
+from planning.simulator.prompts import PreparedPrompt, PromptFactory
 from planning.simulator.replica import SimulatedReplica
 from replica.sim.engine import EngineConfig, SimRequest, StepResult
-from routing.contracts import RoutingRequest
+from routing.contracts import RoutingDecision, RoutingRequest
 from routing.engine import Profile, RoutingEngine
+from routing.flow_control import (
+    Decision,
+    FlowController,
+    FlowRequest,
+    RequestClass,
+    Verdict,
+    estimate_from_decision,
+)
 from routing.index.memory import MemoryBlockIndex
 from routing.policies.registry import builtin_profile
 from routing.types import BlockHash
 
-__all__ = ["PolicyRun", "RequestOutcome", "run_policy"]
+__all__ = ["PolicyRun", "RequestOutcome", "ShedOutcome", "run_policy"]
 
 log = logging.getLogger(__name__)
+
+#: Virtual seconds between judgements of the gateway queue's head while requests wait (besides
+#: every step end): a fleet with nothing running still drains the queue.
+PUMP_INTERVAL_S = 0.01
+#: The tenant every simulated request belongs to (one tenant: fairness is the gateway's tests').
+SIM_TENANT = "simulate"
 
 
 def _request_overhead_s(replica: SimulatedReplica) -> float:
@@ -57,6 +75,24 @@ class RequestOutcome:
     first_token_s: float = math.nan
     finish_s: float = math.nan
     cached_tokens: int = 0
+    request_class: RequestClass = RequestClass.STANDARD
+    #: Seconds spent in the gateway queue before dispatch (flow control).
+    gateway_wait_s: float = 0.0
+
+    @property
+    def dispatched_s(self) -> float:
+        """When the gateway sent it to the engine."""
+        return self.arrival_s + self.gateway_wait_s
+
+
+@dataclass(frozen=True, slots=True)
+class ShedOutcome:
+    """A request flow control refused (a 429 at a live gateway): a miss for goodput."""
+
+    request_class: RequestClass
+    reason: str
+    arrival_s: float
+    waited_s: float
 
 
 @dataclass
@@ -73,6 +109,12 @@ class PolicyRun:
     replicas: int
     degraded_decisions: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    #: Whether the run had flow control at the gateway.
+    flow_control: bool = False
+    #: Requests flow control refused.
+    shed: list[ShedOutcome] = field(default_factory=list)
+    #: Requests that waited in the gateway queue (served or refused later).
+    queued: int = 0
 
 
 class _Simulation:
@@ -130,6 +172,21 @@ class _Simulation:
         self.rejected = 0
         self.degraded = 0
         self._seed_rng = random.Random(f"{config.seed}:routing")
+        self.classes = (
+            assign_classes([r.record for r in requests], config.classes, config.seed)
+            if config.classes is not None
+            else None
+        )
+        self.flow = (
+            FlowController(config.flow_control, self._clock)
+            if config.flow_control is not None and config.flow_control.enabled
+            else None
+        )
+        #: Requests waiting in the gateway queue, by request id.
+        self.waiting: dict[str, _Waiting] = {}
+        self.shed: list[ShedOutcome] = []
+        self.queued = 0
+        self.pump_due: float | None = None
 
     def _clock(self) -> float:
         return self.now
@@ -143,10 +200,18 @@ class _Simulation:
             if self.heap and (upcoming is None or self.heap[0][0] <= upcoming.arrival_s):
                 end, _, index = heapq.heappop(self.heap)
                 self._advance(end)
+                if index == _PUMP:
+                    self.pump_due = None
+                    await self._pump()
+                    continue
                 await self._step_ended(self.replicas[index])
+                if self.waiting:
+                    await self._pump()
             else:
                 assert upcoming is not None
                 self._advance(upcoming.arrival_s)
+                if self.waiting:
+                    await self._pump()
                 await self._arrive(upcoming)
                 upcoming = next(arrivals, None)
         finished = [o for o in self.outcomes.values() if not math.isnan(o.finish_s)]
@@ -159,6 +224,9 @@ class _Simulation:
             price_per_hour=self.replicas[0].engine.config.replica_price_per_hour,
             replicas=len(self.replicas),
             degraded_decisions=self.degraded,
+            flow_control=self.flow is not None,
+            shed=self.shed,
+            queued=self.queued,
         )
 
     def _advance(self, now: float) -> None:
@@ -178,7 +246,7 @@ class _Simulation:
             request_id=request_id,
             model=self.config.model,
             adapter=record.adapter,
-            tenant="simulate",
+            tenant=SIM_TENANT,
             route="simulate",
             prompt_tokens=record.input_length,
             chain=prompt.chain,
@@ -186,14 +254,90 @@ class _Simulation:
             max_output_tokens=record.output_length,
             seed=self._seed_rng.getrandbits(63),
         )
+        waiting = _Waiting(request, routing_request, prompt, self._class_of(request))
+        decision = await self._route(waiting)
+        if self.flow is None:
+            await self._dispatch(waiting, decision, 0.0)
+            return
+        flow_request = FlowRequest(
+            request_id,
+            SIM_TENANT,
+            waiting.request_class,
+            self.config.slo_ttft_ms,
+            1.0,
+            request.arrival_s,
+        )
+        verdict = self.flow.admit(flow_request, estimate_from_decision(decision))
+        if verdict.decision is Decision.ADMIT:
+            await self._dispatch(waiting, decision, 0.0)
+        elif verdict.decision is Decision.QUEUE:
+            self.waiting[request_id] = waiting
+            self.queued += 1
+            self._arm_pump()
+        else:
+            self._record_shed(waiting, verdict)
+
+    def _class_of(self, request: TraceRequest) -> RequestClass:
+        return self.classes[request.index] if self.classes is not None else RequestClass.STANDARD
+
+    async def _route(self, waiting: _Waiting) -> RoutingDecision:
+        """One routing decision on the fleet as it is now (arrival, or a queue head judged)."""
+        adapter = waiting.request.record.adapter
         views = [r.routing_view(self.now) for r in self.replicas]
-        if record.adapter is not None:
+        if adapter is not None:
             # What the gateway's adapter registry supplies live: each replica's cold-load cost.
-            routing_request.adapter_cold_load_ms = {
-                r.replica_id: 1000.0 * r.engine.adapter_cold_load_s(record.adapter)
-                for r in self.replicas
+            waiting.routing_request.adapter_cold_load_ms = {
+                r.replica_id: 1000.0 * r.engine.adapter_cold_load_s(adapter) for r in self.replicas
             }
-        decision = await self.router.route(routing_request, views, self.policy)
+        return await self.router.route(waiting.routing_request, views, self.policy)
+
+    async def _pump(self) -> None:
+        """Refuse what waited too long, then admit queue heads while the fleet has room."""
+        flow = self.flow
+        assert flow is not None
+        for flow_request, verdict in flow.expire():
+            self._record_shed(self.waiting.pop(flow_request.request_id), verdict)
+        while (head := flow.head()) is not None:
+            waiting = self.waiting[head.request_id]
+            decision = await self._route(waiting)
+            verdict = flow.judge_head(estimate_from_decision(decision))
+            if verdict.decision is Decision.QUEUE:
+                break
+            del self.waiting[head.request_id]
+            if verdict.decision is Decision.ADMIT:
+                await self._dispatch(waiting, decision, verdict.waited_s)
+            else:
+                self._record_shed(waiting, verdict)
+        self._arm_pump()
+
+    def _arm_pump(self) -> None:
+        if not self.waiting or self.pump_due is not None:
+            return
+        assert self.flow is not None
+        due = self.now + PUMP_INTERVAL_S
+        deadline = self.flow.next_deadline_s()
+        if deadline is not None:
+            due = min(due, max(self.now, deadline))
+        self.pump_due = due
+        heapq.heappush(self.heap, (due, len(self.replicas), _PUMP))
+
+    def _record_shed(self, waiting: _Waiting, verdict: Verdict) -> None:
+        self.shed.append(
+            ShedOutcome(
+                waiting.request_class,
+                verdict.reason,
+                waiting.request.arrival_s,
+                verdict.waited_s,
+            )
+        )
+
+    async def _dispatch(
+        self, waiting: _Waiting, decision: RoutingDecision, gateway_wait_s: float
+    ) -> None:
+        """Send a routed request to its replica, as the gateway's forward phase does."""
+        request, routing_request, prompt = waiting.request, waiting.routing_request, waiting.prompt
+        record = request.record
+        request_id = routing_request.request_id
         if decision.degraded:
             self.degraded += 1
         replica = self.by_id[decision.replica]
@@ -224,7 +368,13 @@ class _Simulation:
                 ttl_s=self.config.speculative_ttl_s,
             )
         self.outcomes[request_id] = RequestOutcome(
-            replica.index, self.now, record.input_length, record.output_length, uncached
+            replica.index,
+            request.arrival_s,
+            record.input_length,
+            record.output_length,
+            uncached,
+            request_class=waiting.request_class,
+            gateway_wait_s=gateway_wait_s,
         )
         self.routing_requests[request_id] = routing_request
         self.unscheduled[replica.index].add(request_id)
@@ -257,7 +407,8 @@ class _Simulation:
         outcome.finish_s = self.now + _request_overhead_s(replica)
         replica.inflight_finish()
         routing_request = self.routing_requests.pop(request_id)
-        ttft_ms = (outcome.first_token_s - outcome.arrival_s) * 1000.0
+        # The engine's TTFT, from dispatch: calibration must not learn the gateway queue's wait.
+        ttft_ms = (outcome.first_token_s - outcome.dispatched_s) * 1000.0
         self.router.observe_complete(
             routing_request, replica.replica_id, ttft_ms, outcome.cached_tokens, True
         )
@@ -279,6 +430,19 @@ class _Simulation:
                 await self.index.record(replica.replica_id, replica.epoch, blocks)
             else:
                 await self.index.remove(replica.replica_id, replica.epoch, blocks)
+
+
+_PUMP = -1
+
+
+@dataclass(slots=True)
+class _Waiting:
+    """A request between arrival and dispatch (routed, maybe queued at the gateway)."""
+
+    request: TraceRequest
+    routing_request: RoutingRequest
+    prompt: PreparedPrompt
+    request_class: RequestClass
 
 
 async def run_policy(

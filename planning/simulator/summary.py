@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from planning.simulator.loop import PolicyRun, RequestOutcome
+from routing.flow_control import RequestClass
 from routing.policies import registry
 
 __all__ = [
@@ -36,6 +37,14 @@ SUMMARY_FIELDS = (
     "cost_per_1m_usd",
     "load_imbalance",
     "preemptions",
+    "flow_control",
+    "goodput_by_class",
+    "shed",
+    "shed_by_class",
+    "queued",
+    "gateway_wait_p50_ms",
+    "gateway_wait_p95_ms",
+    "gateway_wait_max_ms",
 )
 
 #: The ``fleetgate simulate --json`` field names, in order: a summary plus the rate scale it was
@@ -76,6 +85,19 @@ class PolicySummary:
     #: Max / mean requests routed per replica (1.0 = perfectly even).
     load_imbalance: float | None = None
     preemptions: int | None = None
+    #: Whether the run had flow control at the gateway (``--flow-control on``).
+    flow_control: bool = False
+    #: Goodput per request class; refused requests count as misses of their class.
+    goodput_by_class: dict[str, float] | None = None
+    #: Requests flow control refused (429 at a live gateway), in all and per class.
+    shed: int = 0
+    shed_by_class: dict[str, int] | None = None
+    #: Requests that waited in the gateway queue.
+    queued: int = 0
+    #: Time in the gateway queue, over every request (0 for those never queued).
+    gateway_wait_p50_ms: float | None = None
+    gateway_wait_p95_ms: float | None = None
+    gateway_wait_max_ms: float | None = None
 
     def as_json(self) -> dict[str, object]:
         """The row as a JSON object with exactly ``SUMMARY_FIELDS``; NaN becomes null."""
@@ -119,7 +141,16 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
     """The report row of one policy run."""
     outcomes: Sequence[RequestOutcome] = run.outcomes
     if not outcomes:
-        return PolicySummary(run.policy, 0, math.nan, preemptions=run.preemptions)
+        return PolicySummary(
+            run.policy,
+            0,
+            math.nan,
+            goodput=0.0 if run.shed else None,
+            preemptions=run.preemptions,
+            flow_control=run.flow_control,
+            shed=len(run.shed),
+            queued=run.queued,
+        )
     ttft = np.array([(o.first_token_s - o.arrival_s) * 1000.0 for o in outcomes])
     tpot_all = np.array([_tpot_ms(o) for o in outcomes])
     tpot = tpot_all[~np.isnan(tpot_all)]
@@ -129,6 +160,22 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
     output_tokens = sum(o.output_tokens for o in outcomes)
     # A single-token answer has no TPOT: it meets that SLO by definition.
     meets = (ttft <= slo_ttft_ms) & (np.isnan(tpot_all) | (tpot_all <= slo_tpot_ms))
+    # Refused requests are misses: goodput is over every request that arrived.
+    judged = len(outcomes) + len(run.shed)
+    served_by_class: dict[str, list[bool]] = {}
+    for outcome, met in zip(outcomes, meets, strict=True):
+        served_by_class.setdefault(outcome.request_class.value, []).append(bool(met))
+    shed_by_class: dict[str, int] = {}
+    for shed in run.shed:
+        shed_by_class[shed.request_class.value] = shed_by_class.get(shed.request_class.value, 0) + 1
+    goodput_by_class = {
+        name: sum(served_by_class.get(name, []))
+        / (len(served_by_class.get(name, [])) + shed_by_class.get(name, 0))
+        for name in sorted(set(served_by_class) | set(shed_by_class), key=_class_order)
+    }
+    waits = np.array(
+        [o.gateway_wait_s * 1000.0 for o in outcomes] + [s.waited_s * 1000.0 for s in run.shed]
+    )
     start = min(o.arrival_s for o in outcomes)
     makespan_s = max(o.finish_s for o in outcomes) - start
     fleet_usd = run.replicas * run.price_per_hour * makespan_s / 3600.0
@@ -144,9 +191,24 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
         tpot_p50_ms=_percentile(tpot, 50),
         tpot_p95_ms=_percentile(tpot, 95),
         queue_p95_ms=_percentile(queue, 95),
-        goodput=float(meets.mean()),
+        goodput=float(meets.sum()) / judged,
         output_tok_s=output_tokens / makespan_s if makespan_s > 0 else math.nan,
         cost_per_1m_usd=fleet_usd / output_tokens * 1e6 if output_tokens else math.nan,
         load_imbalance=max(routed) / mean_routed if mean_routed else math.nan,
         preemptions=run.preemptions,
+        flow_control=run.flow_control,
+        goodput_by_class=goodput_by_class,
+        shed=len(run.shed),
+        shed_by_class=shed_by_class,
+        queued=run.queued,
+        gateway_wait_p50_ms=_percentile(waits, 50),
+        gateway_wait_p95_ms=_percentile(waits, 95),
+        gateway_wait_max_ms=float(waits.max()) if waits.size else math.nan,
     )
+
+
+_CLASS_ORDER = {c.value: c.rank for c in RequestClass}
+
+
+def _class_order(name: str) -> int:
+    return _CLASS_ORDER.get(name, len(_CLASS_ORDER))

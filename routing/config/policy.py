@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, PrivateAttr
 from routing.config.base import Name, PositiveFloat, StrictModel
 from routing.config.catalog import PluginCatalog
 from routing.config.fleet import ModelSpec, ReplicaPool
+from routing.config.flow import FlowControlSpec
 from routing.config.infra import GatewaySettings, IndexSettings
 from routing.config.plugins import PluginSpec, ProfileSpec
 from routing.config.routes import Route
@@ -50,6 +51,7 @@ class Policy(StrictModel):
     index: IndexSettings = Field(default_factory=IndexSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    flow_control: FlowControlSpec = Field(default_factory=FlowControlSpec)
 
     _pools: dict[str, ReplicaPool] = PrivateAttr(default_factory=dict)
     _models: dict[str, ModelSpec] = PrivateAttr(default_factory=dict)

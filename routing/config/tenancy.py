@@ -17,6 +17,7 @@ from routing.config.base import (
     StrictModel,
     check_local_path,
 )
+from routing.config.flow import PriorityName, TokenBudgetSpec
 
 
 class RateLimit(StrictModel):
@@ -53,6 +54,16 @@ class Tenant(StrictModel):
     #: Adapters this tenant may use beyond those it owns and the public ones.
     allowed_adapters: list[ModelName] = Field(default_factory=list)
     rate_limit: RateLimit | None = None
+    #: Flow control class of the tenant's requests (docs/flow-control.md).
+    priority: PriorityName = "standard"
+    #: May a request pick its own class with the ``x-fleetgate-priority`` header?
+    allow_priority_header: bool = False
+    #: The tenant's TTFT / TPOT objectives; null: the route's (its ``slo``, else the defaults).
+    ttft_slo_ms: PositiveFloat | None = None
+    tpot_slo_ms: PositiveFloat | None = None
+    #: Share of the gateway queue against other tenants of the same class (weighted fair).
+    weight: PositiveFloat = 1.0
+    token_budget: TokenBudgetSpec | None = None
 
     @property
     def effective_cache_salt(self) -> str:

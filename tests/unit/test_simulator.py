@@ -170,8 +170,17 @@ def test_json_output_has_exactly_the_documented_fields(
         "cost_per_1m_usd",
         "load_imbalance",
         "preemptions",
+        "flow_control",
+        "goodput_by_class",
+        "shed",
+        "shed_by_class",
+        "queued",
+        "gateway_wait_p50_ms",
+        "gateway_wait_p95_ms",
+        "gateway_wait_max_ms",
     ]
     assert rows[0]["requests"] == 6
+    assert rows[0]["flow_control"] is False
 
 
 def test_cli_refuses_an_unknown_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,249 @@
+"""SLO-aware admission: admit, queue or shed each request, by class, against predicted TTFT.
+
+Pure logic on an injected clock (seconds) and no I/O: the gateway drives it with asyncio and the
+real monotonic clock, ``fleetgate simulate`` with its virtual clock. Each caller routes first
+and hands over the ``FleetEstimate`` of that decision, so flow control judges by the numbers
+routing chose by.
+
+* The fleet is **saturated** when no candidate has room: each one's predicted queue wait is over
+  ``saturation_queue_wait_ms`` or its decode interference (the TPOT its running decodes pay
+  for its recent prefill work) over ``saturation_decode_interference_ms``. While any replica has
+  room, everything is admitted (nothing waits at 1x load).
+* **critical** is always admitted while a replica is up: it jumps the queue.
+* **sheddable**, when saturated, is refused at once if its predicted TTFT is over its SLO; else
+  it queues behind everything else.
+* **standard**, when saturated, queues. A queued request leaves with a refusal when its wait
+  passes ``max_queue_wait_ms`` or, by default, when it can no longer meet its TTFT SLO (its wait
+  plus its predicted TTFT is over it): serving it late would only make the next ones late too.
+* The queue holds at most ``max_queue_length``; a full queue makes room for a higher class by
+  refusing its newest lowest-class entry, else refuses the newcomer.
+* Refusals carry ``retry_after_s``: the predicted time for the least-loaded replica's queue to
+  drain under the saturation bound, plus the wait of what is queued (at least 1 s).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from routing.flow_control.classes import FlowRequest, RequestClass
+from routing.flow_control.estimate import FleetEstimate
+from routing.flow_control.queue import FairQueue, QueuedEntry
+
+__all__ = [
+    "Decision",
+    "FlowControlSettings",
+    "FlowController",
+    "ShedReason",
+    "Verdict",
+]
+
+
+class Decision(enum.StrEnum):
+    """What happens to a request now."""
+
+    ADMIT = "admit"
+    QUEUE = "queue"
+    SHED = "shed"
+
+
+class ShedReason(enum.StrEnum):
+    """Why a request was refused (a metric label and part of the client's error message)."""
+
+    PREDICTED_TTFT_OVER_SLO = "predicted_ttft_over_slo"
+    QUEUE_FULL = "queue_full"
+    QUEUE_WAIT_EXCEEDED = "queue_wait_exceeded"
+    SLO_UNREACHABLE = "slo_unreachable"
+    TOKEN_BUDGET = "token_budget"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """The decision on one request, why, and (for a refusal) when to retry."""
+
+    decision: Decision
+    reason: str
+    retry_after_s: float = 0.0
+    #: Seconds the request spent in the gateway queue (0 if never queued).
+    waited_s: float = 0.0
+
+    @property
+    def shed_reason(self) -> ShedReason | None:
+        """The refusal's reason, when this is a refusal."""
+        return ShedReason(self.reason) if self.decision is Decision.SHED else None
+
+
+@dataclass(frozen=True)
+class FlowControlSettings:
+    """The knobs of flow control (the YAML ``flow_control:`` section); checked on construction."""
+
+    enabled: bool = True
+    #: A replica is full when its predicted queue wait is over this (ms) ...
+    saturation_queue_wait_ms: float = 30.0
+    #: ... or its decode interference is (ms; None: TTFT only). Saturated = every replica full.
+    saturation_decode_interference_ms: float | None = 50.0
+    #: Requests the gateway queue holds (all classes together).
+    max_queue_length: int = 1000
+    #: Longest a request may wait in the queue (ms); None: until it can no longer meet its SLO.
+    max_queue_wait_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        bound = self.saturation_queue_wait_ms
+        if not (bound >= 0 and math.isfinite(bound)):
+            raise ValueError(
+                f"saturation_queue_wait_ms: must be >= 0 (got {self.saturation_queue_wait_ms!r})"
+            )
+        interference = self.saturation_decode_interference_ms
+        if interference is not None and not (interference >= 0 and math.isfinite(interference)):
+            raise ValueError(
+                f"saturation_decode_interference_ms: must be >= 0 (got {interference!r})"
+            )
+        if self.max_queue_length < 0:
+            raise ValueError(f"max_queue_length: must be >= 0 (got {self.max_queue_length})")
+        if self.max_queue_wait_ms is not None and not self.max_queue_wait_ms > 0:
+            raise ValueError(f"max_queue_wait_ms: must be > 0 (got {self.max_queue_wait_ms!r})")
+
+
+_ADMIT_IDLE = Verdict(Decision.ADMIT, "not_saturated")
+_ADMIT_CRITICAL = Verdict(Decision.ADMIT, "critical")
+_ADMIT_OFF = Verdict(Decision.ADMIT, "flow_control_off")
+_ADMIT_UNKNOWN = Verdict(Decision.ADMIT, "no_estimate")
+
+
+class FlowController:
+    """Admission decisions and the gateway queue for one gateway process (or one simulation)."""
+
+    def __init__(self, settings: FlowControlSettings, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self._clock = clock
+        self.queue = FairQueue()
+        #: Requests refused while queued, for the driver to answer (evicted to make room).
+        self._evicted: list[tuple[FlowRequest, Verdict]] = []
+        #: Latest known shortest queue wait, for Retry-After on refusals without an estimate.
+        self._last_min_wait_ms = 0.0
+
+    # ------------------------------------------------------------------ arrivals
+
+    def admit(self, request: FlowRequest, estimate: FleetEstimate) -> Verdict:
+        """Decide a new request: admit it, queue it, or refuse it."""
+        settings = self.settings
+        if not settings.enabled:
+            return _ADMIT_OFF
+        if request.request_class is RequestClass.CRITICAL:
+            return _ADMIT_CRITICAL
+        self._remember(estimate)
+        ahead = self.queue.waiting_at_or_above(request.request_class)
+        if not ahead:
+            if estimate.min_queue_wait_ms is None:
+                return _ADMIT_UNKNOWN
+            if not self._saturated(estimate):
+                return _ADMIT_IDLE
+        if (
+            request.request_class is RequestClass.SHEDDABLE
+            and estimate.predicted_ttft_ms is not None
+            and estimate.predicted_ttft_ms > request.ttft_slo_ms
+        ):
+            return self._refusal(ShedReason.PREDICTED_TTFT_OVER_SLO, 0.0)
+        if len(self.queue) >= settings.max_queue_length:
+            victim = self.queue.newest_below(request.request_class)
+            if victim is None:
+                return self._refusal(ShedReason.QUEUE_FULL, 0.0)
+            self.queue.remove(victim.request.request_id)
+            self._evicted.append(
+                (victim.request, self._refusal(ShedReason.QUEUE_FULL, self._waited(victim)))
+            )
+        self.queue.push(request, estimate.predicted_ttft_ms)
+        return Verdict(Decision.QUEUE, "saturated")
+
+    # ------------------------------------------------------------------ the queue
+
+    def head(self) -> FlowRequest | None:
+        """The queued request to judge next (highest class, fairest tenant), if any."""
+        entry = self.queue.head()
+        return entry.request if entry is not None else None
+
+    def judge_head(self, estimate: FleetEstimate) -> Verdict:
+        """Judge the head again on a fresh estimate: admit (dequeued), keep waiting, or refuse."""
+        entry = self.queue.head()
+        if entry is None:
+            raise IndexError("the queue is empty")
+        self._remember(estimate)
+        entry.predicted_ttft_ms = estimate.predicted_ttft_ms
+        waited = self._waited(entry)
+        if estimate.min_queue_wait_ms is None or not self._saturated(estimate):
+            self.queue.pop_head()
+            return Verdict(Decision.ADMIT, "capacity_freed", waited_s=waited)
+        reason = self._expired(entry)
+        if reason is not None:
+            self.queue.pop_head()
+            return self._refusal(reason, waited)
+        return Verdict(Decision.QUEUE, "saturated", waited_s=waited)
+
+    def expire(self) -> list[tuple[FlowRequest, Verdict]]:
+        """Refuse every queued request whose wait ran out (and any evicted): the driver answers."""
+        refused, self._evicted = self._evicted, []
+        for entry in self.queue.entries():
+            reason = self._expired(entry)
+            if reason is not None:
+                self.queue.remove(entry.request.request_id)
+                refused.append((entry.request, self._refusal(reason, self._waited(entry))))
+        return refused
+
+    def next_deadline_s(self) -> float | None:
+        """The earliest clock time at which a queued request's wait runs out."""
+        deadlines = [self._deadline_s(e) for e in self.queue.entries()]
+        return min(deadlines) if deadlines else None
+
+    def cancel(self, request_id: str) -> bool:
+        """The client went away: leave the queue at once. False if it was not queued."""
+        return self.queue.remove(request_id) is not None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _saturated(self, estimate: FleetEstimate) -> bool:
+        wait_bound = self.settings.saturation_queue_wait_ms
+        interference_bound = self.settings.saturation_decode_interference_ms
+        if not estimate.loads:
+            return False
+        return not any(
+            load.queue_wait_ms <= wait_bound
+            and (interference_bound is None or load.decode_interference_ms <= interference_bound)
+            for load in estimate.loads
+        )
+
+    def _remember(self, estimate: FleetEstimate) -> None:
+        if estimate.min_queue_wait_ms is not None:
+            self._last_min_wait_ms = estimate.min_queue_wait_ms
+
+    def _waited(self, entry: QueuedEntry) -> float:
+        return max(0.0, self._clock() - entry.request.arrival_s)
+
+    def _deadline_s(self, entry: QueuedEntry) -> float:
+        request = entry.request
+        limit_ms = self.settings.max_queue_wait_ms
+        if limit_ms is None:
+            limit_ms = request.ttft_slo_ms - (entry.predicted_ttft_ms or 0.0)
+        return request.arrival_s + max(0.0, limit_ms) / 1000.0
+
+    def _expired(self, entry: QueuedEntry) -> ShedReason | None:
+        if self._clock() < self._deadline_s(entry):
+            return None
+        if self.settings.max_queue_wait_ms is not None:
+            return ShedReason.QUEUE_WAIT_EXCEEDED
+        return ShedReason.SLO_UNREACHABLE
+
+    def _refusal(self, reason: ShedReason, waited_s: float) -> Verdict:
+        return Verdict(Decision.SHED, reason.value, self.retry_after_s(), waited_s)
+
+    def retry_after_s(self) -> float:
+        """Predicted time until a retry would be admitted: the drain of the shortest queue down
+        to the saturation bound, plus one queue-wait bound per ``max_queue_length`` queued."""
+        drain_ms = max(0.0, self._last_min_wait_ms - self.settings.saturation_queue_wait_ms)
+        backlog_ms = (
+            self.settings.saturation_queue_wait_ms
+            * len(self.queue)
+            / max(1, self.settings.max_queue_length)
+        )
+        return max(1.0, math.ceil((drain_ms + backlog_ms) / 1000.0))

@@ -1,0 +1,260 @@
+"""Flow control's pure core on a fake clock: ordering, fair shares, bounded waits, shedding."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from routing.contracts import ReplicaExplanation, RoutingDecision
+from routing.flow_control import (
+    Decision,
+    FairQueue,
+    FleetEstimate,
+    FlowController,
+    FlowControlSettings,
+    FlowRequest,
+    MemoryBudgetStore,
+    RequestClass,
+    ShedReason,
+    TokenBudget,
+    TokenBudgets,
+    estimate_from_decision,
+    parse_request_class,
+)
+from routing.flow_control.estimate import ReplicaLoad
+from routing.types import ReplicaId
+
+CRITICAL, STANDARD, SHEDDABLE = RequestClass.CRITICAL, RequestClass.STANDARD, RequestClass.SHEDDABLE
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _request(
+    rid: str,
+    request_class: RequestClass = STANDARD,
+    tenant: str = "a",
+    weight: float = 1.0,
+    slo_ms: float = 2000.0,
+    at: float = 100.0,
+) -> FlowRequest:
+    return FlowRequest(rid, tenant, request_class, slo_ms, weight, at)
+
+
+def _fleet(wait_ms: float, ttft_ms: float | None = None, interference_ms: float = 0.0):
+    """Two replicas, both at ``wait_ms`` predicted queue wait."""
+    load = ReplicaLoad(wait_ms, interference_ms)
+    return FleetEstimate(wait_ms + 100.0 if ttft_ms is None else ttft_ms, (load, load))
+
+
+IDLE = _fleet(0.0)
+BUSY = _fleet(5000.0, ttft_ms=1500.0)
+
+
+def _controller(clock: FakeClock, **settings: object) -> FlowController:
+    return FlowController(FlowControlSettings(**settings), clock)  # type: ignore[arg-type]
+
+
+def test_class_names_parse_case_insensitively_and_bad_ones_say_what_is_accepted() -> None:
+    assert parse_request_class(" Critical ") is CRITICAL
+    with pytest.raises(ValueError, match="critical, standard, sheddable"):
+        parse_request_class("urgent")
+
+
+def test_below_saturation_everything_is_admitted_at_once() -> None:
+    flow = _controller(FakeClock())
+    assert flow.admit(_request("s", STANDARD), IDLE).reason == "not_saturated"
+    assert flow.admit(_request("x", SHEDDABLE), IDLE).reason == "not_saturated"
+    assert flow.admit(_request("c", CRITICAL), IDLE).decision is Decision.ADMIT
+    assert len(flow.queue) == 0
+
+
+def test_saturated_means_no_replica_has_room_by_queue_wait_or_decode_interference() -> None:
+    flow = _controller(
+        FakeClock(), saturation_queue_wait_ms=30.0, saturation_decode_interference_ms=50.0
+    )
+    one_free = FleetEstimate(200.0, (ReplicaLoad(5000.0), ReplicaLoad(10.0, 10.0)))
+    assert flow.admit(_request("a"), one_free).decision is Decision.ADMIT
+    # The short queue is behind a replica whose decodes already pay for heavy prefill.
+    hot = FleetEstimate(200.0, (ReplicaLoad(5000.0), ReplicaLoad(10.0, 80.0)))
+    assert flow.admit(_request("b"), hot).decision is Decision.QUEUE
+
+
+def test_critical_is_never_held_and_sheddable_over_its_slo_is_refused_with_a_retry_hint() -> None:
+    flow = _controller(FakeClock(), saturation_queue_wait_ms=1000.0)
+    assert flow.admit(_request("c", CRITICAL), BUSY).decision is Decision.ADMIT
+    late = flow.admit(_request("x", SHEDDABLE, slo_ms=1000.0), BUSY)
+    assert late.decision is Decision.SHED
+    assert late.shed_reason is ShedReason.PREDICTED_TTFT_OVER_SLO
+    # Drain of the shortest queue (5000 ms) down to the bound (1000 ms): 4 s.
+    assert late.retry_after_s == 4.0
+    fits = flow.admit(_request("y", SHEDDABLE, slo_ms=3000.0), BUSY)
+    assert fits.decision is Decision.QUEUE
+
+
+def test_strict_priority_between_classes_then_fifo_inside_a_tenant() -> None:
+    flow = _controller(FakeClock())
+    for rid, cls in (("x1", SHEDDABLE), ("s1", STANDARD), ("x2", SHEDDABLE), ("s2", STANDARD)):
+        assert flow.admit(_request(rid, cls, slo_ms=60_000.0), BUSY).decision is Decision.QUEUE
+    order = []
+    while (head := flow.head()) is not None:
+        assert flow.judge_head(IDLE).decision is Decision.ADMIT
+        order.append(head.request_id)
+    assert order == ["s1", "s2", "x1", "x2"]
+
+
+def test_a_new_request_waits_behind_queued_ones_of_its_class_even_when_the_fleet_has_room() -> None:
+    flow = _controller(FakeClock())
+    flow.admit(_request("first"), BUSY)
+    assert flow.admit(_request("second"), IDLE).decision is Decision.QUEUE
+    assert flow.admit(_request("vip", CRITICAL), BUSY).decision is Decision.ADMIT
+
+
+def test_weighted_fair_queuing_shares_dequeues_by_weight_whatever_the_burst() -> None:
+    queue = FairQueue()
+    # Tenant "big" bursts 300 requests before "small" sends 100; weights 2:1 for big.
+    for i in range(300):
+        queue.push(_request(f"big-{i}", tenant="big", weight=2.0))
+    for i in range(100):
+        queue.push(_request(f"small-{i}", tenant="small", weight=1.0))
+    first = Counter(queue.pop_head().request.tenant for _ in range(150))
+    assert first == {"big": 100, "small": 50}
+
+
+def test_an_idle_tenant_banks_no_credit() -> None:
+    queue = FairQueue()
+    for i in range(10):
+        queue.push(_request(f"a-{i}", tenant="a"))
+    for _ in range(10):
+        queue.pop_head()
+    # "b" was idle while "a" was served; now both send: they alternate, b gets no catch-up run.
+    for i in range(4):
+        queue.push(_request(f"a2-{i}", tenant="a"))
+        queue.push(_request(f"b-{i}", tenant="b"))
+    tenants = [queue.pop_head().request.tenant for _ in range(8)]
+    assert Counter(tenants[:4]) == {"a": 2, "b": 2}
+
+
+def test_removal_from_the_middle_takes_effect_at_once() -> None:
+    flow = _controller(FakeClock())
+    for rid in ("a", "b", "c"):
+        flow.admit(_request(rid, slo_ms=60_000.0), BUSY)
+    assert flow.cancel("b") is True
+    assert flow.cancel("b") is False
+    assert len(flow.queue) == 2
+    order = []
+    while (head := flow.head()) is not None:
+        flow.judge_head(IDLE)
+        order.append(head.request_id)
+    assert order == ["a", "c"]
+
+
+def test_a_queued_request_leaves_once_it_can_no_longer_meet_its_slo() -> None:
+    clock = FakeClock()
+    flow = _controller(clock)
+    # Predicted TTFT 1500 ms against a 2000 ms SLO: 500 ms of slack in the queue.
+    assert flow.admit(_request("s"), BUSY).decision is Decision.QUEUE
+    assert flow.next_deadline_s() == pytest.approx(100.5)
+    clock.now = 100.4
+    assert flow.expire() == []
+    clock.now = 100.5
+    [(request, verdict)] = flow.expire()
+    assert request.request_id == "s"
+    assert verdict.shed_reason is ShedReason.SLO_UNREACHABLE
+    assert verdict.waited_s == pytest.approx(0.5)
+    assert len(flow.queue) == 0
+
+
+def test_a_fixed_wait_bound_wins_over_the_slo_when_configured() -> None:
+    clock = FakeClock()
+    flow = _controller(clock, max_queue_wait_ms=100.0)
+    flow.admit(_request("s", slo_ms=60_000.0), BUSY)
+    clock.now = 100.1
+    assert flow.judge_head(BUSY).shed_reason is ShedReason.QUEUE_WAIT_EXCEEDED
+
+
+def test_a_full_queue_refuses_the_newcomer_or_evicts_a_lower_class() -> None:
+    flow = _controller(FakeClock(), max_queue_length=2)
+    flow.admit(_request("s1", slo_ms=60_000.0), BUSY)
+    flow.admit(_request("x1", SHEDDABLE, slo_ms=60_000.0), BUSY)
+    # A standard newcomer takes the sheddable one's place ...
+    assert flow.admit(_request("s2", slo_ms=60_000.0), BUSY).decision is Decision.QUEUE
+    [(evicted, verdict)] = flow.expire()
+    assert evicted.request_id == "x1" and verdict.shed_reason is ShedReason.QUEUE_FULL
+    # ... but nothing is below a sheddable newcomer: it is refused.
+    full = flow.admit(_request("x2", SHEDDABLE, slo_ms=60_000.0), BUSY)
+    assert full.shed_reason is ShedReason.QUEUE_FULL
+
+
+def test_off_admits_everything_and_an_unknown_estimate_never_holds() -> None:
+    assert _controller(FakeClock(), enabled=False).admit(_request("s"), BUSY).reason == (
+        "flow_control_off"
+    )
+    flow = _controller(FakeClock())
+    assert flow.admit(_request("x", SHEDDABLE), FleetEstimate.unknown()).decision is Decision.ADMIT
+
+
+def test_settings_refuse_impossible_values_naming_the_field() -> None:
+    with pytest.raises(ValueError, match="saturation_queue_wait_ms"):
+        FlowControlSettings(saturation_queue_wait_ms=-1.0)
+    with pytest.raises(ValueError, match="max_queue_wait_ms"):
+        FlowControlSettings(max_queue_wait_ms=0.0)
+
+
+def test_the_estimate_is_the_decisions_own_terms() -> None:
+    a, b, c = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+    decision = RoutingDecision(
+        replica=b,
+        fallbacks=[a],
+        profile="expected-ttft",
+        degraded=False,
+        explanations={
+            a: ReplicaExplanation(a, terms={"queue_wait_ms": 900.0, "expected_ttft_ms": 1200.0}),
+            b: ReplicaExplanation(
+                b,
+                terms={
+                    "queue_wait_ms": 300.0,
+                    "expected_ttft_ms": 450.0,
+                    "decode_interference_ms": 7.0,
+                },
+            ),
+            c: ReplicaExplanation(c, terms={"queue_wait_ms": 0.0}, filtered_out_by="health"),
+        },
+    )
+    estimate = estimate_from_decision(decision)
+    assert estimate.predicted_ttft_ms == 450.0
+    assert estimate.min_queue_wait_ms == 300.0
+    assert sorted(estimate.loads, key=lambda load: load.queue_wait_ms) == [
+        ReplicaLoad(300.0, 7.0),
+        ReplicaLoad(900.0, 0.0),
+    ]
+
+
+def test_token_budgets_reserve_prompt_tokens_and_refuse_until_the_next_window() -> None:
+    clock = FakeClock()
+    clock.now = 150.0  # 30 s into the window [120, 180)
+    budgets = TokenBudgets(MemoryBudgetStore(), clock)
+    budget = TokenBudget(prompt_tokens_per_minute=1000, completion_tokens_per_minute=500)
+
+    async def scenario() -> None:
+        assert (await budgets.admit("t", budget, 600)).admitted
+        refused = await budgets.admit("t", budget, 600)
+        assert (refused.admitted, refused.exhausted, refused.retry_after_s) == (
+            False,
+            "prompt",
+            30.0,
+        )
+        assert (await budgets.admit("other", budget, 600)).admitted  # per tenant
+        await budgets.charge_completion("t", budget, 500)
+        assert (await budgets.admit("t", budget, 10)).exhausted == "completion"
+        clock.now = 180.0  # the next window
+        assert (await budgets.admit("t", budget, 900)).admitted
+
+    asyncio.run(scenario())

@@ -1,0 +1,69 @@
+"""Flow control inside ``fleetgate simulate``: classes by conversation, the JSON it adds."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bench.workloads.generators import generate
+from fleetgate.cli import main
+from planning.simulator.flow import assign_classes, conversation_keys, parse_class_mix
+from routing.flow_control import RequestClass
+from traces.format import TraceRecord, write_trace
+
+
+def test_class_mix_parses_and_refuses_bad_specs() -> None:
+    mix = parse_class_mix("critical=0.2,standard=0.5,sheddable=0.3")
+    assert mix.spec() == "critical=0.2,standard=0.5,sheddable=0.3"
+    for bad, message in (
+        ("critical=0.2,standard=0.5", "sum to 1"),
+        ("urgent=1", "critical, standard, sheddable"),
+        ("critical", "CLASS=SHARE"),
+        ("critical=x,standard=1", "must be a number"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_class_mix(bad)
+
+
+def test_every_turn_of_a_conversation_keeps_its_class() -> None:
+    # Two conversations and 60 one-off requests behind one shared system prompt (ids 0-1).
+    shared = (0, 1)
+    records = [TraceRecord(i, 1536, 10, (*shared, 1000 + i)) for i in range(60)]
+    for turn in range(1, 4):
+        records.append(TraceRecord(100 + turn, 512, 10, (*shared, 100, *range(101, 101 + turn))))
+        records.append(TraceRecord(200 + turn, 512, 10, (*shared, 200, *range(201, 201 + turn))))
+    keys = conversation_keys(records)
+    assert keys[60:] == [100, 200] * 3
+    trace = generate("multi-turn", 400, 50.0, seed=0)
+    classes = assign_classes(trace, parse_class_mix("critical=0.5,sheddable=0.5"), seed=0)
+    by_key: dict[int, set[RequestClass]] = {}
+    for key, request_class in zip(conversation_keys(trace), classes, strict=True):
+        by_key.setdefault(key, set()).add(request_class)
+    assert all(len(found) == 1 for found in by_key.values())
+    assert len(by_key) < len(trace)  # conversations, not requests
+    counts = Counter(classes)
+    assert 0.3 < counts[RequestClass.CRITICAL] / len(trace) < 0.7
+
+
+def test_simulate_with_classes_reports_flow_control_per_class(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace(generate("multi-turn", 120, 40.0, seed=1), trace)
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    argv += ["--policies", "expected-ttft", "--json", "--no-progress"]
+    argv += ["--classes", "critical=0.2,standard=0.5,sheddable=0.3", "--rate-scale", "8"]
+    assert main(argv) == 0
+    on = json.loads(capsys.readouterr().out)[0]
+    assert main([*argv, "--flow-control", "off"]) == 0
+    off = json.loads(capsys.readouterr().out)[0]
+    assert (on["flow_control"], off["flow_control"]) == (True, False)
+    assert set(on["goodput_by_class"]) == {"critical", "standard", "sheddable"}
+    assert off["shed"] == 0 and off["queued"] == 0 and off["gateway_wait_max_ms"] == 0.0
+    # Overloaded 8x on two tiny replicas: flow control holds and sheds, and never sheds critical.
+    assert on["queued"] > 0 and on["shed"] > 0
+    assert "critical" not in on["shed_by_class"]
+    assert on["requests"] + on["shed"] == 120
