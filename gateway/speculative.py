@@ -12,9 +12,10 @@ past ``depth``. A hot prefix is thus rewritten about twice per TTL, never expire
 used, and a request costs an index write proportional to its new blocks (for the in-memory index,
 CPU on the request path; for Redis, script time and bytes on the wire).
 
-The write runs beside the upstream call (``start``): a callback for the in-memory index (it
-never suspends), a task for Redis, which the handler awaits (``done``) before answering; either
-way the next request from the same client already sees the blocks.
+The write runs beside the upstream call (``start``): a callback for an index whose writes never
+wait (``InProcessRecord``: the in-memory index), a task for any other (Redis, the mirror), which
+the handler awaits (``done``) before answering; either way the next request from the same client
+already sees the blocks.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from routing.contracts import BlockIndex
-from routing.index.memory import MemoryBlockIndex
 from routing.state import ReplicaState
-from routing.types import BlockHash, ReplicaId
+from routing.types import BlockHash, Epoch, ReplicaId
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,34 @@ log = logging.getLogger(__name__)
 MAX_REMEMBERED = 65_536
 #: A redis (or any non-memory) index write is abandoned past this: routing must not wait on it.
 REMOTE_WRITE_TIMEOUT_S = 0.05
+
+
+@runtime_checkable
+class InProcessRecord(Protocol):
+    """An index whose writes never wait (the in-memory index): ``record_now`` is called directly."""
+
+    def record_now(
+        self,
+        replica: ReplicaId,
+        epoch: Epoch,
+        blocks: Sequence[BlockHash],
+        ttl_s: float | None = None,
+    ) -> None: ...
+
+
+def in_process_record(index: object) -> InProcessRecord | None:
+    """``index`` itself when its writes never wait, else None (checked once, not per request).
+
+    Only when the class that defines ``record_now`` also defines the ``record`` in use: a
+    subclass that overrides the async ``record`` (tests do, to count or fail writes) is written
+    through that ``record``.
+    """
+    if not isinstance(index, InProcessRecord):
+        return None
+    mro = type(index).__mro__
+    record_owner = next((k for k in mro if "record" in k.__dict__), None)
+    record_now_owner = next((k for k in mro if "record_now" in k.__dict__), None)
+    return index if record_owner is record_now_owner else None
 
 
 class ReplicaLookup(Protocol):
@@ -56,6 +84,8 @@ class SpeculativeTarget:
     count_error: Callable[[], None]
     #: Short-lived tasks the app awaits or cancels on shutdown (the Redis writes).
     background: set[asyncio.Task[Any]]
+    #: ``index`` when its writes never wait (``in_process_record``), else None.
+    in_process: InProcessRecord | None = None
 
 
 class SpeculativeWriter:
@@ -109,10 +139,10 @@ class SpeculativeWriter:
         if not blocks:
             return None
         loop = asyncio.get_running_loop()
-        if type(target.index) is MemoryBlockIndex:  # exact: a subclass may override ``record``
+        if target.in_process is not None:
             # In-process and never suspends: a plain callback, run once the handler waits on
             # the replica (the request's bytes are out by then), costs less than a task.
-            loop.call_soon(_write_now, target, target.index, replica, list(blocks))
+            loop.call_soon(_write_now, target, target.in_process, replica, list(blocks))
             return None
         task = loop.create_task(_write(target, replica, list(blocks)))
         target.background.add(task)
@@ -121,9 +151,9 @@ class SpeculativeWriter:
 
 
 def _write_now(
-    target: SpeculativeTarget, index: MemoryBlockIndex, replica: ReplicaId, blocks: list[BlockHash]
+    target: SpeculativeTarget, index: InProcessRecord, replica: ReplicaId, blocks: list[BlockHash]
 ) -> None:
-    """The in-memory index's write (``MemoryBlockIndex.record_now``: it never waits)."""
+    """The write of an index whose writes never wait (``record_now``)."""
     state = target.replicas.get(replica)
     if state is None:
         return

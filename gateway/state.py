@@ -23,7 +23,7 @@ from gateway.replicas import ReplicaRegistry
 from gateway.request.record import DecisionRecord
 from gateway.response_affinity import MemoryResponseAffinity, ResponseAffinity
 from gateway.routing_glue import Router
-from gateway.speculative import SpeculativeTarget, SpeculativeWriter
+from gateway.speculative import SpeculativeTarget, SpeculativeWriter, in_process_record
 from gateway.upstream_client import UpstreamPool
 from routing.contracts import BlockIndex, PromptTokenizer
 
@@ -87,6 +87,7 @@ class GatewayState:
             ttl_s=self.config.speculative_ttl_s,
             count_error=self.metrics.index_errors.labels(self.index_backend).inc,
             background=self.background,
+            in_process=in_process_record(self.index),
         )
 
     def http(self) -> aiohttp.ClientSession:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from gateway.speculative import SpeculativeWriter
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from gateway.speculative import SpeculativeTarget, SpeculativeWriter, done, in_process_record
 from routing.index.memory import MemoryBlockIndex
+from routing.state import ReplicaState
 from routing.types import BlockHash, Epoch, ReplicaId
 
 R0, R1 = ReplicaId("r0"), ReplicaId("r1")
@@ -79,3 +84,57 @@ async def test_a_hot_prefix_never_expires_in_the_index_under_partial_writes() ->
     # About two full writes per TTL instead of one per request.
     assert written < 0.35 * 100 * int(3 * TTL)
     assert writer.full_writes <= 2 + 3 * 2
+
+
+# --------------------------------------------------------------------------- where writes go
+
+
+class CountingMemoryIndex(MemoryBlockIndex):
+    """Overrides the async ``record``, as tests do: writes must go through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.async_writes = 0
+
+    async def record(self, *args: Any, **kwargs: Any) -> None:
+        self.async_writes += 1
+        await super().record(*args, **kwargs)
+
+
+class OnlyAsyncIndex:
+    async def record(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def test_only_an_index_whose_own_record_never_waits_is_written_in_process() -> None:
+    memory = MemoryBlockIndex()
+    assert in_process_record(memory) is memory
+    assert in_process_record(CountingMemoryIndex()) is None  # its record must see the write
+    assert in_process_record(OnlyAsyncIndex()) is None
+
+
+def _target(index: MemoryBlockIndex, background: set[asyncio.Task[Any]]) -> SpeculativeTarget:
+    replica = ReplicaState(replica_id=R0, url="http://r0", epoch=Epoch(1))
+    return SpeculativeTarget(
+        index=index,
+        replicas=SimpleNamespace(get=lambda rid: replica if rid == R0 else None),
+        ttl_s=TTL,
+        count_error=lambda: None,
+        background=background,
+        in_process=in_process_record(index),
+    )
+
+
+async def test_an_in_process_write_is_a_callback_and_any_other_a_task() -> None:
+    background: set[asyncio.Task[Any]] = set()
+    memory = MemoryBlockIndex()
+    assert SpeculativeWriter(Clock()).start(_target(memory, background), R0, SHARED, 0) is None
+    await asyncio.sleep(0)  # one loop turn: the callback has run
+    assert await memory.match(SHARED) == {R0: len(SHARED)}
+
+    counting = CountingMemoryIndex()
+    task = SpeculativeWriter(Clock()).start(_target(counting, background), R0, SHARED, 0)
+    assert task is not None and task in background
+    await done(task)
+    assert counting.async_writes == 1
+    assert await counting.match(SHARED) == {R0: len(SHARED)}
