@@ -27,6 +27,7 @@ from gateway.config import GatewayConfig
 from gateway.cost import RouteWindow
 from gateway.dashboard import add_dashboard_routes
 from gateway.errors import GatewayError
+from gateway.flow_control import build_flow_gate
 from gateway.inflight import InflightTracker, MemoryInflight, RedisInflight
 from gateway.layout import LayoutDiagnostics
 from gateway.metrics import GatewayMetrics
@@ -39,7 +40,7 @@ from gateway.tasks import health_loop, inflight_loop, merge_fleet_store, policy_
 from gateway.tracing import build_tracer
 from gateway.upstream_client import UpstreamPool
 from routing.config import Policy
-from routing.contracts import BlockIndex, PromptTokenizer
+from routing.contracts import BlockIndex, IndexUnavailable, PromptTokenizer
 
 if TYPE_CHECKING:
     from replica.fleet_store import FleetStore
@@ -134,6 +135,7 @@ def create_app(
         # Shared through Redis when the gateway runs with Redis: a follow-up may reach any gateway.
         response_affinity=build_response_affinity(config.redis_url),
     )
+    gw.flow = build_flow_gate(config.redis_url, config.index_key_prefix, gw.metrics)
     if config.policy_path is not None:
         with contextlib.suppress(OSError):
             gw.policy_mtime = os.stat(config.policy_path).st_mtime
@@ -185,6 +187,14 @@ def _lifecycle(
         gw.metrics.upstream_connections.set_function(
             lambda: gw.upstream.open_connections if gw.upstream is not None else 0
         )
+        # A mirrored index bootstraps before serving (bounded: past its timeout the gateway
+        # serves load-only until the mirror is ready, and says so in its metrics and logs).
+        start_index = getattr(gw.index, "start", None)
+        if owns_index and start_index is not None:
+            try:
+                await start_index()
+            except IndexUnavailable as exc:
+                log.warning("block index not ready at startup (%s); routing on load alone", exc)
         # One poll before serving, so /ready and routing know the replicas from the start.
         if gw.fleet_store is not None:
             await merge_fleet_store(gw)
@@ -198,6 +208,8 @@ def _lifecycle(
             asyncio.create_task(health_loop(gw), name="fleetgate-health"),
             asyncio.create_task(inflight_loop(gw), name="fleetgate-inflight"),
         ]
+        if gw.flow is not None:
+            tasks.append(asyncio.create_task(gw.flow.run(), name="fleetgate-flow-control"))
         if gw.adapters is not None and adapters is not None:
             tasks.append(
                 asyncio.create_task(

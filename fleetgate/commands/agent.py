@@ -52,7 +52,7 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
         "--index-mode",
         choices=("lookup", "mirror"),
         help="Redis index layout to write; must equal the gateways' index.mode "
-        "(default: lookup)",
+        "(default: mirror)",
     )
     group.add_argument(
         "--index-key-prefix",

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--index-mode",
         choices=("lookup", "mirror"),
         help="with --redis and no --config: lookup asks Redis per request, mirror keeps an "
-        "in-process copy fed by Redis streams (agents must match; default: lookup)",
+        "in-process copy fed by Redis streams (agents must match; default: mirror)",
     )
     parser.add_argument("--tokenizer", help="tokenizer directory (default: text blocks)")
     parser.add_argument(

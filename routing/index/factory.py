@@ -17,7 +17,7 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 INDEX_MODES = ("lookup", "mirror")
 #: The mode gateways and agents use unless told otherwise (they must agree: agents in lookup
 #: mode write the lookup layout, in mirror mode the streams).
-DEFAULT_INDEX_MODE = "lookup"
+DEFAULT_INDEX_MODE = "mirror"
 
 
 def build_index(

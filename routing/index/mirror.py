@@ -22,9 +22,9 @@ snapshot reload can start a replica afresh in the local index without ever reusi
 number there. Own writes go to Redis first (confirmed) or after (speculative: the decision must
 show at once) and are applied locally at once; their echo from the stream is idempotent.
 
-While Redis is unreachable the mirror keeps answering from what it holds; heartbeats stop
-arriving, so replicas that heartbeat stop matching after their TTL (load-only, as in lookup
-mode), and the tail resumes where it stopped.
+While its tail cannot reach Redis the mirror does not answer (lookups raise
+``IndexUnavailable``: load-only, as in lookup mode), since it would miss retirements meanwhile;
+the tail resumes where it stopped, and a gap or a lost generation is handled as above.
 """
 
 from __future__ import annotations
@@ -137,6 +137,8 @@ class MirrorBlockIndex:
         self._reloads: Counter[str] = Counter()
         self._rebuilds = 0
         self._tail_errors = 0
+        #: False while the tail cannot reach Redis: lookups then degrade to load-only.
+        self._connected = True
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -197,6 +199,7 @@ class MirrorBlockIndex:
                 raise
             except _REDIS_DOWN as exc:
                 self._tail_errors += 1
+                self._connected = False
                 log.warning(
                     "index mirror: Redis unavailable (%s: %s); retrying", type(exc).__name__, exc
                 )
@@ -265,6 +268,7 @@ class MirrorBlockIndex:
             replies = await self._tail_client.xread(
                 streams=dict(self._last_ids), count=_TAIL_COUNT, block=self._tail_block_ms
             )
+            self._connected = True
             for raw_key, entries in replies or ():
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
                 for entry_id, fields in entries:
@@ -491,6 +495,8 @@ class MirrorBlockIndex:
         if not self._ready.is_set():
             self._ensure_started()
             raise IndexUnavailable("index mirror is not bootstrapped (starting or rebuilding)")
+        if not self._connected:
+            raise IndexUnavailable("index mirror cannot reach Redis (it would miss retirements)")
         return self._local.match_now(chain)
 
     async def match(self, chain: Sequence[BlockHash]) -> dict[ReplicaId, int]:
@@ -511,6 +517,7 @@ class MirrorBlockIndex:
                 "key_prefix": self.layout.key_prefix,
                 "shards": self.layout.shards,
                 "ready": self.ready,
+                "connected": self._connected,
                 "events_applied": self._events_applied,
                 "replica_reloads": dict(self._reloads),
                 "rebuilds": self._rebuilds,

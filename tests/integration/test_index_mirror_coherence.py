@@ -197,7 +197,7 @@ async def test_redis_lost_gateways_degrade_then_rebuild(
             await client.aclose()
         else:
             redis_server.stop()
-            await route_everywhere("down")  # Redis unreachable: the mirrors still answer
+            await route_everywhere("down")  # Redis unreachable: load-only, not failed
             redis_server.start()  # same port, no persistence: empty
 
         async def all_rebuilt() -> bool:
