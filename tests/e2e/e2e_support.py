@@ -34,7 +34,7 @@ from replica.agent import AgentConfig, ReplicaAgent
 from replica.fleet_store import RedisFleetStore
 from replica.launcher import VllmEngine
 from replica.tiny_model import TinyModel
-from routing.index import RedisBlockIndex
+from routing.index import MirrorBlockIndex
 from tests.integration.test_gateway_support import serve
 from tests.support.polling import wait_until
 
@@ -133,7 +133,7 @@ class Stack:
     app: web.Application
     engines: list[VllmEngine]
     agents: list[ReplicaAgent]
-    index: RedisBlockIndex
+    index: MirrorBlockIndex
     http: httpx.AsyncClient
     clients: dict[str, openai.AsyncOpenAI] = field(default_factory=dict)
     #: Client tasks a test started; cancelled before the gateway stops (a failed test may
@@ -318,8 +318,10 @@ async def gateway_stack(
         # The gateway's index, shared with the test's checks. Its per-call timeout is 1 s, not
         # the backend's 0.1 s default: this 2-core machine also runs both engines, and a timed-out
         # lookup routes on load alone (by design), which would measure the machine, not routing.
-        index = RedisBlockIndex(redis_url, key_prefix=index_prefix, timeout_s=1.0)
+        # The default index mode, as the agents write it: the gateway's in-process mirror.
+        index = MirrorBlockIndex(redis_url, key_prefix=index_prefix, timeout_s=1.0)
         stack.push_async_callback(index.close)
+        await index.start()
         app = create_app(config, index=index)
         url = await stack.enter_async_context(
             bounded(serve(app, handler_cancellation=True), "stopping the gateway")
