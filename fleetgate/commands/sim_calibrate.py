@@ -57,13 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 QUICK_PLAN = CalibrationPlan(
-    prefill_lengths=(32, 256, 1024),
-    prefill_repeats=2,
+    prefill_lengths=(64, 512, 1536),
+    prefill_repeats=3,
     decode_batches=(1, 4, 8),
-    decode_contexts=(32, 256),
-    decode_tokens=16,
-    decode_repeats=1,
-    warmup_requests=2,
+    decode_contexts=(32, 512),
+    decode_tokens=12,
+    decode_repeats=2,
+    warmup_requests=1,
 )
 
 

@@ -5,11 +5,14 @@ Two kinds of observation, each a linear function of the unknowns
 
 - a lone request's **TTFT** = request overhead + one step that prefills its uncached tokens
   while reading its cached ones: ``overhead + base + prefill·uncached + context·cached``;
-- a batch's **mean inter-token gap** = one decode step of ``B`` sequences reading their
-  average context: ``base + decode·B + context·(B × mean context)``.
+- a decode batch's **decode span** (``B`` requests sent together, ``N`` tokens each; the median
+  request's first token to its last) = ``N − 1`` decode steps of ``B`` sequences:
+  ``(N−1)·base + decode·(N−1)·B + context·(N−1)·B·ctx``.
 
-Decode gaps pin ``base``; TTFTs then separate the request overhead from it. A coefficient the
-data cannot support (a negative estimate) is fixed at 0 and the rest refitted.
+Spans over many tokens rather than single gaps between streamed chunks: an API server short of
+CPU sends several tokens in one chunk, which ruins single gaps more than long spans. The spans
+pin ``base``; the TTFTs then separate the request overhead from it. A coefficient the data
+cannot support (a negative estimate) is fixed at 0 and the rest refitted.
 """
 
 from __future__ import annotations
@@ -28,19 +31,23 @@ __all__ = ["FitResult", "Observation", "combine_repeats", "fit_step_time"]
 class Observation:
     """One measured time and what the engine did in it."""
 
-    #: ``prefill`` (a lone request's TTFT) or ``decode`` (a batch's mean inter-token gap).
+    #: ``prefill`` (a lone request's TTFT) or ``decode`` (a decode batch's end-to-end time).
     kind: str
     #: A label for the residual table, e.g. ``prefill 512 (cached 480)``.
     label: str
     measured_s: float
+    #: Engine steps in the measured time, and their summed contents.
+    steps: float = 1.0
     prefill_tokens: float = 0.0
     decode_seqs: float = 0.0
     context_tokens: float = 0.0
+    #: Request overheads in the measured time (1: it starts at the client's send).
+    overheads: float = 1.0
 
     def features(self) -> list[float]:
         """The row of the design matrix, in ``STEP_TIME_FIELDS`` order."""
-        overhead = 1.0 if self.kind == "prefill" else 0.0
-        return [1.0, self.prefill_tokens, self.decode_seqs, self.context_tokens, overhead]
+        return [self.steps, self.prefill_tokens, self.decode_seqs, self.context_tokens,
+                self.overheads]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,18 +102,17 @@ def combine_repeats(observations: Sequence[Observation]) -> list[Observation]:
     CPU); the median of a few repeats ignores such a stall where a mean or a least-squares fit
     over every repeat would chase it.
     """
-    groups: dict[tuple[str, float, float, float], list[Observation]] = {}
+    groups: dict[tuple[float, ...], list[Observation]] = {}
     for o in observations:
-        key = (o.kind, o.prefill_tokens, o.decode_seqs, o.context_tokens)
-        groups.setdefault(key, []).append(o)
+        groups.setdefault(tuple(o.features()), []).append(o)
     combined = []
     for group in groups.values():
         first = group[0]
         label = first.label if len(group) == 1 else f"{first.label} (median of {len(group)})"
         median = float(np.median([o.measured_s for o in group]))
         combined.append(
-            Observation(first.kind, label, median, first.prefill_tokens, first.decode_seqs,
-                        first.context_tokens)
+            Observation(first.kind, label, median, first.steps, first.prefill_tokens,
+                        first.decode_seqs, first.context_tokens, first.overheads)
         )
     return combined
 

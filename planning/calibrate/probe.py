@@ -123,14 +123,6 @@ class EngineProbe:
         """``vllm:prefix_cache_hits_total`` (tokens)."""
         return metric_total(await self.metrics(), "vllm:prefix_cache_hits_total")
 
-    async def itl_totals(self) -> tuple[float, float]:
-        """``vllm:inter_token_latency_seconds`` sum and count: the engine's own token gaps."""
-        text = await self.metrics()
-        return (
-            metric_total(text, "vllm:inter_token_latency_seconds_sum"),
-            metric_total(text, "vllm:inter_token_latency_seconds_count"),
-        )
-
     async def cache_info(self) -> CacheInfo:
         """Block size and block count from ``vllm:cache_config_info``."""
         labels = metric_labels(await self.metrics(), "vllm:cache_config_info")

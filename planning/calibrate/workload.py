@@ -6,10 +6,8 @@
   its block size), so the TTFT's step computed ``length − cached`` tokens over ``cached`` tokens
   of context.
 - **Decodes**: ``B`` requests of ``P`` fresh prompt tokens sent together, ``N`` output tokens
-  each; the mean gap between a request's tokens is one decode step of ``B`` sequences over a
-  mean context of ``P + (N − 2) / 2`` tokens each. The gap is read from the engine's
-  ``vllm:inter_token_latency_seconds`` (sum and count around the batch), falling back to the
-  client's token arrival times when the engine does not publish it.
+  each; the median request's span from its first token to its last is ``N − 1`` decode steps
+  of ``B`` sequences over a mean context of ``P + (N − 2) / 2`` tokens each.
 
 Prompts are random token ids (fresh per request, so nothing is cached unless meant to be).
 """
@@ -37,11 +35,11 @@ class CalibrationPlan:
 
     prefill_lengths: tuple[int, ...] = (32, 128, 384, 768, 1536)
     #: Each prefill length is measured this many times (fresh prompt + its cached repeat).
-    prefill_repeats: int = 3
+    prefill_repeats: int = 5
     decode_batches: tuple[int, ...] = (1, 2, 4, 8)
-    decode_contexts: tuple[int, ...] = (32, 512)
+    decode_contexts: tuple[int, ...] = (32, 256)
     decode_tokens: int = 32
-    decode_repeats: int = 2
+    decode_repeats: int = 3
     #: Requests sent first and not measured (the first requests of a fresh engine are slow).
     warmup_requests: int = 3
 
@@ -85,49 +83,75 @@ async def run_workload(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> list[Observation]:
-    """Send the designed workload to the engine; one observation per measured configuration."""
+    """Send the designed workload to the engine; one observation per measured configuration.
+
+    Every repeat of every configuration is a separate item, and the items run in a seeded
+    random order: on a shared machine a stretch of contention then spreads over many
+    configurations (which the per-configuration median shrugs off) instead of spoiling every
+    repeat of one.
+    """
     say = progress or (lambda _line: None)
     prompts = _Prompts(seed)
     for _ in range(plan.warmup_requests):
         await probe.complete(model, prompts.fresh(min(plan.prefill_lengths)), plan.decode_tokens)
+    items: list[tuple[str, int, int]] = [
+        ("prefill", length, 1)
+        for length in plan.prefill_lengths
+        for _ in range(plan.prefill_repeats)
+    ] + [
+        ("decode", context, batch)
+        for context in plan.decode_contexts
+        for batch in plan.decode_batches
+        for _ in range(plan.decode_repeats)
+    ]
+    random.Random(f"{seed}:order").shuffle(items)
+    say(
+        f"{len(plan.prefill_lengths)} prefill lengths x{plan.prefill_repeats} (fresh + cached), "
+        f"{len(plan.decode_contexts) * len(plan.decode_batches)} decode batches "
+        f"x{plan.decode_repeats}, in random order"
+    )
     observations: list[Observation] = []
-    for length in plan.prefill_lengths:
-        say(f"prefill {length} tokens x{plan.prefill_repeats} (fresh + cached)")
-        for _ in range(plan.prefill_repeats):
-            prompt = prompts.fresh(length)
-            for attempt in ("fresh", "cached"):
-                before = await probe.prefix_hits()
-                timed = await probe.complete(model, prompt, 1)
-                cached = int(await probe.prefix_hits() - before)
-                observations.append(
-                    Observation(
-                        "prefill", f"prefill {length} ({attempt}: {cached} cached)",
-                        timed.ttft_s, prefill_tokens=length - cached, context_tokens=cached,
-                    )
-                )
-    tokens = plan.decode_tokens
-    for context in plan.decode_contexts:
-        for batch in plan.decode_batches:
-            say(f"decode batch {batch} over {context}-token prompts x{plan.decode_repeats}")
-            for _ in range(plan.decode_repeats):
-                batch_prompts = [prompts.fresh(context) for _ in range(batch)]
-                itl_before = await probe.itl_totals()
-                timed = await asyncio.gather(
-                    *(probe.complete(model, p, tokens) for p in batch_prompts)
-                )
-                itl_after = await probe.itl_totals()
-                gaps = itl_after[1] - itl_before[1]
-                if gaps > 0:
-                    # The engine's own gaps: a busy API server streams several tokens in one
-                    # chunk, so the client's gaps are bunched; the engine's are not.
-                    gap = (itl_after[0] - itl_before[0]) / gaps
-                else:
-                    gap = statistics.median(t.mean_itl_s for t in timed)
-                mean_context = context + (tokens - 2) / 2
-                observations.append(
-                    Observation(
-                        "decode", f"decode batch {batch} context {context}", gap,
-                        decode_seqs=batch, context_tokens=batch * mean_context,
-                    )
-                )
+    for kind, length, batch in items:
+        if kind == "prefill":
+            observations += await _prefill_pair(probe, model, prompts.fresh(length))
+        else:
+            observations.append(
+                await _decode_batch(probe, model, prompts, length, batch, plan.decode_tokens)
+            )
     return observations
+
+
+async def _prefill_pair(probe: EngineProbe, model: str, prompt: list[int]) -> list[Observation]:
+    """A fresh prompt alone on the engine, then again over its own cached prefix."""
+    pair = []
+    for attempt in ("fresh", "cached"):
+        before = await probe.prefix_hits()
+        timed = await probe.complete(model, prompt, 1)
+        cached = int(await probe.prefix_hits() - before)
+        pair.append(
+            Observation(
+                "prefill", f"prefill {len(prompt)} ({attempt}: {cached} cached)",
+                timed.ttft_s, prefill_tokens=len(prompt) - cached, context_tokens=cached,
+            )
+        )
+    return pair
+
+
+async def _decode_batch(
+    probe: EngineProbe, model: str, prompts: _Prompts, context: int, batch: int, tokens: int
+) -> Observation:
+    """``batch`` fresh prompts of ``context`` tokens decoding ``tokens`` tokens together; the
+    median request's decode span (first token to last) as the client saw it."""
+    batch_prompts = [prompts.fresh(context) for _ in range(batch)]
+    timed = await asyncio.gather(*(probe.complete(model, p, tokens) for p in batch_prompts))
+    # The median request's span: requests sent together may be admitted a step apart, but
+    # once a request has its first token every later step decodes the whole batch.
+    span = statistics.median(t.token_s[-1] - t.token_s[0] for t in timed)
+    decode_steps = tokens - 1
+    # Decode step k (k = 1..N-1) reads P + k - 1 tokens of context per sequence.
+    mean_context = context + (tokens - 2) / 2
+    return Observation(
+        "decode", f"decode batch {batch} context {context} x{tokens}", span,
+        steps=decode_steps, decode_seqs=decode_steps * batch,
+        context_tokens=decode_steps * batch * mean_context, overheads=0,
+    )

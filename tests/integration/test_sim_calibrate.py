@@ -6,10 +6,11 @@ drives the replica over HTTP, fits, and writes a profile; the fitted coefficient
 known ones within 5%.
 
 Robust by construction: the sim sleeps its modelled step times in real time, so the client sees
-them plus this machine's overheads (HTTP, JSON, asyncio wake-up lateness: about 1-3 ms per step
-and a few µs per prompt token on a loaded 2-core machine). The known coefficients are chosen so
-those overheads stay near 2% of what each coefficient contributes: an 80 ms base step, prefill at
-5,000 tokens/s, 4 ms per decoding sequence, 40 µs per context token.
+them plus this machine's overheads (asyncio wake-up lateness, about 1-4 ms per step on a loaded
+2-core machine; streaming each sequence's token, a few hundred µs per sequence per step; a few
+µs per prompt token). The known coefficients are chosen so those overheads stay within about
+2-3% of what each coefficient contributes: a 100 ms base step, prefill at 5,000 tokens/s, 10 ms
+per decoding sequence, 40 µs per context token.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from replica.sim.fleet import start_sim_fleet
 from replica.sim.profiles import load_preset
 
 KNOWN_STEP_TIME = {
-    "base_s": 0.08,
+    "base_s": 0.1,
     "prefill_token_s": 0.0002,
-    "decode_seq_s": 0.004,
+    "decode_seq_s": 0.01,
     "context_token_s": 0.00004,
 }
 KNOWN_PROFILE = {
@@ -36,7 +37,7 @@ KNOWN_PROFILE = {
     "block_size": 16,
     "num_gpu_blocks_override": 1024,
     "max_num_seqs": 32,
-    "max_num_batched_tokens": 2048,
+    "max_num_batched_tokens": 4096,
     "max_model_len": 4096,
     "step_time": KNOWN_STEP_TIME,
 }
@@ -52,7 +53,7 @@ async def test_calibrate_recovers_a_simulated_replicas_step_time(tmp_path: Path)
     ) as fleet:
         argv = [
             "sim", "calibrate", "--engine", fleet.urls[0], "--output", str(fitted_path),
-            "--quick", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048",
+            "--quick", "--max-num-seqs", "32", "--max-num-batched-tokens", "4096",
         ]
         # The command runs its own event loop; the replica keeps serving on this one.
         code = await asyncio.wait_for(asyncio.to_thread(fleetgate, argv), timeout=240)
