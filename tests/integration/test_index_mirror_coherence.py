@@ -217,3 +217,32 @@ async def test_redis_lost_gateways_degrade_then_rebuild(
 
         await wait_until(refilled, "every gateway to hold the re-published blocks")
         assert failures == 0
+
+
+async def test_a_gateway_that_missed_events_reloads_the_replica(
+    redis_url: str, prefix: str, writer  # type: ignore[no-untyped-def]
+) -> None:
+    """Events trimmed from the capped stream before a gateway read them: its next event of that
+    replica shows a sequence gap, and the gateway reloads the replica from its snapshot."""
+    async with AsyncExitStack() as stack:
+        gateway = await start_gateway(stack, redis_url, prefix)
+        replica, chain = REPLICAS[0], chain_of(5)
+        await writer.set_epoch(replica, Epoch(1))  # q = 1
+        await writer.record(replica, Epoch(1), chain[:2])  # q = 2
+        await gateway.index.sync()
+        assert gateway.index.match_now(chain) == {replica: 2}
+        # What Redis holds after events 3 and 4 (two more blocks), whose stream entries were
+        # trimmed unread; then event 5 arrives.
+        keys = writer.layout.replica_keys(replica)
+        client = writer.client
+        await client.sadd(keys.blocks, *(block.to_bytes(8, "big") for block in chain[2:4]))
+        await client.hset(keys.state, "q", 4)
+        await writer.record(replica, Epoch(1), chain[4:5])  # q = 5: a gap after 2
+        await gateway.index.sync()
+        assert gateway.index.match_now(chain) == {replica: 5}
+        stats = await gateway.index.stats()
+        assert stats.extra["replica_reloads"] == {"gap": 1}
+        await writer.record(replica, Epoch(1), chain[5:])  # q = 6 follows the reload: applied
+        await gateway.index.sync()
+        assert gateway.index.match_now(chain) == {replica: len(chain)}
+        assert (await gateway.index.stats()).extra["replica_reloads"] == {"gap": 1}
