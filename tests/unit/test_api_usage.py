@@ -28,3 +28,13 @@ def test_anthropic_without_cache_fields_reports_no_cached_tokens() -> None:
     assert from_anthropic({"input_tokens": 5, "output_tokens": 1}) == {
         "prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6,
     }
+
+
+def test_anthropic_prompt_includes_cache_creation_tokens() -> None:
+    # vLLM: input_tokens = prompt - cache_read - cache_creation (the real engines report both).
+    usage = {"input_tokens": 32, "output_tokens": 3, "cache_read_input_tokens": 320,
+             "cache_creation_input_tokens": 384}
+    assert from_anthropic(usage) == {
+        "prompt_tokens": 736, "completion_tokens": 3, "total_tokens": 739,
+        "prompt_tokens_details": {"cached_tokens": 320},
+    }
