@@ -546,6 +546,8 @@ async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
         hash_token_blocks(await tokens_of(tokenizer, prefix + f" long {j}?"), BLOCK_SIZE, seed)
         for j in range(len(flight_ids))
     ]
+    # In-flight counts per replica before the long requests leave: nothing else runs now.
+    idle_counts = {r: n for r, (n, _) in stack.gw.inflight.counts().items()}
     in_flight = [
         asyncio.create_task(
             complete(
@@ -555,31 +557,36 @@ async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
         for j, r in enumerate(flight_ids)
     ]
     stack.tasks.extend(in_flight)
-    running_on: dict[str, int] = {}
+    running_on: list[str] = []
 
     def one_in_flight() -> bool:
-        """A long request has been routed (it is sent at once) and has not ended.
+        """A long request has been sent to a replica and has not ended.
 
-        Read from the gateway's own decision log, in process: no I/O between the sighting and
-        the kill, so the kill lands within milliseconds of the request leaving the gateway,
+        Read from the gateway's own in-flight counts, in process: no I/O between the sighting
+        and the freeze below, so it lands within one poll of the request leaving the gateway,
         while its 800-token generation (seconds, even on an idle CPU) has barely started. The
         old check read the engine's /metrics first, and on a busy machine a request could end
         before it was seen (the cause of the old flakiness).
         """
-        for j, (r, task) in enumerate(zip(flight_ids, in_flight, strict=True)):
-            decided = [d["replica"] for d in stack.gw.decisions if d["request_id"] == r]
-            if decided and not task.done():
-                running_on[decided[0]] = j
+        for replica, (n, _) in stack.gw.inflight.counts().items():
+            if n > idle_counts.get(replica, 0):
+                running_on.append(replica)
                 return True
         return False
 
-    await eventually(one_in_flight, "a long request is routed and in flight", timeout_s=60)
-    ((victim_id, j_on_victim),) = running_on.items()
+    await eventually(one_in_flight, "a long request is sent to a replica", timeout_s=60)
+    victim_id = ReplicaId(running_on[0])
     victim_i = stack.engine_index(victim_id)
     victim = stack.engines[victim_i]
-    chain = flight_chains[j_on_victim]
-    # It was routed there, so its chain is indexed on the victim (the gateway's speculative
-    # entry, then the engine's events): what the index says of it right now.
+    # Freeze the victim's process group at once (within one 50 ms poll of the routing, against
+    # seconds of generation): from here its request cannot finish, however long the index
+    # check below takes on a busy machine. Without the freeze, a slow Redis round trip let the
+    # request end before the kill, and nothing was left to fail over (no retry counted).
+    victim.send_signal(signal.SIGSTOP)
+    # The long prompts share all but their last words: whichever of them runs on the victim,
+    # the first one's prefix blocks are indexed there (the gateway's speculative entry, then
+    # the engine's events). What the index says of it right now:
+    chain = flight_chains[0]
     indexed: list[int] = []
 
     async def chain_indexed_on_victim() -> bool:
