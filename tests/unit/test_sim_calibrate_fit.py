@@ -22,13 +22,21 @@ def _designed() -> list[Observation]:
     observations = []
     for length, cached in [(32, 0), (32, 16), (512, 0), (512, 496), (1024, 0), (1024, 1008)]:
         ttft = TRUE.request_overhead_s + TRUE.step_s(length - cached, 0, cached)
-        observations.append(Observation("prefill", f"p{length}", ttft, length - cached, 0, cached))
+        observations.append(
+            Observation("prefill", f"p{length}", ttft, prefill_tokens=length - cached,
+                        context_tokens=cached)
+        )
+    tokens = 32
     for batch in (1, 2, 4, 8):
-        for context in (40.0, 300.0):
-            gap = TRUE.step_s(0, batch, batch * context)
+        for context in (32, 256):
+            # B prompts prefilled in one step, then N - 1 decode steps over a growing context.
+            e2e = TRUE.request_overhead_s + TRUE.step_s(batch * context, 0, 0) + sum(
+                TRUE.step_s(0, batch, batch * (context + k - 1)) for k in range(1, tokens)
+            )
             observations.append(
-                Observation("decode", f"d{batch}", gap, decode_seqs=batch,
-                            context_tokens=batch * context)
+                Observation("decode", f"d{batch}x{context}", e2e, steps=tokens,
+                            prefill_tokens=batch * context, decode_seqs=(tokens - 1) * batch,
+                            context_tokens=(tokens - 1) * batch * (context + (tokens - 2) / 2))
             )
     return observations
 
@@ -44,10 +52,10 @@ def test_fit_recovers_exact_parameters() -> None:
 def test_fit_fixes_an_unsupported_coefficient_at_zero() -> None:
     # An engine whose decode gets *cheaper* with context would fit a negative coefficient.
     observations = [
-        Observation("prefill", "p", 0.01 + 1e-5 * n, n, 0, 0) for n in (10, 100, 1000)
+        Observation("prefill", "p", 0.01 + 1e-5 * n, prefill_tokens=n) for n in (10, 100, 1000)
     ] + [
         Observation("decode", "d", 0.01 + 1e-3 * b - 1e-7 * b * c, decode_seqs=b,
-                    context_tokens=b * c)
+                    context_tokens=b * c, overheads=0)
         for b in (1, 4, 8)
         for c in (100, 1000)
     ]
@@ -58,7 +66,7 @@ def test_fit_fixes_an_unsupported_coefficient_at_zero() -> None:
 
 def test_fit_needs_both_kinds_of_observation() -> None:
     with pytest.raises(ValueError, match="prefill and decode"):
-        fit_step_time([Observation("prefill", "p", 0.01, 10)])
+        fit_step_time([Observation("prefill", "p", 0.01, prefill_tokens=10)])
 
 
 def test_step_time_rejects_bad_mappings() -> None:
@@ -124,7 +132,7 @@ def test_plan_capacity_uses_a_calibrated_prefill_time(tmp_path: Path) -> None:
 
 def test_repeats_are_combined_by_their_median() -> None:
     # One repeat stalled (another process had the CPU): the median ignores it.
-    stalled = [Observation("decode", "d", t, decode_seqs=3, context_tokens=300)
+    stalled = [Observation("decode", "d", t, decode_seqs=3, context_tokens=300, overheads=0)
                for t in (0.010, 0.011, 0.050)]
     observations = _designed() + stalled
     result = fit_step_time(observations)
@@ -132,3 +140,13 @@ def test_repeats_are_combined_by_their_median() -> None:
     assert "d (median of 3)" in labels
     combined = next(r for r in result.residuals if r.observation.label == "d (median of 3)")
     assert combined.observation.measured_s == pytest.approx(0.011)
+
+
+def test_calibrate_command_reports_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    from fleetgate.cli import main as fleetgate
+
+    assert fleetgate(["sim", "calibrate"]) == 2
+    assert "--engine URL is required" in capsys.readouterr().out
+    # Port 1 on loopback refuses connections: a clear error, no traceback.
+    assert fleetgate(["sim", "calibrate", "--engine", "http://127.0.0.1:1"]) == 1
+    assert "cannot reach the engine at http://127.0.0.1:1" in capsys.readouterr().out
