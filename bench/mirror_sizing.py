@@ -77,6 +77,17 @@ async def run(args: argparse.Namespace, url: str) -> list[tuple[str, str]]:
             "Redis memory per confirmed block (snapshot sets)",
             f"{per_block:.0f} bytes ({per_block:.0f} MB per million blocks)",
         ))
+        # Stream memory: a gateway's guess for a 6,000-token prompt (375 blocks of 16 tokens).
+        before_guesses = (await client.info("memory"))["used_memory"]
+        guesses = 1000
+        for n in range(guesses):
+            blocks = [rng.getrandbits(64) for _ in range(375)]
+            await writer.record(replicas[n % len(replicas)], Epoch(1), blocks, ttl_s=10.0)
+        per_guess = ((await client.info("memory"))["used_memory"] - before_guesses) / guesses
+        rows.append((
+            "Redis memory per stream event (a 375-block guess)",
+            f"{per_guess:,.0f} bytes; streams hold at most shards x stream_max_len events",
+        ))
         mirror = MirrorBlockIndex(url, key_prefix=prefix, timeout_s=5.0, bootstrap_timeout_s=600)
         started = time.perf_counter()
         await mirror.start()
