@@ -67,8 +67,10 @@ def vllm_engines(
                 replay_port=free_port(),
                 extra_args=("--num-gpu-blocks-override", str(KV_BLOCKS_PER_ENGINE)),
                 # Dev mode exposes POST /reset_prefix_cache, which makes the engine publish
-                # AllBlocksCleared: the only way to see that event from a real engine.
-                extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+                # AllBlocksCleared: the only way to see that event from a real engine. The
+                # Responses store keeps /v1/responses answers for previous_response_id (vLLM
+                # ignores store=true without it; tests/e2e/test_e2e_apis_vllm.py).
+                extra_env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_RESPONSES_API_STORE": "1"},
             ),
             log_path=logs / f"engine-{i}.log",
             python=vllm_python,
