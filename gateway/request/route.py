@@ -163,7 +163,10 @@ async def route(
     if matched_route is None:
         raise GatewayError(404, errors.NO_ROUTE, f"No route accepts model `{model}`.", "model")
     labels.route = matched_route.name
-    if kind.prefix_routed:
+    # A pinned request's engine prompt is a stored conversation plus this turn: the blocks of this
+    # turn alone are not what the engine caches, so they are neither matched, written
+    # speculatively, nor shown to the layout detector.
+    if kind.prefix_routed and pinned is None:
         with gw.tracer.start_as_current_span("fleetgate.tokenize"):
             prompt = await _prompt_or_degrade(gw.tokenizer, kind, base_model, body)
     else:

@@ -95,6 +95,7 @@ async def test_responses_follow_ups_land_on_the_replica_that_stored_them(
         assert log[f"turn-{turn}"]["status"] == 200
         # The index was not asked: no prediction to check against the engine's cached tokens.
         assert "predicted_cached_tokens" not in log[f"turn-{turn}"]
+        assert log[f"turn-{turn}"]["blocks"] == 0  # no blocks of its own to match or write
     assert "predicted_cached_tokens" in log["turn-0"]
     # Accounted like chat: the responses' usage reached the token counters.
     metrics = await _metrics(stack)
