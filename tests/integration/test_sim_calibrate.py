@@ -9,8 +9,9 @@ Robust by construction: the sim sleeps its modelled step times in real time, so 
 them plus this machine's overheads (asyncio wake-up lateness, about 1-4 ms per step on a loaded
 2-core machine; streaming each sequence's token, a few hundred µs per sequence per step; a few
 µs per prompt token). The known coefficients are chosen so those overheads stay within about
-2-3% of what each coefficient contributes: a 100 ms base step, prefill at 5,000 tokens/s, 10 ms
-per decoding sequence, 40 µs per context token.
+2-3% of what each coefficient contributes: a 200 ms base step (wake-up lateness reached 5 ms at
+load 14-30), prefill at 5,000 tokens/s, 10 ms per decoding sequence, 40 µs per context token.
+About a minute of wall time.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from replica.sim.fleet import start_sim_fleet
 from replica.sim.profiles import load_preset
 
 KNOWN_STEP_TIME = {
-    "base_s": 0.1,
+    "base_s": 0.2,
     "prefill_token_s": 0.0002,
     "decode_seq_s": 0.01,
     "context_token_s": 0.00004,
