@@ -179,6 +179,10 @@ async def test_follow_ups_the_gateway_cannot_serve(
 
     # Another tenant's response is indistinguishable from an unknown one.
     first = await client.responses.create(model=stack.model, input="mine", max_output_tokens=2)
+    # DELETE goes to its replica too; vLLM (and the sim) cannot delete: their 405 is relayed.
+    with pytest.raises(openai.APIStatusError) as undeletable:
+        await client.responses.delete(first.id)
+    assert undeletable.value.status_code == 405
     home = await gw.response_affinity.home_of(first.id)
     assert home is not None
     await gw.response_affinity.remember(first.id, ResponseHome(home.replica, "someone-else"))
