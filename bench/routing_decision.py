@@ -276,7 +276,8 @@ async def redis_index(url: str) -> AsyncIterator[tuple[RedisBlockIndex, aioredis
     """A ``RedisBlockIndex`` under a key prefix of its own (and its client), deleted afterwards."""
     prefix = f"bench-{uuid.uuid4().hex[:12]}"
     client = aioredis.Redis.from_url(url, decode_responses=True)
-    index = RedisBlockIndex(client, key_prefix=prefix, timeout_s=0.5)
+    # Generous: a timed-out prefill write would end the run (the shared machine stalls).
+    index = RedisBlockIndex(client, key_prefix=prefix, timeout_s=5.0)
     try:
         yield index, client
     finally:
@@ -291,7 +292,7 @@ async def mirror_index(url: str) -> AsyncIterator[tuple[MirrorBlockIndex, aiored
     """A started ``MirrorBlockIndex`` under a key prefix of its own, deleted afterwards."""
     prefix = f"bench-{uuid.uuid4().hex[:12]}"
     client = aioredis.Redis.from_url(url, decode_responses=True)
-    index = MirrorBlockIndex(url, key_prefix=prefix, timeout_s=0.5, bootstrap_timeout_s=60.0)
+    index = MirrorBlockIndex(url, key_prefix=prefix, timeout_s=5.0, bootstrap_timeout_s=60.0)
     await index.start()
     try:
         yield index, client
