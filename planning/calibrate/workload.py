@@ -42,6 +42,8 @@ class CalibrationPlan:
     decode_repeats: int = 3
     #: Requests sent first and not measured (the first requests of a fresh engine are slow).
     warmup_requests: int = 3
+    #: Skip decode batches whose prompts (``B × P``) exceed this (one step's token budget).
+    max_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.decode_tokens < 3:
@@ -56,12 +58,9 @@ class CalibrationPlan:
         limit = min(max_model_len - self.decode_tokens - 1, max_num_batched_tokens)
         lengths = tuple(sorted({min(n, limit) for n in self.prefill_lengths}))
         contexts = tuple(sorted({min(n, limit) for n in self.decode_contexts}))
-        batches = tuple(
-            b for b in self.decode_batches if b * max(contexts) <= max_num_batched_tokens
-        ) or (1,)
         return CalibrationPlan(
-            lengths, self.prefill_repeats, batches, contexts, self.decode_tokens,
-            self.decode_repeats, self.warmup_requests,
+            lengths, self.prefill_repeats, self.decode_batches, contexts, self.decode_tokens,
+            self.decode_repeats, self.warmup_requests, max_batch_tokens=max_num_batched_tokens,
         )
 
 
@@ -103,12 +102,15 @@ async def run_workload(
         for context in plan.decode_contexts
         for batch in plan.decode_batches
         for _ in range(plan.decode_repeats)
+        # All of a batch's prompts fit one step, so its decode steps all run the whole batch.
+        if plan.max_batch_tokens is None or batch * context <= plan.max_batch_tokens
     ]
     random.Random(f"{seed}:order").shuffle(items)
+    decode_items = sum(1 for item in items if item[0] == "decode")
     say(
         f"{len(plan.prefill_lengths)} prefill lengths x{plan.prefill_repeats} (fresh + cached), "
-        f"{len(plan.decode_contexts) * len(plan.decode_batches)} decode batches "
-        f"x{plan.decode_repeats}, in random order"
+        f"{decode_items // plan.decode_repeats} decode batches x{plan.decode_repeats}, "
+        "in random order"
     )
     observations: list[Observation] = []
     for kind, length, batch in items:

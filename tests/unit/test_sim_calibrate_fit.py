@@ -150,3 +150,15 @@ def test_calibrate_command_reports_bad_input(capsys: pytest.CaptureFixture[str])
     # Port 1 on loopback refuses connections: a clear error, no traceback.
     assert fleetgate(["sim", "calibrate", "--engine", "http://127.0.0.1:1"]) == 1
     assert "cannot reach the engine at http://127.0.0.1:1" in capsys.readouterr().out
+
+
+def test_plan_fits_the_engine_limits() -> None:
+    from planning.calibrate.workload import CalibrationPlan
+
+    plan = CalibrationPlan(prefill_lengths=(32, 4000), decode_contexts=(32, 512),
+                           decode_batches=(1, 8), decode_tokens=16).fitted_to(2048, 2048)
+    # Prompts fit one step and the model's context (2048 - 16 output - 1).
+    assert plan.prefill_lengths == (32, 2031)
+    # Batch 8 stays (8 x 32 fits a step); only 8 x 512 is skipped, by the workload.
+    assert plan.decode_batches == (1, 8)
+    assert plan.max_batch_tokens == 2048
