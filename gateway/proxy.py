@@ -23,7 +23,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -103,6 +103,9 @@ class ForwardPlan:
     #: Bytes of the first stream event that carries output (``RequestKind.first_token_marker``):
     #: the time to first token ends there. None: at the first event.
     first_token_marker: bytes | None = None
+    #: The event that tells the client its started stream failed (``RequestKind.stream_error``);
+    #: None: the OpenAI envelope as one ``data:`` event.
+    stream_error: Callable[[GatewayError], bytes] | None = None
 
 
 class ReplicaDirectory(Protocol):
@@ -292,6 +295,7 @@ async def _relay_stream(
     hide_usage_chunk: bool,
     hooks: AttemptHooks,
     first_token_marker: bytes | None = None,
+    stream_error: Callable[[GatewayError], bytes] | None = None,
 ) -> web.StreamResponse:
     relay = SseRelay(hide_usage_chunk)
     first = await _first_events(resp, relay)  # raises before any byte reached the client
@@ -337,9 +341,11 @@ async def _relay_stream(
         log.warning("upstream %s failed mid-stream: %s", outcome.replica, type(exc).__name__)
         outcome.status = 502
         error = GatewayError(502, errors.UPSTREAM_ERROR, "upstream failed mid-stream")
-        if not await _write_to_client(
-            out, b"data: " + json.dumps(error.envelope()).encode() + b"\n\n", outcome, resp
-        ):
+        if stream_error is not None:
+            event = stream_error(error)
+        else:
+            event = b"data: " + json.dumps(error.envelope()).encode() + b"\n\n"
+        if not await _write_to_client(out, event, outcome, resp):
             return out
     except ConnectionError:
         # The client went away (a write failed; aiohttp raises ConnectionResetError or its
@@ -464,7 +470,7 @@ async def send(
                     if resp.status == 200 and plan.stream:
                         result = await _relay_stream(
                             request, resp, outcome, request_id, plan.hide_usage_chunk, hooks,
-                            plan.first_token_marker,
+                            plan.first_token_marker, plan.stream_error,
                         )
                     else:
                         result = await _relay_body(resp, outcome, request_id)

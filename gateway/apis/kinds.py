@@ -98,6 +98,7 @@ MESSAGES = RequestKind(
     payload=salted_payload,
     usage=usage.from_anthropic,
     error_response=anthropic.error_response,
+    stream_error=anthropic.stream_error_event,
 )
 
 

@@ -103,6 +103,7 @@ def plan_forward(
         max_attempts=1 + max_retries,
         read_timeout_s=read_timeout_s,
         first_token_marker=kind.first_token_marker,
+        stream_error=kind.stream_error,
     )
 
 

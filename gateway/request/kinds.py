@@ -40,6 +40,8 @@ ErrorOf = Callable[["GatewayError", str], "web.Response"]
 PinOf = Callable[["GatewayState", "Tenant", Body], Awaitable["ReplicaId | None"]]
 #: Told which replica is about to serve, or served, the request (before its answer is relayed).
 ServedBy = Callable[["GatewayState", "Tenant", Body, "ReplicaId"], Awaitable[None]]
+#: The in-band SSE event that tells a client its started stream failed, in this API's shape.
+StreamErrorOf = Callable[["GatewayError"], bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,8 @@ class RequestKind:
     usage: UsageOf | None = None
     #: None: the OpenAI envelope.
     error_response: ErrorOf | None = None
+    #: None: ``data: {"error": ...}`` (the OpenAI envelope as one event).
+    stream_error: StreamErrorOf | None = None
     pinned_replica: PinOf | None = None
     served_by: ServedBy | None = None
     #: Bytes that mark a stream event carrying output tokens; events before the first such one
