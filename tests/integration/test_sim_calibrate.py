@@ -10,7 +10,8 @@ them plus this machine's overheads (asyncio wake-up lateness, about 1-4 ms per s
 2-core machine; streaming each sequence's token, a few hundred µs per sequence per step; a few
 µs per prompt token). The known coefficients are chosen so those overheads stay within about
 2-3% of what each coefficient contributes: a 200 ms base step (wake-up lateness reached 5 ms at
-load 14-30), prefill at 5,000 tokens/s, 20 ms per decoding sequence, 40 µs per context token.
+load 14-30), prefill at 2,000 tokens/s (parsing and hashing a prompt cost up to 10 µs a token),
+20 ms per decoding sequence, 40 µs per context token.
 About a minute of wall time.
 """
 
@@ -28,7 +29,7 @@ from replica.sim.profiles import load_preset
 
 KNOWN_STEP_TIME = {
     "base_s": 0.2,
-    "prefill_token_s": 0.0002,
+    "prefill_token_s": 0.0005,
     "decode_seq_s": 0.02,
     "context_token_s": 0.00004,
 }
