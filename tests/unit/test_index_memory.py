@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from routing.contracts import BlockIndex
-from routing.index import MemoryBlockIndex, RedisBlockIndex, build_index
+from routing.index import MemoryBlockIndex, MirrorBlockIndex, RedisBlockIndex, build_index
 from routing.types import BlockHash, Epoch, ReplicaId
 
 R1, R2 = ReplicaId("r1"), ReplicaId("r2")
@@ -105,11 +105,18 @@ async def test_build_index_picks_the_backend_from_the_url() -> None:
     for url in (None, "", "memory"):
         assert isinstance(build_index(url), MemoryBlockIndex)
     assert (await build_index("memory", max_entries=7).stats()).max_entries == 7
-    redis_index = build_index("redis://127.0.0.1:1/0", key_prefix="fg-a")
+    redis_index = build_index("redis://127.0.0.1:1/0", mode="lookup", key_prefix="fg-a")
     assert isinstance(redis_index, RedisBlockIndex)  # no connection is made before the first call
     assert redis_index.block_key(BlockHash(12)) == "{fg-a}:b:000000000000000c"
     await redis_index.close()
+    # Mirror mode is the default for a Redis URL; nothing connects before start or first use.
+    mirror = build_index("redis://127.0.0.1:1/0", key_prefix="fg-a")
+    assert isinstance(mirror, MirrorBlockIndex)
+    assert mirror.layout.key_prefix == "fg-a"
+    await mirror.close()
     assert isinstance(build_index(), BlockIndex)
+    with pytest.raises(ValueError, match="index mode must be one of lookup, mirror"):
+        build_index("redis://127.0.0.1:1/0", mode="mirrored")
 
 
 @pytest.mark.parametrize("url", ["postgres://x", "mem", "http://redis:6379"])
