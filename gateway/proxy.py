@@ -33,6 +33,7 @@ from aiohttp import web
 from yarl import URL
 
 from gateway import errors
+from gateway.attempts import AttemptsInFlight
 from gateway.breaker import CircuitBreaker
 from gateway.errors import GatewayError
 from gateway.request.record import AdapterLoad
@@ -109,7 +110,11 @@ class ForwardPlan:
 
 
 class ReplicaDirectory(Protocol):
-    """The replicas ``send`` may try, and each one's circuit breaker."""
+    """The replicas ``send`` may try, each one's circuit breaker, and the attempts under way."""
+
+    #: Where each attempt is registered while it waits, so that a replica marked down can
+    #: abort the ones it holds (``gateway/attempts.py``).
+    attempts: AttemptsInFlight
 
     def get(self, replica: ReplicaId) -> ReplicaState | None: ...
 
@@ -420,6 +425,11 @@ async def send(
     unsuitable: ReplicaUnsuitable | None = None
     #: Why the previous attempt failed before answering (the retry's metric label), or None.
     retry_reason: str | None = None
+
+    def can_retry() -> bool:
+        """Another candidate could take the request if the current attempt ended now."""
+        return tried < max_attempts and _any_usable(replicas, queue)
+
     while queue and tried < max_attempts:
         replica_id = queue.pop(0)
         replica = replicas.get(replica_id)
@@ -446,6 +456,7 @@ async def send(
             outcome.attempts = tried
             outcome.sent_at = time.monotonic()
             hooks.started(replica_id)
+            attempt = replicas.attempts.begin(request_id, replica_id, outcome, can_retry)
             try:
                 async with upstream.post(
                     _upstream_url(replica.url, plan.upstream_path),
@@ -495,7 +506,19 @@ async def send(
                 raise GatewayError(
                     504, errors.UPSTREAM_TIMEOUT, "The upstream replica did not answer in time."
                 ) from None
+            except asyncio.CancelledError:
+                # The health loop marked the replica down (it hangs) while this attempt waited
+                # for its answer: nothing reached the client, so a fallback takes it. Unless
+                # the client left as well (a second cancellation is pending): then unwind.
+                task = asyncio.current_task()
+                if not attempt.aborted or outcome.responded or task is None or task.uncancel():
+                    raise
+                breaker.failure()
+                retry_reason = "replica_down"
+                log.warning("replica %s marked down holding the request; retrying", replica_id)
+                continue
             finally:
+                replicas.attempts.end(attempt)
                 hooks.ended(replica_id)
     if unsuitable is not None:
         raise unsuitable.error

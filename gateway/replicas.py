@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 
+from gateway.attempts import AttemptsInFlight
 from gateway.breaker import CircuitBreaker
 from gateway.policy_view import ReplicaSpec
 from routing.state import ReplicaState
@@ -99,6 +100,9 @@ class ReplicaRegistry:
         #: gauges' time): ``/v1/models`` can answer while ``/metrics`` does not, and the
         #: adapter registry must know how fresh the adapter list is, not the queue figures.
         self._adapters_read_at: dict[ReplicaId, float] = {}
+        #: The requests being tried on each replica; those a replica holds unanswered when it
+        #: is marked down are aborted and retried elsewhere (``gateway/attempts.py``).
+        self.attempts = AttemptsInFlight()
 
     # ------------------------------------------------------------------ membership
 
@@ -317,6 +321,15 @@ class ReplicaRegistry:
                 updates["kv_usage"] = float(gauges.get("kv_usage", 0.0))
                 updates["metrics_read_at"] = time.time()
         self._states[state.replica_id] = replace(current, **updates)
+        if current.healthy and not healthy:
+            aborted = self.attempts.abort_unanswered(state.replica_id)
+            log.warning(
+                "replica %s marked unhealthy (%d health polls missed); %d request(s) it held "
+                "unanswered go to a fallback",
+                state.replica_id,
+                self._failed_polls[state.replica_id],
+                aborted,
+            )
 
     def set_inflight(self, counts: dict[ReplicaId, tuple[int, int]]) -> None:
         """Copy in-flight (requests, unprefilled prompt tokens) per replica into the states."""

@@ -194,13 +194,8 @@ async def shared_prefix_workload(
 
 
 def in_flight_or_done(stack: Stack, task: asyncio.Task[Any], request_id: str) -> bool:
-    """The gateway decided ``request_id`` and counts it in flight on its replica (or it ended)."""
-    if task.done():
-        return True
-    for decision in reversed(stack.gw.decisions):
-        if decision["request_id"] == request_id:
-            return stack.gw.inflight.counts().get(decision["replica"], (0, 0))[0] > 0
-    return False
+    """The gateway is trying ``request_id`` on a replica (so counts it in flight), or it ended."""
+    return task.done() or stack.gw.registry.attempts.replica_of(request_id) is not None
 
 
 async def run_workload(

@@ -1,0 +1,87 @@
+"""A replica marked down while it holds unanswered requests: they go to a fallback at once.
+
+A hung replica (it accepts, never answers) is found by the health loop after a few missed polls;
+before this, the requests already sent to it waited for it as long as their clients did (the
+chaos bench's finding 4). Now the gateway aborts every attempt the replica holds whose answer has
+not started, and retries it on a fallback: nothing had reached the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+
+import aiohttp
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.policy_view import GatewayPolicy, ReplicaSpec
+from tests.integration.test_gateway_support import FakeUpstream, serve
+from tests.support.polling import wait_until
+
+CHAT = {"model": "base-model", "messages": [{"role": "user", "content": "hello there"}]}
+ADMIN = {"Authorization": "Bearer adm"}
+
+
+async def _metric(http: aiohttp.ClientSession, url: str, prefix: str) -> float:
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    lines = [line for line in text.splitlines() if line.startswith(prefix)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_requests_held_by_a_replica_marked_down_are_retried_on_a_fallback(
+    stream: bool,
+) -> None:
+    hung = FakeUpstream(header_gate=asyncio.Event())  # takes requests, never answers them
+    well = FakeUpstream()
+    async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
+        hung_url = await stack.enter_async_context(serve(hung.app()))
+        well_url = await stack.enter_async_context(serve(well.app()))
+        specs = [
+            ReplicaSpec("hung", hung_url, models=frozenset(hung.models)),
+            ReplicaSpec("well", well_url, models=frozenset(well.models)),
+        ]
+        cfg = GatewayConfig(health_interval_s=0.05, admin_key="adm")
+        url = await stack.enter_async_context(
+            serve(create_app(cfg, GatewayPolicy.default(specs)), handler_cancellation=True)
+        )
+
+        # Requests until one is held by the hung replica (routing breaks ties at random; the
+        # others are answered by the well one at once).
+        async def chat() -> tuple[int, bytes]:
+            async with http.post(
+                f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}
+            ) as resp:
+                return resp.status, await resp.read()
+
+        held: asyncio.Task[tuple[int, bytes]] | None = None
+        for _ in range(60):
+            task = asyncio.create_task(chat())
+            await wait_until(
+                lambda: task.done() or hung.attempts > 0,  # noqa: B023 (awaited at once)
+                "the request is answered or held by the hung replica",
+            )
+            if hung.attempts > 0:
+                held = task
+                break
+            assert task.result()[0] == 200
+        assert held is not None, "60 requests in a row avoided the hung replica"
+        assert not held.done()
+
+        hung.health_ok = False  # its health polls now fail: the gateway marks it down
+        status, body = await asyncio.wait_for(held, timeout=30)
+        retries = await _metric(
+            http, url, 'fleetgate_upstream_retries_total{reason="replica_down"'
+        )
+        async with http.get(f"{url}/admin/replicas", headers=ADMIN) as resp:
+            health = {r["replica_id"]: r["healthy"] for r in (await resp.json())["replicas"]}
+
+    assert status == 200, body
+    if stream:
+        assert body.endswith(b"data: [DONE]\n\n")
+    assert hung.attempts == 1  # never retried on the replica that was marked down
+    assert retries == 1
+    assert health == {"hung": False, "well": True}
