@@ -276,6 +276,26 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        # Flow control (docs/flow-control.md): tenants are policy names, classes a fixed set.
+        self.flow_queue_length = Gauge(
+            "fleetgate_flow_queue_length",
+            "Requests waiting in the gateway's flow-control queue",
+            ["request_class"],
+            registry=r,
+        )
+        self.flow_queue_wait = Histogram(
+            "fleetgate_flow_queue_wait_seconds",
+            "Time requests spent in the flow-control queue (admitted or refused)",
+            ["request_class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.flow_decisions = Counter(
+            "fleetgate_flow_decisions",
+            "Flow-control decisions: admitted, queued or shed, by reason",
+            ["tenant", "request_class", "decision", "reason"],
+            registry=r,
+        )
         for name, metric in list(vars(self).items()):
             if isinstance(metric, MetricWrapperBase) and metric._labelnames:
                 setattr(self, name, CachedLabels(metric))

@@ -14,6 +14,7 @@ from opentelemetry.trace import Tracer
 
 from gateway.config import GatewayConfig
 from gateway.cost import ReplicaTimeMeter, RouteWindow
+from gateway.flow_control import FlowGate
 from gateway.inflight import InflightTracker
 from gateway.layout import LayoutDiagnostics
 from gateway.metrics import GatewayMetrics
@@ -77,6 +78,8 @@ class GatewayState:
     #: Which replica stored each ``/v1/responses`` answer (``previous_response_id`` goes back
     #: there): in memory, or in Redis when the gateway runs with Redis.
     response_affinity: ResponseAffinity = field(default_factory=MemoryResponseAffinity)
+    #: Flow control (``gateway/flow_control.py``): set by ``create_app``; None in bare states.
+    flow: FlowGate | None = None
 
     @functools.cached_property
     def speculative_target(self) -> SpeculativeTarget:

@@ -9,10 +9,11 @@ from aiohttp import web
 
 from gateway import errors
 from gateway.errors import GatewayError
+from gateway.flow_control import flow_finished
 from gateway.request.account import account
 from gateway.request.forward import AttemptRecorder, forward, plan_forward
 from gateway.request.kinds import RequestKind
-from gateway.request.route import RequestLabels, admit, route
+from gateway.request.route import RequestLabels, admit, repick, route
 from gateway.request_body import read_body, request_id_of
 from gateway.state import GATEWAY
 
@@ -44,6 +45,12 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 gw, request, tenant, kind, body, request_id, labels, pinned=pinned
             )
             span.set_attribute("fleetgate.route", routed.route.name)
+            if gw.flow is not None and pinned is None:
+                # Flow control judges by the routing estimate, so it runs on the decision: a
+                # queued request is routed again when its turn comes (docs/flow-control.md).
+                routed = await gw.flow.admit(
+                    routed, request.headers, gw.policy.source, lambda r: repick(gw, r)
+                )
             plan = plan_forward(
                 routed,
                 kind,
@@ -65,6 +72,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             finally:
                 if kind.usage is not None:  # the API's own usage shape, as accounting reads it
                     recorder.outcome.usage = kind.usage(recorder.outcome.usage)
+                flow_finished(gw, gw.policy.source, routed.tenant.name, recorder.outcome.usage)
                 # After the handler returns, aiohttp writes the response before the loop runs
                 # the next callback: accounting stays off the client's latency.
                 asyncio.get_running_loop().call_soon(

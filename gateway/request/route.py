@@ -17,6 +17,7 @@ Extending it:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -205,6 +206,16 @@ async def route(
         decision,
         last_resort,
         time.time(),
+    )
+
+
+async def repick(gw: RouteDeps, routed: RouteDecision) -> RouteDecision:
+    """``routed`` routed again on the fleet as it is now (flow control's queued requests)."""
+    if routed.decision.profile == PINNED_PROFILE:
+        return routed  # only its replica holds what it continues (a stored response)
+    decision, last_resort = await _pick_replica(gw, routed.routing_request, routed.route)
+    return dataclasses.replace(
+        routed, decision=decision, last_resort=last_resort, routed_at=time.time()
     )
 
 

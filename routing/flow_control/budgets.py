@@ -128,6 +128,13 @@ class TokenBudgets:
             self.store.drop_windows_before(window)
         return BudgetCheck(True)
 
+    async def release(self, tenant: str, budget: TokenBudget, prompt_tokens: int) -> None:
+        """Give back the prompt tokens ``admit`` reserved (the request was refused after all)."""
+        if budget.prompt_tokens_per_minute is None or prompt_tokens <= 0:
+            return
+        window, _ = self._window()
+        await self.store.add(self._key(tenant, "prompt", window), -prompt_tokens, 2 * WINDOW_S)
+
     async def charge_completion(self, tenant: str, budget: TokenBudget, tokens: int) -> None:
         """Count a finished request's completion tokens against the current window."""
         if budget.completion_tokens_per_minute is None or tokens <= 0:

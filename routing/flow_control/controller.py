@@ -124,6 +124,10 @@ class FlowController:
         #: Latest known shortest queue wait, for Retry-After on refusals without an estimate.
         self._last_min_wait_ms = 0.0
 
+    def now(self) -> float:
+        """The controller's clock (arrival times of ``FlowRequest`` are on it)."""
+        return self._clock()
+
     # ------------------------------------------------------------------ arrivals
 
     def admit(self, request: FlowRequest, estimate: FleetEstimate) -> Verdict:

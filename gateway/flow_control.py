@@ -1,0 +1,368 @@
+"""Flow control at the gateway: ``routing.flow_control`` driven by asyncio and the real clock.
+
+The request path routes first (the estimate flow control judges by is that decision's), then
+``FlowGate.admit``: admitted requests go on at once; refused ones get 429 with ``Retry-After``;
+queued ones wait on a future. One pump task (started in the app's cleanup context) judges the
+queue's head again on a fresh routing decision whenever a request finishes, and every
+``PUMP_INTERVAL_S`` while anything waits, and refuses those whose wait ran out. A client that
+disconnects while queued cancels its handler, and the cancellation takes it out of the queue at
+once: it never reaches an engine.
+
+Token budgets are checked before flow control (a tenant over its budget is refused whatever the
+load) and reserved at once; a request flow control then refuses gives its tokens back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gateway import errors
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from routing.flow_control import (
+    PRIORITY_HEADER,
+    BudgetStore,
+    Decision,
+    FlowController,
+    FlowControlSettings,
+    FlowRequest,
+    MemoryBudgetStore,
+    RequestClass,
+    TokenBudget,
+    TokenBudgets,
+    Verdict,
+    estimate_from_decision,
+    parse_request_class,
+)
+
+if TYPE_CHECKING:
+    from gateway.request.route import RouteDecision
+    from routing.config import Policy
+
+__all__ = [
+    "DEFAULT_TTFT_SLO_MS",
+    "FlowGate",
+    "TenantFlow",
+    "build_flow_gate",
+    "flow_finished",
+    "settings_of",
+    "tenant_flow",
+]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between judgements of the queue's head while requests wait (besides completions).
+PUMP_INTERVAL_S = 0.02
+#: The TTFT a request is judged against when neither its tenant nor its route names one.
+DEFAULT_TTFT_SLO_MS = 2000.0
+
+Repick = Callable[["RouteDecision"], Awaitable["RouteDecision"]]
+
+
+@dataclass(frozen=True, slots=True)
+class TenantFlow:
+    """What flow control needs to know about one request's tenant and class."""
+
+    request_class: RequestClass
+    ttft_slo_ms: float
+    weight: float
+    budget: TokenBudget | None
+
+
+def tenant_flow(
+    policy: Policy | None, tenant: str, route_ttft_slo_ms: float | None, headers: Mapping[str, str]
+) -> TenantFlow:
+    """The request's class (tenant's, or the header's where the tenant allows it), SLO, budget.
+
+    Raises a 400 ``GatewayError`` for a header value that is not a class, when the tenant may set
+    it; a tenant that may not has the header ignored (its class is the policy's to choose).
+    """
+    spec = policy.tenant(tenant) if policy is not None else None
+    request_class = RequestClass(spec.priority) if spec is not None else RequestClass.STANDARD
+    asked = headers.get(PRIORITY_HEADER)
+    if asked is not None and spec is not None and spec.allow_priority_header:
+        try:
+            request_class = parse_request_class(asked)
+        except ValueError as exc:
+            raise GatewayError(
+                400, errors.INVALID_REQUEST, f"{PRIORITY_HEADER}: {exc}", PRIORITY_HEADER
+            ) from None
+    slo = spec.ttft_slo_ms if spec is not None and spec.ttft_slo_ms is not None else None
+    if slo is None:
+        slo = route_ttft_slo_ms if route_ttft_slo_ms is not None else DEFAULT_TTFT_SLO_MS
+    budget = None
+    if spec is not None and spec.token_budget is not None:
+        budget = TokenBudget(
+            spec.token_budget.prompt_tokens_per_minute,
+            spec.token_budget.completion_tokens_per_minute,
+        )
+    return TenantFlow(request_class, slo, spec.weight if spec is not None else 1.0, budget)
+
+
+def settings_of(policy: Policy | None) -> FlowControlSettings:
+    """The policy's ``flow_control:`` section as the controller's settings (off without one)."""
+    if policy is None:
+        return FlowControlSettings(enabled=False)
+    spec = policy.flow_control
+    return FlowControlSettings(
+        enabled=spec.enabled,
+        saturation_queue_wait_ms=spec.saturation_queue_wait_ms,
+        saturation_decode_interference_ms=spec.saturation_decode_interference_ms,
+        max_queue_length=spec.max_queue_length,
+        max_queue_wait_ms=spec.max_queue_wait_ms,
+    )
+
+
+@dataclass(slots=True)
+class _Waiter:
+    routed: RouteDecision
+    repick: Repick
+    answer: asyncio.Future[tuple[Verdict, RouteDecision]]
+
+
+class FlowGate:
+    """One gateway's flow control: the controller, its waiters, the pump, the token budgets."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics | None = None,
+        budget_store: BudgetStore | None = None,
+        key_prefix: str = "fleetgate:",
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.metrics = metrics
+        self.controller = FlowController(FlowControlSettings(enabled=False), clock)
+        self.budget_store = budget_store if budget_store is not None else MemoryBudgetStore()
+        # Budget windows are wall-clock minutes, so that every gateway agrees on them.
+        self.budgets = TokenBudgets(self.budget_store, wall_clock, key_prefix)
+        self._waiters: dict[str, _Waiter] = {}
+        self._wake = asyncio.Event()
+        self._settings_source: Policy | None = None
+
+    # ------------------------------------------------------------------ the request path
+
+    async def admit(
+        self,
+        routed: RouteDecision,
+        headers: Mapping[str, str],
+        policy: Policy | None,
+        repick: Repick,
+    ) -> RouteDecision:
+        """Admit ``routed`` (maybe after a wait, maybe re-routed), or raise a 429."""
+        flow = tenant_flow(policy, routed.tenant.name, routed.route.ttft_slo_ms, headers)
+        tenant = routed.tenant.name
+        prompt_tokens = routed.routing_request.prompt_tokens
+        reserved = False
+        if flow.budget is not None:
+            check = await self.budgets.admit(tenant, flow.budget, prompt_tokens)
+            if not check.admitted:
+                self._count(tenant, flow.request_class, Decision.SHED, "token_budget")
+                raise _too_many(
+                    f"Token budget exceeded: this tenant's {check.exhausted} tokens per minute "
+                    "are spent.",
+                    check.retry_after_s,
+                )
+            reserved = flow.budget.prompt_tokens_per_minute is not None
+        try:
+            return await self._admit(routed, flow, policy, repick)
+        except BaseException:
+            if reserved and flow.budget is not None:
+                await self.budgets.release(tenant, flow.budget, prompt_tokens)
+            raise
+
+    async def _admit(
+        self, routed: RouteDecision, flow: TenantFlow, policy: Policy | None, repick: Repick
+    ) -> RouteDecision:
+        if policy is not self._settings_source:  # read once per policy (re)load
+            self.controller.settings = settings_of(policy)
+            self._settings_source = policy
+        if not self.controller.settings.enabled:
+            return routed  # off: not even the estimate is built (explanations cost at scale)
+        request_id = routed.routing_request.request_id
+        request = FlowRequest(
+            request_id,
+            routed.tenant.name,
+            flow.request_class,
+            flow.ttft_slo_ms,
+            flow.weight,
+            self.controller.now(),
+        )
+        verdict = self.controller.admit(request, estimate_from_decision(routed.decision))
+        self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
+        if verdict.decision is Decision.ADMIT:
+            return routed
+        if verdict.decision is Decision.SHED:
+            raise _refusal(verdict)
+        answer: asyncio.Future[tuple[Verdict, RouteDecision]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._waiters[request_id] = _Waiter(routed, repick, answer)
+        self._queue_gauges()
+        self._wake.set()
+        try:
+            verdict, routed = await answer
+        finally:
+            # Cancelled (the client went away): out of the queue now, before anything else runs.
+            self.controller.cancel(request_id)
+            self._waiters.pop(request_id, None)
+            self._queue_gauges()
+        self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
+        if self.metrics is not None:
+            self.metrics.flow_queue_wait.labels(request.request_class.value).observe(
+                verdict.waited_s
+            )
+        if verdict.decision is Decision.SHED:
+            raise _refusal(verdict)
+        return routed
+
+    def request_finished(
+        self, policy: Policy | None, tenant: str, usage: Any
+    ) -> Coroutine[Any, Any, None] | None:
+        """A request ended: capacity may be free (wake the pump). Returns the charge of its
+        completion tokens to the tenant's budget, if it has one, for the caller to run."""
+        self._wake.set()
+        spec = policy.tenant(tenant) if policy is not None else None
+        budget = spec.token_budget if spec is not None else None
+        tokens = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
+        if budget is None or budget.completion_tokens_per_minute is None:
+            return None
+        if not isinstance(tokens, int) or tokens <= 0:
+            return None
+        return self.budgets.charge_completion(
+            tenant, TokenBudget(None, budget.completion_tokens_per_minute), tokens
+        )
+
+    # ------------------------------------------------------------------ the pump
+
+    async def run(self) -> None:
+        """Judge the queue until cancelled (the app's cleanup context owns this task)."""
+        try:
+            while True:
+                timeout = PUMP_INTERVAL_S if self._waiters else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                self._wake.clear()
+                try:
+                    await self._pump()
+                except Exception:  # never let one bad judgement stop the queue for everyone
+                    log.exception("flow-control pump failed; retrying")
+        finally:
+            for waiter in list(self._waiters.values()):
+                if not waiter.answer.done():
+                    waiter.answer.set_exception(
+                        GatewayError(503, errors.SHUTTING_DOWN, "The gateway is shutting down.")
+                    )
+            close = getattr(self.budget_store, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    await close()
+
+    async def _pump(self) -> None:
+        flow = self.controller
+        for request, verdict in flow.expire():
+            self._answer(request.request_id, verdict, None)
+        while (head := flow.head()) is not None:
+            waiter = self._waiters.get(head.request_id)
+            if waiter is None:  # its handler is gone; cancellation removes it, this is a guard
+                flow.cancel(head.request_id)
+                continue
+            try:
+                routed = await waiter.repick(waiter.routed)
+            except GatewayError as err:  # e.g. no replica left: this request's own error
+                flow.cancel(head.request_id)
+                if not waiter.answer.done():
+                    waiter.answer.set_exception(err)
+                continue
+            current = flow.head()
+            if current is None or current.request_id != head.request_id:
+                continue  # it left (disconnect, expiry) while it was being routed
+            verdict = flow.judge_head(estimate_from_decision(routed.decision))
+            if verdict.decision is Decision.QUEUE:
+                break
+            self._answer(head.request_id, verdict, routed)
+
+    def _answer(self, request_id: str, verdict: Verdict, routed: RouteDecision | None) -> None:
+        waiter = self._waiters.get(request_id)
+        if waiter is not None and not waiter.answer.done():
+            waiter.answer.set_result((verdict, routed if routed is not None else waiter.routed))
+
+    # ------------------------------------------------------------------ metrics
+
+    def _count(
+        self, tenant: str, request_class: RequestClass, decision: Decision, reason: str
+    ) -> None:
+        if self.metrics is not None:
+            self.metrics.flow_decisions.labels(
+                tenant, request_class.value, decision.value, reason
+            ).inc()
+
+    def _queue_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        for request_class in RequestClass:
+            self.metrics.flow_queue_length.labels(request_class.value).set(
+                self.controller.queue.length(request_class)
+            )
+
+
+def _too_many(message: str, retry_after_s: float) -> GatewayError:
+    return GatewayError(
+        429,
+        errors.RATE_LIMITED,
+        message,
+        headers={"Retry-After": str(max(1, round(retry_after_s)))},
+    )
+
+
+_MESSAGES = {
+    "predicted_ttft_over_slo": "The fleet is saturated and this request's predicted time to "
+    "first token is over its SLO; it was not queued (sheddable class).",
+    "slo_unreachable": "The fleet is saturated: this request waited in the gateway queue until "
+    "it could no longer meet its time-to-first-token SLO.",
+    "queue_wait_exceeded": "The fleet is saturated: this request waited in the gateway queue "
+    "for the longest wait allowed (flow_control.max_queue_wait_ms).",
+    "queue_full": "The fleet is saturated and the gateway queue is full.",
+}
+
+
+def _refusal(verdict: Verdict) -> GatewayError:
+    message = _MESSAGES.get(verdict.reason, "The fleet is saturated.")
+    return _too_many(f"{message} Retry after the time in Retry-After.", verdict.retry_after_s)
+
+
+class _FlowDeps(Protocol):
+    """What ``flow_finished`` reads from the gateway (``GatewayState`` is one)."""
+
+    @property
+    def flow(self) -> FlowGate | None: ...
+    @property
+    def background(self) -> set[asyncio.Task[Any]]: ...
+
+
+def flow_finished(gw: _FlowDeps, policy: Policy | None, tenant: str, usage: Any) -> None:
+    """Tell flow control a request ended; its budget charge runs as a tracked background task."""
+    if gw.flow is None:
+        return
+    charge = gw.flow.request_finished(policy, tenant, usage)
+    if charge is not None:
+        task = asyncio.create_task(charge, name="fleetgate-token-budget")
+        gw.background.add(task)
+        task.add_done_callback(gw.background.discard)
+
+
+def build_flow_gate(
+    redis_url: str | None, key_prefix: str | None, metrics: GatewayMetrics | None
+) -> FlowGate:
+    """The gateway's flow gate: token budgets in Redis when the gateway has Redis, else memory."""
+    if redis_url:
+        from gateway.token_budgets import RedisBudgetStore
+
+        return FlowGate(metrics, RedisBudgetStore(redis_url), key_prefix or "fleetgate:")
+    return FlowGate(metrics, MemoryBudgetStore(), key_prefix or "fleetgate:")

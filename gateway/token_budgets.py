@@ -1,0 +1,62 @@
+"""Tenants' token budgets shared by every gateway through Redis (``routing.flow_control.budgets``).
+
+A reservation is one Lua script, so two gateways racing for the last tokens of a window cannot
+both win. Redis down: budgets are not enforced for that request (degrade, don't fail), and the
+failure is logged; the counters expire with their window.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from routing.flow_control.budgets import BudgetStore
+
+__all__ = ["RedisBudgetStore"]
+
+log = logging.getLogger(__name__)
+
+#: KEYS[1] counter; ARGV amount, limit, ttl_s. Returns 1 if reserved, 0 if it would not fit.
+_RESERVE = """
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+if used + tonumber(ARGV[1]) > tonumber(ARGV[2]) then return 0 end
+redis.call('INCRBY', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
+class RedisBudgetStore(BudgetStore):
+    """Budget counters in Redis; keys ``<prefix>budget:<tenant>:<kind>:<minute>``."""
+
+    def __init__(self, redis_url: str) -> None:
+        import redis.asyncio as redis_asyncio
+
+        self._redis = redis_asyncio.Redis.from_url(redis_url, socket_timeout=0.5)
+        self._reserve = self._redis.register_script(_RESERVE)
+
+    async def reserve(self, key: str, amount: int, limit: int, ttl_s: int) -> bool:
+        try:
+            return bool(await self._reserve(keys=[key], args=[amount, limit, ttl_s]))
+        except Exception as exc:  # Redis down or slow: admit rather than refuse everyone
+            log.warning("token budget reservation through Redis failed (%s); not enforced", exc)
+            return True
+
+    async def used(self, key: str) -> int:
+        try:
+            value = await self._redis.get(key)
+        except Exception as exc:
+            log.warning("token budget read through Redis failed (%s); not enforced", exc)
+            return 0
+        return int(value) if value is not None else 0
+
+    async def add(self, key: str, amount: int, ttl_s: int) -> None:
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.incrby(key, amount)
+                pipe.expire(key, ttl_s)
+                await pipe.execute()
+        except Exception as exc:
+            log.warning("token budget charge through Redis failed (%s)", exc)
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,265 @@
+"""Flow control in the gateway, on real sockets: shedding with Retry-After, critical never
+refused, tenants dequeued by weight, a disconnected queued client never reaching the engine,
+token budgets shared by two gateways through real Redis, and the official ``openai`` client.
+
+The fleet is one upstream whose answers wait at a gate; the policy's profile does not drain its
+backlog estimate with time (``drain_backlog: false``) and the saturation bound is 0 ms, so the
+fleet counts as saturated exactly while a request is in flight: admissions from the queue are
+serial and their order is the queue's, whatever the machine's speed. Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.config import GatewayConfig
+from gateway.state import GATEWAY
+from routing.flow_control import TokenBudgets
+from routing.hashing import CHARS_PER_TOKEN
+from tests.integration.test_gateway_support import FakeUpstream, serve
+from tests.support.polling import wait_until
+
+
+def _sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _policy(upstream_url: str) -> str:
+    return f"""
+version: 1
+replica_pools:
+  - name: pool-a
+    replicas: [{upstream_url}]
+models:
+  - name: base-model
+    pools: [pool-a]
+plugins:
+  - type: expected-ttft
+    name: ttft-serial
+    parameters: {{drain_backlog: false}}
+  - type: max-score
+    name: best
+profiles:
+  - name: serial
+    scorers: [{{ref: ttft-serial, weight: 1}}]
+    picker: best
+routes:
+  - name: all
+    profile: serial
+flow_control:
+  enabled: true
+  saturation_queue_wait_ms: 0
+  saturation_decode_interference_ms: null
+  max_queue_wait_ms: 600000
+tenants:
+  - {{name: gold, api_key_sha256: [{_sha("gold")}], priority: critical}}
+  - {{name: a, api_key_sha256: [{_sha("a")}], weight: 2}}
+  - {{name: b, api_key_sha256: [{_sha("b")}], weight: 1}}
+  - {{name: cheap, api_key_sha256: [{_sha("cheap")}], priority: sheddable, ttft_slo_ms: 0.001}}
+  - {{name: picky, api_key_sha256: [{_sha("picky")}], allow_priority_header: true,
+      ttft_slo_ms: 0.001}}
+  - name: metered
+    api_key_sha256: [{_sha("metered")}]
+    token_budget: {{prompt_tokens_per_minute: 100}}
+"""
+
+
+@asynccontextmanager
+async def _gateways(
+    tmp_path: Path, upstream: FakeUpstream, count: int = 1, redis_url: str | None = None
+) -> AsyncIterator[list[tuple[str, object]]]:
+    async with serve(upstream.app()) as upstream_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(_policy(upstream_url))
+        served = []
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(count):
+                app = create_app(GatewayConfig(policy_path=str(path), redis_url=redis_url))
+                url = await stack.enter_async_context(serve(app, handler_cancellation=True))
+                served.append((url, app))
+            yield served
+
+
+def contextlib_stack():
+    import contextlib
+
+    return contextlib.AsyncExitStack()
+
+
+def _completion(tag: str) -> dict[str, object]:
+    return {"model": "base-model", "prompt": f"request {tag}", "max_tokens": 3}
+
+
+async def _post(
+    http: aiohttp.ClientSession, url: str, key: str, tag: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, object], dict[str, str]]:
+    async with http.post(
+        f"{url}/v1/completions",
+        json=_completion(tag),
+        headers={"Authorization": f"Bearer {key}", **(headers or {})},
+    ) as resp:
+        return resp.status, await resp.json(), dict(resp.headers)
+
+
+def _queued(app: object) -> int:
+    flow = app[GATEWAY].flow  # type: ignore[index]
+    return len(flow.controller.queue)
+
+
+async def test_burst_sheds_sheddable_serves_critical_and_dequeues_by_weight(
+    tmp_path: Path,
+) -> None:
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with _gateways(tmp_path, upstream) as [(url, app)], aiohttp.ClientSession() as http:
+        first = asyncio.create_task(_post(http, url, "a", "a-first"))
+        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
+        # Saturated now. Tenant a bursts 6 requests, then b sends 6: the queue holds 12.
+        tasks = [asyncio.create_task(_post(http, url, "a", f"a-{i}")) for i in range(6)]
+        await wait_until(lambda: _queued(app) == 6, "tenant a's burst is queued")
+        tasks += [asyncio.create_task(_post(http, url, "b", f"b-{i}")) for i in range(6)]
+        await wait_until(lambda: _queued(app) == 12, "tenant b's requests are queued")
+
+        # Sheddable, predicted over its SLO: refused at once, with the retry hint.
+        shed = [await _post(http, url, "cheap", f"cheap-{i}") for i in range(5)]
+        for status, body, headers in shed:
+            assert status == 429
+            assert body["error"]["code"] == "rate_limit_exceeded"  # type: ignore[index]
+            assert "predicted time to first token" in body["error"]["message"]  # type: ignore[index]
+            assert int(headers["Retry-After"]) >= 1
+        # A tenant allowed to choose its class asks for critical: it goes straight through.
+        picky = asyncio.create_task(
+            _post(http, url, "picky", "picky", {"x-fleetgate-priority": "critical"})
+        )
+        # Critical jumps the queue: all of them reach the engine while the queue still waits.
+        critical = [asyncio.create_task(_post(http, url, "gold", f"gold-{i}")) for i in range(4)]
+        await wait_until(lambda: upstream.attempts == 6, "critical requests reached the engine")
+        assert _queued(app) == 12
+
+        upstream.header_gate.set()
+        results = await asyncio.gather(first, picky, *critical, *tasks)
+        assert all(status == 200 for status, _, _ in results)
+
+        order = [str(b["prompt"]).split()[-1] for b in upstream.received]
+        dequeued = [tag for tag in order if tag[0] in "ab" and tag != "a-first"]
+        first_six = Counter(tag[0] for tag in dequeued[:6])
+        # Weights 2:1 give a 4 of the first 6 (FIFO would give it all 6, no fairness 3).
+        assert 4 <= first_six["a"] <= 5, dequeued
+
+        metrics = await (await http.get(f"{url}/metrics")).text()
+        assert (
+            'fleetgate_flow_decisions_total{decision="shed",reason="predicted_ttft_over_slo",'
+            'request_class="sheddable",tenant="cheap"} 5.0' in metrics
+        )
+        assert 'fleetgate_flow_queue_length{request_class="standard"} 0.0' in metrics
+
+
+async def test_a_header_from_a_tenant_not_allowed_to_set_it_is_ignored_and_bad_values_are_400(
+    tmp_path: Path,
+) -> None:
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with _gateways(tmp_path, upstream) as [(url, _)], aiohttp.ClientSession() as http:
+        first = asyncio.create_task(_post(http, url, "a", "a-first"))
+        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
+        # cheap may not pick its class: still sheddable, still refused.
+        status, _, _ = await _post(
+            http, url, "cheap", "cheap", {"x-fleetgate-priority": "critical"}
+        )
+        assert status == 429
+        status, body, _ = await _post(http, url, "picky", "p", {"x-fleetgate-priority": "vip"})
+        assert status == 400
+        assert "critical, standard, sheddable" in body["error"]["message"]  # type: ignore[index]
+        upstream.header_gate.set()
+        assert (await first)[0] == 200
+
+
+async def test_a_queued_client_that_disconnects_never_reaches_the_engine(tmp_path: Path) -> None:
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with _gateways(tmp_path, upstream) as [(url, app)], aiohttp.ClientSession() as http:
+        first = asyncio.create_task(_post(http, url, "a", "a-first"))
+        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
+        async with aiohttp.ClientSession() as leaving:
+            gone = asyncio.create_task(_post(leaving, url, "b", "b-gone"))
+            await wait_until(lambda: _queued(app) == 1, "the request is queued")
+            gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await wait_until(lambda: _queued(app) == 0, "the disconnected request left the queue")
+        stays = asyncio.create_task(_post(http, url, "a", "a-stays"))
+        await wait_until(lambda: _queued(app) == 1, "the next request is queued")
+        upstream.header_gate.set()
+        assert (await first)[0] == 200 and (await stays)[0] == 200
+        assert upstream.attempts == 2
+        assert [str(b["prompt"]) for b in upstream.received] == [
+            "request a-first",
+            "request a-stays",
+        ]
+
+
+async def test_token_budgets_hold_across_two_gateways_sharing_redis(
+    tmp_path: Path, redis_url: str
+) -> None:
+    upstream = FakeUpstream()
+    async with (
+        _gateways(tmp_path, upstream, count=2, redis_url=redis_url) as served,
+        aiohttp.ClientSession() as http,
+    ):
+        # One frozen minute for both gateways (a window turning mid-test would refill it); each
+        # test run uses its own minute so a rerun on the same Redis starts from an empty budget.
+        minute = 60.0 * (hash(str(tmp_path)) % 1_000_000)
+        for _, app in served:
+            flow = app[GATEWAY].flow  # type: ignore[index]
+            flow.budgets = TokenBudgets(flow.budget_store, lambda: minute, "fleetgate:")
+        statuses = []
+        for i in range(40):
+            url = served[i % 2][0]
+            status, body, headers = await _post(http, url, "metered", f"m-{i:02d}")
+            statuses.append(status)
+            if status == 429:
+                assert body["error"]["code"] == "rate_limit_exceeded"  # type: ignore[index]
+                assert "Token budget exceeded" in body["error"]["message"]  # type: ignore[index]
+                assert "Retry-After" in headers
+        admitted = statuses.count(200)
+        per_request = _prompt_tokens("m-00")
+        # 100 prompt tokens a minute, shared: both gateways together admit what one would.
+        assert admitted == 100 // per_request, (admitted, per_request)
+        assert statuses[admitted:] == [429] * (40 - admitted)
+        assert upstream.attempts == admitted
+
+
+def _prompt_tokens(tag: str) -> int:
+    """Prompt tokens the gateway counts for ``_completion(tag)`` (text mode, no tokenizer)."""
+    return -(-len(f"request {tag}") // CHARS_PER_TOKEN)
+
+
+async def test_the_openai_client_gets_a_rate_limit_error_with_the_retry_hint(
+    tmp_path: Path,
+) -> None:
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with _gateways(tmp_path, upstream) as [(url, _)], aiohttp.ClientSession() as http:
+        first = asyncio.create_task(_post(http, url, "a", "a-first"))
+        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="cheap", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await client.completions.create(model="base-model", prompt="hello", max_tokens=3)
+        error = caught.value
+        assert error.status_code == 429
+        assert error.code == "rate_limit_exceeded"
+        assert int(error.response.headers["retry-after"]) >= 1
+        await client.close()
+        upstream.header_gate.set()
+        assert (await first)[0] == 200
