@@ -28,6 +28,7 @@ from gateway.cost import RouteWindow
 from gateway.dashboard import add_dashboard_routes
 from gateway.errors import GatewayError
 from gateway.flow_control import build_flow_gate
+from gateway.index_metrics import MirrorCollector
 from gateway.inflight import InflightTracker, MemoryInflight, RedisInflight
 from gateway.layout import LayoutDiagnostics
 from gateway.metrics import GatewayMetrics
@@ -41,6 +42,7 @@ from gateway.tracing import build_tracer
 from gateway.upstream_client import UpstreamPool
 from routing.config import Policy
 from routing.contracts import BlockIndex, IndexUnavailable, PromptTokenizer
+from routing.index.mirror import MirrorBlockIndex
 
 if TYPE_CHECKING:
     from replica.fleet_store import FleetStore
@@ -136,6 +138,8 @@ def create_app(
         response_affinity=build_response_affinity(config.redis_url),
     )
     gw.flow = build_flow_gate(config.redis_url, config.index_key_prefix, gw.metrics)
+    if isinstance(index, MirrorBlockIndex):  # reloads, rebuilds, readiness at /metrics
+        gw.metrics.registry.register(MirrorCollector(index))
     if config.policy_path is not None:
         with contextlib.suppress(OSError):
             gw.policy_mtime = os.stat(config.policy_path).st_mtime

@@ -36,7 +36,8 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -50,7 +51,7 @@ from routing.index.stream_layout import DEFAULT_SHARDS
 from routing.index.stream_writer import DEFAULT_STREAM_MAX_LEN, StreamIndexWriter, unpack_blocks
 from routing.types import BlockHash, Epoch, ReplicaId
 
-__all__ = ["MirrorBlockIndex"]
+__all__ = ["MirrorBlockIndex", "MirrorFollowCounters"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,21 @@ def _stream_id(raw: bytes | str) -> tuple[int, int]:
     text = raw.decode() if isinstance(raw, bytes) else raw
     ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)
+
+
+@dataclass(frozen=True)
+class MirrorFollowCounters:
+    """How a mirror follows Redis, for metrics: read without awaiting anything."""
+
+    ready: bool
+    connected: bool
+    events_applied: int
+    #: Replicas reloaded from their snapshot, by reason: ``gap`` (events missed: the stream's
+    #: cap, an outage) or ``store_reset`` (Redis lost the replica's keys).
+    replica_reloads: Mapping[str, int]
+    #: Whole rebuilds after Redis lost its data (flush, restart without persistence).
+    rebuilds: int
+    tail_errors: int
 
 
 class MirrorBlockIndex:
@@ -503,6 +519,17 @@ class MirrorBlockIndex:
         """``match_now``, once bootstrapped."""
         await self._wait_ready()
         return self.match_now(chain)
+
+    def follow_counters(self) -> MirrorFollowCounters:
+        """How this mirror follows Redis (``gateway/index_metrics`` exports them)."""
+        return MirrorFollowCounters(
+            ready=self.ready,
+            connected=self._connected,
+            events_applied=self._events_applied,
+            replica_reloads=dict(self._reloads),
+            rebuilds=self._rebuilds,
+            tail_errors=self._tail_errors,
+        )
 
     async def stats(self) -> IndexStats:
         """The local mirror's figures, plus how it follows Redis."""

@@ -19,7 +19,9 @@ from contextlib import AsyncExitStack
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, generate_latest
 
+from gateway.index_metrics import MirrorCollector
 from routing.contracts import RoutingRequest
 from routing.engine import RoutingEngine
 from routing.hashing import chain_seed, hash_token_blocks
@@ -242,6 +244,12 @@ async def test_a_gateway_that_missed_events_reloads_the_replica(
         assert gateway.index.match_now(chain) == {replica: 5}
         stats = await gateway.index.stats()
         assert stats.extra["replica_reloads"] == {"gap": 1}
+        # ... and says so in the gateway's metrics.
+        registry = CollectorRegistry()
+        registry.register(MirrorCollector(gateway.index))
+        exported = generate_latest(registry).decode()
+        assert 'fleetgate_index_mirror_replica_reloads_total{reason="gap"} 1.0' in exported
+        assert "fleetgate_index_mirror_ready 1.0" in exported
         await writer.record(replica, Epoch(1), chain[5:])  # q = 6 follows the reload: applied
         await gateway.index.sync()
         assert gateway.index.match_now(chain) == {replica: len(chain)}
