@@ -134,6 +134,24 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("{{replica}}", "sum by (replica) (increase(fleetgate_agent_event_gaps_total[15m]))"),
         ]),
     ]),
+    # Flow control (docs/flow-control.md): what waits at the gateway and what it refuses.
+    ("Flow control", [
+        ("Gateway queue length by class", "short", [
+            ("{{request_class}}", "sum by (request_class) (fleetgate_flow_queue_length)"),
+        ]),
+        ("Gateway queue wait p95 by class", "s", [
+            ("{{request_class}}", _quantile(0.95, "fleetgate_flow_queue_wait_seconds",
+                                            by="request_class")),
+        ]),
+        ("Admitted / queued / shed per second", "reqps", [
+            ("{{decision}} {{request_class}}", "sum by (decision, request_class) "
+                                              f"(rate(fleetgate_flow_decisions_total[{RATE}]))"),
+        ]),
+        ("Shed per second by reason and tenant", "reqps", [
+            ("{{tenant}} {{reason}}", "sum by (tenant, reason) (rate(fleetgate_flow_decisions_total"
+                                      f'{{decision="shed"}}[{RATE}]))'),
+        ]),
+    ]),
 ]
 
 
