@@ -35,9 +35,9 @@ class TokenBudgetSpec(StrictModel):
 
 
 class FlowControlSpec(StrictModel):
-    """The gateway's flow control (docs/flow-control.md); defaults shown there."""
+    """The gateway's flow control (docs/flow-control.md): off unless ``enabled``."""
 
-    enabled: bool = True
+    enabled: bool = False
     #: A replica is full when its predicted queue wait is over this ...
     saturation_queue_wait_ms: NonNegativeFloat = 30.0
     #: ... or its decode interference is (null: judge by queue wait alone).
