@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: How long startup waits for a mirrored index's bootstrap (it continues in the background).
+INDEX_START_WAIT_S = 10.0
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -191,13 +194,15 @@ def _lifecycle(
         gw.metrics.upstream_connections.set_function(
             lambda: gw.upstream.open_connections if gw.upstream is not None else 0
         )
-        # A mirrored index bootstraps before serving (bounded: past its timeout the gateway
-        # serves load-only until the mirror is ready, and says so in its metrics and logs).
+        # A mirrored index bootstraps before serving, for at most INDEX_START_WAIT_S: past it
+        # (Redis down, a very large index) the gateway serves load-only until the mirror is
+        # ready, which fleetgate_index_mirror_ready shows.
         start_index = getattr(gw.index, "start", None)
         if owns_index and start_index is not None:
             try:
-                await start_index()
-            except IndexUnavailable as exc:
+                async with asyncio.timeout(INDEX_START_WAIT_S):
+                    await start_index()
+            except (IndexUnavailable, TimeoutError) as exc:
                 log.warning("block index not ready at startup (%s); routing on load alone", exc)
         # One poll before serving, so /ready and routing know the replicas from the start.
         if gw.fleet_store is not None:

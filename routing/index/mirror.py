@@ -13,9 +13,10 @@ number, heartbeat deadline and confirmed blocks, plus one capped event stream pe
    behind the stream's cap, or missed events while Redis was unreachable) or a *new
    incarnation* (Redis lost the replica's keys) reloads that replica's snapshot, and
    ``stats().extra["replica_reloads"]`` counts each by reason;
-3. **notices a lost Redis** (``FLUSHALL``, a restart without persistence): the generation token
-   it read at bootstrap is gone. It then routes load-only (lookups raise ``IndexUnavailable``)
-   until it has rebuilt from what Redis holds; the agents notice too and re-publish.
+3. **notices a lost Redis** (``FLUSHALL``, any restart): the generation token it read at
+   bootstrap is gone, or the server's ``run_id`` changed. It then routes load-only (lookups
+   raise ``IndexUnavailable``) until it has rebuilt from what Redis holds; the agents notice a
+   lost epoch too and re-publish.
 
 Store epochs (the agents' numbers) map to *local* epochs that this mirror numbers itself, so a
 snapshot reload can start a replica afresh in the local index without ever reusing an epoch
@@ -225,12 +226,19 @@ class MirrorBlockIndex:
                 backoff = 0.05
 
     async def _read_generation(self) -> bytes:
+        """The data's generation: the token, and the server's ``run_id``.
+
+        The token goes with a flush or an empty restart; the ``run_id`` changes with any
+        restart, also one that reloaded a snapshot older than the last writes (sequence numbers
+        would then repeat, and the mirror would skip the repeats as already applied).
+        """
         client = self._writer.client
         token = await client.get(self.layout.generation_key)
         if token is None:
             await client.set(self.layout.generation_key, uuid.uuid4().hex, nx=True)
             token = await client.get(self.layout.generation_key)
-        return bytes(token)
+        run_id = (await client.info("server")).get("run_id", "")
+        return bytes(token) + b"/" + str(run_id).encode()
 
     async def _bootstrap(self) -> None:
         """Read every replica's snapshot and the recent guesses; set the tail's start ids."""
