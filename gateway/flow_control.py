@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from gateway import errors
 from gateway.errors import GatewayError
@@ -42,8 +42,8 @@ from routing.flow_control import (
 )
 
 if TYPE_CHECKING:
-    from gateway.request.route import RouteDecision
     from routing.config import Policy
+    from routing.contracts import RoutingDecision, RoutingRequest
 
 __all__ = [
     "DEFAULT_TTFT_SLO_MS",
@@ -62,7 +62,37 @@ PUMP_INTERVAL_S = 0.02
 #: The TTFT a request is judged against when neither its tenant nor its route names one.
 DEFAULT_TTFT_SLO_MS = 2000.0
 
-Repick = Callable[["RouteDecision"], Awaitable["RouteDecision"]]
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+class _WithTtftSlo(Protocol):
+    @property
+    def ttft_slo_ms(self) -> float | None: ...
+
+
+class Routed(Protocol):
+    """What flow control reads of a routed request (``gateway.request.route.RouteDecision``).
+
+    A protocol, not that class: the request path imports this module, not the other way round.
+    """
+
+    @property
+    def tenant(self) -> _Named: ...
+
+    @property
+    def route(self) -> _WithTtftSlo: ...
+
+    @property
+    def routing_request(self) -> RoutingRequest: ...
+
+    @property
+    def decision(self) -> RoutingDecision: ...
+
+
+R = TypeVar("R", bound=Routed)
+Repick = Callable[[Any], Awaitable[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,9 +151,9 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
 
 @dataclass(slots=True)
 class _Waiter:
-    routed: RouteDecision
+    routed: Routed
     repick: Repick
-    answer: asyncio.Future[tuple[Verdict, RouteDecision]]
+    answer: asyncio.Future[tuple[Verdict, Routed]]
 
 
 class FlowGate:
@@ -150,12 +180,12 @@ class FlowGate:
 
     async def admit(
         self,
-        routed: RouteDecision,
+        routed: R,
         headers: Mapping[str, str],
         policy: Policy | None,
-        repick: Repick,
-    ) -> RouteDecision:
-        """Admit ``routed`` (maybe after a wait, maybe re-routed), or raise a 429."""
+        repick: Callable[[R], Awaitable[R]],
+    ) -> R:
+        """Admit ``routed`` (maybe after a wait, maybe re-routed by ``repick``), or raise a 429."""
         flow = tenant_flow(policy, routed.tenant.name, routed.route.ttft_slo_ms, headers)
         tenant = routed.tenant.name
         prompt_tokens = routed.routing_request.prompt_tokens
@@ -171,15 +201,15 @@ class FlowGate:
                 )
             reserved = flow.budget.prompt_tokens_per_minute is not None
         try:
-            return await self._admit(routed, flow, policy, repick)
+            return cast(R, await self._admit(routed, flow, policy, repick))
         except BaseException:
             if reserved and flow.budget is not None:
                 await self.budgets.release(tenant, flow.budget, prompt_tokens)
             raise
 
     async def _admit(
-        self, routed: RouteDecision, flow: TenantFlow, policy: Policy | None, repick: Repick
-    ) -> RouteDecision:
+        self, routed: Routed, flow: TenantFlow, policy: Policy | None, repick: Repick
+    ) -> Routed:
         if policy is not self._settings_source:  # read once per policy (re)load
             self.controller.settings = settings_of(policy)
             self._settings_source = policy
@@ -200,7 +230,7 @@ class FlowGate:
             return routed
         if verdict.decision is Decision.SHED:
             raise _refusal(verdict)
-        answer: asyncio.Future[tuple[Verdict, RouteDecision]] = (
+        answer: asyncio.Future[tuple[Verdict, Routed]] = (
             asyncio.get_running_loop().create_future()
         )
         self._waiters[request_id] = _Waiter(routed, repick, answer)
@@ -288,7 +318,7 @@ class FlowGate:
                 break
             self._answer(head.request_id, verdict, routed)
 
-    def _answer(self, request_id: str, verdict: Verdict, routed: RouteDecision | None) -> None:
+    def _answer(self, request_id: str, verdict: Verdict, routed: Routed | None) -> None:
         waiter = self._waiters.get(request_id)
         if waiter is not None and not waiter.answer.done():
             waiter.answer.set_result((verdict, routed if routed is not None else waiter.routed))
