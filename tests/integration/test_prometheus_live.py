@@ -48,8 +48,11 @@ REQUESTS = 300
 CONCURRENCY = 12
 #: Tenants' shared system prompts: repeats make prefix-cache hits, so hit rates are not all 0.
 SYSTEM_PROMPTS = [f"You are assistant {n}. " + "Answer briefly and politely. " * 30 for n in "ABC"]
+#: Flow control is opt-in (``flow_control.enabled``, docs/flow-control.md) and off in both modes
+#: here: its panels have no series until a policy turns it on.
+FLOW_CONTROL_OFF = ("fleetgate_flow_",)
 #: Metric families only agents and the adapter registry export: the quick start runs neither.
-QUICK_START_ABSENT = ("fleetgate_agent_", "fleetgate_adapter_")
+QUICK_START_ABSENT = ("fleetgate_agent_", "fleetgate_adapter_", *FLOW_CONTROL_OFF)
 #: The namespace label the scrape configs add, as Kubernetes service discovery would.
 NAMESPACE = "fleetgate"
 
@@ -154,7 +157,7 @@ async def up_stack() -> AsyncIterator[Stack]:
         replicas = _banner_targets(up.text(), "replica")
         agents = _banner_targets(up.text(), "agent")
         assert len(replicas) == len(agents) == 2, up.text()
-        yield Stack(url, _jobs(url, replicas, agents), [MODEL, *ADAPTERS])
+        yield Stack(url, _jobs(url, replicas, agents), [MODEL, *ADAPTERS], FLOW_CONTROL_OFF)
     finally:
         await up.stop()
 
