@@ -269,8 +269,10 @@ def render_page(
         f"Each subject is replayed through the default policy (`{default_policy()}`) on 8 "
         "simulated H100s (`h100-llama3-8b`), TTFT SLO 2,000 ms and TPOT SLO 50 ms, with the "
         f"classes `{DEFAULT_MIX}` assigned by conversation, once without flow control and once "
-        "with it, in the same run. Flow control settings: saturation when every replica's "
-        f"predicted queue wait is over {settings.saturation_queue_wait_ms:g} ms; queue of "
+        "with it, in the same run. Flow control settings: saturation when every replica is "
+        f"full by what its engine reports ({settings.saturation_backlog_requests} or more "
+        "requests waiting to start there, or KV usage at least "
+        f"{settings.saturation_kv_usage:g}){_optional_bounds(settings)}; queue of "
         f"{settings.max_queue_length}; queued requests leave when they can no longer meet "
         "their TTFT SLO. Refused requests count as misses in every goodput figure.",
         "",
@@ -299,6 +301,15 @@ def render_page(
     return "\n".join(lines)
 
 
+def _optional_bounds(settings: FlowControlSettings) -> str:
+    parts = []
+    if settings.saturation_queue_wait_ms is not None:
+        parts.append(f"predicted queue wait over {settings.saturation_queue_wait_ms:g} ms")
+    if settings.saturation_decode_interference_ms is not None:
+        parts.append(f"decode interference over {settings.saturation_decode_interference_ms:g} ms")
+    return f" or {' or '.join(parts)}" if parts else ""
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.flow_control", description=__doc__)
     names = [w.shape for w in WORKLOADS] + [MOONCAKE_LIKE]
@@ -306,16 +317,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--scales", default=",".join(f"{x:g}" for x in DEFAULT_SCALES))
     parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
     parser.add_argument("--classes", default=DEFAULT_MIX)
+    defaults = FlowControlSettings()
+    parser.add_argument(
+        "--saturation-backlog-requests",
+        type=int,
+        default=defaults.saturation_backlog_requests,
+        help="a replica is full when this many requests wait to start on it",
+    )
+    parser.add_argument(
+        "--saturation-kv-usage",
+        type=float,
+        default=defaults.saturation_kv_usage,
+        help="... or its KV cache usage is at least this fraction",
+    )
     parser.add_argument(
         "--saturation-queue-wait-ms",
         type=float,
-        default=FlowControlSettings().saturation_queue_wait_ms,
+        default=None,
+        help="optional: also full when its predicted queue wait is over this (off by default)",
     )
     parser.add_argument(
         "--saturation-decode-interference-ms",
         type=float,
-        default=FlowControlSettings().saturation_decode_interference_ms,
-        help="a negative value turns the decode-interference bound off",
+        default=None,
+        help="optional: also full when its decode interference is over this (off by default)",
     )
     parser.add_argument("--out", default=DEFAULT_PAGE, help="markdown page to write")
     parser.add_argument("--no-page", action="store_true", help="print the checks only")
@@ -325,12 +350,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     started = time.perf_counter()
-    interference = args.saturation_decode_interference_ms
     settings = FlowControlSettings(
+        saturation_backlog_requests=args.saturation_backlog_requests,
+        saturation_kv_usage=args.saturation_kv_usage,
         saturation_queue_wait_ms=args.saturation_queue_wait_ms,
-        saturation_decode_interference_ms=(
-            None if interference is None or interference < 0 else interference
-        ),
+        saturation_decode_interference_ms=args.saturation_decode_interference_ms,
     )
     scales = [float(x) for x in args.scales.split(",")]
     chosen = subjects([n.strip() for n in args.workloads.split(",")], args.requests)

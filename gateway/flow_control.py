@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
@@ -29,6 +29,7 @@ from routing.flow_control import (
     PRIORITY_HEADER,
     BudgetStore,
     Decision,
+    FleetEstimate,
     FlowController,
     FlowControlSettings,
     FlowRequest,
@@ -44,6 +45,7 @@ from routing.flow_control import (
 if TYPE_CHECKING:
     from routing.config import Policy
     from routing.contracts import RoutingDecision, RoutingRequest
+    from routing.state import ReplicaState
 
 __all__ = [
     "DEFAULT_TTFT_SLO_MS",
@@ -61,6 +63,7 @@ log = logging.getLogger(__name__)
 PUMP_INTERVAL_S = 0.02
 #: The TTFT a request is judged against when neither its tenant nor its route names one.
 DEFAULT_TTFT_SLO_MS = 2000.0
+
 
 class _Named(Protocol):
     @property
@@ -142,6 +145,8 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
     spec = policy.flow_control
     return FlowControlSettings(
         enabled=spec.enabled,
+        saturation_backlog_requests=spec.saturation_backlog_requests,
+        saturation_kv_usage=spec.saturation_kv_usage,
         saturation_queue_wait_ms=spec.saturation_queue_wait_ms,
         saturation_decode_interference_ms=spec.saturation_decode_interference_ms,
         max_queue_length=spec.max_queue_length,
@@ -166,8 +171,13 @@ class FlowGate:
         key_prefix: str = "fleetgate:",
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        replica_states: Callable[[], Iterable[ReplicaState]] = tuple,
     ) -> None:
         self.metrics = metrics
+        #: The replicas as last polled (engine queue, KV usage, this gateway's in-flight counts):
+        #: what flow control judges saturation by. Without them it judges by the optional
+        #: predicted-wait bounds alone.
+        self.replica_states = replica_states
         self.controller = FlowController(FlowControlSettings(enabled=False), clock)
         self.budget_store = budget_store if budget_store is not None else MemoryBudgetStore()
         # Budget windows are wall-clock minutes, so that every gateway agrees on them.
@@ -224,15 +234,13 @@ class FlowGate:
             flow.weight,
             self.controller.now(),
         )
-        verdict = self.controller.admit(request, estimate_from_decision(routed.decision))
+        verdict = self.controller.admit(request, self._estimate(routed))
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
         if verdict.decision is Decision.ADMIT:
             return routed
         if verdict.decision is Decision.SHED:
             raise _refusal(verdict)
-        answer: asyncio.Future[tuple[Verdict, Routed]] = (
-            asyncio.get_running_loop().create_future()
-        )
+        answer: asyncio.Future[tuple[Verdict, Routed]] = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = _Waiter(routed, repick, answer)
         self._queue_gauges()
         self._wake.set()
@@ -313,10 +321,13 @@ class FlowGate:
             current = flow.head()
             if current is None or current.request_id != head.request_id:
                 continue  # it left (disconnect, expiry) while it was being routed
-            verdict = flow.judge_head(estimate_from_decision(routed.decision))
+            verdict = flow.judge_head(self._estimate(routed))
             if verdict.decision is Decision.QUEUE:
                 break
             self._answer(head.request_id, verdict, routed)
+
+    def _estimate(self, routed: Routed) -> FleetEstimate:
+        return estimate_from_decision(routed.decision, self.replica_states())
 
     def _answer(self, request_id: str, verdict: Verdict, routed: Routed | None) -> None:
         waiter = self._waiters.get(request_id)
@@ -388,11 +399,18 @@ def flow_finished(gw: _FlowDeps, policy: Policy | None, tenant: str, usage: Any)
 
 
 def build_flow_gate(
-    redis_url: str | None, key_prefix: str | None, metrics: GatewayMetrics | None
+    redis_url: str | None,
+    key_prefix: str | None,
+    metrics: GatewayMetrics | None,
+    replica_states: Callable[[], Iterable[ReplicaState]] = tuple,
 ) -> FlowGate:
-    """The gateway's flow gate: token budgets in Redis when the gateway has Redis, else memory."""
+    """The gateway's flow gate: token budgets in Redis when the gateway has Redis, else memory;
+    saturation judged on ``replica_states`` (the registry's replicas)."""
+    store: BudgetStore
     if redis_url:
         from gateway.token_budgets import RedisBudgetStore
 
-        return FlowGate(metrics, RedisBudgetStore(redis_url), key_prefix or "fleetgate:")
-    return FlowGate(metrics, MemoryBudgetStore(), key_prefix or "fleetgate:")
+        store = RedisBudgetStore(redis_url)
+    else:
+        store = MemoryBudgetStore()
+    return FlowGate(metrics, store, key_prefix or "fleetgate:", replica_states=replica_states)

@@ -32,6 +32,7 @@ from routing.contracts import RoutingDecision, RoutingRequest
 from routing.engine import Profile, RoutingEngine
 from routing.flow_control import (
     Decision,
+    FleetEstimate,
     FlowController,
     FlowRequest,
     RequestClass,
@@ -267,7 +268,7 @@ class _Simulation:
             1.0,
             request.arrival_s,
         )
-        verdict = self.flow.admit(flow_request, estimate_from_decision(decision))
+        verdict = self.flow.admit(flow_request, self._estimate(decision))
         if verdict.decision is Decision.ADMIT:
             await self._dispatch(waiting, decision, 0.0)
         elif verdict.decision is Decision.QUEUE:
@@ -276,6 +277,10 @@ class _Simulation:
             self._arm_pump()
         else:
             self._record_shed(waiting, verdict)
+
+    def _estimate(self, decision: RoutingDecision) -> FleetEstimate:
+        """Flow control's view of ``decision``: its estimate, and each engine's queue as polled."""
+        return estimate_from_decision(decision, (r.state for r in self.replicas))
 
     def _class_of(self, request: TraceRequest) -> RequestClass:
         return self.classes[request.index] if self.classes is not None else RequestClass.STANDARD
@@ -300,7 +305,7 @@ class _Simulation:
         while (head := flow.head()) is not None:
             waiting = self.waiting[head.request_id]
             decision = await self._route(waiting)
-            verdict = flow.judge_head(estimate_from_decision(decision))
+            verdict = flow.judge_head(self._estimate(decision))
             if verdict.decision is Decision.QUEUE:
                 break
             del self.waiting[head.request_id]

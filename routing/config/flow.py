@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from routing.config.base import (
     NonNegativeFloat,
@@ -38,10 +38,15 @@ class FlowControlSpec(StrictModel):
     """The gateway's flow control (docs/flow-control.md): off unless ``enabled``."""
 
     enabled: bool = False
-    #: A replica is full when its predicted queue wait is over this ...
-    saturation_queue_wait_ms: NonNegativeFloat = 30.0
-    #: ... or its decode interference is (null: judge by queue wait alone).
-    saturation_decode_interference_ms: NonNegativeFloat | None = 50.0
+    #: A replica is full when this many requests wait to start there (its engine's waiting
+    #: queue, or this gateway's requests beyond what it reports running) ...
+    saturation_backlog_requests: PositiveInt = 2
+    #: ... or its KV cache usage is at least this fraction. Saturated = every replica full.
+    saturation_kv_usage: float = Field(default=0.92, gt=0, le=1)
+    #: Optional (null: off): also full when its predicted queue wait is over this ...
+    saturation_queue_wait_ms: NonNegativeFloat | None = None
+    #: ... or its decode interference is.
+    saturation_decode_interference_ms: NonNegativeFloat | None = None
     #: Requests the gateway queue holds, all classes together.
     max_queue_length: NonNegativeInt = 1000
     #: Longest wait in the queue; null: until the request can no longer meet its TTFT SLO.

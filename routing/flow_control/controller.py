@@ -5,10 +5,15 @@ real monotonic clock, ``fleetgate simulate`` with its virtual clock. Each caller
 and hands over the ``FleetEstimate`` of that decision, so flow control judges by the numbers
 routing chose by.
 
-* The fleet is **saturated** when no candidate has room: each one's predicted queue wait is over
-  ``saturation_queue_wait_ms`` or its decode interference (the TPOT its running decodes pay
-  for its recent prefill work) over ``saturation_decode_interference_ms``. While any replica has
-  room, everything is admitted (nothing waits at 1x load).
+* The fleet is **saturated** when every candidate is full, by what its engine reports: requests
+  already waiting to start there (``saturation_backlog_requests``: vLLM's waiting queue, or this
+  gateway's in-flight requests beyond what the engine last reported running) or its KV cache
+  nearly full (``saturation_kv_usage``). Optional, off by default: a bound on the predicted queue
+  wait (``saturation_queue_wait_ms``) or on the decode interference
+  (``saturation_decode_interference_ms``) also marks a replica full. While any replica has room,
+  everything is admitted: nothing waits and nothing is shed below saturation. The predicted
+  TTFT is not the saturation test because it is a model of the engine's queue that under- or
+  overcounts it by workload; it is the test of whether a request can meet its SLO.
 * **critical** is always admitted while a replica is up: it jumps the queue.
 * **sheddable**, when saturated, is refused at once if its predicted TTFT is over its SLO; else
   it queues behind everything else.
@@ -29,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from routing.flow_control.classes import FlowRequest, RequestClass
-from routing.flow_control.estimate import FleetEstimate
+from routing.flow_control.estimate import FleetEstimate, ReplicaLoad
 from routing.flow_control.queue import FairQueue, QueuedEntry
 
 __all__ = [
@@ -80,21 +85,31 @@ class FlowControlSettings:
     """The knobs of flow control (the YAML ``flow_control:`` section); checked on construction."""
 
     enabled: bool = True
-    #: A replica is full when its predicted queue wait is over this (ms) ...
-    saturation_queue_wait_ms: float = 30.0
-    #: ... or its decode interference is (ms; None: TTFT only). Saturated = every replica full.
-    saturation_decode_interference_ms: float | None = 50.0
+    #: A replica is full when this many requests wait to start there (engine-reported, or sent
+    #: by this gateway and not yet running) ...
+    saturation_backlog_requests: int = 2
+    #: ... or its KV cache usage is at least this fraction. Saturated = every replica full.
+    saturation_kv_usage: float = 0.92
+    #: Optional: also full when its predicted queue wait is over this (ms; None: not used) ...
+    saturation_queue_wait_ms: float | None = None
+    #: ... or its decode interference is (ms; None: not used).
+    saturation_decode_interference_ms: float | None = None
     #: Requests the gateway queue holds (all classes together).
     max_queue_length: int = 1000
     #: Longest a request may wait in the queue (ms); None: until it can no longer meet its SLO.
     max_queue_wait_ms: float | None = None
 
     def __post_init__(self) -> None:
-        bound = self.saturation_queue_wait_ms
-        if not (bound >= 0 and math.isfinite(bound)):
+        backlog = self.saturation_backlog_requests
+        if backlog < 1:
+            raise ValueError(f"saturation_backlog_requests: must be >= 1 (got {backlog})")
+        if not 0 < self.saturation_kv_usage <= 1:
             raise ValueError(
-                f"saturation_queue_wait_ms: must be >= 0 (got {self.saturation_queue_wait_ms!r})"
+                f"saturation_kv_usage: must be in (0, 1] (got {self.saturation_kv_usage!r})"
             )
+        bound = self.saturation_queue_wait_ms
+        if bound is not None and not (bound >= 0 and math.isfinite(bound)):
+            raise ValueError(f"saturation_queue_wait_ms: must be >= 0 (got {bound!r})")
         interference = self.saturation_decode_interference_ms
         if interference is not None and not (interference >= 0 and math.isfinite(interference)):
             raise ValueError(
@@ -207,15 +222,23 @@ class FlowController:
     # ------------------------------------------------------------------ helpers
 
     def _saturated(self, estimate: FleetEstimate) -> bool:
-        wait_bound = self.settings.saturation_queue_wait_ms
-        interference_bound = self.settings.saturation_decode_interference_ms
-        if not estimate.loads:
-            return False
-        return not any(
-            load.queue_wait_ms <= wait_bound
-            and (interference_bound is None or load.decode_interference_ms <= interference_bound)
-            for load in estimate.loads
-        )
+        return bool(estimate.loads) and all(self._full(load) for load in estimate.loads)
+
+    def _full(self, load: ReplicaLoad) -> bool:
+        """True when ``load``'s replica has no room for one more request to start at once."""
+        settings = self.settings
+        if (
+            load.backlog_requests is not None
+            and load.backlog_requests >= settings.saturation_backlog_requests
+        ):
+            return True
+        if load.kv_usage is not None and load.kv_usage >= settings.saturation_kv_usage:
+            return True
+        wait_bound = settings.saturation_queue_wait_ms
+        if wait_bound is not None and load.queue_wait_ms > wait_bound:
+            return True
+        interference_bound = settings.saturation_decode_interference_ms
+        return interference_bound is not None and load.decode_interference_ms > interference_bound
 
     def _remember(self, estimate: FleetEstimate) -> None:
         if estimate.min_queue_wait_ms is not None:
@@ -242,12 +265,9 @@ class FlowController:
         return Verdict(Decision.SHED, reason.value, self.retry_after_s(), waited_s)
 
     def retry_after_s(self) -> float:
-        """Predicted time until a retry would be admitted: the drain of the shortest queue down
-        to the saturation bound, plus one queue-wait bound per ``max_queue_length`` queued."""
-        drain_ms = max(0.0, self._last_min_wait_ms - self.settings.saturation_queue_wait_ms)
-        backlog_ms = (
-            self.settings.saturation_queue_wait_ms
-            * len(self.queue)
-            / max(1, self.settings.max_queue_length)
-        )
-        return max(1.0, math.ceil((drain_ms + backlog_ms) / 1000.0))
+        """Predicted time until a retry would be admitted (whole seconds, at least 1): the
+        predicted drain of the shortest engine queue, longer in proportion to how full the
+        gateway queue is (a full one doubles it)."""
+        fill = len(self.queue) / max(1, self.settings.max_queue_length)
+        drain_ms = self._last_min_wait_ms * (1.0 + min(1.0, fill))
+        return max(1.0, math.ceil(drain_ms / 1000.0))

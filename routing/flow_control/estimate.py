@@ -1,32 +1,48 @@
-"""The fleet as flow control sees it: the routing estimate of one decision, condensed.
+"""The fleet as flow control sees it: the routing estimate of one decision, and what each engine
+reports about its own queue.
 
-Flow control judges by the same numbers routing chose by: the chosen replica's expected TTFT and,
-per candidate, its predicted queue wait and decode interference (the stall its recent prefill
-work puts on its running decodes, which they pay in TPOT): ``expected-ttft`` / ``fleet-cost``
-cost terms. A policy that reports no such terms gives no estimate, and flow control then never
-holds or sheds.
+Two kinds of numbers, for two questions:
+
+* **Is the fleet saturated?** Judged per candidate from what its engine reports (vLLM's
+  ``num_requests_waiting`` and ``kv_cache_usage_perc``) and what this gateway knows fresher than
+  the last poll (requests it sent that the engine was not yet running). A predicted queue wait is
+  a model of the engine's queue and undercounts or overcounts it depending on the workload; the
+  engine's own waiting queue is the fact that the model predicts.
+* **Would this request meet its SLO?** The chosen replica's expected TTFT
+  (``expected-ttft`` / ``fleet-cost`` cost terms), and per candidate the predicted queue wait and
+  decode interference (the stall its recent prefill work puts on its running decodes).
+
+A policy that reports no TTFT terms gives no estimate, and flow control then never holds or sheds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from routing.contracts import RoutingDecision
+from routing.state import ReplicaState
 
 __all__ = ["FleetEstimate", "ReplicaLoad", "estimate_from_decision"]
 
 
 @dataclass(frozen=True, slots=True)
 class ReplicaLoad:
-    """One candidate's predicted queue wait and decode interference (ms)."""
+    """One candidate: predicted queue wait and decode interference (ms), and its engine's queue."""
 
     queue_wait_ms: float
     decode_interference_ms: float = 0.0
+    #: Requests waiting to start there: the engine's waiting queue, or, when larger, this
+    #: gateway's in-flight requests beyond what the engine last reported running (sent since
+    #: the last poll). None: the engine's figures are unknown.
+    backlog_requests: int | None = None
+    #: Fraction of its KV cache in use, 0..1 (None: unknown).
+    kv_usage: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class FleetEstimate:
-    """Predicted TTFT of the chosen replica and every candidate's load (ms)."""
+    """Predicted TTFT of the chosen replica and every candidate's load."""
 
     #: ``None``: the routing policy estimates no TTFT (flow control cannot judge).
     predicted_ttft_ms: float | None
@@ -44,16 +60,34 @@ class FleetEstimate:
         return cls(None, ())
 
 
-def estimate_from_decision(decision: RoutingDecision) -> FleetEstimate:
-    """The estimate behind ``decision``: its chosen replica's TTFT, every candidate's load."""
+def backlog_of(state: ReplicaState) -> int:
+    """Requests waiting to start on ``state``'s engine (see ``ReplicaLoad.backlog_requests``)."""
+    return max(state.waiting, state.inflight_requests - state.running)
+
+
+def estimate_from_decision(
+    decision: RoutingDecision, states: Iterable[ReplicaState] = ()
+) -> FleetEstimate:
+    """The estimate behind ``decision``: its chosen replica's TTFT, every candidate's load, and,
+    for candidates in ``states``, their engines' queue and KV usage."""
+    by_id = {state.replica_id: state for state in states}
     loads = []
-    for explanation in decision.explanations.values():
+    for replica, explanation in decision.explanations.items():
         if explanation.filtered_out_by is not None:
             continue
         terms = explanation.terms
         wait = terms.get("queue_wait_ms")
-        if wait is not None:
-            loads.append(ReplicaLoad(wait, terms.get("decode_interference_ms", 0.0)))
+        if wait is None:
+            continue
+        state = by_id.get(replica)
+        loads.append(
+            ReplicaLoad(
+                wait,
+                terms.get("decode_interference_ms", 0.0),
+                backlog_of(state) if state is not None else None,
+                state.kv_usage if state is not None else None,
+            )
+        )
     chosen = decision.explanations.get(decision.replica)
     ttft = chosen.terms.get("expected_ttft_ms") if chosen is not None else None
     return FleetEstimate(ttft, tuple(loads))

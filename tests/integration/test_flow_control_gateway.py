@@ -2,10 +2,12 @@
 refused, tenants dequeued by weight, a disconnected queued client never reaching the engine,
 token budgets shared by two gateways through real Redis, and the official ``openai`` client.
 
-The fleet is one upstream whose answers wait at a gate; the policy's profile does not drain its
-backlog estimate with time (``drain_backlog: false``) and the saturation bound is 0 ms, so the
-fleet counts as saturated exactly while a request is in flight: admissions from the queue are
-serial and their order is the queue's, whatever the machine's speed. Nothing here asserts a time.
+The fleet is one upstream whose answers wait at a gate and whose engine reports nothing
+running; the policy calls a replica full at one request waiting to start there
+(``saturation_backlog_requests: 1``), so the fleet counts as saturated exactly while a request
+is in flight (this gateway's in-flight count, beyond the zero the engine reports running):
+admissions from the queue are serial and their order is the queue's, whatever the machine's
+speed. Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -59,8 +61,7 @@ routes:
     profile: serial
 flow_control:
   enabled: true
-  saturation_queue_wait_ms: 0
-  saturation_decode_interference_ms: null
+  saturation_backlog_requests: 1
   max_queue_wait_ms: 600000
 tenants:
   - {{name: gold, api_key_sha256: [{_sha("gold")}], priority: critical}}

@@ -24,6 +24,7 @@ from routing.flow_control import (
     parse_request_class,
 )
 from routing.flow_control.estimate import ReplicaLoad
+from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 CRITICAL, STANDARD, SHEDDABLE = RequestClass.CRITICAL, RequestClass.STANDARD, RequestClass.SHEDDABLE
@@ -48,14 +49,20 @@ def _request(
     return FlowRequest(rid, tenant, request_class, slo_ms, weight, at)
 
 
-def _fleet(wait_ms: float, ttft_ms: float | None = None, interference_ms: float = 0.0):
-    """Two replicas, both at ``wait_ms`` predicted queue wait."""
-    load = ReplicaLoad(wait_ms, interference_ms)
+def _fleet(
+    wait_ms: float,
+    ttft_ms: float | None = None,
+    interference_ms: float = 0.0,
+    backlog: int | None = 0,
+    kv_usage: float | None = 0.5,
+) -> FleetEstimate:
+    """Two replicas, both at ``wait_ms`` predicted queue wait and ``backlog`` requests waiting."""
+    load = ReplicaLoad(wait_ms, interference_ms, backlog, kv_usage)
     return FleetEstimate(wait_ms + 100.0 if ttft_ms is None else ttft_ms, (load, load))
 
 
 IDLE = _fleet(0.0)
-BUSY = _fleet(5000.0, ttft_ms=1500.0)
+BUSY = _fleet(5000.0, ttft_ms=1500.0, backlog=5)
 
 
 def _controller(clock: FakeClock, **settings: object) -> FlowController:
@@ -76,25 +83,50 @@ def test_below_saturation_everything_is_admitted_at_once() -> None:
     assert len(flow.queue) == 0
 
 
-def test_saturated_means_no_replica_has_room_by_queue_wait_or_decode_interference() -> None:
+def test_saturated_means_every_engine_has_requests_waiting_or_its_kv_cache_nearly_full() -> None:
+    flow = _controller(FakeClock())  # defaults: 2 waiting, or KV usage 0.92
+
+    def fleet(second: ReplicaLoad) -> FleetEstimate:
+        return FleetEstimate(200.0, (ReplicaLoad(5000.0, 0.0, 7, 0.99), second))
+
+    admitted = [
+        ReplicaLoad(10.0, 0.0, 1, 0.5),  # one request waiting: a step boundary away
+        ReplicaLoad(10.0, 0.0, 0, 0.91),
+        # The model predicts a long wait, but the engine has nothing waiting: room.
+        ReplicaLoad(9000.0, 900.0, 0, 0.5),
+        ReplicaLoad(9000.0, 0.0, None, None),  # engine figures unknown: never full by them
+    ]
+    for i, second in enumerate(admitted):
+        verdict = flow.admit(_request(f"a{i}", SHEDDABLE, slo_ms=100.0), fleet(second))
+        assert verdict.reason == "not_saturated", second
+    queued = [ReplicaLoad(10.0, 0.0, 2, 0.5), ReplicaLoad(10.0, 0.0, 0, 0.92)]
+    for i, second in enumerate(queued):
+        verdict = flow.admit(_request(f"q{i}", slo_ms=60_000.0), fleet(second))
+        assert verdict.decision is Decision.QUEUE, second
+    assert len(flow.queue) == 2
+    no_candidates = FleetEstimate(200.0, ())
+    assert _controller(FakeClock()).admit(_request("n"), no_candidates).decision is Decision.ADMIT
+
+
+def test_optional_bounds_on_queue_wait_or_decode_interference_also_make_a_replica_full() -> None:
     flow = _controller(
         FakeClock(), saturation_queue_wait_ms=30.0, saturation_decode_interference_ms=50.0
     )
-    one_free = FleetEstimate(200.0, (ReplicaLoad(5000.0), ReplicaLoad(10.0, 10.0)))
+    one_free = FleetEstimate(200.0, (ReplicaLoad(5000.0, 0.0, 0), ReplicaLoad(10.0, 10.0, 0)))
     assert flow.admit(_request("a"), one_free).decision is Decision.ADMIT
     # The short queue is behind a replica whose decodes already pay for heavy prefill.
-    hot = FleetEstimate(200.0, (ReplicaLoad(5000.0), ReplicaLoad(10.0, 80.0)))
+    hot = FleetEstimate(200.0, (ReplicaLoad(5000.0, 0.0, 0), ReplicaLoad(10.0, 80.0, 0)))
     assert flow.admit(_request("b"), hot).decision is Decision.QUEUE
 
 
 def test_critical_is_never_held_and_sheddable_over_its_slo_is_refused_with_a_retry_hint() -> None:
-    flow = _controller(FakeClock(), saturation_queue_wait_ms=1000.0)
+    flow = _controller(FakeClock())
     assert flow.admit(_request("c", CRITICAL), BUSY).decision is Decision.ADMIT
     late = flow.admit(_request("x", SHEDDABLE, slo_ms=1000.0), BUSY)
     assert late.decision is Decision.SHED
     assert late.shed_reason is ShedReason.PREDICTED_TTFT_OVER_SLO
-    # Drain of the shortest queue (5000 ms) down to the bound (1000 ms): 4 s.
-    assert late.retry_after_s == 4.0
+    # Predicted drain of the shortest queue (5000 ms), the gateway queue empty: 5 s.
+    assert late.retry_after_s == 5.0
     fits = flow.admit(_request("y", SHEDDABLE, slo_ms=3000.0), BUSY)
     assert fits.decision is Decision.QUEUE
 
@@ -204,6 +236,10 @@ def test_off_admits_everything_and_an_unknown_estimate_never_holds() -> None:
 def test_settings_refuse_impossible_values_naming_the_field() -> None:
     with pytest.raises(ValueError, match="saturation_queue_wait_ms"):
         FlowControlSettings(saturation_queue_wait_ms=-1.0)
+    with pytest.raises(ValueError, match="saturation_backlog_requests"):
+        FlowControlSettings(saturation_backlog_requests=0)
+    with pytest.raises(ValueError, match="saturation_kv_usage"):
+        FlowControlSettings(saturation_kv_usage=1.5)
     with pytest.raises(ValueError, match="max_queue_wait_ms"):
         FlowControlSettings(max_queue_wait_ms=0.0)
 
@@ -234,6 +270,18 @@ def test_the_estimate_is_the_decisions_own_terms() -> None:
     assert sorted(estimate.loads, key=lambda load: load.queue_wait_ms) == [
         ReplicaLoad(300.0, 7.0),
         ReplicaLoad(900.0, 0.0),
+    ]
+    # With the replicas' states: the engine's waiting queue, or this gateway's requests beyond
+    # what the engine last reported running, whichever is larger; and the KV usage.
+    states = [
+        ReplicaState(a, "http://a", running=4, waiting=3, inflight_requests=5, kv_usage=0.4),
+        ReplicaState(b, "http://b", running=2, waiting=0, inflight_requests=6, kv_usage=0.95),
+        ReplicaState(c, "http://c", waiting=9),
+    ]
+    with_states = estimate_from_decision(decision, states)
+    assert sorted(with_states.loads, key=lambda load: load.queue_wait_ms) == [
+        ReplicaLoad(300.0, 7.0, 4, 0.95),
+        ReplicaLoad(900.0, 0.0, 3, 0.4),
     ]
 
 
