@@ -201,7 +201,8 @@ class RoutingDecision:
     fallbacks: list[ReplicaId]
     profile: str
     degraded: bool
-    explanations: dict[ReplicaId, ReplicaExplanation]
+    #: Per replica the decision saw; read-only (the engine's is ``routing.engine.ExplanationMap``).
+    explanations: Mapping[ReplicaId, ReplicaExplanation]
     #: Time spent in each stage and plugin, in ms (index lookup, each filter/scorer, picker).
     timings_ms: dict[str, float] = field(default_factory=dict)
 

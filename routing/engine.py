@@ -105,143 +105,58 @@ class _Stages:
         )
 
 
-class ExplanationMap(dict[ReplicaId, ReplicaExplanation]):
-    """``RoutingDecision.explanations``: a dict whose values are built on first read.
+class ExplanationMap(Mapping[ReplicaId, ReplicaExplanation]):
+    """``RoutingDecision.explanations``: a read-only mapping whose values are built on first read.
 
-    Until then it holds each replica's load (a float) in place of its explanation, so its keys,
-    length and order are those of the eager dict at no cost, and reading one replica builds only
-    that replica's explanation. Any write, comparison, copy or pickling first builds them all; it
-    is then a plain dict in all but type. Built normally (``ExplanationMap({...})``) it is a
-    plain dict from the start.
+    The contract: its keys, order and length are those of the replicas the decision saw (every
+    replica passed to ``route``, filtered out or not), known at no cost; reading one replica
+    (``[]``, ``get``) builds that replica's ``ReplicaExplanation`` from what the stages returned
+    and its load at decision time, once, and keeps it; reading all (``items()``, ``values()``,
+    equality, ``repr``) builds the rest. It cannot be written: a reader that wants to change
+    explanations copies them first (``dict(m)``); copies and pickles are plain dicts.
     """
 
-    __slots__ = ("_stages",)
+    __slots__ = ("_built", "_loads", "_stages")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._stages: _Stages | None = None
-
-    @classmethod
-    def _lazy(cls, loads: dict[ReplicaId, float], stages: _Stages) -> ExplanationMap:
-        explanations = cls(loads)
-        explanations._stages = stages
-        return explanations
-
-    # -- building
-
-    def _get_built(self, key: object, default: Any = None) -> Any:
-        value = dict.get(self, key, _MISSING)  # type: ignore[call-overload]
-        if value is _MISSING:
-            return default
-        if self._stages is not None and type(value) is float:
-            value = self._stages.explain(key, value)  # type: ignore[arg-type]
-            dict.__setitem__(self, key, value)  # type: ignore[index]
-        return value
-
-    def _build_all(self) -> None:
-        stages = self._stages
-        if stages is None:
-            return
-        for replica, value in dict.items(self):
-            if type(value) is float:
-                dict.__setitem__(self, replica, stages.explain(replica, value))
-        self._stages = None
-
-    # -- reads that build only what they return
+    def __init__(self, loads: Mapping[ReplicaId, float], stages: _Stages) -> None:
+        #: Each replica's load at decision time, in the order the engine saw them. Owned: the
+        #: engine builds it per decision and never touches it again.
+        self._loads = loads
+        self._stages = stages
+        self._built: dict[ReplicaId, ReplicaExplanation] = {}
 
     def __getitem__(self, key: ReplicaId) -> ReplicaExplanation:
-        value = self._get_built(key, _MISSING)
-        if value is _MISSING:
-            raise KeyError(key)
-        return value  # type: ignore[no-any-return]
+        built = self._built.get(key)
+        if built is None:
+            built = self._built[key] = self._stages.explain(key, self._loads[key])
+        return built
 
     def get(self, key: ReplicaId, default: Any = None) -> Any:  # type: ignore[override]
-        return self._get_built(key, default)
+        # Mapping.get goes through __getitem__ and a KeyError: twice as slow on a miss.
+        built = self._built.get(key)
+        if built is not None:
+            return built
+        load = self._loads.get(key)
+        if load is None:
+            return default
+        built = self._built[key] = self._stages.explain(key, load)
+        return built
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._loads
 
     def __iter__(self) -> Iterator[ReplicaId]:
-        # Overridden (keys only, nothing built) so that dict(), {**m} and update() go through
-        # keys() and __getitem__ instead of copying the stored loads.
-        return dict.__iter__(self)
+        return iter(self._loads)
 
-    # -- reads that need every value
-
-    def values(self) -> Any:
-        self._build_all()
-        return dict.values(self)
-
-    def items(self) -> Any:
-        self._build_all()
-        return dict.items(self)
-
-    def copy(self) -> dict[ReplicaId, ReplicaExplanation]:
-        self._build_all()
-        return dict(dict.items(self))
-
-    def __eq__(self, other: object) -> bool:
-        self._build_all()
-        if isinstance(other, ExplanationMap):
-            other._build_all()
-        return dict.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        result = self.__eq__(other)
-        return result if result is NotImplemented else not result
-
-    __hash__ = None  # type: ignore[assignment]
+    def __len__(self) -> int:
+        return len(self._loads)
 
     def __repr__(self) -> str:
-        self._build_all()
-        return dict.__repr__(self)
+        return repr(dict(self.items()))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Copies and pickles are plain dicts.
-        return (dict, (self.copy(),))
-
-    def __or__(self, other: Any) -> Any:
-        self._build_all()
-        return dict.__or__(self, other)
-
-    def __ror__(self, other: Any) -> Any:
-        self._build_all()
-        return dict.__ror__(self, other)
-
-    # -- writes
-
-    def __ior__(self, other: Any) -> ExplanationMap:
-        self._build_all()
-        dict.update(self, other)
-        return self
-
-    def __setitem__(self, key: ReplicaId, value: ReplicaExplanation) -> None:
-        self._build_all()
-        dict.__setitem__(self, key, value)
-
-    def __delitem__(self, key: ReplicaId) -> None:
-        self._build_all()
-        dict.__delitem__(self, key)
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        self._build_all()
-        dict.update(self, *args, **kwargs)
-
-    def setdefault(self, key: ReplicaId, default: Any = None) -> Any:
-        self._build_all()
-        return dict.setdefault(self, key, default)
-
-    def pop(self, key: ReplicaId, *default: Any) -> Any:
-        self._build_all()
-        return dict.pop(self, key, *default)
-
-    def popitem(self) -> tuple[ReplicaId, ReplicaExplanation]:
-        self._build_all()
-        return dict.popitem(self)
-
-    def clear(self) -> None:
-        self._stages = None
-        dict.clear(self)
-
-
-_MISSING: Any = object()
+        # Copies (copy.copy, deepcopy) and pickles are plain dicts of built explanations.
+        return (dict, (dict(self.items()),))
 
 
 def _plugin_name(plugin: object) -> str:
@@ -468,7 +383,7 @@ class RoutingEngine:
             fallbacks=order[1:],
             profile=prof.name,
             degraded=degraded,
-            explanations=ExplanationMap._lazy(loads, stages),
+            explanations=ExplanationMap(loads, stages),
             timings_ms=timings,
         )
 
