@@ -6,8 +6,10 @@ engine-confirmed; blocks with speculative entries also map, on the side, to an i
 *speculative state*: the OR of the guessing incarnations' bits, the earliest expiry among them,
 and the guesses themselves (one per replica). States are shared: one write gives every block it
 touches in the same state the same new state (a transition memoised for the call), so the blocks
-of a prompt that were written by the same writes hold one state object, not a dict each (and,
-being tuples of ints, floats and strings, states are soon untracked by the garbage collector).
+of a prompt that were written by the same writes hold one state object, not a dict each. States
+and guesses are ``NamedTuple``s (``_SpecState``, ``_Guess``): the garbage collector keeps
+tracking them, about three objects per live speculative write (not per block), which is small
+beside the block map itself (docs/benchmarks/routing-decision.md, issue 16).
 
 A lookup is then one big-int AND per block, whatever the number of replicas::
 
@@ -49,7 +51,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import NamedTuple
 
 from routing.contracts import IndexStats
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
@@ -58,19 +60,65 @@ from routing.types import BlockHash, Epoch, ReplicaId
 __all__ = ["MemoryBlockIndex"]
 
 
-#: One speculative write's entry, shared by every block it wrote (reclamation tells a write's
-#: own entry from a newer one by identity): (incarnation bit value, expiry, replica).
-_Guess = tuple[int, float, ReplicaId]
+class _Guess(NamedTuple):
+    """One speculative write's entry, shared by every block it wrote.
 
-#: The speculative entries of a block, immutable and shared by every block in the same state:
-#: (OR of the guesses' bit values, earliest expiry among them, the guesses, at most one per
-#: replica). Never empty: a block whose last guess goes has no state.
-_SpecState = tuple[int, float, tuple[_Guess, ...]]
-_BITS, _EARLIEST, _GUESSES = 0, 1, 2
+    Reclamation tells a write's own entry from a newer one by identity (``is``), never by value.
+    """
 
-#: One speculative write awaiting reclamation, a heap item (a list: the cursor moves):
-#: [expiry, sequence number, the guess it wrote (shared by its blocks), replica, blocks, cursor].
-_EXPIRY, _GUESS, _REPLICA, _BLOCKS, _CURSOR = 0, 2, 3, 4, 5
+    #: The writing incarnation's bit value (``1 << bit``).
+    bit: int
+    #: When the guess expires (the index clock).
+    until: float
+    replica: ReplicaId
+
+
+class _SpecState(NamedTuple):
+    """The speculative entries of a block, immutable and shared by every block in that state.
+
+    Never empty: a block whose last guess goes has no state.
+    """
+
+    #: OR of the guesses' bit values.
+    bits: int
+    #: The earliest expiry among the guesses.
+    earliest: float
+    #: The guesses, at most one per replica.
+    guesses: tuple[_Guess, ...]
+
+
+class _Incarnation(NamedTuple):
+    """A replica at one epoch: the owner of one incarnation bit.
+
+    Equal to (and hashed as) the plain ``(replica, epoch)`` tuple, which lookups build instead.
+    """
+
+    replica: ReplicaId
+    epoch: Epoch
+
+
+class _PendingReclaim:
+    """One speculative write awaiting reclamation: an item of the index's expiry heap.
+
+    Ordered by expiry, then by write order; ``cursor`` is how far reclamation has walked
+    ``blocks`` (a walk stops at its budget and resumes there).
+    """
+
+    __slots__ = ("blocks", "cursor", "expiry", "guess", "sequence")
+
+    def __init__(self, guess: _Guess, sequence: int, blocks: tuple[BlockHash, ...]) -> None:
+        self.expiry = guess.until
+        self.sequence = sequence
+        #: The guess it wrote, shared by its blocks (reclamation drops only that object).
+        self.guess = guess
+        self.blocks = blocks
+        self.cursor = 0
+
+    def __lt__(self, other: _PendingReclaim) -> bool:
+        if self.expiry != other.expiry:
+            return self.expiry < other.expiry
+        return self.sequence < other.sequence
+
 
 _MAX_U64 = 2**64 - 1
 _INT_ONLY = {int}
@@ -105,45 +153,45 @@ def _state_of(guesses: tuple[_Guess, ...]) -> _SpecState | None:
         bits |= value
         if until < earliest:
             earliest = until
-    return (bits, earliest, guesses)
+    return _SpecState(bits, earliest, guesses)
 
 
 def _with_guess(state: _SpecState | None, guess: _Guess) -> _SpecState:
     """``state`` with ``guess`` replacing its replica's guess, if any (of any incarnation)."""
     if state is None:
-        return (guess[0], guess[1], (guess,))
-    replica = guess[2]
-    new = _state_of((*[g for g in state[_GUESSES] if g[2] != replica], guess))
+        return _SpecState(guess.bit, guess.until, (guess,))
+    replica = guess.replica
+    new = _state_of((*[g for g in state.guesses if g.replica != replica], guess))
     assert new is not None
     return new
 
 
 def _without_replica(state: _SpecState, replica: ReplicaId) -> _SpecState | None:
     """``state`` less ``replica``'s guess (``state`` itself, unchanged, if it has none)."""
-    guesses = state[_GUESSES]
-    kept = tuple(g for g in guesses if g[2] != replica)
+    guesses = state.guesses
+    kept = tuple(g for g in guesses if g.replica != replica)
     return state if len(kept) == len(guesses) else _state_of(kept)
 
 
 def _without_incarnation(state: _SpecState, replica: ReplicaId, value: int) -> _SpecState | None:
     """``state`` less ``replica``'s guess if it is of the incarnation whose bit is ``value``."""
-    guesses = state[_GUESSES]
-    kept = tuple(g for g in guesses if not (g[0] == value and g[2] == replica))
+    guesses = state.guesses
+    kept = tuple(g for g in guesses if not (g.bit == value and g.replica == replica))
     return state if len(kept) == len(guesses) else _state_of(kept)
 
 
 def _without_guess(state: _SpecState, guess: _Guess) -> _SpecState | None:
     """``state`` less this very ``guess`` object (``state`` itself if it does not hold it)."""
-    guesses = state[_GUESSES]
+    guesses = state.guesses
     kept = tuple(g for g in guesses if g is not guess)
     return state if len(kept) == len(guesses) else _state_of(kept)
 
 
 def _without_stale(state: _SpecState, now: float, dead: int) -> _SpecState | None:
     """``state`` less its guesses expired at ``now`` or of dead incarnations (itself if none)."""
-    if now < state[_EARLIEST] and not state[_BITS] & dead:
+    if now < state.earliest and not state.bits & dead:
         return state
-    return _state_of(tuple(g for g in state[_GUESSES] if now < g[1] and not g[0] & dead))
+    return _state_of(tuple(g for g in state.guesses if now < g.until and not g.bit & dead))
 
 
 class _Transitions:
@@ -233,9 +281,9 @@ class MemoryBlockIndex:
         self._blocks: OrderedDict[BlockHash, int] = OrderedDict()
         #: Speculative state, only for the blocks that have guesses; states are shared by blocks.
         self._spec: dict[BlockHash, _SpecState] = {}
-        #: Speculative writes by expiry (a heap of ``_EXPIRY``.. items), for reclamation. One
+        #: Speculative writes by expiry (a heap, earliest first), for reclamation. One
         #: item per ``record`` call, not per block: pushing costs O(log writes) per call.
-        self._expiring: list[list[Any]] = []
+        self._expiring: list[_PendingReclaim] = []
         self._sequence = itertools.count()
         #: Blocks of the writes in ``_expiring``: at most twice ``max_entries`` (the index holds
         #: fewer guesses than that), past which the earliest writes are left to lookups and LRU.
@@ -250,7 +298,8 @@ class MemoryBlockIndex:
         # Incarnation bits. A bit is allocated when an epoch becomes live, turns dead when the
         # epoch is retired or replaced, and is freed only by compaction, once no block has it.
         self._bit_of: dict[tuple[ReplicaId, Epoch], int] = {}
-        self._owner: list[tuple[ReplicaId, Epoch] | None] = []
+        #: Bit -> its incarnation (``None``: free).
+        self._owner: list[_Incarnation | None] = []
         self._free_bits: list[int] = []  # a heap: the lowest free bit first keeps masks narrow
         #: All allocated bits (live and dead) of each replica: a write replaces the replica's
         #: entry of any other incarnation in place, as one entry per replica per block.
@@ -272,7 +321,7 @@ class MemoryBlockIndex:
         if current is not None:
             self._kill(replica, current)
         self._epochs[replica] = epoch
-        key = (replica, epoch)
+        key = _Incarnation(replica, epoch)
         bit = self._bit_of.get(key)
         if bit is None:
             # Never reusing an epoch number is the caller's rule (docs/index.md); if one is
@@ -334,7 +383,7 @@ class MemoryBlockIndex:
             assert key is not None
             self._owner[bit] = None
             del self._bit_of[key]
-            self._replica_bits[key[0]] &= ~low
+            self._replica_bits[key.replica] &= ~low
             heapq.heappush(self._free_bits, bit)
         self._dead_mask = 0
         self._compactions += 1
@@ -353,12 +402,12 @@ class MemoryBlockIndex:
         reclaimed = 0
         while heap and budget > 0:
             item = heap[0]
-            if item[_EXPIRY] > now:
+            if item.expiry > now:
                 break
-            guess: _Guess = item[_GUESS]
+            guess = item.guess
             drop = _Transitions(lambda state, guess=guess: _without_guess(state, guess))
-            blocks: tuple[BlockHash, ...] = item[_BLOCKS]
-            start: int = item[_CURSOR]
+            blocks = item.blocks
+            start = item.cursor
             end = min(len(blocks), start + budget)
             budget -= end - start
             for position in range(start, end):
@@ -378,20 +427,20 @@ class MemoryBlockIndex:
                 if mask is not None and not mask & live:  # no confirmed entry that may match
                     del index[block_hash]
             if end < len(blocks):
-                item[_CURSOR] = end
+                item.cursor = end
                 break
             heapq.heappop(heap)
             self._expiring_blocks -= len(blocks)
         self._reclaimed += reclaimed
 
-    def _queue_for_reclaim(self, item: list[Any]) -> None:
+    def _queue_for_reclaim(self, item: _PendingReclaim) -> None:
         """Queue a speculative write for reclamation, within twice the ``max_entries`` bound."""
         heap = self._expiring
         heapq.heappush(heap, item)
-        self._expiring_blocks += len(item[_BLOCKS])
+        self._expiring_blocks += len(item.blocks)
         while self._expiring_blocks > 2 * self._max_entries and len(heap) > 1:
             dropped = heapq.heappop(heap)
-            self._expiring_blocks -= len(dropped[_BLOCKS])
+            self._expiring_blocks -= len(dropped.blocks)
 
     def _current_match_mask(self, now: float) -> int:
         """Bits of the incarnations that may match now: live and not behind on heartbeats."""
@@ -495,7 +544,7 @@ class MemoryBlockIndex:
         if not blocks:
             return  # nothing to hold: no epoch is adopted either (as in the Redis backend)
         now = self._clock() if ttl_s is not None or self._expiring else 0.0
-        if self._expiring and self._expiring[0][_EXPIRY] <= now:
+        if self._expiring and self._expiring[0].expiry <= now:
             self._reclaim(now, self._reclaim_step + len(blocks))
         if replica not in self._epochs:
             self._make_live(replica, epoch)
@@ -522,10 +571,10 @@ class MemoryBlockIndex:
                         drop.apply(spec_blocks, block_hash, state)
         else:
             until = now + ttl_s
-            guess: _Guess = (value, until, replica)
+            guess = _Guess(value, until, replica)
             blocks = tuple(blocks)  # kept for reclamation: the caller may reuse its list
-            self._queue_for_reclaim([until, next(self._sequence), guess, replica, blocks, 0])
-            fresh: _SpecState = (value, until, (guess,))  # the state of a block guessed only now
+            self._queue_for_reclaim(_PendingReclaim(guess, next(self._sequence), blocks))
+            fresh = _SpecState(value, until, (guess,))  # the state of a block guessed only now
             add = _Transitions(lambda state: _with_guess(state, guess))
             # The last transition, inline: consecutive blocks nearly always share their state.
             last_old: _SpecState | None = None
@@ -614,7 +663,7 @@ class MemoryBlockIndex:
             else:
                 if new is not state:
                     self._spec[block_hash] = new
-                holders |= new[_BITS]
+                holders |= new.bits
         if not holders:
             del self._blocks[block_hash]
         return holders
@@ -634,7 +683,7 @@ class MemoryBlockIndex:
         if not chain:
             return {}
         now = self._clock()
-        if self._expiring and self._expiring[0][_EXPIRY] <= now:
+        if self._expiring and self._expiring[0].expiry <= now:
             self._reclaim(now, self._reclaim_step)
         running = self._current_match_mask(now)
         if not running:
@@ -650,6 +699,7 @@ class MemoryBlockIndex:
         # The last speculative state found usable as it is (nothing expired, no dead bit): the
         # blocks of a prompt mostly share one state, so it is checked once, not once per block.
         usable: object = _NO_STATE
+        usable_bits = 0  # its bits, read once (an attribute read per block costs more)
         stale: _Transitions | None = None  # made on first need: most lookups never need it
         for block_hash in chain:
             mask = get(block_hash)
@@ -659,14 +709,16 @@ class MemoryBlockIndex:
             if mask & dead or (
                 state is not None
                 and state is not usable
-                and not (now < state[_EARLIEST] and not state[_BITS] & dead)
+                and not (now < state.earliest and not state.bits & dead)
             ):
                 if stale is None:
                     stale = _Transitions(lambda old: _without_stale(old, now, dead))
                 mask = self._holders(block_hash, mask, state, stale)
             elif state is not None:
-                usable = state
-                mask |= state[_BITS]
+                if state is not usable:
+                    usable = state
+                    usable_bits = state.bits
+                mask |= usable_bits
             still = running & mask
             if not still:
                 break
@@ -677,14 +729,14 @@ class MemoryBlockIndex:
                 while ended:  # replicas whose prefix ends here
                     low = ended & -ended
                     ended ^= low
-                    depths[owner[low.bit_length() - 1][0]] = matched  # type: ignore[index]
+                    depths[owner[low.bit_length() - 1].replica] = matched  # type: ignore[union-attr]
                 running = still
             matched += 1
         if matched:
             while running:
                 low = running & -running
                 running ^= low
-                depths[owner[low.bit_length() - 1][0]] = matched  # type: ignore[index]
+                depths[owner[low.bit_length() - 1].replica] = matched  # type: ignore[union-attr]
         return depths
 
     # ------------------------------------------------------------------ admin
