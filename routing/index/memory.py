@@ -6,10 +6,9 @@ engine-confirmed; blocks with speculative entries also map, on the side, to an i
 *speculative state*: the OR of the guessing incarnations' bits, the earliest expiry among them,
 and the guesses themselves (one per replica). States are shared: one write gives every block it
 touches in the same state the same new state (a transition memoised for the call), so the blocks
-of a prompt that were written by the same writes hold one state object, not a dict each. States
-and guesses are ``NamedTuple``s (``_SpecState``, ``_Guess``): the garbage collector keeps
-tracking them, about three objects per live speculative write (not per block), which is small
-beside the block map itself (docs/benchmarks/routing-decision.md, issue 16).
+of a prompt that were written by the same writes hold one state object, not a dict each (and,
+being exact tuples of ints, floats and strings, states are soon untracked by the garbage
+collector; see ``_SpecState``).
 
 A lookup is then one big-int AND per block, whatever the number of replicas::
 
@@ -60,31 +59,22 @@ from routing.types import BlockHash, Epoch, ReplicaId
 __all__ = ["MemoryBlockIndex"]
 
 
-class _Guess(NamedTuple):
-    """One speculative write's entry, shared by every block it wrote.
+# Guesses and states are exact tuples with named field positions, not NamedTuples: the garbage
+# collector stops tracking a tuple that holds only ints, floats, strings and such tuples, but only
+# an exact tuple. As NamedTuples, about three objects per live speculative write stayed tracked
+# and a full collection took about 1.3x as long (docs/benchmarks/routing-decision.md, issue 16).
 
-    Reclamation tells a write's own entry from a newer one by identity (``is``), never by value.
-    """
+#: One speculative write's entry, shared by every block it wrote: (the writing incarnation's bit
+#: value, expiry on the index clock, replica). Reclamation tells a write's own entry from a newer
+#: one by identity (``is``), never by value.
+_Guess = tuple[int, float, ReplicaId]
+_GUESS_BIT, _GUESS_UNTIL, _GUESS_REPLICA = 0, 1, 2
 
-    #: The writing incarnation's bit value (``1 << bit``).
-    bit: int
-    #: When the guess expires (the index clock).
-    until: float
-    replica: ReplicaId
-
-
-class _SpecState(NamedTuple):
-    """The speculative entries of a block, immutable and shared by every block in that state.
-
-    Never empty: a block whose last guess goes has no state.
-    """
-
-    #: OR of the guesses' bit values.
-    bits: int
-    #: The earliest expiry among the guesses.
-    earliest: float
-    #: The guesses, at most one per replica.
-    guesses: tuple[_Guess, ...]
+#: The speculative entries of a block, immutable and shared by every block in that state: (OR of
+#: the guesses' bit values, the earliest expiry among them, the guesses, at most one per
+#: replica). Never empty: a block whose last guess goes has no state.
+_SpecState = tuple[int, float, tuple[_Guess, ...]]
+_STATE_BITS, _STATE_EARLIEST, _STATE_GUESSES = 0, 1, 2
 
 
 class _Incarnation(NamedTuple):
@@ -107,7 +97,7 @@ class _PendingReclaim:
     __slots__ = ("blocks", "cursor", "expiry", "guess", "sequence")
 
     def __init__(self, guess: _Guess, sequence: int, blocks: tuple[BlockHash, ...]) -> None:
-        self.expiry = guess.until
+        self.expiry = guess[_GUESS_UNTIL]
         self.sequence = sequence
         #: The guess it wrote, shared by its blocks (reclamation drops only that object).
         self.guess = guess
@@ -153,45 +143,51 @@ def _state_of(guesses: tuple[_Guess, ...]) -> _SpecState | None:
         bits |= value
         if until < earliest:
             earliest = until
-    return _SpecState(bits, earliest, guesses)
+    return (bits, earliest, guesses)
 
 
 def _with_guess(state: _SpecState | None, guess: _Guess) -> _SpecState:
     """``state`` with ``guess`` replacing its replica's guess, if any (of any incarnation)."""
     if state is None:
-        return _SpecState(guess.bit, guess.until, (guess,))
-    replica = guess.replica
-    new = _state_of((*[g for g in state.guesses if g.replica != replica], guess))
+        return (guess[_GUESS_BIT], guess[_GUESS_UNTIL], (guess,))
+    replica = guess[_GUESS_REPLICA]
+    new = _state_of((*[g for g in state[_STATE_GUESSES] if g[_GUESS_REPLICA] != replica], guess))
     assert new is not None
     return new
 
 
 def _without_replica(state: _SpecState, replica: ReplicaId) -> _SpecState | None:
     """``state`` less ``replica``'s guess (``state`` itself, unchanged, if it has none)."""
-    guesses = state.guesses
-    kept = tuple(g for g in guesses if g.replica != replica)
+    guesses = state[_STATE_GUESSES]
+    kept = tuple(g for g in guesses if g[_GUESS_REPLICA] != replica)
     return state if len(kept) == len(guesses) else _state_of(kept)
 
 
 def _without_incarnation(state: _SpecState, replica: ReplicaId, value: int) -> _SpecState | None:
     """``state`` less ``replica``'s guess if it is of the incarnation whose bit is ``value``."""
-    guesses = state.guesses
-    kept = tuple(g for g in guesses if not (g.bit == value and g.replica == replica))
+    guesses = state[_STATE_GUESSES]
+    kept = tuple(
+        g for g in guesses if not (g[_GUESS_BIT] == value and g[_GUESS_REPLICA] == replica)
+    )
     return state if len(kept) == len(guesses) else _state_of(kept)
 
 
 def _without_guess(state: _SpecState, guess: _Guess) -> _SpecState | None:
     """``state`` less this very ``guess`` object (``state`` itself if it does not hold it)."""
-    guesses = state.guesses
+    guesses = state[_STATE_GUESSES]
     kept = tuple(g for g in guesses if g is not guess)
     return state if len(kept) == len(guesses) else _state_of(kept)
 
 
 def _without_stale(state: _SpecState, now: float, dead: int) -> _SpecState | None:
     """``state`` less its guesses expired at ``now`` or of dead incarnations (itself if none)."""
-    if now < state.earliest and not state.bits & dead:
+    if now < state[_STATE_EARLIEST] and not state[_STATE_BITS] & dead:
         return state
-    return _state_of(tuple(g for g in state.guesses if now < g.until and not g.bit & dead))
+    return _state_of(
+        tuple(
+            g for g in state[_STATE_GUESSES] if now < g[_GUESS_UNTIL] and not g[_GUESS_BIT] & dead
+        )
+    )
 
 
 class _Transitions:
@@ -571,10 +567,10 @@ class MemoryBlockIndex:
                         drop.apply(spec_blocks, block_hash, state)
         else:
             until = now + ttl_s
-            guess = _Guess(value, until, replica)
+            guess: _Guess = (value, until, replica)
             blocks = tuple(blocks)  # kept for reclamation: the caller may reuse its list
             self._queue_for_reclaim(_PendingReclaim(guess, next(self._sequence), blocks))
-            fresh = _SpecState(value, until, (guess,))  # the state of a block guessed only now
+            fresh: _SpecState = (value, until, (guess,))  # the state of a block guessed only now
             add = _Transitions(lambda state: _with_guess(state, guess))
             # The last transition, inline: consecutive blocks nearly always share their state.
             last_old: _SpecState | None = None
@@ -663,7 +659,7 @@ class MemoryBlockIndex:
             else:
                 if new is not state:
                     self._spec[block_hash] = new
-                holders |= new.bits
+                holders |= new[_STATE_BITS]
         if not holders:
             del self._blocks[block_hash]
         return holders
@@ -709,7 +705,7 @@ class MemoryBlockIndex:
             if mask & dead or (
                 state is not None
                 and state is not usable
-                and not (now < state.earliest and not state.bits & dead)
+                and not (now < state[_STATE_EARLIEST] and not state[_STATE_BITS] & dead)
             ):
                 if stale is None:
                     stale = _Transitions(lambda old: _without_stale(old, now, dead))
@@ -717,7 +713,7 @@ class MemoryBlockIndex:
             elif state is not None:
                 if state is not usable:
                     usable = state
-                    usable_bits = state.bits
+                    usable_bits = state[_STATE_BITS]
                 mask |= usable_bits
             still = running & mask
             if not still:
