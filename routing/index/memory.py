@@ -61,8 +61,9 @@ __all__ = ["MemoryBlockIndex"]
 
 # Guesses and states are exact tuples with named field positions, not NamedTuples: the garbage
 # collector stops tracking a tuple that holds only ints, floats, strings and such tuples, but only
-# an exact tuple. As NamedTuples, about three objects per live speculative write stayed tracked
-# and a full collection took about 1.3x as long (docs/benchmarks/routing-decision.md, issue 16).
+# an exact tuple. As NamedTuples, about three more objects per live speculative write stayed
+# tracked (12,000 at 4,000 live writes), each walked by every full collection
+# (docs/benchmarks/routing-decision.md, issue 16).
 
 #: One speculative write's entry, shared by every block it wrote: (the writing incarnation's bit
 #: value, expiry on the index clock, replica). Reclamation tells a write's own entry from a newer
