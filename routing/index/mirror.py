@@ -287,6 +287,13 @@ class MirrorBlockIndex:
 
     async def _tail(self) -> None:
         """Apply stream events until an error or a lost generation (then rebuild)."""
+        # (Re)connected: is it still the data this mirror holds? Checked before anything is
+        # answered from it, so that lookups after a restart never use the old data while the
+        # first periodic check is still to come (they would, then degrade during the rebuild).
+        if await self._read_generation() != self._generation:
+            self._lost_store()
+            return
+        self._connected = True
         next_check = time.monotonic() + self._check_interval_s
         while not self._closed:
             replies = await self._tail_client.xread(
@@ -453,7 +460,7 @@ class MirrorBlockIndex:
         check_epoch(epoch)
         await self._wait_ready()
         await self._writer.set_epoch(replica, epoch)
-        self._apply_set_epoch(replica, epoch)
+        await self._read_own_write(lambda: self._apply_set_epoch(replica, epoch))
 
     async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
         """Retire ``epoch`` if it is the live one, in Redis and here."""
@@ -461,7 +468,7 @@ class MirrorBlockIndex:
         check_epoch(epoch)
         await self._wait_ready()
         await self._writer.retire_epoch(replica, epoch)
-        self._apply_retire(replica, epoch)
+        await self._read_own_write(lambda: self._apply_retire(replica, epoch))
 
     async def record(
         self,
@@ -484,7 +491,7 @@ class MirrorBlockIndex:
             await self._writer.record(replica, epoch, blocks, ttl_s)
             return
         await self._writer.record(replica, epoch, blocks)
-        self._apply_record(replica, epoch, blocks, None)
+        await self._read_own_write(lambda: self._apply_record(replica, epoch, blocks, None))
 
     async def remove(self, replica: ReplicaId, epoch: Epoch, blocks: Sequence[BlockHash]) -> None:
         """Forget confirmed blocks of the live ``epoch``, in Redis and here."""
@@ -495,7 +502,22 @@ class MirrorBlockIndex:
             return
         await self._wait_ready()
         await self._writer.remove(replica, epoch, blocks)
-        self._apply_remove(replica, epoch, blocks)
+        await self._read_own_write(lambda: self._apply_remove(replica, epoch, blocks))
+
+    async def _read_own_write(self, apply_locally: Callable[[], None]) -> None:
+        """Make a confirmed write just sent to Redis visible here before returning.
+
+        Through the tail, in stream order: applying it locally at once and again when the tail
+        reaches its event re-ordered writes (a record, then its removal, both applied here, then
+        the record re-applied by the tail showed the removed block again until the removal
+        came round). Gateways write guesses only (applied at once, the tail skips its own); this
+        path serves tools and tests that write confirmed blocks through a mirror. If the tail
+        cannot catch up in time, the write is applied locally after all (the tail converges).
+        """
+        try:
+            await self.sync(timeout_s=self._bootstrap_timeout_s)
+        except _REDIS_DOWN:
+            apply_locally()
 
     async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
         """Keep ``replica``'s entries matching for ``ttl_s`` more seconds (every mirror)."""
