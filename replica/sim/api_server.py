@@ -1,6 +1,6 @@
 """The simulated replica's other vLLM APIs: Responses, Anthropic Messages, embeddings, detokenize.
 
-Mounted by ``replica.sim.server.build_app`` beside chat and completions, served in vLLM 0.32's
+Mounted by ``replica.sim.app.build_app`` beside chat and completions, served in vLLM 0.32's
 shapes (``replica.sim.api_shapes``):
 
 * ``POST /v1/responses`` (streaming and not), ``GET /v1/responses/{id}``,

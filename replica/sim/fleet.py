@@ -17,7 +17,8 @@ from typing import Any
 from aiohttp import web
 
 from replica.kv_events import offset_port, subscriber_endpoint_for
-from replica.sim.server import REPLICA_KEY, SimReplica, SimServerConfig, build_app
+from replica.sim.app import build_app
+from replica.sim.server import REPLICA_KEY, SimReplica, SimServerConfig
 from routing.tokenize.word_hash import load_tokenizer
 
 

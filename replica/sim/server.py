@@ -485,9 +485,12 @@ async def _replica_ctx(app: web.Application) -> AsyncIterator[None]:
             replica.publisher.close()
 
 
-def build_app(config: SimServerConfig, tokenizer: SimTokenizer | None = None) -> web.Application:
-    """The aiohttp application of one simulated replica; ``app[REPLICA_KEY]`` once started.
+def build_core_app(
+    config: SimServerConfig, tokenizer: SimTokenizer | None = None
+) -> web.Application:
+    """One simulated replica's completions, chat, models, LoRA, health and metrics routes.
 
+    ``replica.sim.app.build_app`` adds vLLM's other APIs (``api_server.py``) on top.
     ``tokenizer`` lets several replicas share one loaded tokenizer.
     """
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
@@ -505,8 +508,4 @@ def build_app(config: SimServerConfig, tokenizer: SimTokenizer | None = None) ->
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
-    # Local import: api_server builds on this module's request helpers.
-    from replica.sim.api_server import add_api_routes
-
-    add_api_routes(app)
     return app
