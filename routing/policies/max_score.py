@@ -1,18 +1,12 @@
-"""``max-score`` picker: the highest weighted score, under a bounded-load guard; ties to the least
-loaded, then at random.
+"""``max-score`` picker: the highest weighted score, under a bounded-load guard, random on ties.
 
 Composes with any scorers. Two guards stop a hot shared prefix (every request scoring best on the
 one replica that caches it) from piling onto one replica:
 
 * bounded load: a replica whose load exceeds ``(1 + load_epsilon) * mean + load_slack`` is not
   eligible (the minimum load never exceeds the mean, so someone always is);
-* ties to the least loaded: among eligible replicas whose score is within ``tie_tolerance``
-  (relative) of the best, the choice is uniform among those with the fewest requests, so
-  near-equal replicas share the traffic. A score can tie while the loads differ: a replica whose
-  requests are past their prefill adds no queue wait to expected-TTFT, yet its decodes still
-  share every step with the next request. Uniform over all near-equal replicas put 5 of 8 new
-  prefixes on one of two real engines about half the time (the e2e prefix test, on a loaded
-  machine where earlier requests were prefilled before the next was routed).
+* randomised ties: the choice is uniform among eligible replicas whose score is within
+  ``tie_tolerance`` (relative) of the best, so near-equal replicas share the traffic.
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ from routing.types import ReplicaId
 
 
 class MaxScorePicker(ExplainingPicker):
-    """Best weighted score among replicas under the load bound; ties to the least loaded."""
+    """Best weighted score among replicas under the load bound; ties broken at random."""
 
     type_name: ClassVar[str] = "max-score"
     kind: ClassVar[PluginKind] = "picker"
@@ -74,9 +68,6 @@ class MaxScorePicker(ExplainingPicker):
         best = score_of(eligible[0], 0.0)
         floor = best - p.tie_tolerance * abs(best)
         near = [rid for rid in eligible if score_of(rid, 0.0) >= floor]
-        if len(near) > 1:
-            least = min(loads[rid] for rid in near)
-            near = [rid for rid in near if loads[rid] == least]
         # One candidate needs no draw (the seeded choice is the same either way).
         chosen = near[rng.randrange(len(near))] if len(near) > 1 else near[0]
         if chosen == eligible[0]:
