@@ -11,7 +11,6 @@ Every Redis failure (connection refused, timeout, OOM refusal, ...) surfaces as
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
@@ -23,6 +22,7 @@ from redis.exceptions import RedisError
 
 from routing.contracts import IndexStats, IndexUnavailable
 from routing.index import redis_scripts
+from routing.index._redis_call import call_redis
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
 from routing.types import BlockHash, Epoch, ReplicaId
 
@@ -115,13 +115,7 @@ class RedisBlockIndex:
 
     async def _call(self, what: str, operation: Awaitable[_T]) -> _T:
         """Await one Redis operation within ``timeout_s``; any failure is ``IndexUnavailable``."""
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                return await operation
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise IndexUnavailable(
-                f"redis block index {what} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        return await call_redis(f"redis block index {what}", self._timeout_s, operation)
 
     # ------------------------------------------------------------------ epochs and liveness
 

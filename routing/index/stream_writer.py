@@ -8,7 +8,6 @@ live seconds, and a gateway that starts late reads the stream's last ``speculati
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
@@ -16,10 +15,10 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
 
 from routing.contracts import IndexStats, IndexUnavailable
 from routing.index import stream_scripts
+from routing.index._redis_call import call_redis
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
 from routing.index.stream_layout import DEFAULT_SHARDS, StreamLayout
 from routing.types import BlockHash, Epoch, ReplicaId
@@ -96,13 +95,8 @@ class StreamIndexWriter:
         return self._client
 
     async def _call(self, what: str, operation: Awaitable[_T]) -> _T:
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                return await operation
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise IndexUnavailable(
-                f"redis index stream {what} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        """Await one Redis operation within ``timeout_s``; any failure is ``IndexUnavailable``."""
+        return await call_redis(f"redis index stream {what}", self._timeout_s, operation)
 
     async def _run(
         self, op: str, replica: ReplicaId, epoch: Epoch | None, payload: bytes = b"",
