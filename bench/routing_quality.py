@@ -46,6 +46,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bench.policy_variants import PolicyVariant, parse_variant
 from bench.workloads import generate
 from bench.workloads.blocks import BlockIdAllocator, Segment
 from fleetgate.commands.simulate import rate_scales
@@ -250,6 +251,8 @@ class PointTask:
     records: tuple[TraceRecord, ...]
     policies: tuple[str, ...]
     config: SimulationConfig
+    #: Built-in policies with changed parameters, replayed after ``policies`` (``--variant``).
+    variants: tuple[PolicyVariant, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,12 @@ def run_point(task: PointTask) -> PointResult:
     """Replay one task (in a worker process when ``--jobs`` > 1)."""
     started, cpu = time.perf_counter(), time.process_time()
     requests = prepare_requests(task.records, rate_scale=task.factor)
-    report = simulate(requests, task.policies, replace(task.config, seed=task.seed))
+    report = simulate(
+        requests,
+        (*task.policies, *(v.name for v in task.variants)),
+        replace(task.config, seed=task.seed),
+        profile_factories={v.name: v.build for v in task.variants},
+    )
     # Summaries only: shipping every request's outcome back from a worker costs more than it says.
     compact = SimulationReport(report.summaries, report.ceilings, wall_s=report.wall_s)
     rejected = {name: run.rejected for name, run in report.runs.items() if run.rejected}
@@ -405,7 +413,8 @@ def evaluate(level: LoadLevel, default: str) -> Verdict | None:
     None when ``default`` was not replayed or nothing else was (no baseline to compare with).
     """
     mine = level.get(default)
-    others = [p for p in level.policies if p.policy != default]
+    # Built-ins only: a --variant is a candidate under study, not a baseline.
+    others = [p for p in level.policies if p.policy != default and p.policy in BUILTIN_PROFILES]
     if mine is None or not others:
         return None
     best_good = max(others, key=lambda p: _num(p.goodput.mean, -math.inf))
@@ -854,6 +863,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="A,B",
         help="comma-separated policies (default: every built-in)",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=POLICY:key=value,…",
+        help="also replay built-in POLICY with these plugin parameters, as NAME (repeatable; "
+        "e.g. d05=fleet-cost:decode_weight=0.05); reported, never a baseline for the checks",
+    )
     parser.add_argument("--replicas", type=int, default=8, help="fleet size (default: 8)")
     parser.add_argument(
         "--jobs",
@@ -880,6 +897,7 @@ class Plan:
 
     subjects: tuple[Subject, ...]
     policies: tuple[str, ...]
+    variants: tuple[PolicyVariant, ...]
     scales: tuple[float, ...]
     spread_scales: tuple[float, ...]
     seeds: int
@@ -898,6 +916,10 @@ def _plan(args: argparse.Namespace) -> Plan:
             f"unknown policy {unknown[0] if unknown else '(none)'}; choose from: "
             + ", ".join(BUILTIN_PROFILES)
         )
+    variants = tuple(parse_variant(spec) for spec in args.variant)
+    names = [*policies, *(v.name for v in variants)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--variant: names must be unique and differ from --policies ({names})")
     for flag in ("seeds", "replicas", "jobs", "requests"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -925,6 +947,7 @@ def _plan(args: argparse.Namespace) -> Plan:
     return Plan(
         subjects,
         policies,
+        variants,
         args.scales,
         args.spread_scales,
         args.seeds,
@@ -961,6 +984,7 @@ def tasks_for(plan: Plan) -> list[PointTask]:
             subject.traces[seed],
             plan.policies,
             plan.config,
+            plan.variants,
         )
         for subject in plan.subjects
         for scale in plan.scales

@@ -326,7 +326,8 @@ def _draw_curve(
         ax.errorbar(
             curve.scales,
             means,
-            yerr=np.vstack([means - low, high - means]),
+            # Clipped: the mean of equal values can land an ulp outside them (0.1 * 3 / 3).
+            yerr=np.clip(np.vstack([means - low, high - means]), 0.0, None),
             fmt="none",
             ecolor=line.get_color(),
             capsize=3,

@@ -200,3 +200,24 @@ def test_close_latencies_show_the_decimal_that_decides() -> None:
     assert rq._ms(204.3, 204.1) == "204.3 vs 204.1"
     assert rq._ms(204.0, 204.0) == "204 vs 204"
     assert rq._ms(math.inf, 1500.0) == "– vs 1,500"
+
+
+def test_a_variant_is_reported_but_never_the_baseline() -> None:
+    """A ``--variant`` row better than the default does not fail the default's checks."""
+    rows = [*GOOD, _summary("mine-stronger", 0.95, 500.0, 0.80)]
+    level = _level(2.0, rows)
+    assert level.get("mine-stronger") is not None
+    assert _checks(rq.evaluate(level, "mine")) == dict.fromkeys(rq.CHECK_NAMES, True)
+
+
+def test_load_plots_draw_seed_bars_whose_mean_rounds_past_the_range(tmp_path) -> None:
+    """Three equal goodputs of 0.1 average to 0.10000000000000002: the bar must still draw."""
+    from planning.simulator.report import write_load_plots
+
+    rows = [_summary("round-robin", 0.1, 900.0, 0.5), _summary("mine", 0.1, 700.0, 0.7)]
+    points = [_point(3.0, rows, seed=seed) for seed in range(3)]
+    assert sum([0.1, 0.1, 0.1]) / 3 > 0.1
+    written = write_load_plots(points, tmp_path, "w-")
+    assert sorted(p.name for p in written) == [
+        "w-goodput_vs_load.png", "w-hit_rate_vs_load.png", "w-ttft_p95_vs_load.png"
+    ]
