@@ -34,7 +34,7 @@ from planning.simulator import SimulationConfig, prepare_requests, simulate
 from planning.simulator.flow import parse_class_mix
 from planning.simulator.summary import PolicySummary, default_policy
 from routing.flow_control import FlowControlSettings
-from traces.format import TraceRecord
+from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
 
 DEFAULT_MIX = "critical=0.2,standard=0.5,sheddable=0.3"
 DEFAULT_SCALES = (0.5, 1.0, 2.0, 3.0, 4.0)
@@ -258,9 +258,17 @@ def render_page(
     plots: Sequence[Path],
     page: Path,
     elapsed_s: float,
+    trace_sizes: dict[str, int] | None = None,
 ) -> str:
-    """The markdown page."""
+    """The markdown page; ``trace_sizes``: the ``--trace`` subjects and requests replayed."""
     failed = [c for c in checks if not c.passed]
+    real = ""
+    if trace_sizes:
+        named = ", ".join(f"`{name}` ({n:,} requests)" for name, n in trace_sizes.items())
+        real = (
+            f" Real traces (`--trace`, see the command): {named}, replayed as recorded, 1× "
+            "being the trace's own rate."
+        )
     lines = [
         "# Flow control: goodput by class with and without it, 1×–4× of saturation",
         "",
@@ -280,7 +288,8 @@ def render_page(
         "run under 10 minutes). The generated workloads arrive at `bench.routing_quality`'s "
         "saturation rates; the Mooncake-like trace is a synthetic stand-in with the public "
         "conversation trace's statistics (3-second ticks of ~10 requests, ~13k-token prompts "
-        "with a heavy tail, ~30% continuing an earlier conversation), 1× being its own rate.",
+        "with a heavy tail, ~30% continuing an earlier conversation), 1× being its own rate."
+        + real,
         "",
         f"**Checks: {len(checks) - len(failed)} of {len(checks)} pass.**",
         "",
@@ -342,13 +351,37 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="optional: also full when its decode interference is over this (off by default)",
     )
+    parser.add_argument(
+        "--trace",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="also replay this Mooncake-format JSONL trace (repeatable), 1x being its own "
+        "rate; e.g. Mooncake's public FAST25-release/traces/conversation_trace.jsonl",
+    )
+    parser.add_argument(
+        "--trace-requests",
+        type=int,
+        metavar="N",
+        help="replay only the first N requests of each --trace (default: the whole file)",
+    )
     parser.add_argument("--out", default=DEFAULT_PAGE, help="markdown page to write")
     parser.add_argument("--no-page", action="store_true", help="print the checks only")
     return parser
 
 
+def trace_subjects(paths: Sequence[str], limit: int | None) -> dict[str, list[TraceRecord]]:
+    """Subject name (the file's stem) -> its first ``limit`` requests, replayed as recorded."""
+    return {Path(p).stem: read_trace(p, DEFAULT_BLOCK_SIZE)[:limit] for p in paths}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        traces = trace_subjects(args.trace, args.trace_requests)
+    except (OSError, TraceFormatError) as exc:
+        parser.error(str(exc))
     started = time.perf_counter()
     settings = FlowControlSettings(
         saturation_backlog_requests=args.saturation_backlog_requests,
@@ -357,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         saturation_decode_interference_ms=args.saturation_decode_interference_ms,
     )
     scales = [float(x) for x in args.scales.split(",")]
-    chosen = subjects([n.strip() for n in args.workloads.split(",")], args.requests)
+    chosen = subjects([n.strip() for n in args.workloads.split(",") if n.strip()], args.requests)
+    chosen.update({name: (trace, 1.0) for name, trace in traces.items()})
     points: list[Point] = []
     checks: list[Check] = []
     for subject, (trace, _) in chosen.items():
@@ -380,7 +414,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = "python -m bench.flow_control " + " ".join(argv or sys.argv[1:])
         page.write_text(
             render_page(
-                points, checks, command.strip(), settings, args.requests, plots, page, elapsed
+                points,
+                checks,
+                command.strip(),
+                settings,
+                args.requests,
+                plots,
+                page,
+                elapsed,
+                {name: len(trace) for name, trace in traces.items()},
             )
         )
         print(f"wrote {page} and {len(plots)} PNGs", file=sys.stderr)
