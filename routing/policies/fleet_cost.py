@@ -27,8 +27,16 @@ For every candidate replica the scorer computes, in milliseconds::
   tuned constant.
 * ``externality_ms`` charges this request's prefill to the requests it delays on that replica:
   ``prefill_ms × (decode_weight × running + queue_weight × expected arrivals during its wait)``.
-  The arrival rate is measured online (decayed count of decisions). Off by default (weights 0):
-  on the simulator's workloads it cost p95 TTFT without adding goodput.
+  Chunked prefill shares every engine step with the running decodes, so each of them waits out
+  this prefill once: a 1 s prefill on a replica running 40 decodes costs 40 decode-seconds of
+  TPOT, which expected-TTFT alone never sees. A decode spreads the stall over its output tokens:
+  against SLOs of 2 s TTFT and 50 ms TPOT and a few hundred tokens, a decode-ms is worth ~0.1 of
+  the newcomer's TTFT-ms (``decode_weight`` 0.09). But it costs goodput only when the decodes
+  are short of TPOT slack, i.e. when the replica spends much of its time prefilling: the share
+  is 0 up to a prefill duty cycle of ``decode_free_duty`` (0.4, the decayed prefill ms sent
+  there per ms) and grows linearly to ``decode_weight`` at 1. Chosen on a public conversation
+  trace and the generated workloads (docs/policies/fleet-cost.md, *What was tried*). The
+  arrival term (``queue_weight``) is off by default: the duplicate weight prices the queue.
 * ``eviction_ms`` charges the uncached tokens written to a replica whose KV cache is nearly full
   (above ``evict_threshold``): they evict someone's prefix, which that someone prefills again.
   Off by default (weight 0).
@@ -135,8 +143,13 @@ class FleetCostScorer(ExpectedTtftScorer):
         duplicate_free_depth: float = Field(default=0.5, ge=0.0)
         #: Ceiling on the duplicate weight (a pathological queue must not freeze all balance).
         max_duplicate_weight: float = Field(default=50.0, ge=0.0)
-        #: Share of this prefill charged per decode running on the replica (their TPOT stall).
-        decode_weight: float = Field(default=0.0, ge=0.0)
+        #: Share of this prefill charged per decode running on a replica that prefills all the
+        #: time (their TPOT stall) ...
+        decode_weight: float = Field(default=0.09, ge=0.0)
+        #: ... and the prefill duty cycle (recent prefill ms per ms) up to which the decodes have
+        #: TPOT slack and are not charged; the charge grows linearly from there to
+        #: ``decode_weight`` at 1. None: charge every running decode ``decode_weight``.
+        decode_free_duty: float | None = Field(default=0.4, ge=0.0, lt=1.0)
         #: Share of this prefill charged per request expected to arrive there during its wait.
         queue_weight: float = Field(default=0.0, ge=0.0)
         #: Share of this prefill charged per running decode while the replica's recent prefill
@@ -184,6 +197,16 @@ class FleetCostScorer(ExpectedTtftScorer):
         depth = sum(self.queued(r) for r in replicas) / len(replicas)
         excess = depth - p.duplicate_free_depth if depth > p.duplicate_free_depth else 0.0
         return min(p.max_duplicate_weight, p.duplicate_base + p.duplicate_per_queued * excess)
+
+    def decode_share(self, replica: ReplicaState, elapsed_now: float) -> float:
+        """Share of a prefill on ``replica`` charged per running decode, given its duty cycle."""
+        p = self.params
+        free = p.decode_free_duty
+        if free is None:
+            return p.decode_weight
+        window_ms = p.recent_prefill_window_s * 1000.0
+        duty = self._recent.load_ms(replica.replica_id, elapsed_now) / window_ms
+        return p.decode_weight * max(0.0, duty - free) / (1.0 - free)
 
     def arrival_rate(self) -> float:
         """Requests per second this scorer has been asked to route, recently."""
@@ -233,8 +256,8 @@ class FleetCostScorer(ExpectedTtftScorer):
                 externality_ms += p.protect_weight * replica.running * prefill_ms * below
             if prefill_ms > 0:
                 affected = 0.0
-                if p.decode_weight > 0:
-                    affected += p.decode_weight * replica.running
+                if p.decode_weight > 0 and replica.running > 0:
+                    affected += self.decode_share(replica, elapsed_now) * replica.running
                 if p.queue_weight > 0:
                     wait_s = (values[_QUEUE] + prefill_ms) / 1000.0
                     affected += p.queue_weight * per_replica_rate * wait_s

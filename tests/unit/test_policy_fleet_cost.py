@@ -104,7 +104,7 @@ TERMS = [
         id="a slower replica does no duplicate work: nothing is cached anywhere",
     ),
     pytest.param(
-        {"decode_weight": 0.1},
+        {"decode_weight": 0.1, "decode_free_duty": None},
         [rep("busy", running=20), rep("idle")], {},
         {"busy": {"externality_ms": 200.0 * 0.1 * 20}, "idle": {"externality_ms": 0.0}},
         id="decodes stalled by this prefill",
@@ -200,12 +200,58 @@ async def test_expected_ttft_would_leave_the_holder_where_fleet_cost_stays() -> 
 
 
 async def test_a_cold_prompt_avoids_stalling_many_decodes() -> None:
-    engine = RoutingEngine(None, {"fleet-cost": profile(**{**QUIET, "decode_weight": 0.1})})
+    engine = RoutingEngine(
+        None, {"fleet-cost": profile(**{**QUIET, "decode_weight": 0.1, "decode_free_duty": None})}
+    )
     replicas = [rep("busy", running=40), rep("calm", running=2, inflight_prefill_tokens=500)]
     decision = await engine.route(req(), replicas, "fleet-cost")
     # busy: 200 ms prefill + 40 x 30 x 0.05 contention + 200 x 0.1 x 40 externality;
     # calm: 50 ms queue + 200 ms + small terms.
     assert decision.replica == "calm"
+
+
+async def test_by_default_a_long_prefill_goes_where_it_stalls_fewer_decodes() -> None:
+    """Default parameters: a 2 s cold prefill on a replica that spent 80% of the last moments
+    prefilling and runs 40 decodes would stall each of them 2 s when they have no TPOT slack
+    left; a replica with 25 decodes, no recent prefill and 300 ms more queue is the cheaper home.
+    ``expected-ttft``, which prices only the request's own first token, takes the shorter queue.
+    """
+    s = scorer()
+    ours = RoutingEngine(
+        None,
+        {"fleet-cost": Profile("fleet-cost", (), ((s, 1.0),), MaxScorePicker())},
+    )
+    replicas = [
+        rep("crowded", running=40),
+        rep("quiet", running=25, inflight_prefill_tokens=3_000),
+    ]
+    # 1.6 s of prefill sent to "crowded" within the 2 s window (a duty cycle of 0.8), whose
+    # first token has arrived since: the gateway's in-flight counter no longer holds it.
+    earlier = req(request_id="earlier", prompt_tokens=16_000, chain=[])
+    s.score_with_terms(earlier, replicas)
+    s.on_request_start(earlier, ReplicaId("crowded"))
+    long_prompt = {"prompt_tokens": 20_000, "chain": []}
+    decision = await ours.route(req(**long_prompt), replicas, "fleet-cost")
+    theirs = await RoutingEngine(None, {"expected-ttft": builtin_profile("expected-ttft")}).route(
+        req(**long_prompt), replicas, "expected-ttft"
+    )
+    # crowded: 2,000 ms prefill + 60 contention + 80 recent-prefill interference, and
+    # 0.09 x (0.8 - 0.4) / 0.6 = 0.06 of the prefill per decode: + 0.06 x 40 x 2,000 = 4,800;
+    # quiet: 300 ms queue + 2,000 + 37.5 contention, duty 0: no decode charge.
+    terms = decision.explanations[ReplicaId("crowded")].terms
+    assert terms["externality_ms"] == pytest.approx(4_800.0)
+    assert (decision.replica, theirs.replica) == ("quiet", "crowded")
+
+
+def test_decodes_with_tpot_slack_are_not_charged() -> None:
+    """Below ``decode_free_duty`` the decodes keep their TPOT whatever one more prefill does."""
+    s = scorer(**{**QUIET, "decode_weight": 0.09, "decode_free_duty": 0.4})
+    replicas = [rep("busy", running=40)]
+    earlier = req(request_id="earlier", prompt_tokens=6_000, chain=[])  # 600 ms: duty 0.3
+    s.score_with_terms(earlier, replicas)
+    s.on_request_start(earlier, ReplicaId("busy"))
+    _, terms = s.score_with_terms(req(), replicas)
+    assert terms[ReplicaId("busy")]["externality_ms"] == 0.0
 
 
 async def test_a_cold_prompt_avoids_the_nearly_full_cache() -> None:
