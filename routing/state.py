@@ -70,6 +70,17 @@ class ReplicaState:
         return model in self.models
 
     @property
+    def running_now(self) -> int:
+        """Requests running on the engine, as fresh as the gateway can know.
+
+        The engine's ``running`` gauge is as old as its last poll; the gateway's own in-flight
+        requests that the engine does not report waiting are running too (decoding, mostly),
+        and that count is current. Take the larger: between polls a burst of requests would
+        otherwise look like an idle replica.
+        """
+        return max(self.running, self.inflight_requests - self.waiting)
+
+    @property
     def load(self) -> int:
         """A single load figure in requests.
 

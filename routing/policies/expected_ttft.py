@@ -298,15 +298,16 @@ class ExpectedTtftScorer(Plugin):
         if waiting_tokens > backlog:
             backlog = waiting_tokens
         # Running decodes share each engine step with the prefill (chunked prefill).
+        running = replica.running_now
         queue_ms = backlog / speed * 1000.0 + (
-            replica.running * replica.decode_step_ms * p.decode_contention
+            running * replica.decode_step_ms * p.decode_contention
         )
         prefill_ms = uncached / speed * 1000.0
         # Chunked prefill shares engine steps with the running decodes, so a replica that has
         # prefilled a lot lately has stalled its decodes a lot: spread prefill work over time
         # (round-robin's strength), not only over the backlog of this instant.
         interference_ms = 0.0
-        if p.recent_prefill_weight > 0 and replica.running > 0:
+        if p.recent_prefill_weight > 0 and running > 0:
             interference_ms = p.recent_prefill_weight * self._recent.load_ms(rid, elapsed_now)
 
         cold_ms, cold_is_ours = 0.0, False

@@ -246,18 +246,19 @@ class FleetCostScorer(ExpectedTtftScorer):
             # count a speed difference as duplicated work.
             duplicate_ms = (values[_UNCACHED] - least_uncached) / values[_SPEED] * 1000.0
             externality_ms = 0.0
-            if p.protect_weight > 0 and prefill_ms > 0 and replica.running > 0:
+            running = replica.running_now
+            if p.protect_weight > 0 and prefill_ms > 0 and running > 0:
                 # The share of this prefill that lands while the replica's prefill duty cycle is
                 # still below ``protect_duty``: past it, its decodes miss their TPOT anyway.
                 duty = self._recent.load_ms(replica.replica_id, elapsed_now) / window_ms
                 added = prefill_ms / window_ms
                 cap = p.protect_duty
                 below = max(0.0, min(duty + added, cap) - min(duty, cap)) / added
-                externality_ms += p.protect_weight * replica.running * prefill_ms * below
+                externality_ms += p.protect_weight * running * prefill_ms * below
             if prefill_ms > 0:
                 affected = 0.0
-                if p.decode_weight > 0 and replica.running > 0:
-                    affected += self.decode_share(replica, elapsed_now) * replica.running
+                if p.decode_weight > 0 and running > 0:
+                    affected += self.decode_share(replica, elapsed_now) * running
                 if p.queue_weight > 0:
                     wait_s = (values[_QUEUE] + prefill_ms) / 1000.0
                     affected += p.queue_weight * per_replica_rate * wait_s

@@ -336,3 +336,25 @@ def test_builtin_profile_and_plugin_are_registered() -> None:
     p = builtin_profile("fleet-cost")
     assert p.name == "fleet-cost" and p.needs_prefix
     assert builtin_profile("fleet-cost").picker is not p.picker
+
+
+async def test_requests_decoding_since_the_last_poll_break_a_tie() -> None:
+    """Between two engine polls the gauges say both replicas idle; the gateway knows one of them
+    has two of its requests decoding and the other one. Equal prefill, no queue anywhere: the
+    decodes it can count decide (as in the real-vLLM prefix test, where first-round prefixes
+    otherwise fell 6 to 2 on uniform tie-breaks and overflowed one engine's cache)."""
+    replicas = [rep("two", inflight_requests=2), rep("one", inflight_requests=1)]
+    assert [r.running_now for r in replicas] == [2, 1]
+    for seed in range(20):  # whatever the tie-break seed
+        decision = await RoutingEngine(None, {"fleet-cost": profile()}).route(
+            req(seed=seed, prompt_tokens=780, chain=[]), replicas, "fleet-cost"
+        )
+        # 78 ms prefill each; decode contention 2 x 30 x 0.05 = 3 ms against 1.5 ms: 1.7%
+        # apart with the 10 ms floor, past the 1% tie tolerance.
+        assert decision.replica == "one"
+
+
+def test_running_now_is_the_fresher_of_gauge_and_gateway_count() -> None:
+    assert rep("a", running=5, inflight_requests=2).running_now == 5  # other clients' requests
+    assert rep("b", running=0, inflight_requests=3, waiting=1).running_now == 2
+    assert rep("c", running=0, inflight_requests=0, waiting=4).running_now == 0
