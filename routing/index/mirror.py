@@ -283,6 +283,10 @@ class MirrorBlockIndex:
                     self._apply_guess(fields, age_ms)
         self._last_ids = last_ids
         self._generation = generation
+        # It has just read all of it from Redis: answer from it now. Left False (a lost tail),
+        # lookups would degrade between the rebuild and the tail's first reply, and a caller
+        # that saw the mirror ready would get IndexUnavailable.
+        self._connected = True
         log.info("index mirror: bootstrapped %d replicas", len(replicas))
 
     async def _tail(self) -> None:

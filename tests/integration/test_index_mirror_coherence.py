@@ -25,7 +25,7 @@ from gateway.index_metrics import MirrorCollector
 from routing.contracts import RoutingRequest
 from routing.engine import RoutingEngine
 from routing.hashing import chain_seed, hash_token_blocks
-from routing.index import MirrorBlockIndex
+from routing.index import IndexUnavailable, MirrorBlockIndex
 from routing.index.stream_writer import StreamIndexWriter
 from routing.policies.registry import builtin_profile
 from routing.state import ReplicaState
@@ -254,3 +254,24 @@ async def test_a_gateway_that_missed_events_reloads_the_replica(
         await gateway.index.sync()
         assert gateway.index.match_now(chain) == {replica: len(chain)}
         assert (await gateway.index.stats()).extra["replica_reloads"] == {"gap": 1}
+
+
+async def test_a_rebuilt_mirror_answers_before_its_tail_first_replies(
+    redis_url: str, prefix: str, writer: StreamIndexWriter
+) -> None:
+    """A bootstrap reads everything from Redis: lookups may use it at once. Before, a mirror
+    whose tail had lost Redis stayed 'not connected' until the tail's first reply after the
+    rebuild, so a caller that saw it ready could still get IndexUnavailable (a race the
+    Redis-restart test above hit on a loaded machine)."""
+    async with AsyncExitStack() as stack:
+        gateway = await start_gateway(stack, redis_url, prefix)
+        await publish_fleet(writer, chains=3)
+        await gateway.index.sync()
+        chain = chain_of(1)
+        held = gateway.index.match_now(chain)
+        assert held
+        gateway.index._connected = False  # as the tail leaves it when Redis goes away
+        with pytest.raises(IndexUnavailable):
+            gateway.index.match_now(chain)
+        await gateway.index._bootstrap()  # the rebuild, without the tail's next reply
+        assert gateway.index.match_now(chain) == held
