@@ -45,7 +45,8 @@ from routing.contracts import BlockIndex, RoutingRequest
 from routing.engine import RoutingEngine
 from routing.hashing import chain_seed, hash_token_blocks
 from routing.index import MemoryBlockIndex, MirrorBlockIndex, RedisBlockIndex
-from routing.policies.registry import builtin_profile
+from routing.policies.registry import DEFAULT_PROFILE, builtin_profile
+from routing.prune import Pruning
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
 
@@ -88,6 +89,8 @@ class Row:
     #: Mean number of replicas the index matched per decision, and their mean depth in blocks.
     matched_replicas: float
     matched_blocks: float
+    #: Mean number of replicas the policy scored per decision (all, unless the engine pruned).
+    scored_replicas: float = 0.0
     #: Redis only: the server's own time per match script call (``INFO commandstats``), ms.
     server_ms: float | None = None
     #: Redis and mirror, with ``--speculative-writes``: the server's time per routed request,
@@ -172,16 +175,18 @@ async def measure(
     w: Workload,
     redis_client: aioredis.Redis | None = None,
     speculative_writes: bool = False,
+    policy: str = DEFAULT_PROFILE,
+    pruning: Pruning | None = Pruning(),  # noqa: B008 - frozen
 ) -> Row:
-    """Time ``w.decisions`` expected-ttft decisions, each followed by a round-robin baseline."""
+    """Time ``w.decisions`` decisions of ``policy``, each followed by a round-robin baseline."""
     seed = chain_seed(MODEL, None, "tenant-salt")
     await prefill(index, replicas, prompts, w, seed)
     if isinstance(index, MirrorBlockIndex):
         await index.sync(timeout_s=60.0)  # the mirror has applied its own prefill's echo
     stats = await index.stats()
-    profiles = {"expected-ttft": builtin_profile("expected-ttft")}
+    profiles = {policy: builtin_profile(policy)}
     profiles["round-robin"] = builtin_profile("round-robin")
-    engine = RoutingEngine(index, profiles, index_timeout_s=0.5)
+    engine = RoutingEngine(index, profiles, index_timeout_s=0.5, pruning=pruning)
     token_lists = [prompts.token_list() for _ in range(64)]  # reused: building them is not timed
 
     hashing: list[float] = []
@@ -192,6 +197,7 @@ async def measure(
     degraded = 0
     matched_replicas: list[int] = []
     matched_blocks: list[int] = []
+    scored: list[int] = []
     clock = time.perf_counter
     gc.collect()
     for i in range(w.warmup + w.decisions):
@@ -210,7 +216,7 @@ async def measure(
             block_size=w.block_size,
         )
         start_decision = clock()
-        result = await engine.route(request, replicas, "expected-ttft")
+        result = await engine.route(request, replicas, policy)
         decided = clock()
         plain = RoutingRequest(
             request_id=f"rr-{i}", model=MODEL, adapter=None, tenant="bench", route="bench",
@@ -237,6 +243,7 @@ async def measure(
         matches = request.prefix_matches or {}
         matched_replicas.append(len(matches))
         matched_blocks.extend(matches.values())
+        scored.append(1 + len(result.fallbacks))  # the picker orders every scored replica
     server_ms = None
     server_ms_per_request = None
     if redis_client is not None:
@@ -268,6 +275,7 @@ async def measure(
         degraded=degraded,
         matched_replicas=float(np.mean(matched_replicas)),
         matched_blocks=float(np.mean(matched_blocks)) if matched_blocks else 0.0,
+        scored_replicas=float(np.mean(scored)),
     )
 
 
@@ -322,18 +330,32 @@ async def run_all(args: argparse.Namespace, redis_url: str | None) -> list[Row]:
             prompts = Prompts(w, np.random.default_rng(args.seed))
             replicas = make_replicas(count, rng)
             writes = args.speculative_writes
+            options = {
+                "policy": args.policy,
+                "pruning": None if args.no_prune else Pruning(),
+            }
             if backend == "memory":
                 rows.append(
-                    await measure(backend, MemoryBlockIndex(), replicas, prompts, w, None, writes)
+                    await measure(
+                        backend, MemoryBlockIndex(), replicas, prompts, w, None, writes, **options
+                    )
                 )
             elif backend == "mirror":
                 assert redis_url is not None
                 async with mirror_index(redis_url) as (index, client):
-                    rows.append(await measure(backend, index, replicas, prompts, w, client, writes))
+                    rows.append(
+                        await measure(
+                            backend, index, replicas, prompts, w, client, writes, **options
+                        )
+                    )
             else:
                 assert redis_url is not None
                 async with redis_index(redis_url) as (index, client):
-                    rows.append(await measure(backend, index, replicas, prompts, w, client, writes))
+                    rows.append(
+                        await measure(
+                            backend, index, replicas, prompts, w, client, writes, **options
+                        )
+                    )
             print(format_row(rows[-1]), file=sys.stderr)
     return rows
 
@@ -363,8 +385,14 @@ def render(rows: Sequence[Row], args: argparse.Namespace, command: str, redis_no
         "# Routing decision time",
         "",
         "How long the gateway takes to choose a replica for one request: the block-index lookup",
-        "plus the policy engine (filters, scorers, picker), for the `expected-ttft` policy. Prompt",
-        "hashing is reported separately (it happens once per request whatever the policy).",
+        f"plus the policy engine (filters, scorers, picker), for the `{args.policy}` policy"
+        + (
+            ", every candidate scored (`--no-prune`)."
+            if args.no_prune
+            else f"; past {Pruning().above} candidates the engine scores only those holding the "
+            f"prefix plus the {Pruning().least_loaded} least loaded (routing/prune.py)."
+        ),
+        "Prompt hashing is reported separately (it happens once per request whatever the policy).",
         "",
         "Generated by `bench/routing_decision.py`; rerun it to refresh this page:",
         "",
@@ -407,7 +435,8 @@ def render(rows: Sequence[Row], args: argparse.Namespace, command: str, redis_no
             f"- {row.backend}, {row.replicas} replicas: the index lookup is {share:.0%} of the "
             f"decision at p50; the engine alone takes {row.engine[0]:.3f} ms p50 / "
             f"{row.engine[1]:.3f} ms p99. The index matched {row.matched_replicas:.1f} replicas "
-            f"per decision, {row.matched_blocks:.0f} blocks deep on average."
+            f"per decision, {row.matched_blocks:.0f} blocks deep on average; the policy scored "
+            f"{row.scored_replicas:.1f} replicas per decision."
             + (
                 f" Redis itself spent {row.server_ms:.3f} ms per lookup script (mean, "
                 "`INFO commandstats`); the rest of the lookup is the round trip and the client."
@@ -447,6 +476,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="after each decision, write the speculative entry the gateway writes (untimed), "
         "and report Redis server time per routed request over all commands",
+    )
+    parser.add_argument(
+        "--policy",
+        default=DEFAULT_PROFILE,
+        help=f"built-in routing profile to time (default: {DEFAULT_PROFILE}, the gateway's)",
+    )
+    parser.add_argument(
+        "--no-prune",
+        action="store_true",
+        help="score every candidate (the engine otherwise prunes past "
+        f"{Pruning().above}: routing/prune.py)",
     )
     parser.add_argument("--prompt-tokens", type=int, default=6_000)
     parser.add_argument("--system-prompt-tokens", type=int, default=4_000)

@@ -114,7 +114,11 @@ def create_app(
         else build_gateway_index(config.redis_url, config.index_key_prefix, config.index_mode)
     )
     if inflight is None:
-        inflight = RedisInflight(config.redis_url) if config.redis_url else MemoryInflight()
+        inflight = (
+            RedisInflight(config.redis_url, fleet=config.index_key_prefix)
+            if config.redis_url
+            else MemoryInflight()
+        )
     registry = ReplicaRegistry(config.breaker_failures, config.breaker_cooldown_s)
     registry.set_static(view.replicas)
     gw = GatewayState(

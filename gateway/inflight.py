@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Callable
 from typing import Protocol
 
 from routing.types import ReplicaId
@@ -20,6 +22,10 @@ from routing.types import ReplicaId
 log = logging.getLogger(__name__)
 
 Counts = dict[ReplicaId, tuple[int, int]]
+
+#: Ended requests remembered per replica for ``ended_since``: more than end in one scrape
+#: interval on any engine (a few hundred a second at most, read several times a second).
+ENDED_KEPT = 512
 
 
 class InflightTracker(Protocol):
@@ -29,9 +35,13 @@ class InflightTracker(Protocol):
 
     def prefilled(self, replica: ReplicaId, prefill_tokens: int) -> None: ...
 
-    def finish(self, replica: ReplicaId, prefill_tokens: int) -> None: ...
+    def finish(
+        self, replica: ReplicaId, prefill_tokens: int, started_at: float | None = None
+    ) -> None: ...
 
     def counts(self) -> Counts: ...
+
+    def ended_since(self, replica: ReplicaId, read_at: float) -> int: ...
 
     async def sync(self) -> None: ...
 
@@ -41,9 +51,12 @@ class InflightTracker(Protocol):
 class MemoryInflight:
     """This gateway's own counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._requests: dict[ReplicaId, int] = defaultdict(int)
         self._tokens: dict[ReplicaId, int] = defaultdict(int)
+        #: Per replica, the last requests that ended: (sent at, ended at), wall-clock seconds.
+        self._ended: dict[ReplicaId, deque[tuple[float, float]]] = {}
+        self._clock = clock
 
     def start(self, replica: ReplicaId, prefill_tokens: int) -> None:
         """A request was sent to ``replica``; its prompt is not prefilled yet."""
@@ -54,13 +67,41 @@ class MemoryInflight:
         """The first byte arrived: the engine has prefilled the prompt."""
         self._tokens[replica] = max(0, self._tokens[replica] - prefill_tokens)
 
-    def finish(self, replica: ReplicaId, prefill_tokens: int) -> None:
-        """The request ended; ``prefill_tokens`` is what is still counted as unprefilled (or 0)."""
+    def finish(
+        self, replica: ReplicaId, prefill_tokens: int, started_at: float | None = None
+    ) -> None:
+        """The request ended; ``prefill_tokens`` is what is still counted as unprefilled (or 0).
+
+        ``started_at`` (wall clock) is when it was sent: with it, ``ended_since`` can tell an
+        engine reading that still counted this request.
+        """
         self._requests[replica] = max(0, self._requests[replica] - 1)
         self._tokens[replica] = max(0, self._tokens[replica] - prefill_tokens)
+        if started_at is not None:
+            ended = self._ended.get(replica)
+            if ended is None:
+                ended = self._ended[replica] = deque(maxlen=ENDED_KEPT)
+            ended.append((started_at, self._clock()))
 
     def counts(self) -> Counts:
         return {r: (n, self._tokens[r]) for r, n in self._requests.items()}
+
+    def ended_since(self, replica: ReplicaId, read_at: float) -> int:
+        """Requests this gateway sent to ``replica`` before ``read_at`` that have ended since.
+
+        An engine reading taken at ``read_at`` may still count them as running: they are the
+        ones it is stale about. Requests sent after the reading were never in it.
+        """
+        ended = self._ended.get(replica)
+        if not ended or ended[-1][1] <= read_at:
+            return 0  # the usual case: nothing ended since the reading
+        count = 0
+        for sent_at, ended_at in reversed(ended):
+            if ended_at <= read_at:
+                break
+            if sent_at <= read_at:
+                count += 1
+        return count
 
     async def sync(self) -> None:
         return None
@@ -74,8 +115,18 @@ class RedisInflight(MemoryInflight):
 
     KEY_PREFIX = "fleetgate:inflight:"
 
-    def __init__(self, redis_url: str, ttl_s: float = 5.0, gateway_id: str | None = None) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        ttl_s: float = 5.0,
+        gateway_id: str | None = None,
+        fleet: str | None = None,
+    ) -> None:
+        """``fleet`` names the gateways that share counts (the index key prefix: gateways
+        sharing an index route the same replicas); gateways of other fleets on the same Redis,
+        and gateways of this one stopped less than ``ttl_s`` ago, must not count here."""
         super().__init__()
+        self.key_prefix = f"{self.KEY_PREFIX}{fleet or 'default'}:"
         import redis.asyncio as redis_asyncio
 
         self._redis = redis_asyncio.Redis.from_url(redis_url, socket_timeout=0.5)
@@ -93,11 +144,11 @@ class RedisInflight(MemoryInflight):
 
     async def sync(self) -> None:
         """Publish our counts and read everyone else's; errors only cost freshness."""
-        own_key = self.KEY_PREFIX + self.gateway_id
+        own_key = self.key_prefix + self.gateway_id
         try:
             await self._redis.set(own_key, json.dumps(super().counts()), px=self._ttl_ms)
             others: dict[ReplicaId, tuple[int, int]] = {}
-            async for key in self._redis.scan_iter(match=self.KEY_PREFIX + "*", count=100):
+            async for key in self._redis.scan_iter(match=self.key_prefix + "*", count=100):
                 name = key.decode() if isinstance(key, bytes) else key
                 if name == own_key:
                     continue
@@ -114,5 +165,5 @@ class RedisInflight(MemoryInflight):
     async def close(self) -> None:
         # Shutting down: a failed delete is harmless, the key expires by itself.
         with contextlib.suppress(Exception):
-            await self._redis.delete(self.KEY_PREFIX + self.gateway_id)
+            await self._redis.delete(self.key_prefix + self.gateway_id)
         await self._redis.aclose()

@@ -285,6 +285,9 @@ class ReplicaRegistry:
                     if resp.status == 200:
                         models_read_at = time.time()
                         models_body = await resp.json()
+                # The figures are as old as the ask, not the answer: a request that ended while
+                # a busy engine rendered the page may still be in them (finished_since_read).
+                metrics_asked_at = time.time()
                 async with session.get(f"{state.url}/metrics", timeout=timeout) as resp:
                     if resp.status == 200:
                         text = await resp.text()
@@ -319,7 +322,7 @@ class ReplicaRegistry:
                 updates["running"] = int(gauges.get("running", 0))
                 updates["waiting"] = int(gauges.get("waiting", 0))
                 updates["kv_usage"] = float(gauges.get("kv_usage", 0.0))
-                updates["metrics_read_at"] = time.time()
+                updates["metrics_read_at"] = metrics_asked_at
         self._states[state.replica_id] = replace(current, **updates)
         if current.healthy and not healthy:
             aborted = self.attempts.abort_unanswered(state.replica_id)
@@ -331,13 +334,30 @@ class ReplicaRegistry:
                 aborted,
             )
 
-    def set_inflight(self, counts: dict[ReplicaId, tuple[int, int]]) -> None:
-        """Copy in-flight (requests, unprefilled prompt tokens) per replica into the states."""
+    def set_inflight(
+        self,
+        counts: dict[ReplicaId, tuple[int, int]],
+        ended_since: Callable[[ReplicaId, float], int] | None = None,
+    ) -> None:
+        """Copy in-flight (requests, unprefilled prompt tokens) per replica into the states.
+
+        ``ended_since(replica, read_at)`` (the in-flight tracker's) counts the requests sent
+        there before the engine figures were read that have ended since: the ``running`` gauge
+        still counts them, and they become the state's ``finished_since_read``.
+        """
         for rid, state in self._states.items():
             requests, tokens = counts.get(rid, (0, 0))
-            if (state.inflight_requests, state.inflight_prefill_tokens) != (requests, tokens):
+            since_read = ended_since(rid, state.metrics_read_at) if ended_since else 0
+            if (
+                state.inflight_requests,
+                state.inflight_prefill_tokens,
+                state.finished_since_read,
+            ) != (requests, tokens, since_read):
                 self._states[rid] = replace(
-                    state, inflight_requests=requests, inflight_prefill_tokens=tokens
+                    state,
+                    inflight_requests=requests,
+                    inflight_prefill_tokens=tokens,
+                    finished_since_read=since_read,
                 )
 
     def set_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:

@@ -157,6 +157,18 @@ def in_process_match(
 # --------------------------------------------------------------------------- routing requests
 
 
+@dataclass(frozen=True)
+class CandidatesSummary:
+    """Fleet-wide figures of a decision's candidates, taken before pruning."""
+
+    #: Candidates that survived the filters.
+    count: int
+    #: Their mean ``ReplicaState.load``.
+    mean_load: float
+    #: Their mean ``ReplicaState.queued``.
+    mean_queued: float
+
+
 @dataclass
 class RoutingRequest:
     """Everything a policy may read about one request. No prompt text: policies never need it."""
@@ -179,6 +191,10 @@ class RoutingRequest:
     adapter_cold_load_ms: dict[ReplicaId, float] = field(default_factory=dict)
     #: Deterministic per-request seed for randomised tie-breaks (tests fix it).
     seed: int | None = None
+    #: Filled by the engine when it prunes candidates before scoring (``routing/prune.py``):
+    #: figures of every candidate, for plugins that compare a replica with the fleet rather
+    #: than with the few replicas left to score. ``None``: nothing was pruned.
+    candidates: CandidatesSummary | None = None
 
 
 @dataclass

@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from routing.contracts import (
     BlockIndex,
+    CandidatesSummary,
     Filter,
     NoReplicaAvailable,
     Picker,
@@ -37,6 +38,7 @@ from routing.contracts import (
     in_process_match,
 )
 from routing.policies.serves_model import ServesModelFilter
+from routing.prune import PRUNED, Pruning, prune
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -72,9 +74,11 @@ class ExplainingPicker(Protocol):
 class _Stages:
     """What one decision's stages returned: enough to explain any replica later."""
 
-    __slots__ = ("filtered_out_by", "matches", "picker_terms", "scorers", "totals")
+    __slots__ = ("filtered_out_by", "matches", "picker_terms", "pruned", "scorers", "totals")
 
     def __init__(self) -> None:
+        #: True when candidates were pruned before scoring: those not scored were pruned.
+        self.pruned = False
         #: Replica -> name of the filter that removed it (removed replicas only).
         self.filtered_out_by: dict[ReplicaId, str] = {}
         self.matches: Mapping[ReplicaId, int] | None = None
@@ -101,7 +105,9 @@ class _Stages:
             matched_blocks=matches.get(replica, 0) if matches else 0,
             scores=scores,
             terms=terms,
-            filtered_out_by=self.filtered_out_by.get(replica),
+            filtered_out_by=self.filtered_out_by.get(
+                replica, PRUNED if self.pruned and replica not in self.totals else None
+            ),
         )
 
 
@@ -258,11 +264,25 @@ def _ms_since(start: float) -> float:
 class _Plan:
     """What ``route`` needs of a profile, worked out once per profile instead of per request."""
 
-    __slots__ = ("filters", "needs_prefix", "picker_key", "picker_name", "profile", "scorers")
+    __slots__ = (
+        "filters",
+        "needs_prefix",
+        "picker_key",
+        "picker_name",
+        "profile",
+        "prunable",
+        "scorers",
+    )
 
     def __init__(self, profile: Profile, builtin_filter: Filter) -> None:
         self.profile = profile
         self.needs_prefix = profile.needs_prefix  # a property walking every plugin
+        #: Every scorer and the picker read fleet-wide figures only as ``request.candidates``:
+        #: the engine may prune candidates before scoring (routing/prune.py).
+        self.prunable = all(
+            getattr(plugin, "prunable", False)
+            for plugin in (*(scorer for scorer, _ in profile.scorers), profile.picker)
+        )
         filter_names = [_plugin_name(f) for f in (builtin_filter, *profile.filters)]
         #: (filter, its name, its timings key), the built-in filter first.
         self.filters: tuple[tuple[Filter, str, str], ...] = tuple(
@@ -292,10 +312,14 @@ class RoutingEngine:
         profiles: Mapping[str, Profile],
         *,
         index_timeout_s: float = 0.05,
+        pruning: Pruning | None = Pruning(),  # noqa: B008 - frozen, shared safely
     ) -> None:
         if not (index_timeout_s > 0 and math.isfinite(index_timeout_s)):
             raise ValueError(f"index_timeout_s must be a positive number (got {index_timeout_s!r})")
         self._index = index
+        #: Past ``pruning.above`` candidates, score only those that can win (routing/prune.py);
+        #: ``None`` scores every candidate.
+        self._pruning = pruning
         #: The synchronous lookup of an in-process index (memory, mirror), found once; a
         #: subclass overriding the async ``match`` (tests do) is called through that instead.
         self._match_now = in_process_match(index)
@@ -373,6 +397,19 @@ class RoutingEngine:
             degraded = not await self._lookup_prefix(request, timings)
         if request.prefix_matches:
             stages.matches = dict(request.prefix_matches)
+        pruning = self._pruning
+        request.candidates = None  # a request routed again is pruned afresh
+        if pruning is not None and plan.prunable and len(candidates) > pruning.above:
+            start = time.perf_counter()
+            count = len(candidates)
+            request.candidates = CandidatesSummary(
+                count,
+                sum(loads[r.replica_id] for r in candidates) / count,
+                sum(r.queued for r in candidates) / count,
+            )
+            candidates = list(prune(request, candidates, loads, pruning))
+            stages.pruned = True
+            timings["prune"] = _ms_since(start)
 
         totals = self._run_scorers(request, candidates, plan, timings, stages)
         order = self._run_picker(request, candidates, totals, plan, timings, stages)

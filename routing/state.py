@@ -45,6 +45,9 @@ class ReplicaState:
     inflight_requests: int = 0
     #: Prompt tokens of in-flight requests that the engine has not prefilled yet (gateway's view).
     inflight_prefill_tokens: int = 0
+    #: Requests this gateway saw end on the replica since its engine figures were read: the
+    #: ``running`` gauge may still count them.
+    finished_since_read: int = 0
     #: Prefill throughput estimate in tokens/s; starts from configuration, calibrated online.
     prefill_tokens_per_s: float = 10_000.0
     #: Decode-step time estimate in ms; used to estimate queue wait behind running requests.
@@ -76,9 +79,20 @@ class ReplicaState:
         The engine's ``running`` gauge is as old as its last poll; the gateway's own in-flight
         requests that the engine does not report waiting are running too (decoding, mostly),
         and that count is current. Take the larger: between polls a burst of requests would
-        otherwise look like an idle replica.
+        otherwise look like an idle replica. The gauge loses the requests the gateway has seen end
+        since it was read: without that, a replica that has just finished a request looks busy
+        for a whole scrape interval, and a burst of new work piles onto the others.
         """
-        return max(self.running, self.inflight_requests - self.waiting)
+        return max(self.running - self.finished_since_read, self.inflight_requests - self.waiting)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting on the engine for their prefill to start.
+
+        The engine's waiting queue, or, when the gateway's view is fresher, the requests it has
+        in flight there beyond those the engine reports running.
+        """
+        return max(self.waiting, self.inflight_requests - self.running, 0)
 
     @property
     def load(self) -> int:

@@ -154,6 +154,8 @@ class AttemptRecorder:
         self.key = next(_request_keys)
         self.outcome = UpstreamOutcome()
         self._unprefilled: dict[ReplicaId, int] = {}
+        #: Wall-clock time each attempt was sent, for the tracker's ``ended_since``.
+        self._sent_at: dict[ReplicaId, float] = {}
         self.attempts = 0
 
     def prepare(
@@ -199,6 +201,7 @@ class AttemptRecorder:
             )
         gw.inflight.start(replica, self.uncached)
         self._unprefilled[replica] = self.uncached
+        self._sent_at[replica] = time.time()
         gw.meter.start(replica, self.key)
         gw.engine.observe_start(self.routed.routing_request, replica)
 
@@ -208,7 +211,9 @@ class AttemptRecorder:
 
     def ended(self, replica: ReplicaId) -> None:
         gw = self.gw
-        gw.inflight.finish(replica, self._unprefilled.pop(replica, 0))
+        gw.inflight.finish(
+            replica, self._unprefilled.pop(replica, 0), self._sent_at.pop(replica, None)
+        )
         state = gw.registry.get(replica)
         pool = state.pool if state else "unknown"
         charged = gw.meter.finish(replica, self.key)

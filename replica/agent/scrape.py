@@ -113,14 +113,21 @@ class EngineScraper:
             return False
 
     async def snapshot(self) -> EngineSnapshot:
-        """One full reading; raises ``httpx.HTTPError`` when the engine does not answer."""
+        """One full reading; raises ``httpx.HTTPError`` when the engine does not answer.
+
+        Its ``read_at`` is when ``/metrics`` was asked for: the engine's figures are at least
+        that fresh, and a request that ended after it may still be counted in them (the
+        gateway's ``ReplicaState.finished_since_read`` relies on that). Stamping the answer's
+        arrival instead, a busy engine's slow page would pass for a reading after the ends.
+        """
+        asked_at = time.time()
         metrics = await self._client.get("/metrics")
         metrics.raise_for_status()
         models = await self._client.get("/v1/models")
         models.raise_for_status()
         figures = parse_metrics(metrics.text)
         served, adapters = parse_models(models.json())
-        return EngineSnapshot(**figures, models=served, adapters=adapters)
+        return EngineSnapshot(**figures, models=served, adapters=adapters, read_at=asked_at)
 
     async def close(self) -> None:
         await self._client.aclose()

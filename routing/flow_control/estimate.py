@@ -62,7 +62,7 @@ class FleetEstimate:
 
 def backlog_of(state: ReplicaState) -> int:
     """Requests waiting to start on ``state``'s engine (see ``ReplicaLoad.backlog_requests``)."""
-    return max(state.waiting, state.inflight_requests - state.running)
+    return state.queued
 
 
 def estimate_from_decision(

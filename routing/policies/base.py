@@ -33,12 +33,16 @@ class Plugin:
     """Base class of the built-in plugins.
 
     Subclasses set ``type_name`` (the name the YAML uses), ``kind``, and a nested ``Params`` model.
-    ``needs_prefix`` tells the engine to consult the block index before running the profile.
+    ``needs_prefix`` tells the engine to consult the block index before running the profile;
+    ``prunable`` lets it score only the candidates that can win in large fleets.
     """
 
     type_name: ClassVar[str]
     kind: ClassVar[PluginKind]
     needs_prefix: ClassVar[bool] = False
+    #: True when the plugin decides the same on pruned candidates (routing/prune.py): it reads
+    #: fleet-wide figures only from ``request.candidates`` when that is set.
+    prunable: ClassVar[bool] = False
     Params: ClassVar[type[PluginParams]] = PluginParams
 
     def __init__(self, params: PluginParams | None = None, *, name: str | None = None) -> None:

@@ -154,6 +154,8 @@ class ExpectedTtftScorer(Plugin):
     type_name: ClassVar[str] = "expected-ttft"
     kind: ClassVar[PluginKind] = "scorer"
     needs_prefix: ClassVar[bool] = True
+    #: Costs each replica on its own figures: pruning cannot change a replica's cost.
+    prunable: ClassVar[bool] = True
 
     class Params(PluginParams):
         """Parameters of ``expected-ttft``."""

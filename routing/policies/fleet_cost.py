@@ -57,7 +57,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from routing.contracts import RoutingRequest
+from routing.contracts import CandidatesSummary, RoutingRequest
 from routing.engine import PluginTerms, Profile
 from routing.policies.base import PluginKind, PluginParams
 from routing.policies.expected_ttft import TERM_NAMES as TTFT_TERM_NAMES
@@ -130,6 +130,7 @@ class FleetCostScorer(ExpectedTtftScorer):
     type_name: ClassVar[str] = "fleet-cost"
     kind: ClassVar[PluginKind] = "scorer"
     needs_prefix: ClassVar[bool] = True
+    prunable: ClassVar[bool] = True
 
     class Params(ExpectedTtftScorer.Params):
         """Parameters of ``fleet-cost`` (expected-ttft's, and the externality terms)."""
@@ -179,22 +180,19 @@ class FleetCostScorer(ExpectedTtftScorer):
 
     # ------------------------------------------------------------------ congestion
 
-    @staticmethod
-    def queued(replica: ReplicaState) -> int:
-        """Requests waiting on ``replica`` for their prefill to start.
-
-        The engine's waiting queue, or — when the gateway's view is fresher — the requests this
-        gateway has in flight beyond those the engine reports running.
-        """
-        return max(replica.waiting, replica.inflight_requests - replica.running, 0)
-
-    def duplicate_weight(self, replicas: Sequence[ReplicaState]) -> float:
+    def duplicate_weight(
+        self, replicas: Sequence[ReplicaState], fleet: CandidatesSummary | None = None
+    ) -> float:
         """Weight of duplicated prefill: base + per-queued × fleet-mean queue depth beyond the
-        free depth, capped."""
+        free depth, capped. ``fleet`` (every candidate, when the engine pruned) gives the mean;
+        else ``replicas`` do."""
         p = self.params
-        if not replicas:
+        if fleet is not None:
+            depth = fleet.mean_queued
+        elif not replicas:
             return p.duplicate_base
-        depth = sum(self.queued(r) for r in replicas) / len(replicas)
+        else:
+            depth = sum(r.queued for r in replicas) / len(replicas)
         excess = depth - p.duplicate_free_depth if depth > p.duplicate_free_depth else 0.0
         return min(p.max_duplicate_weight, p.duplicate_base + p.duplicate_per_queued * excess)
 
@@ -235,9 +233,12 @@ class FleetCostScorer(ExpectedTtftScorer):
             return {}, terms
 
         least_uncached = min(values[_UNCACHED] for values in base.values())
-        weight = self.duplicate_weight(replicas)
+        fleet = request.candidates
+        weight = self.duplicate_weight(replicas, fleet)
         window_ms = p.recent_prefill_window_s * 1000.0
-        per_replica_rate = self._arrivals.rate(elapsed_now) / len(base)
+        per_replica_rate = self._arrivals.rate(elapsed_now) / (
+            fleet.count if fleet is not None else len(base)
+        )
         raw: dict[ReplicaId, tuple[float, ...]] = {}
         for replica in replicas:
             values = base[replica.replica_id]

@@ -176,6 +176,26 @@ class Stack:
             )
         return out
 
+    async def idle(self) -> bool:
+        """No request runs or waits on any engine (by its own gauges), and the gateway's view of
+        every replica says so too (its figures come from the agents' scrapes, a moment later).
+
+        The engines live for the whole session: a request an earlier test left running, or a
+        gauge the gateway read while one ran, would make this test's first decisions avoid that
+        replica, and a routing test would measure the previous test instead of the router.
+        """
+        for engine in self.engines:
+            text = (await self.http.get(f"{engine.url}/metrics")).text
+            if metric_sum(text, "vllm:num_requests_running") or metric_sum(
+                text, "vllm:num_requests_waiting"
+            ):
+                return False
+        for i in range(len(self.engines)):
+            state = self.gw.registry.get(replica_id(i))
+            if state is None or state.running or state.waiting or state.inflight_requests:
+                return False
+        return True
+
     async def replicas_view(self) -> dict[str, dict[str, Any]]:
         resp = await self.http.get(f"{self.url}/admin/replicas", headers=ADMIN)
         assert resp.status_code == 200, resp.text
@@ -331,6 +351,12 @@ async def gateway_stack(
         await eventually(
             lambda: result.routable([replica_id(i) for i in range(len(engines))]),
             "the gateway routes to both replicas",
+        )
+        await eventually(
+            result.idle,
+            "both engines idle and the gateway's view of them caught up (a request from an "
+            "earlier test still running?)",
+            timeout_s=60,
         )
         try:
             yield result

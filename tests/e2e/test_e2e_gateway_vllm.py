@@ -198,8 +198,28 @@ def in_flight_or_done(stack: Stack, task: asyncio.Task[Any], request_id: str) ->
     return task.done() or stack.gw.registry.attempts.replica_of(request_id) is not None
 
 
+def registry_view(stack: Stack) -> dict[str, tuple[int, int, int, int, float]]:
+    """Per replica, what the gateway's registry holds now: (running gauge, waiting gauge,
+    in flight, ended since the reading, the reading's age in ms)."""
+    now = time.time()
+    out = {}
+    for state in stack.gw.registry.all():
+        out[state.replica_id] = (
+            state.running,
+            state.waiting,
+            state.inflight_requests,
+            state.finished_since_read,
+            round((now - state.metrics_read_at) * 1000),
+        )
+    return out
+
+
 async def run_workload(
-    stack: Stack, prompts: list[str], tenant: str, headers: dict[str, str] | None
+    stack: Stack,
+    prompts: list[str],
+    tenant: str,
+    headers: dict[str, str] | None,
+    views: list[dict[str, tuple[int, int, int, int, float]]] | None = None,
 ) -> tuple[Any, list[str]]:
     before = await stack.engine_counters()
     # First round: clients a few ms apart, each arriving while the previous ones are in flight.
@@ -214,6 +234,8 @@ async def run_workload(
         await eventually(
             lambda t=task, r=request_id: in_flight_or_done(stack, t, r), "request in flight"
         )
+        if views is not None:  # as the next decision will see it (less what happens meanwhile)
+            views.append(registry_view(stack))
         ids.append(request_id)
         tasks.append(task)
     await asyncio.gather(*tasks)
@@ -230,7 +252,8 @@ async def test_prefix_aware_routing_reaches_90_percent_of_ideal_on_vllm_counters
     queried = sum(len(t) for t in token_lists)
     ideal = ideal_hits / queried
     # Same prompts, two tenants (two cache salts): the runs share no cached block.
-    aware, aware_ids = await run_workload(stack, prompts, "alpha", None)
+    views: list[dict[str, tuple[int, int, int, int, float]]] = []
+    aware, aware_ids = await run_workload(stack, prompts, "alpha", None, views)
     blind, _ = await run_workload(stack, prompts, "gamma", RR_HEADER)
     decisions = await stack.decisions()
     placement: dict[int, Counter[str]] = {}
@@ -264,6 +287,10 @@ async def test_prefix_aware_routing_reaches_90_percent_of_ideal_on_vllm_counters
             (d["served_by"], {k: round(e["terms"].get("queue_wait_ms", -1)) for k, e in
                               d["explanations"].items()}, d["degraded"]) for d in first_round
         ])
+    )
+    lines.append(
+        "registry after each first-round dispatch (running, waiting, in flight, ended since "
+        f"the reading, reading age ms): {views}"
     )
     degraded = sum(decisions[r]["degraded"] for r in aware_ids)
     lines.append(f"degraded decisions (index unavailable): {degraded}")
@@ -541,8 +568,6 @@ async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
         hash_token_blocks(await tokens_of(tokenizer, prefix + f" long {j}?"), BLOCK_SIZE, seed)
         for j in range(len(flight_ids))
     ]
-    # In-flight counts per replica before the long requests leave: nothing else runs now.
-    idle_counts = {r: n for r, (n, _) in stack.gw.inflight.counts().items()}
     in_flight = [
         asyncio.create_task(
             complete(
@@ -557,16 +582,23 @@ async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
     def one_in_flight() -> bool:
         """A long request has been sent to a replica and has not ended.
 
-        Read from the gateway's own in-flight counts, in process: no I/O between the sighting
-        and the freeze below, so it lands within one poll of the request leaving the gateway,
-        while its 800-token generation (seconds, even on an idle CPU) has barely started. The
-        old check read the engine's /metrics first, and on a busy machine a request could end
-        before it was seen (the cause of the old flakiness).
+        Read from the gateway's attempts in progress, in process and by request id: no I/O
+        between the sighting and the freeze below, so it lands within one poll of the request
+        leaving the gateway, while its 800-token generation (seconds, even on an idle CPU) has
+        barely started. (Reading the engine's /metrics first let a request end unseen on a busy
+        machine; comparing in-flight counts with a snapshot was fooled by another gateway's
+        count expiring from Redis meanwhile.)
         """
-        for replica, (n, _) in stack.gw.inflight.counts().items():
-            if n > idle_counts.get(replica, 0):
+        for request_id, task in zip(flight_ids, in_flight, strict=True):
+            replica = stack.gw.registry.attempts.replica_of(request_id)
+            if replica is not None:
                 running_on.append(replica)
                 return True
+            if task.done():  # it ended unseen: say how, rather than wait for nothing
+                raise AssertionError(
+                    f"long request {request_id} ended before it was seen in flight: "
+                    f"{task.exception() or task.result()!r}"
+                )
         return False
 
     await eventually(one_in_flight, "a long request is sent to a replica", timeout_s=60)

@@ -38,6 +38,24 @@ async def test_inflight_counts_are_shared_between_gateways(redis_url: str) -> No
     await third.close()
 
 
+async def test_inflight_counts_stay_within_their_fleet(redis_url: str) -> None:
+    """Two fleets on one Redis (two index key prefixes) never add up each other's counts: the
+    e2e failover test once waited a minute for a count to rise because another test's stopped
+    gateway still had its key there."""
+    ours, theirs = RedisInflight(redis_url, fleet="ours"), RedisInflight(redis_url, fleet="theirs")
+    replica = ReplicaId("pool/0")
+    try:
+        theirs.start(replica, 500)
+        await theirs.sync()
+        ours.start(replica, 7)
+        await ours.sync()
+        assert ours.counts()[replica] == (1, 7)
+        assert theirs.counts()[replica] == (1, 500)
+    finally:
+        await ours.close()
+        await theirs.close()
+
+
 async def test_gateway_routes_with_the_redis_index(redis_url: str) -> None:
     upstream = FakeUpstream()
     async with serve(upstream.app()) as upstream_url:

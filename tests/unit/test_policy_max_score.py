@@ -1,8 +1,9 @@
-"""``max-score``: best weighted score under a bounded-load guard, random among near-ties."""
+"""``max-score``: best weighted score under a bounded-load guard, near-ties shared in turns."""
 
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 
 from routing.contracts import RoutingRequest
 from routing.policies.max_score import MaxScorePicker
@@ -52,7 +53,34 @@ def test_bounded_load_guard_passes_over_an_overloaded_favourite() -> None:
 
 
 def test_same_seed_same_answer() -> None:
-    picker = MaxScorePicker()
     replicas = [rep(x) for x in "abcd"]
     equal = scores(a=1, b=1, c=1, d=1)
-    assert picker.pick(req(9), replicas, equal) == picker.pick(req(9), replicas[::-1], equal)
+    for tie_break in ("least-recent", "random"):
+        params = MaxScorePicker.Params(tie_break=tie_break)
+        first = MaxScorePicker(params).pick(req(9), replicas, equal)
+        assert first == MaxScorePicker(params).pick(req(9), replicas[::-1], equal)
+
+
+def test_near_ties_take_turns_whatever_the_seed() -> None:
+    """Eight new prefixes on two idle replicas (every score equal): 4 and 4, never 6 and 2."""
+    picker = MaxScorePicker(MaxScorePicker.Params(tie_tolerance=0.01))
+    replicas = [rep("r0"), rep("r1")]
+    for start in range(20):
+        firsts = Counter(
+            picker.pick(req(start * 100 + k), replicas, scores(r0=1.0, r1=1.0))[0]
+            for k in range(8)
+        )
+        assert firsts == {"r0": 4, "r1": 4}
+
+
+def test_turns_go_to_the_least_recently_chosen_among_the_near_ones_only() -> None:
+    picker = MaxScorePicker(MaxScorePicker.Params(tie_tolerance=0.05))
+    replicas = [rep("a"), rep("b"), rep("c")]
+    near_ab = scores(a=1.0, b=0.97, c=0.5)
+    chosen = [picker.pick(req(k), replicas, near_ab)[0] for k in range(6)]
+    assert sorted(chosen) == ["a", "a", "a", "b", "b", "b"]
+    assert all(x != y for x, y in pairwise(chosen))  # alternating
+    # c was never chosen, but it is no tie: a clear loser does not get a turn.
+    assert picker.pick(req(7), replicas, scores(a=1.0, b=1.0, c=0.9))[0] != "c"
+    # Now it is one: never chosen, it goes first.
+    assert picker.pick(req(8), replicas, scores(a=1.0, b=1.0, c=1.0))[0] == "c"

@@ -1,0 +1,115 @@
+"""A replica's ``running`` gauge forgets the requests the gateway has seen end since it was read.
+
+Engine figures reach the gateway up to a poll interval late (an agent's scrape, merged every
+couple of seconds). Between a reading and the next, the gauge still counts requests that have
+finished; the real-vLLM prefix test saw it: a replica that had answered one request kept a
+decode-contention charge for the whole first round while the other replica's finished requests
+had never been counted, and a burst of new prefixes went 6 to 2 and overflowed one engine's cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from gateway.inflight import ENDED_KEPT, MemoryInflight
+from gateway.replicas import ReplicaRegistry
+from routing.state import ReplicaState
+from routing.types import ReplicaId
+
+R = ReplicaId("pool/r0")
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def registry_reading(running: int, read_at: float) -> ReplicaRegistry:
+    registry = ReplicaRegistry()
+    registry.upsert(ReplicaState(R, "http://r0", running=running, metrics_read_at=read_at))
+    return registry
+
+
+def reread(registry: ReplicaRegistry, running: int, read_at: float) -> None:
+    """A new engine reading arrives (as an agent's scrape or a health poll brings it)."""
+    state = registry.get(R)
+    assert state is not None
+    registry._states[R] = replace(state, running=running, metrics_read_at=read_at)
+
+
+def view(registry: ReplicaRegistry, inflight: MemoryInflight) -> ReplicaState:
+    registry.set_inflight(inflight.counts(), inflight.ended_since)
+    state = registry.get(R)
+    assert state is not None
+    return state
+
+
+def test_a_request_that_ended_after_the_reading_comes_off_the_gauge() -> None:
+    clock = Clock(100.0)
+    inflight = MemoryInflight(clock)
+    inflight.start(R, 100)  # sent at 100.0 ...
+    registry = registry_reading(running=1, read_at=100.5)  # ... read running at 100.5 ...
+    assert view(registry, inflight).running_now == 1
+    clock.now = 101.0
+    inflight.finish(R, 0, started_at=100.0)  # ... ended at 101.0
+    state = view(registry, inflight)
+    assert (state.finished_since_read, state.running_now) == (1, 0)
+
+
+def test_a_reading_that_arrives_after_the_end_is_still_corrected() -> None:
+    """The agent read the engine while the request ran; the gateway merged it after the end."""
+    clock = Clock(101.0)
+    inflight = MemoryInflight(clock)
+    inflight.start(R, 0)
+    inflight.finish(R, 0, started_at=100.0)
+    registry = registry_reading(running=1, read_at=100.5)
+    state = view(registry, inflight)
+    assert (state.finished_since_read, state.running_now) == (1, 0)
+
+
+def test_requests_sent_after_the_reading_or_ended_before_it_are_not_subtracted() -> None:
+    clock = Clock(102.0)
+    inflight = MemoryInflight(clock)
+    for sent in (99.0, 101.0):  # one sent before the reading, one after; both ended at 102
+        inflight.start(R, 0)
+        inflight.finish(R, 0, started_at=sent)
+    registry = registry_reading(running=3, read_at=100.0)
+    assert view(registry, inflight).finished_since_read == 1
+    assert view(registry, inflight).running_now == 2  # other clients' requests stay counted
+    reread(registry, running=3, read_at=102.5)  # a reading after both ended: nothing to take
+    assert view(registry, inflight).running_now == 3
+
+
+def test_the_gateways_own_count_is_a_floor() -> None:
+    clock = Clock(102.0)
+    inflight = MemoryInflight(clock)
+    for _ in range(3):
+        inflight.start(R, 0)
+        inflight.finish(R, 0, started_at=99.0)
+    inflight.start(R, 0)
+    inflight.start(R, 0)
+    state = view(registry_reading(running=1, read_at=100.0), inflight)
+    assert state.running - state.finished_since_read == -2
+    assert state.running_now == 2
+
+
+def test_memory_is_bounded_and_an_attempt_without_a_send_time_counts_nothing() -> None:
+    clock = Clock(10.0)
+    inflight = MemoryInflight(clock)
+    for _ in range(ENDED_KEPT + 50):
+        inflight.start(R, 0)
+        inflight.finish(R, 0, started_at=1.0)
+    inflight.start(R, 0)
+    inflight.finish(R, 0)
+    assert inflight.ended_since(R, 5.0) == ENDED_KEPT
+    assert inflight.ended_since(ReplicaId("other"), 5.0) == 0
+
+
+def test_without_the_tracker_nothing_is_subtracted() -> None:
+    registry = registry_reading(running=4, read_at=10.0)
+    registry.set_inflight({R: (1, 0)})
+    state = registry.get(R)
+    assert state is not None and state.running_now == 4

@@ -1,0 +1,122 @@
+"""Candidate pruning (routing/prune.py): past ``above`` candidates the engine scores only the
+replicas holding the prefix or adapter and the ``least_loaded`` lightest others, and where the
+cache-miss replicas' figures rise with their load, it decides what scoring everyone decides."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from routing.contracts import RoutingRequest
+from routing.engine import RoutingEngine
+from routing.policies.registry import DEFAULT_PROFILE, builtin_profile
+from routing.prune import PRUNED, Pruning
+from routing.state import ReplicaState
+from routing.types import ReplicaId
+
+MODEL = "m"
+BLOCK = 16
+
+
+def replica(i: int, busy: int, *, adapters: frozenset[str] = frozenset()) -> ReplicaState:
+    """A replica whose every load figure rises with ``busy``."""
+    return ReplicaState(
+        replica_id=ReplicaId(f"r{i:04d}"),
+        url=f"http://r{i}",
+        models=frozenset({MODEL}),
+        running=busy,
+        waiting=busy // 4,
+        inflight_requests=busy,
+        inflight_prefill_tokens=busy * 150,
+        kv_usage=min(0.99, busy / 64),
+        loaded_adapters=adapters,
+        metrics_read_at=time.time(),
+    )
+
+
+def request(matches: dict[ReplicaId, int], prompt_blocks: int, seed: int) -> RoutingRequest:
+    return RoutingRequest(
+        request_id=f"q{seed}",
+        model=MODEL,
+        adapter=None,
+        tenant="t",
+        route="d",
+        prompt_tokens=prompt_blocks * BLOCK,
+        block_size=BLOCK,
+        prefix_matches=matches,
+        seed=seed,
+    )
+
+
+async def decide(replicas: list[ReplicaState], req: RoutingRequest, pruning: Pruning | None):
+    profile = builtin_profile(DEFAULT_PROFILE)  # fresh: no state carried between the two runs
+    engine = RoutingEngine(None, {profile.name: profile}, pruning=pruning)
+    return await engine.route(req, replicas, profile.name)
+
+
+fleets = st.integers(min_value=65, max_value=160).flatmap(
+    lambda n: st.tuples(
+        st.just(n),
+        # a distinct busy level per replica: no two cache misses tie on load
+        st.permutations(range(n)),
+        st.dictionaries(st.integers(0, n - 1), st.integers(1, 120), max_size=12),
+        st.integers(8, 400),
+        st.integers(0, 2**16),
+    )
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fleets)
+async def test_pruned_decision_costs_what_the_full_one_costs(case) -> None:  # type: ignore[no-untyped-def]
+    n, busy, matched, prompt_blocks, seed = case
+    replicas = [replica(i, busy[i]) for i in range(n)]
+    matches = {replicas[i].replica_id: min(blocks, prompt_blocks) for i, blocks in matched.items()}
+    full = await decide(replicas, request(dict(matches), prompt_blocks, seed), None)
+    pruned = await decide(replicas, request(dict(matches), prompt_blocks, seed), Pruning(64, 8))
+    assert "prune" in pruned.timings_ms and "prune" not in full.timings_ms
+    cost = {rid: e.terms["fleet_cost_ms"] for rid, e in full.explanations.items()}
+    # The same replica, or one the full decision counts as a tie (1% with the 10 ms floor).
+    assert cost[pruned.replica] + 10 <= (cost[full.replica] + 10) * 1.0101
+
+
+async def test_small_fleets_are_never_pruned() -> None:
+    replicas = [replica(i, i % 7) for i in range(64)]
+    decision = await decide(replicas, request({}, 40, 1), Pruning(64, 4))
+    assert "prune" not in decision.timings_ms
+    assert all(e.filtered_out_by is None for e in decision.explanations.values())
+
+
+async def test_holders_of_the_prefix_or_adapter_are_kept_and_the_rest_says_pruned() -> None:
+    replicas = [replica(i, 30 + i % 5) for i in range(100)]
+    replicas[7] = replica(7, 40, adapters=frozenset({"lora-x"}))
+    replicas[90] = replica(90, 0)  # the lightest
+    req = request({replicas[3].replica_id: 10}, 40, 2)
+    req.adapter = "lora-x"
+    decision = await decide(replicas, req, Pruning(64, 2))
+    explained = decision.explanations
+    scored = {rid for rid, e in explained.items() if e.filtered_out_by is None}
+    assert {"r0003", "r0007", "r0090"} <= scored
+    assert len(scored) == 4  # prefix holder, adapter holder, the two least loaded
+    assert len(explained) == 100  # every replica is still explained
+    assert explained[ReplicaId("r0050")].filtered_out_by == PRUNED
+    assert decision.replica in scored and set(decision.fallbacks) == scored - {decision.replica}
+
+
+async def test_the_load_guard_compares_with_the_whole_fleet() -> None:
+    """A prefix holder twice as loaded as the lightest replicas but below the fleet's mean is
+    eligible: pruned down to the lightest few, the guard would otherwise pass it over."""
+    replicas = [replica(i, 20) for i in range(100)]
+    for i in range(8):
+        replicas[i] = replica(i, 1)
+    replicas[50] = replica(50, 9)
+    decision = await decide(replicas, request({replicas[50].replica_id: 60}, 64, 3), Pruning())
+    assert decision.replica == "r0050"
+
+
+def test_pruning_parameters_are_checked() -> None:
+    with pytest.raises(ValueError, match="least_loaded"):
+        Pruning(64, 0)
