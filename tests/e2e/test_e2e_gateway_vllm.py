@@ -51,6 +51,7 @@ from tests.e2e.e2e_support import (
     gateway_stack,
     replica_id,
 )
+from tests.support.polling import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis]
 
@@ -156,6 +157,8 @@ def ideal_cached(token_lists: Sequence[list[int]]) -> list[int]:
 # --------------------------------------------------------------------------- 1. prefix routing
 
 PREFIXES = 8
+#: Tokens each first-round request generates (see run_workload).
+FIRST_ROUND_TOKENS = 48
 PREFIX_BLOCKS = 24
 SEQUENTIAL = 40
 TOPICS = [
@@ -225,14 +228,32 @@ async def run_workload(
     # First round: clients a few ms apart, each arriving while the previous ones are in flight.
     # (Not one gather: the gateway counts a request in flight only after its awaited speculative
     # index insert, so requests decided in the same instant do not see each other's load.)
+    # Each generates FIRST_ROUND_TOKENS, so it is still decoding when the next one is routed
+    # whatever the engines' speed: with one token, a request on the faster engine had ended
+    # before the next decision, the slower engine still had one running, and the faster took
+    # five or six of the eight prefixes (more than its cache holds). The extra tokens complete
+    # at most two blocks per request that no later prompt shares (8 of an engine's 112 if it
+    # takes four): hits are counted on prompts.
     ids, tasks = [], []
     for prompt in prompts[:PREFIXES]:
         request_id = rid("first")
         task = asyncio.create_task(
-            complete(stack, prompt, tenant, headers=headers, request_id=request_id)
+            complete(
+                stack,
+                prompt,
+                tenant,
+                headers=headers,
+                request_id=request_id,
+                max_tokens=FIRST_ROUND_TOKENS,
+                ignore_eos=True,
+            )
         )
-        await eventually(
-            lambda t=task, r=request_id: in_flight_or_done(stack, t, r), "request in flight"
+        # Polled every 5 ms, not 50: the round must fit in the first requests' generation.
+        await wait_until(
+            lambda t=task, r=request_id: in_flight_or_done(stack, t, r),
+            "request in flight",
+            timeout_s=30,
+            interval_s=0.005,
         )
         if views is not None:  # as the next decision will see it (less what happens meanwhile)
             views.append(registry_view(stack))
@@ -262,8 +283,8 @@ async def test_prefix_aware_routing_reaches_90_percent_of_ideal_on_vllm_counters
     per_replica = Counter(c.most_common(1)[0][0] for c in placement.values())
     lines = [
         f"workload: {PREFIXES} prefixes of {PREFIX_BLOCKS} blocks x unique suffixes, "
-        f"{len(prompts)} requests ({PREFIXES} first requests a few ms apart, each while the "
-        f"earlier ones are in flight, then {SEQUENTIAL} "
+        f"{len(prompts)} requests ({PREFIXES} first requests a few ms apart, each generating "
+        f"{FIRST_ROUND_TOKENS} tokens while the later ones arrive, then {SEQUENTIAL} "
         f"sequential on random prefixes), {queried} prompt tokens; engines' caches "
         f"{KV_BLOCKS_PER_ENGINE} blocks each",
         "",
