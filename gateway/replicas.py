@@ -347,7 +347,11 @@ class ReplicaRegistry:
         """
         for rid, state in self._states.items():
             requests, tokens = counts.get(rid, (0, 0))
-            since_read = ended_since(rid, state.metrics_read_at) if ended_since else 0
+            # Nothing to take off a gauge of 0 (most replicas of a large, lightly loaded fleet):
+            # skip the tracker's look-up, which runs per replica per routed request.
+            since_read = (
+                ended_since(rid, state.metrics_read_at) if ended_since and state.running else 0
+            )
             if (
                 state.inflight_requests,
                 state.inflight_prefill_tokens,

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import operator
+import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,6 @@ from typing import Any, Protocol, runtime_checkable
 
 from routing.contracts import (
     BlockIndex,
-    CandidatesSummary,
     Filter,
     NoReplicaAvailable,
     Picker,
@@ -320,6 +320,8 @@ class RoutingEngine:
         #: Past ``pruning.above`` candidates, score only those that can win (routing/prune.py);
         #: ``None`` scores every candidate.
         self._pruning = pruning
+        #: Tie-breaks between equally loaded replicas when pruning (seeded requests use their own).
+        self._rng = random.Random()
         #: The synchronous lookup of an in-process index (memory, mirror), found once; a
         #: subclass overriding the async ``match`` (tests do) is called through that instead.
         self._match_now = in_process_match(index)
@@ -401,13 +403,10 @@ class RoutingEngine:
         request.candidates = None  # a request routed again is pruned afresh
         if pruning is not None and plan.prunable and len(candidates) > pruning.above:
             start = time.perf_counter()
-            count = len(candidates)
-            request.candidates = CandidatesSummary(
-                count,
-                sum(loads[r.replica_id] for r in candidates) / count,
-                sum(r.queued for r in candidates) / count,
-            )
-            candidates = list(prune(request, candidates, loads, pruning))
+            # Seeded requests (tests, the simulator's replays) prune the same way every time.
+            seed = request.seed
+            draw = self._rng.random if seed is None else random.Random(seed).random
+            candidates, request.candidates = prune(request, candidates, loads, pruning, draw)
             stages.pruned = True
             timings["prune"] = _ms_since(start)
 

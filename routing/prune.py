@@ -1,28 +1,29 @@
 """Candidate pruning: in a large fleet, score only the replicas that can win.
 
 Scoring is Python per replica (a few µs each for ``fleet-cost``), so a decision over 1,000
-replicas would spend milliseconds costing replicas that never had a chance: a request can only
-be cheap on a replica that holds its prefix (no prefill to redo), holds its adapter (no cold
-load) or is lightly loaded. Past ``above`` candidates, the engine keeps exactly those: every
-replica the index matched, every replica with the request's adapter resident (GPU or host), and
-the ``least_loaded`` others with the lowest load.
+replicas would spend milliseconds costing replicas that never had a chance. What a request costs
+on a replica, apart from how busy it is, depends on the depth of the prefix it holds (0: a miss)
+and, for an adapter request, on whether the adapter is on its GPU, in host memory or absent.
+Past ``above`` candidates, the engine groups them by those and scores only the ``least_loaded``
+lightest of each group (equal loads drawn at random): a hot prefix held by ninety replicas is
+costed on sixteen of them, and so are the misses.
 
-When it changes nothing: among replicas with no prefix and no adapter, the prompt costs the same
-prefill everywhere, so the cheapest is the least busy one whenever the figures the scorer reads
-(running, waiting, backlog, recent prefill, KV usage, staleness) rise together with ``load``;
-then the pruned decision is the full one (``tests/unit/test_prune.py`` checks it on generated
-fleets). When they do not (a replica with few requests but a stale reading, a slower engine), the
-winner among the cache misses is the best of the ``least_loaded`` lightest instead of the best of
-all: a cache miss either way, on a lightly loaded replica.
+When it changes nothing: within a group the prompt costs the same prefill everywhere, so the
+cheapest member is the least busy one whenever the figures the scorer reads (running, waiting,
+backlog, recent prefill, KV usage, staleness) rise together with ``load``; then the pruned
+decision is the full one (``tests/unit/test_prune.py`` checks it on generated fleets). When they
+do not (a replica with few requests but a stale reading, a slower engine), a group's winner is
+the best of its ``least_loaded`` lightest members instead of the best of all of them.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+import random
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from routing.contracts import RoutingRequest
+from routing.contracts import CandidatesSummary, RoutingRequest
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -53,27 +54,53 @@ def prune(
     candidates: Sequence[ReplicaState],
     loads: Mapping[ReplicaId, float],
     pruning: Pruning,
-) -> Sequence[ReplicaState]:
-    """The candidates worth scoring for ``request`` (``candidates`` itself when not pruning)."""
-    if len(candidates) <= pruning.above:
-        return candidates
+    draw: Callable[[], float] = random.random,
+) -> tuple[list[ReplicaState], CandidatesSummary]:
+    """The candidates worth scoring for ``request``, and every candidate's fleet-wide figures.
+
+    One pass over the candidates (the part of a decision that grows with the fleet): each group
+    keeps its ``least_loaded`` lightest members in a bounded heap, and the pass sums every
+    candidate's load and queue. Loads are whole requests; ``draw()`` in [0, 1) breaks ties
+    between equal loads at random, so an idle fleet's new prefixes spread over all of it, not
+    over the first few replicas in the registry's order.
+    """
     matches = request.prefix_matches or {}
     adapter = request.adapter
-    keep: list[ReplicaState] = []
-    rest: list[ReplicaState] = []
-    for replica in candidates:
-        if matches.get(replica.replica_id) or (
-            adapter is not None
-            and (adapter in replica.loaded_adapters or adapter in replica.cpu_cached_adapters)
-        ):
-            keep.append(replica)
-        else:
-            rest.append(replica)
     k = pruning.least_loaded
-    if len(rest) > k:
-        # Load, then the queue the engine reports, then KV usage: the busier of two equally
-        # loaded replicas goes first. nsmallest is stable, so full ties keep the fleet's order.
-        rest = heapq.nsmallest(
-            k, rest, key=lambda r: (loads[r.replica_id], r.waiting, r.kv_usage)
-        )
-    return keep + rest
+    #: Group -> max-heap of its k lightest members so far: (-key, position, replica).
+    groups: dict[object, list[tuple[float, int, ReplicaState]]] = {}
+    total_load = 0.0
+    total_queued = 0
+    push, replace_top = heapq.heappush, heapq.heapreplace
+    for position, replica in enumerate(candidates):
+        rid = replica.replica_id
+        load = loads[rid]
+        total_load += load
+        # ReplicaState.queued, inline: this loop is the hot path of a large fleet's decision.
+        queued = replica.inflight_requests - replica.running
+        if replica.waiting > queued:
+            queued = replica.waiting
+        if queued > 0:
+            total_queued += queued
+        group: object = matches.get(rid, 0) if matches else 0
+        if adapter is not None:
+            where = (
+                2
+                if adapter in replica.loaded_adapters
+                else 1
+                if adapter in replica.cpu_cached_adapters
+                else 0
+            )
+            group = (group, where)
+        heap = groups.get(group)
+        if heap is None:
+            heap = groups[group] = []
+        key = load + draw()
+        if len(heap) < k:
+            push(heap, (-key, position, replica))
+        elif key < -heap[0][0]:
+            replace_top(heap, (-key, position, replica))
+    count = len(candidates)
+    summary = CandidatesSummary(count, total_load / count, total_queued / count)
+    kept = [replica for heap in groups.values() for _, _, replica in heap]
+    return kept, summary

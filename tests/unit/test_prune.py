@@ -120,3 +120,19 @@ async def test_the_load_guard_compares_with_the_whole_fleet() -> None:
 def test_pruning_parameters_are_checked() -> None:
     with pytest.raises(ValueError, match="least_loaded"):
         Pruning(64, 0)
+
+
+async def test_a_hot_prefix_is_costed_on_its_least_loaded_holders_only() -> None:
+    replicas = [replica(i, 40 - i % 40) for i in range(200)]
+    holders = {r.replica_id: 30 for r in replicas[:90]}  # ninety replicas hold the same prefix
+    decision = await decide(replicas, request(holders, 40, 4), Pruning(64, 16))
+    scored = [rid for rid, e in decision.explanations.items() if e.filtered_out_by is None]
+    assert len(scored) == 32  # 16 holders + 16 misses
+    holder_loads = sorted(r.load for r in replicas[:90])
+    assert sorted(r.load for r in replicas if r.replica_id in scored and r.replica_id in holders) \
+        == holder_loads[:16]
+    full = await decide(replicas, request(holders, 40, 4), None)
+    assert decision.replica == full.replica or (
+        full.explanations[decision.replica].terms["fleet_cost_ms"]
+        <= full.explanations[full.replica].terms["fleet_cost_ms"] * 1.0101 + 0.11
+    )
