@@ -257,6 +257,11 @@ def _clamp01(value: float) -> float:
     return 0.0 if value < 0.0 else 1.0 if value > 1.0 else float(value)
 
 
+def _loads_of(replicas: Sequence[ReplicaState]) -> dict[ReplicaId, float]:
+    """Each replica's ``ReplicaState.load``, in order."""
+    return {r.replica_id: float(r.load) for r in replicas}
+
+
 def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0
 
@@ -389,8 +394,11 @@ class RoutingEngine:
         prof = plan.profile
         timings: dict[str, float] = {}
         stages = _Stages()
+        pruning = self._pruning
+        may_prune = pruning is not None and plan.prunable and len(replicas) > pruning.above
         # Loads now: replica states change in place after the decision (in-flight counts).
-        loads = {r.replica_id: float(r.load) for r in replicas}
+        # A decision that may prune reads them in its one pass over the fleet instead.
+        loads = None if may_prune else _loads_of(replicas)
 
         candidates = self._run_filters(request, replicas, plan, timings, stages)
 
@@ -399,16 +407,21 @@ class RoutingEngine:
             degraded = not await self._lookup_prefix(request, timings)
         if request.prefix_matches:
             stages.matches = dict(request.prefix_matches)
-        pruning = self._pruning
         request.candidates = None  # a request routed again is pruned afresh
-        if pruning is not None and plan.prunable and len(candidates) > pruning.above:
+        if may_prune and len(candidates) > pruning.above:  # type: ignore[union-attr]
             start = time.perf_counter()
+            if loads is None and len(candidates) < len(replicas):
+                loads = _loads_of(replicas)  # filtered-out replicas are explained too
             # Seeded requests (tests, the simulator's replays) prune the same way every time.
             seed = request.seed
             draw = self._rng.random if seed is None else random.Random(seed).random
-            candidates, request.candidates = prune(request, candidates, loads, pruning, draw)
+            candidates, request.candidates, loads = prune(
+                request, candidates, pruning, draw, loads  # type: ignore[arg-type]
+            )
             stages.pruned = True
             timings["prune"] = _ms_since(start)
+        elif loads is None:
+            loads = _loads_of(replicas)
 
         totals = self._run_scorers(request, candidates, plan, timings, stages)
         order = self._run_picker(request, candidates, totals, plan, timings, stages)

@@ -136,3 +136,25 @@ async def test_a_hot_prefix_is_costed_on_its_least_loaded_holders_only() -> None
         full.explanations[decision.replica].terms["fleet_cost_ms"]
         <= full.explanations[full.replica].terms["fleet_cost_ms"] * 1.0101 + 0.11
     )
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50)),
+        min_size=1,
+        max_size=30,
+    )
+)
+def test_the_loads_read_in_the_pass_are_replica_state_load(figures) -> None:  # type: ignore[no-untyped-def]
+    """The pass reads load and queue inline (no property call per replica): same figures."""
+    from routing.prune import prune
+
+    replicas = [
+        ReplicaState(ReplicaId(f"r{i}"), "u", running=r, waiting=w, inflight_requests=f)
+        for i, (r, w, f) in enumerate(figures)
+    ]
+    _, summary, loads = prune(request({}, 4, 0), replicas, Pruning(1, 1))
+    assert loads == {r.replica_id: float(r.load) for r in replicas}
+    assert summary.mean_queued == sum(r.queued for r in replicas) / len(replicas)
+    assert summary.mean_load == sum(r.load for r in replicas) / len(replicas)
