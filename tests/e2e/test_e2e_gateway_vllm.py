@@ -589,6 +589,23 @@ async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
         hash_token_blocks(await tokens_of(tokenizer, prefix + f" long {j}?"), BLOCK_SIZE, seed)
         for j in range(len(flight_ids))
     ]
+    # The victim is frozen by the gateway's own dispatch of the first long request: the
+    # attempt is registered, then (before the request's bytes leave) its engine gets SIGSTOP.
+    # The request is in flight on the victim by construction, whatever the machine's load: a
+    # poll from the test could be starved while both engines generate on both cores, and the
+    # request end unseen (it did, twice).
+    attempts = stack.gw.registry.attempts
+    dispatch = attempts.begin
+    running_on: list[str] = []
+
+    def begin_and_freeze(request_id, replica, *args, **kwargs):  # type: ignore[no-untyped-def]
+        attempt = dispatch(request_id, replica, *args, **kwargs)
+        if request_id in flight_ids and not running_on:
+            running_on.append(replica)
+            stack.engines[stack.engine_index(replica)].send_signal(signal.SIGSTOP)
+        return attempt
+
+    attempts.begin = begin_and_freeze  # type: ignore[method-assign]
     in_flight = [
         asyncio.create_task(
             complete(
@@ -598,39 +615,18 @@ async def test_killed_engine_fails_over_then_restart_gets_a_new_epoch(
         for j, r in enumerate(flight_ids)
     ]
     stack.tasks.extend(in_flight)
-    running_on: list[str] = []
-
-    def one_in_flight() -> bool:
-        """A long request has been sent to a replica and has not ended.
-
-        Read from the gateway's attempts in progress, in process and by request id: no I/O
-        between the sighting and the freeze below, so it lands within one poll of the request
-        leaving the gateway, while its 800-token generation (seconds, even on an idle CPU) has
-        barely started. (Reading the engine's /metrics first let a request end unseen on a busy
-        machine; comparing in-flight counts with a snapshot was fooled by another gateway's
-        count expiring from Redis meanwhile.)
-        """
-        for request_id, task in zip(flight_ids, in_flight, strict=True):
-            replica = stack.gw.registry.attempts.replica_of(request_id)
-            if replica is not None:
-                running_on.append(replica)
-                return True
-            if task.done():  # it ended unseen: say how, rather than wait for nothing
-                raise AssertionError(
-                    f"long request {request_id} ended before it was seen in flight: "
-                    f"{task.exception() or task.result()!r}"
-                )
-        return False
-
-    await eventually(one_in_flight, "a long request is sent to a replica", timeout_s=60)
+    try:
+        await eventually(
+            lambda: bool(running_on), "the gateway sends a long request to a replica", 60
+        )
+    finally:
+        attempts.begin = dispatch  # type: ignore[method-assign]
     victim_id = ReplicaId(running_on[0])
     victim_i = stack.engine_index(victim_id)
     victim = stack.engines[victim_i]
-    # Freeze the victim's process group at once (within one 50 ms poll of the routing, against
-    # seconds of generation): from here its request cannot finish, however long the index
-    # check below takes on a busy machine. Without the freeze, a slow Redis round trip let the
-    # request end before the kill, and nothing was left to fail over (no retry counted).
-    victim.send_signal(signal.SIGSTOP)
+    # Frozen at dispatch (above): its request cannot finish, however long the index check below
+    # takes on a busy machine. Without the freeze, a slow Redis round trip let the request end
+    # before the kill, and nothing was left to fail over (no retry counted).
     # The long prompts share all but their last words: whichever of them runs on the victim,
     # the first one's prefix blocks are indexed there (the gateway's speculative entry, then
     # the engine's events). What the index says of it right now:
