@@ -22,7 +22,7 @@ import math
 import operator
 import random
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -400,27 +400,50 @@ class RoutingEngine:
         # A decision that may prune reads them in its one pass over the fleet instead.
         loads = None if may_prune else _loads_of(replicas)
 
-        candidates = self._run_filters(request, replicas, plan, timings, stages)
-
-        degraded = False
-        if plan.needs_prefix:
-            degraded = not await self._lookup_prefix(request, timings)
-        if request.prefix_matches:
-            stages.matches = dict(request.prefix_matches)
         request.candidates = None  # a request routed again is pruned afresh
-        if may_prune and len(candidates) > pruning.above:  # type: ignore[union-attr]
+        degraded = False
+        if may_prune and len(plan.filters) == 1:
+            # Only the built-in filter: one pass over the fleet filters, reads loads and prunes.
+            # The index first (the pass groups by prefix depth; the lookup needs no filter).
+            if plan.needs_prefix:
+                degraded = not await self._lookup_prefix(request, timings)
+            if request.prefix_matches:
+                stages.matches = dict(request.prefix_matches)
             start = time.perf_counter()
-            if loads is None and len(candidates) < len(replicas):
-                loads = _loads_of(replicas)  # filtered-out replicas are explained too
-            # Seeded requests (tests, the simulator's replays) prune the same way every time.
-            seed = request.seed
-            draw = self._rng.random if seed is None else random.Random(seed).random
-            candidates, request.candidates, loads = prune(
-                request, candidates, pruning, draw, loads  # type: ignore[arg-type]
+            pruned = prune(
+                request, replicas, pruning, self._draw(request), serves=request.model  # type: ignore[arg-type]
             )
-            stages.pruned = True
+            _, filter_name, filter_key = plan.filters[0]
+            loads = pruned.loads  # type: ignore[assignment]
+            for rid in pruned.removed:
+                stages.filtered_out_by[rid] = filter_name
+            if not pruned.candidates:
+                raise NoReplicaAvailable(
+                    self._no_replica_message(request, replicas, plan.profile, filter_name)
+                )
+            timings[filter_key] = 0.0  # done in the prune pass, timed there
+            candidates = pruned.scored
+            if pruned.summary is not None:
+                request.candidates = pruned.summary
+                stages.pruned = True
             timings["prune"] = _ms_since(start)
-        elif loads is None:
+        else:
+            candidates = self._run_filters(request, replicas, plan, timings, stages)
+            if plan.needs_prefix:
+                degraded = not await self._lookup_prefix(request, timings)
+            if request.prefix_matches:
+                stages.matches = dict(request.prefix_matches)
+            if may_prune and len(candidates) > pruning.above:  # type: ignore[union-attr]
+                start = time.perf_counter()
+                if loads is None and len(candidates) < len(replicas):
+                    loads = _loads_of(replicas)  # filtered-out replicas are explained too
+                pruned = prune(
+                    request, candidates, pruning, self._draw(request), loads  # type: ignore[arg-type]
+                )
+                candidates, request.candidates, loads = pruned.scored, pruned.summary, pruned.loads  # type: ignore[assignment]
+                stages.pruned = True
+                timings["prune"] = _ms_since(start)
+        if loads is None:
             loads = _loads_of(replicas)
 
         totals = self._run_scorers(request, candidates, plan, timings, stages)
@@ -435,6 +458,12 @@ class RoutingEngine:
             explanations=ExplanationMap(loads, stages),
             timings_ms=timings,
         )
+
+    def _draw(self, request: RoutingRequest) -> Callable[[], float]:
+        """Tie-breaks between equally loaded replicas when pruning: seeded requests (tests, the
+        simulator's replays) prune the same way every time."""
+        seed = request.seed
+        return self._rng.random if seed is None else random.Random(seed).random
 
     def _run_filters(
         self,

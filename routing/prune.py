@@ -27,7 +27,7 @@ from routing.contracts import CandidatesSummary, RoutingRequest
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
-__all__ = ["PRUNED", "Pruning", "prune"]
+__all__ = ["PRUNED", "Pruned", "Pruning", "prune"]
 
 #: ``ReplicaExplanation.filtered_out_by`` of a replica pruned before scoring.
 PRUNED = "pruned"
@@ -49,22 +49,39 @@ class Pruning:
                 raise ValueError(f"pruning {name} must be a positive integer (got {value!r})")
 
 
+@dataclass(frozen=True)
+class Pruned:
+    """What ``prune`` hands back to the engine."""
+
+    #: The replicas to score: ``candidates`` itself when there were too few to prune.
+    scored: list[ReplicaState]
+    #: Every candidate's fleet-wide figures; ``None`` when nothing was pruned.
+    summary: CandidatesSummary | None
+    #: The load of every replica the pass saw (candidates, and those ``serves`` removed).
+    loads: Mapping[ReplicaId, float]
+    #: The candidates: what survived ``serves`` (or what the caller passed).
+    candidates: Sequence[ReplicaState]
+    #: Replicas the ``serves`` check removed (unhealthy, or without the model).
+    removed: list[ReplicaId]
+
+
 def prune(
     request: RoutingRequest,
     candidates: Sequence[ReplicaState],
     pruning: Pruning,
     draw: Callable[[], float] = random.random,
     loads: Mapping[ReplicaId, float] | None = None,
-) -> tuple[list[ReplicaState], CandidatesSummary, Mapping[ReplicaId, float]]:
-    """The candidates worth scoring for ``request``, every candidate's fleet-wide figures, and
-    the loads it used (``loads`` if given, else each candidate's ``ReplicaState.load``, read
-    here in the same pass).
+    serves: str | None = None,
+) -> Pruned:
+    """The candidates worth scoring for ``request``, in one pass over the fleet.
 
-    One pass over the candidates (the part of a decision that grows with the fleet): each group
-    keeps its ``least_loaded`` lightest members in a bounded heap, and the pass sums every
-    candidate's load and queue. Loads are whole requests; ``draw()`` in [0, 1) breaks ties
-    between equal loads at random, so an idle fleet's new prefixes spread over all of it, not
-    over the first few replicas in the registry's order.
+    Each group keeps its ``least_loaded`` lightest members in a bounded heap, and the pass sums
+    every candidate's load and queue. Loads are whole requests, read here (``ReplicaState.load``)
+    unless ``loads`` gives them; ``draw()`` in [0, 1) breaks ties between equal loads at random,
+    so an idle fleet's new prefixes spread over all of it, not over the first few replicas in
+    the registry's order. With ``serves`` (a model name) the pass is also the engine's built-in
+    ``serves-model`` filter: unhealthy replicas and those without the model are removed first,
+    and nothing is pruned if no more than ``pruning.above`` remain.
     """
     read: dict[ReplicaId, float] | None = {} if loads is None else None
     matches = request.prefix_matches or {}
@@ -72,6 +89,8 @@ def prune(
     k = pruning.least_loaded
     #: Group -> max-heap of its k lightest members so far: (-key, position, replica).
     groups: dict[object, list[tuple[float, int, ReplicaState]]] = {}
+    kept: list[ReplicaState] | Sequence[ReplicaState] = [] if serves is not None else candidates
+    removed: list[ReplicaId] = []
     total_load = 0.0
     total_queued = 0
     push, replace_top = heapq.heappush, heapq.heapreplace
@@ -85,6 +104,11 @@ def prune(
             read[rid] = load
         else:
             load = loads[rid]  # type: ignore[index]
+        if serves is not None:
+            if not replica.healthy or serves not in replica.models:
+                removed.append(rid)
+                continue
+            kept.append(replica)  # type: ignore[union-attr]
         total_load += load
         queued = inflight - running
         if waiting > queued:
@@ -109,7 +133,11 @@ def prune(
             push(heap, (-key, position, replica))
         elif key < -heap[0][0]:
             replace_top(heap, (-key, position, replica))
-    count = len(candidates)
+    used = read if read is not None else loads
+    assert used is not None
+    count = len(kept)
+    if count <= pruning.above:
+        return Pruned(list(kept), None, used, kept, removed)
     summary = CandidatesSummary(count, total_load / count, total_queued / count)
-    kept = [replica for heap in groups.values() for _, _, replica in heap]
-    return kept, summary, read if read is not None else loads  # type: ignore[return-value]
+    scored = [replica for heap in groups.values() for _, _, replica in heap]
+    return Pruned(scored, summary, used, kept, removed)

@@ -154,7 +154,45 @@ def test_the_loads_read_in_the_pass_are_replica_state_load(figures) -> None:  # 
         ReplicaState(ReplicaId(f"r{i}"), "u", running=r, waiting=w, inflight_requests=f)
         for i, (r, w, f) in enumerate(figures)
     ]
-    _, summary, loads = prune(request({}, 4, 0), replicas, Pruning(1, 1))
+    pruned = prune(request({}, 4, 0), replicas, Pruning(1, 1))
+    summary, loads = pruned.summary, pruned.loads
     assert loads == {r.replica_id: float(r.load) for r in replicas}
+    if len(replicas) == 1:
+        assert summary is None  # one replica is not more than ``above``: nothing pruned
+        return
+    assert summary is not None
     assert summary.mean_queued == sum(r.queued for r in replicas) / len(replicas)
     assert summary.mean_load == sum(r.load for r in replicas) / len(replicas)
+
+
+async def test_the_built_in_filter_runs_in_the_same_pass() -> None:
+    """Unhealthy replicas and replicas without the model are removed and explained as the
+    built-in filter's, with their loads; if too few remain, nothing is pruned; if none, 503."""
+    from dataclasses import replace as copy_with
+
+    from routing.contracts import NoReplicaAvailable
+
+    replicas = [replica(i, i % 9) for i in range(120)]
+    for i in range(0, 120, 3):
+        replicas[i] = copy_with(replicas[i], healthy=False)
+    for i in range(1, 120, 3):
+        replicas[i] = copy_with(replicas[i], models=frozenset({"other"}))
+    decision = await decide(replicas, request({}, 40, 5), Pruning(64, 8))
+    explained = decision.explanations
+    assert len(explained) == 120
+    assert explained[ReplicaId("r0000")].filtered_out_by == "serves-model"
+    assert explained[ReplicaId("r0001")].filtered_out_by == "serves-model"
+    assert explained[ReplicaId("r0001")].terms["load"] == float(replicas[1].load)
+    scored = {rid for rid, e in explained.items() if e.filtered_out_by is None}
+    assert len(scored) == 40  # 40 survivors, not more than 64: none pruned
+    assert "prune" in decision.timings_ms
+    many = [replica(i, i % 9) for i in range(200)]
+    for i in range(0, 200, 3):
+        many[i] = copy_with(many[i], healthy=False)
+    pruned = await decide(many, request({}, 40, 6), Pruning(64, 8))
+    kept = {rid for rid, e in pruned.explanations.items() if e.filtered_out_by is None}
+    assert len(kept) == 8 and all(int(rid[1:]) % 3 for rid in kept)
+    assert pruned.explanations[ReplicaId("r0003")].filtered_out_by == "serves-model"
+    nobody = [copy_with(r, healthy=False) for r in many]
+    with pytest.raises(NoReplicaAvailable, match="no replica can serve"):
+        await decide(nobody, request({}, 40, 7), Pruning(64, 8))
