@@ -401,14 +401,10 @@ class RoutingEngine:
         loads = None if may_prune else _loads_of(replicas)
 
         request.candidates = None  # a request routed again is pruned afresh
-        degraded = False
         if may_prune and len(plan.filters) == 1:
             # Only the built-in filter: one pass over the fleet filters, reads loads and prunes.
             # The index first (the pass groups by prefix depth; the lookup needs no filter).
-            if plan.needs_prefix:
-                degraded = not await self._lookup_prefix(request, timings)
-            if request.prefix_matches:
-                stages.matches = dict(request.prefix_matches)
+            degraded = await self._prefix_stage(request, plan, timings, stages)
             start = time.perf_counter()
             pruned = prune(
                 request, replicas, pruning, self._draw(request), serves=request.model  # type: ignore[arg-type]
@@ -429,10 +425,7 @@ class RoutingEngine:
             timings["prune"] = _ms_since(start)
         else:
             candidates = self._run_filters(request, replicas, plan, timings, stages)
-            if plan.needs_prefix:
-                degraded = not await self._lookup_prefix(request, timings)
-            if request.prefix_matches:
-                stages.matches = dict(request.prefix_matches)
+            degraded = await self._prefix_stage(request, plan, timings, stages)
             if may_prune and len(candidates) > pruning.above:  # type: ignore[union-attr]
                 start = time.perf_counter()
                 if loads is None and len(candidates) < len(replicas):
@@ -458,6 +451,16 @@ class RoutingEngine:
             explanations=ExplanationMap(loads, stages),
             timings_ms=timings,
         )
+
+    async def _prefix_stage(
+        self, request: RoutingRequest, plan: _Plan, timings: dict[str, float], stages: _Stages
+    ) -> bool:
+        """The index lookup, if the profile reads prefix matches; True when the decision
+        degrades (index unavailable)."""
+        degraded = plan.needs_prefix and not await self._lookup_prefix(request, timings)
+        if request.prefix_matches:
+            stages.matches = dict(request.prefix_matches)
+        return degraded
 
     def _draw(self, request: RoutingRequest) -> Callable[[], float]:
         """Tie-breaks between equally loaded replicas when pruning: seeded requests (tests, the

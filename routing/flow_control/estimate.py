@@ -60,11 +60,6 @@ class FleetEstimate:
         return cls(None, ())
 
 
-def backlog_of(state: ReplicaState) -> int:
-    """Requests waiting to start on ``state``'s engine (see ``ReplicaLoad.backlog_requests``)."""
-    return state.queued
-
-
 def estimate_from_decision(
     decision: RoutingDecision, states: Iterable[ReplicaState] = ()
 ) -> FleetEstimate:
@@ -84,7 +79,7 @@ def estimate_from_decision(
             ReplicaLoad(
                 wait,
                 terms.get("decode_interference_ms", 0.0),
-                backlog_of(state) if state is not None else None,
+                state.queued if state is not None else None,  # ReplicaLoad.backlog_requests
                 state.kv_usage if state is not None else None,
             )
         )
