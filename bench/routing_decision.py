@@ -43,6 +43,7 @@ import redis.asyncio as aioredis
 from bench._bench_common import write_page
 from routing.contracts import BlockIndex, RoutingRequest
 from routing.engine import RoutingEngine
+from routing.fleet import Fleet
 from routing.hashing import chain_seed, hash_token_blocks
 from routing.index import MemoryBlockIndex, MirrorBlockIndex, RedisBlockIndex
 from routing.policies.registry import DEFAULT_PROFILE, builtin_profile
@@ -188,6 +189,9 @@ async def measure(
     profiles["round-robin"] = builtin_profile("round-robin")
     engine = RoutingEngine(index, profiles, index_timeout_s=0.5, pruning=pruning)
     token_lists = [prompts.token_list() for _ in range(64)]  # reused: building them is not timed
+    # The replicas as the gateway's registry hands them to the engine: a Fleet, whose queue
+    # figures are arrays kept in step as states are replaced (routing/fleet.py).
+    fleet = Fleet(replicas)
 
     hashing: list[float] = []
     index_ms: list[float] = []
@@ -216,14 +220,14 @@ async def measure(
             block_size=w.block_size,
         )
         start_decision = clock()
-        result = await engine.route(request, replicas, policy)
+        result = await engine.route(request, fleet, policy)
         decided = clock()
         plain = RoutingRequest(
             request_id=f"rr-{i}", model=MODEL, adapter=None, tenant="bench", route="bench",
             prompt_tokens=len(tokens), chain=chain, block_size=w.block_size,
         )
         start_baseline = clock()
-        await engine.route(plain, replicas, "round-robin")
+        await engine.route(plain, fleet, "round-robin")
         done = clock()
         if speculative_writes:
             # What the gateway does next (in the background, untimed here): the chosen replica

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,7 +127,7 @@ def fill_cold_load_estimates(
     registry: AdapterRegistry | None,
     replicas: ReplicaRegistry,
     request: RoutingRequest,
-    candidates: list[ReplicaState],
+    candidates: Sequence[ReplicaState],
 ) -> None:
     """Set ``request.adapter_cold_load_ms`` so expected-TTFT routing prefers warm replicas."""
     if registry is None or request.adapter is None:

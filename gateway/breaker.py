@@ -25,8 +25,12 @@ class CircuitBreaker:
         failure_threshold: int = 3,
         cooldown_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        on_trip: Callable[[bool], None] | None = None,
     ) -> None:
         self.failure_threshold = failure_threshold
+        #: Told True when the circuit opens and False when it closes again: its owner can then
+        #: track the few open breakers instead of asking every one on each request.
+        self._on_trip = on_trip
         self.cooldown_s = cooldown_s
         self._clock = clock
         self._failures = 0
@@ -57,12 +61,18 @@ class CircuitBreaker:
     def success(self) -> None:
         """The replica answered: close the circuit."""
         self._failures = 0
+        was_open = self._opened_at is not None
         self._opened_at = None
         self._probe_in_flight = False
+        if was_open and self._on_trip is not None:
+            self._on_trip(False)
 
     def failure(self) -> None:
         """The replica failed (connect error, timeout, 5xx health): count, maybe open."""
         self._failures += 1
         self._probe_in_flight = False
         if self._opened_at is not None or self._failures >= self.failure_threshold:
+            opens = self._opened_at is None
             self._opened_at = self._clock()
+            if opens and self._on_trip is not None:
+                self._on_trip(True)

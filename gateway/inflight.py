@@ -41,6 +41,15 @@ class InflightTracker(Protocol):
 
     def counts(self) -> Counts: ...
 
+    def count(self, replica: ReplicaId) -> tuple[int, int]:
+        """(requests, unprefilled prompt tokens) in flight on ``replica``."""
+        ...
+
+    def take_changed(self) -> set[ReplicaId]:
+        """The replicas whose counts or ended requests changed since the last call (and forget
+        them): what a reader of ``count`` and ``ended_since`` has to look at again."""
+        ...
+
     def ended_since(self, replica: ReplicaId, read_at: float) -> int: ...
 
     async def sync(self) -> None: ...
@@ -57,15 +66,19 @@ class MemoryInflight:
         #: Per replica, the last requests that ended: (sent at, ended at), wall-clock seconds.
         self._ended: dict[ReplicaId, deque[tuple[float, float]]] = {}
         self._clock = clock
+        #: Replicas whose figures changed since ``take_changed`` last ran.
+        self._changed: set[ReplicaId] = set()
 
     def start(self, replica: ReplicaId, prefill_tokens: int) -> None:
         """A request was sent to ``replica``; its prompt is not prefilled yet."""
         self._requests[replica] += 1
         self._tokens[replica] += prefill_tokens
+        self._changed.add(replica)
 
     def prefilled(self, replica: ReplicaId, prefill_tokens: int) -> None:
         """The first byte arrived: the engine has prefilled the prompt."""
         self._tokens[replica] = max(0, self._tokens[replica] - prefill_tokens)
+        self._changed.add(replica)
 
     def finish(
         self, replica: ReplicaId, prefill_tokens: int, started_at: float | None = None
@@ -77,6 +90,7 @@ class MemoryInflight:
         """
         self._requests[replica] = max(0, self._requests[replica] - 1)
         self._tokens[replica] = max(0, self._tokens[replica] - prefill_tokens)
+        self._changed.add(replica)
         if started_at is not None:
             ended = self._ended.get(replica)
             if ended is None:
@@ -85,6 +99,13 @@ class MemoryInflight:
 
     def counts(self) -> Counts:
         return {r: (n, self._tokens[r]) for r, n in self._requests.items()}
+
+    def count(self, replica: ReplicaId) -> tuple[int, int]:
+        return self._requests.get(replica, 0), self._tokens.get(replica, 0)
+
+    def take_changed(self) -> set[ReplicaId]:
+        changed, self._changed = self._changed, set()
+        return changed
 
     def ended_since(self, replica: ReplicaId, read_at: float) -> int:
         """Requests this gateway sent to ``replica`` before ``read_at`` that have ended since.
@@ -134,6 +155,11 @@ class RedisInflight(MemoryInflight):
         self.gateway_id = gateway_id or uuid.uuid4().hex
         self._others: Counts = {}
 
+    def count(self, replica: ReplicaId) -> tuple[int, int]:
+        n, t = super().count(replica)
+        on, ot = self._others.get(replica, (0, 0))
+        return n + on, t + ot
+
     def counts(self) -> Counts:
         own = super().counts()
         merged: dict[ReplicaId, tuple[int, int]] = dict(self._others)
@@ -158,6 +184,10 @@ class RedisInflight(MemoryInflight):
                 for rid, (n, t) in json.loads(raw).items():
                     on, ot = others.get(ReplicaId(rid), (0, 0))
                     others[ReplicaId(rid)] = (on + int(n), ot + int(t))
+            # Where the other gateways' counts moved, readers must look again.
+            previous = self._others
+            moved = previous.keys() | others.keys()
+            self._changed.update(rid for rid in moved if previous.get(rid) != others.get(rid))
             self._others = others
         except Exception as exc:  # redis errors, bad JSON from a foreign key
             log.warning("in-flight sync through Redis failed: %s", exc)

@@ -19,7 +19,9 @@ import aiohttp
 
 from gateway.attempts import AttemptsInFlight
 from gateway.breaker import CircuitBreaker
+from gateway.inflight import InflightTracker
 from gateway.policy_view import ReplicaSpec
+from routing.fleet import Fleet
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
 
@@ -78,6 +80,15 @@ class ReplicaRegistry:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._states: dict[ReplicaId, ReplicaState] = {}
+        #: ``_states`` as the engine reads it (routing/fleet.py), kept in step by ``_put``;
+        #: rebuilt by ``routable`` after a replica is added or removed (None until then).
+        self._fleet: Fleet | None = None
+        #: Replicas whose circuit breaker has opened (open or half-open): only these can be
+        #: routable copies marked unhealthy, so ``routable`` need not ask every breaker.
+        self._tripped: set[ReplicaId] = set()
+        #: Replicas whose engine figures were replaced since ``refresh_inflight`` last ran: their
+        #: ``finished_since_read`` is to be counted again against the new reading.
+        self._figures_replaced: set[ReplicaId] = set()
         #: A discovered replica missing from the fleet store's listing is kept this long before
         #: it is forgotten: a restarted (empty) Redis lists nobody until the agents register
         #: again, and dropping every replica then answered 503 with the whole fleet up. Health
@@ -128,18 +139,22 @@ class ReplicaRegistry:
         """Add a replica or update its identity (url, pool, models, epoch), keeping live figures."""
         old = self._states.get(state.replica_id)
         if old is None:
-            self._states[state.replica_id] = state
+            self._put(state)
             self._breakers[state.replica_id] = CircuitBreaker(
-                self._failure_threshold, self._cooldown_s
+                self._failure_threshold,
+                self._cooldown_s,
+                on_trip=lambda tripped, rid=state.replica_id: self._on_trip(rid, tripped),
             )
             return
-        self._states[state.replica_id] = replace(
-            old,
-            url=state.url,
-            pool=state.pool,
-            models=state.models or old.models,
-            block_size=state.block_size,
-            epoch=state.epoch,
+        self._put(
+            replace(
+                old,
+                url=state.url,
+                pool=state.pool,
+                models=state.models or old.models,
+                block_size=state.block_size,
+                epoch=state.epoch,
+            )
         )
 
     def sync_discovered(self, states: Iterable[ReplicaState]) -> None:
@@ -158,10 +173,12 @@ class ReplicaRegistry:
             if old is None:
                 self.upsert(state)
             else:
-                self._states[state.replica_id] = replace(
-                    state,
-                    inflight_requests=old.inflight_requests,
-                    inflight_prefill_tokens=old.inflight_prefill_tokens,
+                self._put(
+                    replace(
+                        state,
+                        inflight_requests=old.inflight_requests,
+                        inflight_prefill_tokens=old.inflight_prefill_tokens,
+                    )
                 )
             # The agent read the adapters with its metrics: its time goes with its list.
             self._adapters_read_at[state.replica_id] = state.metrics_read_at
@@ -176,8 +193,10 @@ class ReplicaRegistry:
 
     def remove(self, replica: ReplicaId) -> None:
         """Forget a replica."""
-        self._states.pop(replica, None)
+        if self._states.pop(replica, None) is not None:
+            self._fleet = None  # membership changed: the next ``routable`` builds a new one
         self._breakers.pop(replica, None)
+        self._tripped.discard(replica)
         self._adapters_read_at.pop(replica, None)
         self._failed_polls.pop(replica, None)
         self._missing_since.pop(replica, None)
@@ -194,13 +213,41 @@ class ReplicaRegistry:
         """Every known replica (healthy or not), for the admin API."""
         return list(self._states.values())
 
-    def routable(self) -> list[ReplicaState]:
-        """Copies of the replicas as policies should see them: unhealthy if the circuit is open."""
-        out = []
-        for rid, state in self._states.items():
-            allowed = self._breakers[rid].allows()
-            out.append(state if allowed else replace(state, healthy=False))
-        return out
+    def routable(self) -> Fleet:
+        """The replicas as policies should see them: unhealthy if the circuit is open.
+
+        The same ``Fleet`` from call to call while nothing trips a breaker (its states are
+        replaced as they change); a copy with unhealthy states for replicas whose breaker holds
+        requests back. Callers read it, they never change it.
+        """
+        fleet = self._fleet
+        if fleet is None:
+            fleet = self._fleet = Fleet(self._states.values())
+        held_back = [
+            replace(self._states[rid], healthy=False)
+            for rid in self._tripped
+            if not self._breakers[rid].allows()
+        ]
+        return fleet.with_states(held_back) if held_back else fleet
+
+    def _put(self, state: ReplicaState, *, inflight_only: bool = False) -> None:
+        """Store ``state`` (new or replacing the replica's), keeping the fleet view in step.
+
+        ``inflight_only``: only the gateway's in-flight figures changed (``set_inflight``).
+        """
+        self._states[state.replica_id] = state
+        if not inflight_only:
+            self._figures_replaced.add(state.replica_id)
+        fleet = self._fleet
+        if fleet is not None and not fleet.put(state):
+            self._fleet = None  # a new replica: the next ``routable`` builds a new fleet
+
+    def _on_trip(self, replica: ReplicaId, tripped: bool) -> None:
+        """A breaker opened (``tripped``) or closed again."""
+        if tripped:
+            self._tripped.add(replica)
+        else:
+            self._tripped.discard(replica)
 
     def last_resort(self, model: str) -> list[ReplicaState]:
         """Replicas of ``model`` that missed their health polls but whose circuit is closed,
@@ -323,7 +370,7 @@ class ReplicaRegistry:
                 updates["waiting"] = int(gauges.get("waiting", 0))
                 updates["kv_usage"] = float(gauges.get("kv_usage", 0.0))
                 updates["metrics_read_at"] = metrics_asked_at
-        self._states[state.replica_id] = replace(current, **updates)
+        self._put(replace(current, **updates))
         if current.healthy and not healthy:
             aborted = self.attempts.abort_unanswered(state.replica_id)
             log.warning(
@@ -346,25 +393,55 @@ class ReplicaRegistry:
         still counts them, and they become the state's ``finished_since_read``.
         """
         for rid, state in self._states.items():
-            requests, tokens = counts.get(rid, (0, 0))
-            # Nothing to take off a gauge of 0 (most replicas of a large, lightly loaded fleet):
-            # skip the tracker's look-up, which runs per replica per routed request.
-            since_read = (
-                ended_since(rid, state.metrics_read_at) if ended_since and state.running else 0
-            )
-            if (
-                state.inflight_requests,
-                state.inflight_prefill_tokens,
-                state.finished_since_read,
-            ) != (requests, tokens, since_read):
-                self._states[rid] = replace(
+            self._set_inflight_of(state, counts.get(rid, (0, 0)), ended_since)
+
+    def refresh_inflight(self, tracker: InflightTracker) -> None:
+        """``set_inflight`` from ``tracker``, for the replicas where something changed.
+
+        On the request path: only replicas whose counts or ended requests the tracker saw
+        change, and those whose engine figures were replaced since (``finished_since_read`` is
+        counted against the new reading), are looked at. The others' figures are as they were:
+        a 1,000-replica fleet pays for the few that moved, not for all of them per request.
+        """
+        changed = tracker.take_changed()
+        changed |= self._figures_replaced
+        self._figures_replaced = set()
+        states = self._states
+        for rid in changed:
+            state = states.get(rid)
+            if state is not None:
+                self._set_inflight_of(state, tracker.count(rid), tracker.ended_since)
+
+    def _set_inflight_of(
+        self,
+        state: ReplicaState,
+        count: tuple[int, int],
+        ended_since: Callable[[ReplicaId, float], int] | None,
+    ) -> None:
+        requests, tokens = count
+        # Nothing to take off a gauge of 0 (most replicas of a large, lightly loaded fleet):
+        # skip the tracker's look-up.
+        since_read = (
+            ended_since(state.replica_id, state.metrics_read_at)
+            if ended_since and state.running
+            else 0
+        )
+        if (
+            state.inflight_requests,
+            state.inflight_prefill_tokens,
+            state.finished_since_read,
+        ) != (requests, tokens, since_read):
+            self._put(
+                replace(
                     state,
                     inflight_requests=requests,
                     inflight_prefill_tokens=tokens,
                     finished_since_read=since_read,
-                )
+                ),
+                inflight_only=True,
+            )
 
     def set_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
         state = self._states.get(replica)
         if state is not None:
-            self._states[replica] = replace(state, epoch=epoch)
+            self._put(replace(state, epoch=epoch))

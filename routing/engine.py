@@ -20,11 +20,12 @@ import asyncio
 import logging
 import math
 import operator
-import random
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 from routing.contracts import (
     BlockIndex,
@@ -150,6 +151,13 @@ class ExplanationMap(Mapping[ReplicaId, ReplicaExplanation]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._loads
+
+    def scored(self) -> Iterator[tuple[ReplicaId, ReplicaExplanation]]:
+        """(replica, explanation) of the replicas that were scored, in the order they were
+        scored: every other replica was filtered out or pruned. A reader that wants only the
+        candidates of a 1,000-replica decision builds 30 explanations instead of 1,000."""
+        for replica in self._stages.totals:
+            yield replica, self[replica]
 
     def __iter__(self) -> Iterator[ReplicaId]:
         return iter(self._loads)
@@ -326,7 +334,7 @@ class RoutingEngine:
         #: ``None`` scores every candidate.
         self._pruning = pruning
         #: Tie-breaks between equally loaded replicas when pruning (seeded requests use their own).
-        self._rng = random.Random()
+        self._rng = np.random.default_rng()
         #: The synchronous lookup of an in-process index (memory, mirror), found once; a
         #: subclass overriding the async ``match`` (tests do) is called through that instead.
         self._match_now = in_process_match(index)
@@ -413,7 +421,7 @@ class RoutingEngine:
             loads = pruned.loads  # type: ignore[assignment]
             for rid in pruned.removed:
                 stages.filtered_out_by[rid] = filter_name
-            if not pruned.candidates:
+            if not pruned.count:
                 raise NoReplicaAvailable(
                     self._no_replica_message(request, replicas, plan.profile, filter_name)
                 )
@@ -462,11 +470,11 @@ class RoutingEngine:
             stages.matches = dict(request.prefix_matches)
         return degraded
 
-    def _draw(self, request: RoutingRequest) -> Callable[[], float]:
+    def _draw(self, request: RoutingRequest) -> np.random.Generator:
         """Tie-breaks between equally loaded replicas when pruning: seeded requests (tests, the
         simulator's replays) prune the same way every time."""
         seed = request.seed
-        return self._rng.random if seed is None else random.Random(seed).random
+        return self._rng if seed is None else np.random.default_rng(seed)
 
     def _run_filters(
         self,

@@ -18,12 +18,16 @@ the best of its ``least_loaded`` lightest members instead of the best of all of 
 
 from __future__ import annotations
 
-import heapq
-import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
 
 from routing.contracts import CandidatesSummary, RoutingRequest
+from routing.fleet import Fleet, adapter_residence
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -31,6 +35,13 @@ __all__ = ["PRUNED", "Pruned", "Pruning", "prune"]
 
 #: ``ReplicaExplanation.filtered_out_by`` of a replica pruned before scoring.
 PRUNED = "pruned"
+
+_ID = attrgetter("replica_id")
+_RUNNING = attrgetter("running")
+_WAITING = attrgetter("waiting")
+_INFLIGHT = attrgetter("inflight_requests")
+#: Tie draws for callers that bring no generator of their own.
+_RNG = np.random.default_rng()
 
 
 @dataclass(frozen=True)
@@ -53,14 +64,14 @@ class Pruning:
 class Pruned:
     """What ``prune`` hands back to the engine."""
 
-    #: The replicas to score: ``candidates`` itself when there were too few to prune.
+    #: The replicas to score: every candidate when there were too few to prune.
     scored: list[ReplicaState]
     #: Every candidate's fleet-wide figures; ``None`` when nothing was pruned.
     summary: CandidatesSummary | None
     #: The load of every replica the pass saw (candidates, and those ``serves`` removed).
     loads: Mapping[ReplicaId, float]
-    #: The candidates: what survived ``serves`` (or what the caller passed).
-    candidates: Sequence[ReplicaState]
+    #: How many candidates there were: those that survived ``serves`` (or all that were passed).
+    count: int
     #: Replicas the ``serves`` check removed (unhealthy, or without the model).
     removed: list[ReplicaId]
 
@@ -69,75 +80,159 @@ def prune(
     request: RoutingRequest,
     candidates: Sequence[ReplicaState],
     pruning: Pruning,
-    draw: Callable[[], float] = random.random,
+    rng: np.random.Generator | None = None,
     loads: Mapping[ReplicaId, float] | None = None,
     serves: str | None = None,
 ) -> Pruned:
     """The candidates worth scoring for ``request``, in one pass over the fleet.
 
-    Each group keeps its ``least_loaded`` lightest members in a bounded heap, and the pass sums
-    every candidate's load and queue. Loads are whole requests, read here (``ReplicaState.load``)
-    unless ``loads`` gives them; ``draw()`` in [0, 1) breaks ties between equal loads at random,
-    so an idle fleet's new prefixes spread over all of it, not over the first few replicas in
-    the registry's order. With ``serves`` (a model name) the pass is also the engine's built-in
-    ``serves-model`` filter: unhealthy replicas and those without the model are removed first,
-    and nothing is pruned if no more than ``pruning.above`` remain.
+    The pass takes every candidate's load and queue as arrays (loads are whole requests, as
+    ``ReplicaState.load`` gives them, unless ``loads`` gives them), groups candidates by prefix
+    depth and adapter residence, and keeps each group's ``least_loaded`` lightest members. Equal
+    loads are ordered by a uniform draw from ``rng`` in [0, 1), so an idle fleet's new prefixes
+    spread over all of it, not over the first few replicas in the registry's order. With
+    ``serves`` (a model name) the pass is also the engine's built-in ``serves-model`` filter:
+    unhealthy replicas and those without the model are removed first, and nothing is pruned if
+    no more than ``pruning.above`` remain. The kept replicas come back in the fleet's order.
+
+    A ``Fleet`` (routing/fleet.py) hands its arrays over as they are; any other sequence is
+    read replica by replica.
     """
-    read: dict[ReplicaId, float] | None = {} if loads is None else None
-    matches = request.prefix_matches or {}
-    adapter = request.adapter
-    k = pruning.least_loaded
-    #: Group -> max-heap of its k lightest members so far: (-key, position, replica).
-    groups: dict[object, list[tuple[float, int, ReplicaState]]] = {}
-    kept: list[ReplicaState] | Sequence[ReplicaState] = [] if serves is not None else candidates
+    figures = _Figures.of(candidates, request, serves)
+    n = len(figures.states)
+    if loads is None:
+        load = np.maximum(figures.running + figures.waiting, figures.inflight).astype(np.float64)
+    else:
+        load = np.fromiter(map(loads.__getitem__, map(_ID, figures.states)), np.float64, n)
+    seen = _Loads(figures.states, load)
+    mask = figures.serving
     removed: list[ReplicaId] = []
-    total_load = 0.0
-    total_queued = 0
-    push, replace_top = heapq.heappush, heapq.heapreplace
-    for position, replica in enumerate(candidates):
-        rid = replica.replica_id
-        # ReplicaState.load and .queued, inline: this loop is the hot path of a large fleet's
-        # decision, and a property call per replica is a third of its time.
-        running, waiting, inflight = replica.running, replica.waiting, replica.inflight_requests
-        if read is not None:
-            load = float(running + waiting if running + waiting > inflight else inflight)
-            read[rid] = load
-        else:
-            load = loads[rid]  # type: ignore[index]
-        if serves is not None:
-            if not replica.healthy or serves not in replica.models:
-                removed.append(rid)
-                continue
-            kept.append(replica)  # type: ignore[union-attr]
-        total_load += load
-        queued = inflight - running
-        if waiting > queued:
-            queued = waiting
-        if queued > 0:
-            total_queued += queued
-        group: object = matches.get(rid, 0) if matches else 0
-        if adapter is not None:
-            where = (
-                2
-                if adapter in replica.loaded_adapters
-                else 1
-                if adapter in replica.cpu_cached_adapters
-                else 0
-            )
-            group = (group, where)
-        heap = groups.get(group)
-        if heap is None:
-            heap = groups[group] = []
-        key = load + draw()
-        if len(heap) < k:
-            push(heap, (-key, position, replica))
-        elif key < -heap[0][0]:
-            replace_top(heap, (-key, position, replica))
-    used = read if read is not None else loads
-    assert used is not None
-    count = len(kept)
+    kept_at: np.ndarray | None = None  # positions of the candidates, when some were removed
+    if mask is not None and not mask.all():
+        kept_at = np.flatnonzero(mask)
+        removed = [figures.states[i].replica_id for i in np.flatnonzero(~mask).tolist()]
+    count = n if kept_at is None else len(kept_at)
     if count <= pruning.above:
-        return Pruned(list(kept), None, used, kept, removed)
-    summary = CandidatesSummary(count, total_load / count, total_queued / count)
-    scored = [replica for heap in groups.values() for _, _, replica in heap]
-    return Pruned(scored, summary, used, kept, removed)
+        kept = figures.states if kept_at is None else [figures.states[i] for i in kept_at.tolist()]
+        return Pruned(list(kept), None, seen, count, removed)
+    running, waiting, inflight = figures.running, figures.waiting, figures.inflight
+    group = figures.group
+    if kept_at is not None:
+        running, waiting, inflight = running[kept_at], waiting[kept_at], inflight[kept_at]
+        load = load[kept_at]
+        group = group[kept_at] if group is not None else None
+    queued = np.maximum(np.maximum(waiting, inflight - running), 0)
+    summary = CandidatesSummary(count, float(load.sum()) / count, float(queued.sum()) / count)
+    keys = load + (rng if rng is not None else _RNG).random(count)
+    k = pruning.least_loaded
+    if group is None:  # one group (no prefix held, no adapter asked): the k lightest
+        chosen = np.argpartition(keys, k)[:k] if count > k else np.arange(count)
+    else:
+        # Sort by (group, key); keep the first k of each group's run.
+        order = np.lexsort((keys, group))
+        in_order = group[order]
+        starts = np.empty(count, np.bool_)
+        starts[0] = True
+        np.not_equal(in_order[1:], in_order[:-1], out=starts[1:])
+        positions = np.arange(count)
+        run_start = np.maximum.accumulate(np.where(starts, positions, 0))
+        chosen = order[positions - run_start < k]
+    chosen.sort()
+    if kept_at is not None:
+        chosen = kept_at[chosen]
+    scored = [figures.states[i] for i in chosen.tolist()]
+    return Pruned(scored, summary, seen, count, removed)
+
+
+@dataclass
+class _Figures:
+    """What the pass reads of the candidates, as arrays over ``states`` (in their order)."""
+
+    states: Sequence[ReplicaState]
+    running: np.ndarray
+    waiting: np.ndarray
+    inflight: np.ndarray
+    #: Healthy and serving the model, when the pass filters; None otherwise.
+    serving: np.ndarray | None
+    #: Group code (prefix depth, then adapter residence); None when all are in one group.
+    group: np.ndarray | None
+
+    @classmethod
+    def of(
+        cls, candidates: Sequence[ReplicaState], request: RoutingRequest, serves: str | None
+    ) -> _Figures:
+        matches = request.prefix_matches
+        adapter = request.adapter
+        if isinstance(candidates, Fleet):
+            fleet = candidates
+            group = None
+            if matches:
+                group = np.zeros(len(fleet), np.int64)
+                for rid, depth in matches.items():
+                    position = fleet.position(rid)
+                    if position is not None:
+                        group[position] = depth * 3
+            if adapter is not None:
+                residence = fleet.adapter_residence(adapter)
+                group = residence.copy() if group is None else group + residence
+            return cls(
+                fleet,
+                fleet.running,
+                fleet.waiting,
+                fleet.inflight,
+                fleet.serving(serves) if serves is not None else None,
+                group,
+            )
+        states = list(candidates)
+        n = len(states)
+        # Attribute reads through C-level iterators into arrays: a Python loop doing the same
+        # per replica costs twice as much.
+        serving = None
+        if serves is not None:
+            serving = np.fromiter((r.healthy and serves in r.models for r in states), np.bool_, n)
+        group = None
+        if matches:
+            group = np.fromiter(map(matches.get, map(_ID, states), repeat(0)), np.int64, n) * 3
+        if adapter is not None:
+            residence = adapter_residence(states, adapter)
+            group = residence if group is None else group + residence
+        return cls(
+            states,
+            np.fromiter(map(_RUNNING, states), np.int64, n),
+            np.fromiter(map(_WAITING, states), np.int64, n),
+            np.fromiter(map(_INFLIGHT, states), np.int64, n),
+            serving,
+            group,
+        )
+
+
+class _Loads(Mapping[ReplicaId, float]):
+    """Each replica's load at decision time, keyed by replica; the dict is built on first read
+    (most decisions never read it)."""
+
+    __slots__ = ("_by_id", "_states", "_values")
+
+    def __init__(self, states: Sequence[ReplicaState], values: np.ndarray) -> None:
+        self._states = list(states)  # a Fleet changes after the decision: keep who was there
+        self._values = values
+        self._by_id: dict[ReplicaId, float] | None = None
+
+    def _map(self) -> dict[ReplicaId, float]:
+        if self._by_id is None:
+            self._by_id = dict(zip(map(_ID, self._states), self._values.tolist(), strict=True))
+        return self._by_id
+
+    def __getitem__(self, key: ReplicaId) -> float:
+        return self._map()[key]
+
+    def get(self, key: ReplicaId, default: Any = None) -> Any:  # type: ignore[override]
+        return self._map().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._map()
+
+    def __iter__(self) -> Iterator[ReplicaId]:
+        return iter(self._map())
+
+    def __len__(self) -> int:
+        return len(self._states)

@@ -299,7 +299,7 @@ async def _pick_replica(
     gw: RouteDeps, request: RoutingRequest, matched_route: Route
 ) -> tuple[RoutingDecision, bool]:
     """The engine's decision (and whether it was a last resort), traced and measured."""
-    gw.registry.set_inflight(gw.inflight.counts(), gw.inflight.ended_since)
+    gw.registry.refresh_inflight(gw.inflight)
     replicas = gw.registry.routable()
     adapters.fill_cold_load_estimates(gw.adapters, gw.registry, request, replicas)
     decide_start_ns = time.time_ns()

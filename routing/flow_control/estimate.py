@@ -65,9 +65,14 @@ def estimate_from_decision(
 ) -> FleetEstimate:
     """The estimate behind ``decision``: its chosen replica's TTFT, every candidate's load, and,
     for candidates in ``states``, their engines' queue and KV usage."""
+    explanations = decision.explanations
+    # The scored replicas only: the others were filtered out or pruned (and a large fleet's
+    # thousand explanations would cost milliseconds to build).
+    only_scored = getattr(explanations, "scored", None)  # the engine's ExplanationMap
+    scored = only_scored() if only_scored is not None else explanations.items()
     by_id = {state.replica_id: state for state in states}
     loads = []
-    for replica, explanation in decision.explanations.items():
+    for replica, explanation in scored:
         if explanation.filtered_out_by is not None:
             continue
         terms = explanation.terms

@@ -9,7 +9,10 @@ had never been counted, and a burst of new prefixes went 6 to 2 and overflowed o
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
+
+import pytest
 
 from gateway.inflight import ENDED_KEPT, MemoryInflight
 from gateway.replicas import ReplicaRegistry
@@ -17,6 +20,16 @@ from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 R = ReplicaId("pool/r0")
+
+#: How ``view`` brings the tracker's counts in: every replica (``set_inflight``), or only those
+#: where something changed (``refresh_inflight``, the request path). Both must agree.
+_REFRESH = {"incremental": True}
+
+
+@pytest.fixture(autouse=True, params=["every-replica", "incremental"])
+def refresh_mode(request: pytest.FixtureRequest) -> Iterator[None]:
+    _REFRESH["incremental"] = request.param == "incremental"
+    yield
 
 
 class Clock:
@@ -37,11 +50,14 @@ def reread(registry: ReplicaRegistry, running: int, read_at: float) -> None:
     """A new engine reading arrives (as an agent's scrape or a health poll brings it)."""
     state = registry.get(R)
     assert state is not None
-    registry._states[R] = replace(state, running=running, metrics_read_at=read_at)
+    registry.sync_discovered([replace(state, running=running, metrics_read_at=read_at)])
 
 
 def view(registry: ReplicaRegistry, inflight: MemoryInflight) -> ReplicaState:
-    registry.set_inflight(inflight.counts(), inflight.ended_since)
+    if _REFRESH["incremental"]:
+        registry.refresh_inflight(inflight)
+    else:
+        registry.set_inflight(inflight.counts(), inflight.ended_since)
     state = registry.get(R)
     assert state is not None
     return state

@@ -196,3 +196,18 @@ async def test_the_built_in_filter_runs_in_the_same_pass() -> None:
     nobody = [copy_with(r, healthy=False) for r in many]
     with pytest.raises(NoReplicaAvailable, match="no replica can serve"):
         await decide(nobody, request({}, 40, 7), Pruning(64, 8))
+
+
+async def test_flow_controls_estimate_reads_the_scored_replicas_of_a_pruned_decision() -> None:
+    """The estimate reads the candidates' queue waits: the scored ones, not every explanation
+    of a large fleet (building 200 explanations to skip 192 pruned ones)."""
+    from routing.flow_control import estimate_from_decision
+
+    replicas = [replica(i, i % 9) for i in range(200)]
+    decision = await decide(replicas, request({}, 40, 3), Pruning(64, 8))
+    estimate = estimate_from_decision(decision, replicas)
+    scored = [rid for rid, e in decision.explanations.items() if e.filtered_out_by is None]
+    assert [rid for rid, _ in decision.explanations.scored()] == sorted(scored)  # fleet order
+    assert len(estimate.loads) == len(scored) == 8
+    waits = sorted(decision.explanations[rid].terms["queue_wait_ms"] for rid in scored)
+    assert sorted(load.queue_wait_ms for load in estimate.loads) == waits
