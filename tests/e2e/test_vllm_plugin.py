@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -229,38 +231,101 @@ def test_idle_engine_state_is_published_before_any_request(
     assert 0 < plugin_engine.redis.pttl(plugin_engine.keys.engine()) <= STATE_TTL_S * 1000
 
 
+class EngineWrites:
+    """Every snapshot the plugin writes to the engine hash, as Redis executes it (MONITOR).
+
+    A test that reads the hash when a stream chunk arrives sees nothing while the engine runs if
+    the API server, starved of CPU, flushes the stream's chunks only after the last step (it
+    failed that way on a loaded machine). Redis's own command feed has every write in order,
+    whenever the client gets to read it.
+    """
+
+    #: One argument of a MONITOR line: a double-quoted string with backslash escapes.
+    _ARG = re.compile(r'"((?:[^"\\]|\\.)*)"')
+
+    def __init__(self, plugin_engine: PluginEngine) -> None:
+        self._connection = plugin_engine.redis.connection_pool.connection_kwargs
+        self._key = plugin_engine.keys.engine()
+        self.snapshots: list[dict[str, str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
+
+    def __enter__(self) -> EngineWrites:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise AssertionError("timed out after 30s waiting for MONITOR to start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._client().ping()  # a command for the feed to show: the reader wakes and sees stop
+        self._thread.join(10)
+
+    def _client(self) -> redis.Redis:
+        kwargs = self._connection
+        return redis.Redis(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379))
+
+    def _run(self) -> None:
+        # No socket timeout: a timed-out read drops the connection, and MONITOR with it.
+        with self._client().monitor() as monitor:
+            self._ready.set()
+            while not self._stop.is_set():
+                line = monitor.connection.read_response()
+                if isinstance(line, bytes):
+                    line = line.decode(errors="replace")
+                self._take(str(line))
+
+    def _take(self, line: str) -> None:
+        args = [re.sub(r"\\(.)", r"\1", arg) for arg in self._ARG.findall(line)]
+        if len(args) >= 4 and args[0].upper() == "HSET" and args[1] == self._key:
+            with self._lock:
+                merged = dict(self.snapshots[-1]) if self.snapshots else {}
+                merged.update(zip(args[2::2], args[3::2], strict=False))
+                self.snapshots.append(merged)
+
+    def seen(self) -> list[dict[str, str]]:
+        with self._lock:
+            return list(self.snapshots)
+
+
 def stream_and_watch(
     plugin_engine: PluginEngine, model: str, max_tokens: int = 1500
 ) -> list[dict[str, str]]:
-    """Stream one long completion; return every distinct engine state seen while it ran."""
-    seen: list[dict[str, str]] = []
+    """Stream one long completion; return every snapshot the plugin wrote from its start until
+    the idle one after it (the publisher's trailing write)."""
     body = {"model": model, "prompt": "the fleet of replicas routes every request " * 8,
             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=plugin_engine.engine.url, timeout=120) as http, \
-            http.stream("POST", "/v1/completions", json=body) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                state = plugin_engine.state()
-                if not seen or state != seen[-1]:
-                    seen.append(state)
-    return seen
+    with EngineWrites(plugin_engine) as writes:
+        with httpx.Client(base_url=plugin_engine.engine.url, timeout=120) as http, \
+                http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200, response.read()
+            for _ in response.iter_lines():
+                pass
+        # Engine idle by its own count with every step of this request counted: the trailing
+        # write, written at most one publish interval after the last step.
+        wait_for(
+            lambda: any(
+                s.get("running") == "0" and any(b.get("running") != "0" for b in writes.seen())
+                for s in writes.seen()[-1:]
+            ),
+            "the plugin's idle snapshot after a busy one",
+        )
+        return writes.seen()
 
 
 def test_engine_steps_are_published_while_a_request_runs(plugin_engine: PluginEngine) -> None:
     before = wait_for(plugin_engine.state, "the engine hash")
     during = stream_and_watch(plugin_engine, SERVED_MODEL)
     busy = [s for s in during if s["running"] == "1"]
-    print(f"\n{len(during)} distinct states while streaming; first busy one: {busy[:1]}")
-    assert busy, f"never saw running=1 during the stream: {during}"
+    print(f"\n{len(during)} snapshots written during the request; first busy one: {busy[:1]}")
+    assert busy, f"no snapshot with running=1 was written during the stream: {during}"
     assert any(float(s["kv_usage"]) > 0 for s in busy)
     # Each step is folded in: the step counter moves between snapshots of one request.
     assert len({s["steps"] for s in busy}) > 1
-    after = wait_for(
-        lambda: (s := plugin_engine.state())["running"] == "0" and int(s["steps"]) > int(
-            busy[-1]["steps"]) and s,
-        "the idle state after the request (trailing write)",
-    )
+    after = during[-1]
+    assert after["running"] == "0" and int(after["steps"]) > int(busy[-1]["steps"])
     assert int(after["prefix_cache_queries_total"]) > int(before["prefix_cache_queries_total"])
     assert float(after["metrics_read_at"]) > float(before["metrics_read_at"])
 
