@@ -11,7 +11,7 @@ the objects then, as ``routing/prune.py`` explains).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from operator import attrgetter
 from typing import overload
 
@@ -132,6 +132,21 @@ class Fleet(Sequence[ReplicaState]):
     def position(self, replica: ReplicaId) -> int | None:
         """Where ``replica`` is in the fleet, or None."""
         return self._position.get(replica)
+
+    def depths(self, matches: Mapping[ReplicaId, int]) -> np.ndarray:
+        """Per position: the prefix depth ``matches`` gives its replica (0 if none)."""
+        depth = np.zeros(len(self._states), np.int64)
+        where = self._position.get
+        for rid, blocks in matches.items():
+            position = where(rid)
+            if position is not None:
+                depth[position] = blocks
+        return depth
+
+    def states(self, positions: Iterable[int]) -> list[ReplicaState]:
+        """The states at ``positions``, in that order."""
+        states = self._states
+        return [states[i] for i in positions]
 
     def serving(self, model: str) -> np.ndarray:
         """Per position: healthy and serving ``model`` (the engine's built-in filter)."""

@@ -113,8 +113,8 @@ def prune(
         removed = [figures.states[i].replica_id for i in np.flatnonzero(~mask).tolist()]
     count = n if kept_at is None else len(kept_at)
     if count <= pruning.above:
-        kept = figures.states if kept_at is None else [figures.states[i] for i in kept_at.tolist()]
-        return Pruned(list(kept), None, seen, count, removed)
+        kept = list(figures.states) if kept_at is None else _at(figures.states, kept_at.tolist())
+        return Pruned(kept, None, seen, count, removed)
     running, waiting, inflight = figures.running, figures.waiting, figures.inflight
     group = figures.group
     if kept_at is not None:
@@ -140,8 +140,14 @@ def prune(
     chosen.sort()
     if kept_at is not None:
         chosen = kept_at[chosen]
-    scored = [figures.states[i] for i in chosen.tolist()]
-    return Pruned(scored, summary, seen, count, removed)
+    return Pruned(_at(figures.states, chosen.tolist()), summary, seen, count, removed)
+
+
+def _at(states: Sequence[ReplicaState], positions: list[int]) -> list[ReplicaState]:
+    """``states`` at ``positions`` (a Fleet hands them over without a method call each)."""
+    if isinstance(states, Fleet):
+        return states.states(positions)
+    return [states[i] for i in positions]
 
 
 @dataclass
@@ -165,13 +171,7 @@ class _Figures:
         adapter = request.adapter
         if isinstance(candidates, Fleet):
             fleet = candidates
-            group = None
-            if matches:
-                group = np.zeros(len(fleet), np.int64)
-                for rid, depth in matches.items():
-                    position = fleet.position(rid)
-                    if position is not None:
-                        group[position] = depth * 3
+            group = fleet.depths(matches) * 3 if matches else None
             if adapter is not None:
                 residence = fleet.adapter_residence(adapter)
                 group = residence.copy() if group is None else group + residence
