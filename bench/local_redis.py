@@ -110,3 +110,87 @@ class RedisServer:
             self.process.kill()
             self.process.wait(timeout=10)
             self.process = None
+
+
+@dataclass
+class LocalRedisCluster:
+    """A private Redis Cluster: ``primaries`` redis-server processes, no replicas, every slot
+    assigned (``redis-cli --cluster create``). For the mirrored index's Cluster tests and sizing."""
+
+    primaries: int = 3
+    servers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    ports: list[int] = field(default_factory=list)
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="fg-redis-cluster-"))
+
+    @property
+    def url(self) -> str:
+        """A cluster URL as fleetgate takes it: any one node, the ``redis+cluster`` scheme."""
+        return f"redis+cluster://127.0.0.1:{self.ports[0]}/0"
+
+    def start(self) -> LocalRedisCluster:
+        binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        if binary is None or cli is None:
+            raise RuntimeError(
+                "redis-server and redis-cli not found: install them (apt-get install redis-server)"
+            )
+        for i in range(self.primaries):
+            # The cluster bus port is given, not port + 10000: that could land in the kernel's
+            # ephemeral range, where an outgoing connection can take it first.
+            port, bus = free_port(), free_port()
+            node_dir = os.path.join(self.workdir, f"node{i}")
+            os.makedirs(node_dir, exist_ok=True)
+            self.servers.append(
+                subprocess.Popen(
+                    [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--dir", node_dir, "--cluster-enabled", "yes",
+                     "--cluster-port", str(bus), "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", "5000"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            self.ports.append(port)
+        try:
+            for port in self.ports:
+                _wait_for_pong(port)
+            subprocess.run(
+                [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                 "--cluster-replicas", "0", "--cluster-yes"],
+                check=True, capture_output=True, timeout=60,
+            )
+            deadline = time.monotonic() + 30
+            while not all(self._state_ok(cli, port) for port in self.ports):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis Cluster did not reach cluster_state:ok in 30 s")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @staticmethod
+    def _state_ok(cli: str, port: int) -> bool:
+        out = subprocess.run(
+            [cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=10
+        ).stdout
+        return "cluster_state:ok" in out
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.kill()
+            server.wait(timeout=10)
+        self.servers.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _wait_for_pong(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server did not answer on port {port} within {timeout_s:g} s")

@@ -111,7 +111,7 @@ def create_app(
     index = (
         index
         if index is not None
-        else build_gateway_index(config.redis_url, config.index_key_prefix, config.index_mode)
+        else build_gateway_index(config.index_url, config.index_key_prefix, config.index_mode)
     )
     if inflight is None:
         inflight = (

@@ -7,6 +7,7 @@ from typing import Any
 
 from adapters_registry.registry import RegistrySettings
 from routing.index.factory import DEFAULT_INDEX_MODE
+from routing.index.redis_client import is_cluster_url
 from routing.policies.registry import DEFAULT_PROFILE
 
 
@@ -20,6 +21,9 @@ class GatewayConfig:
     default_profile: str = DEFAULT_PROFILE
     #: Redis URL for the shared index, in-flight counts and agent-registered replicas.
     redis_url: str | None = None
+    #: The block index's own Redis when it is a Redis Cluster (the policy's ``index.redis_url``
+    #: with the ``redis+cluster://`` scheme); None: the index lives in ``redis_url``.
+    index_redis_url: str | None = None
     #: Redis key prefix of the block index; None: the backend's default (the agents' too).
     index_key_prefix: str | None = None
     #: With Redis: ``lookup`` (a Redis script per lookup) or ``mirror`` (an in-process copy fed
@@ -75,6 +79,19 @@ class GatewayConfig:
     #: None: the registry's defaults.
     adapter_settings: RegistrySettings | None = None
 
+    def __post_init__(self) -> None:
+        if self.redis_url is not None and is_cluster_url(self.redis_url):
+            raise ValueError(
+                f"--redis {self.redis_url}: a Redis Cluster holds the block index only. Give "
+                "--redis one Redis server (fleet store, in-flight counts, token budgets) and put "
+                "the Cluster under the policy's index.redis_url (docs/index.md, Redis Cluster)"
+            )
+
+    @property
+    def index_url(self) -> str | None:
+        """Where the block index lives: its own Redis (a Cluster) or ``redis_url``."""
+        return self.index_redis_url or self.redis_url
+
     def apply_policy(self, policy: Any, startup: bool = False) -> None:
         """Take the policy's ``gateway:`` and ``index:`` settings over the process defaults.
 
@@ -95,8 +112,13 @@ class GatewayConfig:
         self.index_timeout_s = index.lookup_timeout_ms / 1000
         if not startup:
             return
-        if index.backend == "redis" and self.redis_url is None:
-            self.redis_url = index.redis_url
+        if index.backend == "redis":
+            if is_cluster_url(index.redis_url):
+                # A Cluster holds the index only: the fleet store, in-flight counts and budgets
+                # stay on ``redis_url`` (one server), if there is one.
+                self.index_redis_url = index.redis_url
+            elif self.redis_url is None:
+                self.redis_url = index.redis_url
         # Gateways and agents must share keys; every component defaults to "fleetgate:".
         self.index_key_prefix = index.key_prefix
         self.index_mode = index.mode

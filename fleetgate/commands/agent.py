@@ -45,7 +45,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     group.add_argument("--replay", help="the engine's replay endpoint, tcp://HOST:PORT")
     group.add_argument(
         "--index-url", default="memory",
-        help="block index: redis://HOST:PORT/DB or memory (default: memory)",
+        help="block index: redis://HOST:PORT/DB, a Redis Cluster as redis+cluster://NODE:PORT "
+        "(mirror mode; then give --fleet-url too), or memory (default: memory)",
     )
     group.add_argument("--fleet-url", help="fleet store URL (default: --index-url)")
     group.add_argument(

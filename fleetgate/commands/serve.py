@@ -105,16 +105,20 @@ def run(args: argparse.Namespace) -> int:
             for error in exc.errors:
                 print(f"  {error}")
             return 2
-    config = GatewayConfig(
-        policy_path=args.policy,
-        default_profile=args.profile,
-        redis_url=args.redis,
-        **({"index_mode": args.index_mode} if args.index_mode else {}),
-        tokenizer_dir=args.tokenizer,
-        block_size=args.block_size,
-        admin_key=args.admin_key,
-        otlp_endpoint=args.otlp_endpoint,
-    )
+    try:
+        config = GatewayConfig(
+            policy_path=args.policy,
+            default_profile=args.profile,
+            redis_url=args.redis,
+            **({"index_mode": args.index_mode} if args.index_mode else {}),
+            tokenizer_dir=args.tokenizer,
+            block_size=args.block_size,
+            admin_key=args.admin_key,
+            otlp_endpoint=args.otlp_endpoint,
+        )
+    except ValueError as exc:
+        print(f"fleetgate serve: {exc}")
+        return 2
     replicas = tuple(
         ReplicaSpec(
             f"replica-{i}",

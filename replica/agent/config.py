@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from routing.index.factory import DEFAULT_INDEX_MODE, INDEX_MODES
+from routing.index.redis_client import is_cluster_url
 
 
 @dataclass
@@ -26,7 +27,8 @@ class AgentConfig:
     kv_events_topic: str = "kv"
     #: The engine's replay ROUTER socket, asked for missed batches on a sequence gap.
     replay_endpoint: str | None = None
-    #: Block index URL (``redis://...`` or ``memory``) and fleet store URL (default: the same).
+    #: Block index URL (``redis://...``, a Redis Cluster's ``redis+cluster://...`` or
+    #: ``memory``) and fleet store URL (default: the same; one Redis server).
     index_url: str | None = None
     fleet_url: str | None = None
     #: Key prefixes: the index's hash tag, and the fleet store's prefix.
@@ -67,6 +69,14 @@ class AgentConfig:
             raise ValueError(
                 f"index_mode must be one of {', '.join(INDEX_MODES)} (got {self.index_mode!r})"
             )
+        if self.index_url and is_cluster_url(self.index_url):
+            if self.index_mode != "mirror":
+                raise ValueError("a Redis Cluster index_url needs index_mode 'mirror'")
+            if self.fleet_url is None:
+                raise ValueError(
+                    "index_url is a Redis Cluster, which holds the block index only: give "
+                    "fleet_url (--fleet-url), one Redis server for the fleet store"
+                )
         if self.map_capacity < 1:
             raise ValueError(f"map_capacity must be >= 1 (got {self.map_capacity})")
 

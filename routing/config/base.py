@@ -72,6 +72,22 @@ def _check_redis_url(value: str) -> str:
     return value
 
 
+def _check_index_redis_url(value: str) -> str:
+    """A Redis URL, or a Redis Cluster's (``redis+cluster://``, ``rediss+cluster://``)."""
+    parts = urlsplit(value)
+    if parts.scheme in ("redis+cluster", "rediss+cluster"):
+        if not parts.hostname:
+            raise ValueError("must name a node, e.g. redis+cluster://redis-0:6379")
+        return value
+    try:
+        return _check_redis_url(value)
+    except ValueError:
+        raise ValueError(
+            "must be a redis://, rediss:// or unix:// URL, or a Redis Cluster's "
+            "redis+cluster:// or rediss+cluster:// URL"
+        ) from None
+
+
 def check_local_path(value: str) -> str:
     """An absolute, normalised POSIX path with no ``..`` component.
 
@@ -101,6 +117,8 @@ ModelName = Annotated[str, AfterValidator(_check_model_name)]
 Sha256Hex = Annotated[str, AfterValidator(_check_sha256)]
 HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
 RedisUrl = Annotated[str, AfterValidator(_check_redis_url)]
+#: Where the block index lives: one Redis server or, in mirror mode, a Redis Cluster.
+IndexRedisUrl = Annotated[str, AfterValidator(_check_index_redis_url)]
 LocalPath = Annotated[str, AfterValidator(check_local_path)]
 HeaderName = Annotated[str, AfterValidator(_check_header_name)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]

@@ -7,12 +7,12 @@ from typing import Literal
 from pydantic import model_validator
 
 from routing.config.base import (
+    IndexRedisUrl,
     KeyPrefix,
     Name,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    RedisUrl,
     StrictModel,
 )
 from routing.index.factory import DEFAULT_INDEX_MODE
@@ -26,7 +26,8 @@ class IndexSettings(StrictModel):
     """
 
     backend: Literal["memory", "redis"] = "memory"
-    redis_url: RedisUrl | None = None
+    #: One Redis server, or (mirror mode) any node of a Redis Cluster as ``redis+cluster://``.
+    redis_url: IndexRedisUrl | None = None
     #: With ``redis``: ``lookup`` asks Redis on every request; ``mirror`` keeps an in-process
     #: copy fed by Redis streams (docs/index.md). Agents must run the same mode.
     mode: Literal["lookup", "mirror"] = DEFAULT_INDEX_MODE  # type: ignore[assignment]
@@ -45,6 +46,11 @@ class IndexSettings(StrictModel):
             raise ValueError("backend 'redis' needs 'redis_url'")
         if self.backend == "memory" and self.redis_url is not None:
             raise ValueError("'redis_url' is set but backend is 'memory'; set backend: redis")
+        if (self.redis_url or "").split("://")[0].endswith("+cluster") and self.mode != "mirror":
+            raise ValueError(
+                "a Redis Cluster index needs mode: mirror (lookup mode keeps the whole index in "
+                "one hash slot)"
+            )
         return self
 
 

@@ -9,6 +9,8 @@ from routing.contracts import BlockIndex
 __all__ = ["DEFAULT_INDEX_MODE", "INDEX_MODES", "build_index"]
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: A Redis Cluster (``routing/index/redis_client.py``): mirror mode only.
+_CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
 
 #: How a Redis-backed index is read: ``lookup`` runs one Redis script per lookup
@@ -29,7 +31,9 @@ def build_index(
     ``clock``, ``require_heartbeat``); a ``redis://``, ``rediss://`` or ``unix://`` URL gives a
     ``RedisBlockIndex`` in ``lookup`` mode (``opts``: ``key_prefix``, ``timeout_s``,
     ``block_ttl_s``, ...) or a ``MirrorBlockIndex`` in ``mirror`` mode (``opts``: ``key_prefix``,
-    ``shards``, ``timeout_s``, ``max_entries``, ...).
+    ``shards``, ``timeout_s``, ``max_entries``, ...). A ``redis+cluster://`` or
+    ``rediss+cluster://`` URL (any node of a Redis Cluster) gives a mirror whose shards spread
+    over the Cluster's primaries; lookup mode keeps one index in one slot and refuses it.
     """
     if mode not in INDEX_MODES:
         raise ValueError(f"index mode must be one of {', '.join(INDEX_MODES)} (got {mode!r})")
@@ -37,6 +41,15 @@ def build_index(
         from routing.index.memory import MemoryBlockIndex
 
         return MemoryBlockIndex(**opts)
+    if isinstance(url, str) and url.startswith(_CLUSTER_SCHEMES):
+        if mode != "mirror":
+            raise ValueError(
+                "a Redis Cluster URL needs index mode 'mirror': lookup mode keeps the whole index "
+                f"in one hash slot, so a Cluster adds nothing to it (got mode {mode!r})"
+            )
+        from routing.index.mirror import MirrorBlockIndex
+
+        return MirrorBlockIndex(url, **opts)
     if isinstance(url, str) and url.startswith(_REDIS_SCHEMES):
         if mode == "mirror":
             from routing.index.mirror import MirrorBlockIndex
@@ -46,5 +59,6 @@ def build_index(
 
         return RedisBlockIndex(url, **opts)
     raise ValueError(
-        f"index url must be 'memory' or a redis://, rediss:// or unix:// URL (got {url!r})"
+        "index url must be 'memory', a redis://, rediss:// or unix:// URL, or a Redis Cluster's "
+        f"redis+cluster:// or rediss+cluster:// URL (got {url!r})"
     )

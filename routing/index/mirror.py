@@ -42,12 +42,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from routing.contracts import IndexStats, IndexUnavailable
 from routing.index import stream_scripts
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
 from routing.index.memory import MemoryBlockIndex
+from routing.index.redis_client import IndexRedis, connect
 from routing.index.stream_layout import DEFAULT_SHARDS
 from routing.index.stream_writer import DEFAULT_STREAM_MAX_LEN, StreamIndexWriter, unpack_blocks
 from routing.types import BlockHash, Epoch, ReplicaId
@@ -60,7 +61,79 @@ log = logging.getLogger(__name__)
 _SNAPSHOT_BATCH = 128
 #: Stream entries one tail read takes at most.
 _TAIL_COUNT = 2000
-_REDIS_DOWN = (RedisError, OSError, TimeoutError, IndexUnavailable)
+#: What "Redis is unavailable" looks like; ``RedisClusterException`` (not a ``RedisError``) too:
+#: a Cluster that cannot be mapped (slots unassigned, no node reachable) must not end the tail.
+_REDIS_DOWN = (RedisError, RedisClusterException, OSError, TimeoutError, IndexUnavailable)
+
+
+class _ShardReads:
+    """The tail's blocking reads of the shards' streams.
+
+    One server: one ``XREAD`` of every stream. A Redis Cluster refuses an ``XREAD`` of keys in
+    different slots, and each shard is a slot: there, one ``XREAD`` per shard is kept in flight,
+    on a plain connection to the primary that owns the shard's slot (the Cluster client's own
+    connections are not made for several blocking reads at once), and ``next`` returns as soon
+    as any of them answers: a shard with no news must not hold back the others' events for a
+    whole blocking read. A slot that moves makes its read fail; the tail then starts again and
+    looks the owners up afresh.
+    """
+
+    def __init__(self, client: IndexRedis, block_ms: int, options: Mapping[str, Any]) -> None:
+        self._client = client
+        self._block_ms = block_ms
+        self._options = options
+        self._cluster = isinstance(client, aioredis.RedisCluster)
+        self._pending: dict[str, asyncio.Task[Any]] = {}
+        #: "host:port" of a primary -> a plain client of it (Cluster only).
+        self._primaries: dict[str, aioredis.Redis] = {}
+
+    def _reader_of(self, key: str) -> aioredis.Redis:
+        assert isinstance(self._client, aioredis.RedisCluster)
+        node = self._client.get_node_from_key(key)
+        reader = self._primaries.get(node.name)
+        if reader is None:
+            reader = self._primaries[node.name] = aioredis.Redis(
+                host=node.host, port=node.port, **self._options
+            )
+        return reader
+
+    async def next(self, last_ids: dict[str, bytes]) -> list[Any]:
+        """Replies as ``XREAD`` gives them: [(stream key, [(entry id, fields), ...]), ...]."""
+        if not self._cluster:
+            return list(
+                await self._client.xread(
+                    streams=dict(last_ids), count=_TAIL_COUNT, block=self._block_ms
+                )
+                or ()
+            )
+        await self._client.initialize()  # the slot map (a no-op once it is known)
+        for key, last in last_ids.items():
+            if key not in self._pending:
+                self._pending[key] = asyncio.ensure_future(
+                    self._reader_of(key).xread(
+                        streams={key: last}, count=_TAIL_COUNT, block=self._block_ms
+                    )
+                )
+        done, _ = await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
+        replies: list[Any] = []
+        for key, task in list(self._pending.items()):
+            if task in done:
+                del self._pending[key]
+                replies.extend(task.result() or ())  # raises a failed read's error
+        return replies
+
+    async def close(self) -> None:
+        """Stop the reads in flight and close the primaries' connections (the tail is ending:
+        an error, a rebuild, closing)."""
+        for task in self._pending.values():
+            task.cancel()
+        for task in self._pending.values():
+            with contextlib.suppress(BaseException):
+                await task
+        self._pending.clear()
+        for reader in self._primaries.values():
+            await reader.aclose()
+        self._primaries.clear()
 
 
 def _stream_id(raw: bytes | str) -> tuple[int, int]:
@@ -124,11 +197,11 @@ class MirrorBlockIndex:
         self.layout = self._writer.layout
         # The tail blocks in XREAD for up to tail_block_ms: its own client, with a socket
         # timeout above that (the writer's would cut every blocking read short).
-        self._tail_client = aioredis.Redis.from_url(
-            redis_url,
-            socket_timeout=tail_block_ms / 1000 + max(timeout_s, 1.0),
-            socket_connect_timeout=max(timeout_s, 1.0),
-        )
+        self._tail_options = {
+            "socket_timeout": tail_block_ms / 1000 + max(timeout_s, 1.0),
+            "socket_connect_timeout": max(timeout_s, 1.0),
+        }
+        self._tail_client = connect(redis_url, **self._tail_options)
         self._snapshot = self._writer.client.register_script(stream_scripts.SNAPSHOT)
         self._local_options: dict[str, Any] = {
             "max_entries": max_entries, "clock": clock, "require_heartbeat": require_heartbeat,
@@ -237,7 +310,12 @@ class MirrorBlockIndex:
         if token is None:
             await client.set(self.layout.generation_key, uuid.uuid4().hex, nx=True)
             token = await client.get(self.layout.generation_key)
-        run_id = (await client.info("server")).get("run_id", "")
+        if isinstance(client, aioredis.RedisCluster):
+            # Any primary's restart may have lost the shards it holds.
+            infos = await client.info("server", target_nodes=aioredis.RedisCluster.PRIMARIES)
+            run_id = ",".join(sorted(str(info.get("run_id", "")) for info in infos.values()))
+        else:
+            run_id = (await client.info("server")).get("run_id", "")
         return bytes(token) + b"/" + str(run_id).encode()
 
     async def _bootstrap(self) -> None:
@@ -249,9 +327,8 @@ class MirrorBlockIndex:
         for shard, key in enumerate(keys):
             pipe.xrevrange(key, count=1)
             pipe.smembers(self.layout.replicas_key(shard))
-        pipe.time()
         replies = await pipe.execute()
-        seconds, micros = replies[-1]
+        seconds, micros = await client.time()  # not pipelined: a Cluster pipeline refuses it
         server_ms = seconds * 1000 + micros // 1000
         last_ids: dict[str, bytes] = {}
         replicas: list[ReplicaId] = []
@@ -266,11 +343,7 @@ class MirrorBlockIndex:
         self._seq.clear()
         for start in range(0, len(replicas), _SNAPSHOT_BATCH):
             batch = replicas[start : start + _SNAPSHOT_BATCH]
-            pipe = client.pipeline(transaction=False)
-            for replica in batch:
-                keys_of = self.layout.replica_keys(replica)
-                await self._snapshot(keys=[keys_of.state, keys_of.blocks], client=pipe)
-            for replica, reply in zip(batch, await pipe.execute(), strict=True):
+            for replica, reply in zip(batch, await self._snapshots(batch), strict=True):
                 self._apply_snapshot(replica, reply)
         # Guesses are not in the snapshots: take the ones young enough to still matter.
         since = f"{max(0, server_ms - self._catchup_ms)}-0"
@@ -289,6 +362,22 @@ class MirrorBlockIndex:
         self._connected = True
         log.info("index mirror: bootstrapped %d replicas", len(replicas))
 
+    async def _snapshots(self, replicas: Sequence[ReplicaId]) -> list[Any]:
+        """The ``SNAPSHOT`` script's reply for each of ``replicas``: pipelined on one server,
+        sent concurrently on a Cluster (whose pipelines refuse scripts)."""
+        client = self._writer.client
+        keys = [self.layout.replica_keys(replica) for replica in replicas]
+        if isinstance(client, aioredis.RedisCluster):
+            return list(
+                await asyncio.gather(
+                    *(self._snapshot(keys=[k.state, k.blocks], client=client) for k in keys)
+                )
+            )
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            await self._snapshot(keys=[k.state, k.blocks], client=pipe)
+        return list(await pipe.execute())
+
     async def _tail(self) -> None:
         """Apply stream events until an error or a lost generation (then rebuild)."""
         # (Re)connected: is it still the data this mirror holds? Checked before anything is
@@ -299,10 +388,15 @@ class MirrorBlockIndex:
             return
         self._connected = True
         next_check = time.monotonic() + self._check_interval_s
+        reads = _ShardReads(self._tail_client, self._tail_block_ms, self._tail_options)
+        try:
+            await self._tail_streams(reads, next_check)
+        finally:
+            await reads.close()
+
+    async def _tail_streams(self, reads: _ShardReads, next_check: float) -> None:
         while not self._closed:
-            replies = await self._tail_client.xread(
-                streams=dict(self._last_ids), count=_TAIL_COUNT, block=self._tail_block_ms
-            )
+            replies = await reads.next(self._last_ids)
             self._connected = True
             for raw_key, entries in replies or ():
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key

@@ -12,7 +12,6 @@ import struct
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -20,6 +19,7 @@ from routing.contracts import IndexStats, IndexUnavailable
 from routing.index import stream_scripts
 from routing.index._redis_call import call_redis
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
+from routing.index.redis_client import IndexRedis, connect
 from routing.index.stream_layout import DEFAULT_SHARDS, StreamLayout
 from routing.types import BlockHash, Epoch, ReplicaId
 
@@ -58,7 +58,7 @@ class StreamIndexWriter:
 
     def __init__(
         self,
-        redis: str | aioredis.Redis,
+        redis: str | IndexRedis,
         *,
         key_prefix: str = "fleetgate:",
         shards: int = DEFAULT_SHARDS,
@@ -77,7 +77,7 @@ class StreamIndexWriter:
         #: Tags this writer's speculative events, so the gateway that wrote them skips the echo.
         self.origin = origin
         if isinstance(redis, str):
-            self._client = aioredis.Redis.from_url(
+            self._client = connect(
                 redis,
                 socket_timeout=timeout_s,
                 socket_connect_timeout=timeout_s,
@@ -90,7 +90,7 @@ class StreamIndexWriter:
         self._write = self._client.register_script(stream_scripts.WRITE)
 
     @property
-    def client(self) -> aioredis.Redis:
+    def client(self) -> IndexRedis:
         """The Redis client (binary replies)."""
         return self._client
 

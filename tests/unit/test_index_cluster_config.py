@@ -1,0 +1,77 @@
+"""A Redis Cluster holds the mirrored index only: the URL scheme, and the settings that refuse
+what a Cluster cannot do (lookup mode; the fleet store, in-flight counts and budgets)."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.config import GatewayConfig
+from replica.agent.config import AgentConfig
+from routing.config.infra import IndexSettings
+from routing.index import build_index
+from routing.index.redis_client import connect, is_cluster_url
+
+CLUSTER = "redis+cluster://redis-0:6379"
+
+
+@pytest.mark.parametrize(
+    ("url", "cluster"),
+    [
+        (CLUSTER, True),
+        ("rediss+cluster://redis-0:6380/0", True),
+        ("redis://redis:6379/0", False),
+        ("unix:///run/redis.sock", False),
+        ("redis+cluster", False),
+    ],
+)
+def test_cluster_urls_are_told_apart(url: str, cluster: bool) -> None:
+    assert is_cluster_url(url) is cluster
+
+
+async def test_a_cluster_url_makes_a_cluster_client() -> None:
+    client = connect(CLUSTER)
+    assert isinstance(client, aioredis.RedisCluster)
+    await client.aclose()
+    plain = connect("redis://127.0.0.1:1/0")
+    assert isinstance(plain, aioredis.Redis)
+    await plain.aclose()
+
+
+def test_lookup_mode_refuses_a_cluster() -> None:
+    with pytest.raises(ValueError, match="needs index mode 'mirror'"):
+        build_index(CLUSTER, mode="lookup")
+    with pytest.raises(ValueError, match="needs mode: mirror"):
+        IndexSettings(backend="redis", redis_url=CLUSTER, mode="lookup")
+    assert IndexSettings(backend="redis", redis_url=CLUSTER, mode="mirror").redis_url == CLUSTER
+
+
+def test_the_gateway_keeps_the_cluster_for_the_index_only() -> None:
+    with pytest.raises(ValueError, match="holds the block index only"):
+        GatewayConfig(redis_url=CLUSTER)
+
+    class Policy:
+        gateway = None
+        index = IndexSettings(backend="redis", redis_url=CLUSTER, mode="mirror")
+
+    config = GatewayConfig(redis_url="redis://redis:6379/0")
+    config.apply_policy(Policy(), startup=True)
+    assert (config.index_url, config.redis_url) == (CLUSTER, "redis://redis:6379/0")
+    alone = GatewayConfig()
+    alone.apply_policy(Policy(), startup=True)
+    assert (alone.index_url, alone.redis_url) == (CLUSTER, None)  # counts stay in memory
+
+
+def test_an_agent_on_a_cluster_names_its_fleet_store() -> None:
+    with pytest.raises(ValueError, match="give fleet_url"):
+        AgentConfig(replica_id="r", engine_url="http://e:8000", index_url=CLUSTER)
+    with pytest.raises(ValueError, match="needs index_mode 'mirror'"):
+        AgentConfig(
+            replica_id="r", engine_url="http://e:8000", index_url=CLUSTER,
+            fleet_url="redis://redis:6379/0", index_mode="lookup",
+        )
+    config = AgentConfig(
+        replica_id="r", engine_url="http://e:8000", index_url=CLUSTER,
+        fleet_url="redis://redis:6379/0",
+    )
+    assert config.index_url == CLUSTER
