@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.local_redis import LocalRedisCluster
 from tests.support.redis_server import RedisServer
 
 
@@ -35,3 +36,13 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalRedisCluster]:
+    """A private three-primary Redis Cluster (real redis-server processes) for the session."""
+    cluster = LocalRedisCluster(primaries=3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -70,6 +70,7 @@ async def redis_stack(
     tmp_path: Path | None = None,
     speed: float = 1000.0,
     index_timeout_s: float = 0.5,
+    index_url: str | None = None,
 ) -> AsyncIterator[RedisStack]:
     """Sims + one agent each (Redis index and fleet store) + a gateway reading both.
 
@@ -78,7 +79,8 @@ async def redis_stack(
     ``index_timeout_s``: the lookup budget past which a decision degrades to load only. The
     production default (20 ms) is a latency bound that a starved 2-core test machine misses now
     and then; these tests measure routing, so they give lookups room (policy mode: set
-    ``index.lookup_timeout_ms`` in the file).
+    ``index.lookup_timeout_ms`` in the file). ``index_url``: the block index's own Redis (a
+    Cluster's ``redis+cluster://`` URL, policy-less mode); the fleet store stays on ``redis_url``.
     """
     tag = uuid.uuid4().hex[:8]
     index_prefix = f"fgacc-{tag}"  # the index's prefix is a Redis hash tag: no ':'
@@ -97,7 +99,7 @@ async def redis_stack(
                     model=MODEL,
                     kv_events_endpoint=handle.kv_events_endpoint,
                     replay_endpoint=handle.kv_replay_endpoint,
-                    index_url=redis_url,
+                    index_url=index_url or redis_url,
                     fleet_url=redis_url,
                     index_key_prefix=index_prefix,
                     fleet_key_prefix=fleet_prefix,
@@ -116,6 +118,7 @@ async def redis_stack(
             config = GatewayConfig(
                 default_profile=profile,
                 redis_url=redis_url,
+                index_redis_url=index_url,
                 index_key_prefix=index_prefix,
                 admin_key=ADMIN_KEY,
                 health_interval_s=0.25,

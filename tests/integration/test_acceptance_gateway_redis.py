@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from bench.local_redis import LocalRedisCluster
 from replica.sim.fleet import start_sim_fleet
 from tests.integration.acceptance_support import (
     MODEL,
@@ -109,11 +110,16 @@ async def _ideal_hit_rate(workload: list[list[dict[str, str]]]) -> PrefixCounter
 
 
 async def _routed_hit_rate(
-    redis_url: str, profile: str, workload: list[list[dict[str, str]]]
+    redis_url: str,
+    profile: str,
+    workload: list[list[dict[str, str]]],
+    index_url: str | None = None,
 ) -> PrefixCounters:
     overrides = {"num_gpu_blocks_override": _kv_blocks_per_replica(), "block_size": BLOCK_SIZE}
     async with (
-        redis_stack(redis_url, REPLICAS, profile=profile, engine_overrides=overrides) as stack,
+        redis_stack(
+            redis_url, REPLICAS, profile=profile, engine_overrides=overrides, index_url=index_url
+        ) as stack,
         client_session() as http,
     ):
         for j, messages in enumerate(workload):
@@ -121,7 +127,28 @@ async def _routed_hit_rate(
                 http, stack.url, "/v1/chat/completions", chat_body(messages), f"{profile}-{j}"
             )
             assert result.ok, result
+        if index_url is not None:
+            await _assert_index_lives_in(index_url, redis_url, stack.index_prefix)
         return await engine_prefix_counters(http, stack.fleet.urls)
+
+
+async def _assert_index_lives_in(index_url: str, other_url: str, prefix: str) -> None:
+    """The agents' snapshots are on the Cluster's primaries, none on the fleet store's server
+    (the gateway's own guesses alone would also give prefix affinity: this shows whose index
+    the decisions read)."""
+    import redis.asyncio as aioredis
+
+    from routing.index.redis_client import connect
+
+    cluster, server = connect(index_url), aioredis.Redis.from_url(other_url)
+    try:
+        pattern = "{" + prefix + ":s*}:blk:*"
+        on_cluster = [k async for k in cluster.scan_iter(match=pattern, count=1000)]
+        on_server = [k async for k in server.scan_iter(match=pattern, count=1000)]
+    finally:
+        await cluster.aclose()
+        await server.aclose()
+    assert len(on_cluster) == REPLICAS and not on_server, (on_cluster, on_server)
 
 
 async def test_shared_prefix_hit_rate_reaches_90_percent_of_ideal(redis_url: str) -> None:
@@ -142,6 +169,25 @@ async def test_shared_prefix_hit_rate_reaches_90_percent_of_ideal(redis_url: str
     assert aware.queries == blind.queries == ideal.queries  # the same prompt tokens everywhere
     assert aware.hit_rate >= 0.9 * ideal.hit_rate
     assert blind.hit_rate <= 0.6 * ideal.hit_rate
+
+
+async def test_the_index_on_a_redis_cluster_keeps_the_hit_rate(
+    redis_url: str, redis_cluster: LocalRedisCluster
+) -> None:
+    """Production wiring with the block index on a three-primary Redis Cluster (agents write
+    it, the gateway mirrors it) and the fleet store on one server: the same bar as above."""
+    workload = _workload(108)
+    async with hang_guard("the hit-rate runs on a Cluster index", limit_s=100):
+        ideal = await _ideal_hit_rate(workload)
+        aware = await _routed_hit_rate(
+            redis_url, "expected-ttft", workload, index_url=redis_cluster.url
+        )
+    print(
+        f"\nprefix hit rate, index on a Redis Cluster: {aware.hit_rate:.3f} = "
+        f"{aware.hit_rate / ideal.hit_rate:.1%} of ideal ({ideal.hit_rate:.3f})"
+    )
+    assert aware.queries == ideal.queries
+    assert aware.hit_rate >= 0.9 * ideal.hit_rate
 
 
 # --------------------------------------------------------------------------- a replica dies

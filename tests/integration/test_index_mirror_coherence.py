@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 import numpy as np
@@ -97,16 +97,6 @@ async def writer(redis_url: str, prefix: str) -> AsyncIterator[StreamIndexWriter
     agent_writer = StreamIndexWriter(redis_url, key_prefix=prefix, shards=4, timeout_s=1.0)
     yield agent_writer
     await agent_writer.close()
-
-
-@pytest.fixture(scope="module")
-def redis_cluster() -> Iterator[LocalRedisCluster]:
-    """A private three-primary Redis Cluster for this module's tests."""
-    cluster = LocalRedisCluster(primaries=3).start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(params=["one-server", "cluster"])
