@@ -188,7 +188,8 @@ class RoutingRequest:
     #: ``None`` means the index was unavailable and routing is load-only (degraded).
     prefix_matches: dict[ReplicaId, int] | None = None
     #: Adapter cold-load estimate per replica (ms), filled from ``adapters_registry`` if known.
-    adapter_cold_load_ms: dict[ReplicaId, float] = field(default_factory=dict)
+    #: Readers use ``get``: the gateway's mapping works each replica out when it is read.
+    adapter_cold_load_ms: Mapping[ReplicaId, float] = field(default_factory=dict)
     #: Deterministic per-request seed for randomised tie-breaks (tests fix it).
     seed: int | None = None
     #: Filled by the engine when it prunes candidates before scoring (``routing/prune.py``):

@@ -12,6 +12,7 @@ from adapters_registry.placement import ReplicaPlacement, Residency
 from adapters_registry.registry import AdapterRegistry, RegistrySettings
 from adapters_registry.thrash import ThrashGuard, ThrashSettings
 from routing.contracts import RoutingRequest
+from routing.state import ReplicaState
 from routing.types import ReplicaId
 from tests.unit.test_adapters_fixtures import (
     BASE_MODEL,
@@ -117,3 +118,38 @@ async def test_engine_host_cache_report_costs_the_copy() -> None:
     )
     state = replace(replica("r0", read_at=NOW), cpu_cached_adapters=frozenset({"a"}))
     assert reg.cold_load_ms(state, "a") == pytest.approx(500.0)
+
+
+async def test_the_gateways_estimates_are_worked_out_when_a_scorer_reads_them() -> None:
+    """A pruned decision over a large fleet reads ~30 estimates: the gateway's mapping works out
+    only those, each once, and they are the estimates worked out up front."""
+    from gateway.adapters import fill_cold_load_estimates
+    from gateway.replicas import ReplicaRegistry
+
+    policy = make_policy([adapter("a", size_mb=200.0), adapter("c")])
+    reg = AdapterRegistry.in_memory(
+        policy, FakeEngine(), metrics_registry=CollectorRegistry(), clock=lambda: NOW
+    )
+    replicas = ReplicaRegistry()
+    for n in range(50):
+        replicas.upsert(replica(f"r{n}", loaded=["c"] if n % 5 == 0 else [], read_at=NOW))
+    request = RoutingRequest("q", BASE_MODEL, "c", "acme", "default", 10)
+    calls: list[str] = []
+    estimate = reg.cold_load_ms
+
+    def counted(state: ReplicaState, name: str) -> float:
+        calls.append(state.replica_id)
+        return estimate(state, name)
+
+    reg.cold_load_ms = counted  # type: ignore[method-assign]
+    fill_cold_load_estimates(reg, replicas, request, replicas.routable())
+    assert calls == []
+    lazy = request.adapter_cold_load_ms
+    assert lazy.get(ReplicaId("r5")) == 0.0 and lazy.get(ReplicaId("r6")) > 0
+    assert lazy.get(ReplicaId("r5")) == 0.0  # read twice, worked out once
+    assert calls == ["r5", "r6"]
+    assert lazy.get(ReplicaId("nobody")) is None
+    eager = reg.estimates_for(
+        request, [replicas.adapter_view(state) for state in replicas.routable()]
+    )
+    assert dict(lazy) == eager and len(lazy) == 50
