@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -153,10 +155,11 @@ COUNTERS = {
 
 
 async def replay_live(
-    probe: EngineProbe, records: Sequence[TraceRecord], prompts: PromptFactory
+    probe: EngineProbe, records: Sequence[TraceRecord], prompts: PromptFactory, engine_url: str
 ) -> SliceRun:
-    """Send ``records`` at their timestamps to the engine; read its counters around the run."""
-    async with probe.session.post(f"{probe.base}/reset_prefix_cache") as response:
+    """Send ``records`` at their timestamps to ``probe`` (the engine, or a gateway in front of
+    it); reset the engine's prefix cache first and read its counters around the run."""
+    async with probe.session.post(f"{engine_url}/reset_prefix_cache") as response:
         if response.status != 200:
             raise RuntimeError(
                 f"POST /reset_prefix_cache answered {response.status}: start the engine with "
@@ -281,6 +284,7 @@ def _pct(value: float) -> str:
 def render(
     command: str, calibration_text: str, profile_text: str,
     results: dict[str, tuple[SliceRun, SliceRun, SliceRun]], elapsed_s: float,
+    through_gateway: bool = False,
 ) -> str:
     lines = [
         "# Simulator fidelity against a real vLLM CPU engine",
@@ -291,6 +295,14 @@ def render(
         "other jobs. **Noise floor** = the same real run repeated (prefix cache reset before each",
         "run); every error below has the noise floor beside it. Errors are predicted/measured − 1",
         "of the slice's median or p95; hit-rate differences are in points, by vLLM's counters.",
+        *(
+            [
+                "The replays go through `fleetgate serve --replica ENGINE` (default policy), so",
+                "the measured times include the gateway's hop; calibration talks to the engine.",
+            ]
+            if through_gateway
+            else []
+        ),
         "",
         "## Calibration (`fleetgate sim calibrate`)",
         "",
@@ -397,14 +409,20 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
         prompts = PromptFactory(MODEL, BLOCK, BLOCK, args.vocab_size)
         results: dict[str, tuple[SliceRun, SliceRun, SliceRun]] = {}
         timeout = aiohttp.ClientTimeout(total=600)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            probe = EngineProbe(session, url)
+        async with contextlib.AsyncExitStack() as stack:
+            session = await stack.enter_async_context(aiohttp.ClientSession(timeout=timeout))
+            target = url
+            if args.through_gateway:
+                target = await stack.enter_async_context(_gateway_in_front(session, url))
+                print(f"replaying through the gateway at {target}", flush=True)
+            # Completions go to the target; the engine's own counters are read from the engine.
+            probe = EngineProbe(session, target, metrics_url=f"{url}/metrics")
             for name, make in SLICES.items():
                 records = make(args.seed)
                 print(f"slice {name}: {len(records)} requests, run 1 ...", flush=True)
-                live = await replay_live(probe, records, prompts)
+                live = await replay_live(probe, records, prompts, url)
                 print(f"slice {name}: run 2 (noise floor) ...", flush=True)
-                repeat = await replay_live(probe, records, prompts)
+                repeat = await replay_live(probe, records, prompts, url)
                 sim = await asyncio.to_thread(simulate_slice, records, profile)
                 results[name] = (live, repeat, sim)
                 c, n = Comparison.of(sim, live), Comparison.of(repeat, live)
@@ -418,6 +436,7 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
             " ".join(["python -m bench.sim_fidelity", *(argv or sys.argv[1:])]),
             calibration_text,
             profile.read_text(encoding="utf-8"), results, time.perf_counter() - started,
+            through_gateway=args.through_gateway,
         )
         if args.write_doc:
             DOC.write_text(text, encoding="utf-8")
@@ -428,10 +447,26 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
             engine.stop()
 
 
+@contextlib.asynccontextmanager
+async def _gateway_in_front(session: aiohttp.ClientSession, engine_url: str) -> AsyncIterator[str]:
+    """``fleetgate serve --replica ENGINE`` as a user starts it (the default policy, token-id
+    prompts hashed as they are); yields its URL."""
+    from bench._bench_common import fleetgate_proc, wait_ready
+
+    log_dir = Path(tempfile.mkdtemp(prefix="fg-fidelity-gateway-"))
+    gateway = fleetgate_proc(
+        [engine_url], log_dir, extra=["--model", MODEL, "--block-size", str(BLOCK)]
+    )
+    gateway.start()
+    try:
+        await wait_ready(session, gateway, "/ready", timeout_s=60)
+        yield gateway.url
+    finally:
+        gateway.stop()
+
+
 def _start_engine() -> VllmEngine:
     """One real vLLM CPU engine on the tiny model, DEV mode on (for /reset_prefix_cache)."""
-    import tempfile
-
     from replica.launcher import EngineSpec, VllmEngine
     from replica.tiny_model import RECIPE_VERSION, ensure_tiny_model
     from replica.vllm_env import require_vllm_env
@@ -460,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", help="a running engine's URL (started with "
                         "VLLM_SERVER_DEV_MODE=1 and this bench's flags); default: start one")
+    parser.add_argument("--through-gateway", action="store_true",
+                        help="replay through `fleetgate serve --replica ENGINE` (the gateway's "
+                        "hop and routing in the measured times); calibration stays direct")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=584,
                         help="the engine model's vocabulary (tiny model: 584)")
