@@ -322,10 +322,12 @@ def test_engine_steps_are_published_while_a_request_runs(plugin_engine: PluginEn
     print(f"\n{len(during)} snapshots written during the request; first busy one: {busy[:1]}")
     assert busy, f"no snapshot with running=1 was written during the stream: {during}"
     assert any(float(s["kv_usage"]) > 0 for s in busy)
-    # Each step is folded in: the step counter moves between snapshots of one request.
-    assert len({s["steps"] for s in busy}) > 1
+    # Each step is folded in, not sampled: the idle snapshot after the request counts all of its
+    # 1,500 steps (one per token), however few snapshots the throttled publisher wrote while it
+    # ran (a CPU-starved API server handles a request's outputs in one burst: one busy write).
     after = during[-1]
-    assert after["running"] == "0" and int(after["steps"]) > int(busy[-1]["steps"])
+    assert after["running"] == "0"
+    assert int(after["steps"]) >= int(before["steps"]) + 1500
     assert int(after["prefix_cache_queries_total"]) > int(before["prefix_cache_queries_total"])
     assert float(after["metrics_read_at"]) > float(before["metrics_read_at"])
 
