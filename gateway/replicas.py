@@ -226,7 +226,7 @@ class ReplicaRegistry:
         held_back = [
             replace(self._states[rid], healthy=False)
             for rid in self._tripped
-            if not self._breakers[rid].allows()
+            if rid in self._states and not self._breakers[rid].allows()
         ]
         return fleet.with_states(held_back) if held_back else fleet
 
@@ -244,7 +244,7 @@ class ReplicaRegistry:
 
     def _on_trip(self, replica: ReplicaId, tripped: bool) -> None:
         """A breaker opened (``tripped``) or closed again."""
-        if tripped:
+        if tripped and replica in self._breakers:  # not a removed replica's late failure
             self._tripped.add(replica)
         else:
             self._tripped.discard(replica)

@@ -146,6 +146,14 @@ def test_the_registry_hands_out_one_fleet_kept_in_step_with_its_replicas() -> No
     registry.remove(ReplicaId("r0"))
     assert [s.replica_id for s in registry.routable()] == ["r1", "r2", "r3"]
 
+    # A request still in flight to a removed replica fails afterwards: its breaker (held by the
+    # request) opens, and routing must not trip over a replica it no longer knows.
+    gone = registry.breaker(ReplicaId("r3"))
+    registry.remove(ReplicaId("r3"))
+    gone.failure()
+    gone.failure()
+    assert [s.replica_id for s in registry.routable()] == ["r1", "r2"]
+
 
 operations = st.lists(
     st.tuples(
