@@ -156,7 +156,10 @@ def serve_forever(
         for i in range(workers)
     ]
 
+    forwarded: set[int] = set()
+
     def forward(signum: int, _frame: object) -> None:
+        forwarded.add(signum)
         for process in processes:
             if process.pid is not None and process.is_alive():
                 os.kill(process.pid, signum)
@@ -171,5 +174,17 @@ def serve_forever(
     for process in processes:
         process.join()
         exit_codes.append(process.exitcode or 0)
-    # A worker killed by a signal has a negative exit code; any failure must fail the command.
-    return max((abs(code) for code in exit_codes), default=0)
+    return workers_exit_code(exit_codes, forwarded)
+
+
+def workers_exit_code(exit_codes: list[int], forwarded: set[int]) -> int:
+    """The command's exit code from its workers': any failure fails it.
+
+    A worker killed by a signal has a negative exit code. Killed by a stop signal the parent
+    forwarded (SIGINT, SIGTERM), it stopped as asked: a worker still starting up (its
+    interpreter not yet running our code) ends that way, and that is a clean stop. A worker
+    killed by any other signal, or exiting non-zero, fails the command.
+    """
+    stops = {signal.SIGINT, signal.SIGTERM} & forwarded
+    codes = [0 if code < 0 and -code in stops else abs(code) for code in exit_codes]
+    return max(codes, default=0)
