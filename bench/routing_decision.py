@@ -31,6 +31,7 @@ import shlex
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -41,9 +42,10 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from bench._bench_common import write_page
+from gateway.inflight import MemoryInflight
+from gateway.replicas import ReplicaRegistry
 from routing.contracts import BlockIndex, RoutingRequest
 from routing.engine import RoutingEngine
-from routing.fleet import Fleet
 from routing.hashing import chain_seed, hash_token_blocks
 from routing.index import MemoryBlockIndex, MirrorBlockIndex, RedisBlockIndex
 from routing.policies.registry import DEFAULT_PROFILE, builtin_profile
@@ -92,6 +94,9 @@ class Row:
     matched_blocks: float
     #: Mean number of replicas the policy scored per decision (all, unless the engine pruned).
     scored_replicas: float = 0.0
+    #: The gateway's own work before each decision: bringing the in-flight counts into the
+    #: replica registry (``refresh_inflight``) and taking the fleet it routes on (``routable``).
+    registry: tuple[float, float] = (0.0, 0.0)
     #: Redis only: the server's own time per match script call (``INFO commandstats``), ms.
     server_ms: float | None = None
     #: Redis and mirror, with ``--speculative-writes``: the server's time per routed request,
@@ -189,9 +194,20 @@ async def measure(
     profiles["round-robin"] = builtin_profile("round-robin")
     engine = RoutingEngine(index, profiles, index_timeout_s=0.5, pruning=pruning)
     token_lists = [prompts.token_list() for _ in range(64)]  # reused: building them is not timed
-    # The replicas as the gateway's registry hands them to the engine: a Fleet, whose queue
-    # figures are arrays kept in step as states are replaced (routing/fleet.py).
-    fleet = Fleet(replicas)
+    # The replicas as the gateway holds them: its registry, fed by its in-flight tracker, hands
+    # the engine a Fleet whose queue figures are arrays kept in step (routing/fleet.py). Each
+    # decision sends a request to the chosen replica and ends the oldest one in flight, so the
+    # counts move as in a gateway at a steady load.
+    registry = ReplicaRegistry()
+    inflight = MemoryInflight()
+    in_flight: deque[tuple[ReplicaId, float]] = deque()
+    for replica in replicas:
+        registry.upsert(replica)
+        for _ in range(replica.inflight_requests):
+            inflight.start(replica.replica_id, 0)
+            in_flight.append((replica.replica_id, time.time()))
+    registry.refresh_inflight(inflight)
+    registry_ms: list[float] = []
 
     hashing: list[float] = []
     index_ms: list[float] = []
@@ -209,6 +225,10 @@ async def measure(
         start = clock()
         chain = hash_token_blocks(tokens, w.block_size, seed)
         hashed = clock()
+        start_registry = clock()
+        registry.refresh_inflight(inflight)
+        fleet = registry.routable()
+        registry_done = clock()
         request = RoutingRequest(
             request_id=f"bench-{i}",
             model=MODEL,
@@ -229,6 +249,11 @@ async def measure(
         start_baseline = clock()
         await engine.route(plain, fleet, "round-robin")
         done = clock()
+        inflight.start(result.replica, 0)
+        in_flight.append((result.replica, time.time()))
+        if in_flight:
+            ended, sent_at = in_flight.popleft()
+            inflight.finish(ended, 0, sent_at)
         if speculative_writes:
             # What the gateway does next (in the background, untimed here): the chosen replica
             # is about to hold the prompt's chain, a guess with a TTL.
@@ -239,6 +264,7 @@ async def measure(
             continue
         lookup_ms = result.timings_ms.get("index", 0.0)
         hashing.append((hashed - start) * 1000)
+        registry_ms.append((registry_done - start_registry) * 1000)
         decision.append((decided - start_decision) * 1000)
         engine_ms.append((decided - start_decision) * 1000 - lookup_ms)
         baseline.append((done - start_baseline) * 1000)
@@ -280,6 +306,7 @@ async def measure(
         matched_replicas=float(np.mean(matched_replicas)),
         matched_blocks=float(np.mean(matched_blocks)) if matched_blocks else 0.0,
         scored_replicas=float(np.mean(scored)),
+        registry=percentiles(registry_ms),
     )
 
 
@@ -377,7 +404,7 @@ def format_row(row: Row) -> str:
     )
     return (
         f"| {row.backend} | {row.replicas} | {row.index_entries:,} | {pair(row.hashing)} | "
-        f"{pair(row.index)} | {pair(row.engine)} | {pair(row.decision)} | "
+        f"{pair(row.registry)} | {pair(row.index)} | {pair(row.engine)} | {pair(row.decision)} | "
         f"{pair(row.baseline)} | {ratio:.1f}x | "
         f"≤ {row.target_ms:g} ms: {verdict} | {per_request} |"
     )
@@ -396,7 +423,11 @@ def render(rows: Sequence[Row], args: argparse.Namespace, command: str, redis_no
             else f"; past {Pruning().above} candidates the engine scores only those holding the "
             f"prefix plus the {Pruning().least_loaded} least loaded (routing/prune.py)."
         ),
-        "Prompt hashing is reported separately (it happens once per request whatever the policy).",
+        "Prompt hashing is reported separately (it happens once per request whatever the policy),",
+        "and so is *registry*: the gateway's own work before each decision, bringing its in-flight",
+        "counts into the replica registry and taking the fleet the engine routes on",
+        "(`ReplicaRegistry.refresh_inflight` + `routable`; each decision sends a request to the",
+        "chosen replica and ends the oldest one in flight).",
         "",
         "Generated by `bench/routing_decision.py`; rerun it to refresh this page:",
         "",
@@ -423,9 +454,9 @@ def render(rows: Sequence[Row], args: argparse.Namespace, command: str, redis_no
         "explanations); *round-robin* is the baseline decision (no index lookup) on the same",
         "replicas; *ratio* = decision p50 / round-robin p50.",
         "",
-        "| index | replicas | index blocks | hashing | index lookup | engine | decision "
-        "| round-robin | ratio | target (decision p99) | Redis ms / routed request |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| index | replicas | index blocks | hashing | registry | index lookup | engine "
+        "| decision | round-robin | ratio | target (decision p99) | Redis ms / routed request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(format_row(row) for row in rows),
         "",
     ]
