@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from bench._bench_common import write_page
 from planning.calibrate import (
     CalibrationPlan,
     EngineLimits,
@@ -439,7 +440,7 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
             through_gateway=args.through_gateway,
         )
         if args.write_doc:
-            DOC.write_text(text, encoding="utf-8")
+            write_page(DOC, text)  # keeps the hand-written notes at the end
             print(f"wrote {DOC}", flush=True)
         return text
     finally:
