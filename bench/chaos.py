@@ -219,8 +219,14 @@ class Chaos:
         await self._watch_stale(window, until=window.heal + self.config.observe_s)
         # A real engine may still be restarting: observe on (bounded) until the fleet is steady.
         allowance_until = self.clock() + self.config.restart_allowance_s
+        waited = False
         while self.clock() < allowance_until and not self._steady_now():
+            waited = True
             await self._watch_stale(window, until=self.clock() + 1.0)
+        if waited and self._steady_now():
+            # Steady only now (the engine just restarted): recovery also needs the restarted
+            # replica to serve requests, so observe a while longer (it ended here, before any).
+            await self._watch_stale(window, until=self.clock() + self.config.observe_s)
         # Stale entries must reach 0: keep reading (bounded) while any persist.
         extra_until = self.clock() + STALE_WAIT_S
         while window.stale_reads and window.stale_reads[-1][1] and self.clock() < extra_until:
