@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 15's reliability check: the README's test command, N times in a row, each on a fresh
-# clone of this repository's committed HEAD, while another process keeps one core busy.
+# clone of this repository's committed HEAD (as it was when the script started: commits made while
+# it runs do not change what is tested), while another process keeps one core busy.
 #
 #   bash tests/fresh_clone_runs.sh [N] [WORK_DIR]      # default: 5 runs under /tmp/fresh
 #
@@ -12,13 +13,14 @@ runs=${1:-5}
 work=${2:-/tmp/fresh}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$work"
+commit=$(git -C "$repo" rev-parse HEAD)
 ( while :; do :; done ) &
 busy=$!
 trap 'kill $busy 2>/dev/null' EXIT
 for i in $(seq 1 "$runs"); do
   clone="$work/clone$i"
   rm -rf "$clone"
-  git clone -q "$repo" "$clone"
+  git clone -q "$repo" "$clone" && git -C "$clone" checkout -q "$commit"
   start=$(date +%s)
   (cd "$clone" && bash .ci/run) > "$work/run$i.log" 2>&1
   status=$?
