@@ -73,6 +73,11 @@ class LoadConfig:
     timeout_s: float = 30.0
     max_inflight: int = 2000
     seed: int = 0
+    #: Share of requests that open a new conversation: a system prompt nobody has sent before,
+    #: so no replica holds any of it. Real traffic has them, and they are what routing places by
+    #: load alone; without them a lightly loaded fleet keeps every known prefix on the replicas
+    #: that already hold it, and a restarted (empty) replica is rightly never chosen.
+    novel_share: float = 0.1
 
 
 class Clock:
@@ -85,9 +90,12 @@ class Clock:
         return time.monotonic() - self.t0
 
 
-def _prompt(rng: random.Random, tenant: str) -> list[dict[str, str]]:
-    """One of four shared system prompts per tenant + a fresh user turn (index entries grow)."""
+def _prompt(rng: random.Random, tenant: str, novel: bool = False) -> list[dict[str, str]]:
+    """One of four shared system prompts per tenant + a fresh user turn (index entries grow);
+    ``novel``: a system prompt of its own instead, which no replica has cached."""
     system = f"You are assistant {rng.randrange(4)} of {tenant}. " + words(random.Random(7), 60)
+    if novel:
+        system = f"You are assistant {rng.getrandbits(64):x} of {tenant}. " + words(rng, 60)
     return [
         {"role": "system", "content": system},
         {"role": "user", "content": words(rng, 12)},
@@ -155,7 +163,8 @@ class OpenLoopLoad:
         if len(self._tasks) >= self.config.max_inflight:
             record.error = "client in-flight bound reached"
             return
-        body = {"model": self.fleet.engine.model, "messages": _prompt(rng, tenant),
+        novel = rng.random() < self.config.novel_share
+        body = {"model": self.fleet.engine.model, "messages": _prompt(rng, tenant, novel),
                 "max_tokens": self.config.max_tokens, "stream": record.stream}
         task = asyncio.create_task(self._send(session, record, body))
         self._tasks.add(task)
@@ -216,6 +225,8 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> None:
 class ReplicaView:
     healthy: bool
     circuit: str
+    #: Requests this gateway counts in flight there (a leak would hold a healed replica back).
+    inflight: int = 0
 
 
 @dataclass
@@ -296,7 +307,8 @@ class Monitor:
             return
         sample.up = True
         sample.replicas = {
-            r["replica_id"]: ReplicaView(bool(r["healthy"]), str(r["circuit"]))
+            r["replica_id"]: ReplicaView(bool(r["healthy"]), str(r["circuit"]),
+                                         int(r.get("inflight_requests") or 0))
             for r in listing.get("replicas", [])
         }
         sample.degraded_total = _metric_sum(text, "fleetgate_degraded_decisions_total")

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.chaos_faults import Fault, FleetState, ReplicaSlow
+from bench.chaos_faults import Fault, FleetState, ReplicaKilled, ReplicaSlow
 from bench.chaos_fleet import Fleet
 from bench.chaos_observe import (
     BROKEN_MID_STREAM,
@@ -242,6 +242,8 @@ def analyse(window: FaultWindow, fleet: Fleet, records: Sequence[RequestRecord],
     )
     _stale_figures(result, window, recover_t)
     _notes(result, window, fault, target_rid, broken)
+    if isinstance(fault, ReplicaKilled) and target_rid is not None and steady_t is not None:
+        result.notes.append(_inflight_when_steady(gateway_samples, target_rid, steady_t))
     return result
 
 
@@ -275,6 +277,16 @@ def _top_errors(records: Sequence[RequestRecord], n: int = 3) -> list[str]:
     counts = Counter((r.status, r.error.split("\n")[0][:120]) for r in records)
     return [f"{count}× HTTP {status or '-'}: {error}" for (status, error), count
             in counts.most_common(n)]
+
+
+def _inflight_when_steady(samples: Sequence[GatewaySample], replica_id: str,
+                          steady_t: float) -> str:
+    """What the gateways counted in flight on the restarted replica as the fleet became steady:
+    a count left over from the killed engine's requests would hold it back from routing."""
+    counts = [s.replicas[replica_id].inflight for s in samples
+              if s.up and replica_id in s.replicas and steady_t - 0.5 <= s.t <= steady_t + 0.5]
+    return (f"in flight on the restarted replica at the gateways when steady: "
+            f"{max(counts) if counts else 'not sampled'}")
 
 
 def _notes(result: FaultResult, window: FaultWindow, fault: Fault, target_rid: str | None,

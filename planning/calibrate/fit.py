@@ -43,6 +43,9 @@ class Observation:
     context_tokens: float = 0.0
     #: Request overheads in the measured time (1: it starts at the client's send).
     overheads: float = 1.0
+    #: Whose clock measured it: ``client`` (the client's view of the stream), or ``engine
+    #: clock`` (the engine's own histogram, where the client's view was merged).
+    clock: str = "client"
 
     def features(self) -> list[float]:
         """The row of the design matrix, in ``STEP_TIME_FIELDS`` order."""
@@ -109,6 +112,9 @@ def combine_repeats(observations: Sequence[Observation]) -> list[Observation]:
     for group in groups.values():
         first = group[0]
         label = first.label if len(group) == 1 else f"{first.label} (median of {len(group)})"
+        engine_clock = sum(o.clock != "client" for o in group)
+        if engine_clock:
+            label += f" [engine clock {engine_clock}/{len(group)}]"
         median = float(np.median([o.measured_s for o in group]))
         combined.append(
             Observation(first.kind, label, median, first.steps, first.prefill_tokens,

@@ -3,7 +3,8 @@
 Only what vLLM itself speaks: ``POST /v1/completions`` with token-id prompts (so the prompt's
 length is exact whatever the tokenizer), ``stream: true`` (the client sees every token arrive),
 ``ignore_eos`` (every request makes exactly ``max_tokens`` tokens), and the Prometheus text of
-``/metrics`` for the prefix-cache counters and the cache configuration.
+``/metrics`` for the prefix-cache counters, the inter-token latency histogram (the engine's own
+clock for decode steps) and the cache configuration.
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from dataclasses import dataclass
 
 import aiohttp
 
-__all__ = ["CacheInfo", "EngineProbe", "ProbeError", "TimedCompletion"]
+__all__ = ["CacheInfo", "EngineProbe", "HistogramTotals", "ProbeError", "TimedCompletion"]
+
+#: vLLM's inter-token latency histogram: one observation per token after a request's first,
+#: stamped by the engine core when the step that made it finished.
+ITL_HISTOGRAM = "vllm:inter_token_latency_seconds"
 
 
 class ProbeError(RuntimeError):
@@ -58,6 +63,18 @@ class CacheInfo:
 
     block_size: int
     num_gpu_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramTotals:
+    """A histogram's ``_sum`` and ``_count`` (all label sets) at one reading."""
+
+    total_s: float
+    count: float
+
+    def since(self, earlier: HistogramTotals) -> HistogramTotals:
+        """What was observed between ``earlier`` and this reading."""
+        return HistogramTotals(self.total_s - earlier.total_s, self.count - earlier.count)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -122,6 +139,15 @@ class EngineProbe:
     async def prefix_hits(self) -> float:
         """``vllm:prefix_cache_hits_total`` (tokens)."""
         return metric_total(await self.metrics(), "vllm:prefix_cache_hits_total")
+
+    async def itl_totals(self) -> HistogramTotals | None:
+        """The inter-token latency histogram's totals; None if the engine exports none."""
+        text = await self.metrics()
+        if metric_labels(text, f"{ITL_HISTOGRAM}_count") is None:
+            return None
+        return HistogramTotals(
+            metric_total(text, f"{ITL_HISTOGRAM}_sum"), metric_total(text, f"{ITL_HISTOGRAM}_count")
+        )
 
     async def cache_info(self) -> CacheInfo:
         """Block size and block count from ``vllm:cache_config_info``."""

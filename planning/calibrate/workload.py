@@ -7,7 +7,14 @@
   of context.
 - **Decodes**: ``B`` requests of ``P`` fresh prompt tokens sent together, ``N`` output tokens
   each; the median request's span from its first token to its last is ``N − 1`` decode steps
-  of ``B`` sequences over a mean context of ``P + (N − 2) / 2`` tokens each.
+  of ``B`` sequences over a mean context of ``P + (N − 2) / 2`` tokens each. The span is what
+  the client saw, unless the API server merged tokens into fewer chunks (it does when it is
+  short of CPU, and on a quiet machine where an engine step is as short as its own per-chunk
+  work: the span the client sees then shrinks towards nothing). Then it is read from the
+  engine's own clock: the inter-token latency histogram's sum over its count, read around the
+  batch, times ``N − 1``. That mean also counts the step in which a batch member admitted a
+  step late was prefilled (the median client span does not), so it runs a few percent high;
+  the residual table names which clock each decode observation used.
 
 Prompts are random token ids (fresh per request, so nothing is cached unless meant to be).
 """
@@ -21,9 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from planning.calibrate.fit import Observation
-from planning.calibrate.probe import EngineProbe
+from planning.calibrate.probe import EngineProbe, HistogramTotals
 
 __all__ = ["CalibrationPlan", "run_workload"]
+
+#: A stream that arrived in fewer chunks than this share of its tokens was merged by the API
+#: server: its client-side span is not the engine's.
+MIN_CHUNKED_SHARE = 0.9
 
 #: Token ids prompts are drawn from: low ids exist in every vocabulary, however small.
 PROMPT_TOKEN_RANGE = (10, 200)
@@ -139,21 +150,43 @@ async def _prefill_pair(probe: EngineProbe, model: str, prompt: list[int]) -> li
     return pair
 
 
+def _engine_span(
+    before: HistogramTotals | None, after: HistogramTotals | None, batch: int, steps: int
+) -> float | None:
+    """``steps`` times the engine's mean inter-token gap over the batch; None when the engine
+    exports no histogram or it moved by other than the batch's ``batch × steps`` gaps (someone
+    else's traffic, or an engine that counts differently)."""
+    if before is None or after is None:
+        return None
+    moved = after.since(before)
+    if round(moved.count) != batch * steps or moved.total_s <= 0:
+        return None
+    return moved.total_s / moved.count * steps
+
+
 async def _decode_batch(
     probe: EngineProbe, model: str, prompts: _Prompts, context: int, batch: int, tokens: int
 ) -> Observation:
     """``batch`` fresh prompts of ``context`` tokens decoding ``tokens`` tokens together; the
     median request's decode span (first token to last) as the client saw it."""
     batch_prompts = [prompts.fresh(context) for _ in range(batch)]
+    before = await probe.itl_totals()
     timed = await asyncio.gather(*(probe.complete(model, p, tokens) for p in batch_prompts))
-    # The median request's span: requests sent together may be admitted a step apart, but
-    # once a request has its first token every later step decodes the whole batch.
-    span = statistics.median(t.token_s[-1] - t.token_s[0] for t in timed)
+    after = await probe.itl_totals()
     decode_steps = tokens - 1
+    # The median request's span as the client saw it: requests sent together may be admitted a
+    # step apart, but once a request has its first token every later step decodes the whole
+    # batch.
+    span = statistics.median(t.token_s[-1] - t.token_s[0] for t in timed)
+    clock = "client"
+    merged = statistics.median(len(t.token_s) for t in timed) < tokens * MIN_CHUNKED_SHARE
+    engine_span = _engine_span(before, after, batch, decode_steps) if merged else None
+    if engine_span is not None:
+        span, clock = engine_span, "engine clock"
     # Decode step k (k = 1..N-1) reads P + k - 1 tokens of context per sequence.
     mean_context = context + (tokens - 2) / 2
     return Observation(
         "decode", f"decode batch {batch} context {context} x{tokens}", span,
         steps=decode_steps, decode_seqs=decode_steps * batch,
-        context_tokens=decode_steps * batch * mean_context, overheads=0,
+        context_tokens=decode_steps * batch * mean_context, overheads=0, clock=clock,
     )

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from planning.calibrate.fit import Observation, fit_step_time
+from planning.calibrate.probe import HistogramTotals, TimedCompletion
+from planning.calibrate.workload import _decode_batch, _engine_span, _Prompts
 from replica.sim.engine import EngineConfig, EngineModel, SimRequest
 from replica.sim.profiles import ProfileError, load_preset
 from replica.sim.step_time import StepTimeModel
@@ -162,3 +164,47 @@ def test_plan_fits_the_engine_limits() -> None:
     # Batch 8 stays (8 x 32 fits a step); only 8 x 512 is skipped, by the workload.
     assert plan.decode_batches == (1, 8)
     assert plan.max_batch_tokens == 2048
+
+
+def test_decode_span_comes_from_the_engines_clock_only_when_it_counted_exactly_the_batch() -> None:
+    before = HistogramTotals(total_s=10.0, count=100)
+    # 4 requests x 31 decode steps = 124 gaps, 6.2 s in all: 50 ms a gap, 31 gaps a request.
+    after = HistogramTotals(total_s=16.2, count=224)
+    assert _engine_span(before, after, batch=4, steps=31) == pytest.approx(31 * 0.05)
+    # No histogram on the engine, or one that moved by someone else's tokens too: the client's
+    # view is used instead (None here).
+    assert _engine_span(None, after, batch=4, steps=31) is None
+    assert _engine_span(before, None, batch=4, steps=31) is None
+    assert _engine_span(before, HistogramTotals(17.0, 240), batch=4, steps=31) is None
+    assert _engine_span(before, HistogramTotals(10.0, 224), batch=4, steps=31) is None
+
+
+class _MergingEngine:
+    """An engine client whose streams arrive in ``chunks`` chunks over ``span_s`` (the API
+    server merged the rest), while its histogram counted ``gap_s`` per token gap."""
+
+    def __init__(self, chunks: int, span_s: float, gap_s: float) -> None:
+        self.chunks, self.span_s, self.gap_s = chunks, span_s, gap_s
+        self.totals = (0.0, 0.0)
+
+    async def itl_totals(self) -> HistogramTotals:
+        return HistogramTotals(*self.totals)
+
+    async def complete(self, model: str, prompt: list[int], max_tokens: int) -> TimedCompletion:
+        total, count = self.totals
+        self.totals = (total + self.gap_s * (max_tokens - 1), count + max_tokens - 1)
+        times = [1.0 + self.span_s * i / max(1, self.chunks - 1) for i in range(self.chunks)]
+        return TimedCompletion(0.9, times, max_tokens)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "expected_s", "clock"),
+    [(32, 0.31, "client"), (2, 31 * 0.05, "engine clock")],
+)
+async def test_a_merged_stream_is_timed_by_the_engines_clock(
+    chunks: int, expected_s: float, clock: str
+) -> None:
+    engine = _MergingEngine(chunks=chunks, span_s=0.31, gap_s=0.05)
+    observation = await _decode_batch(engine, "m", _Prompts(0), 32, 4, 32)  # type: ignore[arg-type]
+    assert observation.measured_s == pytest.approx(expected_s)
+    assert observation.clock == clock
