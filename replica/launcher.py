@@ -32,6 +32,35 @@ from replica.vllm_env import REPO_ROOT, require_vllm_env
 
 logger = logging.getLogger(__name__)
 
+#: How long ``EngineProcess.stop`` waits for the killed group's last members to die.
+GROUP_EXIT_WAIT_S = 10.0
+
+
+def group_has_live_members(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is still alive (zombies do not count: an orphan
+    waits to be reaped by whatever init the machine or container has)."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: ask the kernel (zombies then count as members)
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # it exited while we looked
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
 __all__ = [
     "VLLM_SERVER_MODULE",
     "EngineExited",
@@ -211,6 +240,18 @@ class EngineProcess:
         # The leader may exit before its children; make sure no straggler keeps the group.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        # SIGKILL is delivered when the kernel next schedules each member: on a busy machine an
+        # EngineCore can outlive kill() by a while, holding its port and its (GPU) memory. A
+        # restart must not race it, so return once the group is gone.
+        deadline = time.monotonic() + GROUP_EXIT_WAIT_S
+        while group_has_live_members(self.process.pid):
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "engine process group %d still has live members %.0fs after SIGKILL",
+                    self.process.pid, GROUP_EXIT_WAIT_S,
+                )
+                break
+            time.sleep(0.02)
         return self.process.returncode
 
     def __enter__(self) -> EngineProcess:

@@ -1,7 +1,10 @@
 """The designed workload: a few dozen requests whose step contents are known by construction.
 
-- **Prefills**: one request at a time on an idle engine, ``max_tokens=1``, at several prompt
-  lengths; each prompt is sent twice, the second time hitting its own cached prefix. The cached
+- **Prefills**: one request at a time on an idle engine, at several prompt lengths, each
+  streaming a few tokens (``prefill_probe_tokens``): its TTFT is timed as a served request's is,
+  with the engine already running the next step while the API server sends the first token
+  (with ``max_tokens=1`` nothing follows, and lone TTFTs came out ~20% below a replay's).
+  Each prompt is sent twice, the second time hitting its own cached prefix. The cached
   token count is read from ``vllm:prefix_cache_hits_total`` (the engine's own answer, whatever
   its block size), so the TTFT's step computed ``length − cached`` tokens over ``cached`` tokens
   of context.
@@ -51,12 +54,18 @@ class CalibrationPlan:
     decode_contexts: tuple[int, ...] = (32, 256)
     decode_tokens: int = 32
     decode_repeats: int = 3
+    #: Tokens each prefill probe streams (only its first is timed; see the module's docstring).
+    prefill_probe_tokens: int = 4
     #: Requests sent first and not measured (the first requests of a fresh engine are slow).
     warmup_requests: int = 3
     #: Skip decode batches whose prompts (``B × P``) exceed this (one step's token budget).
     max_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.prefill_probe_tokens < 1:
+            raise ValueError(
+                f"prefill_probe_tokens: must be >= 1 (got {self.prefill_probe_tokens})"
+            )
         if self.decode_tokens < 3:
             raise ValueError(f"decode_tokens: must be >= 3 (got {self.decode_tokens})")
         if not self.prefill_lengths or not self.decode_batches or not self.decode_contexts:
@@ -71,7 +80,8 @@ class CalibrationPlan:
         contexts = tuple(sorted({min(n, limit) for n in self.decode_contexts}))
         return CalibrationPlan(
             lengths, self.prefill_repeats, self.decode_batches, contexts, self.decode_tokens,
-            self.decode_repeats, self.warmup_requests, max_batch_tokens=max_num_batched_tokens,
+            self.decode_repeats, self.prefill_probe_tokens, self.warmup_requests,
+            max_batch_tokens=max_num_batched_tokens,
         )
 
 
@@ -126,7 +136,9 @@ async def run_workload(
     observations: list[Observation] = []
     for kind, length, batch in items:
         if kind == "prefill":
-            observations += await _prefill_pair(probe, model, prompts.fresh(length))
+            observations += await _prefill_pair(
+                probe, model, prompts.fresh(length), plan.prefill_probe_tokens
+            )
         else:
             observations.append(
                 await _decode_batch(probe, model, prompts, length, batch, plan.decode_tokens)
@@ -134,12 +146,14 @@ async def run_workload(
     return observations
 
 
-async def _prefill_pair(probe: EngineProbe, model: str, prompt: list[int]) -> list[Observation]:
+async def _prefill_pair(
+    probe: EngineProbe, model: str, prompt: list[int], tokens: int
+) -> list[Observation]:
     """A fresh prompt alone on the engine, then again over its own cached prefix."""
     pair = []
     for attempt in ("fresh", "cached"):
         before = await probe.prefix_hits()
-        timed = await probe.complete(model, prompt, 1)
+        timed = await probe.complete(model, prompt, tokens)
         cached = int(await probe.prefix_hits() - before)
         pair.append(
             Observation(

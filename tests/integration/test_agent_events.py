@@ -113,10 +113,14 @@ async def test_stored_and_removed_events_reach_the_index(
         )
         publisher.publish([BlockRemoved(block_hashes=[13], medium="GPU")])
         await wait_until(lambda: _matches(index, target, {"pool/r0": 2}), "removal applied")
-        applied = agent.metrics.value(
-            "fleetgate_agent_events_applied_total", type="BlockRemoved"
-        )
-        assert applied == 1
+
+        # The agent counts an event once its index write has returned: a reader of the index can
+        # see the write before the agent's task resumes to count it, so wait for the count too.
+        def removed() -> float:
+            return agent.metrics.value("fleetgate_agent_events_applied_total", type="BlockRemoved")
+
+        await wait_until(lambda: removed() >= 1, "the BlockRemoved event to be counted")
+        assert removed() == 1
 
 
 async def _matches(index: RedisBlockIndex, target: list[int], expected: dict[str, int]) -> bool:
