@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -307,7 +308,8 @@ def _pct(value: float) -> str:
 def render(
     command: str, calibration_text: str, profile_text: str,
     results: dict[str, tuple[SliceRun, SliceRun, SliceRun]], elapsed_s: float,
-    through_gateway: bool = False,
+    through_gateway: bool = False, window_s: float | None = None,
+    load: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
 ) -> str:
     lines = [
         "# Simulator fidelity against a real vLLM CPU engine",
@@ -315,9 +317,18 @@ def render(
         f"Command: `{command}` ({elapsed_s / 60:.1f} min). One real vLLM 0.32 CPU engine (the e2e",
         f"tier's tiny Llama, block 32, {KV_BLOCKS} KV blocks, `--max-num-seqs {MAX_NUM_SEQS}`, "
         f"`--max-num-batched-tokens {MAX_NUM_BATCHED_TOKENS}`) on a 2-core machine shared with",
-        "other jobs. **Noise floor** = the same real run repeated (prefix cache reset before each",
+        "other jobs"
+        + (f" (load average {load[0][0]:.1f} / {load[0][1]:.1f} before, {load[1][0]:.1f} / "
+           f"{load[1][1]:.1f} after, 1 / 5 min)" if load else "")
+        + ". **Noise floor** = the same real run repeated (prefix cache reset before each",
         "run); every error below has the noise floor beside it. Errors are predicted/measured − 1",
         "of the slice's median or p95; hit-rate differences are in points, by vLLM's counters.",
+        *(
+            [f"The over-capacity slice's 48 requests arrive at 48 / {window_s:.2f} s (Poisson): "
+             f"{OVERLOAD:g}× the decode capacity of the calibrated profile."]
+            if window_s is not None
+            else []
+        ),
         *(
             [
                 "The replays go through `fleetgate serve --replica ENGINE` (default policy), so",
@@ -391,18 +402,17 @@ def render(
         "  cache is compared with vLLM's own `prefix_cache_queries/hits` counters on identical",
         "  prompts.",
         "- **Timing, and the noise floor**: the real engine is a CPU process on a 2-core machine",
-        "  shared with other jobs (load average 12-30 during these runs; the bench and the",
-        "  engine ran at nice -10). The repeated real run differs from the first by as much as",
-        "  the simulator does on several figures: where the noise floor itself is outside a",
-        "  bound, this machine cannot show that bound either way.",
+        "  shared with other jobs (the load average is in the header). Where the repeated real",
+        "  run differs from the first by more than a bound, this machine cannot show that bound",
+        "  either way.",
         "- **What the model misses here** (docs/simulator.md): the API server's CPU. A lone",
         "  request's TTFT is mostly `request_overhead_s` (HTTP, the hop to the engine core,",
         "  streaming back), and under a replay the API server and the engine compete for the",
         "  same two cores with each other and with the client, so client-side steps are slower",
         "  than calibration's lone requests measured; the model's request overhead is a",
         "  constant with no queue of its own. Queueing past `max_num_seqs` (over-capacity) is",
-        "  modelled, but its depth depends on the decode cost per sequence, which the",
-        "  calibration could not separate from noise here.",
+        "  modelled; its depth depends on the decode cost per sequence, which calibration takes",
+        "  from the engine's own inter-token clock when the client's view of a stream is merged.",
         "",
         "![TTFT predicted vs measured](sim-fidelity/ttft.png)",
         "",
@@ -414,6 +424,7 @@ def render(
 
 async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None) -> str:
     started = time.perf_counter()
+    load_before = os.getloadavg()
     engine = None
     url = args.engine
     if url is None:
@@ -463,7 +474,8 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
             " ".join(["python -m bench.sim_fidelity", *(argv or sys.argv[1:])]),
             calibration_text,
             profile.read_text(encoding="utf-8"), results, time.perf_counter() - started,
-            through_gateway=args.through_gateway,
+            through_gateway=args.through_gateway, window_s=window_s,
+            load=(load_before, os.getloadavg()),
         )
         if args.write_doc:
             write_page(DOC, text)  # keeps the hand-written notes at the end
