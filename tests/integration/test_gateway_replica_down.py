@@ -85,3 +85,63 @@ async def test_requests_held_by_a_replica_marked_down_are_retried_on_a_fallback(
     assert hung.attempts == 1  # never retried on the replica that was marked down
     assert retries == 1
     assert health == {"hung": False, "well": True}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_replica_that_dies_holding_a_request_leaves_nothing_counted_in_flight(
+    stream: bool,
+) -> None:
+    # A killed replica must come back with no request counted against it: a count leaked from
+    # the requests it held when it died would make routing pass it over after its restart.
+    gate = asyncio.Event()  # never set: the replica holds what it gets until it dies
+    dying = FakeUpstream(stream_gate=gate) if stream else FakeUpstream(header_gate=gate)
+    well = FakeUpstream()
+    async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
+        dying_server = AsyncExitStack()
+        dying_url = await dying_server.enter_async_context(serve(dying.app()))
+        well_url = await stack.enter_async_context(serve(well.app()))
+        specs = [
+            ReplicaSpec("dying", dying_url, models=frozenset(dying.models)),
+            ReplicaSpec("well", well_url, models=frozenset(well.models)),
+        ]
+        cfg = GatewayConfig(health_interval_s=0.05, admin_key="adm")
+        url = await stack.enter_async_context(
+            serve(create_app(cfg, GatewayPolicy.default(specs)), handler_cancellation=True)
+        )
+
+        async def chat() -> tuple[int, bytes]:
+            async with http.post(
+                f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}
+            ) as resp:
+                try:
+                    return resp.status, await resp.read()
+                except aiohttp.ClientPayloadError as exc:  # the stream was cut
+                    return resp.status, repr(exc).encode()
+
+        async def inflight() -> dict[str, int]:
+            async with http.get(f"{url}/admin/replicas", headers=ADMIN) as resp:
+                return {r["replica_id"]: r["inflight_requests"]
+                        for r in (await resp.json())["replicas"]}
+
+        held: asyncio.Task[tuple[int, bytes]] | None = None
+        for _ in range(60):
+            task = asyncio.create_task(chat())
+            await wait_until(
+                lambda: task.done() or dying.attempts > 0,  # noqa: B023 (awaited at once)
+                "the request is answered or held by the dying replica",
+            )
+            if dying.attempts > 0:
+                held = task
+                break
+            assert task.result()[0] == 200
+        assert held is not None, "60 requests in a row avoided the dying replica"
+        assert (await inflight())["dying"] == 1
+
+        await dying_server.aclose()  # the replica dies with the request
+        status, body = await asyncio.wait_for(held, timeout=30)
+
+        async def nothing_in_flight() -> bool:
+            return await inflight() == {"dying": 0, "well": 0}
+
+        await wait_until(nothing_in_flight, "no request counted in flight on either replica")
+    assert status == 200, body
