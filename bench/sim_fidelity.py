@@ -331,8 +331,9 @@ def render(
         ),
         *(
             [
-                "The replays go through `fleetgate serve --replica ENGINE` (default policy), so",
-                "the measured times include the gateway's hop; calibration talks to the engine.",
+                "Calibration and the replays go through `fleetgate serve --replica ENGINE`",
+                "(default policy), so the measured times include the gateway's hop and so does",
+                "the calibrated request overhead; the engine's counters are read from the engine.",
             ]
             if through_gateway
             else []
@@ -432,14 +433,6 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
         url = engine.url
     try:
         limits = EngineLimits(MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS)
-        print(f"calibrating against {url} ...", flush=True)
-        result = await calibrate(url, plan=CalibrationPlan(), limits=limits,
-                                 progress=lambda s: print(f"  {s}", flush=True))
-        profile = args.out_dir / "calibrated-profile.yaml"
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        write_profile(result, profile)
-        calibration_text = result.fit.table()
-        print(calibration_text, flush=True)
         prompts = PromptFactory(MODEL, BLOCK, BLOCK, args.vocab_size)
         results: dict[str, tuple[SliceRun, SliceRun, SliceRun]] = {}
         timeout = aiohttp.ClientTimeout(total=600)
@@ -448,9 +441,20 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
             target = url
             if args.through_gateway:
                 target = await stack.enter_async_context(_gateway_in_front(session, url))
-                print(f"replaying through the gateway at {target}", flush=True)
-            # Completions go to the target; the engine's own counters are read from the engine.
-            probe = EngineProbe(session, target, metrics_url=f"{url}/metrics")
+                print(f"calibrating and replaying through the gateway at {target}", flush=True)
+            # Completions go to the target, so that calibration measures the request overhead
+            # the replays pay (the gateway's hop too, when it is in front); the engine's own
+            # counters are read from the engine.
+            metrics_url = f"{url}/metrics"
+            print(f"calibrating against {target} ...", flush=True)
+            result = await calibrate(target, metrics_url, plan=CalibrationPlan(), limits=limits,
+                                     progress=lambda s: print(f"  {s}", flush=True))
+            profile = args.out_dir / "calibrated-profile.yaml"
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            write_profile(result, profile)
+            calibration_text = result.fit.table()
+            print(calibration_text, flush=True)
+            probe = EngineProbe(session, target, metrics_url=metrics_url)
             window_s = overload_window_s(result.fit.model)
             print(f"over-capacity burst: 48 requests in {window_s:.2f} s "
                   f"({OVERLOAD:g}x the calibrated decode capacity)", flush=True)
