@@ -31,6 +31,49 @@ async def _metric(http: aiohttp.ClientSession, url: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
+async def _gateway_over(
+    stack: AsyncExitStack, first: tuple[str, str, FakeUpstream], well: FakeUpstream
+) -> str:
+    """A gateway (health polls every 50 ms, admin key ``adm``) over ``first`` (name, URL,
+    upstream) and ``well``; returns its URL."""
+    name, first_url, upstream = first
+    well_url = await stack.enter_async_context(serve(well.app()))
+    specs = [
+        ReplicaSpec(name, first_url, models=frozenset(upstream.models)),
+        ReplicaSpec("well", well_url, models=frozenset(well.models)),
+    ]
+    cfg = GatewayConfig(health_interval_s=0.05, admin_key="adm")
+    return await stack.enter_async_context(
+        serve(create_app(cfg, GatewayPolicy.default(specs)), handler_cancellation=True)
+    )
+
+
+async def _one_held_by(
+    http: aiohttp.ClientSession, url: str, stream: bool, holder: FakeUpstream
+) -> asyncio.Task[tuple[int, bytes]]:
+    """Requests until one is held by ``holder`` (routing spreads near-ties; the others are
+    answered by the well replica at once); returns the held request's task."""
+
+    async def chat() -> tuple[int, bytes]:
+        async with http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}) as resp:
+            try:
+                return resp.status, await resp.read()
+            except aiohttp.ClientPayloadError as exc:  # the stream was cut
+                return resp.status, repr(exc).encode()
+
+    for _ in range(60):
+        task = asyncio.create_task(chat())
+        await wait_until(
+            lambda: task.done() or holder.attempts > 0,  # noqa: B023 (awaited at once)
+            "the request is answered or held by the replica under test",
+        )
+        if holder.attempts > 0:
+            assert not task.done()
+            return task
+        assert task.result()[0] == 200
+    raise AssertionError("60 requests in a row avoided the replica under test")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_requests_held_by_a_replica_marked_down_are_retried_on_a_fallback(
     stream: bool,
@@ -39,37 +82,8 @@ async def test_requests_held_by_a_replica_marked_down_are_retried_on_a_fallback(
     well = FakeUpstream()
     async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
         hung_url = await stack.enter_async_context(serve(hung.app()))
-        well_url = await stack.enter_async_context(serve(well.app()))
-        specs = [
-            ReplicaSpec("hung", hung_url, models=frozenset(hung.models)),
-            ReplicaSpec("well", well_url, models=frozenset(well.models)),
-        ]
-        cfg = GatewayConfig(health_interval_s=0.05, admin_key="adm")
-        url = await stack.enter_async_context(
-            serve(create_app(cfg, GatewayPolicy.default(specs)), handler_cancellation=True)
-        )
-
-        # Requests until one is held by the hung replica (routing breaks ties at random; the
-        # others are answered by the well one at once).
-        async def chat() -> tuple[int, bytes]:
-            async with http.post(
-                f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}
-            ) as resp:
-                return resp.status, await resp.read()
-
-        held: asyncio.Task[tuple[int, bytes]] | None = None
-        for _ in range(60):
-            task = asyncio.create_task(chat())
-            await wait_until(
-                lambda: task.done() or hung.attempts > 0,  # noqa: B023 (awaited at once)
-                "the request is answered or held by the hung replica",
-            )
-            if hung.attempts > 0:
-                held = task
-                break
-            assert task.result()[0] == 200
-        assert held is not None, "60 requests in a row avoided the hung replica"
-        assert not held.done()
+        url = await _gateway_over(stack, ("hung", hung_url, hung), well)
+        held = await _one_held_by(http, url, stream, hung)
 
         hung.health_ok = False  # its health polls now fail: the gateway marks it down
         status, body = await asyncio.wait_for(held, timeout=30)
@@ -98,43 +112,16 @@ async def test_a_replica_that_dies_holding_a_request_leaves_nothing_counted_in_f
     well = FakeUpstream()
     async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
         dying_server = AsyncExitStack()
+        stack.push_async_callback(dying_server.aclose)  # if the test fails before it dies
         dying_url = await dying_server.enter_async_context(serve(dying.app()))
-        well_url = await stack.enter_async_context(serve(well.app()))
-        specs = [
-            ReplicaSpec("dying", dying_url, models=frozenset(dying.models)),
-            ReplicaSpec("well", well_url, models=frozenset(well.models)),
-        ]
-        cfg = GatewayConfig(health_interval_s=0.05, admin_key="adm")
-        url = await stack.enter_async_context(
-            serve(create_app(cfg, GatewayPolicy.default(specs)), handler_cancellation=True)
-        )
-
-        async def chat() -> tuple[int, bytes]:
-            async with http.post(
-                f"{url}/v1/chat/completions", json={**CHAT, "stream": stream}
-            ) as resp:
-                try:
-                    return resp.status, await resp.read()
-                except aiohttp.ClientPayloadError as exc:  # the stream was cut
-                    return resp.status, repr(exc).encode()
+        url = await _gateway_over(stack, ("dying", dying_url, dying), well)
 
         async def inflight() -> dict[str, int]:
             async with http.get(f"{url}/admin/replicas", headers=ADMIN) as resp:
                 return {r["replica_id"]: r["inflight_requests"]
                         for r in (await resp.json())["replicas"]}
 
-        held: asyncio.Task[tuple[int, bytes]] | None = None
-        for _ in range(60):
-            task = asyncio.create_task(chat())
-            await wait_until(
-                lambda: task.done() or dying.attempts > 0,  # noqa: B023 (awaited at once)
-                "the request is answered or held by the dying replica",
-            )
-            if dying.attempts > 0:
-                held = task
-                break
-            assert task.result()[0] == 200
-        assert held is not None, "60 requests in a row avoided the dying replica"
+        held = await _one_held_by(http, url, stream, dying)
         assert (await inflight())["dying"] == 1
 
         await dying_server.aclose()  # the replica dies with the request
