@@ -27,11 +27,11 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from planning.calibrate.fit import Observation
-from planning.calibrate.probe import EngineProbe, HistogramTotals
+from planning.calibrate.probe import EngineProbe, HistogramTotals, TimedCompletion
 
 __all__ = ["CalibrationPlan", "run_workload"]
 
@@ -178,29 +178,54 @@ def _engine_span(
     return moved.total_s / moved.count * steps
 
 
+def _whole_batch_window(timed: Sequence[TimedCompletion]) -> tuple[float, int] | None:
+    """(seconds, steps) of the stretch in which every request of the batch decoded together.
+
+    Requests sent together may be admitted a step or more apart: an early one's span then holds
+    the step that prefilled the late ones, and finishes before them. The stretch runs from the
+    last-admitted request's first token to the first finisher's last token, and is counted in
+    the last-admitted request's own tokens (one chunk per token: the caller checks). None when it
+    holds fewer than two steps.
+    """
+    late = max(timed, key=lambda t: t.token_s[0])
+    start = late.token_s[0]
+    end = min(t.token_s[-1] for t in timed)
+    gaps = [b - a for a, b in zip(late.token_s, late.token_s[1:], strict=False)]
+    # The first finisher's last token and the late request's token of the same step arrive on
+    # different connections a little apart: half a step is the tolerance.
+    slack = 0.5 * statistics.median(gaps) if gaps else 0.0
+    inside = [t for t in late.token_s[1:] if t <= end + slack]
+    if len(inside) < 2:
+        return None
+    return inside[-1] - start, len(inside)
+
+
 async def _decode_batch(
     probe: EngineProbe, model: str, prompts: _Prompts, context: int, batch: int, tokens: int
 ) -> Observation:
-    """``batch`` fresh prompts of ``context`` tokens decoding ``tokens`` tokens together; the
-    median request's decode span (first token to last) as the client saw it."""
+    """``batch`` fresh prompts of ``context`` tokens decoding ``tokens`` tokens together: the
+    time and count of the engine steps in which all of them decoded."""
     batch_prompts = [prompts.fresh(context) for _ in range(batch)]
     before = await probe.itl_totals()
     timed = await asyncio.gather(*(probe.complete(model, p, tokens) for p in batch_prompts))
     after = await probe.itl_totals()
-    decode_steps = tokens - 1
-    # The median request's span as the client saw it: requests sent together may be admitted a
-    # step apart, but once a request has its first token every later step decodes the whole
-    # batch.
-    span = statistics.median(t.token_s[-1] - t.token_s[0] for t in timed)
-    clock = "client"
-    merged = statistics.median(len(t.token_s) for t in timed) < tokens * MIN_CHUNKED_SHARE
-    engine_span = _engine_span(before, after, batch, decode_steps) if merged else None
-    if engine_span is not None:
-        span, clock = engine_span, "engine clock"
-    # Decode step k (k = 1..N-1) reads P + k - 1 tokens of context per sequence.
-    mean_context = context + (tokens - 2) / 2
+    merged = any(len(t.token_s) < tokens * MIN_CHUNKED_SHARE for t in timed)
+    window = None if merged else _whole_batch_window(timed)
+    if window is not None:
+        span, steps = window
+        clock = "client"
+    else:
+        steps = tokens - 1
+        engine_span = _engine_span(before, after, batch, steps) if merged else None
+        if engine_span is not None:
+            span, clock = engine_span, "engine clock"
+        else:
+            # Neither view is clean: the median request's span, as before either existed.
+            span, clock = statistics.median(t.token_s[-1] - t.token_s[0] for t in timed), "client"
+    # Decode step k (k = 1..steps) reads P + k - 1 tokens of context per sequence.
+    mean_context = context + (steps - 1) / 2
     return Observation(
         "decode", f"decode batch {batch} context {context} x{tokens}", span,
-        steps=decode_steps, decode_seqs=decode_steps * batch,
-        context_tokens=decode_steps * batch * mean_context, overheads=0, clock=clock,
+        steps=steps, decode_seqs=steps * batch,
+        context_tokens=steps * batch * mean_context, overheads=0, clock=clock,
     )

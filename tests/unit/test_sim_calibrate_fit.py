@@ -8,7 +8,7 @@ import pytest
 
 from planning.calibrate.fit import Observation, fit_step_time
 from planning.calibrate.probe import HistogramTotals, TimedCompletion
-from planning.calibrate.workload import _decode_batch, _engine_span, _Prompts
+from planning.calibrate.workload import _decode_batch, _engine_span, _Prompts, _whole_batch_window
 from replica.sim.engine import EngineConfig, EngineModel, SimRequest
 from replica.sim.profiles import ProfileError, load_preset
 from replica.sim.step_time import StepTimeModel
@@ -208,3 +208,16 @@ async def test_a_merged_stream_is_timed_by_the_engines_clock(
     observation = await _decode_batch(engine, "m", _Prompts(0), 32, 4, 32)  # type: ignore[arg-type]
     assert observation.measured_s == pytest.approx(expected_s)
     assert observation.clock == clock
+
+
+def test_a_batch_admitted_in_two_steps_is_timed_over_the_steps_all_of_it_decoded() -> None:
+    # Two requests admitted at once; two more a step later, whose 0.5 s prefill step the first
+    # two also wait out. Then 50 ms decode steps; 32 tokens each, one chunk per token.
+    early = [1.0] + [1.5 + 0.05 * k for k in range(31)]
+    late = [1.5 + 0.05 * k for k in range(32)]
+    timed = [TimedCompletion(0.9, times, 32) for times in (early, early, late, late)]
+    span, steps = _whole_batch_window(timed)  # type: ignore[misc]
+    # From the late pair's first token to the early pair's last: 30 steps of the whole batch
+    # (the median request's span would give 31 steps in 1.775 s, 15% slow per step).
+    assert steps == 30
+    assert span == pytest.approx(30 * 0.05)
