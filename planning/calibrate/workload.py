@@ -39,6 +39,10 @@ __all__ = ["CalibrationPlan", "run_workload"]
 #: server: its client-side span is not the engine's.
 MIN_CHUNKED_SHARE = 0.9
 
+#: Reads of the inter-token histogram, this far apart, while it has not yet counted a batch.
+ITL_SETTLE_READS = 20
+ITL_SETTLE_INTERVAL_S = 0.05
+
 #: Token ids prompts are drawn from: low ids exist in every vocabulary, however small.
 PROMPT_TOKEN_RANGE = (10, 200)
 
@@ -140,9 +144,13 @@ async def run_workload(
                 probe, model, prompts.fresh(length), plan.prefill_probe_tokens
             )
         else:
-            observations.append(
-                await _decode_batch(probe, model, prompts, length, batch, plan.decode_tokens)
-            )
+            decode = await _decode_batch(probe, model, prompts, length, batch, plan.decode_tokens)
+            if decode is None:
+                say(f"decode batch {batch} context {length}: no clean timing (the API server "
+                    "merged the streams and the engine's histogram did not count the batch); "
+                    "skipped")
+            else:
+                observations.append(decode)
     return observations
 
 
@@ -200,28 +208,51 @@ def _whole_batch_window(timed: Sequence[TimedCompletion]) -> tuple[float, int] |
     return inside[-1] - start, len(inside)
 
 
+async def _itl_after(
+    probe: EngineProbe, before: HistogramTotals | None, gaps: int
+) -> HistogramTotals | None:
+    """The histogram once it has counted the batch's ``gaps``: vLLM records a step's stats
+    after handing its outputs over, so a reading right after the last response can lag it."""
+    after = await probe.itl_totals()
+    for _ in range(ITL_SETTLE_READS):
+        if before is None or after is None or after.since(before).count >= gaps:
+            break
+        await asyncio.sleep(ITL_SETTLE_INTERVAL_S)
+        after = await probe.itl_totals()
+    return after
+
+
 async def _decode_batch(
     probe: EngineProbe, model: str, prompts: _Prompts, context: int, batch: int, tokens: int
-) -> Observation:
+) -> Observation | None:
     """``batch`` fresh prompts of ``context`` tokens decoding ``tokens`` tokens together: the
-    time and count of the engine steps in which all of them decoded."""
+    time and count of the engine steps in which all of it decoded; None without a clean view.
+
+    The client's view counts steps exactly, but only while the API server keeps up: behind, it
+    merges tokens into fewer chunks, or sends a burst of chunks at once. The engine's own
+    inter-token clock is immune to both, but its mean also counts the step that prefilled a
+    member admitted late. So the client's stretch is used while its step time agrees with the
+    engine's within a factor of two, and the engine's clock otherwise.
+    """
     batch_prompts = [prompts.fresh(context) for _ in range(batch)]
     before = await probe.itl_totals()
     timed = await asyncio.gather(*(probe.complete(model, p, tokens) for p in batch_prompts))
-    after = await probe.itl_totals()
+    all_steps = tokens - 1
+    after = await _itl_after(probe, before, batch * all_steps)
+    engine_span = _engine_span(before, after, batch, all_steps)
     merged = any(len(t.token_s) < tokens * MIN_CHUNKED_SHARE for t in timed)
     window = None if merged else _whole_batch_window(timed)
+    if window is not None and engine_span is not None:
+        client_step, engine_step = window[0] / window[1], engine_span / all_steps
+        if not 0.5 <= client_step / engine_step <= 2.0:
+            window = None  # a burst of chunks: the client's clock saw the server, not the engine
     if window is not None:
         span, steps = window
         clock = "client"
+    elif engine_span is not None:
+        span, steps, clock = engine_span, all_steps, "engine clock"
     else:
-        steps = tokens - 1
-        engine_span = _engine_span(before, after, batch, steps) if merged else None
-        if engine_span is not None:
-            span, clock = engine_span, "engine clock"
-        else:
-            # Neither view is clean: the median request's span, as before either existed.
-            span, clock = statistics.median(t.token_s[-1] - t.token_s[0] for t in timed), "client"
+        return None
     # Decode step k (k = 1..steps) reads P + k - 1 tokens of context per sequence.
     mean_context = context + (steps - 1) / 2
     return Observation(

@@ -198,16 +198,31 @@ class _MergingEngine:
 
 
 @pytest.mark.parametrize(
-    ("chunks", "expected_s", "clock"),
-    [(32, 0.31, "client"), (2, 31 * 0.05, "engine clock")],
+    ("chunks", "span_s", "expected_s", "clock"),
+    [
+        (32, 31 * 0.05, 31 * 0.05, "client"),  # the client kept up: its own stretch
+        (2, 0.31, 31 * 0.05, "engine clock"),  # merged into two chunks
+        (32, 0.003, 31 * 0.05, "engine clock"),  # every chunk in one burst at the end
+    ],
 )
-async def test_a_merged_stream_is_timed_by_the_engines_clock(
-    chunks: int, expected_s: float, clock: str
+async def test_a_stream_the_api_server_fell_behind_on_is_timed_by_the_engines_clock(
+    chunks: int, span_s: float, expected_s: float, clock: str
 ) -> None:
-    engine = _MergingEngine(chunks=chunks, span_s=0.31, gap_s=0.05)
+    engine = _MergingEngine(chunks=chunks, span_s=span_s, gap_s=0.05)
     observation = await _decode_batch(engine, "m", _Prompts(0), 32, 4, 32)  # type: ignore[arg-type]
+    assert observation is not None
     assert observation.measured_s == pytest.approx(expected_s)
     assert observation.clock == clock
+
+
+async def test_a_merged_stream_without_the_engines_histogram_is_no_observation() -> None:
+    engine = _MergingEngine(chunks=2, span_s=0.31, gap_s=0.05)
+    engine.itl_totals = _no_histogram  # type: ignore[method-assign]
+    assert await _decode_batch(engine, "m", _Prompts(0), 32, 4, 32) is None  # type: ignore[arg-type]
+
+
+async def _no_histogram() -> None:
+    return None
 
 
 def test_a_batch_admitted_in_two_steps_is_timed_over_the_steps_all_of_it_decoded() -> None:
