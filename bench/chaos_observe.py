@@ -93,9 +93,10 @@ class Clock:
 def _prompt(rng: random.Random, tenant: str, novel: bool = False) -> list[dict[str, str]]:
     """One of four shared system prompts per tenant + a fresh user turn (index entries grow);
     ``novel``: a system prompt of its own instead, which no replica has cached."""
-    system = f"You are assistant {rng.randrange(4)} of {tenant}. " + words(random.Random(7), 60)
     if novel:
         system = f"You are assistant {rng.getrandbits(64):x} of {tenant}. " + words(rng, 60)
+    else:
+        system = f"You are assistant {rng.randrange(4)} of {tenant}. " + words(random.Random(7), 60)
     return [
         {"role": "system", "content": system},
         {"role": "user", "content": words(rng, 12)},

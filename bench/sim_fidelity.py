@@ -112,6 +112,8 @@ def multi_turn_slice(seed: int, conversations: int = 8, turns: int = 4,
 #: the burst arrives.
 OVER_CAPACITY_TOKENS = 32
 OVERLOAD = 3.0
+#: Blocks of a ``shared_prefix_slice`` prompt, about: 8 shared plus 1-6 of its own.
+SHARED_PREFIX_BLOCKS = 12
 
 
 def over_capacity_slice(seed: int, requests: int = 48, window_s: float = 1.0) -> list[TraceRecord]:
@@ -125,11 +127,11 @@ def overload_window_s(step_time: StepTimeModel, requests: int = 48) -> float:
     """The arrival window that puts ``requests`` at ``OVERLOAD`` × the engine's capacity.
 
     Capacity by the calibrated step time: ``MAX_NUM_SEQS`` requests decoding together, each
-    over a shared-prefix prompt (~12 blocks), ``OVER_CAPACITY_TOKENS`` steps apiece. A fixed
-    window is over capacity on a loaded machine and well under it on a quiet one (where the
-    engine is ~20× faster), and then its "queueing" is noise.
+    over a shared-prefix prompt (``SHARED_PREFIX_BLOCKS``), ``OVER_CAPACITY_TOKENS`` steps
+    apiece. A fixed window is over capacity on a loaded machine and well under it on a quiet
+    one (where the engine is ~20× faster), and then its "queueing" is noise.
     """
-    context = MAX_NUM_SEQS * (12 * BLOCK + OVER_CAPACITY_TOKENS / 2)
+    context = MAX_NUM_SEQS * (SHARED_PREFIX_BLOCKS * BLOCK + OVER_CAPACITY_TOKENS / 2)
     step_s = step_time.step_s(0, MAX_NUM_SEQS, context)
     capacity_rps = MAX_NUM_SEQS / (OVER_CAPACITY_TOKENS * step_s) if step_s > 0 else float("inf")
     return min(10.0, max(0.05, requests / (OVERLOAD * capacity_rps)))
@@ -413,7 +415,7 @@ def render(
         "  than calibration's lone requests measured; the model's request overhead is a",
         "  constant with no queue of its own. Queueing past `max_num_seqs` (over-capacity) is",
         "  modelled; its depth depends on the decode cost per sequence, which calibration takes",
-        "  from the engine's own inter-token clock when the client's view of a stream is merged.",
+        "  from the engine's own inter-token clock when the client's view of a stream disagrees.",
         "",
         "![TTFT predicted vs measured](sim-fidelity/ttft.png)",
         "",

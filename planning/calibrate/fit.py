@@ -44,7 +44,7 @@ class Observation:
     #: Request overheads in the measured time (1: it starts at the client's send).
     overheads: float = 1.0
     #: Whose clock measured it: ``client`` (the client's view of the stream), or ``engine
-    #: clock`` (the engine's own histogram, where the client's view was merged).
+    #: clock`` (the engine's own histogram, where the client's view was merged or disagreed).
     clock: str = "client"
 
     def features(self) -> list[float]:

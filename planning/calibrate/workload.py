@@ -9,15 +9,10 @@
   its block size), so the TTFT's step computed ``length − cached`` tokens over ``cached`` tokens
   of context.
 - **Decodes**: ``B`` requests of ``P`` fresh prompt tokens sent together, ``N`` output tokens
-  each; the median request's span from its first token to its last is ``N − 1`` decode steps
-  of ``B`` sequences over a mean context of ``P + (N − 2) / 2`` tokens each. The span is what
-  the client saw, unless the API server merged tokens into fewer chunks (it does when it is
-  short of CPU, and on a quiet machine where an engine step is as short as its own per-chunk
-  work: the span the client sees then shrinks towards nothing). Then it is read from the
-  engine's own clock: the inter-token latency histogram's sum over its count, read around the
-  batch, times ``N − 1``. That mean also counts the step in which a batch member admitted a
-  step late was prefilled (the median client span does not), so it runs a few percent high;
-  the residual table names which clock each decode observation used.
+  each, timed over the steps in which all of them decoded (``_decode_batch``): by the client's
+  view of the last-admitted request while it agrees with the engine's inter-token histogram,
+  else by that histogram. ``S`` such steps decode ``B`` sequences over a mean context of
+  ``P + (S − 1) / 2`` tokens each.
 
 Prompts are random token ids (fresh per request, so nothing is cached unless meant to be).
 """
@@ -25,6 +20,7 @@ Prompts are random token ids (fresh per request, so nothing is cached unless mea
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -198,9 +194,9 @@ def _whole_batch_window(timed: Sequence[TimedCompletion]) -> tuple[float, int] |
     late = max(timed, key=lambda t: t.token_s[0])
     start = late.token_s[0]
     end = min(t.token_s[-1] for t in timed)
-    gaps = [b - a for a, b in zip(late.token_s, late.token_s[1:], strict=False)]
     # The first finisher's last token and the late request's token of the same step arrive on
     # different connections a little apart: half a step is the tolerance.
+    gaps = [b - a for a, b in itertools.pairwise(late.token_s)]
     slack = 0.5 * statistics.median(gaps) if gaps else 0.0
     inside = [t for t in late.token_s[1:] if t <= end + slack]
     if len(inside) < 2:
