@@ -227,7 +227,7 @@ def simulate_slice(records: Sequence[TraceRecord], profile: Path) -> SliceRun:
         raise RuntimeError(f"simulate served {len(outcomes)} of {len(records)} requests")
     queries = sum(o.prompt_tokens for o in outcomes)
     hits = sum(o.cached_tokens for o in outcomes)
-    queue = [o.scheduled_s - o.arrival_s for o in outcomes]
+    queue = [o.scheduled_s - o.admitted_s for o in outcomes]  # vLLM counts from its own arrival
     return SliceRun(
         [o.first_token_s - o.arrival_s for o in outcomes],
         [o.finish_s - o.arrival_s for o in outcomes],
@@ -454,7 +454,7 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
             profile = args.out_dir / "calibrated-profile.yaml"
             args.out_dir.mkdir(parents=True, exist_ok=True)
             write_profile(result, profile)
-            calibration_text = result.fit.table()
+            calibration_text = result.fit.table() + "\n\n" + result.path.table()
             print(calibration_text, flush=True)
             probe = EngineProbe(session, target, metrics_url=metrics_url)
             window_s = overload_window_s(result.fit.model)
@@ -542,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "VLLM_SERVER_DEV_MODE=1 and this bench's flags); default: start one")
     parser.add_argument("--through-gateway", action="store_true",
                         help="replay through `fleetgate serve --replica ENGINE` (the gateway's "
-                        "hop and routing in the measured times); calibration stays direct")
+                        "hop and routing in the measured times, calibration's too)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=584,
                         help="the engine model's vocabulary (tiny model: 584)")

@@ -2,7 +2,8 @@
 
 Examples::
 
-    # measure a running engine (~1 minute), print the fit's residuals, write the profile
+    # measure a running engine (~1 minute), print the fit's residuals, write the profile;
+    # bursts of concurrent requests measure the API server's own work per request and token
     fleetgate sim calibrate --engine http://127.0.0.1:8000 --output cpu-tiny.yaml \\
         --max-num-seqs 256 --max-num-batched-tokens 2048
 
@@ -64,6 +65,10 @@ QUICK_PLAN = CalibrationPlan(
     decode_tokens=12,
     decode_repeats=2,
     warmup_requests=1,
+    prefill_idle_s=0.05,
+    burst_sizes=(8,),
+    burst_tokens=(4, 12),
+    burst_repeats=1,
 )
 
 
@@ -89,15 +94,19 @@ def run(args: argparse.Namespace) -> int:
     except (ProbeError, ValueError, OSError) as exc:
         print(f"fleetgate sim calibrate: {exc}", flush=True)
         return 1
-    model = result.fit.model
+    model = result.path.model
     print(result.fit.table())
+    if result.path.residuals:
+        print(result.path.table())
     print(
         f"fitted step time: base {model.base_s * 1e3:.2f} ms + "
         f"{model.prefill_token_s * 1e6:.2f} us/prefill token "
         f"({model.prefill_tokens_per_s():,.0f} tokens/s) + "
         f"{model.decode_seq_s * 1e3:.3f} ms/decoding sequence + "
         f"{model.context_token_s * 1e6:.3f} us/context token; "
-        f"request overhead {model.request_overhead_s * 1e3:.2f} ms"
+        f"request overhead {model.request_overhead_s * 1e3:.2f} ms, of which work "
+        f"{model.request_work_s * 1e3:.2f} ms per request + "
+        f"{model.stream_token_s * 1e3:.3f} ms per streamed token (queued under concurrency)"
     )
     print(
         f"KV cache: {result.cache.num_gpu_blocks} blocks of {result.cache.block_size} tokens; "

@@ -20,9 +20,11 @@ import yaml
 
 from planning.calibrate.fit import FitResult, Observation, fit_step_time
 from planning.calibrate.probe import CacheInfo, EngineProbe, ProbeError
+from planning.calibrate.request_path import PathFit, fit_request_path
 from planning.calibrate.workload import CalibrationPlan, run_workload
 from replica.sim.engine import EngineConfig
 from replica.sim.profiles import load_preset
+from replica.sim.step_time import StepTimeModel
 
 __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
@@ -59,6 +61,8 @@ class CalibrationResult:
     max_model_len: int
     limits: EngineLimits
     fit: FitResult
+    #: The fit's model with the request path's work (what the profile holds).
+    path: PathFit
     observations: list[Observation]
     #: The preset whose hardware and model geometry the profile keeps (for LoRA sizes, price).
     base_profile: str
@@ -66,20 +70,9 @@ class CalibrationResult:
 
     def profile(self) -> dict[str, Any]:
         """The profile mapping (validated by building an ``EngineConfig`` from it)."""
-        base = load_preset(self.base_profile)
-        settings: dict[str, Any] = {
-            "hardware": base["hardware"],
-            "model": base["model"],
-            "block_size": self.cache.block_size,
-            "num_gpu_blocks_override": self.cache.num_gpu_blocks,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": self.limits.max_num_seqs,
-            "max_num_batched_tokens": self.limits.max_num_batched_tokens,
-            "step_time": {k: float(f"{v:.6g}") for k, v in self.fit.model.as_mapping().items()},
-        }
-        for key in ("max_loras", "max_cpu_loras"):
-            if key in base:
-                settings[key] = base[key]
+        settings = _engine_settings(
+            self.base_profile, self.cache, self.max_model_len, self.limits, self.path.model
+        )
         EngineConfig.from_profile(**_as_overrides(settings))  # raises on anything invalid
         settings["calibration"] = {
             "engine": self.engine_url,
@@ -90,6 +83,28 @@ class CalibrationResult:
             "max_abs_error": round(self.fit.max_abs_error, 4),
         }
         return settings
+
+
+def _engine_settings(
+    base_profile: str, cache: CacheInfo, max_model_len: int, limits: EngineLimits,
+    step_time: StepTimeModel,
+) -> dict[str, Any]:
+    """A profile mapping: the base preset's hardware and model, the engine's measured shape."""
+    base = load_preset(base_profile)
+    settings: dict[str, Any] = {
+        "hardware": base["hardware"],
+        "model": base["model"],
+        "block_size": cache.block_size,
+        "num_gpu_blocks_override": cache.num_gpu_blocks,
+        "max_model_len": max_model_len,
+        "max_num_seqs": limits.max_num_seqs,
+        "max_num_batched_tokens": limits.max_num_batched_tokens,
+        "step_time": {k: float(f"{v:.6g}") for k, v in step_time.as_mapping().items()},
+    }
+    for key in ("max_loras", "max_cpu_loras"):
+        if key in base:
+            settings[key] = base[key]
+    return settings
 
 
 def _as_overrides(settings: dict[str, Any]) -> dict[str, Any]:
@@ -133,15 +148,20 @@ async def calibrate(
         fitted_plan = (plan or CalibrationPlan()).fitted_to(
             max_model_len, limits.max_num_batched_tokens
         )
-        observations = await run_workload(probe, model, fitted_plan, seed, progress)
+        measured = await run_workload(probe, model, fitted_plan, seed, progress)
+    fit = fit_step_time(measured.steps)
+    config = EngineConfig.from_profile(**_as_overrides(
+        _engine_settings(base_profile, cache, max_model_len, limits, fit.model)
+    ))
     return CalibrationResult(
         engine_url=engine_url,
         served_model=model,
         cache=cache,
         max_model_len=max_model_len,
         limits=limits,
-        fit=fit_step_time(observations),
-        observations=observations,
+        fit=fit,
+        path=fit_request_path(config, measured.bursts),
+        observations=measured.steps,
         base_profile=base_profile,
         elapsed_s=time.perf_counter() - started,
     )

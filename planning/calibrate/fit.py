@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from replica.sim.step_time import STEP_TIME_FIELDS, StepTimeModel
+from replica.sim.step_time import LINEAR_FIELDS, StepTimeModel
 
 __all__ = ["FitResult", "Observation", "combine_repeats", "fit_step_time"]
 
@@ -48,7 +48,7 @@ class Observation:
     clock: str = "client"
 
     def features(self) -> list[float]:
-        """The row of the design matrix, in ``STEP_TIME_FIELDS`` order."""
+        """The row of the design matrix, in ``LINEAR_FIELDS`` order."""
         return [self.steps, self.prefill_tokens, self.decode_seqs, self.context_tokens,
                 self.overheads]
 
@@ -148,7 +148,7 @@ def fit_step_time(observations: Sequence[Observation]) -> FitResult:
             break
         # Fix the most negative coefficient at 0 and refit the rest.
         free.pop(int(np.argmin(solution)))
-    model = StepTimeModel(**dict(zip(STEP_TIME_FIELDS, (float(c) for c in coef), strict=True)))
+    model = StepTimeModel(**dict(zip(LINEAR_FIELDS, (float(c) for c in coef), strict=True)))
     predicted = design @ coef
     residuals = [Residual(o, float(p)) for o, p in zip(observations, predicted, strict=True)]
     return FitResult(model, residuals)

@@ -4,6 +4,10 @@
   streaming a few tokens (``prefill_probe_tokens``): its TTFT is timed as a served request's is,
   with the engine already running the next step while the API server sends the first token
   (with ``max_tokens=1`` nothing follows, and lone TTFTs came out ~20% below a replay's).
+  Each is sent after ``prefill_idle_s`` of quiet, as a request below capacity finds the engine
+  (sent right after the previous request and a metrics read, lone TTFTs came out ~30% below
+  those of a replay at 2 requests/s on the CPU engine: processes that were just running wake
+  faster than ones that slept).
   Each prompt is sent twice, the second time hitting its own cached prefix. The cached
   token count is read from ``vllm:prefix_cache_hits_total`` (the engine's own answer, whatever
   its block size), so the TTFT's step computed ``length − cached`` tokens over ``cached`` tokens
@@ -13,6 +17,9 @@
   view of the last-admitted request while it agrees with the engine's inter-token histogram,
   else by that histogram. ``S`` such steps decode ``B`` sequences over a mean context of
   ``P + (S − 1) / 2`` tokens each.
+- **Bursts**: ``k`` requests of short fresh prompts, ``T`` tokens each, sent at once: the
+  client's makespan is what the request path's work per request and per token is fitted
+  from (``request_path.py``), at two ``T`` so the two terms separate.
 
 Prompts are random token ids (fresh per request, so nothing is cached unless meant to be).
 """
@@ -20,6 +27,7 @@ Prompts are random token ids (fresh per request, so nothing is cached unless mea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 import statistics
@@ -28,8 +36,9 @@ from dataclasses import dataclass
 
 from planning.calibrate.fit import Observation
 from planning.calibrate.probe import EngineProbe, HistogramTotals, TimedCompletion
+from planning.calibrate.request_path import Burst
 
-__all__ = ["CalibrationPlan", "run_workload"]
+__all__ = ["CalibrationPlan", "Measurements", "run_workload"]
 
 #: A stream that arrived in fewer chunks than this share of its tokens was merged by the API
 #: server: its client-side span is not the engine's.
@@ -56,10 +65,17 @@ class CalibrationPlan:
     decode_repeats: int = 3
     #: Tokens each prefill probe streams (only its first is timed; see the module's docstring).
     prefill_probe_tokens: int = 4
+    #: Seconds the engine is left idle before each prefill probe (see the module's docstring).
+    prefill_idle_s: float = 0.25
     #: Requests sent first and not measured (the first requests of a fresh engine are slow).
     warmup_requests: int = 3
     #: Skip decode batches whose prompts (``B × P``) exceed this (one step's token budget).
     max_batch_tokens: int | None = None
+    #: Bursts (request path): concurrent requests per burst, tokens each, prompt tokens each.
+    burst_sizes: tuple[int, ...] = (16, 32)
+    burst_tokens: tuple[int, ...] = (8, 32)
+    burst_prompt_tokens: int = 32
+    burst_repeats: int = 2
 
     def __post_init__(self) -> None:
         if self.prefill_probe_tokens < 1:
@@ -72,16 +88,19 @@ class CalibrationPlan:
             raise ValueError("a calibration plan needs prefill lengths, batches and contexts")
         if min(self.prefill_lengths) < 2 or min(self.decode_contexts) < 1:
             raise ValueError("prefill lengths must be >= 2 and decode contexts >= 1")
+        if self.burst_sizes and (min(self.burst_sizes) < 2 or min(self.burst_tokens, default=0) < 1
+                                 or self.burst_repeats < 1 or self.burst_prompt_tokens < 2):
+            raise ValueError("bursts need >= 2 requests of >= 2 prompt tokens and >= 1 token")
 
     def fitted_to(self, max_model_len: int, max_num_batched_tokens: int) -> CalibrationPlan:
         """The plan with every prompt short enough for one step and the model's context."""
         limit = min(max_model_len - self.decode_tokens - 1, max_num_batched_tokens)
         lengths = tuple(sorted({min(n, limit) for n in self.prefill_lengths}))
         contexts = tuple(sorted({min(n, limit) for n in self.decode_contexts}))
-        return CalibrationPlan(
-            lengths, self.prefill_repeats, self.decode_batches, contexts, self.decode_tokens,
-            self.decode_repeats, self.prefill_probe_tokens, self.warmup_requests,
+        return dataclasses.replace(
+            self, prefill_lengths=lengths, decode_contexts=contexts,
             max_batch_tokens=max_num_batched_tokens,
+            burst_prompt_tokens=min(self.burst_prompt_tokens, limit),
         )
 
 
@@ -96,13 +115,21 @@ class _Prompts:
         return [self._rng.randrange(low, high) for _ in range(length)]
 
 
+@dataclass(frozen=True, slots=True)
+class Measurements:
+    """What the designed workload measured: step observations and bursts."""
+
+    steps: list[Observation]
+    bursts: list[Burst]
+
+
 async def run_workload(
     probe: EngineProbe,
     model: str,
     plan: CalibrationPlan,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
-) -> list[Observation]:
+) -> Measurements:
     """Send the designed workload to the engine; one observation per measured configuration.
 
     Every repeat of every configuration is a separate item, and the items run in a seeded
@@ -125,19 +152,30 @@ async def run_workload(
         for _ in range(plan.decode_repeats)
         # All of a batch's prompts fit one step, so its decode steps all run the whole batch.
         if plan.max_batch_tokens is None or batch * context <= plan.max_batch_tokens
+    ] + [
+        ("burst", size, tokens)
+        for size in plan.burst_sizes
+        for tokens in plan.burst_tokens
+        for _ in range(plan.burst_repeats)
     ]
     random.Random(f"{seed}:order").shuffle(items)
     decode_items = sum(1 for item in items if item[0] == "decode")
     say(
         f"{len(plan.prefill_lengths)} prefill lengths x{plan.prefill_repeats} (fresh + cached), "
         f"{decode_items // plan.decode_repeats} decode batches x{plan.decode_repeats}, "
+        f"{len(plan.burst_sizes) * len(plan.burst_tokens)} burst shapes x{plan.burst_repeats}, "
         "in random order"
     )
     observations: list[Observation] = []
+    bursts: list[Burst] = []
     for kind, length, batch in items:
-        if kind == "prefill":
+        if kind == "burst":
+            bursts.append(await _burst(probe, model, prompts, length, plan.burst_prompt_tokens,
+                                       batch))
+        elif kind == "prefill":
             observations += await _prefill_pair(
-                probe, model, prompts.fresh(length), plan.prefill_probe_tokens
+                probe, model, prompts.fresh(length), plan.prefill_probe_tokens,
+                plan.prefill_idle_s,
             )
         else:
             decode = await _decode_batch(probe, model, prompts, length, batch, plan.decode_tokens)
@@ -147,16 +185,28 @@ async def run_workload(
                     "skipped")
             else:
                 observations.append(decode)
-    return observations
+    return Measurements(observations, bursts)
+
+
+async def _burst(probe: EngineProbe, model: str, prompts: _Prompts, requests: int,
+                 prompt_tokens: int, tokens: int) -> Burst:
+    """``requests`` fresh prompts sent at once; the client's makespan and mean TTFT."""
+    batch = [prompts.fresh(prompt_tokens) for _ in range(requests)]
+    start = probe.clock()
+    timed = await asyncio.gather(*(probe.complete(model, p, tokens) for p in batch))
+    return Burst(requests, prompt_tokens, tokens,
+                 max(t.token_s[-1] for t in timed) - start,
+                 statistics.fmean(t.ttft_s for t in timed))
 
 
 async def _prefill_pair(
-    probe: EngineProbe, model: str, prompt: list[int], tokens: int
+    probe: EngineProbe, model: str, prompt: list[int], tokens: int, idle_s: float
 ) -> list[Observation]:
     """A fresh prompt alone on the engine, then again over its own cached prefix."""
     pair = []
     for attempt in ("fresh", "cached"):
         before = await probe.prefix_hits()
+        await asyncio.sleep(idle_s)
         timed = await probe.complete(model, prompt, tokens)
         cached = int(await probe.prefix_hits() - before)
         pair.append(

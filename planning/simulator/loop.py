@@ -5,13 +5,17 @@ so a decision sees the freshest state):
 
 * **arrival** — route the request through the real ``RoutingEngine`` exactly as the gateway does
   (in-flight counts, one index lookup, the profile's scorers and picker), then insert its chain
-  into the index speculatively, count it in flight, and submit it to the chosen engine;
+  into the index speculatively, count it in flight, and submit it to the chosen engine — at
+  once, or, with a calibrated profile, through the replica's request path
+  (``replica/sim/request_path.py``);
+* **admitted** (request path only) — the API server has handed the request to the engine;
 * **pump** (flow control only) — judge the head of the gateway queue again on a fresh routing
   estimate; queued after the step ends of the same instant, and every ``PUMP_INTERVAL_S`` while
   requests wait, so an idle fleet still drains the queue;
-* **step end** — deliver the step's first tokens, finished requests and KV events: TTFT and
-  completion go to the policy's learning hooks, ``BlockStored``/``BlockRemoved`` go to the block
-  index (the feed a live replica agent provides), and the engine starts its next step.
+* **step end** — deliver the step's first tokens (through the request path, if any), finished
+  requests and KV events: TTFT and completion go to the policy's learning hooks,
+  ``BlockStored``/``BlockRemoved`` go to the block index (the feed a live replica agent
+  provides), and the engine starts its next step.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import heapq
 import logging
 import math
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +33,7 @@ from planning.simulator.flow import assign_classes
 from planning.simulator.prompts import PreparedPrompt, PromptFactory
 from planning.simulator.replica import SimulatedReplica
 from replica.sim.engine import EngineConfig, SimRequest, StepResult
+from replica.sim.request_path import RequestPath
 from routing.contracts import RoutingDecision, RoutingRequest
 from routing.engine import Profile, RoutingEngine
 from routing.flow_control import (
@@ -54,14 +60,6 @@ PUMP_INTERVAL_S = 0.01
 SIM_TENANT = "simulate"
 
 
-def _request_overhead_s(replica: SimulatedReplica) -> float:
-    """A calibrated profile's API-server latency (tokenise, hand to the engine): every request
-    pays it before the engine sees it, so it shifts that replica's whole schedule by a constant
-    and adds exactly itself to each TTFT and end-to-end time."""
-    step_time = replica.engine.config.step_time
-    return 0.0 if step_time is None else step_time.request_overhead_s
-
-
 @dataclass(slots=True)
 class RequestOutcome:
     """What happened to one request (times in virtual seconds)."""
@@ -72,6 +70,8 @@ class RequestOutcome:
     output_tokens: int
     #: Uncached prompt tokens the router predicted (for the in-flight prefill count).
     predicted_uncached: int
+    #: When the engine received it (after the request path, if the profile has one).
+    admitted_s: float = math.nan
     scheduled_s: float = math.nan
     first_token_s: float = math.nan
     finish_s: float = math.nan
@@ -160,6 +160,10 @@ class _Simulation:
             for i in range(config.replicas)
         ]
         self.by_id = {r.replica_id: r for r in self.replicas}
+        #: Per replica, its request path (a calibrated profile's API server), or None.
+        self.paths = [RequestPath.of(engine_config.step_time) for _ in self.replicas]
+        #: Per replica, requests on their way through its path, in the order they come out.
+        self.admitting: list[deque[SimRequest]] = [deque() for _ in self.replicas]
         # Every replica can serve every adapter (a shared catalog); none starts loaded, so the
         # first request for an adapter on a replica pays its load, as on a fresh vLLM.
         for name in sorted({r.adapter for r in requests if r.adapter is not None}):
@@ -199,11 +203,14 @@ class _Simulation:
         upcoming = next(arrivals, None)
         while upcoming is not None or self.heap:
             if self.heap and (upcoming is None or self.heap[0][0] <= upcoming.arrival_s):
-                end, _, index = heapq.heappop(self.heap)
+                end, replica_index, index = heapq.heappop(self.heap)
                 self._advance(end)
                 if index == _PUMP:
                     self.pump_due = None
                     await self._pump()
+                    continue
+                if index == _ADMITTED:
+                    self._admitted(self.replicas[replica_index])
                     continue
                 await self._step_ended(self.replicas[index])
                 if self.waiting:
@@ -354,7 +361,7 @@ class _Simulation:
             arrival_s=self.now,
         )
         try:
-            replica.submit(sim_request, self.now)
+            replica.engine.check(sim_request)
         except ValueError as exc:
             # vLLM would answer 400; the request never loads the fleet. Counted, not timed.
             self.rejected += 1
@@ -383,6 +390,20 @@ class _Simulation:
         )
         self.routing_requests[request_id] = routing_request
         self.unscheduled[replica.index].add(request_id)
+        path = self.paths[replica.index]
+        if path is None:
+            self._submit(replica, sim_request)
+        else:
+            self.admitting[replica.index].append(sim_request)
+            heapq.heappush(self.heap, (path.admit(self.now), replica.index, _ADMITTED))
+
+    def _admitted(self, replica: SimulatedReplica) -> None:
+        """The request path handed its oldest request to the engine."""
+        self._submit(replica, self.admitting[replica.index].popleft())
+
+    def _submit(self, replica: SimulatedReplica, request: SimRequest) -> None:
+        self.outcomes[request.request_id].admitted_s = self.now
+        replica.submit(request, self.now)
         if not replica.busy:
             self._schedule(replica)
 
@@ -395,21 +416,26 @@ class _Simulation:
             for request_id in waiting.intersection(result.tokens):
                 self.outcomes[request_id].scheduled_s = started
                 waiting.discard(request_id)
+        path = self.paths[replica.index]
+        # When the client has this step's tokens: now, or once the request path delivered them.
+        delivered = (
+            self.now if path is None else path.deliver(self.now, sum(result.tokens.values()))
+        )
         for request_id in result.first_token:
             outcome = self.outcomes[request_id]
-            outcome.first_token_s = self.now + _request_overhead_s(replica)
+            outcome.first_token_s = delivered
             outcome.cached_tokens = replica.engine.cached_tokens(request_id)
             replica.inflight_prefilled(outcome.predicted_uncached)
         for request_id in result.finished:
-            self._finish(replica, request_id)
+            self._finish(replica, request_id, delivered)
         if self.feed_index and result.kv_events:
             await self._ingest_events(replica, result)
         if replica.engine.has_work():
             self._schedule(replica)
 
-    def _finish(self, replica: SimulatedReplica, request_id: str) -> None:
+    def _finish(self, replica: SimulatedReplica, request_id: str, delivered_s: float) -> None:
         outcome = self.outcomes[request_id]
-        outcome.finish_s = self.now + _request_overhead_s(replica)
+        outcome.finish_s = delivered_s
         replica.inflight_finish()
         routing_request = self.routing_requests.pop(request_id)
         # The engine's TTFT, from dispatch: calibration must not learn the gateway queue's wait.
@@ -437,7 +463,9 @@ class _Simulation:
                 await self.index.remove(replica.replica_id, replica.epoch, blocks)
 
 
+#: Heap entries that are not a replica's step end (which carry the replica's index).
 _PUMP = -1
+_ADMITTED = -2
 
 
 @dataclass(slots=True)

@@ -366,6 +366,14 @@ class EngineModel:
 
     def submit(self, req: SimRequest) -> None:
         """Queue ``req`` (FCFS). Raises ``ValueError`` if it can never run here."""
+        self.check(req)
+        out_base = xxhash.xxh3_64_intdigest(req.request_id.encode(), self.seed)
+        request = _Request(req, token_bytes(req.prompt_token_ids), out_base)
+        self._requests[req.request_id] = request
+        self._waiting.append(request)
+
+    def check(self, req: SimRequest) -> None:
+        """Raise ``ValueError`` (vLLM's 400) if ``req`` can never run here."""
         rid = req.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid!r}: id already in use")
@@ -390,10 +398,6 @@ class EngineModel:
             )
         if req.adapter is not None and not self._lora.known(req.adapter):
             raise UnknownAdapterError(f"request {rid!r}: adapter {req.adapter!r} is not loaded")
-        out_base = xxhash.xxh3_64_intdigest(rid.encode(), self.seed)
-        request = _Request(req, token_bytes(req.prompt_token_ids), out_base)
-        self._requests[rid] = request
-        self._waiting.append(request)
 
     def abort(self, request_id: str) -> None:
         """Drop a waiting or running request and free its blocks; unknown ids are ignored."""

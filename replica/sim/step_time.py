@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["STEP_TIME_FIELDS", "StepTimeModel"]
+__all__ = ["LINEAR_FIELDS", "STEP_TIME_FIELDS", "StepTimeModel"]
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,17 @@ class StepTimeModel:
     decode_seq_s: float
     #: Cost of each already-computed token whose KV the step's attention reads.
     context_token_s: float = 0.0
-    #: Time from a request's arrival at the HTTP server to its entry into the engine's queue
-    #: (tokenisation, the API-server -> engine-core hop); counted in TTFT, not in step time.
+    #: A lone request's time on the request path, outside engine steps: from its arrival at the
+    #: HTTP server (or the gateway in front) into the engine's queue, plus its first token's way
+    #: back. Counted in TTFT and end-to-end time, not in step time.
     request_overhead_s: float = 0.0
+    #: The request path's own work per request and per streamed token (the API server's
+    #: tokenising, detokenising and SSE writes, a gateway's relay). The path serves one job at
+    #: a time, so under concurrency these queue behind each other: the part of
+    #: ``request_overhead_s`` they do not account for is plain latency. Fitted from bursts of
+    #: concurrent requests (``replica/sim/request_path.py`` says how they are served).
+    request_work_s: float = 0.0
+    stream_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -79,3 +87,5 @@ class StepTimeModel:
 
 
 STEP_TIME_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(StepTimeModel))
+#: The fields the least-squares step fit solves for (the request path's work is fitted apart).
+LINEAR_FIELDS: tuple[str, ...] = STEP_TIME_FIELDS[:5]
