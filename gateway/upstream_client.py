@@ -26,7 +26,11 @@ Idle connections are reused newest first and dropped ``idle_timeout_s`` after th
 byte (4 s by default: below uvicorn's 5 s keep-alive, so the gateway, not the engine, closes an
 idle connection and a request does not race the engine's close); the check runs when a
 connection is taken or released and from ``close_idle`` (the gateway's health loop). A connection
-whose engine closed its side is never handed out again (``eof_received``). Interim answers
+whose engine closed its side is never handed out again (``eof_received``). A reused connection
+that closes before a single byte of the answer is the keep-alive race all the same (the engine's
+timer fired while the request was on its way, or a loaded engine dropped its idle sockets): the
+request is sent once more on a fresh connection, as HTTP clients do, instead of failing over to
+another replica or, with one replica, failing. Interim answers
 (100 Continue, 103 Early Hints from a proxy in front of the engine) are skipped; a 101 upgrade
 drops the connection.
 """
@@ -245,6 +249,9 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.clock = pool.clock
         self.idle_since = 0.0
+        #: Requests sent on this connection, and bytes received for the current one.
+        self.requests_sent = 0
+        self.bytes_in = 0
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -253,6 +260,7 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self.bytes_in += len(data)
         response = self._response
         if response is None:
             self.abort()  # bytes nobody asked for: the connection cannot be trusted
@@ -314,6 +322,8 @@ class _Connection(asyncio.Protocol):
         self._response = response
         if self.transport is None or self.closed:
             raise UpstreamDisconnected("the connection closed before the request was sent")
+        self.requests_sent += 1
+        self.bytes_in = 0
         self.transport.write(request)
 
     def finish(self, response: UpstreamResponse) -> bool:
@@ -527,13 +537,24 @@ class _Exchange:
 
     async def __aenter__(self) -> UpstreamResponse:
         pool = self._pool
-        head = pool._request_head(self._url, len(self._body), self._headers)
-        conn = self._conn = await pool._acquire(self._url)
+        request = pool._request_head(self._url, len(self._body), self._headers) + self._body
+        conn = await pool._acquire(self._url)
+        reused = conn.requests_sent > 0
+        try:
+            return await self._send(conn, request)
+        except UpstreamDisconnected:
+            if not reused or conn.bytes_in:
+                raise
+        # A reused connection closed without answering: the keep-alive race, not the engine.
+        return await self._send(await pool._connect(conn.origin), request)
+
+    async def _send(self, conn: _Connection, request: bytes) -> UpstreamResponse:
+        self._conn = conn
         response = self._response = UpstreamResponse(
             conn, asyncio.get_running_loop(), self._read_timeout_s
         )
         try:
-            conn.start(response, head + self._body)
+            conn.start(response, request)
             await response._wait_headers()
         except BaseException:
             conn.finish(response)

@@ -451,3 +451,38 @@ async def test_close_idle_closes_connections_past_the_idle_timeout() -> None:
     finally:
         await pool.close()
         await runner.cleanup()
+
+
+async def test_a_reused_connection_closed_without_an_answer_is_retried_once_on_a_fresh_one(
+    pool: UpstreamPool,
+) -> None:
+    """The keep-alive race: the engine drops an idle connection as the next request goes out.
+    The request goes again on a new connection, not to another replica (with one replica, that
+    was a 503 for a healthy engine). A fresh connection that dies is not retried (above)."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(0)
+        try:
+            while True:
+                try:
+                    body = await _read_request(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                connections[-1] += 1
+                if connections[-1] == 2:
+                    return  # the second request on a connection: closed without a byte
+                answer = json.dumps({"echo": body.decode()}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(answer)
+                             + answer)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    server, url = await _listen(handle)
+    async with server:
+        for body in (b"first", b"second"):
+            async with pool.post(url, body, {}) as resp:
+                assert json.loads(await resp.read()) == {"echo": body.decode()}
+    # The second request: once on the reused connection (dropped), once on a new one.
+    assert connections == [2, 1]
