@@ -70,7 +70,7 @@ KV_BLOCKS = 256
 # --------------------------------------------------------------------------- trace slices
 
 
-def shared_prefix_slice(seed: int, requests: int = 40, rate: float = 2.0) -> list[TraceRecord]:
+def shared_prefix_slice(seed: int, requests: int = 80, rate: float = 2.0) -> list[TraceRecord]:
     """Four 8-block system prompts, each request adds 1-6 blocks of its own; Poisson arrivals."""
     rng = random.Random(f"{seed}:shared-prefix")
     prefixes = [tuple(range(1000 * (p + 1), 1000 * (p + 1) + 8)) for p in range(4)]
@@ -85,7 +85,7 @@ def shared_prefix_slice(seed: int, requests: int = 40, rate: float = 2.0) -> lis
     return records
 
 
-def multi_turn_slice(seed: int, conversations: int = 8, turns: int = 4,
+def multi_turn_slice(seed: int, conversations: int = 16, turns: int = 4,
                      rate: float = 2.0) -> list[TraceRecord]:
     """Conversations whose every turn resends the history plus 1-3 new blocks."""
     rng = random.Random(f"{seed}:multi-turn")
@@ -408,14 +408,15 @@ def render(
         "  shared with other jobs (the load average is in the header). Where the repeated real",
         "  run differs from the first by more than a bound, this machine cannot show that bound",
         "  either way.",
-        "- **What the model misses here** (docs/simulator.md): the API server's CPU. A lone",
-        "  request's TTFT is mostly `request_overhead_s` (HTTP, the hop to the engine core,",
-        "  streaming back), and under a replay the API server and the engine compete for the",
-        "  same two cores with each other and with the client, so client-side steps are slower",
-        "  than calibration's lone requests measured; the model's request overhead is a",
-        "  constant with no queue of its own. Queueing past `max_num_seqs` (over-capacity) is",
-        "  modelled; its depth depends on the decode cost per sequence, which calibration takes",
-        "  from the engine's own inter-token clock when the client's view of a stream disagrees.",
+        "- **The request path** (docs/simulator.md): a lone request's TTFT is mostly",
+        "  `request_overhead_s` (HTTP, the gateway, the hop to the engine core, streaming back).",
+        "  Under a burst that work queues: the simulator serves it as one server per replica,",
+        "  with the work per request and per streamed token fitted from calibration's bursts",
+        "  (the burst table above). The engine's worker busy-polls one of the two cores, so",
+        "  the API server, the engine core, the gateway and the client share the other.",
+        "- **What the model misses here**: how that shared core's contention varies run to",
+        "  run (the noise floor), and vLLM merging a stream's pending tokens when the API",
+        "  server falls behind (the per-token cost is an average over the bursts' load).",
         "",
         "![TTFT predicted vs measured](sim-fidelity/ttft.png)",
         "",

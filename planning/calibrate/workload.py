@@ -75,7 +75,7 @@ class CalibrationPlan:
     burst_sizes: tuple[int, ...] = (16, 32)
     burst_tokens: tuple[int, ...] = (8, 32)
     burst_prompt_tokens: int = 32
-    burst_repeats: int = 2
+    burst_repeats: int = 3
 
     def __post_init__(self) -> None:
         if self.prefill_probe_tokens < 1:
