@@ -352,6 +352,13 @@ def _parser() -> argparse.ArgumentParser:
         help="optional: also full when its decode interference is over this (off by default)",
     )
     parser.add_argument(
+        "--admit-within-slo-fraction",
+        type=float,
+        default=defaults.admit_within_slo_fraction,
+        help="admit a request whose predicted TTFT is at most this fraction of its SLO, "
+        "saturated or not (default %(default)s)",
+    )
+    parser.add_argument(
         "--trace",
         action="append",
         default=[],
@@ -388,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         saturation_kv_usage=args.saturation_kv_usage,
         saturation_queue_wait_ms=args.saturation_queue_wait_ms,
         saturation_decode_interference_ms=args.saturation_decode_interference_ms,
+        admit_within_slo_fraction=args.admit_within_slo_fraction,
     )
     scales = [float(x) for x in args.scales.split(",")]
     chosen = subjects([n.strip() for n in args.workloads.split(",") if n.strip()], args.requests)

@@ -151,6 +151,7 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
         saturation_decode_interference_ms=spec.saturation_decode_interference_ms,
         max_queue_length=spec.max_queue_length,
         max_queue_wait_ms=spec.max_queue_wait_ms,
+        admit_within_slo_fraction=spec.admit_within_slo_fraction,
     )
 
 

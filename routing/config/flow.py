@@ -51,3 +51,6 @@ class FlowControlSpec(StrictModel):
     max_queue_length: NonNegativeInt = 1000
     #: Longest wait in the queue; null: until the request can no longer meet its TTFT SLO.
     max_queue_wait_ms: PositiveFloat | None = None
+    #: Optional (null: off): admit, saturated or not, a request whose predicted TTFT is at most
+    #: this fraction of its SLO (docs/flow-control.md says when it helps and when it hurts).
+    admit_within_slo_fraction: float | None = Field(default=None, gt=0, le=1)

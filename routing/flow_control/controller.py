@@ -98,6 +98,10 @@ class FlowControlSettings:
     max_queue_length: int = 1000
     #: Longest a request may wait in the queue (ms); None: until it can no longer meet its SLO.
     max_queue_wait_ms: float | None = None
+    #: Saturated or not, a request whose predicted TTFT is at most this fraction of its SLO is
+    #: admitted (unless others of its class or higher wait): holding a request that would meet
+    #: its SLO now only spends its slack. None: saturation alone decides.
+    admit_within_slo_fraction: float | None = None
 
     def __post_init__(self) -> None:
         backlog = self.saturation_backlog_requests
@@ -119,12 +123,16 @@ class FlowControlSettings:
             raise ValueError(f"max_queue_length: must be >= 0 (got {self.max_queue_length})")
         if self.max_queue_wait_ms is not None and not self.max_queue_wait_ms > 0:
             raise ValueError(f"max_queue_wait_ms: must be > 0 (got {self.max_queue_wait_ms!r})")
+        fraction = self.admit_within_slo_fraction
+        if fraction is not None and not (0 < fraction <= 1):
+            raise ValueError(f"admit_within_slo_fraction: must be in (0, 1] (got {fraction!r})")
 
 
 _ADMIT_IDLE = Verdict(Decision.ADMIT, "not_saturated")
 _ADMIT_CRITICAL = Verdict(Decision.ADMIT, "critical")
 _ADMIT_OFF = Verdict(Decision.ADMIT, "flow_control_off")
 _ADMIT_UNKNOWN = Verdict(Decision.ADMIT, "no_estimate")
+_ADMIT_WITHIN_SLO = Verdict(Decision.ADMIT, "within_slo")
 
 
 class FlowController:
@@ -159,6 +167,8 @@ class FlowController:
                 return _ADMIT_UNKNOWN
             if not self._saturated(estimate):
                 return _ADMIT_IDLE
+            if self._within_slo(request, estimate):
+                return _ADMIT_WITHIN_SLO
         if (
             request.request_class is RequestClass.SHEDDABLE
             and estimate.predicted_ttft_ms is not None
@@ -194,6 +204,9 @@ class FlowController:
         if estimate.min_queue_wait_ms is None or not self._saturated(estimate):
             self.queue.pop_head()
             return Verdict(Decision.ADMIT, "capacity_freed", waited_s=waited)
+        if self._within_slo(entry.request, estimate, waited):
+            self.queue.pop_head()
+            return Verdict(Decision.ADMIT, _ADMIT_WITHIN_SLO.reason, waited_s=waited)
         reason = self._expired(entry)
         if reason is not None:
             self.queue.pop_head()
@@ -220,6 +233,16 @@ class FlowController:
         return self.queue.remove(request_id) is not None
 
     # ------------------------------------------------------------------ helpers
+
+    def _within_slo(
+        self, request: FlowRequest, estimate: FleetEstimate, waited_s: float = 0.0
+    ) -> bool:
+        """Its predicted TTFT, after what it already waited, leaves the configured headroom."""
+        fraction = self.settings.admit_within_slo_fraction
+        ttft = estimate.predicted_ttft_ms
+        if fraction is None or ttft is None:
+            return False
+        return waited_s * 1000.0 + ttft <= fraction * request.ttft_slo_ms
 
     def _saturated(self, estimate: FleetEstimate) -> bool:
         return bool(estimate.loads) and all(self._full(load) for load in estimate.loads)

@@ -204,6 +204,22 @@ def test_a_queued_request_leaves_once_it_can_no_longer_meet_its_slo() -> None:
     assert len(flow.queue) == 0
 
 
+def test_a_request_within_its_slo_fraction_is_admitted_even_when_saturated() -> None:
+    clock = FakeClock()
+    flow = _controller(clock, admit_within_slo_fraction=0.8)
+    # BUSY predicts 1500 ms: within 0.8 x 2000 ms, so admitted despite the full engines ...
+    assert flow.admit(_request("s"), BUSY).reason == "within_slo"
+    # ... but not within 0.8 x 1800 ms: it queues, as without the option.
+    assert flow.admit(_request("t", slo_ms=1800.0), BUSY).decision is Decision.QUEUE
+    # A newcomer never passes a queued request of its class, whatever its slack.
+    assert flow.admit(_request("u", slo_ms=60_000.0), BUSY).decision is Decision.QUEUE
+    # The head is judged with the wait it already has: 100 ms + 1500 ms > 0.8 x 1800 ms.
+    clock.now = 100.1
+    assert flow.judge_head(BUSY).decision is Decision.QUEUE
+    assert flow.judge_head(_fleet(5000.0, ttft_ms=1000.0, backlog=5)).reason == "within_slo"
+    assert _controller(FakeClock()).admit(_request("v"), BUSY).decision is Decision.QUEUE
+
+
 def test_a_fixed_wait_bound_wins_over_the_slo_when_configured() -> None:
     clock = FakeClock()
     flow = _controller(clock, max_queue_wait_ms=100.0)
@@ -242,6 +258,8 @@ def test_settings_refuse_impossible_values_naming_the_field() -> None:
         FlowControlSettings(saturation_kv_usage=1.5)
     with pytest.raises(ValueError, match="max_queue_wait_ms"):
         FlowControlSettings(max_queue_wait_ms=0.0)
+    with pytest.raises(ValueError, match="admit_within_slo_fraction"):
+        FlowControlSettings(admit_within_slo_fraction=1.5)
 
 
 def test_the_estimate_is_the_decisions_own_terms() -> None:
