@@ -123,18 +123,14 @@ def run_point(
     scale: float,
     mix: str,
     settings: FlowControlSettings,
-    engine_priority: bool = False,
 ) -> Point:
-    """The default policy at ``scale`` x, flow control off and on, same classes; with
-    ``engine_priority`` the engines run vLLM's priority scheduler when flow control is on."""
+    """The default policy at ``scale`` x, flow control off and on, same classes."""
     classes = parse_class_mix(mix)
     requests = prepare_requests(trace, rate_scale=scale)
     policy = default_policy()
     rows = {}
     for flow in (False, True):
-        overrides = {"scheduling_policy": "priority"} if flow and engine_priority else {}
-        config = SimulationConfig(classes=classes, flow_control=settings if flow else None,
-                                  engine_overrides=overrides)
+        config = SimulationConfig(classes=classes, flow_control=settings if flow else None)
         rows[flow] = simulate(requests, [policy], config).summaries[0]
     return Point(subject, scale, rows[True], rows[False])
 
@@ -356,12 +352,6 @@ def _parser() -> argparse.ArgumentParser:
         help="optional: also full when its decode interference is over this (off by default)",
     )
     parser.add_argument(
-        "--engine-priority",
-        action="store_true",
-        help="with flow control on, the engines run vLLM's --scheduling-policy priority and "
-        "each request carries its class's priority",
-    )
-    parser.add_argument(
         "--admit-within-slo-fraction",
         type=float,
         default=defaults.admit_within_slo_fraction,
@@ -414,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks: list[Check] = []
     for subject, (trace, _) in chosen.items():
         for scale in scales:
-            point = run_point(subject, trace, scale, args.classes, settings, args.engine_priority)
+            point = run_point(subject, trace, scale, args.classes, settings)
             points.append(point)
             for c in check(point):
                 checks.append(c)

@@ -359,9 +359,6 @@ class _Simulation:
             record.output_length,
             adapter=record.adapter,
             arrival_s=self.now,
-            # With flow control the gateway tells the engine the class (its scheduler uses it
-            # under --scheduling-policy priority, and ignores it otherwise).
-            priority=waiting.request_class.engine_priority if self.flow is not None else 0,
         )
         try:
             replica.engine.check(sim_request)

@@ -7,7 +7,6 @@ simulator calls it in virtual time. One model, two drivers.
 
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -27,7 +26,6 @@ from replica.sim.roofline import Roofline
 from replica.sim.step_time import StepTimeModel
 
 __all__ = [
-    "SCHEDULING_POLICIES",
     "EngineConfig",
     "EngineModel",
     "EngineStats",
@@ -35,9 +33,6 @@ __all__ = [
     "SimRequest",
     "StepResult",
 ]
-
-#: vLLM's ``--scheduling-policy`` values the engine model follows.
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # --------------------------------------------------------------------------- requests and results
 
@@ -56,8 +51,6 @@ class SimRequest:
     arrival_s: float = 0.0
     #: The sim never samples EOS: every request emits exactly ``max_tokens`` tokens.
     ignore_eos: bool = True
-    #: vLLM's request ``priority`` (lower runs first), used with ``scheduling_policy: priority``.
-    priority: int = 0
 
 
 @dataclass
@@ -121,9 +114,6 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     block_size: int = 16
     enable_prefix_caching: bool = True
-    #: vLLM's ``--scheduling-policy``: ``fcfs``, or ``priority`` (waiting requests ordered by
-    #: their ``priority`` then arrival; preemption takes the lowest-priority, latest arrival).
-    scheduling_policy: str = "fcfs"
     #: Pin the number of KV blocks instead of deriving it from memory (vLLM's
     #: ``--num-gpu-blocks-override``); small values make KV pressure easy to test.
     num_gpu_blocks_override: int | None = None
@@ -185,11 +175,6 @@ class EngineConfig:
             raise ValueError(f"price_per_hour: must be >= 0 (got {self.price_per_hour})")
         if self.step_overhead_s < 0:
             raise ValueError(f"step_overhead_s: must be >= 0 (got {self.step_overhead_s})")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy: must be one of {', '.join(SCHEDULING_POLICIES)} "
-                f"(got {self.scheduling_policy!r})"
-            )
         if self.num_gpu_blocks_override is not None:
             if self.num_gpu_blocks_override < 1:
                 raise ValueError(
@@ -308,17 +293,12 @@ class _Request:
         "prompt",
         "prompt_bytes",
         "prompt_len",
-        "rank",
         "request_id",
         "sim",
     )
 
-    def __init__(
-        self, sim: SimRequest, prompt_bytes: bytes, out_base: int, arrival: int = 0
-    ) -> None:
+    def __init__(self, sim: SimRequest, prompt_bytes: bytes, out_base: int) -> None:
         self.sim = sim
-        #: Scheduling order under the priority policy: (priority, arrival), lower first.
-        self.rank = (sim.priority, arrival)
         self.request_id = sim.request_id
         self.prompt = sim.prompt_token_ids
         self.prompt_len = len(sim.prompt_token_ids)
@@ -380,8 +360,6 @@ class EngineModel:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._preemptions = 0
-        self._arrivals = 0
-        self._by_priority = config.scheduling_policy == "priority"
         self.now_s = 0.0
 
     # ------------------------------------------------------------------ requests
@@ -390,19 +368,9 @@ class EngineModel:
         """Queue ``req`` (FCFS). Raises ``ValueError`` if it can never run here."""
         self.check(req)
         out_base = xxhash.xxh3_64_intdigest(req.request_id.encode(), self.seed)
-        self._arrivals += 1
-        request = _Request(req, token_bytes(req.prompt_token_ids), out_base, self._arrivals)
+        request = _Request(req, token_bytes(req.prompt_token_ids), out_base)
         self._requests[req.request_id] = request
-        self._enqueue(request)
-
-    def _enqueue(self, request: _Request) -> None:
-        """Into the waiting queue: at the back (FCFS), or in (priority, arrival) order."""
-        waiting = self._waiting
-        if not self._by_priority or not waiting or waiting[-1].rank <= request.rank:
-            waiting.append(request)
-            return
-        index = bisect.bisect_right([r.rank for r in waiting], request.rank)
-        waiting.insert(index, request)
+        self._waiting.append(request)
 
     def check(self, req: SimRequest) -> None:
         """Raise ``ValueError`` (vLLM's 400) if ``req`` can never run here."""
@@ -527,26 +495,15 @@ class EngineModel:
             request = self._running[index]
             count = min(request.num_tokens - request.num_computed, budget)
             while not self._kv.allocate(request.request_id, request.num_computed + count):
-                position = self._preemption_victim()
-                victim = self._running.pop(position)
+                victim = self._running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     return budget
-                if position < index:
-                    index -= 1  # an earlier request left: this one moved up
             scheduled.append((request, count))
             budget -= count
             index += 1
         return budget
-
-    def _preemption_victim(self) -> int:
-        """Where the request to preempt runs: the newest (FCFS), or the lowest-priority, newest
-        one (priority), as vLLM's scheduler picks it."""
-        running = self._running
-        if not self._by_priority:
-            return len(running) - 1
-        return max(range(len(running)), key=lambda i: running[i].rank)
 
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[_Request, int]]) -> float:
         """Admit waiting requests FCFS; returns the adapter load time the step waits for."""
@@ -645,10 +602,7 @@ class EngineModel:
         self._release_adapter(request)
         request.num_computed = 0
         request.hashed_full_blocks = 0
-        if self._by_priority:
-            self._enqueue(request)
-        else:
-            self._waiting.appendleft(request)
+        self._waiting.appendleft(request)
         self._preemptions += 1
 
     def _finish(self, request: _Request) -> None:

@@ -27,12 +27,6 @@ class RequestClass(enum.StrEnum):
         """Strict priority: a lower rank is always dequeued first."""
         return _RANKS[self]
 
-    @property
-    def engine_priority(self) -> int:
-        """vLLM's request ``priority`` for this class (lower runs first; unset is 0, so a
-        request without a class ranks as standard) under ``--scheduling-policy priority``."""
-        return _RANKS[self] - 1
-
 
 _RANKS = {RequestClass.CRITICAL: 0, RequestClass.STANDARD: 1, RequestClass.SHEDDABLE: 2}
 
