@@ -31,6 +31,9 @@ from bench.chaos_fleet import ADMIN_KEY, TENANT_KEYS, Fleet
 from replica.agent.ingest import EventApplier
 from replica.agent.metrics import AgentMetrics
 from replica.kv_events import KVEventSubscriber
+from routing.index.factory import DEFAULT_INDEX_MODE
+from routing.index.stream_layout import StreamLayout
+from routing.index.stream_writer import unpack_blocks
 from routing.types import BlockHash, Epoch, ReplicaId
 
 #: Outcomes of one request, as the client saw it.
@@ -446,9 +449,12 @@ def _slots(bitset: bytes) -> list[int]:
 
 async def index_snapshot(
     redis_port: int, truths: Sequence[EngineTruth], clock: Clock, key_prefix: str = "fleetgate",
-    max_keys: int = 200_000,
+    max_keys: int = 200_000, mode: str = DEFAULT_INDEX_MODE,
 ) -> IndexSnapshot:
-    """Read the whole index (directly, not through a proxy) and compare it with the truth."""
+    """Read the whole index (directly, not through a proxy) and compare it with the truth, in
+    the layout of ``mode`` (what the fleet's gateways and agents were started with)."""
+    if mode == "mirror":
+        return await _mirror_snapshot(redis_port, truths, clock, key_prefix)
     tag = "{" + key_prefix + "}"
     client = redis.asyncio.Redis(host=HOST, port=redis_port, socket_timeout=5)
     try:
@@ -485,4 +491,39 @@ async def index_snapshot(
             if block not in truth.get(rid, ()):
                 snap.stale.add((rid, block))
     snap.missing = sum(len(blocks - listed.get(rid, set())) for rid, blocks in truth.items())
+    return snap
+
+
+async def _mirror_snapshot(
+    redis_port: int, truths: Sequence[EngineTruth], clock: Clock, key_prefix: str
+) -> IndexSnapshot:
+    """The mirrored layout (``routing/index/stream_layout.py``): per replica, its live epoch's
+    engine-confirmed block set, matching while the epoch is live and the heartbeat current."""
+    layout = StreamLayout(key_prefix)
+    client = redis.asyncio.Redis(host=HOST, port=redis_port, socket_timeout=5)
+    try:
+        seconds, micros = await client.time()
+        now_ms = seconds * 1000 + micros // 1000
+        read = {}
+        for t in truths:
+            keys = layout.replica_keys(ReplicaId(t.replica_id))
+            state = {k.decode(): v.decode() for k, v in (await client.hgetall(keys.state)).items()}
+            members = await client.smembers(keys.blocks)
+            read[t.replica_id] = (state, members)
+    finally:
+        await client.aclose()
+    snap = IndexSnapshot(t=clock(), block_keys=sum(len(m) for _, m in read.values()))
+    for t in truths:
+        state, members = read[t.replica_id]
+        blocks = {b for member in members for b in unpack_blocks(member)}
+        epoch = state.get("e", "~")
+        live = not epoch.startswith("~") and int(state.get("a", now_ms)) >= now_ms
+        if not live:
+            snap.dead_entries += len(blocks)
+            blocks = set()
+        else:
+            snap.live_replicas += 1
+        held = t.truth.blocks
+        snap.stale.update((t.replica_id, b) for b in blocks - held)
+        snap.missing += len(held - blocks)
     return snap

@@ -11,12 +11,18 @@ duration; every wait is bounded and says what it waited for.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from bench.chaos import Chaos, ChaosConfig
+from bench.chaos_observe import index_snapshot
 from bench.chaos_proxy import FaultProxy, Mode
+from routing.index.stream_writer import StreamIndexWriter
+from routing.types import BlockHash, Epoch, ReplicaId
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -76,3 +82,27 @@ async def test_chaos_bench_small_run_keeps_its_invariants(tmp_path: Path) -> Non
         assert result.recover_s is not None, context
         assert result.stale_zero_s is not None, context
         assert result.stale_after == 0, context
+
+
+async def test_the_index_check_reads_the_mirrored_layout(
+    redis_server: RedisServer,
+) -> None:
+    """The stale/missing columns read what gateways match in ``index.mode: mirror`` (the
+    default): a replica's confirmed block set, while its epoch is live and its heartbeat
+    current. (They read the lookup layout's block keys before, which mirror mode never writes:
+    every engine block counted as missing and nothing could ever be stale.)"""
+    writer = StreamIndexWriter(redis_server.url, timeout_s=2.0)
+    truth = SimpleNamespace(replica_id="r0", truth=SimpleNamespace(blocks={1, 2, 3}))
+    try:
+        await writer.set_epoch(ReplicaId("r0"), Epoch(5))
+        await writer.record(ReplicaId("r0"), Epoch(5), [BlockHash(2), BlockHash(3), BlockHash(4)])
+        await writer.heartbeat(ReplicaId("r0"), 60.0)
+        snap = await index_snapshot(redis_server.port, [truth], time.monotonic)  # type: ignore[list-item]
+        assert snap.stale == {("r0", 4)}  # listed, not held: a lookup would be wrong
+        assert snap.missing == 1  # held, not listed: cold
+        assert snap.live_replicas == 1 and snap.block_keys == 3
+        await writer.retire_epoch(ReplicaId("r0"), Epoch(5))
+        retired = await index_snapshot(redis_server.port, [truth], time.monotonic)  # type: ignore[list-item]
+        assert retired.stale == set() and retired.missing == 3 and retired.live_replicas == 0
+    finally:
+        await writer.close()
