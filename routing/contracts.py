@@ -67,6 +67,12 @@ class IndexUnavailable(RuntimeError):
     """The index could not answer (Redis down, timeout); callers degrade to load-only routing."""
 
 
+class IndexLost(IndexUnavailable):
+    """Redis no longer knows a replica's epoch (flushed, or restarted without persistence): a
+    confirmed write landed, but everything written before it is gone. The writer must declare a
+    new epoch and re-record what its engine holds (the agent's resync)."""
+
+
 @runtime_checkable
 class BlockIndex(Protocol):
     """Which replicas hold which prefix blocks.

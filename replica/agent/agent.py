@@ -4,7 +4,9 @@ Three background loops, all started by ``start`` and cancelled and awaited by ``
 
 * **events** — reads the engine's ZMQ KV events, checks sequence numbers (a gap asks the replay
   socket, else retires the epoch; a backward jump is a new engine process) and hands batches to
-  the ``EventApplier``, which writes the block index;
+  the ``EventApplier``, which writes the block index. An agent that starts beside a running
+  engine first replays every earlier batch the engine still buffers, so the index learns what
+  the engine already holds (a restarted agent otherwise leaves it cold);
 * **scrape** — every ``scrape_interval_s`` probes ``/health``, reads ``/metrics`` and
   ``/v1/models``, publishes the ``ReplicaState`` to the fleet store with a TTL (the heartbeat) and
   heartbeats the index;
@@ -221,6 +223,8 @@ class ReplicaAgent:
 
     async def handle_batch(self, seq: int, batch: EventBatch) -> None:
         """Apply one received batch, first repairing the stream if ``seq`` is not the next one."""
+        if self.tracker.expected is None and seq > 0:
+            await self._catch_up(seq)
         verdict = self.tracker.classify(seq)
         if verdict is SeqVerdict.RESTART:
             logger.info(
@@ -242,6 +246,32 @@ class ReplicaAgent:
         await self.applier.apply_batch(batch)
         self.tracker.accept(seq)
         self.batches_applied += 1
+
+    async def _catch_up(self, first_seq: int) -> None:
+        """The first batch this agent sees is ``first_seq``: apply every earlier batch the replay
+        socket still buffers. The buffer is bounded (vLLM's holds the latest batches), so this
+        recovers what the engine stored recently, and blocks whose parent came before the buffer
+        are skipped as unkeyable; without a replay socket the index stays cold, as before."""
+        if self.subscriber is None or self.subscriber.replay_endpoint is None:
+            return
+        try:
+            replayed = await self.subscriber.request_replay(0, self.config.replay_timeout_s)
+        except (TimeoutError, KVEventDecodeError, RuntimeError, zmq.ZMQError) as exc:
+            logger.warning("replica %s: KV-event catch-up replay failed: %s", self.replica, exc)
+            self.metrics.replay(ok=False)
+            return
+        earlier = sorted((s, b) for s, b in replayed if s < first_seq)
+        if not earlier:
+            return
+        await self._model_known.wait()
+        for _, batch in earlier:
+            await self.applier.apply_batch(batch)
+            self.batches_applied += 1
+        self.metrics.replay(ok=True)
+        logger.info(
+            "replica %s: caught up on %d earlier KV-event batches (%d..%d) the engine buffered",
+            self.replica, len(earlier), earlier[0][0], earlier[-1][0],
+        )
 
     async def _replay(self, start: int, stop: int) -> bool:
         """Fetch and apply batches ``start..stop-1`` from the replay socket; all or nothing."""

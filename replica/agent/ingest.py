@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 from replica.agent.hash_map import EngineHashMap
 from replica.agent.metrics import AgentMetrics
 from replica.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from routing.contracts import BlockIndex, IndexUnavailable
+from routing.contracts import BlockIndex, IndexLost, IndexUnavailable
 from routing.hashing import chain_seed, extend_chain
 from routing.types import BlockHash, Epoch, ReplicaId
 
@@ -118,6 +118,12 @@ class EventApplier:
             return False
         try:
             await operation()
+        except IndexLost as exc:
+            # The write landed, but Redis had forgotten the epoch: resync re-records the rest.
+            self.dirty = True
+            self.metrics.index_lost()
+            logger.warning("replica %s: %s; re-publishing", self.replica, exc)
+            return False
         except INDEX_DOWN_ERRORS as exc:
             self.dirty = True
             self.metrics.redis_error()

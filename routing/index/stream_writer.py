@@ -15,7 +15,7 @@ from typing import TypeVar
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from routing.contracts import IndexStats, IndexUnavailable
+from routing.contracts import IndexLost, IndexStats, IndexUnavailable
 from routing.index import stream_scripts
 from routing.index._redis_call import call_redis
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
@@ -42,6 +42,15 @@ def pack_blocks(blocks: Sequence[BlockHash]) -> bytes:
 def unpack_blocks(payload: bytes) -> tuple[BlockHash, ...]:
     """The inverse of ``pack_blocks``."""
     return struct.unpack(f">{len(payload) // 8}Q", payload)  # type: ignore[return-value]
+
+
+def _lost(replica: ReplicaId) -> IndexLost:
+    # The write script answers 0 when the replica had no epoch: Redis lost it since the writer
+    # declared one (a write adopts the epoch, so the next heartbeat would not notice).
+    return IndexLost(
+        f"Redis no longer knows replica {replica}'s epoch (flushed, or restarted without "
+        "persistence): re-declare it and re-record the engine's blocks"
+    )
 
 
 def _ms(seconds: float) -> str:
@@ -88,6 +97,19 @@ class StreamIndexWriter:
             self._client = redis
             self._owns_client = False
         self._write = self._client.register_script(stream_scripts.WRITE)
+        #: Replicas whose epoch Redis knew at this writer's last confirmed write (or that it
+        #: declared): a later write that finds none means Redis lost it (``IndexLost``).
+        self._declared: set[ReplicaId] = set()
+
+    def _check_known(self, replica: ReplicaId, known: int) -> None:
+        """After a confirmed write: raise ``IndexLost`` if Redis had forgotten an epoch this
+        writer saw live. A replica new to this writer adopts the epoch (first write)."""
+        if known:
+            self._declared.add(replica)
+        elif replica in self._declared:
+            raise _lost(replica)
+        else:
+            self._declared.add(replica)
 
     @property
     def client(self) -> IndexRedis:
@@ -111,6 +133,7 @@ class StreamIndexWriter:
         check_replica(replica)
         check_epoch(epoch)
         await self._run("e", replica, epoch)
+        self._declared.add(replica)
 
     async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
         """Retire ``epoch`` if it is the live one."""
@@ -130,7 +153,7 @@ class StreamIndexWriter:
         if not blocks:
             return
         if ttl_s is None:
-            await self._run("r", replica, epoch, pack_blocks(blocks))
+            self._check_known(replica, await self._run("r", replica, epoch, pack_blocks(blocks)))
             return
         fields = {
             "o": "s", "p": replica, "e": str(epoch), "b": pack_blocks(blocks),
@@ -148,7 +171,7 @@ class StreamIndexWriter:
         check_epoch(epoch)
         check_blocks(blocks)
         if blocks:
-            await self._run("x", replica, epoch, pack_blocks(blocks))
+            self._check_known(replica, await self._run("x", replica, epoch, pack_blocks(blocks)))
 
     async def heartbeat_known(self, replica: ReplicaId, ttl_s: float) -> bool:
         """Heartbeat; False when Redis no longer knows the replica's epoch (flushed, restarted

@@ -233,6 +233,33 @@ async def test_gap_is_filled_from_the_replay_socket(index: RedisBlockIndex) -> N
         assert agent.metrics.value("fleetgate_agent_event_gaps_total") == 1
 
 
+async def test_an_agent_started_beside_a_running_engine_learns_what_it_already_holds(
+    index: RedisBlockIndex,
+) -> None:
+    """A restarted agent's first batch is not the engine's first: every earlier batch the
+    replay socket still buffers is applied before it, so the index is not cold for blocks the
+    engine stored while no agent listened (the chaos bench's agent-killed fault)."""
+    publisher = KVEventPublisher(
+        "tcp://127.0.0.1:*", topic="kv", replay_endpoint="tcp://127.0.0.1:*"
+    )
+    config = make_config(publisher.endpoint, replay=publisher.replay_endpoint)
+    async with running_publisher(publisher):
+        # The engine ran before the agent: a chain and a removal nobody received.
+        publisher.publish([stored([71, 72], PROMPT[:8])])
+        publisher.publish([stored([73], PROMPT[8:], parent=72)])
+        publisher.publish([stored([74], [9, 9, 9, 9])])
+        publisher.publish([BlockRemoved(block_hashes=[74], medium="GPU")])
+        async with ReplicaAgent(config, index=index) as agent:
+            await handshake(publisher, agent)
+            assert await index.match(chain(PROMPT)) == {"pool/r0": 3}
+            assert await index.match(chain([9, 9, 9, 9])) == {}
+            assert agent.metrics.value("fleetgate_agent_replays_total", outcome="ok") == 1
+            # Nothing was lost: the epoch the agent started with is still the live one.
+            assert agent.metrics.value(
+                "fleetgate_agent_epoch_retirements_total", reason="gap"
+            ) == 0
+
+
 async def test_gap_without_replay_retires_the_epoch(index: RedisBlockIndex) -> None:
     from replica.kv_events import make_batch
 

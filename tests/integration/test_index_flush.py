@@ -5,6 +5,11 @@ stored the same blocks again. Now an agent's heartbeat learns that Redis forgot 
 the agent declares a new epoch and re-records every block its engine holds. Both index modes run
 against a real Redis, a simulated engine and a real agent; no request is sent after the flush,
 so a match afterwards can only come from the agent's re-publication.
+
+With traffic, a confirmed write usually reaches the flushed Redis before the agent's next
+heartbeat and re-creates the replica's state under the old epoch, so the heartbeat no longer
+notices. In mirror mode (the default) that write itself now tells the agent (``IndexLost``):
+the last case sends a request right after the flush with a heartbeat 10 s away.
 """
 
 from __future__ import annotations
@@ -29,11 +34,18 @@ BLOCK = 16
 PROMPT = list(range(2000, 2000 + 4 * BLOCK))  # four full blocks
 CHAIN = hash_token_blocks(PROMPT, BLOCK, chain_seed(MODEL, None, None))
 HELD = {"pool/r0": 4}
+#: A second prompt, sent right after the flush in the "write after flush" case.
+LATER = list(range(3000, 3000 + 2 * BLOCK))
+LATER_CHAIN = hash_token_blocks(LATER, BLOCK, chain_seed(MODEL, None, None))
 
 
-@pytest.mark.parametrize("mode", ["lookup", "mirror"])
+@pytest.mark.parametrize(
+    ("mode", "write_after_flush"),
+    [("lookup", False), ("mirror", False), ("mirror", True)],
+    ids=["lookup", "mirror", "mirror-write-after-flush"],
+)
 async def test_agents_republish_and_gateways_rebuild_after_a_flush(
-    redis_server, mode: str  # type: ignore[no-untyped-def]
+    redis_server, mode: str, write_after_flush: bool  # type: ignore[no-untyped-def]
 ) -> None:
     async with AsyncExitStack() as stack:
         gateway_index: RedisBlockIndex | MirrorBlockIndex
@@ -63,7 +75,8 @@ async def test_agents_republish_and_gateways_rebuild_after_a_flush(
                 index_mode=mode,
                 listen_port=None,
                 scrape_interval_s=0.1,
-                heartbeat_ttl_s=1.0,
+                # Heartbeats every 10 s in the write-after-flush case: the write comes first.
+                heartbeat_ttl_s=30.0 if write_after_flush else 1.0,
                 resync_interval_s=0.05,
             ),
             index=agent_index,
@@ -71,10 +84,14 @@ async def test_agents_republish_and_gateways_rebuild_after_a_flush(
         )
         await stack.enter_async_context(agent)
         await wait_until(lambda: agent.engine_up, "the agent sees its engine up", timeout_s=15)
-        async with aiohttp.ClientSession() as http:
-            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
-            async with http.post(f"{handle.url}/v1/completions", json=body) as resp:
-                assert resp.status == 200
+
+        async def complete(prompt: list[int]) -> None:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+                async with http.post(f"{handle.url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+
+        await complete(PROMPT)
 
         async def held() -> bool:
             return await gateway_index.match(CHAIN) == HELD
@@ -87,6 +104,8 @@ async def test_agents_republish_and_gateways_rebuild_after_a_flush(
             await client.flushall()
         finally:
             await client.aclose()
+        if write_after_flush:
+            await complete(LATER)
 
         if mode == "lookup":
             assert await gateway_index.match(CHAIN) == {}  # the flush emptied the shared index
@@ -99,3 +118,5 @@ async def test_agents_republish_and_gateways_rebuild_after_a_flush(
         await wait_until(held, "the agent to re-publish its engine's blocks", timeout_s=15)
         assert agent.metrics.value("fleetgate_agent_index_lost_total") >= 1
         assert agent.applier.epoch != epoch_before
+        if write_after_flush:
+            assert await gateway_index.match(LATER_CHAIN) == {"pool/r0": 2}
