@@ -223,8 +223,6 @@ class ReplicaAgent:
 
     async def handle_batch(self, seq: int, batch: EventBatch) -> None:
         """Apply one received batch, first repairing the stream if ``seq`` is not the next one."""
-        if self.tracker.expected is None and seq > 0:
-            await self._catch_up(seq)
         verdict = self.tracker.classify(seq)
         if verdict is SeqVerdict.RESTART:
             logger.info(
@@ -232,6 +230,9 @@ class ReplicaAgent:
                 self.replica, seq, self.tracker.expected,
             )
             await self.engine_restarted()
+        if self.tracker.expected is None and seq > 0:
+            # This agent's first batch of this engine process, and not the process's first.
+            await self._catch_up(seq)
         elif verdict is SeqVerdict.GAP:
             self.metrics.gap()
             expected = self.tracker.expected
@@ -264,13 +265,12 @@ class ReplicaAgent:
         if not earlier:
             return
         await self._model_known.wait()
-        for _, batch in earlier:
-            await self.applier.apply_batch(batch)
-            self.batches_applied += 1
+        recorded = await self.applier.absorb([batch for _, batch in earlier])
+        self.batches_applied += len(earlier)
         self.metrics.replay(ok=True)
         logger.info(
-            "replica %s: caught up on %d earlier KV-event batches (%d..%d) the engine buffered",
-            self.replica, len(earlier), earlier[0][0], earlier[-1][0],
+            "replica %s: caught up on %d earlier KV-event batches (%d..%d) the engine buffered: "
+            "%d blocks live", self.replica, len(earlier), earlier[0][0], earlier[-1][0], recorded,
         )
 
     async def _replay(self, start: int, stop: int) -> bool:

@@ -13,6 +13,7 @@ the outage whose ``BlockRemoved`` was missed cannot survive it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -216,6 +217,35 @@ class EventApplier:
                 self.metrics.event_applied(type(event).__name__)
         self.metrics.batch_lag(max(0.0, time.time() - batch.ts))
 
+    async def absorb(self, batches: Sequence[EventBatch]) -> int:
+        """Apply ``batches`` (an engine's history, replayed) to the hash map, then record the
+        blocks left live in a few large writes: thousands of replayed batches cost one index
+        write per 512 blocks instead of one per event. Returns the blocks recorded."""
+        async with self.lock:
+            for batch in batches:
+                for event in batch.events:
+                    if isinstance(event, BlockStored):
+                        self._map_stored(event)
+                    elif isinstance(event, BlockRemoved):
+                        for engine_hash in event.block_hashes:
+                            self.hashes.evict(engine_hash)
+                    elif isinstance(event, AllBlocksCleared):
+                        self.hashes.mark_all_evicted()
+                    else:  # pragma: no cover - the codec only yields the three kinds
+                        continue
+                    self.metrics.event_applied(type(event).__name__)
+            epoch = self.epoch
+            if epoch is None:
+                raise RuntimeError("EventApplier.start() must run before events are applied")
+            live = list(self.hashes.live_blocks())
+            for start in range(0, len(live), _RESYNC_CHUNK):
+                chunk = live[start : start + _RESYNC_CHUNK]
+                if not await self._write(
+                    "record", functools.partial(self.index.record, self.replica, epoch, chunk)
+                ):
+                    break  # dirty: the resync loop re-records the live set
+            return len(live)
+
     def _skip(self, why: str, event: BlockStored | BlockRemoved) -> None:
         self.skipped_events += 1
         logger.debug("replica %s: skipping %s: %s", self.replica, type(event).__name__, why)
@@ -253,14 +283,21 @@ class EventApplier:
             self._skip(str(exc), event)
             return None
 
-    async def _stored(self, event: BlockStored) -> None:
+    def _map_stored(self, event: BlockStored) -> list[BlockHash] | None:
+        """Key ``event``'s blocks and remember them in the hash map; None when not tracked."""
         if event.group_idx not in (None, 0) or event.medium not in _TRACKED_MEDIUMS:
-            return  # other KV-cache groups / offload tiers repeat the same tokens
+            return None  # other KV-cache groups / offload tiers repeat the same tokens
         chain = self.chain_of(event)
         if not chain:
-            return
+            return None
         for engine_hash, block in zip(event.block_hashes, chain, strict=True):
             self.hashes.store(engine_hash, block)
+        return chain
+
+    async def _stored(self, event: BlockStored) -> None:
+        chain = self._map_stored(event)
+        if not chain:
+            return
         epoch = self.epoch
         if epoch is None:
             raise RuntimeError("EventApplier.start() must run before events are applied")
