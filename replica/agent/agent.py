@@ -253,15 +253,29 @@ class ReplicaAgent:
         socket still buffers. The buffer is bounded (vLLM's holds the latest batches), so this
         recovers what the engine stored recently, and blocks whose parent came before the buffer
         are skipped as unkeyable; without a replay socket the index stays cold, as before."""
-        if self.subscriber is None or self.subscriber.replay_endpoint is None:
+        subscriber = self.subscriber
+        if subscriber is None or subscriber.replay_endpoint is None:
             return
-        try:
-            replayed = await self.subscriber.request_replay(0, self.config.replay_timeout_s)
-        except (TimeoutError, KVEventDecodeError, RuntimeError, zmq.ZMQError) as exc:
-            logger.warning("replica %s: KV-event catch-up replay failed: %s", self.replica, exc)
-            self.metrics.replay(ok=False)
-            return
-        earlier = sorted((s, b) for s, b in replayed if s < first_seq)
+        # Asked again from where each partial answer stopped: a publisher whose socket drops
+        # what is over its high-water mark sends a long buffer a part at a time.
+        earlier: list[tuple[int, EventBatch]] = []
+        start = 0
+        while start < first_seq:
+            try:
+                replayed = await subscriber.request_replay(
+                    start, self.config.catch_up_timeout_s, partial=True
+                )
+            except (TimeoutError, KVEventDecodeError, RuntimeError, zmq.ZMQError) as exc:
+                logger.warning(
+                    "replica %s: KV-event catch-up replay failed: %s", self.replica, exc
+                )
+                self.metrics.replay(ok=False)
+                break
+            got = sorted((s, b) for s, b in replayed if start <= s < first_seq)
+            if not got:
+                break
+            earlier += got
+            start = got[-1][0] + 1
         if not earlier:
             return
         await self._model_known.wait()

@@ -41,7 +41,11 @@ class AgentConfig:
     heartbeat_ttl_s: float = 3.0
     #: How often a dirty index (after a Redis outage) is retried.
     resync_interval_s: float = 0.5
+    #: Longest silence while a gap is repaired from the replay socket.
     replay_timeout_s: float = 2.0
+    #: Longest silence while a new agent replays the engine's buffered history (an engine under
+    #: load, with thousands of batches to send, can take longer than a gap repair may wait).
+    catch_up_timeout_s: float = 10.0
     map_capacity: int = 262_144
     #: ``--max-cpu-loras`` of the engine (vLLM does not export it).
     max_cpu_loras: int | None = None
@@ -55,7 +59,7 @@ class AgentConfig:
         if not self.engine_url.startswith(("http://", "https://")):
             raise ValueError(f"engine_url must be an http(s) URL (got {self.engine_url!r})")
         for name in ("scrape_interval_s", "heartbeat_ttl_s", "resync_interval_s",
-                     "replay_timeout_s"):
+                     "replay_timeout_s", "catch_up_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 (got {getattr(self, name)!r})")
         if self.heartbeat_ttl_s <= self.scrape_interval_s:

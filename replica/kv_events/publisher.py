@@ -78,6 +78,9 @@ class KVEventPublisher:
         if replay_endpoint is not None:
             self._replay = _async_context().socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            # A reply is the whole buffer (up to 10,000 batches); a ROUTER silently drops what
+            # is over its high-water mark, the end marker with it.
+            self._replay.setsockopt(zmq.SNDHWM, 0)
             self._replay.bind(replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._closed = False

@@ -80,12 +80,14 @@ class KVEventSubscriber:
                 logger.warning("dropping malformed KV-event message: %s", exc)
 
     async def request_replay(
-        self, start_seq: int, timeout_s: float = 5.0
+        self, start_seq: int, timeout_s: float = 5.0, *, partial: bool = False
     ) -> list[tuple[int, EventBatch]]:
         """Buffered batches with ``seq >= start_seq`` from the publisher's replay socket.
 
         Raises ``RuntimeError`` without a replay endpoint, ``TimeoutError`` when the publisher
-        does not finish answering within ``timeout_s`` between messages.
+        does not finish answering within ``timeout_s`` between messages. With ``partial``, a
+        timeout after some batches returns those instead: a ROUTER drops what exceeds its
+        high-water mark (the end marker included), so a long buffer arrives only in part.
         """
         if self.replay_endpoint is None:
             raise RuntimeError("no replay endpoint configured for this subscriber")
@@ -93,6 +95,7 @@ class KVEventSubscriber:
         # never be mistaken for this one's.
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # take a whole buffer's reply, however long
         dealer.connect(self.replay_endpoint)
         timeout_ms = int(timeout_s * 1000)
         batches: list[tuple[int, EventBatch]] = []
@@ -100,6 +103,8 @@ class KVEventSubscriber:
             await dealer.send_multipart((b"", start_seq.to_bytes(8, "big")))
             while True:
                 if not await dealer.poll(timeout_ms):
+                    if partial and batches:
+                        return batches
                     raise TimeoutError(
                         f"KV-event replay from {self.replay_endpoint} timed out after {timeout_s}s"
                     )

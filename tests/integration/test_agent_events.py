@@ -260,6 +260,25 @@ async def test_an_agent_started_beside_a_running_engine_learns_what_it_already_h
             ) == 0
 
 
+async def test_the_catch_up_takes_a_buffer_longer_than_a_sockets_high_water_mark(
+    index: RedisBlockIndex,
+) -> None:
+    """2,500 batches before the agent started: more than a ZMQ socket queues by default (1,000),
+    past which a ROUTER drops the rest of a reply, its end marker included."""
+    publisher = KVEventPublisher(
+        "tcp://127.0.0.1:*", topic="kv", replay_endpoint="tcp://127.0.0.1:*"
+    )
+    config = make_config(publisher.endpoint, replay=publisher.replay_endpoint)
+    prompts = [[5000 + 4 * i + k for k in range(BS)] for i in range(2500)]
+    async with running_publisher(publisher):
+        for i, tokens in enumerate(prompts):
+            publisher.publish([stored([100_000 + i], tokens)])
+        async with ReplicaAgent(config, index=index) as agent:
+            await handshake(publisher, agent)
+            for i in (0, 999, 1000, 2499):
+                assert await index.match(chain(prompts[i])) == {"pool/r0": 1}, i
+
+
 async def test_gap_without_replay_retires_the_epoch(index: RedisBlockIndex) -> None:
     from replica.kv_events import make_batch
 
