@@ -263,13 +263,16 @@ class EngineWrites:
         self._client().ping()  # a command for the feed to show: the reader wakes and sees stop
         self._thread.join(10)
 
-    def _client(self) -> redis.Redis:
+    def _client(self, socket_timeout: float | None = 5.0) -> redis.Redis:
         kwargs = self._connection
-        return redis.Redis(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379))
+        return redis.Redis(host=kwargs.get("host", "localhost"), port=kwargs.get("port", 6379),
+                           socket_timeout=socket_timeout)
 
     def _run(self) -> None:
-        # No socket timeout: a timed-out read drops the connection, and MONITOR with it.
-        with self._client().monitor() as monitor:
+        # No socket timeout: a timed-out read drops the connection, and MONITOR with it. It must
+        # be said: redis-py 8 reads with a 5 s timeout by default, and a quiet 5 s on a loaded
+        # machine killed this thread, after which the test waited 60 s for snapshots in vain.
+        with self._client(socket_timeout=None).monitor() as monitor:
             self._ready.set()
             while not self._stop.is_set():
                 line = monitor.connection.read_response()
