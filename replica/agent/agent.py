@@ -41,6 +41,9 @@ from routing.types import Epoch, ReplicaId
 
 logger = logging.getLogger(__name__)
 
+#: What a replay request can fail with (no answer in time, a bad frame, no socket).
+_REPLAY_ERRORS = (TimeoutError, KVEventDecodeError, RuntimeError, zmq.ZMQError)
+
 #: The engine must fail health probes this long before its return counts as a restart, so one
 #: slow probe under load does not throw the replica's index entries away.
 RESTART_AFTER_DOWN_S = 2.0
@@ -265,7 +268,7 @@ class ReplicaAgent:
                 replayed = await subscriber.request_replay(
                     start, self.config.catch_up_timeout_s, partial=True
                 )
-            except (TimeoutError, KVEventDecodeError, RuntimeError, zmq.ZMQError) as exc:
+            except _REPLAY_ERRORS as exc:
                 logger.warning(
                     "replica %s: KV-event catch-up replay failed: %s", self.replica, exc
                 )
@@ -293,7 +296,7 @@ class ReplicaAgent:
             return False
         try:
             replayed = await self.subscriber.request_replay(start, self.config.replay_timeout_s)
-        except (TimeoutError, KVEventDecodeError, RuntimeError, zmq.ZMQError) as exc:
+        except _REPLAY_ERRORS as exc:
             logger.warning("replica %s: KV-event replay failed: %s", self.replica, exc)
             self.metrics.replay(ok=False)
             return False
