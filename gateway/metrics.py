@@ -235,6 +235,14 @@ class GatewayMetrics:
             ["route"],
             registry=r,
         )
+        self.overflow = Counter(
+            "fleetgate_overflow_decisions",
+            "Requests predicted to miss their TTFT SLO on every replica, placed where they stall "
+            "the fewest requests that can still make theirs (fleet-cost's overflow; sustained, "
+            "the fleet is past saturation)",
+            ["route"],
+            registry=r,
+        )
         self.upstream_retries = Counter(
             "fleetgate_upstream_retries",
             "Retries on another replica before the first byte",
@@ -323,6 +331,7 @@ class GatewayMetrics:
             for reason in _RETRY_REASONS:
                 self.upstream_retries.labels(route, reason)
             self.degraded.labels(route, "index_unavailable")
+            self.overflow.labels(route)
             checked = list(slos)
             for slo in [*checked, "all"] if checked else []:
                 for outcome in ("met", "missed"):

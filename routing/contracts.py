@@ -202,6 +202,9 @@ class RoutingRequest:
     #: figures of every candidate, for plugins that compare a replica with the fleet rather
     #: than with the few replicas left to score. ``None``: nothing was pruned.
     candidates: CandidatesSummary | None = None
+    #: Set by a scorer that judged the request lost wherever it goes (every replica's queue past
+    #: its bound): pickers then take the scorer's choice even over their load bound.
+    overflow: bool = False
 
 
 @dataclass

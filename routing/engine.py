@@ -409,6 +409,7 @@ class RoutingEngine:
         loads = None if may_prune else _loads_of(replicas)
 
         request.candidates = None  # a request routed again is pruned afresh
+        request.overflow = False  # ... and judged afresh
         if may_prune and len(plan.filters) == 1:
             # Only the built-in filter: one pass over the fleet filters, reads loads and prunes.
             # The index first (the pass groups by prefix depth; the lookup needs no filter).

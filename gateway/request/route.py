@@ -312,9 +312,12 @@ async def _pick_replica(
             last_resort = True
         span.set_attribute("fleetgate.replica", decision.replica)
         span.set_attribute("fleetgate.degraded", decision.degraded)
+        span.set_attribute("fleetgate.overflow", request.overflow)
         if not isinstance(gw.tracer, NullTracer):
             _stage_spans(gw.tracer, decide_start_ns, decision.timings_ms)
     _decision_metrics(gw.metrics, gw.index_backend, matched_route.name, decision)
+    if request.overflow:
+        gw.metrics.overflow.labels(matched_route.name).inc()
     return decision, last_resort
 
 

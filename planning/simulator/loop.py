@@ -116,6 +116,8 @@ class PolicyRun:
     shed: list[ShedOutcome] = field(default_factory=list)
     #: Requests that waited in the gateway queue (served or refused later).
     queued: int = 0
+    #: Requests routed as overflow: predicted to miss the TTFT SLO on every replica.
+    overflow: int = 0
 
 
 class _Simulation:
@@ -176,6 +178,7 @@ class _Simulation:
         self.heap: list[tuple[float, int, int]] = []
         self.rejected = 0
         self.degraded = 0
+        self.overflow = 0
         self._seed_rng = random.Random(f"{config.seed}:routing")
         self.classes = (
             assign_classes([r.record for r in requests], config.classes, config.seed)
@@ -232,6 +235,7 @@ class _Simulation:
             price_per_hour=self.replicas[0].engine.config.replica_price_per_hour,
             replicas=len(self.replicas),
             degraded_decisions=self.degraded,
+            overflow=self.overflow,
             flow_control=self.flow is not None,
             shed=self.shed,
             queued=self.queued,
@@ -352,6 +356,8 @@ class _Simulation:
         request_id = routing_request.request_id
         if decision.degraded:
             self.degraded += 1
+        if routing_request.overflow:
+            self.overflow += 1
         replica = self.by_id[decision.replica]
         sim_request = SimRequest(
             request_id,

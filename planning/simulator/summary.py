@@ -37,6 +37,7 @@ SUMMARY_FIELDS = (
     "cost_per_1m_usd",
     "load_imbalance",
     "preemptions",
+    "overflow",
     "flow_control",
     "goodput_by_class",
     "shed",
@@ -85,6 +86,8 @@ class PolicySummary:
     #: Max / mean requests routed per replica (1.0 = perfectly even).
     load_imbalance: float | None = None
     preemptions: int | None = None
+    #: Requests the policy routed as overflow (predicted to miss the TTFT SLO on every replica).
+    overflow: int = 0
     #: Whether the run had flow control at the gateway (``--flow-control on``).
     flow_control: bool = False
     #: Goodput per request class; refused requests count as misses of their class.
@@ -147,6 +150,7 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
             math.nan,
             goodput=0.0 if run.shed else None,
             preemptions=run.preemptions,
+            overflow=run.overflow,
             flow_control=run.flow_control,
             shed=len(run.shed),
             queued=run.queued,
@@ -196,6 +200,7 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
         cost_per_1m_usd=fleet_usd / output_tokens * 1e6 if output_tokens else math.nan,
         load_imbalance=max(routed) / mean_routed if mean_routed else math.nan,
         preemptions=run.preemptions,
+        overflow=run.overflow,
         flow_control=run.flow_control,
         goodput_by_class=goodput_by_class,
         shed=len(run.shed),

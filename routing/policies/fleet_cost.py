@@ -41,6 +41,15 @@ For every candidate replica the scorer computes, in milliseconds::
   (above ``evict_threshold``): they evict someone's prefix, which that someone prefills again.
   Off by default (weight 0).
 
+**Overflow.** A request whose expected TTFT is past ``overflow_ttft_ms`` (the TTFT SLO) on
+every replica is late wherever it goes, so its own TTFT stops counting; what its prefill costs
+others still does. It goes where that prefill stalls the fewest requests that can still make
+their SLOs: those in flight there that were not themselves sent as overflow. Past saturation
+the late requests gather on one replica, whose queue grows, and the others keep theirs short
+enough to meet the SLO; its picker lets it past the load bound (``RoutingRequest.overflow``).
+At most ``overflow_max_share`` (5%) of recent decisions are overflow: the requests gathered on
+that replica wait long, and past 5% of all requests they would be the fleet's p95 TTFT.
+
 Scores are ``(best + floor) / (cost + floor)`` as in ``expected-ttft``, picked by ``max-score``
 with its bounded-load guard (a hot prefix's holder over ``1.25 × mean + 2`` requests is passed
 over, so the prefix is replicated onto the next-cheapest replica instead of piling up there) and
@@ -52,6 +61,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
@@ -66,7 +76,7 @@ from routing.policies.max_score import MaxScorePicker
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
-__all__ = ["TERM_NAMES", "ArrivalRate", "FleetCostScorer", "profile"]
+__all__ = ["TERM_NAMES", "ArrivalRate", "DecayedShare", "FleetCostScorer", "profile"]
 
 #: The cost terms: expected-ttft's, then this scorer's own, the total last.
 TERM_NAMES = (
@@ -75,14 +85,21 @@ TERM_NAMES = (
     "duplicate_weight",
     "externality_ms",
     "eviction_ms",
+    "savable_inflight",
+    "overflow",
     "fleet_cost_ms",
 )
 _TTFT_COST = TTFT_TERM_NAMES.index("cost_ms")
 _PREFILL = TTFT_TERM_NAMES.index("prefill_ms")
 _QUEUE = TTFT_TERM_NAMES.index("queue_wait_ms")
+_EXPECTED = TTFT_TERM_NAMES.index("expected_ttft_ms")
 _UNCACHED = TTFT_TERM_NAMES.index("uncached_tokens")
 _SPEED = TTFT_TERM_NAMES.index("prefill_tokens_per_s")
+_SAVABLE = TERM_NAMES.index("savable_inflight")
 _FLEET_COST = TERM_NAMES.index("fleet_cost_ms")
+#: Share of an overflow request's prefill kept as its cost where no savable request would wait
+#: it out: between two such replicas, the one holding more of its prefix wins.
+OVERFLOW_PREFILL_SHARE = 0.1
 
 
 class ArrivalRate:
@@ -124,6 +141,39 @@ class ArrivalRate:
         return self._count / max(filled, 1e-3) if self._count > 0 else 0.0
 
 
+class DecayedShare:
+    """The share of recent decisions that were of one kind, recent meaning within ``window_s``.
+
+    Two counts decayed together (every decision, and the marked ones), so their ratio is the
+    recent share whatever the request rate; idle time alone does not change it.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._all = 0.0
+        self._marked = 0.0
+        self._at: float | None = None
+
+    def _decay(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            factor = math.exp(-(now - self._at) / self._window_s)
+            self._all *= factor
+            self._marked *= factor
+        self._at = now if self._at is None else max(self._at, now)
+
+    def share(self, now: float) -> float:
+        """Marked decisions / all decisions, recently (0 before any)."""
+        self._decay(now)
+        return self._marked / self._all if self._all > 0 else 0.0
+
+    def add(self, now: float, marked: bool) -> None:
+        """Count one decision at ``now`` (monotonic seconds)."""
+        self._decay(now)
+        self._all += 1.0
+        if marked:
+            self._marked += 1.0
+
+
 class FleetCostScorer(ExpectedTtftScorer):
     """Scores replicas by own expected TTFT plus the delay the choice puts on everyone else."""
 
@@ -158,6 +208,14 @@ class FleetCostScorer(ExpectedTtftScorer):
         protect_weight: float = Field(default=0.0, ge=0.0)
         #: ... the duty cycle (recent prefill ms / window) at which decodes count as lost.
         protect_duty: float = Field(default=0.8, gt=0.0)
+        #: Predicted TTFT (ms) that, on every replica, marks a request as lost wherever it goes
+        #: (set it to the TTFT SLO). A lost request is placed where it stalls the fewest requests
+        #: that can still make theirs, over the load bound if need be. None: off.
+        overflow_ttft_ms: float | None = Field(default=2000.0, gt=0.0)
+        #: Most of the recent decisions (over ``overflow_window_s``) that may be overflow ...
+        overflow_max_share: float = Field(default=0.05, ge=0.0, le=1.0)
+        #: ... and that window.
+        overflow_window_s: float = Field(default=60.0, gt=0.0)
         #: Time constant of the arrival-rate estimate.
         rate_window_s: float = Field(default=5.0, gt=0.0)
         #: KV usage above which new blocks are charged as evictions ...
@@ -177,6 +235,9 @@ class FleetCostScorer(ExpectedTtftScorer):
     ) -> None:
         super().__init__(params, name=name, clock=clock, elapsed_clock=elapsed_clock)
         self._arrivals = ArrivalRate(self.params.rate_window_s)
+        self._overflow_at: OrderedDict[str, ReplicaId] = OrderedDict()
+        self._overflow_share = DecayedShare(self.params.overflow_window_s)
+        self._overflow_count: dict[ReplicaId, int] = {}
 
     # ------------------------------------------------------------------ congestion
 
@@ -205,6 +266,66 @@ class FleetCostScorer(ExpectedTtftScorer):
         window_ms = p.recent_prefill_window_s * 1000.0
         duty = self._recent.load_ms(replica.replica_id, elapsed_now) / window_ms
         return p.decode_weight * max(0.0, duty - free) / (1.0 - free)
+
+    def _savable(self, replica: ReplicaState) -> int:
+        """Requests in flight on ``replica`` that were not sent there as overflow (those can
+        still make their SLOs)."""
+        return max(0, replica.load - self._overflow_count.get(replica.replica_id, 0))
+
+    def on_request_start(self, request: RoutingRequest, replica: ReplicaId) -> None:
+        """Calibration as in ``expected-ttft``; an overflow request is counted on ``replica``
+        (once: a retry on a fallback moves it)."""
+        super().on_request_start(request, replica)
+        if request.overflow:
+            previous = self._overflow_at.pop(request.request_id, None)
+            if previous is not None:
+                self._overflow_count[previous] -= 1
+            self._overflow_at[request.request_id] = replica
+            self._overflow_count[replica] = self._overflow_count.get(replica, 0) + 1
+            while len(self._overflow_at) > self.params.max_pending:
+                _, gone = self._overflow_at.popitem(last=False)
+                self._overflow_count[gone] -= 1
+
+    def on_request_complete(
+        self,
+        request: RoutingRequest,
+        replica: ReplicaId,
+        ttft_ms: float | None,
+        cached_tokens: int | None,
+        ok: bool,
+    ) -> None:
+        """Calibration as in ``expected-ttft``; an overflow request leaves its replica's count."""
+        super().on_request_complete(request, replica, ttft_ms, cached_tokens, ok)
+        where = self._overflow_at.pop(request.request_id, None)
+        if where is not None:
+            self._overflow_count[where] -= 1
+
+    def _overflow_costs(
+        self,
+        request: RoutingRequest,
+        raw: dict[ReplicaId, tuple[float, ...]],
+    ) -> dict[ReplicaId, tuple[float, ...]]:
+        """Costs for a request that misses its TTFT SLO wherever it goes: the stall its prefill
+        puts on the requests in flight there that can still make theirs.
+
+        Its own TTFT no longer counts: it is late anywhere. What its prefill costs others does.
+        Requests queued ahead of it start first (engines serve in arrival order), but each one
+        decoding while it prefills waits its prefill out. Requests earlier sent as overflow are
+        late already, so a replica that holds only those is free: lost requests gather on one
+        replica and its queue grows, while the others keep theirs within the SLO. A tenth of the
+        prefill is kept as a cost, so between two such replicas the one with the cached prefix
+        wins.
+        """
+        request.overflow = True
+        return {
+            rid: (
+                *values[:_SAVABLE],
+                values[_SAVABLE],
+                1.0,
+                values[_PREFILL] * (values[_SAVABLE] + OVERFLOW_PREFILL_SHARE),
+            )
+            for rid, values in raw.items()
+        }
 
     def arrival_rate(self) -> float:
         """Requests per second this scorer has been asked to route, recently."""
@@ -277,8 +398,19 @@ class FleetCostScorer(ExpectedTtftScorer):
                 weight,
                 externality_ms,
                 eviction_ms,
+                self._savable(replica),
+                0.0,
                 total,
             )
+        lost = (
+            p.overflow_ttft_ms is not None
+            and len(raw) > 1
+            and min(values[_EXPECTED] for values in raw.values()) > p.overflow_ttft_ms
+            and self._overflow_share.share(elapsed_now) < p.overflow_max_share
+        )
+        self._overflow_share.add(elapsed_now, lost)
+        if lost:
+            raw = self._overflow_costs(request, raw)
         terms = LazyTerms(raw, TERM_NAMES)
         self._remember(request.request_id, _Pending(terms, cold_ours))
         floor = p.cost_floor_ms

@@ -20,6 +20,7 @@ hot prefix's requests evenly over the replicas that hold it.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
@@ -74,7 +75,8 @@ class MaxScorePicker(ExplainingPicker):
         loads = {r.replica_id: r.load for r in replicas}  # ``load`` is a property: read it once
         fleet = request.candidates
         mean = fleet.mean_load if fleet is not None else sum(loads.values()) / len(loads)
-        bound = (1.0 + p.load_epsilon) * mean + p.load_slack
+        # An overflow request goes where its scorer sent it: concentrating it is the point.
+        bound = math.inf if request.overflow else (1.0 + p.load_epsilon) * mean + p.load_slack
         score_of = scores.get
         draw = rng.random
         # Ids sorted before drawing tie-breakers, so a fixed seed gives a fixed order whatever

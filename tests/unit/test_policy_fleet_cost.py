@@ -9,7 +9,12 @@ import pytest
 
 from routing.contracts import RoutingRequest
 from routing.engine import Profile, RoutingEngine
-from routing.policies.fleet_cost import TIE_TOLERANCE, ArrivalRate, FleetCostScorer
+from routing.policies.fleet_cost import (
+    TIE_TOLERANCE,
+    ArrivalRate,
+    DecayedShare,
+    FleetCostScorer,
+)
 from routing.policies.max_score import MaxScorePicker
 from routing.policies.registry import builtin_profile
 from routing.state import ReplicaState
@@ -358,3 +363,119 @@ def test_running_now_is_the_fresher_of_gauge_and_gateway_count() -> None:
     assert rep("a", running=5, inflight_requests=2).running_now == 5  # other clients' requests
     assert rep("b", running=0, inflight_requests=3, waiting=1).running_now == 2
     assert rep("c", running=0, inflight_requests=0, waiting=4).running_now == 0
+
+
+# --------------------------------------------------------------------------- overflow
+
+#: Two replicas so deep that a 2,000-token request misses a 2 s TTFT on either (queues of
+#: 30,000 and 25,000 prefill tokens at 10,000 tokens/s).
+DEEP = {"waiting": 0, "running": 4}
+
+
+def deep_replicas(sink_load: int) -> list[ReplicaState]:
+    return [
+        rep("sink", inflight_requests=sink_load, inflight_prefill_tokens=30_000, **DEEP),
+        rep("busy", inflight_requests=6, inflight_prefill_tokens=25_000, **DEEP),
+    ]
+
+
+def send_overflow(s: FleetCostScorer, replica: str, count: int) -> list[RoutingRequest]:
+    """``count`` requests routed to ``replica`` as overflow (the scorer counts them there)."""
+    sent = []
+    for i in range(count):
+        request = req(request_id=f"{replica}-overflow-{i}", overflow=True)
+        s.on_request_start(request, ReplicaId(replica))
+        sent.append(request)
+    return sent
+
+
+async def test_a_request_lost_everywhere_goes_where_no_savable_request_waits_it_out() -> None:
+    """Both replicas are past the SLO; the sink holds only requests that were late already, so
+    the lost request goes there even though it is far over the load bound (30 in flight
+    against a mean of 18), and the other replica's six requests are not stalled."""
+    s = scorer()
+    send_overflow(s, "sink", 30)
+    engine = RoutingEngine(
+        None, {"fleet-cost": Profile("fleet-cost", (), ((s, 1.0),), MaxScorePicker())}
+    )
+    request = req(request_id="late")
+    decision = await engine.route(request, deep_replicas(sink_load=30), "fleet-cost")
+    assert decision.replica == "sink"
+    assert request.overflow
+    terms = decision.explanations[ReplicaId("busy")].terms
+    assert terms["overflow"] == 1.0 and terms["savable_inflight"] == 6
+    assert decision.explanations[ReplicaId("sink")].terms["savable_inflight"] == 0
+
+
+async def test_without_overflow_the_load_bound_keeps_the_lost_request_off_the_sink() -> None:
+    s = scorer(overflow_ttft_ms=None)
+    send_overflow(s, "sink", 30)
+    engine = RoutingEngine(
+        None, {"fleet-cost": Profile("fleet-cost", (), ((s, 1.0),), MaxScorePicker())}
+    )
+    request = req(request_id="late")
+    decision = await engine.route(request, deep_replicas(sink_load=30), "fleet-cost")
+    assert decision.replica == "busy"
+    assert not request.overflow
+
+
+def test_a_request_that_can_make_its_slo_somewhere_is_routed_as_usual() -> None:
+    s = scorer()
+    replicas = [*deep_replicas(sink_load=30), rep("calm", inflight_requests=2)]
+    request = req(request_id="on-time")
+    scores, terms = s.score_with_terms(request, replicas)
+    assert max(scores, key=scores.__getitem__) == "calm"
+    assert not request.overflow
+    assert all(terms[r.replica_id]["overflow"] == 0.0 for r in replicas)
+
+
+def test_overflow_counts_follow_retries_and_completions() -> None:
+    s = scorer()
+    [first, second] = send_overflow(s, "sink", 2)
+    replica = rep("sink", inflight_requests=2)
+    assert s._savable(replica) == 0
+    s.on_request_start(first, ReplicaId("busy"))  # a retry moves it to the fallback
+    assert s._savable(replica) == 1
+    s.on_request_complete(second, ReplicaId("sink"), 5_000.0, 0, True)
+    s.on_request_complete(first, ReplicaId("busy"), 5_000.0, 0, True)
+    assert s._savable(replica) == 2  # the two in flight there are not overflow any more
+    assert s._overflow_count == {ReplicaId("sink"): 0, ReplicaId("busy"): 0}
+
+
+def test_the_overflow_bookkeeping_is_bounded() -> None:
+    s = scorer(max_pending=4)
+    send_overflow(s, "sink", 10)  # completions never reported
+    assert len(s._overflow_at) == 4
+    assert s._overflow_count[ReplicaId("sink")] == 4
+
+
+def test_overflow_is_capped_at_a_share_of_recent_decisions() -> None:
+    """Past the share, a late request is routed as usual: concentrating more than a few
+    percent of requests on one replica would move the fleet's p95 TTFT into them."""
+    clock = _Clock()
+    s = scorer(clock, overflow_max_share=0.25, overflow_window_s=60.0)
+    late = []
+    for i in range(8):
+        request = req(request_id=f"late-{i}")
+        s.score_with_terms(request, deep_replicas(sink_load=30))
+        late.append(request.overflow)
+    # overflow share before each decision: 0, 1/1, 1/2, 1/3, 1/4, 1/5, 2/6, 2/7 (below 1/4?)
+    assert late == [True, False, False, False, False, True, False, False]
+    for i in range(20):  # on-time requests dilute the share
+        clock.now += 1.0
+        s.score_with_terms(req(request_id=f"on-time-{i}"), [rep("calm"), rep("calm-2")])
+    request = req(request_id="late-again")
+    s.score_with_terms(request, deep_replicas(sink_load=30))
+    assert request.overflow
+
+
+def test_decayed_share_counts_marked_decisions_over_its_window() -> None:
+    """The share of the last decisions, weighted by recency (idle time alone changes nothing)."""
+    share = DecayedShare(window_s=10.0)
+    assert share.share(0.0) == 0.0
+    for i in range(100):
+        share.add(i * 0.1, marked=i % 4 == 0)
+    assert share.share(10.0) == pytest.approx(0.25, abs=0.02)
+    for i in range(100, 400):
+        share.add(i * 0.1, marked=False)
+    assert share.share(40.0) < 0.01

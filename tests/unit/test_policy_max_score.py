@@ -52,6 +52,17 @@ def test_bounded_load_guard_passes_over_an_overloaded_favourite() -> None:
     assert terms[ReplicaId("b")]["over_load_bound"] == 0.0
 
 
+def test_an_overflow_request_goes_where_its_scorer_sent_it_over_the_bound() -> None:
+    """A scorer that judged the request late everywhere concentrates it on purpose."""
+    picker = MaxScorePicker(MaxScorePicker.Params(load_epsilon=0.25, load_slack=2.0))
+    replicas = [rep("sink", 12), rep("b", 3), rep("c", 0)]
+    request = req(1)
+    request.overflow = True
+    order, terms = picker.pick_with_terms(request, replicas, scores(sink=1.0, b=0.5, c=0.1))
+    assert order == ["sink", "b", "c"]
+    assert all(t["over_load_bound"] == 0.0 for t in terms.values())
+
+
 def test_same_seed_same_answer() -> None:
     replicas = [rep(x) for x in "abcd"]
     equal = scores(a=1, b=1, c=1, d=1)

@@ -170,6 +170,7 @@ def test_json_output_has_exactly_the_documented_fields(
         "cost_per_1m_usd",
         "load_imbalance",
         "preemptions",
+        "overflow",
         "flow_control",
         "goodput_by_class",
         "shed",
