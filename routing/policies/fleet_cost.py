@@ -41,7 +41,7 @@ For every candidate replica the scorer computes, in milliseconds::
   (above ``evict_threshold``): they evict someone's prefix, which that someone prefills again.
   Off by default (weight 0).
 
-**Overflow.** A request whose expected TTFT is past ``overflow_ttft_ms`` (the TTFT SLO) on
+**Overflow.** A request whose expected TTFT is past ``overflow_ttft_ms`` (1.25 × the TTFT SLO) on
 every replica is late wherever it goes, so its own TTFT stops counting; what its prefill costs
 others still does. It goes where that prefill stalls the fewest requests that can still make
 their SLOs: those in flight there that were not themselves sent as overflow. Past saturation
@@ -209,9 +209,10 @@ class FleetCostScorer(ExpectedTtftScorer):
         #: ... the duty cycle (recent prefill ms / window) at which decodes count as lost.
         protect_duty: float = Field(default=0.8, gt=0.0)
         #: Predicted TTFT (ms) that, on every replica, marks a request as lost wherever it goes
-        #: (set it to the TTFT SLO). A lost request is placed where it stalls the fewest requests
+        #: (1.25 x the TTFT SLO: a prediction just past the SLO is often wrong, and the request
+        #: could still make it). A lost request is placed where it stalls the fewest requests
         #: that can still make theirs, over the load bound if need be. None: off.
-        overflow_ttft_ms: float | None = Field(default=2000.0, gt=0.0)
+        overflow_ttft_ms: float | None = Field(default=2500.0, gt=0.0)
         #: Most of the recent decisions (over ``overflow_window_s``) that may be overflow ...
         overflow_max_share: float = Field(default=0.05, ge=0.0, le=1.0)
         #: ... and that window.
