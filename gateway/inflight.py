@@ -8,6 +8,7 @@ being slow or down costs a little freshness and no latency.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -190,6 +191,12 @@ class RedisInflight(MemoryInflight):
             self._changed.update(rid for rid in moved if previous.get(rid) != others.get(rid))
             self._others = others
         except Exception as exc:  # redis errors, bad JSON from a foreign key
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # redis-py can turn the cancellation of a command in flight into a connection
+                # error: swallowed here, the sync loop would outlive a shutdown that cancelled it
+                # (seen: a gateway's loop teardown waiting on it until the test timed out).
+                raise asyncio.CancelledError from exc
             log.warning("in-flight sync through Redis failed: %s", exc)
 
     async def close(self) -> None:

@@ -78,3 +78,38 @@ async def test_gateway_routes_with_the_redis_index(redis_url: str) -> None:
     # The second request found the first one's speculative entry in Redis.
     assert latest["explanations"]["r0"]["matched_blocks"] == latest["blocks"] > 0
     assert not latest["degraded"]
+
+
+async def test_the_sync_loop_ends_when_cancelled_even_if_redis_turns_it_into_an_error(
+    redis_url: str,
+) -> None:
+    """redis-py may raise a connection error where the cancellation of a command in flight
+    should have been: the in-flight sync loop must still end, or a gateway's shutdown waits on
+    it forever."""
+    import asyncio
+
+    from gateway.tasks import inflight_loop
+
+    inflight = RedisInflight(redis_url, gateway_id="g")
+    entered = asyncio.Event()
+
+    async def set_until_cancelled(*_args: object, **_kwargs: object) -> None:
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise ConnectionError("Connection closed by server.") from None
+
+    inflight._redis.set = set_until_cancelled  # type: ignore[method-assign]
+
+    class _Gateway:
+        pass
+
+    gw = _Gateway()
+    gw.inflight = inflight  # type: ignore[attr-defined]
+    task = asyncio.create_task(inflight_loop(gw))  # type: ignore[arg-type]
+    await entered.wait()
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=30)
+    assert task in done and task.cancelled()
+    await inflight.close()
