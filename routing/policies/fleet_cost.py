@@ -96,6 +96,7 @@ _EXPECTED = TTFT_TERM_NAMES.index("expected_ttft_ms")
 _UNCACHED = TTFT_TERM_NAMES.index("uncached_tokens")
 _SPEED = TTFT_TERM_NAMES.index("prefill_tokens_per_s")
 _SAVABLE = TERM_NAMES.index("savable_inflight")
+_OVERFLOW = TERM_NAMES.index("overflow")
 _FLEET_COST = TERM_NAMES.index("fleet_cost_ms")
 #: Share of an overflow request's prefill kept as its cost where no savable request would wait
 #: it out: between two such replicas, the one holding more of its prefix wins.
@@ -301,9 +302,8 @@ class FleetCostScorer(ExpectedTtftScorer):
         if where is not None:
             self._overflow_count[where] -= 1
 
+    @staticmethod
     def _overflow_costs(
-        self,
-        request: RoutingRequest,
         raw: dict[ReplicaId, tuple[float, ...]],
     ) -> dict[ReplicaId, tuple[float, ...]]:
         """Costs for a request that misses its TTFT SLO wherever it goes: the stall its prefill
@@ -317,11 +317,9 @@ class FleetCostScorer(ExpectedTtftScorer):
         prefill is kept as a cost, so between two such replicas the one with the cached prefix
         wins.
         """
-        request.overflow = True
         return {
             rid: (
-                *values[:_SAVABLE],
-                values[_SAVABLE],
+                *values[:_OVERFLOW],
                 1.0,
                 values[_PREFILL] * (values[_SAVABLE] + OVERFLOW_PREFILL_SHARE),
             )
@@ -411,7 +409,8 @@ class FleetCostScorer(ExpectedTtftScorer):
         )
         self._overflow_share.add(elapsed_now, lost)
         if lost:
-            raw = self._overflow_costs(request, raw)
+            request.overflow = True
+            raw = self._overflow_costs(raw)
         terms = LazyTerms(raw, TERM_NAMES)
         self._remember(request.request_id, _Pending(terms, cold_ours))
         floor = p.cost_floor_ms

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import aiohttp
 import pytest
 
@@ -9,6 +12,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.inflight import RedisInflight
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
+from gateway.tasks import inflight_loop
 from routing.types import ReplicaId
 from tests.integration.test_gateway_support import FakeUpstream, serve
 
@@ -86,10 +90,6 @@ async def test_the_sync_loop_ends_when_cancelled_even_if_redis_turns_it_into_an_
     """redis-py may raise a connection error where the cancellation of a command in flight
     should have been: the in-flight sync loop must still end, or a gateway's shutdown waits on
     it forever."""
-    import asyncio
-
-    from gateway.tasks import inflight_loop
-
     inflight = RedisInflight(redis_url, gateway_id="g")
     entered = asyncio.Event()
 
@@ -102,11 +102,7 @@ async def test_the_sync_loop_ends_when_cancelled_even_if_redis_turns_it_into_an_
 
     inflight._redis.set = set_until_cancelled  # type: ignore[method-assign]
 
-    class _Gateway:
-        pass
-
-    gw = _Gateway()
-    gw.inflight = inflight  # type: ignore[attr-defined]
+    gw = SimpleNamespace(inflight=inflight)  # the one field the loop reads
     task = asyncio.create_task(inflight_loop(gw))  # type: ignore[arg-type]
     await entered.wait()
     task.cancel()
