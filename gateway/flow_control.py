@@ -70,9 +70,12 @@ class _Named(Protocol):
     def name(self) -> str: ...
 
 
-class _WithTtftSlo(Protocol):
+class _WithSlos(Protocol):
     @property
     def ttft_slo_ms(self) -> float | None: ...
+
+    @property
+    def tpot_slo_ms(self) -> float | None: ...
 
 
 class Routed(Protocol):
@@ -85,7 +88,7 @@ class Routed(Protocol):
     def tenant(self) -> _Named: ...
 
     @property
-    def route(self) -> _WithTtftSlo: ...
+    def route(self) -> _WithSlos: ...
 
     @property
     def routing_request(self) -> RoutingRequest: ...
@@ -106,10 +109,16 @@ class TenantFlow:
     ttft_slo_ms: float
     weight: float
     budget: TokenBudget | None
+    #: The tenant's TPOT objective, else the route's (None: neither has one).
+    tpot_slo_ms: float | None = None
 
 
 def tenant_flow(
-    policy: Policy | None, tenant: str, route_ttft_slo_ms: float | None, headers: Mapping[str, str]
+    policy: Policy | None,
+    tenant: str,
+    route_ttft_slo_ms: float | None,
+    headers: Mapping[str, str],
+    route_tpot_slo_ms: float | None = None,
 ) -> TenantFlow:
     """The request's class (tenant's, or the header's where the tenant allows it), SLO, budget.
 
@@ -129,13 +138,17 @@ def tenant_flow(
     slo = spec.ttft_slo_ms if spec is not None and spec.ttft_slo_ms is not None else None
     if slo is None:
         slo = route_ttft_slo_ms if route_ttft_slo_ms is not None else DEFAULT_TTFT_SLO_MS
+    tpot = spec.tpot_slo_ms if spec is not None and spec.tpot_slo_ms is not None else None
+    if tpot is None:
+        tpot = route_tpot_slo_ms
     budget = None
     if spec is not None and spec.token_budget is not None:
         budget = TokenBudget(
             spec.token_budget.prompt_tokens_per_minute,
             spec.token_budget.completion_tokens_per_minute,
         )
-    return TenantFlow(request_class, slo, spec.weight if spec is not None else 1.0, budget)
+    weight = spec.weight if spec is not None else 1.0
+    return TenantFlow(request_class, slo, weight, budget, tpot)
 
 
 def settings_of(policy: Policy | None) -> FlowControlSettings:
@@ -149,6 +162,7 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
         saturation_kv_usage=spec.saturation_kv_usage,
         saturation_queue_wait_ms=spec.saturation_queue_wait_ms,
         saturation_decode_interference_ms=spec.saturation_decode_interference_ms,
+        saturation_itl_fraction=spec.saturation_itl_fraction,
         max_queue_length=spec.max_queue_length,
         max_queue_wait_ms=spec.max_queue_wait_ms,
         admit_within_slo_fraction=spec.admit_within_slo_fraction,
@@ -197,7 +211,10 @@ class FlowGate:
         repick: Callable[[R], Awaitable[R]],
     ) -> R:
         """Admit ``routed`` (maybe after a wait, maybe re-routed by ``repick``), or raise a 429."""
-        flow = tenant_flow(policy, routed.tenant.name, routed.route.ttft_slo_ms, headers)
+        route = routed.route
+        flow = tenant_flow(
+            policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
+        )
         tenant = routed.tenant.name
         prompt_tokens = routed.routing_request.prompt_tokens
         reserved = False
@@ -234,6 +251,7 @@ class FlowGate:
             flow.ttft_slo_ms,
             flow.weight,
             self.controller.now(),
+            flow.tpot_slo_ms,
         )
         verdict = self.controller.admit(request, self._estimate(routed))
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)

@@ -22,6 +22,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.inflight import InflightTracker
 from gateway.policy_view import ReplicaSpec
 from routing.fleet import Fleet
+from routing.recent_itl import RecentItl
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
 
@@ -32,6 +33,9 @@ _GAUGES = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
+    # A histogram's running sum and count: the recent mean time between tokens (RecentItl).
+    "vllm:inter_token_latency_seconds_sum": "itl_sum_s",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
 }
 
 
@@ -114,6 +118,8 @@ class ReplicaRegistry:
         #: The requests being tried on each replica; those a replica holds unanswered when it
         #: is marked down are aborted and retried elsewhere (``gateway/attempts.py``).
         self.attempts = AttemptsInFlight()
+        #: Each replica's recent inter-token latency, from its engine's ITL histogram.
+        self._itl: dict[ReplicaId, RecentItl] = {}
 
     # ------------------------------------------------------------------ membership
 
@@ -200,6 +206,7 @@ class ReplicaRegistry:
         self._adapters_read_at.pop(replica, None)
         self._failed_polls.pop(replica, None)
         self._missing_since.pop(replica, None)
+        self._itl.pop(replica, None)
 
     # ------------------------------------------------------------------ reading
 
@@ -370,6 +377,11 @@ class ReplicaRegistry:
                 updates["waiting"] = int(gauges.get("waiting", 0))
                 updates["kv_usage"] = float(gauges.get("kv_usage", 0.0))
                 updates["metrics_read_at"] = metrics_asked_at
+                if "itl_count" in gauges:
+                    itl = self._itl.setdefault(state.replica_id, RecentItl())
+                    updates["decode_itl_ms"] = itl.observe(
+                        metrics_asked_at, gauges.get("itl_sum_s", 0.0), gauges["itl_count"]
+                    )
         self._put(replace(current, **updates))
         if current.healthy and not healthy:
             aborted = self.attempts.abort_unanswered(state.replica_id)

@@ -52,6 +52,10 @@ class ReplicaState:
     prefill_tokens_per_s: float = 10_000.0
     #: Decode-step time estimate in ms; used to estimate queue wait behind running requests.
     decode_step_ms: float = 30.0
+    #: Mean time between output tokens on the engine over the last few seconds (ms), from
+    #: ``vllm:inter_token_latency_seconds`` (``routing/recent_itl.py``); None: unknown, or no
+    #: tokens decoded lately.
+    decode_itl_ms: float | None = None
     #: Custom kernel plugins loaded in the engine: module name -> version.
     kernel_plugins: dict[str, str] = field(default_factory=dict)
     #: Wall-clock time (``time.time()``) at which the engine-reported figures were read.

@@ -278,6 +278,7 @@ class _Simulation:
             self.config.slo_ttft_ms,
             1.0,
             request.arrival_s,
+            self.config.slo_tpot_ms,
         )
         verdict = self.flow.admit(flow_request, self._estimate(decision))
         if verdict.decision is Decision.ADMIT:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from replica.sim.engine import EngineConfig, EngineModel, SimRequest, StepResult
+from routing.recent_itl import RecentItl
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
 
@@ -45,6 +46,7 @@ class SimulatedReplica:
             decode_step_ms=roofline.decode_s(0) * 1000.0,
         )
         self._stats_interval_s = stats_interval_s
+        self._itl = RecentItl()
         self._stats_read_at = -1.0
         #: The step in progress: its start time and result (delivered when it ends).
         self.step_started_at = 0.0
@@ -103,6 +105,9 @@ class SimulatedReplica:
         state.loaded_adapters = frozenset(stats.loaded_adapters)
         state.cpu_cached_adapters = frozenset(stats.cpu_adapters)
         state.waiting_adapters = frozenset(stats.waiting_adapters)
+        state.decode_itl_ms = self._itl.observe(
+            self._stats_read_at, stats.itl_sum_s, stats.itl_count
+        )
 
     def routing_view(self, now: float) -> ReplicaState:
         """The state as of ``now``: age of the engine figures mapped onto the wall clock.

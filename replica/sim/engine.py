@@ -90,6 +90,10 @@ class EngineStats:
     max_loras: int
     #: Adapters of running requests (``running_lora_adapters`` of ``vllm:lora_requests_info``).
     running_adapters: list[str] = field(default_factory=list)
+    #: ``vllm:inter_token_latency_seconds`` ``_sum`` and ``_count``: every output token after a
+    #: request's first, timed as the step that produced it.
+    itl_sum_s: float = 0.0
+    itl_count: int = 0
 
 
 # --------------------------------------------------------------------------- configuration
@@ -360,6 +364,8 @@ class EngineModel:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._preemptions = 0
+        self._itl_sum_s = 0.0
+        self._itl_count = 0
         self.now_s = 0.0
 
     # ------------------------------------------------------------------ requests
@@ -447,6 +453,7 @@ class EngineModel:
         tokens: dict[str, int] = {}
         first_token: set[str] = set()
         finished: list[str] = []
+        decode_tokens = 0
         for request, count in scheduled:
             request.num_computed += count
             emitted = 0
@@ -456,11 +463,15 @@ class EngineModel:
                 emitted = 1
                 if request.num_output == 1:
                     first_token.add(request.request_id)
+                else:
+                    decode_tokens += 1
             tokens[request.request_id] = emitted
             self._cache_blocks(request)
             if request.num_output >= request.max_tokens:
                 finished.append(request.request_id)
                 self._finish(request)
+        self._itl_sum_s += decode_tokens * duration
+        self._itl_count += decode_tokens
         events = self._kv.take_events()
         return StepResult(duration, tokens, first_token, finished, events, preempted)
 
@@ -653,6 +664,8 @@ class EngineModel:
             waiting_adapters=waiting_adapters,
             max_loras=self.config.max_loras,
             running_adapters=sorted(self._adapter_running),
+            itl_sum_s=self._itl_sum_s,
+            itl_count=self._itl_count,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -47,6 +47,9 @@ class FlowControlSpec(StrictModel):
     saturation_queue_wait_ms: NonNegativeFloat | None = None
     #: ... or its decode interference is.
     saturation_decode_interference_ms: NonNegativeFloat | None = None
+    #: ... or its engine's recent time between output tokens is over this fraction of the
+    #: request's TPOT SLO (its decodes are already slowed by the prefills sharing their steps).
+    saturation_itl_fraction: PositiveFloat | None = 0.8
     #: Requests the gateway queue holds, all classes together.
     max_queue_length: NonNegativeInt = 1000
     #: Longest wait in the queue; null: until the request can no longer meet its TTFT SLO.

@@ -54,3 +54,5 @@ class FlowRequest:
     weight: float
     #: Seconds on the controller's clock.
     arrival_s: float
+    #: The TPOT the request is judged against (ms; None: it has none).
+    tpot_slo_ms: float | None = None

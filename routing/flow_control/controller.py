@@ -94,6 +94,11 @@ class FlowControlSettings:
     saturation_queue_wait_ms: float | None = None
     #: ... or its decode interference is (ms; None: not used).
     saturation_decode_interference_ms: float | None = None
+    #: ... or its engine's recent inter-token latency is over this fraction of the request's
+    #: TPOT SLO: its decodes already run near the SLO, and each new prefill slows them more
+    #: (None: not used; requests without a TPOT SLO are not judged by it). When most replicas
+    #: are full, a request routed to one too slow by this test waits, whatever the others.
+    saturation_itl_fraction: float | None = 0.8
     #: Requests the gateway queue holds (all classes together).
     max_queue_length: int = 1000
     #: Longest a request may wait in the queue (ms); None: until it can no longer meet its SLO.
@@ -119,6 +124,9 @@ class FlowControlSettings:
             raise ValueError(
                 f"saturation_decode_interference_ms: must be >= 0 (got {interference!r})"
             )
+        itl = self.saturation_itl_fraction
+        if itl is not None and not (itl > 0 and math.isfinite(itl)):
+            raise ValueError(f"saturation_itl_fraction: must be > 0 (got {itl!r})")
         if self.max_queue_length < 0:
             raise ValueError(f"max_queue_length: must be >= 0 (got {self.max_queue_length})")
         if self.max_queue_wait_ms is not None and not self.max_queue_wait_ms > 0:
@@ -165,7 +173,7 @@ class FlowController:
         if not ahead:
             if estimate.min_queue_wait_ms is None:
                 return _ADMIT_UNKNOWN
-            if not self._saturated(estimate):
+            if not self._saturated(estimate, request):
                 return _ADMIT_IDLE
             if self._within_slo(request, estimate):
                 return _ADMIT_WITHIN_SLO
@@ -201,7 +209,7 @@ class FlowController:
         self._remember(estimate)
         entry.predicted_ttft_ms = estimate.predicted_ttft_ms
         waited = self._waited(entry)
-        if estimate.min_queue_wait_ms is None or not self._saturated(estimate):
+        if estimate.min_queue_wait_ms is None or not self._saturated(estimate, entry.request):
             self.queue.pop_head()
             return Verdict(Decision.ADMIT, "capacity_freed", waited_s=waited)
         if self._within_slo(entry.request, estimate, waited):
@@ -244,12 +252,33 @@ class FlowController:
             return False
         return waited_s * 1000.0 + ttft <= fraction * request.ttft_slo_ms
 
-    def _saturated(self, estimate: FleetEstimate) -> bool:
-        return bool(estimate.loads) and all(self._full(load) for load in estimate.loads)
+    def _saturated(self, estimate: FleetEstimate, request: FlowRequest) -> bool:
+        loads = estimate.loads
+        if not loads:
+            return False
+        full = sum(self._full(load, request) for load in loads)
+        if full == len(loads):
+            return True
+        # Most of the fleet is full and routing chose a replica whose decodes already run too
+        # slow: room elsewhere is room this request would not get (routing does not read the
+        # engines' pace). With most replicas free, a slow one is a passing state: admit.
+        return 2 * full >= len(loads) and self._too_slow(estimate.chosen_decode_itl_ms, request)
 
-    def _full(self, load: ReplicaLoad) -> bool:
-        """True when ``load``'s replica has no room for one more request to start at once."""
+    def _too_slow(self, itl_ms: float | None, request: FlowRequest) -> bool:
+        """True when decodes at ``itl_ms`` leave no headroom under ``request``'s TPOT SLO."""
+        fraction = self.settings.saturation_itl_fraction
+        return (
+            fraction is not None
+            and request.tpot_slo_ms is not None
+            and itl_ms is not None
+            and itl_ms > fraction * request.tpot_slo_ms
+        )
+
+    def _full(self, load: ReplicaLoad, request: FlowRequest) -> bool:
+        """True when ``load``'s replica has no room for ``request`` to start at once."""
         settings = self.settings
+        if self._too_slow(load.decode_itl_ms, request):
+            return True
         if (
             load.backlog_requests is not None
             and load.backlog_requests >= settings.saturation_backlog_requests

@@ -38,6 +38,8 @@ class ReplicaLoad:
     backlog_requests: int | None = None
     #: Fraction of its KV cache in use, 0..1 (None: unknown).
     kv_usage: float | None = None
+    #: Mean time between output tokens there lately (ms; None: unknown or nothing decoding).
+    decode_itl_ms: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,8 @@ class FleetEstimate:
     predicted_ttft_ms: float | None
     #: Per candidate; empty when the policy estimates no queue wait.
     loads: tuple[ReplicaLoad, ...] = ()
+    #: The chosen replica's recent inter-token latency (ms; None: unknown).
+    chosen_decode_itl_ms: float | None = None
 
     @property
     def min_queue_wait_ms(self) -> float | None:
@@ -86,8 +90,11 @@ def estimate_from_decision(
                 terms.get("decode_interference_ms", 0.0),
                 state.queued if state is not None else None,  # ReplicaLoad.backlog_requests
                 state.kv_usage if state is not None else None,
+                state.decode_itl_ms if state is not None else None,
             )
         )
     chosen = decision.explanations.get(decision.replica)
     ttft = chosen.terms.get("expected_ttft_ms") if chosen is not None else None
-    return FleetEstimate(ttft, tuple(loads))
+    chosen_state = by_id.get(decision.replica)
+    chosen_itl = chosen_state.decode_itl_ms if chosen_state is not None else None
+    return FleetEstimate(ttft, tuple(loads), chosen_itl)

@@ -22,9 +22,7 @@ async def test_one_missed_health_poll_does_not_mark_a_replica_unhealthy() -> Non
     async with TestServer(app) as server, aiohttp.ClientSession() as session:
         registry = ReplicaRegistry(unhealthy_after_polls=2)
         url = str(server.make_url("")).rstrip("/")
-        registry.set_static(
-            [ReplicaSpec(replica_id="r0", url=url, models=frozenset({"m"}))]
-        )
+        registry.set_static([ReplicaSpec(replica_id="r0", url=url, models=frozenset({"m"}))])
         seen = []
         for _ in range(6):
             await registry.poll_once(session, timeout_s=2.0)
@@ -53,3 +51,33 @@ async def test_a_slow_metrics_scrape_does_not_mark_a_replica_unhealthy() -> None
         await registry.poll_once(session, timeout_s=2.0)
         state = registry.get(ReplicaId("r0"))
         assert state is not None and state.healthy
+
+
+async def test_polls_turn_the_engines_itl_histogram_into_its_recent_time_between_tokens() -> None:
+    readings = iter([(2.0, 100), (8.0, 200)])  # then 100 tokens at 60 ms each
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def metrics(_: web.Request) -> web.Response:
+        total_s, count = next(readings)
+        return web.Response(
+            text=f"vllm:num_requests_running 4\n"
+            f'vllm:inter_token_latency_seconds_sum{{model_name="m"}} {total_s}\n'
+            f'vllm:inter_token_latency_seconds_count{{model_name="m"}} {count}\n'
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        registry = ReplicaRegistry()
+        url = str(server.make_url("")).rstrip("/")
+        registry.set_static([ReplicaSpec(replica_id="r0", url=url, models=frozenset({"m"}))])
+        await registry.poll_once(session, timeout_s=2.0)
+        first = registry.get(ReplicaId("r0"))
+        assert first is not None and first.decode_itl_ms is None  # one reading: no interval
+        await registry.poll_once(session, timeout_s=2.0)
+        second = registry.get(ReplicaId("r0"))
+        assert second is not None and second.running == 4
+        assert second.decode_itl_ms is not None and abs(second.decode_itl_ms - 60.0) < 1e-6

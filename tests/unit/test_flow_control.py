@@ -119,6 +119,50 @@ def test_optional_bounds_on_queue_wait_or_decode_interference_also_make_a_replic
     assert flow.admit(_request("b"), hot).decision is Decision.QUEUE
 
 
+def test_a_replica_whose_decodes_run_slower_than_the_tpot_slo_allows_is_full() -> None:
+    flow = _controller(FakeClock(), saturation_itl_fraction=0.8)
+
+    def fleet(itl_ms: float | None) -> FleetEstimate:
+        # Nothing waits anywhere: only the decodes' pace can make these replicas full.
+        return FleetEstimate(
+            200.0, (ReplicaLoad(10.0, 0.0, 0, 0.5, 45.0), ReplicaLoad(10.0, 0.0, 0, 0.5, itl_ms))
+        )
+
+    def request(rid: str, tpot_slo_ms: float | None) -> FlowRequest:
+        return FlowRequest(rid, "a", STANDARD, 60_000.0, 1.0, 100.0, tpot_slo_ms)
+
+    # 45 ms between tokens against a 50 ms SLO is over 0.8 x: full. The other replica decides.
+    assert flow.admit(request("fast", 50.0), fleet(30.0)).reason == "not_saturated"
+    assert flow.admit(request("idle", 50.0), fleet(None)).reason == "not_saturated"
+    assert flow.admit(request("slow", 50.0), fleet(41.0)).decision is Decision.QUEUE
+    # A request without a TPOT objective is not judged by it; a looser one finds room.
+    other = _controller(FakeClock(), saturation_itl_fraction=0.8)
+    assert other.admit(request("none", None), fleet(41.0)).reason == "not_saturated"
+    assert other.admit(request("loose", 100.0), fleet(41.0)).reason == "not_saturated"
+    with pytest.raises(ValueError, match="saturation_itl_fraction"):
+        FlowControlSettings(saturation_itl_fraction=0.0)
+
+
+def test_room_on_a_replica_routing_did_not_choose_is_not_room_once_most_are_full() -> None:
+    def fleet(chosen_itl_ms: float, *others_itl_ms: float) -> FleetEstimate:
+        loads = tuple(
+            ReplicaLoad(10.0, 0.0, 0, 0.5, itl) for itl in (chosen_itl_ms, *others_itl_ms)
+        )
+        return FleetEstimate(200.0, loads, chosen_decode_itl_ms=chosen_itl_ms)
+
+    def request(rid: str) -> FlowRequest:
+        return FlowRequest(rid, "a", STANDARD, 60_000.0, 1.0, 100.0, 50.0)
+
+    flow = _controller(FakeClock(), saturation_itl_fraction=0.8)
+    # Half the fleet is too slow, routing chose a slow one: the free one is not where it goes.
+    assert flow.admit(request("half"), fleet(45.0, 30.0)).decision is Decision.QUEUE
+    # Most of the fleet has room: a slow chosen replica is a passing state, and it is admitted.
+    fresh = _controller(FakeClock(), saturation_itl_fraction=0.8)
+    assert fresh.admit(request("most"), fleet(45.0, 30.0, 30.0, 30.0)).reason == "not_saturated"
+    # A fast chosen replica is room, however many others are slow.
+    assert fresh.admit(request("fast"), fleet(30.0, 45.0, 45.0, 45.0)).reason == "not_saturated"
+
+
 def test_critical_is_never_held_and_sheddable_over_its_slo_is_refused_with_a_retry_hint() -> None:
     flow = _controller(FakeClock())
     assert flow.admit(_request("c", CRITICAL), BUSY).decision is Decision.ADMIT
@@ -292,15 +336,34 @@ def test_the_estimate_is_the_decisions_own_terms() -> None:
     # With the replicas' states: the engine's waiting queue, or this gateway's requests beyond
     # what the engine last reported running, whichever is larger; and the KV usage.
     states = [
-        ReplicaState(a, "http://a", running=4, waiting=3, inflight_requests=5, kv_usage=0.4),
-        ReplicaState(b, "http://b", running=2, waiting=0, inflight_requests=6, kv_usage=0.95),
+        ReplicaState(
+            a,
+            "http://a",
+            running=4,
+            waiting=3,
+            inflight_requests=5,
+            kv_usage=0.4,
+            decode_itl_ms=35.0,
+        ),
+        ReplicaState(
+            b,
+            "http://b",
+            running=2,
+            waiting=0,
+            inflight_requests=6,
+            kv_usage=0.95,
+            decode_itl_ms=22.0,
+        ),
         ReplicaState(c, "http://c", waiting=9),
     ]
     with_states = estimate_from_decision(decision, states)
     assert sorted(with_states.loads, key=lambda load: load.queue_wait_ms) == [
-        ReplicaLoad(300.0, 7.0, 4, 0.95),
-        ReplicaLoad(900.0, 0.0, 3, 0.4),
+        ReplicaLoad(300.0, 7.0, 4, 0.95, 22.0),
+        ReplicaLoad(900.0, 0.0, 3, 0.4, 35.0),
     ]
+    # The chosen replica's decode pace, for "room elsewhere is not room for this request".
+    assert with_states.chosen_decode_itl_ms == 22.0
+    assert estimate.chosen_decode_itl_ms is None
 
 
 def test_token_budgets_reserve_prompt_tokens_and_refuse_until_the_next_window() -> None:

@@ -213,3 +213,9 @@ vllm:kv_cache_usage_perc{model_name="m"} 0.25
 vllm:prefix_cache_hits_total{model_name="m"} 99
 """
     assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 4.0, "kv_usage": 0.25}
+    # The ITL histogram's running sum and count (not its buckets) are read too.
+    itl = """vllm:inter_token_latency_seconds_bucket{le="0.05",model_name="m"} 10
+vllm:inter_token_latency_seconds_sum{model_name="m"} 1.5
+vllm:inter_token_latency_seconds_count{model_name="m"} 30
+"""
+    assert parse_vllm_metrics(itl) == {"itl_sum_s": 1.5, "itl_count": 30.0}

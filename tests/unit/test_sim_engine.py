@@ -179,6 +179,27 @@ def test_chunked_prefill_splits_a_long_prompt_across_steps() -> None:
     assert [s.tokens["a"] for s in run.steps] == [0, 0, 1, 1]
 
 
+def test_the_itl_histogram_times_every_token_after_the_first_by_its_step() -> None:
+    engine = EngineModel(EngineConfig.from_profile("tiny", max_num_batched_tokens=128))
+    engine.submit(SimRequest("a", list(range(300)), max_tokens=4))
+    engine.submit(SimRequest("b", list(range(1000, 1020)), max_tokens=3))
+    run = drain(engine)
+    # Every step that emitted a token that was not its request's first adds its duration once
+    # per such token: what vLLM's inter_token_latency_seconds observes.
+    expected_sum, expected_count = 0.0, 0
+    seen: dict[str, int] = {}
+    for step in run.steps:
+        for rid, emitted in step.tokens.items():
+            if emitted:
+                seen[rid] = seen.get(rid, 0) + 1
+                if seen[rid] > 1:
+                    expected_sum += step.duration_s
+                    expected_count += 1
+    stats = engine.stats()
+    assert stats.itl_count == expected_count == (4 - 1) + (3 - 1)
+    assert stats.itl_sum_s == pytest.approx(expected_sum)
+
+
 def test_max_num_seqs_caps_the_running_batch() -> None:
     engine = EngineModel(EngineConfig.from_profile("tiny", max_num_seqs=3))
     for i in range(5):
