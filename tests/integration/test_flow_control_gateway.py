@@ -264,3 +264,64 @@ async def test_the_openai_client_gets_a_rate_limit_error_with_the_retry_hint(
         await client.close()
         upstream.header_gate.set()
         assert (await first)[0] == 200
+
+
+def _paced_policy(upstream_url: str) -> str:
+    """One replica; only its decode pace can make it full (nothing ever waits on the engine)."""
+    return f"""
+version: 1
+replica_pools:
+  - name: pool-a
+    replicas: [{upstream_url}]
+models:
+  - name: base-model
+    pools: [pool-a]
+routes:
+  - name: all
+    slo: {{ttft_p95_ms: 60000, tpot_p95_ms: 50}}
+flow_control:
+  enabled: true
+  saturation_backlog_requests: 100
+  max_queue_wait_ms: 600000
+tenants:
+  - {{name: gold, api_key_sha256: [{_sha("gold")}], priority: critical}}
+  - {{name: a, api_key_sha256: [{_sha("a")}]}}
+"""
+
+
+async def test_an_engine_whose_decodes_run_slower_than_the_tpot_slo_allows_holds_requests(
+    tmp_path: Path,
+) -> None:
+    upstream = FakeUpstream()
+    upstream.itl_s = 0.090  # 90 ms between tokens: over 0.8 x the route's 50 ms TPOT SLO
+    async with serve(upstream.app()) as upstream_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(_paced_policy(upstream_url))
+        app = create_app(GatewayConfig(policy_path=str(path), health_interval_s=0.05))
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            registry = app[GATEWAY].registry
+
+            def pace() -> float | None:
+                state = registry.get(next(iter(s.replica_id for s in registry.all())))
+                return state.decode_itl_ms if state is not None else None
+
+            await wait_until(lambda: (pace() or 0.0) > 80.0, "the gateway read the slow pace")
+            held = asyncio.create_task(_post(http, url, "a", "a-held"))
+            await wait_until(lambda: _queued(app) == 1, "the standard request is held")
+            # Critical traffic is never held, whatever the pace.
+            status, _, _ = await _post(http, url, "gold", "gold")
+            assert status == 200
+            assert _queued(app) == 1 and upstream.attempts == 1
+
+            upstream.itl_s = 0.010  # the decodes speed up: the held request goes through
+            status, _, _ = await held
+            assert status == 200
+            assert [str(b["prompt"]).split()[-1] for b in upstream.received] == [
+                "gold",
+                "a-held",
+            ]
+            metrics = await (await http.get(f"{url}/metrics")).text()
+            assert (
+                'fleetgate_flow_decisions_total{decision="queue",reason="saturated",'
+                'request_class="standard",tenant="a"} 1.0' in metrics
+            )

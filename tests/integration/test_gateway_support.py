@@ -38,6 +38,11 @@ class FakeUpstream:
     attempts: int = 0
     #: Set when the gateway went away while this upstream was streaming.
     client_gone: asyncio.Event = field(default_factory=asyncio.Event)
+    #: When set, ``/metrics`` reports 100 more output tokens at this many seconds apart at
+    #: every scrape (``vllm:inter_token_latency_seconds``): the engine's decode pace.
+    itl_s: float | None = None
+    _itl_sum_s: float = 0.0
+    _itl_count: int = 0
     url: str = ""
 
     def app(self) -> web.Application:
@@ -71,7 +76,15 @@ class FakeUpstream:
         return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+        text = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        if self.itl_s is not None:
+            self._itl_count += 100
+            self._itl_sum_s += 100 * self.itl_s
+            text += (
+                f"vllm:inter_token_latency_seconds_sum {self._itl_sum_s}\n"
+                f"vllm:inter_token_latency_seconds_count {self._itl_count}\n"
+            )
+        return web.Response(text=text)
 
     def _usage(self, body: dict[str, Any]) -> dict[str, Any]:
         return {
