@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -51,6 +53,11 @@ def refresh_gauges(gw: GatewayState) -> None:
     for state in gw.registry.routable():
         m.replica_healthy.labels(state.replica_id).set(1 if state.healthy else 0)
         m.replica_inflight.labels(state.replica_id).set(counts.get(state.replica_id, (0, 0))[0])
+        if state.decode_itl_ms is not None:
+            m.replica_decode_itl.labels(state.replica_id).set(state.decode_itl_ms / 1000.0)
+        else:  # idle, or an engine that does not export it: no sample rather than a stale one
+            with contextlib.suppress(KeyError):
+                m.replica_decode_itl.remove(state.replica_id)
 
 
 def _slos(route: Route) -> list[str]:

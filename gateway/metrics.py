@@ -266,6 +266,13 @@ class GatewayMetrics:
             ["replica"],
             registry=r,
         )
+        self.replica_decode_itl = Gauge(
+            "fleetgate_replica_decode_itl_seconds",
+            "The engine's mean time between output tokens over the last seconds, as flow control "
+            "reads it (absent while unknown)",
+            ["replica"],
+            registry=r,
+        )
         self.prefix_repeat_fraction = Gauge(
             "fleetgate_prefix_repeat_fraction",
             "Share of prompt tokens repeating a prefix seen before",

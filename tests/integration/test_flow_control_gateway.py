@@ -306,6 +306,13 @@ async def test_an_engine_whose_decodes_run_slower_than_the_tpot_slo_allows_holds
                 return state.decode_itl_ms if state is not None else None
 
             await wait_until(lambda: (pace() or 0.0) > 80.0, "the gateway read the slow pace")
+            metrics = await (await http.get(f"{url}/metrics")).text()
+            paced = [
+                line
+                for line in metrics.splitlines()
+                if line.startswith("fleetgate_replica_decode_itl_seconds{")
+            ]
+            assert len(paced) == 1 and float(paced[0].rsplit(" ", 1)[1]) > 0.08, paced
             held = asyncio.create_task(_post(http, url, "a", "a-held"))
             await wait_until(lambda: _queued(app) == 1, "the standard request is held")
             # Critical traffic is never held, whatever the pace.
