@@ -37,7 +37,8 @@ def _sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _policy(upstream_url: str) -> str:
+def _fleet(upstream_url: str) -> str:
+    """The policy's fleet: one pool of one replica serving ``base-model``."""
     return f"""
 version: 1
 replica_pools:
@@ -46,7 +47,13 @@ replica_pools:
 models:
   - name: base-model
     pools: [pool-a]
-plugins:
+"""
+
+
+def _policy(upstream_url: str) -> str:
+    return (
+        _fleet(upstream_url)
+        + f"""plugins:
   - type: expected-ttft
     name: ttft-serial
     parameters: {{drain_backlog: false}}
@@ -74,6 +81,7 @@ tenants:
     api_key_sha256: [{_sha("metered")}]
     token_budget: {{prompt_tokens_per_minute: 100}}
 """
+    )
 
 
 @asynccontextmanager
@@ -268,15 +276,9 @@ async def test_the_openai_client_gets_a_rate_limit_error_with_the_retry_hint(
 
 def _paced_policy(upstream_url: str) -> str:
     """One replica; only its decode pace can make it full (nothing ever waits on the engine)."""
-    return f"""
-version: 1
-replica_pools:
-  - name: pool-a
-    replicas: [{upstream_url}]
-models:
-  - name: base-model
-    pools: [pool-a]
-routes:
+    return (
+        _fleet(upstream_url)
+        + f"""routes:
   - name: all
     slo: {{ttft_p95_ms: 60000, tpot_p95_ms: 50}}
 flow_control:
@@ -287,6 +289,7 @@ tenants:
   - {{name: gold, api_key_sha256: [{_sha("gold")}], priority: critical}}
   - {{name: a, api_key_sha256: [{_sha("a")}]}}
 """
+    )
 
 
 async def test_an_engine_whose_decodes_run_slower_than_the_tpot_slo_allows_holds_requests(
