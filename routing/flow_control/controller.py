@@ -7,8 +7,12 @@ routing chose by.
 
 * The fleet is **saturated** when every candidate is full, by what its engine reports: requests
   already waiting to start there (``saturation_backlog_requests``: vLLM's waiting queue, or this
-  gateway's in-flight requests beyond what the engine last reported running) or its KV cache
-  nearly full (``saturation_kv_usage``). Optional, off by default: a bound on the predicted queue
+  gateway's in-flight requests beyond what the engine last reported running), its KV cache
+  nearly full (``saturation_kv_usage``), or its decodes already near the request's TPOT SLO (the
+  engine's recent inter-token latency over ``saturation_itl_fraction`` of it: each new prefill
+  shares its steps with them). Once most candidates are full, a request that routing sent to one
+  too slow by that last test counts the fleet as saturated: room elsewhere is not where it goes.
+  Optional, off by default: a bound on the predicted queue
   wait (``saturation_queue_wait_ms``) or on the decode interference
   (``saturation_decode_interference_ms``) also marks a replica full. While any replica has room,
   everything is admitted: nothing waits and nothing is shed below saturation. The predicted

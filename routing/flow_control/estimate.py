@@ -4,8 +4,9 @@ reports about its own queue.
 Two kinds of numbers, for two questions:
 
 * **Is the fleet saturated?** Judged per candidate from what its engine reports (vLLM's
-  ``num_requests_waiting`` and ``kv_cache_usage_perc``) and what this gateway knows fresher than
-  the last poll (requests it sent that the engine was not yet running). A predicted queue wait is
+  ``num_requests_waiting``, ``kv_cache_usage_perc`` and the recent mean of its
+  ``inter_token_latency_seconds``) and what this gateway knows fresher than the last poll
+  (requests it sent that the engine was not yet running). A predicted queue wait is
   a model of the engine's queue and undercounts or overcounts it depending on the workload; the
   engine's own waiting queue is the fact that the model predicts.
 * **Would this request meet its SLO?** The chosen replica's expected TTFT
