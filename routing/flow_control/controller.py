@@ -12,10 +12,10 @@ routing chose by.
   engine's recent inter-token latency over ``saturation_itl_fraction`` of it: each new prefill
   shares its steps with them). Once most candidates are full, a request that routing sent to one
   too slow by that last test counts the fleet as saturated: room elsewhere is not where it goes.
-  Optional, off by default: a bound on the predicted queue
-  wait (``saturation_queue_wait_ms``) or on the decode interference
-  (``saturation_decode_interference_ms``) also marks a replica full. While any replica has room,
-  everything is admitted: nothing waits and nothing is shed below saturation. The predicted
+  Optional, off by default: a bound on the predicted queue wait (``saturation_queue_wait_ms``)
+  or on the decode interference (``saturation_decode_interference_ms``) also marks a replica
+  full. While most replicas have room, everything is admitted: nothing waits and nothing is
+  shed below saturation. The predicted
   TTFT is not the saturation test because it is a model of the engine's queue that under- or
   overcounts it by workload; it is the test of whether a request can meet its SLO.
 * **critical** is always admitted while a replica is up: it jumps the queue.
