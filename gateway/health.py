@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -56,8 +54,7 @@ def refresh_gauges(gw: GatewayState) -> None:
         if state.decode_itl_ms is not None:
             m.replica_decode_itl.labels(state.replica_id).set(state.decode_itl_ms / 1000.0)
         else:  # idle, or an engine that does not export it: no sample rather than a stale one
-            with contextlib.suppress(KeyError):
-                m.replica_decode_itl.remove(state.replica_id)
+            m.replica_decode_itl.remove(state.replica_id)
 
 
 def _slos(route: Route) -> list[str]:

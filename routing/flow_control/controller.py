@@ -260,13 +260,12 @@ class FlowController:
         loads = estimate.loads
         if not loads:
             return False
-        full = sum(self._full(load, request) for load in loads)
-        if full == len(loads):
-            return True
-        # Most of the fleet is full and routing chose a replica whose decodes already run too
-        # slow: room elsewhere is room this request would not get (routing does not read the
-        # engines' pace). With most replicas free, a slow one is a passing state: admit.
-        return 2 * full >= len(loads) and self._too_slow(estimate.chosen_decode_itl_ms, request)
+        if not self._too_slow(estimate.chosen_decode_itl_ms, request):
+            return all(self._full(load, request) for load in loads)  # stops at the first room
+        # Routing chose a replica whose decodes already run too slow, and it does not read the
+        # engines' pace: once most of the fleet is full, room elsewhere is room this request
+        # would not get. With most replicas free, a slow one is a passing state: admit.
+        return 2 * sum(self._full(load, request) for load in loads) >= len(loads)
 
     def _too_slow(self, itl_ms: float | None, request: FlowRequest) -> bool:
         """True when decodes at ``itl_ms`` leave no headroom under ``request``'s TPOT SLO."""
