@@ -325,10 +325,22 @@ def _optional_bounds(settings: FlowControlSettings) -> str:
     if settings.saturation_decode_interference_ms is not None:
         parts.append(f"decode interference over {settings.saturation_decode_interference_ms:g} ms")
     if settings.saturation_itl_fraction is not None:
+        moving = (
+            ""
+            if settings.critical_tpot_target is None
+            else f", lowered to as little as {settings.min_itl_fraction:g} x while critical "
+            f"requests miss theirs (target {settings.critical_tpot_target:g})"
+        )
         parts.append(
-            f"engine inter-token latency over {settings.saturation_itl_fraction:g} x the TPOT SLO"
+            f"engine inter-token latency over {settings.saturation_itl_fraction:g} x the TPOT "
+            f"SLO{moving}"
         )
     return f" or {' or '.join(parts)}" if parts else ""
+
+
+def _optional_share(text: str) -> float | None:
+    """A share in (0, 1), or ``none``."""
+    return None if text.strip().lower() == "none" else float(text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -378,6 +390,15 @@ def _parser() -> argparse.ArgumentParser:
         "the TPOT SLO",
     )
     parser.add_argument(
+        "--critical-tpot-target",
+        type=_optional_share,
+        default=defaults.critical_tpot_target,
+        metavar="SHARE|none",
+        help="share of critical requests that should meet their TPOT SLO: each critical TPOT "
+        "miss lowers the inter-token bound, each met one raises it back (default %(default)s; "
+        "none: the bound stays fixed)",
+    )
+    parser.add_argument(
         "--trace",
         action="append",
         default=[],
@@ -422,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         saturation_queue_wait_ms=args.saturation_queue_wait_ms,
         saturation_decode_interference_ms=args.saturation_decode_interference_ms,
         saturation_itl_fraction=args.saturation_itl_fraction,
+        critical_tpot_target=args.critical_tpot_target,
         admit_within_slo_fraction=args.admit_within_slo_fraction,
     )
     scales = [float(x) for x in args.scales.split(",")]

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
@@ -61,6 +62,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between judgements of the queue's head while requests wait (besides completions).
 PUMP_INTERVAL_S = 0.02
+#: Admitted critical requests remembered until they finish (their TPOT moves the inter-token
+#: bound); past this many, the oldest are forgotten (a request whose finish never came).
+MAX_TRACKED_CRITICAL = 65536
 #: The TTFT a request is judged against when neither its tenant nor its route names one.
 DEFAULT_TTFT_SLO_MS = 2000.0
 
@@ -163,6 +167,8 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
         saturation_queue_wait_ms=spec.saturation_queue_wait_ms,
         saturation_decode_interference_ms=spec.saturation_decode_interference_ms,
         saturation_itl_fraction=spec.saturation_itl_fraction,
+        critical_tpot_target=spec.critical_tpot_target,
+        min_itl_fraction=spec.min_itl_fraction,
         max_queue_length=spec.max_queue_length,
         max_queue_wait_ms=spec.max_queue_wait_ms,
         admit_within_slo_fraction=spec.admit_within_slo_fraction,
@@ -198,6 +204,9 @@ class FlowGate:
         # Budget windows are wall-clock minutes, so that every gateway agrees on them.
         self.budgets = TokenBudgets(self.budget_store, wall_clock, key_prefix)
         self._waiters: dict[str, _Waiter] = {}
+        #: Critical requests admitted and not yet finished -> their TPOT SLO: their outcomes
+        #: move the inter-token bound (``FlowController.observe_finished``).
+        self._critical: OrderedDict[str, float | None] = OrderedDict()
         self._wake = asyncio.Event()
         self._settings_source: Policy | None = None
 
@@ -241,6 +250,7 @@ class FlowGate:
         if policy is not self._settings_source:  # read once per policy (re)load
             self.controller.settings = settings_of(policy)
             self._settings_source = policy
+            self._bound_gauge()
         if not self.controller.settings.enabled:
             return routed  # off: not even the estimate is built (explanations cost at scale)
         request_id = routed.routing_request.request_id
@@ -256,6 +266,10 @@ class FlowGate:
         verdict = self.controller.admit(request, self._estimate(routed))
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
         if verdict.decision is Decision.ADMIT:
+            if request.request_class is RequestClass.CRITICAL:
+                self._critical[request_id] = request.tpot_slo_ms
+                while len(self._critical) > MAX_TRACKED_CRITICAL:  # a finish never reported
+                    self._critical.popitem(last=False)
             return routed
         if verdict.decision is Decision.SHED:
             raise _refusal(verdict)
@@ -280,11 +294,21 @@ class FlowGate:
         return routed
 
     def request_finished(
-        self, policy: Policy | None, tenant: str, usage: Any
+        self,
+        policy: Policy | None,
+        tenant: str,
+        usage: Any,
+        request_id: str | None = None,
+        tpot_ms: float | None = None,
     ) -> Coroutine[Any, Any, None] | None:
-        """A request ended: capacity may be free (wake the pump). Returns the charge of its
-        completion tokens to the tenant's budget, if it has one, for the caller to run."""
+        """A request ended: capacity may be free (wake the pump); a critical one's TPOT moves
+        the inter-token bound. Returns the charge of its completion tokens to the tenant's
+        budget, if it has one, for the caller to run."""
         self._wake.set()
+        if request_id is not None and request_id in self._critical:
+            slo = self._critical.pop(request_id)
+            self.controller.observe_finished(RequestClass.CRITICAL, tpot_ms, slo)
+            self._bound_gauge()
         spec = policy.tenant(tenant) if policy is not None else None
         budget = spec.token_budget if spec is not None else None
         tokens = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
@@ -363,6 +387,11 @@ class FlowGate:
                 tenant, request_class.value, decision.value, reason
             ).inc()
 
+    def _bound_gauge(self) -> None:
+        fraction = self.controller.itl_fraction
+        if self.metrics is not None and fraction is not None:
+            self.metrics.flow_itl_bound.set(fraction)
+
     def _queue_gauges(self) -> None:
         if self.metrics is None:
             return
@@ -406,11 +435,19 @@ class _FlowDeps(Protocol):
     def background(self) -> set[asyncio.Task[Any]]: ...
 
 
-def flow_finished(gw: _FlowDeps, policy: Policy | None, tenant: str, usage: Any) -> None:
-    """Tell flow control a request ended; its budget charge runs as a tracked background task."""
+def flow_finished(
+    gw: _FlowDeps,
+    policy: Policy | None,
+    tenant: str,
+    usage: Any,
+    request_id: str | None = None,
+    tpot_ms: float | None = None,
+) -> None:
+    """Tell flow control a request ended (with its TPOT, when it streamed two tokens or more);
+    its budget charge runs as a tracked background task."""
     if gw.flow is None:
         return
-    charge = gw.flow.request_finished(policy, tenant, usage)
+    charge = gw.flow.request_finished(policy, tenant, usage, request_id, tpot_ms)
     if charge is not None:
         task = asyncio.create_task(charge, name="fleetgate-token-budget")
         gw.background.add(task)

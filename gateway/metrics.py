@@ -305,6 +305,12 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.flow_itl_bound = Gauge(
+            "fleetgate_flow_itl_bound_ratio",
+            "The inter-token bound flow control holds requests by, as a fraction of their TPOT "
+            "SLO: saturation_itl_fraction, lowered while critical requests miss their TPOT",
+            registry=r,
+        )
         self.flow_decisions = Counter(
             "fleetgate_flow_decisions",
             "Flow-control decisions: admitted, queued or shed, by reason",

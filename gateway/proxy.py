@@ -172,6 +172,19 @@ class UpstreamOutcome:
     #: The request's LoRA adapter as held for the latest attempt; None without one.
     adapter_load: AdapterLoad | None = None
 
+    def tpot_ms(self, completion_tokens: int) -> float | None:
+        """Mean time per output token after the first, as the upstream delivered them (ms);
+        None without a first token, an end, or a second token."""
+        if (
+            completion_tokens < 2
+            or self.ttft_s is None
+            or self.sent_at is None
+            or not self.finished_at
+        ):
+            return None
+        decode_s = self.finished_at - self.sent_at - self.ttft_s
+        return max(0.0, decode_s) * 1000.0 / (completion_tokens - 1)
+
 
 _URLS: dict[tuple[str, str], URL] = {}
 

@@ -122,9 +122,9 @@ def _account(
         m.ttft.labels(route, model).observe(ttft)
         for gap in outcome.gaps_s:
             m.itl.labels(route, model).observe(gap)
-        if completion_tokens > 1 and outcome.finished_at and outcome.sent_at:
-            decode_s = outcome.finished_at - outcome.sent_at - outcome.ttft_s
-            m.tpot.labels(route, model).observe(max(0.0, decode_s) / (completion_tokens - 1))
+        tpot_ms = outcome.tpot_ms(completion_tokens)
+        if tpot_ms is not None:
+            m.tpot.labels(route, model).observe(tpot_ms / 1000.0)
     if ok:
         m.prompt_tokens.labels(route, model).inc(prompt_tokens)
         m.completion_tokens.labels(route, model).inc(completion_tokens)
@@ -197,18 +197,8 @@ def _slo(
     checks: dict[str, bool] = {}
     if routed.route.ttft_slo_ms is not None and ttft_ms is not None:
         checks["ttft"] = ttft_ms <= routed.route.ttft_slo_ms
-    if (
-        routed.route.tpot_slo_ms is not None
-        and outcome.ttft_s is not None
-        and outcome.finished_at
-        and outcome.sent_at
-        and completion_tokens > 1
-    ):
-        tpot_ms = (
-            (outcome.finished_at - outcome.sent_at - outcome.ttft_s)
-            / (completion_tokens - 1)
-            * 1000
-        )
+    tpot_ms = outcome.tpot_ms(completion_tokens)
+    if routed.route.tpot_slo_ms is not None and tpot_ms is not None:
         checks["tpot"] = tpot_ms <= routed.route.tpot_slo_ms
     if checks:
         # Per SLO (the TTFT burn-rate alerts read slo="ttft") and for both together (goodput).

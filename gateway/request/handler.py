@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -72,7 +73,15 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             finally:
                 if kind.usage is not None:  # the API's own usage shape, as accounting reads it
                     recorder.outcome.usage = kind.usage(recorder.outcome.usage)
-                flow_finished(gw, gw.policy.source, routed.tenant.name, recorder.outcome.usage)
+                outcome = recorder.outcome
+                flow_finished(
+                    gw,
+                    gw.policy.source,
+                    routed.tenant.name,
+                    outcome.usage,
+                    request_id,
+                    outcome.tpot_ms(_completion_tokens(outcome.usage)),
+                )
                 # After the handler returns, aiohttp writes the response before the loop runs
                 # the next callback: accounting stays off the client's latency.
                 asyncio.get_running_loop().call_soon(
@@ -88,3 +97,9 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         return err.response(request_id)
     finally:
         gw.active_requests -= 1
+
+
+def _completion_tokens(usage: object) -> int:
+    """The answer's completion token count (0 when it reported none)."""
+    tokens = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
+    return tokens if isinstance(tokens, int) else 0

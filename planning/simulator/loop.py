@@ -450,6 +450,9 @@ class _Simulation:
         self.router.observe_complete(
             routing_request, replica.replica_id, ttft_ms, outcome.cached_tokens, True
         )
+        if self.flow is not None and outcome.output_tokens >= 2:
+            tpot_ms = (delivered_s - outcome.first_token_s) * 1000.0 / (outcome.output_tokens - 1)
+            self.flow.observe_finished(outcome.request_class, tpot_ms, self.config.slo_tpot_ms)
         if self.on_done is not None:
             self.on_done(1)
 

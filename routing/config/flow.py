@@ -50,6 +50,12 @@ class FlowControlSpec(StrictModel):
     #: ... or its engine's recent time between output tokens is over this fraction of the
     #: request's TPOT SLO (its decodes are already slowed by the prefills sharing their steps).
     saturation_itl_fraction: PositiveFloat | None = 0.8
+    #: Share of critical requests that should meet their TPOT SLO: each one that misses it
+    #: lowers that bound a step, each one that meets it raises it back a smaller step, so the
+    #: others are held sooner while critical decodes run slow (null: the bound stays fixed).
+    critical_tpot_target: float | None = Field(default=0.99, gt=0, lt=1)
+    #: The lowest the bound goes, as a fraction of the TPOT SLO.
+    min_itl_fraction: PositiveFloat = 0.5
     #: Requests the gateway queue holds, all classes together.
     max_queue_length: NonNegativeInt = 1000
     #: Longest wait in the queue; null: until the request can no longer meet its TTFT SLO.

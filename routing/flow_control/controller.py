@@ -18,7 +18,10 @@ routing chose by.
   shed below saturation. The predicted
   TTFT is not the saturation test because it is a model of the engine's queue that under- or
   overcounts it by workload; it is the test of whether a request can meet its SLO.
-* **critical** is always admitted while a replica is up: it jumps the queue.
+* **critical** is always admitted while a replica is up: it jumps the queue. Its TPOT is what
+  the inter-token bound protects, so each critical request that finishes moves the bound
+  (``critical_tpot_target``): a TPOT miss tightens it, so that the others are held sooner and
+  its decodes get the steps; a run of met TPOTs relaxes it back to ``saturation_itl_fraction``.
 * **sheddable**, when saturated, is refused at once if its predicted TTFT is over its SLO; else
   it queues behind everything else.
 * **standard**, when saturated, queues. A queued request leaves with a refusal when its wait
@@ -42,6 +45,7 @@ from routing.flow_control.estimate import FleetEstimate, ReplicaLoad
 from routing.flow_control.queue import FairQueue, QueuedEntry
 
 __all__ = [
+    "ITL_BOUND_STEP",
     "Decision",
     "FlowControlSettings",
     "FlowController",
@@ -111,6 +115,15 @@ class FlowControlSettings:
     #: admitted (unless others of its class or higher wait): holding a request that would meet
     #: its SLO now only spends its slack. None: saturation alone decides.
     admit_within_slo_fraction: float | None = None
+    #: Share of critical requests that should meet their TPOT SLO. Each critical request that
+    #: finishes moves the inter-token bound (``saturation_itl_fraction``): a TPOT miss lowers
+    #: it by ``ITL_BOUND_STEP``, a TPOT met raises it back by that step × (1 - target) / target,
+    #: so that it settles where about 1 - target of them miss. Critical requests are never held,
+    #: so a tighter bound holds the others sooner and leaves their decodes the steps. None: the
+    #: bound stays where it is set.
+    critical_tpot_target: float | None = 0.99
+    #: The lowest the inter-token bound goes (a fraction of the TPOT SLO).
+    min_itl_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         backlog = self.saturation_backlog_requests
@@ -138,7 +151,17 @@ class FlowControlSettings:
         fraction = self.admit_within_slo_fraction
         if fraction is not None and not (0 < fraction <= 1):
             raise ValueError(f"admit_within_slo_fraction: must be in (0, 1] (got {fraction!r})")
+        target = self.critical_tpot_target
+        if target is not None and not (0 < target < 1):
+            raise ValueError(f"critical_tpot_target: must be in (0, 1) (got {target!r})")
+        lowest = self.min_itl_fraction
+        if not (lowest > 0 and math.isfinite(lowest)):
+            raise ValueError(f"min_itl_fraction: must be > 0 (got {lowest!r})")
 
+
+#: How far one critical TPOT miss lowers the inter-token bound (a fraction of the SLO): ten
+#: misses in a row take it from 0.8 to 0.6, and at a 99% target a hundred met bring one step back.
+ITL_BOUND_STEP = 0.02
 
 _ADMIT_IDLE = Verdict(Decision.ADMIT, "not_saturated")
 _ADMIT_CRITICAL = Verdict(Decision.ADMIT, "critical")
@@ -158,6 +181,8 @@ class FlowController:
         self._evicted: list[tuple[FlowRequest, Verdict]] = []
         #: Latest known shortest queue wait, for Retry-After on refusals without an estimate.
         self._last_min_wait_ms = 0.0
+        #: How far critical requests' TPOT misses have lowered the inter-token bound.
+        self._itl_lowered = 0.0
 
     def now(self) -> float:
         """The controller's clock (arrival times of ``FlowRequest`` are on it)."""
@@ -244,6 +269,38 @@ class FlowController:
         """The client went away: leave the queue at once. False if it was not queued."""
         return self.queue.remove(request_id) is not None
 
+    @property
+    def itl_fraction(self) -> float | None:
+        """The inter-token bound in force: ``saturation_itl_fraction``, lowered by critical
+        requests' TPOT misses (never below ``min_itl_fraction``); None when not used."""
+        top = self.settings.saturation_itl_fraction
+        if top is None:
+            return None
+        return max(min(top, self.settings.min_itl_fraction), top - self._itl_lowered)
+
+    def observe_finished(
+        self, request_class: RequestClass, tpot_ms: float | None, tpot_slo_ms: float | None
+    ) -> None:
+        """A request finished with this TPOT: a critical one moves the inter-token bound
+        (``critical_tpot_target``). Others, and requests without a TPOT, change nothing."""
+        settings = self.settings
+        target = settings.critical_tpot_target
+        top = settings.saturation_itl_fraction
+        if (
+            request_class is not RequestClass.CRITICAL
+            or target is None
+            or top is None
+            or tpot_ms is None
+            or tpot_slo_ms is None
+        ):
+            return
+        room = max(0.0, top - settings.min_itl_fraction)
+        if tpot_ms > tpot_slo_ms:
+            self._itl_lowered = min(room, self._itl_lowered + ITL_BOUND_STEP)
+        else:
+            raised = ITL_BOUND_STEP * (1.0 - target) / target
+            self._itl_lowered = max(0.0, min(room, self._itl_lowered) - raised)
+
     # ------------------------------------------------------------------ helpers
 
     def _within_slo(
@@ -269,7 +326,7 @@ class FlowController:
 
     def _too_slow(self, itl_ms: float | None, request: FlowRequest) -> bool:
         """True when decodes at ``itl_ms`` leave no headroom under ``request``'s TPOT SLO."""
-        fraction = self.settings.saturation_itl_fraction
+        fraction = self.itl_fraction
         return (
             fraction is not None
             and request.tpot_slo_ms is not None

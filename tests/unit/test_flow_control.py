@@ -23,6 +23,7 @@ from routing.flow_control import (
     estimate_from_decision,
     parse_request_class,
 )
+from routing.flow_control.controller import ITL_BOUND_STEP
 from routing.flow_control.estimate import ReplicaLoad
 from routing.state import ReplicaState
 from routing.types import ReplicaId
@@ -141,6 +142,61 @@ def test_a_replica_whose_decodes_run_slower_than_the_tpot_slo_allows_is_full() -
     assert other.admit(request("loose", 100.0), fleet(41.0)).reason == "not_saturated"
     with pytest.raises(ValueError, match="saturation_itl_fraction"):
         FlowControlSettings(saturation_itl_fraction=0.0)
+
+
+def test_critical_tpot_misses_tighten_the_inter_token_bound_and_met_ones_relax_it() -> None:
+    flow = _controller(FakeClock(), saturation_itl_fraction=0.8, critical_tpot_target=0.99)
+    assert flow.itl_fraction == pytest.approx(0.8)
+
+    def fleet() -> FleetEstimate:
+        # Both replicas decode 36 ms apart, nothing waits: 0.72 of a 50 ms SLO.
+        load = ReplicaLoad(10.0, 0.0, 0, 0.5, 36.0)
+        return FleetEstimate(200.0, (load, load), chosen_decode_itl_ms=36.0)
+
+    def request(rid: str) -> FlowRequest:
+        return FlowRequest(rid, "a", STANDARD, 60_000.0, 1.0, 100.0, 50.0)
+
+    assert flow.admit(request("before"), fleet()).reason == "not_saturated"
+    # Standard and sheddable outcomes, and critical ones without a TPOT, move nothing.
+    flow.observe_finished(STANDARD, 90.0, 50.0)
+    flow.observe_finished(SHEDDABLE, 90.0, 50.0)
+    flow.observe_finished(CRITICAL, None, 50.0)
+    flow.observe_finished(CRITICAL, 90.0, None)
+    assert flow.itl_fraction == pytest.approx(0.8)
+    # Each critical miss lowers the bound one step (0.02): after five, 36 ms is over 0.7 x 50.
+    for _ in range(5):
+        flow.observe_finished(CRITICAL, 60.0, 50.0)
+    assert flow.itl_fraction == pytest.approx(0.8 - 5 * ITL_BOUND_STEP)
+    assert flow.admit(request("after"), fleet()).decision is Decision.QUEUE
+    # A met TPOT raises it by step x (1 - 0.99) / 0.99: 99 of them undo one miss.
+    for _ in range(99):
+        flow.observe_finished(CRITICAL, 20.0, 50.0)
+    assert flow.itl_fraction == pytest.approx(0.8 - 4 * ITL_BOUND_STEP)
+    # It never goes under min_itl_fraction, nor over saturation_itl_fraction.
+    for _ in range(100):
+        flow.observe_finished(CRITICAL, 60.0, 50.0)
+    assert flow.itl_fraction == pytest.approx(0.5)
+    for _ in range(100_000):
+        flow.observe_finished(CRITICAL, 20.0, 50.0)
+    assert flow.itl_fraction == pytest.approx(0.8)
+    # A new setting takes effect at once, the misses still counted against it.
+    flow.observe_finished(CRITICAL, 60.0, 50.0)
+    flow.settings = FlowControlSettings(saturation_itl_fraction=0.9)
+    assert flow.itl_fraction == pytest.approx(0.9 - ITL_BOUND_STEP)
+
+
+def test_without_a_target_the_inter_token_bound_stays_where_it_is_set() -> None:
+    flow = _controller(FakeClock(), saturation_itl_fraction=0.8, critical_tpot_target=None)
+    for _ in range(50):
+        flow.observe_finished(CRITICAL, 90.0, 50.0)
+    assert flow.itl_fraction == pytest.approx(0.8)
+    unused = _controller(FakeClock(), saturation_itl_fraction=None)
+    unused.observe_finished(CRITICAL, 90.0, 50.0)
+    assert unused.itl_fraction is None
+    with pytest.raises(ValueError, match="critical_tpot_target"):
+        FlowControlSettings(critical_tpot_target=1.0)
+    with pytest.raises(ValueError, match="min_itl_fraction"):
+        FlowControlSettings(min_itl_fraction=0.0)
 
 
 def test_room_on_a_replica_routing_did_not_choose_is_not_room_once_most_are_full() -> None:
@@ -387,3 +443,27 @@ def test_token_budgets_reserve_prompt_tokens_and_refuse_until_the_next_window() 
         assert (await budgets.admit("t", budget, 900)).admitted
 
     asyncio.run(scenario())
+
+
+def test_the_yaml_section_sets_the_critical_target_and_refuses_impossible_ones() -> None:
+    from gateway.flow_control import settings_of
+    from routing.config.errors import PolicyError
+    from routing.config.loader import parse_policy
+
+    fleet = """
+version: 1
+replica_pools:
+  - {name: pool-a, replicas: ["http://127.0.0.1:9"]}
+models:
+  - {name: base-model, pools: [pool-a]}
+"""
+    policy = parse_policy(
+        fleet + "flow_control: {enabled: true, critical_tpot_target: 0.97, min_itl_fraction: 0.6}\n"
+    )
+    settings = settings_of(policy)
+    assert (settings.critical_tpot_target, settings.min_itl_fraction) == (0.97, 0.6)
+    assert settings_of(parse_policy(fleet)).critical_tpot_target == 0.99  # the default
+    fixed = parse_policy(fleet + "flow_control: {enabled: true, critical_tpot_target: null}\n")
+    assert settings_of(fixed).critical_tpot_target is None
+    with pytest.raises(PolicyError, match="critical_tpot_target"):
+        parse_policy(fleet + "flow_control: {critical_tpot_target: 1.5}\n")

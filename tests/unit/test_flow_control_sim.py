@@ -10,8 +10,9 @@ import pytest
 
 from bench.workloads.generators import generate
 from fleetgate.cli import main
+from planning.simulator import SimulationConfig, prepare_requests, simulate
 from planning.simulator.flow import assign_classes, conversation_keys, parse_class_mix
-from routing.flow_control import RequestClass
+from routing.flow_control import FlowController, FlowControlSettings, RequestClass
 from traces.format import TraceRecord, write_trace
 
 
@@ -67,3 +68,36 @@ def test_simulate_with_classes_reports_flow_control_per_class(
     assert on["queued"] > 0 and on["shed"] > 0
     assert "critical" not in on["shed_by_class"]
     assert on["requests"] + on["shed"] == 120
+
+
+def test_the_simulator_reports_each_critical_tpot_to_flow_control(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    seen: list[tuple[RequestClass, float | None, float | None]] = []
+    original = FlowController.observe_finished
+
+    def spy(self: FlowController, *args: object) -> None:
+        seen.append(args)  # type: ignore[arg-type]
+        original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FlowController, "observe_finished", spy)
+    requests = prepare_requests(generate("multi-turn", 80, 40.0, seed=2), rate_scale=4.0)
+    config = SimulationConfig(
+        profile="tiny",
+        replicas=2,
+        classes=parse_class_mix("critical=0.5,standard=0.5"),
+        flow_control=FlowControlSettings(),
+    )
+    run = next(iter(simulate(requests, ["expected-ttft"], config).runs.values()))
+    # One report per finished request of two tokens or more, with its class and the TPOT the
+    # goodput counts (the same arithmetic), against the run's TPOT SLO.
+    finished = [o for o in run.outcomes if o.output_tokens >= 2 and o.finish_s == o.finish_s]
+    assert len(seen) == len(finished) > 0
+    expected = sorted(
+        (o.request_class.value, (o.finish_s - o.first_token_s) * 1000 / (o.output_tokens - 1))
+        for o in finished
+    )
+    got = sorted((c.value, tpot) for c, tpot, _ in seen)  # type: ignore[misc]
+    assert [c for c, _ in got] == [c for c, _ in expected]
+    assert [t for _, t in got] == pytest.approx([t for _, t in expected])
+    assert {slo for _, _, slo in seen} == {config.slo_tpot_ms}
