@@ -341,41 +341,35 @@ async def test_a_critical_request_that_misses_its_tpot_tightens_the_bound_others
     tmp_path: Path,
 ) -> None:
     upstream = FakeUpstream()
-    upstream.stream_gate = asyncio.Event()
     async with serve(upstream.app()) as upstream_url:
         path = tmp_path / "policy.yaml"
         path.write_text(_paced_policy(upstream_url))
         app = create_app(GatewayConfig(policy_path=str(path)))
         async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
-            controller = app[GATEWAY].flow.controller  # type: ignore[index]
+            gw = app[GATEWAY]  # type: ignore[index]
+            controller = gw.flow.controller
 
-            async def stream(key: str) -> None:
+            async def stalled_stream(key: str) -> None:
+                """A stream whose second token comes 250 ms after its first: three tokens, a
+                TPOT of at least 125 ms against the route's 50 ms (a slower machine only adds)."""
+                upstream.stream_gate = asyncio.Event()
+                attempts = upstream.attempts
                 async with http.post(
                     f"{url}/v1/completions",
                     json={**_completion(key), "stream": True},
                     headers={"Authorization": f"Bearer {key}"},
                 ) as resp:
                     assert resp.status == 200
+                    await wait_until(lambda: upstream.attempts > attempts, f"{key} streams")
+                    await asyncio.sleep(0.25)
+                    upstream.stream_gate.set()
                     await resp.read()
+                # The handler reports the finish before it lets go of the request.
+                await wait_until(lambda: gw.active_requests == 0, f"{key} finished")
 
-            # A standard request whose decode stalls moves nothing.
-            upstream.stream_gate = asyncio.Event()
-            standard = asyncio.create_task(stream("a"))
-            await wait_until(lambda: upstream.attempts == 1, "the standard request streams")
-            await asyncio.sleep(0.25)
-            upstream.stream_gate.set()
-            await standard
-            # The bound is read once the policy is: untouched by the standard request.
-            await wait_until(lambda: controller.itl_fraction == 0.8, "the policy's bound")
-            # A critical one whose second token comes 250 ms after its first: three tokens,
-            # a TPOT of at least 125 ms against the route's 50 ms (a slower machine only adds).
-            upstream.stream_gate = asyncio.Event()
-            critical = asyncio.create_task(stream("gold"))
-            await wait_until(lambda: upstream.attempts == 2, "the critical request streams")
-            await asyncio.sleep(0.25)
-            upstream.stream_gate.set()
-            await critical
-            await wait_until(lambda: controller.itl_fraction < 0.8, "the bound tightened")
+            await stalled_stream("a")  # a standard request that misses moves nothing
+            assert controller.itl_fraction == pytest.approx(0.8)
+            await stalled_stream("gold")  # a critical one that misses lowers it a step
             assert controller.itl_fraction == pytest.approx(0.78)
             metrics = await (await http.get(f"{url}/metrics")).text()
             assert "fleetgate_flow_itl_bound_ratio 0.78" in metrics
