@@ -4,7 +4,9 @@ Composes with any scorers. Two guards stop a hot shared prefix (every request sc
 one replica that caches it) from piling onto one replica:
 
 * bounded load: a replica whose load exceeds ``(1 + load_epsilon) * mean + load_slack`` is not
-  eligible (the minimum load never exceeds the mean, so someone always is);
+  eligible (the minimum load never exceeds the mean, so someone always is). With
+  ``spare_cached_queues`` it stays eligible while the prompt tokens it has yet to prefill are at
+  most the fleet's mean: a queue of cache hits is many requests but little work;
 * shared ties: among eligible replicas whose score is within ``tie_tolerance`` (relative) of the
   best, the one this picker chose least recently wins (``tie_break: least-recent``, the default;
   never-chosen ones first, in random order), so near-equal replicas take turns.
@@ -52,6 +54,10 @@ class MaxScorePicker(ExplainingPicker):
         tie_tolerance: float = Field(default=0.05, ge=0.0, lt=1.0)
         #: How a tie is broken: the replica chosen least recently, or a uniform draw.
         tie_break: Literal["least-recent", "random"] = "least-recent"
+        #: Keep a replica over the load bound eligible while the prompt tokens it has yet to
+        #: prefill are at most the fleet's mean: its queue is of requests that hit its cache,
+        #: which cost it little, and passing it over would prefill their prefix again elsewhere.
+        spare_cached_queues: bool = False
 
     params: Params
 
@@ -82,10 +88,15 @@ class MaxScorePicker(ExplainingPicker):
         # Ids sorted before drawing tie-breakers, so a fixed seed gives a fixed order whatever
         # the input order; then best score first, random among equal scores.
         ranked = sorted([(-score_of(rid, 0.0), draw(), rid) for rid in sorted(loads)])
+        spared: set[ReplicaId] = set()
+        if p.spare_cached_queues:
+            pending = {r.replica_id: r.inflight_prefill_tokens for r in replicas}
+            mean_pending = sum(pending.values()) / len(pending)
+            spared = {rid for rid, tokens in pending.items() if tokens <= mean_pending}
         eligible: list[ReplicaId] = []
         over: list[ReplicaId] = []
         for _, _, rid in ranked:
-            (eligible if loads[rid] <= bound else over).append(rid)
+            (eligible if loads[rid] <= bound or rid in spared else over).append(rid)
 
         best = score_of(eligible[0], 0.0)
         floor = best - p.tie_tolerance * abs(best)
@@ -106,6 +117,7 @@ class MaxScorePicker(ExplainingPicker):
         else:
             order = [chosen, *(rid for rid in eligible if rid != chosen), *over]
         terms: dict[ReplicaId, dict[str, float]] = {
-            rid: {"over_load_bound": 1.0 if load > bound else 0.0} for rid, load in loads.items()
+            rid: {"over_load_bound": 1.0 if load > bound and rid not in spared else 0.0}
+            for rid, load in loads.items()
         }
         return order, terms

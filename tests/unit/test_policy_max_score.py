@@ -52,6 +52,34 @@ def test_bounded_load_guard_passes_over_an_overloaded_favourite() -> None:
     assert terms[ReplicaId("b")]["over_load_bound"] == 0.0
 
 
+def test_a_queue_of_cache_hits_is_spared_the_load_bound_when_asked() -> None:
+    """Many requests waiting but few prompt tokens left to prefill: the holder's queue is its
+    own cache hits. Passing it over would prefill their prefix again elsewhere."""
+
+    def with_pending(state: ReplicaState, tokens: int) -> ReplicaState:
+        state.inflight_prefill_tokens = tokens
+        return state
+
+    # mean load 5, bound 8.25: "hot" (12) is over it. Mean pending prefill 4,000 tokens.
+    replicas = [
+        with_pending(rep("hot", 12), 1_000),
+        with_pending(rep("b", 3), 6_000),
+        with_pending(rep("c", 0), 5_000),
+    ]
+    given = scores(hot=1.0, b=0.5, c=0.1)
+    plain = MaxScorePicker(MaxScorePicker.Params(load_epsilon=0.25, load_slack=2.0))
+    assert plain.pick(req(1), replicas, given)[0] == "b"
+    sparing = MaxScorePicker(
+        MaxScorePicker.Params(load_epsilon=0.25, load_slack=2.0, spare_cached_queues=True)
+    )
+    order, terms = sparing.pick_with_terms(req(1), replicas, given)
+    assert order[0] == "hot" and terms[ReplicaId("hot")]["over_load_bound"] == 0.0
+    # The same queue with more than the mean left to prefill is work, and it is passed over.
+    replicas[0] = with_pending(rep("hot", 12), 9_000)
+    order, terms = sparing.pick_with_terms(req(1), replicas, given)
+    assert order == ["b", "c", "hot"] and terms[ReplicaId("hot")]["over_load_bound"] == 1.0
+
+
 def test_an_overflow_request_goes_where_its_scorer_sent_it_over_the_bound() -> None:
     """A scorer that judged the request late everywhere concentrates it on purpose."""
     picker = MaxScorePicker(MaxScorePicker.Params(load_epsilon=0.25, load_slack=2.0))
