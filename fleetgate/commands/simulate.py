@@ -286,12 +286,18 @@ def _sweep(
 
 
 def _warn_refused(points: list[SweepPoint]) -> None:
+    """One line per rate scale: how many requests each policy's engines refused, and why."""
     for point in points:
-        refused = {name: run.rejected for name, run in point.report.runs.items() if run.rejected}
+        runs = point.report.runs.values()
+        refused = {run.policy: run.rejected for run in runs if run.rejected}
         if refused:
             where = f" at rate scale {point.rate_scale:g}" if len(points) > 1 else ""
+            example = next((r.rejection_example for r in runs if r.rejection_example), None)
+            why = f"; the first: {example}" if example else ""
             print(
-                f"warning: engines refused requests{where} (too long?): {refused}", file=sys.stderr
+                f"warning: engines refused requests{where} (left out of every figure): "
+                f"{refused}{why}",
+                file=sys.stderr,
             )
 
 

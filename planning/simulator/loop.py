@@ -118,6 +118,8 @@ class PolicyRun:
     queued: int = 0
     #: Requests routed as overflow: predicted to miss the TTFT SLO on every replica.
     overflow: int = 0
+    #: Why the first refused request was refused (the engine's message), for the summary.
+    rejection_example: str | None = None
 
 
 class _Simulation:
@@ -177,6 +179,7 @@ class _Simulation:
         self.unscheduled: list[set[str]] = [set() for _ in self.replicas]
         self.heap: list[tuple[float, int, int]] = []
         self.rejected = 0
+        self.rejection_example: str | None = None
         self.degraded = 0
         self.overflow = 0
         self._seed_rng = random.Random(f"{config.seed}:routing")
@@ -230,6 +233,7 @@ class _Simulation:
             policy=self.policy,
             outcomes=finished,
             rejected=self.rejected,
+            rejection_example=self.rejection_example,
             routed_per_replica=[r.routed for r in self.replicas],
             preemptions=sum(r.engine.stats().preemptions for r in self.replicas),
             price_per_hour=self.replicas[0].engine.config.replica_price_per_hour,
@@ -372,7 +376,10 @@ class _Simulation:
         except ValueError as exc:
             # vLLM would answer 400; the request never loads the fleet. Counted, not timed.
             self.rejected += 1
-            log.warning("request %s refused by %s: %s", request_id, replica.replica_id, exc)
+            if self.rejection_example is None:
+                self.rejection_example = str(exc)
+            # One line per refusal, per policy replayed, is noise: the caller sums them up.
+            log.debug("request %s refused by %s: %s", request_id, replica.replica_id, exc)
             return
         explanation = decision.explanations.get(decision.replica)
         matched = explanation.matched_blocks if explanation else 0

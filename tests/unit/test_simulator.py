@@ -189,3 +189,23 @@ def test_cli_refuses_an_unknown_policy(tmp_path: Path, capsys: pytest.CaptureFix
     write_trace([_record(0, [1])], trace)
     assert main(["simulate", "--trace", str(trace), "--policies", "fastest"]) == 2
     assert "unknown policy fastest" in capsys.readouterr().err
+
+
+def test_requests_the_engines_refuse_are_summed_up_once_with_the_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    records = [TraceRecord(i * 100, 400, 8, (i,)) for i in range(20)]
+    too_long = 200_000  # past the tiny profile's context window
+    records[5] = TraceRecord(500, too_long, 8, tuple(range(100, 100 + -(-too_long // 512))))
+    write_trace(records, trace)
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    argv += ["--policies", "expected-ttft,round-robin", "--json", "--no-progress"]
+    with caplog.at_level("WARNING"):
+        assert main(argv) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: engines refused")]
+    assert len(warnings) == 1, err
+    assert "{'expected-ttft': 1, 'round-robin': 1}" in warnings[0]
+    assert "maximum context length" in warnings[0]
+    assert not [r for r in caplog.records if "refused by" in r.getMessage()]
