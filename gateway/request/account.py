@@ -50,6 +50,11 @@ def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+def completion_tokens_of(usage: Mapping[str, Any] | None) -> int:
+    """``usage.completion_tokens``, or 0 when the answer reported none."""
+    return _int(usage.get("completion_tokens")) if isinstance(usage, Mapping) else 0
+
+
 def cached_tokens_of(usage: Mapping[str, Any] | None) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens``, or None when the engine does not report it."""
     if not usage:
@@ -112,7 +117,7 @@ def _account(
     ok = status == 200 and not outcome.client_gone
     usage = outcome.usage or {}
     prompt_tokens = _int(usage.get("prompt_tokens"))
-    completion_tokens = _int(usage.get("completion_tokens"))
+    completion_tokens = completion_tokens_of(usage)
     cached = cached_tokens_of(usage)
     ttft_ms = None
     if outcome.ttft_s is not None:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 
 from aiohttp import web
 
 from gateway import errors
 from gateway.errors import GatewayError
 from gateway.flow_control import flow_finished
-from gateway.request.account import account
+from gateway.request.account import account, completion_tokens_of
 from gateway.request.forward import AttemptRecorder, forward, plan_forward
 from gateway.request.kinds import RequestKind
 from gateway.request.route import RequestLabels, admit, repick, route
@@ -80,7 +79,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                     routed.tenant.name,
                     outcome.usage,
                     request_id,
-                    outcome.tpot_ms(_completion_tokens(outcome.usage)),
+                    outcome.tpot_ms(completion_tokens_of(outcome.usage)),
                 )
                 # After the handler returns, aiohttp writes the response before the loop runs
                 # the next callback: accounting stays off the client's latency.
@@ -97,9 +96,3 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         return err.response(request_id)
     finally:
         gw.active_requests -= 1
-
-
-def _completion_tokens(usage: object) -> int:
-    """The answer's completion token count (0 when it reported none)."""
-    tokens = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
-    return tokens if isinstance(tokens, int) else 0

@@ -81,6 +81,13 @@ class RequestOutcome:
     gateway_wait_s: float = 0.0
 
     @property
+    def tpot_ms(self) -> float:
+        """Mean time per output token after the first (NaN under two tokens or unfinished)."""
+        if self.output_tokens < 2:
+            return math.nan
+        return (self.finish_s - self.first_token_s) * 1000.0 / (self.output_tokens - 1)
+
+    @property
     def dispatched_s(self) -> float:
         """When the gateway sent it to the engine."""
         return self.arrival_s + self.gateway_wait_s
@@ -458,8 +465,9 @@ class _Simulation:
             routing_request, replica.replica_id, ttft_ms, outcome.cached_tokens, True
         )
         if self.flow is not None and outcome.output_tokens >= 2:
-            tpot_ms = (delivered_s - outcome.first_token_s) * 1000.0 / (outcome.output_tokens - 1)
-            self.flow.observe_finished(outcome.request_class, tpot_ms, self.config.slo_tpot_ms)
+            self.flow.observe_finished(
+                outcome.request_class, outcome.tpot_ms, self.config.slo_tpot_ms
+            )
         if self.on_done is not None:
             self.on_done(1)
 

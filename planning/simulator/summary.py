@@ -134,12 +134,6 @@ def _percentile(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if values.size else math.nan
 
 
-def _tpot_ms(outcome: RequestOutcome) -> float:
-    if outcome.output_tokens < 2:
-        return math.nan
-    return (outcome.finish_s - outcome.first_token_s) * 1000.0 / (outcome.output_tokens - 1)
-
-
 def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicySummary:
     """The report row of one policy run."""
     outcomes: Sequence[RequestOutcome] = run.outcomes
@@ -156,7 +150,7 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
             queued=run.queued,
         )
     ttft = np.array([(o.first_token_s - o.arrival_s) * 1000.0 for o in outcomes])
-    tpot_all = np.array([_tpot_ms(o) for o in outcomes])
+    tpot_all = np.array([o.tpot_ms for o in outcomes])
     tpot = tpot_all[~np.isnan(tpot_all)]
     queue = np.array([(o.scheduled_s - o.arrival_s) * 1000.0 for o in outcomes])
     prompt_tokens = sum(o.prompt_tokens for o in outcomes)
