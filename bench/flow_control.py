@@ -128,14 +128,19 @@ def run_point(
     scale: float,
     mix: str,
     settings: FlowControlSettings,
+    engine_priority: bool = False,
 ) -> Point:
-    """The default policy at ``scale`` x, flow control off and on, same classes."""
+    """The default policy at ``scale`` x, flow control off and on, same classes; with
+    ``engine_priority`` the engines schedule by the classes (vLLM's priority policy) in both."""
     classes = parse_class_mix(mix)
     requests = prepare_requests(trace, rate_scale=scale)
     policy = default_policy()
+    engine = {"scheduling_policy": "priority"} if engine_priority else {}
     rows = {}
     for flow in (False, True):
-        config = SimulationConfig(classes=classes, flow_control=settings if flow else None)
+        config = SimulationConfig(
+            classes=classes, flow_control=settings if flow else None, engine_overrides=engine
+        )
         rows[flow] = simulate(requests, [policy], config).summaries[0]
     return Point(subject, scale, rows[True], rows[False])
 
@@ -264,6 +269,7 @@ def render_page(
     page: Path,
     elapsed_s: float,
     trace_sizes: dict[str, int] | None = None,
+    engine_priority: bool = False,
 ) -> str:
     """The markdown page; ``trace_sizes``: the ``--trace`` subjects and requests replayed."""
     failed = [c for c in checks if not c.passed]
@@ -287,7 +293,14 @@ def render_page(
         "requests waiting to start there, or KV usage at least "
         f"{settings.saturation_kv_usage:g}){_optional_bounds(settings)}; queue of "
         f"{settings.max_queue_length}; queued requests leave when they can no longer meet "
-        "their TTFT SLO. Refused requests count as misses in every goodput figure.",
+        "their TTFT SLO. Refused requests count as misses in every goodput figure."
+        + (
+            " The engines schedule by priority (vLLM's `--scheduling-policy priority`; the "
+            "gateway's `flow_control.engine_priority`): each request carries its class as "
+            "vLLM's `priority`, with flow control off and on alike."
+            if engine_priority
+            else ""
+        ),
         "",
         f"{requests:,} requests per generated trace. The generated workloads arrive at "
         "`bench.routing_quality`'s saturation rates, measured on 2,000-request traces: the "
@@ -419,6 +432,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="worker processes, one subject and load each (default: 2, or 1 on one CPU)",
     )
+    parser.add_argument(
+        "--engine-priority",
+        action="store_true",
+        help="engines schedule by priority (vLLM's --scheduling-policy priority), each request "
+        "carrying its class as vLLM's priority, with flow control off and on alike",
+    )
     parser.add_argument("--out", default=DEFAULT_PAGE, help="markdown page to write")
     parser.add_argument("--no-page", action="store_true", help="print the checks only")
     return parser
@@ -454,7 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tasks = [(subject, trace, scale) for subject, (trace, _) in chosen.items() for scale in scales]
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = [
-            pool.submit(run_point, subject, trace, scale, args.classes, settings)
+            pool.submit(
+                run_point, subject, trace, scale, args.classes, settings, args.engine_priority
+            )
             for subject, trace, scale in tasks
         ]
         for (subject, _, scale), future in zip(tasks, futures, strict=True):
@@ -485,6 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 page,
                 elapsed,
                 {name: len(trace) for name, trace in traces.items()},
+                args.engine_priority,
             )
         )
         print(f"wrote {page} and {len(plots)} PNGs", file=sys.stderr)

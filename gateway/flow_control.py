@@ -293,6 +293,19 @@ class FlowGate:
             raise _refusal(verdict)
         return routed
 
+    def engine_priority(
+        self, routed: R, headers: Mapping[str, str], policy: Policy | None
+    ) -> int | None:
+        """vLLM's ``priority`` for ``routed`` (its class's), where the policy says the engines
+        schedule by priority (``flow_control.engine_priority``); None otherwise."""
+        if policy is None or not policy.flow_control.engine_priority:
+            return None
+        route = routed.route
+        flow = tenant_flow(
+            policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
+        )
+        return flow.request_class.engine_priority
+
     def request_finished(
         self,
         policy: Policy | None,

@@ -88,8 +88,16 @@ def plan_forward(
     *,
     max_retries: int,
     read_timeout_s: float,
+    priority: int | None = None,
 ) -> ForwardPlan:
-    """The plan for ``routed``: ``raw`` reused as the payload where nothing must change."""
+    """The plan for ``routed``: ``raw`` reused as the payload where nothing must change.
+
+    ``priority``: vLLM's request ``priority`` to send (engines under priority scheduling), set
+    on chat and completion bodies (``kind.payload`` None), replacing any the client sent.
+    """
+    if priority is not None and kind.payload is None and body.get("priority") != priority:
+        body = {**body, "priority": priority}
+        raw = _encode(body)
     payload, hide_usage = (kind.payload or upstream_payload)(body, raw, routed.tenant)
     decision = routed.decision
     return ForwardPlan(

@@ -377,6 +377,10 @@ class _Simulation:
             record.output_length,
             adapter=record.adapter,
             arrival_s=self.now,
+            # The gateway sends the class as vLLM's priority to engines scheduling by it.
+            priority=waiting.request_class.engine_priority
+            if replica.engine.config.scheduling_policy == "priority"
+            else 0,
         )
         try:
             replica.engine.check(sim_request)

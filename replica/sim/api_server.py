@@ -47,6 +47,7 @@ from replica.sim.server import (
     _chat_prompt,
     _json_body,
     _max_tokens,
+    _priority,
     _submit,
 )
 from routing.api_messages import anthropic_messages, responses_messages
@@ -158,7 +159,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     max_tokens = _max_tokens(replica, body.get("max_output_tokens"), len(prompt),
                              "max_output_tokens")
     stream = _submit(replica, prompt, max_tokens, adapter, _cache_salt(body),
-                     request.headers.get("X-Request-Id"))
+                     request.headers.get("X-Request-Id"), _priority(body))
     shapes = ResponseShapes(body, body.get("model") or replica.config.model, max_tokens)
     # vLLM silently ignores store=true unless its store is enabled.
     keep = replica.config.responses_store and body.get("store", True) is not False
@@ -247,7 +248,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     adapter = replica.resolve_model(body.get("model"))
     prompt, max_tokens = _anthropic_prompt(replica, body)
     stream = _submit(replica, prompt, max_tokens, adapter, _cache_salt(body),
-                     request.headers.get("X-Request-Id"))
+                     request.headers.get("X-Request-Id"), _priority(body))
     shapes = MessageShapes(body["model"])
     decode = replica.tokenizer.decode
     async with _aborting_on_exit(replica, stream):

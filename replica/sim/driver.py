@@ -127,6 +127,7 @@ class EngineDriver:
         adapter: str | None = None,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request; raises ``ValueError`` if the engine can never run it."""
         rid = request_id or f"sim-{next(self._ids)}"
@@ -139,6 +140,7 @@ class EngineDriver:
                 adapter=adapter,
                 cache_salt=cache_salt,
                 arrival_s=arrival,
+                priority=priority,
             )
         )
         stream = RequestStream(

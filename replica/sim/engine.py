@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 import xxhash
 
@@ -51,6 +51,8 @@ class SimRequest:
     arrival_s: float = 0.0
     #: The sim never samples EOS: every request emits exactly ``max_tokens`` tokens.
     ignore_eos: bool = True
+    #: vLLM's request ``priority`` (lower first); non-zero only under priority scheduling.
+    priority: int = 0
 
 
 @dataclass
@@ -139,6 +141,10 @@ class EngineConfig:
     #: A measured step-time model (``fleetgate sim calibrate``); when set it replaces the
     #: roofline's step time. Profiles give it as a ``step_time`` mapping.
     step_time: StepTimeModel | None = None
+    #: vLLM's ``--scheduling-policy``: ``fcfs`` (arrival order; preempt the newest running
+    #: request) or ``priority`` (by each request's ``priority``, lower first, then arrival;
+    #: preempt the lowest-priority, newest running request).
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
 
     def __post_init__(self) -> None:
         if not isinstance(self.hardware, HardwareProfile) or not isinstance(
@@ -168,6 +174,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization: must be in (0, 1] (got {self.gpu_memory_utilization})"
+            )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy: must be 'fcfs' or 'priority' (got {self.scheduling_policy!r})"
             )
         for name in ("lora_h2d_gbps", "adapter_default_size_mb", "max_model_len"):
             value = getattr(self, name)
@@ -297,6 +307,7 @@ class _Request:
         "prompt",
         "prompt_bytes",
         "prompt_len",
+        "queue_key",
         "request_id",
         "sim",
     )
@@ -310,6 +321,8 @@ class _Request:
         self.max_tokens = sim.max_tokens
         self.adapter = sim.adapter
         self.lora_seed = chain_seed(sim.adapter, sim.cache_salt)
+        #: Order under priority scheduling: priority, then arrival (then submission order).
+        self.queue_key = (sim.priority, sim.arrival_s)
         self.out_base = out_base
         self.num_output = 0
         #: Tokens whose KV is in the cache (computed or served by prefix hits).
@@ -333,8 +346,10 @@ class EngineModel:
     the rest of the budget to unfinished prefills), preempting the newest running request by
     recompute when KV blocks run out; then waiting requests in FCFS order while the token budget,
     ``max_num_seqs`` and free blocks allow, skipping (not blocking on) requests whose adapter
-    cannot get a GPU slot. The step's duration comes from the roofline plus any adapter loads
-    it had to wait for.
+    cannot get a GPU slot. Under ``scheduling_policy: priority`` the waiting queue is ordered by
+    (priority, arrival) and the victim of a preemption is the running request with the largest
+    (priority, arrival), as vLLM's priority policy does. The step's duration comes from the
+    roofline plus any adapter loads it had to wait for.
     """
 
     #: How many finished requests keep their ``cached_tokens`` answer.
@@ -356,6 +371,7 @@ class EngineModel:
             default_size_mb=config.default_adapter_mb,
         )
         self._requests: dict[str, _Request] = {}
+        self._by_priority = config.scheduling_policy == "priority"
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         #: adapter -> running requests that use it (these adapters' slots cannot be evicted).
@@ -371,12 +387,26 @@ class EngineModel:
     # ------------------------------------------------------------------ requests
 
     def submit(self, req: SimRequest) -> None:
-        """Queue ``req`` (FCFS). Raises ``ValueError`` if it can never run here."""
+        """Queue ``req`` (by arrival, or by priority then arrival). Raises ``ValueError`` if it
+        can never run here."""
         self.check(req)
         out_base = xxhash.xxh3_64_intdigest(req.request_id.encode(), self.seed)
         request = _Request(req, token_bytes(req.prompt_token_ids), out_base)
         self._requests[req.request_id] = request
-        self._waiting.append(request)
+        if self._by_priority:
+            self._enqueue_by_priority(request)
+        else:
+            self._waiting.append(request)
+
+    def _enqueue_by_priority(self, request: _Request) -> None:
+        """Insert after every waiting request with a (priority, arrival) not above its own;
+        scanning from the back, since newcomers mostly go there."""
+        key = request.queue_key
+        waiting = self._waiting
+        index = len(waiting)
+        while index > 0 and waiting[index - 1].queue_key > key:
+            index -= 1
+        waiting.insert(index, request)
 
     def check(self, req: SimRequest) -> None:
         """Raise ``ValueError`` (vLLM's 400) if ``req`` can never run here."""
@@ -404,6 +434,13 @@ class EngineModel:
             )
         if req.adapter is not None and not self._lora.known(req.adapter):
             raise UnknownAdapterError(f"request {rid!r}: adapter {req.adapter!r} is not loaded")
+        if isinstance(req.priority, bool) or not isinstance(req.priority, int):
+            raise ValueError(f"request {rid!r}: priority must be an integer")
+        if req.priority != 0 and not self._by_priority:
+            # vLLM's own refusal: a priority means nothing to a first-come-first-served engine.
+            raise ValueError(
+                f"Got priority {req.priority} but Priority scheduling is not enabled."
+            )
 
     def abort(self, request_id: str) -> None:
         """Drop a waiting or running request and free its blocks; unknown ids are ignored."""
@@ -506,11 +543,21 @@ class EngineModel:
             request = self._running[index]
             count = min(request.num_tokens - request.num_computed, budget)
             while not self._kv.allocate(request.request_id, request.num_computed + count):
-                victim = self._running.pop()
+                victim_index = self._victim_index()
+                victim = self._running.pop(victim_index)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     return budget
+                if victim_index < index:
+                    # Under priority scheduling the victim may have been given tokens earlier in
+                    # this step: take them back, as vLLM does.
+                    index -= 1
+                    for position, (done, tokens) in enumerate(scheduled):
+                        if done is victim:
+                            del scheduled[position]
+                            budget += tokens
+                            break
             scheduled.append((request, count))
             budget -= count
             index += 1
@@ -607,13 +654,25 @@ class EngineModel:
             )
         return list(tokens)
 
+    def _victim_index(self) -> int:
+        """The running request to preempt: the newest, or under priority scheduling the one with
+        the largest (priority, arrival)."""
+        running = self._running
+        if not self._by_priority:
+            return len(running) - 1
+        return max(range(len(running)), key=lambda i: running[i].queue_key)
+
     def _preempt(self, request: _Request) -> None:
-        """Recompute preemption: free the blocks, back to the front of the waiting queue."""
+        """Recompute preemption: free the blocks, back to the front of the waiting queue (under
+        priority scheduling, to its place by priority and arrival)."""
         self._kv.free(request.request_id)
         self._release_adapter(request)
         request.num_computed = 0
         request.hashed_full_blocks = 0
-        self._waiting.appendleft(request)
+        if self._by_priority:
+            self._enqueue_by_priority(request)
+        else:
+            self._waiting.appendleft(request)
         self._preemptions += 1
 
     def _finish(self, request: _Request) -> None:

@@ -237,15 +237,25 @@ def _check_n(body: Mapping[str, Any]) -> None:
         raise ApiError(400, "The simulated replica supports only n=1.", param="n")
 
 
+def _priority(body: Mapping[str, Any]) -> int:
+    """vLLM's ``priority`` field (lower is served first; 0 when absent)."""
+    value = body.get("priority", 0)
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, "Parameter 'priority' must be an integer.", param="priority")
+    return value
+
+
 def _submit(
     replica: SimReplica, prompt: list[int], max_tokens: int, adapter: str | None,
-    salt: str | None, request_id: str | None,
+    salt: str | None, request_id: str | None, priority: int = 0,
 ) -> RequestStream:
     if replica.engine.stats().waiting >= replica.config.max_waiting:
         raise ApiError(503, "The server is overloaded: too many requests are waiting.",
                        "ServiceUnavailableError")
     try:
-        return replica.driver.submit(prompt, max_tokens, adapter, salt, request_id)
+        return replica.driver.submit(prompt, max_tokens, adapter, salt, request_id, priority)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
 
@@ -316,7 +326,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompt = _completion_prompt(replica, body["prompt"], bool(body.get("add_special_tokens", True)))
     max_tokens = _max_tokens(replica, body.get("max_tokens"), len(prompt), "max_tokens")
     stream = _submit(replica, prompt, max_tokens, adapter, _cache_salt(body),
-                     request.headers.get("X-Request-Id"))
+                     request.headers.get("X-Request-Id"), _priority(body))
     shapes = CompletionShapes(body.get("model") or replica.config.model)
     return await _generate(request, replica, stream, shapes, body)
 
@@ -332,7 +342,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     requested = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = _max_tokens(replica, requested, len(prompt), "max_tokens")
     stream = _submit(replica, prompt, max_tokens, adapter, _cache_salt(body),
-                     request.headers.get("X-Request-Id"))
+                     request.headers.get("X-Request-Id"), _priority(body))
     shapes = ChatShapes(body.get("model") or replica.config.model)
     return await _generate(request, replica, stream, shapes, body)
 

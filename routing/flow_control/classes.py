@@ -27,6 +27,13 @@ class RequestClass(enum.StrEnum):
         """Strict priority: a lower rank is always dequeued first."""
         return _RANKS[self]
 
+    @property
+    def engine_priority(self) -> int:
+        """vLLM's request ``priority`` under ``--scheduling-policy priority`` (lower first):
+        standard is vLLM's default 0, so a request that reached the engine some other way
+        counts as standard."""
+        return _RANKS[self] - 1
+
 
 _RANKS = {RequestClass.CRITICAL: 0, RequestClass.STANDARD: 1, RequestClass.SHEDDABLE: 2}
 

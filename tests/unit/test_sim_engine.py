@@ -369,3 +369,46 @@ def test_same_seed_same_run_and_seed_only_changes_generated_tokens() -> None:
     other = workload(EngineModel(config, seed=8))
     assert [s[:5] for s in other] == [s[:5] for s in first]
     assert [s[5] for s in other] != [s[5] for s in first]
+
+
+# --------------------------------------------------------------------------- priority scheduling
+
+
+def test_fcfs_refuses_a_priority_as_vllm_does() -> None:
+    engine = EngineModel(EngineConfig.from_profile("tiny"))
+    with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
+        engine.submit(SimRequest("a", list(range(8)), max_tokens=2, priority=1))
+    engine.submit(SimRequest("b", list(range(8)), max_tokens=2, priority=0))  # the default
+
+
+def test_priority_scheduling_starts_the_lowest_priority_value_first() -> None:
+    engine = EngineModel(
+        EngineConfig.from_profile("tiny", max_num_seqs=1, scheduling_policy="priority")
+    )
+    # Submitted in this order before the first step; one runs at a time.
+    for rid, priority in (("shed", 1), ("std-1", 0), ("crit", -1), ("std-2", 0)):
+        engine.submit(SimRequest(rid, prompt(0, 16, len(rid)), max_tokens=2, priority=priority))
+    run = drain(engine)
+    # Priority first, then arrival (the two standard requests keep their order).
+    assert sorted(run.ttft, key=run.ttft.__getitem__) == ["crit", "std-1", "std-2", "shed"]
+
+
+def test_priority_scheduling_preempts_the_lowest_priority_not_the_newest() -> None:
+    config = EngineConfig.from_profile(
+        "tiny", num_gpu_blocks_override=8, scheduling_policy="priority"
+    )
+    engine = EngineModel(config)
+    # Each grows to 88 tokens = 6 blocks; together they need 12 of 8. Under FCFS the newest
+    # ("urgent") would be preempted; here the sheddable one is, though it came first.
+    engine.submit(SimRequest("bulk", list(range(48)), max_tokens=40, priority=1))
+    engine.submit(SimRequest("urgent", list(range(500, 548)), max_tokens=40, priority=-1))
+    run = drain(engine)
+    preempted = {rid for s in run.steps for rid in s.preempted}
+    assert preempted == {"bulk"}
+    assert run.tokens == {"bulk": 40, "urgent": 40}
+    assert run.finished_at["urgent"] < run.finished_at["bulk"]
+
+
+def test_the_scheduling_policy_is_validated() -> None:
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig.from_profile("tiny", scheduling_policy="lifo")
