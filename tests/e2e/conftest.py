@@ -65,7 +65,14 @@ def vllm_engines(
                 model=tiny_model.model_dir,
                 served_model_name=SERVED_MODEL,
                 replay_port=free_port(),
-                extra_args=("--num-gpu-blocks-override", str(KV_BLOCKS_PER_ENGINE)),
+                # Priority scheduling: with every request at vLLM's default priority 0 it is
+                # first-come-first-served; tests/e2e/test_e2e_engine_priority_vllm.py sends others.
+                extra_args=(
+                    "--num-gpu-blocks-override",
+                    str(KV_BLOCKS_PER_ENGINE),
+                    "--scheduling-policy",
+                    "priority",
+                ),
                 # Dev mode exposes POST /reset_prefix_cache, which makes the engine publish
                 # AllBlocksCleared: the only way to see that event from a real engine. The
                 # Responses store keeps /v1/responses answers for previous_response_id (vLLM

@@ -45,6 +45,9 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 POOL = "cpu"
 #: Tenants of the policy and their API keys.
 TENANTS = ("alpha", "beta", "gamma")
+#: Tenants with a request class: the engines schedule by priority and the gateway sends each
+#: request's class as vLLM's ``priority`` (``flow_control.engine_priority``).
+CLASSED_TENANTS = {"urgent": "critical", "batch": "sheddable"}
 #: Requests with this header value take the round-robin route (the baseline).
 RR_HEADER = {"X-Fleetgate-Workload": "rr"}
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -79,6 +82,9 @@ def policy_yaml(
 
     tenants = "".join(
         f"  - name: {t}\n    api_key_sha256: [{sha(api_key(t))}]\n" for t in TENANTS
+    ) + "".join(
+        f"  - name: {t}\n    api_key_sha256: [{sha(api_key(t))}]\n    priority: {c}\n"
+        for t, c in CLASSED_TENANTS.items()
     )
     adapters = "".join(
         f"  - name: {name}\n    base_model: {SERVED_MODEL}\n    source: {path}\n"
@@ -105,6 +111,9 @@ adapters:
   key_prefix: "{index_prefix}"
   # The 2-core test machine also runs two engines: 20 ms (the default) is often too short.
   lookup_timeout_ms: 500
+flow_control:
+  # The engines run --scheduling-policy priority (tests/e2e/conftest.py).
+  engine_priority: true
 gateway:
   # The health poll's timeout is max(0.5 s, this interval); one timed-out poll marks a replica
   # unhealthy. 0.5 s is too short for a busy engine on this loaded 2-core machine.
