@@ -358,13 +358,13 @@ def render(
         + f". **Measured** = per request, the median of {runs} real runs (prefix cache reset",
         "before each run); **noise floor** = the real run farthest from that median, as an error",
         "against it, beside every figure. Errors are predicted/measured − 1",
+        "of the slice's median or p95; hit-rate differences are in points, by vLLM's counters.",
         *(
             [f"Each slice was first replayed {warmup_runs} time(s) unmeasured, so that the "
              "measured runs meet a warm engine."]
             if warmup_runs
             else []
         ),
-        "of the slice's median or p95; hit-rate differences are in points, by vLLM's counters.",
         *(
             [f"The over-capacity slice's 48 requests arrive at 48 / {window_s:.2f} s (Poisson): "
              f"{OVERLOAD:g}× the decode capacity of the calibrated profile."]
