@@ -15,6 +15,7 @@ Read-modify-write steps run as Lua scripts so two gateways cannot interleave the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -30,9 +31,13 @@ from adapters_registry.placement import (
     ReplicaPlacement,
     Residency,
 )
+from routing.redis_clients import bounded_client
 from routing.types import ReplicaId
 
 T = TypeVar("T")
+
+#: Bound of one placement-store call (a LoRA request and the registry's refresh wait on it).
+DEFAULT_TIMEOUT_S = 1.0
 
 # KEYS[1] hash; ARGV: adapter, resident (0/1), now. A load counts as a use; an unload keeps it.
 _MARK = """
@@ -104,8 +109,11 @@ class RedisPlacementStore:
         key_prefix: str = "fleetgate:",
         clock: Callable[[], float] = time.time,
         owns_client: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self._redis = redis
+        #: Bound of one store call, retries included: a LoRA request waits on these calls.
+        self._timeout_s = timeout_s
         self._prefix = key_prefix
         # Lease expiry is compared across gateways, so it uses wall-clock time.
         self._clock = clock
@@ -116,9 +124,12 @@ class RedisPlacementStore:
         self._unlock = redis.register_script(_UNLOCK)
 
     @classmethod
-    def from_url(cls, url: str, key_prefix: str = "fleetgate:") -> RedisPlacementStore:
-        """A store with its own client (closed by ``close``)."""
-        return cls(Redis.from_url(url, decode_responses=True), key_prefix, owns_client=True)
+    def from_url(
+        cls, url: str, key_prefix: str = "fleetgate:", timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> RedisPlacementStore:
+        """A store with its own client (closed by ``close``), bounded by ``timeout_s``."""
+        client = bounded_client(url, timeout_s, decode_responses=True)
+        return cls(client, key_prefix, owns_client=True, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ keys
 
@@ -137,8 +148,13 @@ class RedisPlacementStore:
 
     async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         try:
-            return await op()
-        except (RedisError, OSError, TimeoutError) as exc:
+            async with asyncio.timeout(self._timeout_s):
+                return await op()
+        except TimeoutError as exc:
+            raise PlacementUnavailable(
+                f"adapter placement store ({what}): no answer within {self._timeout_s:g} s"
+            ) from exc
+        except (RedisError, OSError) as exc:
             raise PlacementUnavailable(f"adapter placement store ({what}): {exc}") from exc
 
     # ------------------------------------------------------------------ reads

@@ -149,12 +149,15 @@ class RedisInflight(MemoryInflight):
         and gateways of this one stopped less than ``ttl_s`` ago, must not count here."""
         super().__init__()
         self.key_prefix = f"{self.KEY_PREFIX}{fleet or 'default'}:"
-        import redis.asyncio as redis_asyncio
+        from routing.redis_clients import bounded_client
 
-        self._redis = redis_asyncio.Redis.from_url(redis_url, socket_timeout=0.5)
+        self._redis = bounded_client(redis_url, 0.5)
         self._ttl_ms = int(ttl_s * 1000)
+        self._ttl_s = ttl_s
         self.gateway_id = gateway_id or uuid.uuid4().hex
         self._others: Counts = {}
+        #: When a sync last read the other gateways' counts (monotonic seconds).
+        self._synced_at = time.monotonic()
 
     def count(self, replica: ReplicaId) -> tuple[int, int]:
         n, t = super().count(replica)
@@ -190,6 +193,7 @@ class RedisInflight(MemoryInflight):
             moved = previous.keys() | others.keys()
             self._changed.update(rid for rid in moved if previous.get(rid) != others.get(rid))
             self._others = others
+            self._synced_at = time.monotonic()
         except Exception as exc:  # redis errors, bad JSON from a foreign key
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -198,6 +202,12 @@ class RedisInflight(MemoryInflight):
                 # (seen: a gateway's loop teardown waiting on it until the test timed out).
                 raise asyncio.CancelledError from exc
             log.warning("in-flight sync through Redis failed: %s", exc)
+            if self._others and time.monotonic() - self._synced_at > self._ttl_s:
+                # The other gateways' counts expire in Redis after ``ttl_s``; kept here through a
+                # long outage they would keep steering traffic away from replicas long since
+                # freed. Count our own requests only until Redis answers again.
+                self._changed.update(self._others)
+                self._others = {}
 
     async def close(self) -> None:
         # Shutting down: a failed delete is harmless, the key expires by itself.

@@ -87,9 +87,9 @@ class RedisResponseAffinity:
     def __init__(
         self, redis_url: str, key_prefix: str = "fleetgate:", ttl_s: float = DEFAULT_TTL_S
     ) -> None:
-        import redis.asyncio as redis_asyncio
+        from routing.redis_clients import bounded_client
 
-        self._redis = redis_asyncio.Redis.from_url(redis_url, socket_timeout=0.5)
+        self._redis = bounded_client(redis_url, 0.5)
         self._prefix = f"{key_prefix}response:"
         self._ttl_ms = int(ttl_s * 1000)
 

@@ -29,9 +29,9 @@ class RedisBudgetStore(BudgetStore):
     """Budget counters in Redis; keys ``<prefix>budget:<tenant>:<kind>:<minute>``."""
 
     def __init__(self, redis_url: str) -> None:
-        import redis.asyncio as redis_asyncio
+        from routing.redis_clients import bounded_client
 
-        self._redis = redis_asyncio.Redis.from_url(redis_url, socket_timeout=0.5)
+        self._redis = bounded_client(redis_url, 0.5)
         self._reserve = self._redis.register_script(_RESERVE)
 
     async def reserve(self, key: str, amount: int, limit: int, ttl_s: int) -> bool:

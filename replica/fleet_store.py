@@ -130,13 +130,9 @@ class RedisFleetStore:
         socket_timeout_s: float = 1.0,
         client: Any | None = None,
     ) -> None:
-        import redis.asyncio as aioredis
+        from routing.redis_clients import bounded_client
 
-        self._redis = client or aioredis.from_url(
-            url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-        )
+        self._redis = client or bounded_client(url, socket_timeout_s)
         self._prefix = key_prefix
         self._set_key = f"{key_prefix}replicas"
 

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from replica.agent.hash_map import EngineHashMap
 from replica.agent.metrics import AgentMetrics
@@ -30,7 +30,7 @@ from routing.types import BlockHash, Epoch, ReplicaId
 logger = logging.getLogger(__name__)
 
 #: Failures that mean "the index backend is unreachable", as opposed to a bug in our arguments.
-INDEX_DOWN_ERRORS = (IndexUnavailable, RedisError, OSError, TimeoutError)
+INDEX_DOWN_ERRORS = (IndexUnavailable, RedisError, RedisClusterException, OSError, TimeoutError)
 
 #: Mediums whose blocks a request can hit directly; offloaded copies are not tracked.
 _TRACKED_MEDIUMS = (None, "GPU")

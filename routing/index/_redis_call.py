@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TypeVar
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from routing.contracts import IndexUnavailable
 
@@ -23,5 +23,6 @@ async def call_redis(what: str, timeout_s: float, operation: Awaitable[_T]) -> _
     try:
         async with asyncio.timeout(timeout_s):
             return await operation
-    except (RedisError, OSError, TimeoutError) as exc:
+    # ``RedisClusterException`` is not a ``RedisError``: a cluster with every node down raises it.
+    except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
         raise IndexUnavailable(f"{what} failed: {type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,31 @@
+"""Redis clients for calls that something waits on: a request, a health round, a loop's turn.
+
+redis-py's defaults suit a batch job, not a gateway: no connect timeout (a host that drops
+packets holds a connect for the OS's SYN timeout, about two minutes) and up to ten retries with
+backoff (a Redis that refuses connections costs seconds per call). A client from
+``bounded_client`` connects and reads within ``timeout_s`` and retries once, at once (a pooled
+connection the server closed is replaced without failing the call), so an outage costs a caller
+at most about two timeouts and the caller's own fallback takes over.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+__all__ = ["bounded_client"]
+
+
+def bounded_client(url: str, timeout_s: float, **options: Any) -> Redis:
+    """A client for ``url`` whose connect and every read wait at most ``timeout_s`` and that
+    retries a failed command once without delay; ``options`` go to ``Redis.from_url``."""
+    return Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+        **options,
+    )
