@@ -186,6 +186,9 @@ def build_fleet_store(url: str | None, key_prefix: str = "fleetgate:") -> FleetS
         return MemoryFleetStore()
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisFleetStore(url, key_prefix=key_prefix)
+    from routing.config.errors import describe_value  # the URL's password stays out
+
     raise ValueError(
-        f"fleet store URL must be redis://, rediss://, unix:// or memory:// (got {url!r})"
+        "fleet store URL must be redis://, rediss://, unix:// or memory:// "
+        f"(got {describe_value(url)})"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from routing.config.errors import describe_value
 from routing.contracts import BlockIndex
 
 __all__ = ["DEFAULT_INDEX_MODE", "INDEX_MODES", "build_index"]
@@ -60,5 +61,5 @@ def build_index(
         return RedisBlockIndex(url, **opts)
     raise ValueError(
         "index url must be 'memory', a redis://, rediss:// or unix:// URL, or a Redis Cluster's "
-        f"redis+cluster:// or rediss+cluster:// URL (got {url!r})"
+        f"redis+cluster:// or rediss+cluster:// URL (got {describe_value(url)})"
     )

@@ -112,3 +112,15 @@ async def test_a_cluster_with_every_node_down_is_index_unavailable() -> None:
         await call_redis("lookup", 1.0, cluster_down())
     # The agent's ingest loops treat it as "the index is down", not as a bug that kills them.
     assert any(issubclass(RedisClusterException, e) for e in INDEX_DOWN_ERRORS)
+
+
+def test_a_wrong_url_scheme_does_not_print_the_password() -> None:
+    from replica.fleet_store import build_fleet_store
+    from routing.index.factory import build_index
+
+    url = "http://:s3cret-pass@redis.internal:6379/0"
+    for build in (build_fleet_store, build_index):
+        with pytest.raises(ValueError) as error:
+            build(url)
+        assert "s3cret-pass" not in str(error.value)
+        assert "redis.internal" in str(error.value)  # the rest still says what was given
