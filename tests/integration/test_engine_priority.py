@@ -72,30 +72,40 @@ async def _complete(
         return resp.status, await resp.json()
 
 
-async def test_each_class_reaches_the_engine_as_vllms_priority(tmp_path: Path) -> None:
+async def _priorities_sent(
+    tmp_path: Path, engine_priority: bool, requests: list[tuple[str, str, dict[str, object]]]
+) -> list[object]:
+    """Send ``requests`` (tenant key, path, extra body fields) through a gateway in front of a
+    fake engine; the ``priority`` of each body the engine received."""
     upstream = FakeUpstream()
     async with (
         serve(upstream.app()) as upstream_url,
-        _gateway(tmp_path, upstream_url, engine_priority=True) as url,
+        _gateway(tmp_path, upstream_url, engine_priority) as url,
         aiohttp.ClientSession() as http,
     ):
-        for key in ("gold", "plain", "bulk"):
-            assert (await _complete(http, url, key))[0] == 200
-        # A client's own priority is replaced: a tenant cannot raise its own class.
-        assert (await _complete(http, url, "bulk", "/v1/chat/completions", priority=-100))[0] == 200
-    assert [body.get("priority") for body in upstream.received] == [-1, 0, 1, 1]
+        for key, path, extra in requests:
+            assert (await _complete(http, url, key, path, **extra))[0] == 200
+    return [body.get("priority") for body in upstream.received]
+
+
+async def test_each_class_reaches_the_engine_as_vllms_priority(tmp_path: Path) -> None:
+    completion, chat = "/v1/completions", "/v1/chat/completions"
+    sent = await _priorities_sent(
+        tmp_path,
+        True,
+        # The last one: a client's own priority is replaced (a tenant cannot raise its class).
+        [("gold", completion, {}), ("plain", completion, {}), ("bulk", completion, {}),
+         ("bulk", chat, {"priority": -100})],
+    )
+    assert sent == [-1, 0, 1, 1]
 
 
 async def test_without_the_setting_the_body_is_the_clients(tmp_path: Path) -> None:
-    upstream = FakeUpstream()
-    async with (
-        serve(upstream.app()) as upstream_url,
-        _gateway(tmp_path, upstream_url, engine_priority=False) as url,
-        aiohttp.ClientSession() as http,
-    ):
-        assert (await _complete(http, url, "gold"))[0] == 200
-        assert (await _complete(http, url, "bulk", priority=3))[0] == 200
-    assert [body.get("priority") for body in upstream.received] == [None, 3]
+    completion = "/v1/completions"
+    sent = await _priorities_sent(
+        tmp_path, False, [("gold", completion, {}), ("bulk", completion, {"priority": 3})]
+    )
+    assert sent == [None, 3]
 
 
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
