@@ -118,6 +118,8 @@ class LocalRedisCluster:
     assigned (``redis-cli --cluster create``). For the mirrored index's Cluster tests and sizing."""
 
     primaries: int = 3
+    #: Every node requires this password (``requirepass``); None: no authentication.
+    password: str | None = None
     servers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     ports: list[int] = field(default_factory=list)
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="fg-redis-cluster-"))
@@ -125,7 +127,11 @@ class LocalRedisCluster:
     @property
     def url(self) -> str:
         """A cluster URL as fleetgate takes it: any one node, the ``redis+cluster`` scheme."""
-        return f"redis+cluster://127.0.0.1:{self.ports[0]}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis+cluster://{auth}127.0.0.1:{self.ports[0]}/0"
+
+    def _auth_args(self) -> list[str]:
+        return ["-a", self.password, "--no-auth-warning"] if self.password else []
 
     def start(self) -> LocalRedisCluster:
         binary, cli = shutil.which("redis-server"), shutil.which("redis-cli")
@@ -144,7 +150,9 @@ class LocalRedisCluster:
                     [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                      "--appendonly", "no", "--dir", node_dir, "--cluster-enabled", "yes",
                      "--cluster-port", str(bus), "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "5000"],
+                     "--cluster-node-timeout", "5000",
+                     *(["--requirepass", self.password, "--masterauth", self.password]
+                       if self.password else [])],
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL,
                 )
@@ -152,14 +160,15 @@ class LocalRedisCluster:
             self.ports.append(port)
         try:
             for port in self.ports:
-                _wait_for_pong(port)
+                _wait_for_pong(port, password=self.password)
             subprocess.run(
-                [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                [cli, *self._auth_args(), "--cluster", "create",
+                 *(f"127.0.0.1:{p}" for p in self.ports),
                  "--cluster-replicas", "0", "--cluster-yes"],
                 check=True, capture_output=True, timeout=60,
             )
             deadline = time.monotonic() + 30
-            while not all(self._state_ok(cli, port) for port in self.ports):
+            while not all(self._state_ok(cli, port, self._auth_args()) for port in self.ports):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the Redis Cluster did not reach cluster_state:ok in 30 s")
                 time.sleep(0.1)
@@ -169,9 +178,10 @@ class LocalRedisCluster:
         return self
 
     @staticmethod
-    def _state_ok(cli: str, port: int) -> bool:
+    def _state_ok(cli: str, port: int, auth: list[str]) -> bool:
         out = subprocess.run(
-            [cli, "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=10
+            [cli, *auth, "-p", str(port), "cluster", "info"],
+            capture_output=True, text=True, timeout=10,
         ).stdout
         return "cluster_state:ok" in out
 
@@ -183,13 +193,19 @@ class LocalRedisCluster:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _wait_for_pong(port: int, timeout_s: float = 10.0) -> None:
+def _wait_for_pong(port: int, timeout_s: float = 10.0, password: str | None = None) -> None:
     deadline = time.monotonic() + timeout_s
+    # With a password, AUTH first: its +OK and the +PONG come back together.
+    hello = f"AUTH {password}\r\nPING\r\n".encode() if password else b"PING\r\n"
+    expected = b"+OK\r\n+PONG" if password else b"+PONG"
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.2) as sock:
-                sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith(b"+PONG"):
+                sock.sendall(hello)
+                reply = b""
+                while len(reply) < len(expected) and (chunk := sock.recv(64)):
+                    reply += chunk
+                if reply.startswith(expected):
                     return
         except OSError:
             time.sleep(0.05)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from routing.config.errors import describe_value
 from routing.contracts import BlockIndex
 
 __all__ = ["DEFAULT_INDEX_MODE", "INDEX_MODES", "build_index"]
@@ -59,6 +58,8 @@ def build_index(
         from routing.index.redis_backend import RedisBlockIndex
 
         return RedisBlockIndex(url, **opts)
+    from routing.config.errors import describe_value  # here: routing.config imports this module
+
     raise ValueError(
         "index url must be 'memory', a redis://, rediss:// or unix:// URL, or a Redis Cluster's "
         f"redis+cluster:// or rediss+cluster:// URL (got {describe_value(url)})"

@@ -92,9 +92,13 @@ class _ShardReads:
         node = self._client.get_node_from_key(key)
         reader = self._primaries.get(node.name)
         if reader is None:
-            reader = self._primaries[node.name] = aioredis.Redis(
-                host=node.host, port=node.port, **self._options
+            # The node's own connection settings (credentials, TLS), with this tail's timeouts:
+            # a reader built from host and port alone cannot read a password or TLS cluster.
+            pool = aioredis.ConnectionPool(
+                connection_class=node.connection_class,
+                **{**node.connection_kwargs, **self._options},
             )
+            reader = self._primaries[node.name] = aioredis.Redis(connection_pool=pool)
         return reader
 
     async def next(self, last_ids: dict[str, bytes]) -> list[Any]:

@@ -329,3 +329,23 @@ async def test_on_a_cluster_the_shards_spread_over_the_primaries(
         await mirror.sync()
         for n, rid in enumerate(replicas):
             assert mirror.match_now(chain_of(500 + n)) == {rid: 8}
+
+
+async def test_a_mirror_tails_a_password_protected_cluster() -> None:
+    """Its per-primary stream readers carry the cluster's credentials: built from host and
+    port alone they were refused (NOAUTH), and the mirror never saw a write after start-up."""
+    cluster = LocalRedisCluster(primaries=3, password="s3cret-cluster").start()
+    writer = StreamIndexWriter(cluster.url, key_prefix="auth", shards=4, timeout_s=1.0)
+    mirror = MirrorBlockIndex(cluster.url, key_prefix="auth", shards=4, timeout_s=1.0)
+    try:
+        rid = ReplicaId("pool/auth")
+        await writer.set_epoch(rid, Epoch(1))
+        await mirror.start()
+        # Written after the mirror's snapshot: only the tail (XREAD on each primary) sees it.
+        await writer.record(rid, Epoch(1), chain_of(900))
+        await mirror.sync()
+        assert mirror.match_now(chain_of(900)) == {rid: 8}
+    finally:
+        await mirror.close()
+        await writer.close()
+        cluster.stop()
