@@ -8,7 +8,8 @@
 3. Three trace slices — shared-prefix, multi-turn, and one over capacity (a burst) — each
    replayed against the real engine once unmeasured (``--warmup-runs``: the engine's first pass
    over a slice's batch shapes is slower, and the simulator models a warm engine), then
-   ``--runs`` times measured (5; prefix cache reset before each run), and once through
+   ``--runs`` times measured (5, and 15 for the second-long over-capacity burst:
+   ``--burst-runs``; prefix cache reset before each run), and once through
    ``fleetgate simulate`` (one replica, the calibrated profile, the same token ids). The
    measurement is, per request, the median of the real runs: a stall of the shared CPU that hits
    one run does not move it. The **noise floor** is the real run farthest from that median.
@@ -345,6 +346,7 @@ def render(
     load: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
     warmup_runs: int = 0,
     runs: int = 2,
+    burst_runs: int | None = None,
 ) -> str:
     lines = [
         "# Simulator fidelity against a real vLLM CPU engine",
@@ -355,7 +357,9 @@ def render(
         "other jobs"
         + (f" (load average {load[0][0]:.1f} / {load[0][1]:.1f} before, {load[1][0]:.1f} / "
            f"{load[1][1]:.1f} after, 1 / 5 min)" if load else "")
-        + f". **Measured** = per request, the median of {runs} real runs (prefix cache reset",
+        + f". **Measured** = per request, the median of {runs} real runs"
+        + (f" ({burst_runs} for the over-capacity burst, a second each)" if burst_runs else "")
+        + " (prefix cache reset",
         "before each run); **noise floor** = the real run farthest from that median, as an error",
         "against it, beside every figure. Errors are predicted/measured − 1",
         "of the slice's median or p95; hit-rate differences are in points, by vLLM's counters.",
@@ -511,9 +515,10 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
                           "(not measured) ...", flush=True)
                     await replay_live(probe, records, prompts, url)
                 runs = []
-                for run in range(args.runs):
+                count = args.burst_runs if name == "over-capacity" else args.runs
+                for run in range(count):
                     print(f"slice {name}: {len(records)} requests, run {run + 1} of "
-                          f"{args.runs} ...", flush=True)
+                          f"{count} ...", flush=True)
                     runs.append(await replay_live(probe, records, prompts, url))
                 real_runs[name] = runs
                 live = median_run(runs)
@@ -533,6 +538,7 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
             profile.read_text(encoding="utf-8"), results, time.perf_counter() - started,
             through_gateway=args.through_gateway, window_s=window_s,
             load=(load_before, os.getloadavg()), warmup_runs=args.warmup_runs, runs=args.runs,
+            burst_runs=args.burst_runs,
         )
         if args.write_doc:
             write_page(DOC, text)  # keeps the hand-written notes at the end
@@ -599,6 +605,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="measured real runs of each slice (default 5, at least 2): the "
                         "measurement is their per-request median, the noise floor the run "
                         "farthest from it")
+    parser.add_argument("--burst-runs", type=int, default=15, metavar="N",
+                        help="measured real runs of the over-capacity burst (default 15, at "
+                        "least 2): a run takes a second, and the API server's stalls hit a third "
+                        "of them, so the median needs more runs than the long slices")
     parser.add_argument("--warmup-runs", type=int, default=1, metavar="N",
                         help="unmeasured replays of each slice before the measured ones "
                         "(default 1; 0 measures the engine's first pass over the slice's shapes)")
@@ -608,8 +618,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-doc", dest="write_doc", action="store_false",
                         help="do not write docs/benchmarks/sim-fidelity.md")
     args = parser.parse_args(argv)
-    if args.runs < 2:
-        parser.error(f"--runs must be 2 or more (got {args.runs}): the noise floor needs two")
+    for flag, value in (("--runs", args.runs), ("--burst-runs", args.burst_runs)):
+        if value < 2:
+            parser.error(f"{flag} must be 2 or more (got {value}): the noise floor needs two")
     if args.warmup_runs < 0:
         parser.error(f"--warmup-runs must be 0 or more (got {args.warmup_runs})")
     text = asyncio.run(run_bench(args, argv))

@@ -35,10 +35,11 @@ def test_the_noise_floor_is_the_run_farthest_from_the_median() -> None:
     assert noise.ttft_p95 > 1.0  # 30 ms against 12 ms
 
 
-def test_runs_must_leave_a_noise_floor(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("flag", ["--runs", "--burst-runs"])
+def test_runs_must_leave_a_noise_floor(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["--runs", "1"])
-    assert "--runs must be 2 or more" in capsys.readouterr().err
+        main([flag, "1"])
+    assert f"{flag} must be 2 or more" in capsys.readouterr().err
 
 
 def test_median_run_needs_runs_of_the_same_requests() -> None:
