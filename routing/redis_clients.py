@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 __all__ = ["bounded_client"]
 

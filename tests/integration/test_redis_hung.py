@@ -124,3 +124,25 @@ def test_a_wrong_url_scheme_does_not_print_the_password() -> None:
             build(url)
         assert "s3cret-pass" not in str(error.value)
         assert "redis.internal" in str(error.value)  # the rest still says what was given
+
+
+@pytest.mark.redis
+async def test_a_bounded_client_retries_once_on_a_connection_the_server_closed(
+    redis_url: str,
+) -> None:
+    """The retry must be redis-py's asyncio one: the synchronous ``Retry`` on an asyncio
+    client hands back the coroutine unretried, and the kill below would fail the call."""
+    from redis.asyncio import Redis
+
+    from routing.redis_clients import bounded_client
+
+    client = bounded_client(redis_url, 2.0)
+    admin = Redis.from_url(redis_url)
+    try:
+        assert await client.ping()
+        own_id = await client.client_id()  # the pooled connection the next call reuses
+        await admin.client_kill_filter(_id=own_id)
+        assert await asyncio.wait_for(client.ping(), GUARD_S)
+    finally:
+        await client.aclose()
+        await admin.aclose()
