@@ -254,7 +254,7 @@ def rel_error(predicted: float, measured: float) -> float:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Predicted (or repeated) against measured, for one slice."""
+    """Predicted (or one real run) against measured, for one slice."""
 
     ttft_median: float
     ttft_p95: float
@@ -312,11 +312,11 @@ def plot(results: dict[str, tuple[SliceRun, SliceRun, SliceRun]], out_dir: Path)
     paths = []
     for metric in ("ttft", "e2e"):
         fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.5))
-        for ax, (name, (live, repeat, sim)) in zip(axes, results.items(), strict=True):
+        for ax, (name, (live, farthest, sim)) in zip(axes, results.items(), strict=True):
             measured = [1e3 * v for v in getattr(live, f"{metric}_s")]
             ax.scatter(measured, [1e3 * v for v in getattr(sim, f"{metric}_s")], s=12,
                        label="simulate (calibrated)")
-            ax.scatter(measured, [1e3 * v for v in getattr(repeat, f"{metric}_s")], s=12,
+            ax.scatter(measured, [1e3 * v for v in getattr(farthest, f"{metric}_s")], s=12,
                        marker="x", label="real, the run farthest from the median")
             top = max(max(measured), *(1e3 * v for v in getattr(sim, f"{metric}_s")))
             ax.plot([0, top], [0, top], color="grey", linewidth=0.8)
@@ -404,8 +404,8 @@ def render(
         " preemptions real / sim | mean queue ms real / sim |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, (live, repeat, sim) in results.items():
-        c, n = Comparison.of(sim, live), Comparison.of(repeat, live)
+    for name, (live, farthest, sim) in results.items():
+        c, n = Comparison.of(sim, live), Comparison.of(farthest, live)
         lines.append(
             f"| {name} | {len(live.ttft_s)} | {_pct(c.ttft_median)} / {_pct(n.ttft_median)} | "
             f"{_pct(c.ttft_p95)} / {_pct(n.ttft_p95)} | {_pct(c.e2e_median)} / "
@@ -417,8 +417,8 @@ def render(
     lines += ["", "## Against the issue's bounds", "",
               "| slice | check | bound | simulate | noise floor | verdict |",
               "|---|---|---|---|---|---|"]
-    for name, (live, repeat, sim) in results.items():
-        c, n = Comparison.of(sim, live), Comparison.of(repeat, live)
+    for name, (live, farthest, sim) in results.items():
+        c, n = Comparison.of(sim, live), Comparison.of(farthest, live)
         checks = [("hit rate (points)", 2.0, c.hit_points, n.hit_points, "{:+.1f}")]
         if name in BELOW_CAPACITY:
             checks += [("TTFT median", 0.15, c.ttft_median, n.ttft_median, "{:+.1%}"),
@@ -434,7 +434,7 @@ def render(
                          f"{fmt.format(noise)} | {verdict} |")
     lines += ["", "Measured medians and p95 (ms; per request, the median of the real runs):", "",
               "| slice | TTFT median | TTFT p95 | e2e median | e2e p95 |", "|---|---|---|---|---|"]
-    for name, (live, _repeat, _sim) in results.items():
+    for name, (live, _farthest, _sim) in results.items():
         lines.append(
             f"| {name} | {1e3 * statistics.median(live.ttft_s):.0f} | "
             f"{1e3 * quantile(live.ttft_s, 0.95):.0f} | {1e3 * statistics.median(live.e2e_s):.0f}"
@@ -522,10 +522,10 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
                     runs.append(await replay_live(probe, records, prompts, url))
                 real_runs[name] = runs
                 live = median_run(runs)
-                repeat = farthest_run(runs, live)
+                farthest = farthest_run(runs, live)
                 sim = await asyncio.to_thread(simulate_slice, records, profile)
-                results[name] = (live, repeat, sim)
-                c, n = Comparison.of(sim, live), Comparison.of(repeat, live)
+                results[name] = (live, farthest, sim)
+                c, n = Comparison.of(sim, live), Comparison.of(farthest, live)
                 print(f"  sim vs real: {c}\n  farthest run vs real: {n}", flush=True)
         plot(results, PLOT_DIR if args.write_doc else args.out_dir)
         raw = {name: {"real_median": asdict(live), "simulate": asdict(sim),

@@ -152,7 +152,6 @@ class RedisInflight(MemoryInflight):
         from routing.redis_clients import bounded_client
 
         self._redis = bounded_client(redis_url, 0.5)
-        self._ttl_ms = int(ttl_s * 1000)
         self._ttl_s = ttl_s
         self.gateway_id = gateway_id or uuid.uuid4().hex
         self._others: Counts = {}
@@ -176,7 +175,7 @@ class RedisInflight(MemoryInflight):
         """Publish our counts and read everyone else's; errors only cost freshness."""
         own_key = self.key_prefix + self.gateway_id
         try:
-            await self._redis.set(own_key, json.dumps(super().counts()), px=self._ttl_ms)
+            await self._redis.set(own_key, json.dumps(super().counts()), px=int(self._ttl_s * 1000))
             others: dict[ReplicaId, tuple[int, int]] = {}
             async for key in self._redis.scan_iter(match=self.key_prefix + "*", count=100):
                 name = key.decode() if isinstance(key, bytes) else key

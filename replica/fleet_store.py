@@ -186,6 +186,8 @@ def build_fleet_store(url: str | None, key_prefix: str = "fleetgate:") -> FleetS
         return MemoryFleetStore()
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisFleetStore(url, key_prefix=key_prefix)
+    # Imported here: at module level it would load the whole policy-config package into
+    # every agent at start-up, for an error path.
     from routing.config.errors import describe_value  # the URL's password stays out
 
     raise ValueError(

@@ -16,16 +16,20 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-__all__ = ["bounded_client"]
+__all__ = ["bounded_client", "bounded_options"]
+
+
+def bounded_options(timeout_s: float) -> dict[str, Any]:
+    """Client settings: connect and every read within ``timeout_s``, one immediate retry (for
+    any client constructor, a Cluster's included)."""
+    return {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 1),
+    }
 
 
 def bounded_client(url: str, timeout_s: float, **options: Any) -> Redis:
-    """A client for ``url`` whose connect and every read wait at most ``timeout_s`` and that
-    retries a failed command once without delay; ``options`` go to ``Redis.from_url``."""
-    return Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 1),
-        **options,
-    )
+    """A client for ``url`` with ``bounded_options(timeout_s)``; ``options`` go to
+    ``Redis.from_url``."""
+    return Redis.from_url(url, **bounded_options(timeout_s), **options)

@@ -16,14 +16,13 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from routing.contracts import IndexStats, IndexUnavailable
 from routing.index import redis_scripts
 from routing.index._redis_call import call_redis
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
+from routing.redis_clients import bounded_client
 from routing.types import BlockHash, Epoch, ReplicaId
 
 __all__ = ["RedisBlockIndex"]
@@ -70,15 +69,9 @@ class RedisBlockIndex:
         self._require_heartbeat = "1" if require_heartbeat else "0"
         self._touch_ms = str(self._block_ttl_ms) if touch_on_match else ""
         if isinstance(redis, str):
-            self._client = aioredis.Redis.from_url(
-                redis,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                # One immediate retry heals a pooled connection broken by a Redis restart;
-                # more would only delay the fallback to load-only routing.
-                retry=Retry(NoBackoff(), 1),
-                decode_responses=True,
-            )
+            # One immediate retry heals a pooled connection broken by a Redis restart; more
+            # would only delay the fallback to load-only routing.
+            self._client = bounded_client(redis, timeout_s, decode_responses=True)
             self._owns_client = True
         elif isinstance(redis, aioredis.Redis):
             self._client = redis

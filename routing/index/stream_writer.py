@@ -12,15 +12,13 @@ import struct
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from routing.contracts import IndexLost, IndexStats, IndexUnavailable
 from routing.index import stream_scripts
 from routing.index._redis_call import call_redis
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
 from routing.index.redis_client import IndexRedis, connect
 from routing.index.stream_layout import DEFAULT_SHARDS, StreamLayout
+from routing.redis_clients import bounded_options
 from routing.types import BlockHash, Epoch, ReplicaId
 
 __all__ = ["DEFAULT_STREAM_MAX_LEN", "StreamIndexWriter", "pack_blocks", "unpack_blocks"]
@@ -86,12 +84,7 @@ class StreamIndexWriter:
         #: Tags this writer's speculative events, so the gateway that wrote them skips the echo.
         self.origin = origin
         if isinstance(redis, str):
-            self._client = connect(
-                redis,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 1),
-            )
+            self._client = connect(redis, **bounded_options(timeout_s))
             self._owns_client = True
         else:
             self._client = redis
