@@ -62,8 +62,14 @@ def rep(rid: str, **fields: Any) -> ReplicaState:
 
 def req(**fields: Any) -> RoutingRequest:
     values: dict[str, Any] = {
-        "request_id": "r", "model": "m", "adapter": None, "tenant": "t", "route": "d",
-        "prompt_tokens": 2_000, "chain": [BlockHash(i) for i in range(125)], "seed": 1,
+        "request_id": "r",
+        "model": "m",
+        "adapter": None,
+        "tenant": "t",
+        "route": "d",
+        "prompt_tokens": 2_000,
+        "chain": [BlockHash(i) for i in range(125)],
+        "seed": 1,
     }
     values.update(fields)
     return RoutingRequest(**values)
@@ -73,50 +79,63 @@ def req(**fields: Any) -> RoutingRequest:
 
 #: No externality terms and no free queue depth: each row switches on the one it shows.
 QUIET = {
-    "decode_weight": 0.0, "queue_weight": 0.0, "evict_weight": 0.0, "duplicate_free_depth": 0.0
+    "decode_weight": 0.0,
+    "queue_weight": 0.0,
+    "evict_weight": 0.0,
+    "duplicate_free_depth": 0.0,
 }
 
 TERMS = [
     pytest.param(
-        {}, [rep("holder"), rep("cold")], {"holder": 100},
-        {"holder": {"duplicate_ms": 0.0, "duplicate_weight": 0.0},
-         "cold": {"duplicate_ms": 160.0, "duplicate_weight": 0.0, "fleet_cost_ms": 200.0}},
+        {},
+        [rep("holder"), rep("cold")],
+        {"holder": 100},
+        {
+            "holder": {"duplicate_ms": 0.0, "duplicate_weight": 0.0},
+            "cold": {"duplicate_ms": 160.0, "duplicate_weight": 0.0, "fleet_cost_ms": 200.0},
+        },
         id="duplicate: 1600 tokens the holder would skip; idle fleet: only its own TTFT counts",
     ),
     pytest.param(
         {"duplicate_base": 1.0, "duplicate_per_queued": 0.5},
-        [rep("holder", waiting=8), rep("cold", waiting=4)], {"holder": 100},
+        [rep("holder", waiting=8), rep("cold", waiting=4)],
+        {"holder": 100},
         # cold: 4 waiting x 512 tokens = 204.8 ms queue, 200 ms prefill, 160 ms of it duplicated
         {"cold": {"duplicate_weight": 1.0 + 0.5 * 6, "fleet_cost_ms": 204.8 + 200.0 + 4.0 * 160.0}},
         id="duplicate weight grows with the fleet's mean queue (6 waiting)",
     ),
     pytest.param(
         {"duplicate_base": 1.0, "duplicate_per_queued": 1.0},
-        [rep("a", inflight_requests=5, running=2), rep("b", inflight_requests=1, running=1)], {},
+        [rep("a", inflight_requests=5, running=2), rep("b", inflight_requests=1, running=1)],
+        {},
         {"a": {"duplicate_weight": 1.0 + 1.5}},
         id="gateway in-flight beyond running counts as queued (3 and 0)",
     ),
     pytest.param(
         {"duplicate_per_queued": 1.0, "duplicate_free_depth": 1.0},
-        [rep("a", waiting=4), rep("b", waiting=4)], {"a": 100},
+        [rep("a", waiting=4), rep("b", waiting=4)],
+        {"a": 100},
         {"b": {"duplicate_weight": 3.0}},
         id="the free depth costs nothing: weight from the 3 queued beyond it",
     ),
     pytest.param(
         {"duplicate_per_queued": 1.0},
-        [rep("fast", waiting=4), rep("slow", waiting=4, prefill_tokens_per_s=5_000.0)], {},
+        [rep("fast", waiting=4), rep("slow", waiting=4, prefill_tokens_per_s=5_000.0)],
+        {},
         {"fast": {"duplicate_ms": 0.0}, "slow": {"duplicate_ms": 0.0, "prefill_ms": 400.0}},
         id="a slower replica does no duplicate work: nothing is cached anywhere",
     ),
     pytest.param(
         {"decode_weight": 0.1, "decode_free_duty": None},
-        [rep("busy", running=20), rep("idle")], {},
+        [rep("busy", running=20), rep("idle")],
+        {},
         {"busy": {"externality_ms": 200.0 * 0.1 * 20}, "idle": {"externality_ms": 0.0}},
         id="decodes stalled by this prefill",
     ),
     pytest.param(
         {"evict_weight": 1.0, "evict_threshold": 0.8},
-        [rep("full", kv_usage=0.9), rep("free", kv_usage=0.5)], {},
+        [rep("full", kv_usage=0.9), rep("free", kv_usage=0.5)],
+        {},
         {"full": {"eviction_ms": 0.5 * 200.0}, "free": {"eviction_ms": 0.0}},
         id="blocks written into a nearly full cache evict others",
     ),
@@ -139,8 +158,11 @@ def test_cost_terms(
     for rid in terms:
         t = terms[rid]
         total = (
-            t["cost_ms"] + t["duplicate_weight"] * t["duplicate_ms"] + t["externality_ms"]
+            t["cost_ms"]
+            + t["duplicate_weight"] * t["duplicate_ms"]
+            + t["externality_ms"]
             + t["eviction_ms"]
+            + t["fragile_ms"]
         )
         assert t["fleet_cost_ms"] == pytest.approx(total)
 
@@ -479,3 +501,93 @@ def test_decayed_share_counts_marked_decisions_over_its_window() -> None:
     for i in range(100, 400):
         share.add(i * 0.1, marked=False)
     assert share.share(40.0) < 0.01
+
+
+# --------------------------------------------------------------------------- short decodes
+
+
+def start_short(
+    s: FleetCostScorer, replica: str, max_tokens: int | None, rid: str
+) -> RoutingRequest:
+    """A request asking for ``max_tokens`` sent to ``replica`` (the scorer counts it there)."""
+    request = req(request_id=rid, max_output_tokens=max_tokens)
+    s.on_request_start(request, ReplicaId(replica))
+    return request
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "prefill_ms", "stalled"),
+    [
+        # slack = 50 ms TPOT - 30 ms decode step = 20 ms per decode step
+        pytest.param(
+            3, 41.0, 1, id="3 tokens: 2 steps x 20 ms of slack; a 41 ms prefill is a miss"
+        ),
+        pytest.param(3, 40.0, 0, id="3 tokens: a 40 ms prefill fits the slack exactly"),
+        pytest.param(64, 1_000.0, 0, id="64 tokens spread 1 s of prefill over 63 steps"),
+        pytest.param(64, 1_300.0, 1, id="64 tokens: 1.3 s is past 63 x 20 ms"),
+        pytest.param(65, 100_000.0, 0, id="more tokens than fragile_max_tokens: not tracked"),
+        pytest.param(1, 100_000.0, 0, id="one token has no TPOT"),
+        pytest.param(None, 100_000.0, 0, id="no max_tokens: unknown, never counted"),
+    ],
+)
+def test_a_prefill_counts_the_short_decodes_it_would_push_past_their_tpot(
+    max_tokens: int | None, prefill_ms: float, stalled: int
+) -> None:
+    s = scorer()
+    start_short(s, "a", max_tokens, "short")
+    assert s.fragile_stalled(rep("a"), prefill_ms) == stalled
+    assert s.fragile_stalled(rep("b"), prefill_ms) == 0
+
+
+def test_short_decodes_follow_retries_and_completions_and_the_count_is_bounded() -> None:
+    s = scorer(max_pending=3)
+    first = start_short(s, "a", 3, "first")
+    start_short(s, "a", 3, "second")
+    assert s.fragile_stalled(rep("a"), 1_000.0) == 2
+    s.on_request_start(first, ReplicaId("b"))  # a retry moves it to the fallback
+    assert s.fragile_stalled(rep("a"), 1_000.0) == 1
+    assert s.fragile_stalled(rep("b"), 1_000.0) == 1
+    s.on_request_complete(first, ReplicaId("b"), 100.0, 0, True)
+    assert s.fragile_stalled(rep("b"), 1_000.0) == 0
+    for i in range(10):  # completions never reported
+        start_short(s, "c", 3, f"lost-{i}")
+    assert len(s._fragile_at) == 3
+    assert s.fragile_stalled(rep("c"), 1_000.0) + s.fragile_stalled(rep("a"), 1_000.0) == 3
+
+
+def test_off_when_the_loss_is_zero() -> None:
+    s = scorer(fragile_loss_ms=0.0)
+    start_short(s, "a", 3, "short")
+    assert s.fragile_stalled(rep("a"), 1_000.0) == 0
+    _, terms = s.score_with_terms(req(request_id="long"), [rep("a"), rep("b")])
+    assert terms[ReplicaId("a")]["fragile_ms"] == 0.0
+
+
+def test_a_long_prefill_goes_where_no_short_decode_is_running() -> None:
+    """2,000 uncached tokens at 10k tokens/s = 200 ms of prefill: a 3-token answer in flight on
+    ``a`` would miss its TPOT, so ``a`` costs 1 s more; a 100-token prompt stalls no one."""
+    s = scorer(**QUIET)
+    start_short(s, "a", 3, "short")
+    replicas = [rep("a"), rep("b")]
+    scores, terms = s.score_with_terms(req(request_id="long"), replicas)
+    assert terms[ReplicaId("a")]["fragile_ms"] == pytest.approx(1_000.0)
+    assert terms[ReplicaId("b")]["fragile_ms"] == 0.0
+    assert scores[ReplicaId("b")] == 1.0 and scores[ReplicaId("a")] < 0.25
+    _, terms = s.score_with_terms(
+        req(request_id="tiny", prompt_tokens=100, chain=[BlockHash(1)]), replicas
+    )
+    assert terms[ReplicaId("a")]["fragile_ms"] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("waiting", "share"),
+    [(0, 1.0), (5, 1.0 - 0.256), (10, 1.0 - 0.512), (20, 0.0), (40, 0.0)],
+    ids=["no queue", "256 ms ahead", "512 ms ahead", "1.02 s ahead: none", "2 s ahead: none"],
+)
+def test_the_charge_falls_as_the_queue_ahead_grows(waiting: int, share: float) -> None:
+    """The short decodes queued ahead of a long backlog run during the prefills in it (each
+    waiting request counts 512 tokens, 51.2 ms at 10k tokens/s)."""
+    s = scorer(**QUIET)
+    start_short(s, "a", 3, "short")
+    _, terms = s.score_with_terms(req(request_id="long"), [rep("a", waiting=waiting), rep("b")])
+    assert terms[ReplicaId("a")]["fragile_ms"] == pytest.approx(1_000.0 * share)
