@@ -62,9 +62,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between judgements of the queue's head while requests wait (besides completions).
 PUMP_INTERVAL_S = 0.02
-#: Admitted critical requests remembered until they finish (their TPOT moves the inter-token
-#: bound); past this many, the oldest are forgotten (a request whose finish never came).
-MAX_TRACKED_CRITICAL = 65536
+#: Admitted requests remembered until they finish (their TPOT moves the inter-token bound);
+#: past this many, the oldest are forgotten (a request whose finish never came).
+MAX_TRACKED_ADMITTED = 65536
 #: The TTFT a request is judged against when neither its tenant nor its route names one.
 DEFAULT_TTFT_SLO_MS = 2000.0
 
@@ -167,8 +167,9 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
         saturation_queue_wait_ms=spec.saturation_queue_wait_ms,
         saturation_decode_interference_ms=spec.saturation_decode_interference_ms,
         saturation_itl_fraction=spec.saturation_itl_fraction,
-        critical_tpot_target=spec.critical_tpot_target,
+        tpot_target=spec.tpot_target,
         min_itl_fraction=spec.min_itl_fraction,
+        max_itl_fraction=spec.max_itl_fraction,
         max_queue_length=spec.max_queue_length,
         max_queue_wait_ms=spec.max_queue_wait_ms,
         admit_within_slo_fraction=spec.admit_within_slo_fraction,
@@ -204,9 +205,9 @@ class FlowGate:
         # Budget windows are wall-clock minutes, so that every gateway agrees on them.
         self.budgets = TokenBudgets(self.budget_store, wall_clock, key_prefix)
         self._waiters: dict[str, _Waiter] = {}
-        #: Critical requests admitted and not yet finished -> their TPOT SLO: their outcomes
+        #: Requests admitted with a TPOT SLO and not yet finished -> that SLO: their outcomes
         #: move the inter-token bound (``FlowController.observe_finished``).
-        self._critical: OrderedDict[str, float | None] = OrderedDict()
+        self._admitted: OrderedDict[str, float] = OrderedDict()
         self._wake = asyncio.Event()
         self._settings_source: Policy | None = None
 
@@ -266,10 +267,7 @@ class FlowGate:
         verdict = self.controller.admit(request, self._estimate(routed))
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
         if verdict.decision is Decision.ADMIT:
-            if request.request_class is RequestClass.CRITICAL:
-                self._critical[request_id] = request.tpot_slo_ms
-                while len(self._critical) > MAX_TRACKED_CRITICAL:  # a finish never reported
-                    self._critical.popitem(last=False)
+            self._track(request)
             return routed
         if verdict.decision is Decision.SHED:
             raise _refusal(verdict)
@@ -291,7 +289,16 @@ class FlowGate:
             )
         if verdict.decision is Decision.SHED:
             raise _refusal(verdict)
+        self._track(request)
         return routed
+
+    def _track(self, request: FlowRequest) -> None:
+        """Remember an admitted request until it finishes: its TPOT moves the bound."""
+        if request.tpot_slo_ms is None:
+            return
+        self._admitted[request.request_id] = request.tpot_slo_ms
+        while len(self._admitted) > MAX_TRACKED_ADMITTED:  # a finish never reported
+            self._admitted.popitem(last=False)
 
     def engine_priority(
         self, routed: R, headers: Mapping[str, str], policy: Policy | None
@@ -314,13 +321,13 @@ class FlowGate:
         request_id: str | None = None,
         tpot_ms: float | None = None,
     ) -> Coroutine[Any, Any, None] | None:
-        """A request ended: capacity may be free (wake the pump); a critical one's TPOT moves
-        the inter-token bound. Returns the charge of its completion tokens to the tenant's
-        budget, if it has one, for the caller to run."""
+        """A request ended: capacity may be free (wake the pump); its TPOT moves the
+        inter-token bound. Returns the charge of its completion tokens to the tenant's budget,
+        if it has one, for the caller to run."""
         self._wake.set()
-        if request_id is not None and request_id in self._critical:
-            slo = self._critical.pop(request_id)
-            self.controller.observe_finished(RequestClass.CRITICAL, tpot_ms, slo)
+        if request_id is not None and request_id in self._admitted:
+            slo = self._admitted.pop(request_id)
+            self.controller.observe_finished(tpot_ms, slo)
             self._bound_gauge()
         spec = policy.tenant(tenant) if policy is not None else None
         budget = spec.token_budget if spec is not None else None

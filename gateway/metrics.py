@@ -308,7 +308,8 @@ class GatewayMetrics:
         self.flow_itl_bound = Gauge(
             "fleetgate_flow_itl_bound_ratio",
             "The inter-token bound flow control holds requests by, as a fraction of their TPOT "
-            "SLO: saturation_itl_fraction, lowered while critical requests miss their TPOT",
+            "SLO: starts at saturation_itl_fraction, lowered by each TPOT miss and raised by each "
+            "TPOT met (tpot_target)",
             registry=r,
         )
         self.flow_decisions = Counter(

@@ -151,8 +151,8 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("{{tenant}} {{reason}}", "sum by (tenant, reason) (rate(fleetgate_flow_decisions_total"
                                       f'{{decision="shed"}}[{RATE}]))'),
         ]),
-        # Under 0.8: critical requests have been missing their TPOT, so the others are held
-        # sooner for them (flow_control.critical_tpot_target).
+        # Low (toward 0.5): requests have been missing their TPOT, so new work is held sooner;
+        # high (toward 1.0): decodes keep pace and little is held (flow_control.tpot_target).
         ("Inter-token bound (fraction of the TPOT SLO)", "percentunit", [
             ("{{pod}}", "min by (pod) (fleetgate_flow_itl_bound_ratio)"),
         ]),

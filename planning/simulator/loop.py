@@ -469,9 +469,7 @@ class _Simulation:
             routing_request, replica.replica_id, ttft_ms, outcome.cached_tokens, True
         )
         if self.flow is not None and outcome.output_tokens >= 2:
-            self.flow.observe_finished(
-                outcome.request_class, outcome.tpot_ms, self.config.slo_tpot_ms
-            )
+            self.flow.observe_finished(outcome.tpot_ms, self.config.slo_tpot_ms)
         if self.on_done is not None:
             self.on_done(1)
 

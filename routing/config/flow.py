@@ -50,12 +50,15 @@ class FlowControlSpec(StrictModel):
     #: ... or its engine's recent time between output tokens is over this fraction of the
     #: request's TPOT SLO (its decodes are already slowed by the prefills sharing their steps).
     saturation_itl_fraction: PositiveFloat | None = 0.8
-    #: Share of critical requests that should meet their TPOT SLO: each one that misses it
-    #: lowers that bound a step, each one that meets it raises it back a smaller step, so the
-    #: others are held sooner while critical decodes run slow (null: the bound stays fixed).
-    critical_tpot_target: float | None = Field(default=0.99, gt=0, lt=1)
-    #: The lowest the bound goes, as a fraction of the TPOT SLO.
+    #: Share of requests (every class) that should meet their TPOT SLO: each one that misses it
+    #: lowers that bound a step, each one that meets it raises it a smaller step, so new work
+    #: is held sooner while decodes run slow, and not while they keep pace (null: the bound
+    #: stays fixed).
+    tpot_target: float | None = Field(default=0.97, gt=0, lt=1)
+    #: The lowest the bound goes, as a fraction of the TPOT SLO ...
     min_itl_fraction: PositiveFloat = 0.5
+    #: ... and the highest.
+    max_itl_fraction: PositiveFloat = 1.0
     #: Requests the gateway queue holds, all classes together.
     max_queue_length: NonNegativeInt = 1000
     #: Longest wait in the queue; null: until the request can no longer meet its TTFT SLO.
@@ -67,3 +70,23 @@ class FlowControlSpec(StrictModel):
     #: carries its class as vLLM's ``priority`` (critical -1, standard 0, sheddable 1; a
     #: client's own ``priority`` is replaced). Applies whether or not ``enabled`` is set.
     engine_priority: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: object) -> object:
+        if isinstance(data, dict) and "critical_tpot_target" in data:
+            raise ValueError(
+                "critical_tpot_target was renamed tpot_target: every request's TPOT now moves "
+                "the inter-token bound, not only critical ones' (default 0.97; see "
+                "docs/flow-control.md)"
+            )
+        return data
+
+    @model_validator(mode="after")
+    def _itl_range(self) -> FlowControlSpec:
+        if self.max_itl_fraction < self.min_itl_fraction:
+            raise ValueError(
+                f"max_itl_fraction ({self.max_itl_fraction:g}) must be at least "
+                f"min_itl_fraction ({self.min_itl_fraction:g})"
+            )
+        return self

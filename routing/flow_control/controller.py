@@ -18,10 +18,13 @@ routing chose by.
   shed below saturation. The predicted
   TTFT is not the saturation test because it is a model of the engine's queue that under- or
   overcounts it by workload; it is the test of whether a request can meet its SLO.
-* **critical** is always admitted while a replica is up: it jumps the queue. Its TPOT is what
-  the inter-token bound protects, so each critical request that finishes moves the bound
-  (``critical_tpot_target``): a TPOT miss tightens it, so that the others are held sooner and
-  its decodes get the steps; a run of met TPOTs relaxes it back to ``saturation_itl_fraction``.
+* **critical** is always admitted while a replica is up: it jumps the queue.
+* The inter-token bound moves with what the decodes actually get: each request that finishes
+  moves it (``tpot_target``). A TPOT miss tightens it, so that new work is held sooner and the
+  running decodes get the steps; a met TPOT relaxes it, up to ``max_itl_fraction``. It settles
+  where the share ``1 - tpot_target`` of requests miss their TPOT, wherever that is: a fleet
+  whose decodes are slowed by the odd long prefill (most of them still meeting their TPOT) is
+  not held back for it, and one whose decodes all crawl is held as soon as they do.
 * **sheddable**, when saturated, is refused at once if its predicted TTFT is over its SLO; else
   it queues behind everything else.
 * **standard**, when saturated, queues. A queued request leaves with a refusal when its wait
@@ -106,6 +109,7 @@ class FlowControlSettings:
     #: TPOT SLO: its decodes already run near the SLO, and each new prefill slows them more
     #: (None: not used; requests without a TPOT SLO are not judged by it). When most replicas
     #: are full, a request routed to one too slow by this test waits, whatever the others.
+    #: This is where the bound starts: ``tpot_target`` moves it.
     saturation_itl_fraction: float | None = 0.8
     #: Requests the gateway queue holds (all classes together).
     max_queue_length: int = 1000
@@ -115,15 +119,16 @@ class FlowControlSettings:
     #: admitted (unless others of its class or higher wait): holding a request that would meet
     #: its SLO now only spends its slack. None: saturation alone decides.
     admit_within_slo_fraction: float | None = None
-    #: Share of critical requests that should meet their TPOT SLO. Each critical request that
+    #: Share of requests (every class) that should meet their TPOT SLO. Each request that
     #: finishes moves the inter-token bound (``saturation_itl_fraction``): a TPOT miss lowers
-    #: it by ``ITL_BOUND_STEP``, a TPOT met raises it back by that step × (1 - target) / target,
-    #: so that it settles where about 1 - target of them miss. Critical requests are never held,
-    #: so a tighter bound holds the others sooner and leaves their decodes the steps. None: the
-    #: bound stays where it is set.
-    critical_tpot_target: float | None = 0.99
-    #: The lowest the inter-token bound goes (a fraction of the TPOT SLO).
+    #: it by ``ITL_BOUND_STEP``, a TPOT met raises it by that step × (1 - target) / target, so
+    #: that it settles where about 1 - target of them miss. None: the bound stays where it is
+    #: set.
+    tpot_target: float | None = 0.97
+    #: The lowest the inter-token bound goes (a fraction of the TPOT SLO) ...
     min_itl_fraction: float = 0.5
+    #: ... and the highest: at 1.0 a replica whose decodes already miss the SLO is full.
+    max_itl_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         backlog = self.saturation_backlog_requests
@@ -151,16 +156,20 @@ class FlowControlSettings:
         fraction = self.admit_within_slo_fraction
         if fraction is not None and not (0 < fraction <= 1):
             raise ValueError(f"admit_within_slo_fraction: must be in (0, 1] (got {fraction!r})")
-        target = self.critical_tpot_target
+        target = self.tpot_target
         if target is not None and not (0 < target < 1):
-            raise ValueError(f"critical_tpot_target: must be in (0, 1) (got {target!r})")
-        lowest = self.min_itl_fraction
+            raise ValueError(f"tpot_target: must be in (0, 1) (got {target!r})")
+        lowest, highest = self.min_itl_fraction, self.max_itl_fraction
         if not (lowest > 0 and math.isfinite(lowest)):
             raise ValueError(f"min_itl_fraction: must be > 0 (got {lowest!r})")
+        if not (highest >= lowest and math.isfinite(highest)):
+            raise ValueError(
+                f"max_itl_fraction: must be >= min_itl_fraction ({lowest!r}) (got {highest!r})"
+            )
 
 
-#: How far one critical TPOT miss lowers the inter-token bound (a fraction of the SLO): ten
-#: misses in a row take it from 0.8 to 0.6, and at a 99% target a hundred met bring one step back.
+#: How far one TPOT miss lowers the inter-token bound (a fraction of the SLO): ten misses in a
+#: row take it from 0.8 to 0.6, and at a 97% target about 32 met bring one step back.
 ITL_BOUND_STEP = 0.02
 
 _ADMIT_IDLE = Verdict(Decision.ADMIT, "not_saturated")
@@ -181,7 +190,8 @@ class FlowController:
         self._evicted: list[tuple[FlowRequest, Verdict]] = []
         #: Latest known shortest queue wait, for Retry-After on refusals without an estimate.
         self._last_min_wait_ms = 0.0
-        #: How far critical requests' TPOT misses have lowered the inter-token bound.
+        #: How far TPOT misses have lowered the inter-token bound from where it starts
+        #: (negative: met TPOTs have raised it).
         self._itl_lowered = 0.0
 
     def now(self) -> float:
@@ -271,35 +281,36 @@ class FlowController:
 
     @property
     def itl_fraction(self) -> float | None:
-        """The inter-token bound in force: ``saturation_itl_fraction``, lowered by critical
-        requests' TPOT misses (never below ``min_itl_fraction``); None when not used."""
-        top = self.settings.saturation_itl_fraction
-        if top is None:
+        """The inter-token bound in force: ``saturation_itl_fraction``, moved by finished
+        requests' TPOTs within [``min_itl_fraction``, ``max_itl_fraction``]; None when not
+        used."""
+        start = self.settings.saturation_itl_fraction
+        if start is None:
             return None
-        return max(min(top, self.settings.min_itl_fraction), top - self._itl_lowered)
+        lowest, highest = self._itl_range(start)
+        return min(highest, max(lowest, start - self._itl_lowered))
 
-    def observe_finished(
-        self, request_class: RequestClass, tpot_ms: float | None, tpot_slo_ms: float | None
-    ) -> None:
-        """A request finished with this TPOT: a critical one moves the inter-token bound
-        (``critical_tpot_target``). Others, and requests without a TPOT, change nothing."""
+    def observe_finished(self, tpot_ms: float | None, tpot_slo_ms: float | None) -> None:
+        """A request finished with this TPOT: it moves the inter-token bound (``tpot_target``).
+        One without a TPOT or a TPOT SLO changes nothing."""
         settings = self.settings
-        target = settings.critical_tpot_target
-        top = settings.saturation_itl_fraction
-        if (
-            request_class is not RequestClass.CRITICAL
-            or target is None
-            or top is None
-            or tpot_ms is None
-            or tpot_slo_ms is None
-        ):
+        target = settings.tpot_target
+        start = settings.saturation_itl_fraction
+        if target is None or start is None or tpot_ms is None or tpot_slo_ms is None:
             return
-        room = max(0.0, top - settings.min_itl_fraction)
+        lowest, highest = self._itl_range(start)
+        # Clamped first, so that a bound held at an end moves at once when the tide turns.
+        lowered = min(start - lowest, max(start - highest, self._itl_lowered))
         if tpot_ms > tpot_slo_ms:
-            self._itl_lowered = min(room, self._itl_lowered + ITL_BOUND_STEP)
+            lowered += ITL_BOUND_STEP
         else:
-            raised = ITL_BOUND_STEP * (1.0 - target) / target
-            self._itl_lowered = max(0.0, min(room, self._itl_lowered) - raised)
+            lowered -= ITL_BOUND_STEP * (1.0 - target) / target
+        self._itl_lowered = min(start - lowest, max(start - highest, lowered))
+
+    def _itl_range(self, start: float) -> tuple[float, float]:
+        """Where the inter-token bound may go; a start outside the range widens it."""
+        settings = self.settings
+        return min(start, settings.min_itl_fraction), max(start, settings.max_itl_fraction)
 
     # ------------------------------------------------------------------ helpers
 

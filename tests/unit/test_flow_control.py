@@ -144,8 +144,8 @@ def test_a_replica_whose_decodes_run_slower_than_the_tpot_slo_allows_is_full() -
         FlowControlSettings(saturation_itl_fraction=0.0)
 
 
-def test_critical_tpot_misses_tighten_the_inter_token_bound_and_met_ones_relax_it() -> None:
-    flow = _controller(FakeClock(), saturation_itl_fraction=0.8, critical_tpot_target=0.99)
+def test_tpot_misses_tighten_the_inter_token_bound_and_met_ones_relax_it() -> None:
+    flow = _controller(FakeClock(), saturation_itl_fraction=0.8, tpot_target=0.97)
     assert flow.itl_fraction == pytest.approx(0.8)
 
     def fleet() -> FleetEstimate:
@@ -157,46 +157,65 @@ def test_critical_tpot_misses_tighten_the_inter_token_bound_and_met_ones_relax_i
         return FlowRequest(rid, "a", STANDARD, 60_000.0, 1.0, 100.0, 50.0)
 
     assert flow.admit(request("before"), fleet()).reason == "not_saturated"
-    # Standard and sheddable outcomes, and critical ones without a TPOT, move nothing.
-    flow.observe_finished(STANDARD, 90.0, 50.0)
-    flow.observe_finished(SHEDDABLE, 90.0, 50.0)
-    flow.observe_finished(CRITICAL, None, 50.0)
-    flow.observe_finished(CRITICAL, 90.0, None)
+    # Requests without a TPOT or a TPOT SLO move nothing.
+    flow.observe_finished(None, 50.0)
+    flow.observe_finished(90.0, None)
     assert flow.itl_fraction == pytest.approx(0.8)
-    # Each critical miss lowers the bound one step (0.02): after five, 36 ms is over 0.7 x 50.
+    # Each miss, whatever its class, lowers the bound one step (0.02): after five, 36 ms is
+    # over 0.7 x 50.
     for _ in range(5):
-        flow.observe_finished(CRITICAL, 60.0, 50.0)
+        flow.observe_finished(60.0, 50.0)
     assert flow.itl_fraction == pytest.approx(0.8 - 5 * ITL_BOUND_STEP)
     assert flow.admit(request("after"), fleet()).decision is Decision.QUEUE
-    # A met TPOT raises it by step x (1 - 0.99) / 0.99: 99 of them undo one miss.
-    for _ in range(99):
-        flow.observe_finished(CRITICAL, 20.0, 50.0)
-    assert flow.itl_fraction == pytest.approx(0.8 - 4 * ITL_BOUND_STEP)
-    # It never goes under min_itl_fraction, nor over saturation_itl_fraction.
+    # A met TPOT raises it by step x (1 - 0.97) / 0.97: 97 of them undo three misses.
+    for _ in range(97):
+        flow.observe_finished(20.0, 50.0)
+    assert flow.itl_fraction == pytest.approx(0.8 - 2 * ITL_BOUND_STEP)
+    # It never goes under min_itl_fraction, nor over max_itl_fraction ...
     for _ in range(100):
-        flow.observe_finished(CRITICAL, 60.0, 50.0)
+        flow.observe_finished(60.0, 50.0)
     assert flow.itl_fraction == pytest.approx(0.5)
     for _ in range(100_000):
-        flow.observe_finished(CRITICAL, 20.0, 50.0)
-    assert flow.itl_fraction == pytest.approx(0.8)
-    # A new setting takes effect at once, the misses still counted against it.
-    flow.observe_finished(CRITICAL, 60.0, 50.0)
-    flow.settings = FlowControlSettings(saturation_itl_fraction=0.9)
-    assert flow.itl_fraction == pytest.approx(0.9 - ITL_BOUND_STEP)
+        flow.observe_finished(20.0, 50.0)
+    assert flow.itl_fraction == pytest.approx(1.0)
+    # ... and a bound held at an end moves off it with the next outcome.
+    flow.observe_finished(60.0, 50.0)
+    assert flow.itl_fraction == pytest.approx(1.0 - ITL_BOUND_STEP)
+    # A new setting takes effect at once, the outcomes still counted against it.
+    flow.settings = FlowControlSettings(saturation_itl_fraction=0.9, max_itl_fraction=0.95)
+    assert flow.itl_fraction == pytest.approx(0.95)
+
+
+def test_the_bound_rises_where_decodes_keep_pace_and_what_it_held_goes() -> None:
+    # Decodes at 45 ms against a 50 ms SLO: over the starting bound (40 ms), so that replica
+    # counts as full and, the other's queue being full, the request waits. Once most requests
+    # meet their TPOT, the bound rises over 0.9: the slow replica has room again.
+    flow = _controller(FakeClock(), saturation_itl_fraction=0.8, tpot_target=0.97)
+    slow, full = ReplicaLoad(10.0, 0.0, 0, 0.5, 45.0), ReplicaLoad(10.0, 0.0, 3, 0.5, 20.0)
+    estimate = FleetEstimate(200.0, (slow, full), chosen_decode_itl_ms=45.0)
+
+    held = FlowRequest("held", "a", STANDARD, 60_000.0, 1.0, 100.0, 50.0)
+    assert flow.admit(held, estimate).decision is Decision.QUEUE
+    for _ in range(300):
+        flow.observe_finished(30.0, 50.0)
+    assert flow.itl_fraction is not None and flow.itl_fraction > 0.9
+    assert flow.judge_head(estimate).decision is Decision.ADMIT  # the held one goes
 
 
 def test_without_a_target_the_inter_token_bound_stays_where_it_is_set() -> None:
-    flow = _controller(FakeClock(), saturation_itl_fraction=0.8, critical_tpot_target=None)
+    flow = _controller(FakeClock(), saturation_itl_fraction=0.8, tpot_target=None)
     for _ in range(50):
-        flow.observe_finished(CRITICAL, 90.0, 50.0)
+        flow.observe_finished(90.0, 50.0)
     assert flow.itl_fraction == pytest.approx(0.8)
     unused = _controller(FakeClock(), saturation_itl_fraction=None)
-    unused.observe_finished(CRITICAL, 90.0, 50.0)
+    unused.observe_finished(90.0, 50.0)
     assert unused.itl_fraction is None
-    with pytest.raises(ValueError, match="critical_tpot_target"):
-        FlowControlSettings(critical_tpot_target=1.0)
+    with pytest.raises(ValueError, match="tpot_target"):
+        FlowControlSettings(tpot_target=1.0)
     with pytest.raises(ValueError, match="min_itl_fraction"):
         FlowControlSettings(min_itl_fraction=0.0)
+    with pytest.raises(ValueError, match="max_itl_fraction"):
+        FlowControlSettings(min_itl_fraction=0.6, max_itl_fraction=0.5)
 
 
 def test_room_on_a_replica_routing_did_not_choose_is_not_room_once_most_are_full() -> None:
@@ -458,12 +477,21 @@ models:
   - {name: base-model, pools: [pool-a]}
 """
     policy = parse_policy(
-        fleet + "flow_control: {enabled: true, critical_tpot_target: 0.97, min_itl_fraction: 0.6}\n"
+        fleet + "flow_control: {enabled: true, tpot_target: 0.95, min_itl_fraction: 0.6, "
+        "max_itl_fraction: 0.9}\n"
     )
     settings = settings_of(policy)
-    assert (settings.critical_tpot_target, settings.min_itl_fraction) == (0.97, 0.6)
-    assert settings_of(parse_policy(fleet)).critical_tpot_target == 0.99  # the default
-    fixed = parse_policy(fleet + "flow_control: {enabled: true, critical_tpot_target: null}\n")
-    assert settings_of(fixed).critical_tpot_target is None
-    with pytest.raises(PolicyError, match="critical_tpot_target"):
-        parse_policy(fleet + "flow_control: {critical_tpot_target: 1.5}\n")
+    assert (settings.tpot_target, settings.min_itl_fraction, settings.max_itl_fraction) == (
+        0.95,
+        0.6,
+        0.9,
+    )
+    assert settings_of(parse_policy(fleet)).tpot_target == 0.97  # the default
+    fixed = parse_policy(fleet + "flow_control: {enabled: true, tpot_target: null}\n")
+    assert settings_of(fixed).tpot_target is None
+    with pytest.raises(PolicyError, match="tpot_target"):
+        parse_policy(fleet + "flow_control: {tpot_target: 1.5}\n")
+    with pytest.raises(PolicyError, match="renamed tpot_target"):
+        parse_policy(fleet + "flow_control: {critical_tpot_target: 0.99}\n")
+    with pytest.raises(PolicyError, match="max_itl_fraction"):
+        parse_policy(fleet + "flow_control: {min_itl_fraction: 0.7, max_itl_fraction: 0.6}\n")
