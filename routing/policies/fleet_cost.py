@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
@@ -86,6 +85,7 @@ from routing.policies.base import PluginKind, PluginParams
 from routing.policies.expected_ttft import TERM_NAMES as TTFT_TERM_NAMES
 from routing.policies.expected_ttft import ExpectedTtftScorer, LazyTerms, _Pending
 from routing.policies.max_score import MaxScorePicker
+from routing.policies.placements import Placements
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -265,12 +265,11 @@ class FleetCostScorer(ExpectedTtftScorer):
     ) -> None:
         super().__init__(params, name=name, clock=clock, elapsed_clock=elapsed_clock)
         self._arrivals = ArrivalRate(self.params.rate_window_s)
-        self._overflow_at: OrderedDict[str, ReplicaId] = OrderedDict()
         self._overflow_share = DecayedShare(self.params.overflow_window_s)
-        self._overflow_count: dict[ReplicaId, int] = {}
-        #: Short decodes in flight: request id -> (replica, max_tokens), and per replica.
-        self._fragile_at: OrderedDict[str, tuple[ReplicaId, int]] = OrderedDict()
-        self._fragile_on: dict[ReplicaId, list[int]] = {}
+        #: Overflow requests in flight, by replica.
+        self._overflow: Placements[None] = Placements(self.params.max_pending)
+        #: Short decodes in flight, by replica: their ``max_tokens``.
+        self._fragile: Placements[int] = Placements(self.params.max_pending)
 
     # ------------------------------------------------------------------ congestion
 
@@ -303,44 +302,23 @@ class FleetCostScorer(ExpectedTtftScorer):
     def _savable(self, replica: ReplicaState) -> int:
         """Requests in flight on ``replica`` that were not sent there as overflow (those can
         still make their SLOs)."""
-        return max(0, replica.load - self._overflow_count.get(replica.replica_id, 0))
+        return max(0, replica.load - self._overflow.count(replica.replica_id))
 
     def on_request_start(self, request: RoutingRequest, replica: ReplicaId) -> None:
         """Calibration as in ``expected-ttft``; an overflow request is counted on ``replica``
         (once: a retry on a fallback moves it)."""
         super().on_request_start(request, replica)
         if request.overflow:
-            previous = self._overflow_at.pop(request.request_id, None)
-            if previous is not None:
-                self._overflow_count[previous] -= 1
-            self._overflow_at[request.request_id] = replica
-            self._overflow_count[replica] = self._overflow_count.get(replica, 0) + 1
-            while len(self._overflow_at) > self.params.max_pending:
-                _, gone = self._overflow_at.popitem(last=False)
-                self._overflow_count[gone] -= 1
-        self._track_fragile(request, replica)
-
-    def _track_fragile(self, request: RoutingRequest, replica: ReplicaId) -> None:
-        """Count a short decode on ``replica`` (moved there on a retry)."""
+            self._overflow.place(request.request_id, replica, None)
         p = self.params
         tokens = request.max_output_tokens
-        if p.fragile_loss_ms <= 0 or tokens is None or not 2 <= tokens <= p.fragile_max_tokens:
-            return
-        self._forget_fragile(request.request_id)
-        self._fragile_at[request.request_id] = (replica, tokens)
-        self._fragile_on.setdefault(replica, []).append(tokens)
-        while len(self._fragile_at) > p.max_pending:
-            self._forget_fragile(next(iter(self._fragile_at)))
-
-    def _forget_fragile(self, request_id: str) -> None:
-        where = self._fragile_at.pop(request_id, None)
-        if where is not None:
-            self._fragile_on[where[0]].remove(where[1])
+        if p.fragile_loss_ms > 0 and tokens is not None and 2 <= tokens <= p.fragile_max_tokens:
+            self._fragile.place(request.request_id, replica, tokens)
 
     def fragile_stalled(self, replica: ReplicaState, prefill_ms: float) -> int:
         """Short decodes in flight on ``replica`` that a prefill of ``prefill_ms`` would push
         past ``fragile_tpot_ms``: a decode of k tokens shares the stall over its k - 1 steps."""
-        budgets = self._fragile_on.get(replica.replica_id)
+        budgets = self._fragile.on(replica.replica_id)
         if not budgets or prefill_ms <= 0:
             return 0
         slack = max(1.0, self.params.fragile_tpot_ms - replica.decode_step_ms)
@@ -356,10 +334,8 @@ class FleetCostScorer(ExpectedTtftScorer):
     ) -> None:
         """Calibration as in ``expected-ttft``; an overflow request leaves its replica's count."""
         super().on_request_complete(request, replica, ttft_ms, cached_tokens, ok)
-        where = self._overflow_at.pop(request.request_id, None)
-        if where is not None:
-            self._overflow_count[where] -= 1
-        self._forget_fragile(request.request_id)
+        self._overflow.forget(request.request_id)
+        self._fragile.forget(request.request_id)
 
     @staticmethod
     def _overflow_costs(

@@ -461,14 +461,15 @@ def test_overflow_counts_follow_retries_and_completions() -> None:
     s.on_request_complete(second, ReplicaId("sink"), 5_000.0, 0, True)
     s.on_request_complete(first, ReplicaId("busy"), 5_000.0, 0, True)
     assert s._savable(replica) == 2  # the two in flight there are not overflow any more
-    assert s._overflow_count == {ReplicaId("sink"): 0, ReplicaId("busy"): 0}
+    assert (s._overflow.count(ReplicaId("sink")), s._overflow.count(ReplicaId("busy"))) == (0, 0)
+    assert len(s._overflow) == 0
 
 
 def test_the_overflow_bookkeeping_is_bounded() -> None:
     s = scorer(max_pending=4)
     send_overflow(s, "sink", 10)  # completions never reported
-    assert len(s._overflow_at) == 4
-    assert s._overflow_count[ReplicaId("sink")] == 4
+    assert len(s._overflow) == 4
+    assert s._overflow.count(ReplicaId("sink")) == 4
 
 
 def test_overflow_is_capped_at_a_share_of_recent_decisions() -> None:
@@ -551,7 +552,7 @@ def test_short_decodes_follow_retries_and_completions_and_the_count_is_bounded()
     assert s.fragile_stalled(rep("b"), 1_000.0) == 0
     for i in range(10):  # completions never reported
         start_short(s, "c", 3, f"lost-{i}")
-    assert len(s._fragile_at) == 3
+    assert len(s._fragile) == 3
     assert s.fragile_stalled(rep("c"), 1_000.0) + s.fragile_stalled(rep("a"), 1_000.0) == 3
 
 
