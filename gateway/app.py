@@ -121,6 +121,7 @@ def create_app(
         )
     registry = ReplicaRegistry(config.breaker_failures, config.breaker_cooldown_s)
     registry.set_static(view.replicas)
+    registry.set_pool_speeds(view.pool_speeds)
     gw = GatewayState(
         config=config,
         policy=view,

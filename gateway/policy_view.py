@@ -93,6 +93,16 @@ class ReplicaSpec:
     models: frozenset[str] = frozenset()
     block_size: int = 16
     prefill_tokens_per_s: float = 10_000.0
+    decode_step_ms: float = 30.0
+
+
+@dataclass(frozen=True)
+class PoolSpeeds:
+    """What a pool's engines are configured to do, before routing calibrates them: applied to
+    its static replicas and to those the replica agents register."""
+
+    prefill_tokens_per_s: float = 10_000.0
+    decode_step_ms: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,8 @@ class GatewayPolicy:
     replicas: tuple[ReplicaSpec, ...] = ()
     #: Pool name -> USD per replica-hour (GPU price x GPUs per replica), for cost per 1M tokens.
     pool_usd_per_hour: Mapping[str, float] = field(default_factory=dict)
+    #: Pool name -> its configured engine speeds (every replica of it, static or discovered).
+    pool_speeds: Mapping[str, PoolSpeeds] = field(default_factory=dict)
     #: Base model -> block size used for hashing its prompts.
     block_sizes: Mapping[str, int] = field(default_factory=dict)
     #: SHA-256 hex of the admin keys the policy accepts (besides ``--admin-key``).
@@ -251,6 +263,7 @@ def from_policy(policy: Policy) -> GatewayPolicy:
             block_sizes[str(_get(m, "name"))] = int(_get(m, "block_size"))
     replicas = []
     prices: dict[str, float] = {}
+    speeds: dict[str, PoolSpeeds] = {}
     for p in _get(policy, "replica_pools", None) or ():
         pool = str(_get(p, "name", "default"))
         price_fn = getattr(policy, "usd_per_replica_hour", None)
@@ -259,6 +272,10 @@ def from_policy(policy: Policy) -> GatewayPolicy:
             price = DEFAULT_USD_PER_GPU_HOUR * int(_get(p, "gpus_per_replica", 1) or 1)
         prices[pool] = float(price)
         block_size = int(_get(p, "block_size", 16) or 16)
+        speeds[pool] = PoolSpeeds(
+            float(_get(p, "prefill_tokens_per_s", 10_000.0)),
+            float(_get(p, "decode_step_ms", 30.0)),
+        )
         for i, url in enumerate(_get(p, "replicas", None) or ()):
             replicas.append(
                 ReplicaSpec(
@@ -267,7 +284,8 @@ def from_policy(policy: Policy) -> GatewayPolicy:
                     pool=pool,
                     models=frozenset(pool_models.get(pool, ())),
                     block_size=block_size,
-                    prefill_tokens_per_s=float(_get(p, "prefill_tokens_per_s", 10_000.0)),
+                    prefill_tokens_per_s=speeds[pool].prefill_tokens_per_s,
+                    decode_step_ms=speeds[pool].decode_step_ms,
                 )
             )
         for model in pool_models.get(pool, ()):
@@ -280,6 +298,7 @@ def from_policy(policy: Policy) -> GatewayPolicy:
         adapters=adapters,
         replicas=tuple(replicas),
         pool_usd_per_hour=prices,
+        pool_speeds=speeds,
         block_sizes=block_sizes,
         admin_key_sha256=frozenset(_get(admin, "api_key_sha256", None) or ()),
         anonymous_tenant=_get(_get(policy, "gateway"), "anonymous_tenant"),

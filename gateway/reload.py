@@ -51,6 +51,7 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     gw.max_retries = gw.config.max_retries
     gw.policy = view
     gw.registry.set_static(view.replicas)
+    gw.registry.set_pool_speeds(view.pool_speeds)
     gw.policy_mtime = mtime
     gw.policy_errors = []
     gw.metrics.policy_reloads.labels("ok").inc()

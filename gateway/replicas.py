@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -20,7 +20,7 @@ import aiohttp
 from gateway.attempts import AttemptsInFlight
 from gateway.breaker import CircuitBreaker
 from gateway.inflight import InflightTracker
-from gateway.policy_view import ReplicaSpec
+from gateway.policy_view import PoolSpeeds, ReplicaSpec
 from routing.fleet import Fleet
 from routing.recent_itl import RecentItl
 from routing.state import ReplicaState
@@ -107,6 +107,9 @@ class ReplicaRegistry:
         self._breakers: dict[ReplicaId, CircuitBreaker] = {}
         self._static: set[ReplicaId] = set()
         self._discovered: set[ReplicaId] = set()
+        #: Pool -> the engine speeds the policy configures for it: a registered replica's
+        #: agent reports its engine's figures, not what routing should start from.
+        self._pool_speeds: dict[str, PoolSpeeds] = {}
         self._failure_threshold = failure_threshold
         self._cooldown_s = cooldown_s
         #: adapter name -> base model, as replicas list them in ``/v1/models`` (``parent``).
@@ -137,9 +140,29 @@ class ReplicaRegistry:
                     models=spec.models,
                     block_size=spec.block_size,
                     prefill_tokens_per_s=spec.prefill_tokens_per_s,
+                    decode_step_ms=spec.decode_step_ms,
                 )
             )
         self._static = set(wanted)
+
+    def set_pool_speeds(self, speeds: Mapping[str, PoolSpeeds]) -> None:
+        """The policy's engine speeds per pool (on every load): applied to the registered
+        replicas of those pools now and at each sync."""
+        self._pool_speeds = dict(speeds)
+        for rid in self._discovered:
+            state = self._states.get(rid)
+            if state is not None:
+                self._put(self._with_pool_speeds(state))
+
+    def _with_pool_speeds(self, state: ReplicaState) -> ReplicaState:
+        speeds = self._pool_speeds.get(state.pool)
+        if speeds is None:
+            return state
+        return replace(
+            state,
+            prefill_tokens_per_s=speeds.prefill_tokens_per_s,
+            decode_step_ms=speeds.decode_step_ms,
+        )
 
     def upsert(self, state: ReplicaState) -> None:
         """Add a replica or update its identity (url, pool, models, epoch), keeping live figures."""
@@ -175,6 +198,7 @@ class ReplicaRegistry:
                 continue  # listed statically: the policy file wins over a registration
             seen.add(state.replica_id)
             self._missing_since.pop(state.replica_id, None)
+            state = self._with_pool_speeds(state)
             old = self._states.get(state.replica_id)
             if old is None:
                 self.upsert(state)

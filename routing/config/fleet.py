@@ -45,6 +45,10 @@ class ReplicaPool(StrictModel):
     block_size: PositiveInt = 16
     #: Starting prefill-throughput estimate (tokens/s) before online calibration.
     prefill_tokens_per_s: PositiveFloat = 10_000.0
+    #: Time of one decode step with an empty context (ms), about the weights' bytes over the
+    #: GPU's memory bandwidth (an 8B model in bf16 on an H100: ~7 ms): routing's estimate of
+    #: the step each running request holds, and of a short answer's slack under its TPOT.
+    decode_step_ms: PositiveFloat = 30.0
     #: vLLM ``--max-loras`` / ``--max-cpu-loras`` (GPU and host LoRA slots per engine).
     max_loras: NonNegativeInt | None = None
     max_cpu_loras: NonNegativeInt | None = None
