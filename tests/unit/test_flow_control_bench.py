@@ -34,17 +34,6 @@ def test_a_missing_trace_is_a_usage_error_not_a_traceback(
     assert "nope.jsonl" in capsys.readouterr().err
 
 
-def test_a_trace_is_replayed_with_and_without_flow_control(tmp_path: Path) -> None:
-    trace = _trace(tmp_path / "tiny.jsonl", 40)
-    page = tmp_path / "fc.md"
-    flow_control.main(
-        ["--workloads", "", "--scales", "1", "--trace", str(trace), "--out", str(page)]
-    )
-    text = page.read_text()
-    assert "`tiny` (40 requests)" in text
-    assert "| tiny |" in text
-
-
 def _records(rows: list[tuple[int, int, int]]) -> list:
     """(timestamp ms, prompt tokens, output tokens) -> trace records, each its own conversation."""
     from traces.format import TraceRecord
@@ -59,18 +48,7 @@ def _records(rows: list[tuple[int, int, int]]) -> list:
     return records
 
 
-def test_served_alone_spaces_a_burst_out_so_only_a_requests_own_length_misses() -> None:
-    # 300 requests at once overload 8 replicas; one at a time, each meets its SLOs, except
-    # the 90k-token prompt, whose prefill alone takes longer than the 2 s TTFT SLO.
-    burst = _records([(0, 4000, 200)] * 300 + [(0, 90_000, 10)])
-    mix = "critical=0.2,standard=0.5,sheddable=0.3"
-    at_once = flow_control.run_point("burst", burst, 1.0, mix, flow_control.FlowControlSettings())
-    alone = flow_control.served_alone(burst, mix)
-    assert at_once.off.goodput is not None and at_once.off.goodput < 0.9
-    assert alone.goodput == pytest.approx(300 / 301)
-
-
-def test_the_page_shows_each_subject_served_alone_and_quotes_it_beside_critical(
+def test_a_trace_is_replayed_with_and_without_flow_control_and_served_alone(
     tmp_path: Path,
 ) -> None:
     trace = tmp_path / "tiny.jsonl"
@@ -81,6 +59,20 @@ def test_the_page_shows_each_subject_served_alone_and_quotes_it_beside_critical(
         ["--workloads", "", "--scales", "1", "--trace", str(trace), "--out", str(page)]
     )
     text = page.read_text()
+    assert "`tiny` (40 requests)" in text
+    assert "| tiny | 1× |" in text
+    # Each subject served alone, and that ceiling quoted beside the critical criterion.
     assert "## Served alone" in text
     assert "| tiny | 100.0% | 100.0% | 100.0% | 100.0% |" in text
     assert "(served alone: 100.0%)" in text
+
+
+def test_served_alone_spaces_a_burst_out_so_only_a_requests_own_length_misses() -> None:
+    # 300 requests at once overload 8 replicas; one at a time, each meets its SLOs, except
+    # the 90k-token prompt, whose prefill alone takes longer than the 2 s TTFT SLO.
+    burst = _records([(0, 4000, 200)] * 300 + [(0, 90_000, 10)])
+    mix = "critical=0.2,standard=0.5,sheddable=0.3"
+    at_once = flow_control.run_point("burst", burst, 1.0, mix, flow_control.FlowControlSettings())
+    alone = flow_control.served_alone(burst, mix)
+    assert at_once.off.goodput is not None and at_once.off.goodput < 0.9
+    assert alone.goodput == pytest.approx(300 / 301)
