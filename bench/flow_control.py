@@ -136,32 +136,38 @@ def run_point(
     mix: str,
     settings: FlowControlSettings,
     engine_priority: bool = False,
+    seed: int = 0,
 ) -> Point:
     """The default policy at ``scale`` x, flow control off and on, same classes; with
-    ``engine_priority`` the engines schedule by the classes (vLLM's priority policy) in both."""
+    ``engine_priority`` the engines schedule by the classes (vLLM's priority policy) in both.
+    ``seed`` draws the classes and routing's random choices."""
     classes = parse_class_mix(mix)
-    requests = prepare_requests(trace, rate_scale=scale)
+    requests = prepare_requests(trace, rate_scale=scale, seed=seed)
     policy = default_policy()
     engine = {"scheduling_policy": "priority"} if engine_priority else {}
     rows = {}
     for flow in (False, True):
         config = SimulationConfig(
-            classes=classes, flow_control=settings if flow else None, engine_overrides=engine
+            classes=classes,
+            flow_control=settings if flow else None,
+            engine_overrides=engine,
+            seed=seed,
         )
         rows[flow] = simulate(requests, [policy], config).summaries[0]
     return Point(subject, scale, rows[True], rows[False])
 
 
 def served_alone(
-    trace: Sequence[TraceRecord], mix: str, engine_priority: bool = False
+    trace: Sequence[TraceRecord], mix: str, engine_priority: bool = False, seed: int = 0
 ) -> PolicySummary:
     """The default policy serving ``trace`` one request at a time, in trace order: the same
     prompts, classes and prefix reuse without load. A miss there is the request's own: its
     prefill or decode alone outlasts the SLO."""
     one_by_one = [replace(r, timestamp=i * ALONE_GAP_MS) for i, r in enumerate(trace)]
     engine = {"scheduling_policy": "priority"} if engine_priority else {}
-    config = SimulationConfig(classes=parse_class_mix(mix), engine_overrides=engine)
-    return simulate(prepare_requests(one_by_one), [default_policy()], config).summaries[0]
+    config = SimulationConfig(classes=parse_class_mix(mix), engine_overrides=engine, seed=seed)
+    requests = prepare_requests(one_by_one, seed=seed)
+    return simulate(requests, [default_policy()], config).summaries[0]
 
 
 def _class(row: PolicySummary, name: str) -> float:
@@ -490,6 +496,13 @@ def _parser() -> argparse.ArgumentParser:
         help="worker processes, one subject and load each (default: 2, or 1 on one CPU)",
     )
     parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="draws the classes (by conversation) and routing's random choices; the on/off "
+        "comparison of a point near its threshold can flip with it (default %(default)s)",
+    )
+    parser.add_argument(
         "--engine-priority",
         action="store_true",
         help="engines schedule by priority (vLLM's --scheduling-policy priority), each request "
@@ -532,12 +545,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = [
             pool.submit(
-                run_point, subject, trace, scale, args.classes, settings, args.engine_priority
+                run_point,
+                subject,
+                trace,
+                scale,
+                args.classes,
+                settings,
+                args.engine_priority,
+                args.seed,
             )
             for subject, trace, scale in tasks
         ]
         alone_futures = {
-            subject: pool.submit(served_alone, trace, args.classes, args.engine_priority)
+            subject: pool.submit(
+                served_alone, trace, args.classes, args.engine_priority, args.seed
+            )
             for subject, (trace, _) in chosen.items()
         }
         for (subject, _, scale), future in zip(tasks, futures, strict=True):

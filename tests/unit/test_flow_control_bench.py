@@ -76,3 +76,22 @@ def test_served_alone_spaces_a_burst_out_so_only_a_requests_own_length_misses() 
     alone = flow_control.served_alone(burst, mix)
     assert at_once.off.goodput is not None and at_once.off.goodput < 0.9
     assert alone.goodput == pytest.approx(300 / 301)
+
+
+def test_the_seed_reaches_every_simulation_of_a_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[int] = []
+    real = flow_control.simulate
+
+    def spy(requests, policies, config, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(config.seed)
+        return real(requests, policies, config, **kwargs)
+
+    monkeypatch.setattr(flow_control, "simulate", spy)
+    trace = _records([(i * 200, 1000, 20) for i in range(10)])
+    mix, settings = "critical=0.5,standard=0.5", flow_control.FlowControlSettings()
+    flow_control.run_point("t", trace, 1.0, mix, settings, seed=7)
+    flow_control.served_alone(trace, mix, seed=7)
+    assert seen == [7, 7, 7]
+    assert flow_control._parser().parse_args(["--seed", "3"]).seed == 3
