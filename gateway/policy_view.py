@@ -84,6 +84,15 @@ class Route:
 
 
 @dataclass(frozen=True)
+class PoolSpeeds:
+    """What a pool's engines are configured to do, before routing calibrates them: applied to
+    its static replicas and to those the replica agents register."""
+
+    prefill_tokens_per_s: float = 10_000.0
+    decode_step_ms: float = 30.0
+
+
+@dataclass(frozen=True)
 class ReplicaSpec:
     """A replica the policy file (or the command line) names statically."""
 
@@ -92,17 +101,7 @@ class ReplicaSpec:
     pool: str = "default"
     models: frozenset[str] = frozenset()
     block_size: int = 16
-    prefill_tokens_per_s: float = 10_000.0
-    decode_step_ms: float = 30.0
-
-
-@dataclass(frozen=True)
-class PoolSpeeds:
-    """What a pool's engines are configured to do, before routing calibrates them: applied to
-    its static replicas and to those the replica agents register."""
-
-    prefill_tokens_per_s: float = 10_000.0
-    decode_step_ms: float = 30.0
+    speeds: PoolSpeeds = PoolSpeeds()
 
 
 @dataclass(frozen=True)
@@ -284,8 +283,7 @@ def from_policy(policy: Policy) -> GatewayPolicy:
                     pool=pool,
                     models=frozenset(pool_models.get(pool, ())),
                     block_size=block_size,
-                    prefill_tokens_per_s=speeds[pool].prefill_tokens_per_s,
-                    decode_step_ms=speeds[pool].decode_step_ms,
+                    speeds=speeds[pool],
                 )
             )
         for model in pool_models.get(pool, ()):

@@ -139,8 +139,8 @@ class ReplicaRegistry:
                     pool=spec.pool,
                     models=spec.models,
                     block_size=spec.block_size,
-                    prefill_tokens_per_s=spec.prefill_tokens_per_s,
-                    decode_step_ms=spec.decode_step_ms,
+                    prefill_tokens_per_s=spec.speeds.prefill_tokens_per_s,
+                    decode_step_ms=spec.speeds.decode_step_ms,
                 )
             )
         self._static = set(wanted)

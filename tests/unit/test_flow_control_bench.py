@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import flow_control
+from traces.format import TraceRecord
 
 
 def _trace(path: Path, requests: int) -> Path:
@@ -34,11 +35,10 @@ def test_a_missing_trace_is_a_usage_error_not_a_traceback(
     assert "nope.jsonl" in capsys.readouterr().err
 
 
-def _records(rows: list[tuple[int, int, int]]) -> list:
+def _records(rows: list[tuple[int, int, int]]) -> list[TraceRecord]:
     """(timestamp ms, prompt tokens, output tokens) -> trace records, each its own conversation."""
-    from traces.format import TraceRecord
-
-    records, next_id = [], 0
+    records: list[TraceRecord] = []
+    next_id = 0
     for timestamp, prompt, output in rows:
         blocks = -(-prompt // 512)
         records.append(

@@ -29,7 +29,7 @@ def test_the_policy_gives_each_pool_its_speeds_and_defaults_where_it_is_silent()
     view = from_policy(parse_policy(POLICY))
     assert view.pool_speeds == {"h100": PoolSpeeds(25_000.0, 8.5), "plain": PoolSpeeds()}
     static = {spec.pool: spec for spec in view.replicas}
-    h100, plain = static["h100"], static["plain"]
+    h100, plain = static["h100"].speeds, static["plain"].speeds
     assert (h100.prefill_tokens_per_s, h100.decode_step_ms) == (25_000.0, 8.5)
     assert (plain.prefill_tokens_per_s, plain.decode_step_ms) == (10_000.0, 30.0)
     with pytest.raises(PolicyError, match="decode_step_ms"):
