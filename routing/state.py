@@ -29,6 +29,9 @@ class ReplicaState:
     kv_capacity_blocks: int | None = None
     #: Fraction of KV blocks in use, 0..1 (``vllm:kv_cache_usage_perc``).
     kv_usage: float = 0.0
+    #: Blocks in the engine's prefix cache, by its KV events (stored minus removed), in use or
+    #: not: vLLM's usage gauge counts only those running requests hold. None if unknown.
+    cached_blocks: int | None = None
     #: Requests the engine is running / holding in its waiting queue (its own view).
     running: int = 0
     waiting: int = 0

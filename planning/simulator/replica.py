@@ -101,6 +101,7 @@ class SimulatedReplica:
         state.running = stats.running
         state.waiting = stats.waiting
         state.kv_usage = stats.kv_usage
+        state.cached_blocks = stats.cached_blocks
         state.preemptions_total = stats.preemptions
         state.loaded_adapters = frozenset(stats.loaded_adapters)
         state.cpu_cached_adapters = frozenset(stats.cpu_adapters)

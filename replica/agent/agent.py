@@ -396,6 +396,8 @@ class ReplicaAgent:
             block_size=snap.block_size or ReplicaState.block_size,
             kv_capacity_blocks=snap.num_gpu_blocks,
             kv_usage=snap.kv_usage,
+            # From the engine's own KV events: its usage gauge misses cached blocks not in use.
+            cached_blocks=self.applier.hashes.live_count,
             running=snap.running,
             waiting=snap.waiting,
             preemptions_total=snap.preemptions_total,

@@ -32,6 +32,8 @@ class EngineHashMap:
         self._entries: OrderedDict[EngineHash, tuple[BlockHash, bool]] = OrderedDict()
         #: Live entries dropped for capacity since creation.
         self.evicted_live = 0
+        #: Entries the engine holds now (``live``), kept as they change rather than counted.
+        self.live_count = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -46,11 +48,15 @@ class EngineHashMap:
 
     def store(self, engine_hash: EngineHash, block: BlockHash) -> None:
         """Remember that ``engine_hash`` is ``block`` and that the engine holds it now."""
+        old = self._entries.get(engine_hash)
+        if old is None or not old[1]:
+            self.live_count += 1
         self._entries[engine_hash] = (block, True)
         self._entries.move_to_end(engine_hash)
         while len(self._entries) > self.capacity:
             _, (_, live) = self._entries.popitem(last=False)
             self.evicted_live += int(live)
+            self.live_count -= int(live)
 
     def evict(self, engine_hash: EngineHash) -> BlockHash | None:
         """Mark ``engine_hash`` no longer held; return its fleetgate hash if it was live."""
@@ -58,16 +64,19 @@ class EngineHashMap:
         if entry is None or not entry[1]:
             return None
         self._entries[engine_hash] = (entry[0], False)
+        self.live_count -= 1
         return entry[0]
 
     def mark_all_evicted(self) -> None:
         """The engine dropped every block (``AllBlocksCleared``); hashes stay resolvable."""
         for key, (block, _) in self._entries.items():
             self._entries[key] = (block, False)
+        self.live_count = 0
 
     def clear(self) -> None:
         """Forget everything (a new engine process: its hashes may mean nothing to us)."""
         self._entries.clear()
+        self.live_count = 0
 
     def live_blocks(self) -> Iterator[BlockHash]:
         """fleetgate hashes of every block the engine holds now, oldest first."""

@@ -80,6 +80,8 @@ class EngineStats:
     #: Fraction of KV blocks not free (``vllm:kv_cache_usage_perc``).
     kv_usage: float
     num_blocks: int
+    #: Blocks in the prefix cache (what BlockStored minus BlockRemoved events add up to).
+    cached_blocks: int
     block_size: int
     #: Counters in tokens (``vllm:prefix_cache_queries_total`` / ``..._hits_total``).
     prefix_queries_tokens: int
@@ -714,6 +716,7 @@ class EngineModel:
             waiting=len(self._waiting),
             kv_usage=self._kv.usage,
             num_blocks=self._num_blocks,
+            cached_blocks=self._kv.num_cached_blocks,
             block_size=self._block_size,
             prefix_queries_tokens=self._prefix_queries,
             prefix_hits_tokens=self._prefix_hits,

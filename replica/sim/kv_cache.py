@@ -108,6 +108,11 @@ class KVCache:
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the prefix cache (held by requests or free to evict)."""
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks held by requests, as vLLM's ``kv_cache_usage_perc``."""
         return 1.0 - len(self._free) / self.num_blocks

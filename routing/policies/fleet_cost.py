@@ -14,7 +14,7 @@ For every candidate replica the scorer computes, in milliseconds::
             + decode_interference_ms             # expected-ttft's recent-prefill duty cycle
             + duplicate_ms × duplicate_weight    # prefill that a better-placed replica would skip
             + externality_ms                     # this prefill, as paid by others on the replica
-            + eviction_ms                        # the prefixes its new blocks push out
+            + eviction_ms                        # the cached prefixes its new blocks push out
             + fragile_ms                         # short decodes it pushes past their TPOT
 
 * ``duplicate_ms`` is this replica's prefill time minus the least prefill time of any candidate
@@ -38,9 +38,16 @@ For every candidate replica the scorer computes, in milliseconds::
   there per ms) and grows linearly to ``decode_weight`` at 1. Chosen on a public conversation
   trace and the generated workloads (docs/policies/fleet-cost.md, *What was tried*). The
   arrival term (``queue_weight``) is off by default: the duplicate weight prices the queue.
-* ``eviction_ms`` charges the uncached tokens written to a replica whose KV cache is nearly full
-  (above ``evict_threshold``): they evict someone's prefix, which that someone prefills again.
-  Off by default (weight 0).
+* ``eviction_ms`` charges the cached tokens a prefill pushes out of a replica's prefix cache
+  (``routing/policies/cache_fill.py`` estimates each cache's fill) beyond what it pushes out on
+  the roomiest candidate holding as much of the prompt, at ``evict_weight`` of their prefill
+  time: evicted blocks are someone's prefix, prefilled again if it comes back. Only on a fleet
+  that is not queueing (duplicate weight at its base). Once every cache is full (a fleet's
+  steady state: prefix caches are LRU) it is 0 everywhere; it matters while caches fill (a cold
+  start, a restarted or added replica), when a replica that has just gone idle would otherwise
+  take every new prefix until it evicts the first ones. **Off by default** (weight 0): at 0.5 it
+  cost two checks on Mooncake's arXiv slice, whose caches fill for most of its 134 s
+  (docs/policies/fleet-cost.md, *Cache fill*).
 * ``fragile_ms`` protects **short decodes**. A request that asked for few tokens (``max_tokens``:
   classifiers, extractors, tool routers) averages its TPOT over few engine steps, so one step
   that carries a long prefill chunk puts it past the TPOT SLO: a 3-token answer has two decode
@@ -77,11 +84,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from routing.contracts import CandidatesSummary, RoutingRequest
 from routing.engine import PluginTerms, Profile
 from routing.policies.base import PluginKind, PluginParams
+from routing.policies.cache_fill import CacheFill
 from routing.policies.expected_ttft import TERM_NAMES as TTFT_TERM_NAMES
 from routing.policies.expected_ttft import ExpectedTtftScorer, LazyTerms, _Pending
 from routing.policies.max_score import MaxScorePicker
@@ -234,10 +242,22 @@ class FleetCostScorer(ExpectedTtftScorer):
         overflow_window_s: float = Field(default=60.0, gt=0.0)
         #: Time constant of the arrival-rate estimate.
         rate_window_s: float = Field(default=5.0, gt=0.0)
-        #: KV usage above which new blocks are charged as evictions ...
-        evict_threshold: float = Field(default=0.8, ge=0.0, lt=1.0)
-        #: ... at this share of their prefill time, growing linearly to a full cache.
+        #: Share of their prefill time charged per cached token a prefill evicts beyond what it
+        #: evicts on the roomiest equally matched candidate (0: off, the default).
         evict_weight: float = Field(default=0.0, ge=0.0)
+
+        @model_validator(mode="before")
+        @classmethod
+        def _no_kv_usage_threshold(cls, data: object) -> object:
+            if isinstance(data, dict) and "evict_threshold" in data:
+                raise ValueError(
+                    "evict_threshold is gone: eviction_ms now counts the blocks a new prefix "
+                    "evicts from each replica's prefix-cache fill, not a KV-usage threshold "
+                    "(vLLM's usage gauge misses cached blocks no request holds). Remove it; "
+                    "evict_weight (default 0: off; 0.5 for example) sets the charge."
+                )
+            return data
+
         #: Cost (ms) of pushing one short decode past its TPOT SLO (about half the TTFT SLO: a
         #: newcomer may wait that much longer to spare one request its SLO). Charged to a
         #: prefill per request in flight on the replica that asked for so few tokens
@@ -270,6 +290,8 @@ class FleetCostScorer(ExpectedTtftScorer):
         self._overflow: Placements[None] = Placements(self.params.max_pending)
         #: Short decodes in flight, by replica: their ``max_tokens``.
         self._fragile: Placements[int] = Placements(self.params.max_pending)
+        #: Prefix-cache blocks written per replica (for ``eviction_ms``).
+        self._fill = CacheFill()
 
     # ------------------------------------------------------------------ congestion
 
@@ -308,6 +330,9 @@ class FleetCostScorer(ExpectedTtftScorer):
         """Calibration as in ``expected-ttft``; an overflow request is counted on ``replica``
         (once: a retry on a fallback moves it)."""
         super().on_request_start(request, replica)
+        matches = request.prefix_matches
+        cached = matches.get(replica, 0) * request.block_size if matches else 0
+        self._fill.add(replica, request.prompt_tokens - cached)
         if request.overflow:
             self._overflow.place(request.request_id, replica, None)
         p = self.params
@@ -361,6 +386,36 @@ class FleetCostScorer(ExpectedTtftScorer):
             for rid, values in raw.items()
         }
 
+    def _evicted_tokens(
+        self, replicas: Sequence[ReplicaState], base: dict[ReplicaId, tuple[float, ...]]
+    ) -> dict[ReplicaId, float]:
+        """Per replica, the cached tokens this request's prefill pushes out of its prefix cache
+        beyond what it pushes out on the roomiest candidate that holds as much of its prompt.
+
+        Compared only among replicas that hold the same share of the prompt: between a prefix
+        holder and a replica without it, the extra prefill is what counts (``duplicate_ms``).
+        The caller asks only while the fleet is not queueing. Both limits are measured (on
+        Mooncake's conversation trace at 4x, docs/policies/fleet-cost.md, *Cache fill*): pushing
+        requests off a full holder, or sending every new prompt to the one replica with room
+        while queues build, lost 4-8 points of goodput: the work and imbalance of the filling
+        minutes stayed queued for the rest of the run. Where every cache is full it is 0.
+        Replicas of unknown capacity are charged nothing.
+        """
+        if self.params.evict_weight <= 0:
+            return {}
+        evicts: dict[ReplicaId, tuple[float, float]] = {}
+        for replica in replicas:
+            room = self._fill.room_tokens(replica)
+            if room is not None:
+                uncached = base[replica.replica_id][_UNCACHED]
+                evicts[replica.replica_id] = (uncached, max(0.0, uncached - room))
+        least: dict[float, float] = {}
+        for uncached, n in evicts.values():
+            least[uncached] = min(n, least.get(uncached, n))
+        return {
+            rid: n - least[uncached] for rid, (uncached, n) in evicts.items() if n > least[uncached]
+        }
+
     def arrival_rate(self) -> float:
         """Requests per second this scorer has been asked to route, recently."""
         return self._arrivals.rate(self._elapsed_clock())
@@ -390,6 +445,8 @@ class FleetCostScorer(ExpectedTtftScorer):
         least_uncached = min(values[_UNCACHED] for values in base.values())
         fleet = request.candidates
         weight = self.duplicate_weight(replicas, fleet)
+        # Only on a fleet that is not queueing (see ``_evicted_tokens``).
+        evicted = self._evicted_tokens(replicas, base) if weight <= p.duplicate_base else {}
         window_ms = p.recent_prefill_window_s * 1000.0
         per_replica_rate = self._arrivals.rate(elapsed_now) / (
             fleet.count if fleet is not None else len(base)
@@ -419,12 +476,9 @@ class FleetCostScorer(ExpectedTtftScorer):
                     wait_s = (values[_QUEUE] + prefill_ms) / 1000.0
                     affected += p.queue_weight * per_replica_rate * wait_s
                 externality_ms += prefill_ms * affected
-            eviction_ms = 0.0
-            if p.evict_weight > 0 and replica.kv_usage > p.evict_threshold and prefill_ms > 0:
-                fullness = (min(1.0, replica.kv_usage) - p.evict_threshold) / (
-                    1.0 - p.evict_threshold
-                )
-                eviction_ms = p.evict_weight * fullness * prefill_ms
+            eviction_ms = (
+                p.evict_weight * evicted.get(replica.replica_id, 0.0) / values[_SPEED] * 1000.0
+            )
             fragile_ms = 0.0
             if p.fragile_loss_ms > 0:
                 fragile_ms = p.fragile_loss_ms * self.fragile_stalled(replica, prefill_ms)

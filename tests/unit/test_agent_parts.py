@@ -37,6 +37,31 @@ def test_hash_map_evicts_least_recently_used_and_counts_live_losses() -> None:
     assert len(m) == 0
 
 
+def test_hash_map_counts_the_blocks_the_engine_holds() -> None:
+    """``live_count`` (the replica's ``cached_blocks``) equals the live entries after every
+    kind of change."""
+    m = EngineHashMap(capacity=3)
+    steps = [
+        lambda: m.store(1, BlockHash(10)),
+        lambda: m.store(2, BlockHash(20)),
+        lambda: m.store(2, BlockHash(20)),  # stored again: still one block
+        lambda: m.evict(1),
+        lambda: m.evict(1),  # removed twice: counted once
+        lambda: m.store(1, BlockHash(10)),  # stored again after eviction
+        lambda: m.store(3, BlockHash(30)),
+        lambda: m.store(4, BlockHash(40)),  # capacity: the oldest live entry goes
+        lambda: m.mark_all_evicted(),
+        lambda: m.store(5, BlockHash(50)),
+        lambda: m.clear(),
+    ]
+    counts = []
+    for step in steps:
+        step()
+        assert m.live_count == len(list(m.live_blocks()))
+        counts.append(m.live_count)
+    assert counts == [1, 2, 2, 1, 1, 2, 3, 3, 0, 1, 0]
+
+
 def test_hash_map_rejects_zero_capacity() -> None:
     with pytest.raises(ValueError, match="capacity"):
         EngineHashMap(0)

@@ -18,7 +18,7 @@ from routing.policies.fleet_cost import (
 from routing.policies.max_score import MaxScorePicker
 from routing.policies.registry import builtin_profile
 from routing.state import ReplicaState
-from routing.types import BlockHash, ReplicaId
+from routing.types import BlockHash, Epoch, ReplicaId
 from tests.unit.test_policy_hot_prefix import REPLICAS, REQUESTS, route_hot_prefix
 
 NOW = 1_000_000.0
@@ -133,11 +133,74 @@ TERMS = [
         id="decodes stalled by this prefill",
     ),
     pytest.param(
-        {"evict_weight": 1.0, "evict_threshold": 0.8},
-        [rep("full", kv_usage=0.9), rep("free", kv_usage=0.5)],
+        {"evict_weight": 1.0},
+        [
+            rep("full", kv_capacity_blocks=200, cached_blocks=150),
+            rep("roomy", kv_capacity_blocks=200, cached_blocks=20),
+        ],
         {},
-        {"full": {"eviction_ms": 0.5 * 200.0}, "free": {"eviction_ms": 0.0}},
-        id="blocks written into a nearly full cache evict others",
+        # 125 new blocks: 75 beyond full's room of 50, none on roomy; 75 x 16 tokens = 120 ms
+        {"full": {"eviction_ms": 120.0}, "roomy": {"eviction_ms": 0.0}},
+        id="a new prefix evicts cached blocks where another cache has room for it",
+    ),
+    pytest.param(
+        {"evict_weight": 0.5},
+        [
+            rep("a", kv_capacity_blocks=200, cached_blocks=200),
+            rep("b", kv_capacity_blocks=200, cached_blocks=190),
+        ],
+        {},
+        # a evicts 125 blocks, b 115: a pays for 10 (16 ms) at half
+        {"a": {"eviction_ms": 8.0}, "b": {"eviction_ms": 0.0}},
+        id="only the evictions beyond the roomiest candidate's are charged",
+    ),
+    pytest.param(
+        {"evict_weight": 1.0, "duplicate_per_queued": 1.0},
+        [
+            rep("full", kv_capacity_blocks=200, cached_blocks=150, waiting=2),
+            rep("roomy", kv_capacity_blocks=200, cached_blocks=20, waiting=2),
+        ],
+        {},
+        {"full": {"eviction_ms": 0.0, "duplicate_weight": 2.0}, "roomy": {"eviction_ms": 0.0}},
+        id="a queueing fleet: the queue decides where new content goes, not the caches' room",
+    ),
+    pytest.param(
+        {"evict_weight": 1.0},
+        [
+            rep("full holder", kv_capacity_blocks=200, cached_blocks=200),
+            rep("roomy holder", kv_capacity_blocks=200, cached_blocks=0),
+            rep("cold", kv_capacity_blocks=200, cached_blocks=0),
+        ],
+        {"full holder": 100, "roomy holder": 100},
+        # 25 new blocks on either holder: the full one evicts them all (40 ms), the roomy one
+        # none. cold, with room, evicts nothing: what it costs is duplicated prefill.
+        {
+            "full holder": {"eviction_ms": 40.0},
+            "roomy holder": {"eviction_ms": 0.0},
+            "cold": {"eviction_ms": 0.0, "duplicate_ms": 160.0},
+        },
+        id="compared only among replicas holding as much of the prefix",
+    ),
+    pytest.param(
+        {"evict_weight": 1.0},
+        [
+            rep("full holder", kv_capacity_blocks=200, cached_blocks=200),
+            rep("cold", kv_capacity_blocks=200, cached_blocks=0),
+        ],
+        {"full holder": 100},
+        {"full holder": {"eviction_ms": 0.0}, "cold": {"eviction_ms": 0.0}},
+        id="a full holder is not pushed onto an emptier cache (that would duplicate its prefix)",
+    ),
+    pytest.param(
+        {"evict_weight": 1.0},
+        [
+            rep("a", kv_capacity_blocks=200, cached_blocks=200),
+            rep("b", kv_capacity_blocks=200, cached_blocks=200),
+            rep("unknown", cached_blocks=5),
+        ],
+        {},
+        {"a": {"eviction_ms": 0.0}, "b": {"eviction_ms": 0.0}, "unknown": {"eviction_ms": 0.0}},
+        id="every cache full (steady state), or capacity unknown: no eviction charge",
     ),
 ]
 
@@ -281,10 +344,60 @@ def test_decodes_with_tpot_slack_are_not_charged() -> None:
     assert terms[ReplicaId("busy")]["externality_ms"] == 0.0
 
 
-async def test_a_cold_prompt_avoids_the_nearly_full_cache() -> None:
+async def test_a_cold_prompt_avoids_the_full_cache() -> None:
     engine = RoutingEngine(None, {"fleet-cost": profile(**{**QUIET, "evict_weight": 1.0})})
-    replicas = [rep("full", kv_usage=0.88), rep("roomy", kv_usage=0.3, inflight_prefill_tokens=300)]
+    replicas = [
+        rep("full", kv_capacity_blocks=200, cached_blocks=200),
+        rep("roomy", kv_capacity_blocks=200, cached_blocks=60, inflight_prefill_tokens=300),
+    ]
     assert (await engine.route(req(), replicas, "fleet-cost")).replica == "roomy"
+
+
+#: The weight docs/policies/fleet-cost.md measures (the term is off by default).
+EVICT_WEIGHT = 0.5
+
+
+def test_an_idle_replica_stops_taking_new_prefixes_once_its_cache_is_full() -> None:
+    """The real-vLLM e2e prefix test's failure on a busy machine: one engine finished each
+    request before the next decision, so by load it looked idle every time, and it took 7 of 8
+    new 24-block prefixes into a 112-block cache. Its KV usage and its agent's last reading said
+    0: only the blocks routing wrote there since show that the cache is full (with
+    ``evict_weight`` on; it is off by default)."""
+    clock = _Clock()
+    s = scorer(clock, **{**QUIET, "evict_weight": EVICT_WEIGHT})
+    taken: list[str] = []
+    for n in range(8):
+        clock.now += 0.13  # the decisions' spacing in that run
+        replicas = [
+            rep("idle", kv_capacity_blocks=112, cached_blocks=0),
+            rep("busy", kv_capacity_blocks=112, cached_blocks=0, inflight_requests=1, running=1),
+        ]
+        request = req(request_id=f"p{n}", prompt_tokens=24 * 16 + 5, chain=[])
+        scores, _ = s.score_with_terms(request, replicas)
+        chosen = max(scores, key=lambda rid: scores[rid])
+        s.on_request_start(request, chosen)
+        s.on_request_complete(request, chosen, 50.0, 0, True)
+        taken.append(chosen)
+    assert taken.count("idle") == 4, " ".join(taken)  # 4 x 24 = 96 blocks fit; a fifth evicts 8
+    assert taken[4:] == ["busy"] * 4
+
+
+def test_a_new_epoch_empties_the_fill_estimate() -> None:
+    s = scorer(**{**QUIET, "evict_weight": EVICT_WEIGHT})
+    full = [rep("a", kv_capacity_blocks=24), rep("b", kv_capacity_blocks=24)]
+    request = req(prompt_tokens=24 * 16, chain=[])
+    s.score_with_terms(request, full)
+    s.on_request_start(request, ReplicaId("a"))  # a's cache is now full
+    _, terms = s.score_with_terms(req(request_id="next", prompt_tokens=24 * 16, chain=[]), full)
+    assert terms[ReplicaId("a")]["eviction_ms"] > 0
+    restarted = [rep("a", kv_capacity_blocks=24, epoch=Epoch(2)), full[1]]
+    _, terms = s.score_with_terms(req(request_id="again", prompt_tokens=24 * 16), restarted)
+    assert terms[ReplicaId("a")]["eviction_ms"] == 0.0
+
+
+def test_the_old_kv_usage_threshold_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match=r"evict_threshold is gone.*Remove it"):
+        FleetCostScorer.Params(evict_threshold=0.8)
 
 
 @pytest.mark.parametrize(("protect_weight", "expected"), [(0.0, "calm"), (0.2, "lost")])

@@ -67,6 +67,7 @@ def test_freed_blocks_are_evicted_least_recently_freed_first_tail_first() -> Non
     cache.free("b")  # free queue: 1, 0, 3, 2
     cache.take_events()
     assert cache.usage == 0.0
+    assert cache.num_cached_blocks == 4  # not in use, still cached (usage misses them)
     evicted: list[int] = []
     for rid in ("c", "d", "e", "f"):
         assert cache.allocate(rid, 1)
@@ -74,6 +75,7 @@ def test_freed_blocks_are_evicted_least_recently_freed_first_tail_first() -> Non
         assert event.kind == "BlockRemoved"
         evicted += event.block_hashes
     assert evicted == [12, 11, 22, 21]
+    assert cache.num_cached_blocks == 0
     assert [cache.blocks_of(r) for r in "cdef"] == [[1], [0], [3], [2]]
 
 
