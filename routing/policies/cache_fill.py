@@ -8,20 +8,25 @@ spreads new prefixes by load alone can send most of them to whichever engine hap
 each decision, more than its cache holds, and the next requests on those prefixes find them
 evicted (the real-vLLM e2e prefix test did this on a busy machine).
 
-The fill estimate is the larger of two counts, at most the engine's ``kv_capacity_blocks``
-(in tokens: blocks x the engine's ``block_size``):
+The fill estimate, in tokens (blocks x the engine's ``block_size``), at most the engine's
+``kv_capacity_blocks``:
 
-* ``ReplicaState.cached_blocks``: the prefix-cache blocks the engine holds by its own KV events
-  (stored minus removed, as the replica agent or the simulator counts them), as of the last
-  reading. Covers every gateway's requests, but is as old as the reading.
-* the prompt tokens this scorer itself sent there that were not cached there, since the
-  engine's epoch began (a restart or a cleared cache starts a new epoch, and the count with it).
-  Current to the last decision, but blind to other gateways and to output blocks.
+* where the engine reports it, ``ReplicaState.cached_blocks`` (the blocks its prefix cache holds
+  by its own KV events, stored minus removed, as the replica agent or the simulator counts them)
+  plus the uncached prompt tokens this scorer has sent there since that reading. The reading
+  covers every gateway's requests; the writes since cover the gap to the next one (on the e2e
+  machine, the requests that ended between two agent readings). Requests sent before the
+  reading and not yet prefilled are in neither: the estimate errs low.
+* where it does not, the uncached prompt tokens this scorer has sent there since the engine's
+  epoch began (a restart or a cleared cache starts a new epoch). That count errs high: two
+  requests that share a new prefix and arrive before either is prefilled both count it.
 
-A prefix cache is LRU: once full it stays full, so neither count ever needs to go down.
+A prefix cache is LRU: once full, it stays full.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
@@ -36,24 +41,43 @@ class CacheFill:
     request's prefix matches may come in another unit (a trace's 512-token hash blocks).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_writes: int = 4096) -> None:
         #: replica -> (the epoch counted, prompt tokens this scorer wrote there in it).
         self._written: dict[ReplicaId, tuple[Epoch, int]] = {}
+        #: replica -> (wall time, tokens) of the writes not yet older than its last reading;
+        #: at most ``max_writes`` (a replica whose readings stopped keeps only the latest).
+        self._recent: dict[ReplicaId, deque[tuple[float, int]]] = {}
+        self._max_writes = max_writes
 
     def _count(self, replica: ReplicaState) -> int:
         entry = self._written.get(replica.replica_id)
         if entry is None or entry[0] != replica.epoch:
             # A new incarnation holds none of what was written to the old one.
             self._written[replica.replica_id] = (replica.epoch, 0)
+            self._recent.pop(replica.replica_id, None)
             return 0
         return entry[1]
 
-    def add(self, replica: ReplicaId, tokens: int) -> None:
-        """``tokens`` new prompt tokens were sent to ``replica`` to prefill (in the epoch last
-        seen by ``room_tokens``; nothing is counted for a replica never seen)."""
+    def add(self, replica: ReplicaId, tokens: int, at: float) -> None:
+        """``tokens`` new prompt tokens were sent to ``replica`` to prefill at wall time ``at``
+        (in the epoch last seen by ``room_tokens``; nothing is counted for a replica never
+        seen)."""
         entry = self._written.get(replica)
-        if entry is not None and tokens > 0:
-            self._written[replica] = (entry[0], entry[1] + tokens)
+        if entry is None or tokens <= 0:
+            return
+        self._written[replica] = (entry[0], entry[1] + tokens)
+        recent = self._recent.get(replica)
+        if recent is None:
+            recent = self._recent[replica] = deque(maxlen=self._max_writes)
+        recent.append((at, tokens))
+
+    def _since_reading(self, replica: ReplicaState) -> int:
+        recent = self._recent.get(replica.replica_id)
+        if not recent:
+            return 0
+        while recent and recent[0][0] < replica.metrics_read_at:
+            recent.popleft()
+        return sum(tokens for _, tokens in recent)
 
     def room_tokens(self, replica: ReplicaState) -> int | None:
         """Tokens ``replica``'s prefix cache can still take without evicting; None when its
@@ -62,5 +86,8 @@ class CacheFill:
         if not replica.kv_capacity_blocks:
             return None
         size = replica.block_size
-        held = max(written, (replica.cached_blocks or 0) * size)
+        if replica.cached_blocks is None:
+            held = written
+        else:
+            held = replica.cached_blocks * size + self._since_reading(replica)
         return max(0, replica.kv_capacity_blocks * size - held)

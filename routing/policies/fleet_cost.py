@@ -332,7 +332,7 @@ class FleetCostScorer(ExpectedTtftScorer):
         super().on_request_start(request, replica)
         matches = request.prefix_matches
         cached = matches.get(replica, 0) * request.block_size if matches else 0
-        self._fill.add(replica, request.prompt_tokens - cached)
+        self._fill.add(replica, request.prompt_tokens - cached, self._clock())
         if request.overflow:
             self._overflow.place(request.request_id, replica, None)
         p = self.params
