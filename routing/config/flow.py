@@ -13,6 +13,7 @@ from routing.config.base import (
     PositiveInt,
     StrictModel,
 )
+from routing.gone_keys import refuse_gone_keys
 
 #: A request class as the YAML and the ``x-fleetgate-priority`` header name it.
 PriorityName = Literal["critical", "standard", "sheddable"]
@@ -71,16 +72,15 @@ class FlowControlSpec(StrictModel):
     #: client's own ``priority`` is replaced). Applies whether or not ``enabled`` is set.
     engine_priority: bool = False
 
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, data: object) -> object:
-        if isinstance(data, dict) and "critical_tpot_target" in data:
-            raise ValueError(
+    _gone = refuse_gone_keys(
+        {
+            "critical_tpot_target": (
                 "critical_tpot_target was renamed tpot_target: every request's TPOT now moves "
                 "the inter-token bound, not only critical ones' (default 0.97; see "
                 "docs/flow-control.md)"
             )
-        return data
+        }
+    )
 
     @model_validator(mode="after")
     def _itl_range(self) -> FlowControlSpec:

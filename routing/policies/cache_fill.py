@@ -21,7 +21,9 @@ The fill estimate, in tokens (blocks x the engine's ``block_size``), at most the
   epoch began (a restart or a cleared cache starts a new epoch). That count errs high: two
   requests that share a new prefix and arrive before either is prefilled both count it.
 
-A prefix cache is LRU: once full, it stays full.
+A prefix cache is LRU: once full, it stays full, and a new write evicts its oldest content. The
+**tail age** dates that content: how long ago the oldest of this scorer's writes that still fit
+in the cache was made (a cache turning over within seconds evicts prefixes just paid for).
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ class CacheFill:
         #: at most ``max_writes`` (a replica whose readings stopped keeps only the latest).
         self._recent: dict[ReplicaId, deque[tuple[float, int]]] = {}
         self._max_writes = max_writes
+        #: replica -> (elapsed time, tokens) of the latest writes that add up to its capacity
+        #: (the oldest of them dates the blocks a new write evicts), and their sum.
+        self._log: dict[ReplicaId, deque[tuple[float, int]]] = {}
+        self._log_sum: dict[ReplicaId, int] = {}
+        #: replica -> its capacity in tokens, as last seen.
+        self._capacity: dict[ReplicaId, int] = {}
 
     def _count(self, replica: ReplicaState) -> int:
         entry = self._written.get(replica.replica_id)
@@ -55,13 +63,15 @@ class CacheFill:
             # A new incarnation holds none of what was written to the old one.
             self._written[replica.replica_id] = (replica.epoch, 0)
             self._recent.pop(replica.replica_id, None)
+            self._log.pop(replica.replica_id, None)
+            self._log_sum.pop(replica.replica_id, None)
             return 0
         return entry[1]
 
-    def add(self, replica: ReplicaId, tokens: int, at: float) -> None:
+    def add(self, replica: ReplicaId, tokens: int, at: float, elapsed: float) -> None:
         """``tokens`` new prompt tokens were sent to ``replica`` to prefill at wall time ``at``
-        (in the epoch last seen by ``room_tokens``; nothing is counted for a replica never
-        seen)."""
+        (``elapsed`` on the elapsed-time clock), in the epoch last seen by ``room_tokens``;
+        nothing is counted for a replica never seen."""
         entry = self._written.get(replica)
         if entry is None or tokens <= 0:
             return
@@ -70,6 +80,24 @@ class CacheFill:
         if recent is None:
             recent = self._recent[replica] = deque(maxlen=self._max_writes)
         recent.append((at, tokens))
+        log = self._log.setdefault(replica, deque())
+        log.append((elapsed, tokens))
+        total = self._log_sum.get(replica, 0) + tokens
+        capacity = self._capacity.get(replica, 0)
+        # Keep the latest writes that fill the cache once, no more: the oldest kept is the
+        # oldest content a new write would evict.
+        while len(log) > 1 and (total - log[0][1] >= capacity or len(log) > self._max_writes):
+            total -= log.popleft()[1]
+        self._log_sum[replica] = total
+
+    def tail_age_s(self, replica: ReplicaId, elapsed_now: float) -> float | None:
+        """How long ago (elapsed seconds) the oldest content still in ``replica``'s cache was
+        written, by this scorer's writes: what a new write there evicts first (LRU). None
+        before any write."""
+        log = self._log.get(replica)
+        if not log:
+            return None
+        return max(0.0, elapsed_now - log[0][0])
 
     def _since_reading(self, replica: ReplicaState) -> int:
         recent = self._recent.get(replica.replica_id)
@@ -86,6 +114,7 @@ class CacheFill:
         if not replica.kv_capacity_blocks:
             return None
         size = replica.block_size
+        self._capacity[replica.replica_id] = replica.kv_capacity_blocks * size
         if replica.cached_blocks is None:
             held = written
         else:

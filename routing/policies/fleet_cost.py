@@ -45,9 +45,10 @@ For every candidate replica the scorer computes, in milliseconds::
   that is not queueing (duplicate weight at its base). Once every cache is full (a fleet's
   steady state: prefix caches are LRU) it is 0 everywhere; it matters while caches fill (a cold
   start, a restarted or added replica), when a replica that has just gone idle would otherwise
-  take every new prefix until it evicts the first ones. **Off by default** (weight 0): at 0.5 it
-  cost two checks on Mooncake's arXiv slice, whose caches fill for most of its 134 s
-  (docs/policies/fleet-cost.md, *Cache fill*).
+  take every new prefix until it evicts the first ones. The charge is weighted by the age of what
+  it evicts, ``exp(-age / evict_horizon_s)`` (3 s): charged at any age it cost up to two checks
+  on Mooncake's arXiv slice, whose caches fill for most of its 134 s; at 3 s it changes no
+  figure there (docs/policies/fleet-cost.md, *Cache fill*).
 * ``fragile_ms`` protects **short decodes**. A request that asked for few tokens (``max_tokens``:
   classifiers, extractors, tool routers) averages its TPOT over few engine steps, so one step
   that carries a long prefill chunk puts it past the TPOT SLO: a 3-token answer has two decode
@@ -84,10 +85,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from routing.contracts import CandidatesSummary, RoutingRequest
 from routing.engine import PluginTerms, Profile
+from routing.gone_keys import refuse_gone_keys
 from routing.policies.base import PluginKind, PluginParams
 from routing.policies.cache_fill import CacheFill
 from routing.policies.expected_ttft import TERM_NAMES as TTFT_TERM_NAMES
@@ -243,20 +245,26 @@ class FleetCostScorer(ExpectedTtftScorer):
         #: Time constant of the arrival-rate estimate.
         rate_window_s: float = Field(default=5.0, gt=0.0)
         #: Share of their prefill time charged per cached token a prefill evicts beyond what it
-        #: evicts on the roomiest equally matched candidate (0: off, the default).
-        evict_weight: float = Field(default=0.0, ge=0.0)
+        #: evicts on the roomiest equally matched candidate, before the age discount below: 1,
+        #: an evicted prefix that comes back is prefilled again in full (0: off).
+        evict_weight: float = Field(default=1.0, ge=0.0)
+        #: Evicting content written ``s`` seconds ago is charged ``exp(-s / evict_horizon_s)`` of
+        #: that: a prefix written moments ago is likely to come back (the burst that brought it
+        #: goes on); one that has sat unused for longer has had its chance. At 3 s the term
+        #: acts only where a cache turns over within seconds (small engines, bursts of new
+        #: prefixes); 30 s cost goodput on the public traces (docs/policies/fleet-cost.md).
+        evict_horizon_s: float = Field(default=3.0, gt=0.0)
 
-        @model_validator(mode="before")
-        @classmethod
-        def _no_kv_usage_threshold(cls, data: object) -> object:
-            if isinstance(data, dict) and "evict_threshold" in data:
-                raise ValueError(
+        _gone = refuse_gone_keys(
+            {
+                "evict_threshold": (
                     "evict_threshold is gone: eviction_ms now counts the blocks a new prefix "
                     "evicts from each replica's prefix-cache fill, not a KV-usage threshold "
                     "(vLLM's usage gauge misses cached blocks no request holds). Remove it; "
-                    "evict_weight (default 0: off; 0.5 for example) sets the charge."
+                    "evict_weight (default 1; 0: off) and evict_horizon_s set the charge."
                 )
-            return data
+            }
+        )
 
         #: Cost (ms) of pushing one short decode past its TPOT SLO (about half the TTFT SLO: a
         #: newcomer may wait that much longer to spare one request its SLO). Charged to a
@@ -332,7 +340,9 @@ class FleetCostScorer(ExpectedTtftScorer):
         super().on_request_start(request, replica)
         matches = request.prefix_matches
         cached = matches.get(replica, 0) * request.block_size if matches else 0
-        self._fill.add(replica, request.prompt_tokens - cached, self._clock())
+        self._fill.add(
+            replica, request.prompt_tokens - cached, self._clock(), self._elapsed_clock()
+        )
         if request.overflow:
             self._overflow.place(request.request_id, replica, None)
         p = self.params
@@ -387,7 +397,10 @@ class FleetCostScorer(ExpectedTtftScorer):
         }
 
     def _evicted_tokens(
-        self, replicas: Sequence[ReplicaState], base: dict[ReplicaId, tuple[float, ...]]
+        self,
+        replicas: Sequence[ReplicaState],
+        base: dict[ReplicaId, tuple[float, ...]],
+        elapsed_now: float,
     ) -> dict[ReplicaId, float]:
         """Per replica, the cached tokens this request's prefill pushes out of its prefix cache
         beyond what it pushes out on the roomiest candidate that holds as much of its prompt.
@@ -403,12 +416,19 @@ class FleetCostScorer(ExpectedTtftScorer):
         """
         if self.params.evict_weight <= 0:
             return {}
+        horizon = self.params.evict_horizon_s
         evicts: dict[ReplicaId, tuple[float, float]] = {}
         for replica in replicas:
             room = self._fill.room_tokens(replica)
             if room is not None:
                 uncached = base[replica.replica_id][_UNCACHED]
-                evicts[replica.replica_id] = (uncached, max(0.0, uncached - room))
+                evicted = max(0.0, uncached - room)
+                if evicted > 0:
+                    age = self._fill.tail_age_s(replica.replica_id, elapsed_now)
+                    # Content no write of ours dates is charged nothing: nothing says it is
+                    # recent.
+                    evicted *= 0.0 if age is None else math.exp(-age / horizon)
+                evicts[replica.replica_id] = (uncached, evicted)
         least: dict[float, float] = {}
         for uncached, n in evicts.values():
             least[uncached] = min(n, least.get(uncached, n))
@@ -446,7 +466,9 @@ class FleetCostScorer(ExpectedTtftScorer):
         fleet = request.candidates
         weight = self.duplicate_weight(replicas, fleet)
         # Only on a fleet that is not queueing (see ``_evicted_tokens``).
-        evicted = self._evicted_tokens(replicas, base) if weight <= p.duplicate_base else {}
+        evicted = (
+            self._evicted_tokens(replicas, base, elapsed_now) if weight <= p.duplicate_base else {}
+        )
         window_ms = p.recent_prefill_window_s * 1000.0
         per_replica_rate = self._arrivals.rate(elapsed_now) / (
             fleet.count if fleet is not None else len(base)

@@ -268,6 +268,25 @@ async def test_state_published_from_real_metrics(
         text = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
     assert 'fleetgate_agent_engine_up{replica="e2e/r0"} 1.0' in text
 
+    # cached_blocks: the engine's prefix-cache blocks by its KV events, which its KV usage
+    # gauge (blocks held by running requests) does not show once the request has ended.
+    r0 = replicas[0]
+    before = r0.agent.applier.hashes.live_count
+    await r0.complete(fresh_prompt())
+    await wait_until(
+        lambda: r0.agent.applier.hashes.live_count > before, "the new prompt's blocks stored"
+    )
+
+    async def published() -> bool:
+        state = {s.replica_id: s for s in await fleet.list_replicas()}[r0.agent.replica]
+        return state.cached_blocks == r0.agent.applier.hashes.live_count
+
+    await wait_until(published, "cached_blocks published")
+    state = {s.replica_id: s for s in await fleet.list_replicas()}[r0.agent.replica]
+    assert state.cached_blocks == len(list(r0.agent.applier.hashes.live_blocks()))
+    assert state.kv_capacity_blocks is not None
+    assert 0 < state.cached_blocks <= state.kv_capacity_blocks
+
 
 async def test_engine_restart_retires_the_epoch(
     replicas: list[Replica], index: RedisBlockIndex, tokenizer: LocalTokenizer

@@ -135,55 +135,6 @@ TERMS = [
     pytest.param(
         {"evict_weight": 1.0},
         [
-            rep("full", kv_capacity_blocks=200, cached_blocks=150),
-            rep("roomy", kv_capacity_blocks=200, cached_blocks=20),
-        ],
-        {},
-        # 125 new blocks: 75 beyond full's room of 50, none on roomy; 75 x 16 tokens = 120 ms
-        {"full": {"eviction_ms": 120.0}, "roomy": {"eviction_ms": 0.0}},
-        id="a new prefix evicts cached blocks where another cache has room for it",
-    ),
-    pytest.param(
-        {"evict_weight": 0.5},
-        [
-            rep("a", kv_capacity_blocks=200, cached_blocks=200),
-            rep("b", kv_capacity_blocks=200, cached_blocks=190),
-        ],
-        {},
-        # a evicts 125 blocks, b 115: a pays for 10 (16 ms) at half
-        {"a": {"eviction_ms": 8.0}, "b": {"eviction_ms": 0.0}},
-        id="only the evictions beyond the roomiest candidate's are charged",
-    ),
-    pytest.param(
-        {"evict_weight": 1.0, "duplicate_per_queued": 1.0},
-        [
-            rep("full", kv_capacity_blocks=200, cached_blocks=150, waiting=2),
-            rep("roomy", kv_capacity_blocks=200, cached_blocks=20, waiting=2),
-        ],
-        {},
-        {"full": {"eviction_ms": 0.0, "duplicate_weight": 2.0}, "roomy": {"eviction_ms": 0.0}},
-        id="a queueing fleet: the queue decides where new content goes, not the caches' room",
-    ),
-    pytest.param(
-        {"evict_weight": 1.0},
-        [
-            rep("full holder", kv_capacity_blocks=200, cached_blocks=200),
-            rep("roomy holder", kv_capacity_blocks=200, cached_blocks=0),
-            rep("cold", kv_capacity_blocks=200, cached_blocks=0),
-        ],
-        {"full holder": 100, "roomy holder": 100},
-        # 25 new blocks on either holder: the full one evicts them all (40 ms), the roomy one
-        # none. cold, with room, evicts nothing: what it costs is duplicated prefill.
-        {
-            "full holder": {"eviction_ms": 40.0},
-            "roomy holder": {"eviction_ms": 0.0},
-            "cold": {"eviction_ms": 0.0, "duplicate_ms": 160.0},
-        },
-        id="compared only among replicas holding as much of the prefix",
-    ),
-    pytest.param(
-        {"evict_weight": 1.0},
-        [
             rep("full holder", kv_capacity_blocks=200, cached_blocks=200),
             rep("cold", kv_capacity_blocks=200, cached_blocks=0),
         ],
@@ -344,17 +295,75 @@ def test_decodes_with_tpot_slack_are_not_charged() -> None:
     assert terms[ReplicaId("busy")]["externality_ms"] == 0.0
 
 
-async def test_a_cold_prompt_avoids_the_full_cache() -> None:
-    engine = RoutingEngine(None, {"fleet-cost": profile(**{**QUIET, "evict_weight": 1.0})})
+def _written_to(s: FleetCostScorer, replicas: list[ReplicaState], rid: str, tokens: int) -> None:
+    """``tokens`` of a new prompt sent to ``rid`` (so the scorer dates that replica's cache)."""
+    request = req(request_id=f"w-{rid}", prompt_tokens=tokens, chain=[])
+    s.score_with_terms(request, replicas)
+    s.on_request_start(request, ReplicaId(rid))
+
+
+def test_eviction_is_charged_by_the_age_of_what_it_evicts() -> None:
+    clock = _Clock()
+    s = scorer(clock, **{**QUIET, "evict_weight": 1.0, "evict_horizon_s": 30.0})
     replicas = [
-        rep("full", kv_capacity_blocks=200, cached_blocks=200),
-        rep("roomy", kv_capacity_blocks=200, cached_blocks=60, inflight_prefill_tokens=300),
+        rep("full", kv_capacity_blocks=200, cached_blocks=150),  # room 800 tokens
+        rep("roomy", kv_capacity_blocks=200, cached_blocks=20),
     ]
-    assert (await engine.route(req(), replicas, "fleet-cost")).replica == "roomy"
+    _written_to(s, replicas, "full", 300)  # room 500; its oldest content is this write
+    clock.now = 30.0
+    _, terms = s.score_with_terms(req(chain=[]), replicas)  # 2,000 new tokens
+    # 1,500 tokens evicted there (150 ms of prefill), written one horizon ago: e^-1 of it.
+    assert terms[ReplicaId("full")]["eviction_ms"] == pytest.approx(150.0 * math.exp(-1.0))
+    assert terms[ReplicaId("roomy")]["eviction_ms"] == 0.0
+    clock.now = 3000.0  # long unused: evicting it costs (next to) nothing
+    _, terms = s.score_with_terms(req(request_id="later", chain=[]), replicas)
+    assert terms[ReplicaId("full")]["eviction_ms"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_no_eviction_charge_on_a_queueing_fleet() -> None:
+    """Where requests queue, the queue decides where new content goes, not the caches' room."""
+    s = scorer(**{**QUIET, "evict_weight": 1.0, "duplicate_per_queued": 1.0})
+
+    def fleet(waiting: int) -> list[ReplicaState]:
+        return [
+            rep("full", kv_capacity_blocks=200, cached_blocks=150, waiting=waiting),
+            rep("roomy", kv_capacity_blocks=200, cached_blocks=20, waiting=waiting),
+        ]
+
+    _written_to(s, fleet(0), "full", 300)
+    _, idle = s.score_with_terms(req(chain=[]), fleet(0))
+    _, queueing = s.score_with_terms(req(request_id="q", chain=[]), fleet(2))
+    assert idle[ReplicaId("full")]["eviction_ms"] > 0
+    assert queueing[ReplicaId("full")]["duplicate_weight"] == 2.0
+    assert queueing[ReplicaId("full")]["eviction_ms"] == 0.0
+
+
+def test_eviction_is_compared_only_among_equally_matched_replicas() -> None:
+    s = scorer(**{**QUIET, "evict_weight": 1.0})
+    replicas = [
+        rep("full holder", kv_capacity_blocks=200, cached_blocks=200),
+        rep("roomy holder", kv_capacity_blocks=200, cached_blocks=0),
+        rep("cold", kv_capacity_blocks=200, cached_blocks=0),
+    ]
+    _written_to(s, replicas, "full holder", 100)
+    matches = {ReplicaId("full holder"): 100, ReplicaId("roomy holder"): 100}
+    _, terms = s.score_with_terms(req(prefix_matches=matches), replicas)
+    # 400 new tokens on either holder: the full one evicts them all (40 ms, written just now);
+    # cold, with room, evicts nothing: what it costs is duplicated prefill.
+    assert terms[ReplicaId("full holder")]["eviction_ms"] == pytest.approx(40.0)
+    assert terms[ReplicaId("roomy holder")]["eviction_ms"] == 0.0
+    assert terms[ReplicaId("cold")]["eviction_ms"] == 0.0
+    assert terms[ReplicaId("cold")]["duplicate_ms"] == pytest.approx(160.0)
+    # Without a roomy holder, the full one is not charged for what cold would not evict.
+    _, terms = s.score_with_terms(
+        req(request_id="again", prefix_matches={ReplicaId("full holder"): 100}),
+        [replicas[0], replicas[2]],
+    )
+    assert terms[ReplicaId("full holder")]["eviction_ms"] == 0.0
 
 
 #: The weight docs/policies/fleet-cost.md measures (the term is off by default).
-EVICT_WEIGHT = 0.5
+EVICT_WEIGHT = 1.0
 
 
 def test_an_idle_replica_stops_taking_new_prefixes_once_its_cache_is_full() -> None:
