@@ -407,12 +407,13 @@ class FleetCostScorer(ExpectedTtftScorer):
 
         Compared only among replicas that hold the same share of the prompt: between a prefix
         holder and a replica without it, the extra prefill is what counts (``duplicate_ms``).
-        The caller asks only while the fleet is not queueing. Both limits are measured (on
-        Mooncake's conversation trace at 4x, docs/policies/fleet-cost.md, *Cache fill*): pushing
-        requests off a full holder, or sending every new prompt to the one replica with room
-        while queues build, lost 4-8 points of goodput: the work and imbalance of the filling
-        minutes stayed queued for the rest of the run. Where every cache is full it is 0.
-        Replicas of unknown capacity are charged nothing.
+        The caller asks only while the fleet is not queueing, and evictions count by the age
+        of what they evict (``evict_horizon_s``). All three limits are measured
+        (docs/policies/fleet-cost.md, *Cache fill*): pushing requests off a full holder, or
+        sending every new prompt to the one replica with room while queues build, lost 4-8
+        points of goodput at 4x on Mooncake's conversation trace, and charging evictions of
+        any age cost checks on its arXiv slice. Where every cache is full and turns over
+        slowly it is 0. Replicas of unknown capacity are charged nothing.
         """
         if self.params.evict_weight <= 0:
             return {}
