@@ -133,14 +133,17 @@ def forty_tunes_trace(
 
 
 class _AdapterBlindScorer(ExpectedTtftScorer):
-    """``expected-ttft`` told that no adapter ever costs anything to load.
+    """``expected-ttft`` told that no adapter ever costs anything to load or waits for a slot.
 
     It fills ``RoutingRequest.adapter_cold_load_ms`` with 0 for every replica (the field the
     gateway fills from the adapter registry). A given estimate wins over the scorer's own
     residency rule, and is never calibrated, so the scorer stays blind for the whole run; the
     load time it then observes inside TTFTs is folded into its prefill-speed estimate, as it
-    would be for a router that knows nothing about adapters.
+    would be for a router that knows nothing about adapters. Its LoRA-slot wait is 0 too.
     """
+
+    def _slot_wait_ms(self, adapter: str, replica: ReplicaState) -> float:
+        return 0.0
 
     def score_with_terms(
         self, request: RoutingRequest, replicas: Sequence[ReplicaState]

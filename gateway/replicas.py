@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -39,20 +39,54 @@ _GAUGES = {
 }
 
 
-def parse_max_loras(text: str) -> int | None:
-    """``max_lora`` of ``vllm:lora_requests_info`` (the engine's ``--max-loras``), if exported."""
+@dataclass(frozen=True)
+class LoraInfo:
+    """What ``vllm:lora_requests_info`` says: GPU LoRA slots, and the adapters using them."""
+
+    max_loras: int | None = None
+    #: Adapters of running requests (each holds a slot) ...
+    running: frozenset[str] = frozenset()
+    #: ... and of requests waiting, some of them for a slot.
+    waiting: frozenset[str] = frozenset()
+
+
+def _label_pairs(line: str) -> dict[str, str]:
+    labels = line.split("{", 1)[1].rsplit("}", 1)[0]
+    pairs = {}
+    for pair in labels.split('",'):
+        key, _, value = pair.partition("=")
+        pairs[key.strip()] = value.strip().strip('"')
+    return pairs
+
+
+def parse_lora_info(text: str) -> LoraInfo | None:
+    """The current ``vllm:lora_requests_info`` sample, if the engine exports one.
+
+    The gauge keeps one sample per label set it ever had, its value the time it was set: the
+    current one has the latest value.
+    """
+    latest: tuple[float, dict[str, str]] | None = None
     for line in text.splitlines():
         if not line.startswith("vllm:lora_requests_info{"):
             continue
-        labels = line.split("{", 1)[1].split("}", 1)[0]
-        for pair in labels.split(","):
-            key, _, value = pair.partition("=")
-            if key.strip() == "max_lora":
-                try:
-                    return int(value.strip().strip('"'))
-                except ValueError:
-                    return None
-    return None
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if latest is None or value >= latest[0]:
+            latest = (value, _label_pairs(line))
+    if latest is None:
+        return None
+    labels = latest[1]
+    try:
+        max_loras: int | None = int(labels.get("max_lora", ""))
+    except ValueError:
+        max_loras = None
+
+    def names(key: str) -> frozenset[str]:
+        return frozenset(n for n in labels.get(key, "").split(",") if n)
+
+    return LoraInfo(max_loras, names("running_lora_adapters"), names("waiting_lora_adapters"))
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
@@ -356,7 +390,7 @@ class ReplicaRegistry:
         models_body: dict[str, Any] | None = None
         models_read_at = 0.0
         gauges: dict[str, float] = {}
-        max_loras: int | None = None
+        lora: LoraInfo | None = None
         if answered_ok:
             try:
                 async with session.get(f"{state.url}/v1/models", timeout=timeout) as resp:
@@ -370,7 +404,7 @@ class ReplicaRegistry:
                     if resp.status == 200:
                         text = await resp.text()
                         gauges = parse_vllm_metrics(text)
-                        max_loras = parse_max_loras(text)
+                        lora = parse_lora_info(text)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 log.debug("metrics/models read of %s failed: %s", state.replica_id, exc)
         current = self._states.get(state.replica_id)
@@ -394,8 +428,11 @@ class ReplicaRegistry:
                     updates["models"] = frozenset(bases)
                 updates["loaded_adapters"] = frozenset(adapters)
                 self._adapters_read_at[state.replica_id] = models_read_at
-            if max_loras is not None:
-                updates["max_loras"] = max_loras
+            if lora is not None:
+                if lora.max_loras is not None:
+                    updates["max_loras"] = lora.max_loras
+                updates["running_adapters"] = lora.running
+                updates["waiting_adapters"] = lora.waiting
             if gauges:
                 updates["running"] = int(gauges.get("running", 0))
                 updates["waiting"] = int(gauges.get("waiting", 0))

@@ -40,6 +40,10 @@ class ReplicaState:
     #: Adapters resident in GPU LoRA slots, and those cached in host memory.
     loaded_adapters: frozenset[str] = frozenset()
     cpu_cached_adapters: frozenset[str] = frozenset()
+    #: Adapters of the requests the engine is running (``running_lora_adapters`` of vLLM's
+    #: ``vllm:lora_requests_info``): each holds one of its ``max_loras`` GPU slots, and a
+    #: request for any other adapter waits while all of them are held.
+    running_adapters: frozenset[str] = frozenset()
     #: Adapters with requests waiting on the engine for a slot.
     waiting_adapters: frozenset[str] = frozenset()
     max_loras: int | None = None
@@ -74,6 +78,22 @@ class ReplicaState:
         if self.max_loras is None:
             return None
         return max(0, self.max_loras - len(self.loaded_adapters))
+
+    @property
+    def waiting_only_for_slots(self) -> bool:
+        """True when every request waiting on the engine waits for a GPU LoRA slot: all its
+        slots are held and no waiting request's adapter is among those running, so a request
+        whose adapter is running starts ahead of them (vLLM skips them). vLLM reports adapter
+        names, not counts, and base-model requests not at all: one waiting for KV space would
+        be missed."""
+        limit = self.max_loras
+        return (
+            limit is not None
+            and limit > 0
+            and bool(self.waiting_adapters)
+            and len(self.running_adapters) >= limit
+            and self.waiting_adapters.isdisjoint(self.running_adapters)
+        )
 
     def serves(self, model: str) -> bool:
         """True if this replica serves ``model`` as a base model."""

@@ -105,6 +105,7 @@ class SimulatedReplica:
         state.preemptions_total = stats.preemptions
         state.loaded_adapters = frozenset(stats.loaded_adapters)
         state.cpu_cached_adapters = frozenset(stats.cpu_adapters)
+        state.running_adapters = frozenset(stats.running_adapters)
         state.waiting_adapters = frozenset(stats.waiting_adapters)
         state.decode_itl_ms = self._itl.observe(
             self._stats_read_at, stats.itl_sum_s, stats.itl_count

@@ -403,6 +403,7 @@ class ReplicaAgent:
             preemptions_total=snap.preemptions_total,
             # Registered adapters serve without a load call; running ones are surely resident.
             loaded_adapters=snap.adapters | snap.running_adapters,
+            running_adapters=snap.running_adapters,
             waiting_adapters=snap.waiting_adapters,
             max_loras=snap.max_loras,
             max_cpu_loras=self.config.max_cpu_loras,

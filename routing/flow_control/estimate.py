@@ -6,9 +6,12 @@ Two kinds of numbers, for two questions:
 * **Is the fleet saturated?** Judged per candidate from what its engine reports (vLLM's
   ``num_requests_waiting``, ``kv_cache_usage_perc`` and the recent mean of its
   ``inter_token_latency_seconds``) and what this gateway knows fresher than the last poll
-  (requests it sent that the engine was not yet running). A predicted queue wait is
-  a model of the engine's queue and undercounts or overcounts it depending on the workload; the
-  engine's own waiting queue is the fact that the model predicts.
+  (requests it sent that the engine was not yet running). Requests waiting only for a GPU
+  LoRA slot (``ReplicaState.waiting_only_for_slots``) are no backlog: they hold no engine
+  capacity, vLLM runs others ahead of them, and holding more at the gateway frees no slot
+  sooner (measured on b2b-lora: docs/flow-control.md). A predicted queue wait is a model of
+  the engine's queue and undercounts or overcounts it depending on the workload; the engine's
+  own waiting queue is the fact that the model predicts.
 * **Would this request meet its SLO?** The chosen replica's expected TTFT
   (``expected-ttft`` / ``fleet-cost`` cost terms), and per candidate the predicted queue wait and
   decode interference (the stall its recent prefill work puts on its running decodes).
@@ -85,11 +88,18 @@ def estimate_from_decision(
         if wait is None:
             continue
         state = by_id.get(replica)
+        backlog = None
+        if state is not None:
+            backlog = state.queued
+            if state.waiting_only_for_slots:
+                # Requests waiting for an adapter slot hold no engine capacity, and holding
+                # more at the gateway frees no slot sooner: they are not a backlog.
+                backlog = 0
         loads.append(
             ReplicaLoad(
                 wait,
                 terms.get("decode_interference_ms", 0.0),
-                state.queued if state is not None else None,  # ReplicaLoad.backlog_requests
+                backlog,
                 state.kv_usage if state is not None else None,
                 state.decode_itl_ms if state is not None else None,
             )

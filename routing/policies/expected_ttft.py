@@ -5,6 +5,7 @@ For every candidate replica the scorer estimates, in milliseconds::
     expected_ttft_ms = queue_wait_ms                # prefill work still queued + decode contention
                      + prefill_ms                   # uncached prompt tokens / prefill speed
                      + adapter_cold_load_ms         # loading the LoRA adapter if not resident
+                     + adapter_slot_wait_ms         # waiting for a GPU LoRA slot to free
                      + kv_penalty_ms                # steep as KV usage nears preemption
                      + stale_penalty_ms             # distrust of load figures that are old
 
@@ -20,6 +21,19 @@ from ``ReplicaState.prefill_tokens_per_s`` and is recalibrated online from each 
 request's TTFT minus the queue wait predicted when it was routed: one factor per pool, with
 per-replica deviations shrunk toward it (``calibration.py``). Requests that had to load their
 adapter calibrate the adapter's cold-load time instead.
+
+**LoRA slots.** An engine runs at most ``--max-loras`` adapters at once: a request whose adapter
+is not among its running requests' adapters waits, while all the slots are held, until one of
+them drains (vLLM skips it in its waiting queue and schedules the others). How long depends on
+the decodes still running and on how often the slot-holding adapters are asked for, so it is
+learned: requests sent to a replica whose slots were all held calibrate ``adapter_slot_wait_ms``
+(one estimate per scorer, in log space, from their TTFT minus the rest of their prediction),
+and they calibrate nothing else. It is scaled by the replica's running requests per slot (a
+slot frees when one of the adapters holding it has none left running) and by the adapters
+already waiting there for a slot ahead of this one. Adapters this scorer sent to a replica since
+its figures were read count as running there. Without it, on the b2b-lora workload at 3x, 740 of
+2,000 requests went to a replica whose slots were all held and waited a median 6.9 s, predicted
+134 ms (docs/policies/fleet-cost.md, *LoRA slots*).
 """
 
 from __future__ import annotations
@@ -56,6 +70,8 @@ class TtftEstimate:
     prefill_tokens_per_s: float
     #: Not part of the TTFT: the stall this prefill puts on the replica's running decodes.
     decode_interference_ms: float = 0.0
+    #: Waiting for a GPU LoRA slot: every slot there is held by other adapters' requests.
+    adapter_slot_wait_ms: float = 0.0
 
     @property
     def expected_ttft_ms(self) -> float:
@@ -64,6 +80,7 @@ class TtftEstimate:
             self.queue_wait_ms
             + self.prefill_ms
             + self.adapter_cold_load_ms
+            + self.adapter_slot_wait_ms
             + self.kv_penalty_ms
             + self.stale_penalty_ms
         )
@@ -80,6 +97,7 @@ class TtftEstimate:
             "prefill_ms": self.prefill_ms,
             "uncached_tokens": float(self.uncached_tokens),
             "adapter_cold_load_ms": self.adapter_cold_load_ms,
+            "adapter_slot_wait_ms": self.adapter_slot_wait_ms,
             "kv_penalty_ms": self.kv_penalty_ms,
             "stale_penalty_ms": self.stale_penalty_ms,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
@@ -95,6 +113,7 @@ TERM_NAMES = (
     "prefill_ms",
     "uncached_tokens",
     "adapter_cold_load_ms",
+    "adapter_slot_wait_ms",
     "kv_penalty_ms",
     "stale_penalty_ms",
     "prefill_tokens_per_s",
@@ -146,6 +165,9 @@ class _Pending(NamedTuple):
     terms: Mapping[ReplicaId, Mapping[str, float]]
     #: Replicas whose cold-load term is this plugin's own estimate (so it may be calibrated).
     cold_load_is_ours: set[ReplicaId]
+    #: Once it started: its LoRA-slot wait term over the slot-wait estimate of that moment
+    #: (the adapters waiting there ahead of it), so that what it waited calibrates the estimate.
+    slot_wait_multiple: float = 0.0
 
 
 class ExpectedTtftScorer(Plugin):
@@ -164,6 +186,8 @@ class ExpectedTtftScorer(Plugin):
         default_adapter_cold_load_ms: float = Field(default=500.0, ge=0.0)
         #: Adapter load time when it is cached in host memory (``--max-cpu-loras``).
         cpu_cached_adapter_load_ms: float = Field(default=50.0, ge=0.0)
+        #: Wait for a GPU LoRA slot where all are held, until requests that waited calibrate it.
+        default_adapter_slot_wait_ms: float = Field(default=1000.0, gt=0.0)
         #: Prompt tokens assumed per engine-waiting request the gateway did not send itself.
         waiting_request_tokens: int = Field(default=512, ge=0)
         #: Share of a decode step each running request adds before this prefill runs.
@@ -219,6 +243,11 @@ class ExpectedTtftScorer(Plugin):
         self._pool_of: dict[ReplicaId, str] = {}
         self._configured: dict[ReplicaId, float] = {}
         self._cold_load_ms: dict[str, float] = {}
+        #: Learned wait for a held LoRA slot (log ms); None before any request waited for one.
+        self._slot_wait_log: float | None = None
+        #: Per replica, adapter -> wall time this scorer sent it there to run at once (it holds
+        #: a slot from then; the engine's figures show it once read after that).
+        self._sent_adapters: dict[ReplicaId, dict[str, float]] = {}
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
 
     # ------------------------------------------------------------------ estimating
@@ -254,6 +283,42 @@ class ExpectedTtftScorer(Plugin):
         """Cold-load time assumed for ``adapter`` when the request carries no estimate."""
         return self._cold_load_ms.get(adapter, self.params.default_adapter_cold_load_ms)
 
+    @property
+    def adapter_slot_wait_estimate_ms(self) -> float:
+        """The wait assumed for a LoRA slot where each slot serves one running request and
+        no other adapter waits for one."""
+        if self._slot_wait_log is None:
+            return self.params.default_adapter_slot_wait_ms
+        return math.exp(self._slot_wait_log)
+
+    def _slot_wait_ms(self, adapter: str, replica: ReplicaState) -> float:
+        """How long ``adapter`` would wait for a GPU LoRA slot on ``replica`` (0: it gets one)."""
+        limit = replica.max_loras
+        if not limit:
+            return 0.0  # slots unknown (or LoRA off): nothing to wait for that we can see
+        running = replica.running_adapters
+        if adapter in running:
+            return 0.0
+        held = len(running)
+        sent = self._sent_adapters.get(replica.replica_id)
+        if sent:
+            read_at = replica.metrics_read_at
+            for name, at in list(sent.items()):
+                if at <= read_at:
+                    del sent[name]  # the engine's figures already show it (or it has ended)
+                elif name not in running:
+                    if name == adapter:
+                        return 0.0
+                    held += 1
+        if held < limit:
+            return 0.0
+        # A slot frees when one of the adapters holding it has no request left running: the
+        # more running requests per slot, the longer that takes; each adapter already waiting
+        # for a slot there takes one of the next ones.
+        per_slot = max(held, replica.running_now) / limit
+        ahead = len(replica.waiting_adapters - running - {adapter})
+        return self.adapter_slot_wait_estimate_ms * per_slot * (1.0 + ahead / limit)
+
     def estimate(
         self, request: RoutingRequest, replica: ReplicaState, now: float | None = None
     ) -> TtftEstimate:
@@ -271,6 +336,7 @@ class ExpectedTtftScorer(Plugin):
             stale_penalty_ms=terms["stale_penalty_ms"],
             prefill_tokens_per_s=terms["prefill_tokens_per_s"],
             decode_interference_ms=terms["decode_interference_ms"],
+            adapter_slot_wait_ms=terms["adapter_slot_wait_ms"],
         )
 
     def _terms(
@@ -312,9 +378,10 @@ class ExpectedTtftScorer(Plugin):
         if p.recent_prefill_weight > 0 and running > 0:
             interference_ms = p.recent_prefill_weight * self._recent.load_ms(rid, elapsed_now)
 
-        cold_ms, cold_is_ours = 0.0, False
+        cold_ms, cold_is_ours, slot_ms = 0.0, False, 0.0
         adapter = request.adapter
         if adapter:
+            slot_ms = self._slot_wait_ms(adapter, replica)
             given = request.adapter_cold_load_ms.get(rid)
             if given is not None:
                 cold_ms = given if given > 0 else 0.0
@@ -335,12 +402,13 @@ class ExpectedTtftScorer(Plugin):
         stale_penalty = 0.0
         if stale_s > 0:
             stale_penalty = min(p.max_stale_penalty_ms, stale_s * p.stale_penalty_ms_per_s)
-        expected_ms = queue_ms + prefill_ms + cold_ms + kv_penalty + stale_penalty
+        expected_ms = queue_ms + prefill_ms + cold_ms + slot_ms + kv_penalty + stale_penalty
         return (
             queue_ms,
             prefill_ms,
             float(uncached),
             cold_ms,
+            slot_ms,
             kv_penalty,
             stale_penalty,
             speed,
@@ -397,10 +465,15 @@ class ExpectedTtftScorer(Plugin):
         chosen = pending.terms.get(replica) if pending is not None else None
         if pending is not None and chosen is not None:
             self._pending[request.request_id] = _Pending(
-                {replica: chosen}, pending.cold_load_is_ours & {replica}
+                {replica: chosen},
+                pending.cold_load_is_ours & {replica},
+                chosen["adapter_slot_wait_ms"] / self.adapter_slot_wait_estimate_ms,
             )
         if chosen is not None:
             uncached, prefill_ms = chosen["uncached_tokens"], chosen["prefill_ms"]
+            if request.adapter and chosen["adapter_slot_wait_ms"] == 0.0:
+                # It runs at once, so it holds a slot there until the engine's figures show it.
+                self._sent_adapters.setdefault(replica, {})[request.adapter] = self._clock()
         else:
             matches = request.prefix_matches
             cached = matches.get(replica, 0) * request.block_size if matches else 0
@@ -434,6 +507,14 @@ class ExpectedTtftScorer(Plugin):
             uncached = predicted["uncached_tokens"]
         speed = predicted["prefill_tokens_per_s"]
         residual_ms = ttft_ms - predicted["queue_wait_ms"]
+        if predicted["adapter_slot_wait_ms"] > 0.0:
+            # It waited for a LoRA slot: what the rest of the prediction does not explain is
+            # that wait (and it says nothing reliable about prefill speed).
+            multiple = pending.slot_wait_multiple
+            if multiple > 0.0:
+                rest_ms = uncached / speed * 1000.0 + predicted["adapter_cold_load_ms"]
+                self._observe_slot_wait(max(1.0, residual_ms - rest_ms) / multiple)
+            return
 
         if replica in pending.cold_load_is_ours and request.adapter:
             # The adapter had to be loaded: attribute what prefill does not explain to the load.
@@ -449,6 +530,16 @@ class ExpectedTtftScorer(Plugin):
         implied = uncached / (prefill_ms / 1000.0) if prefill_ms > 0 else math.inf
         ratio = min(implied, speed * p.max_calibration_step) / self._configured[replica]
         self._calibration.observe(replica, self._pool_of[replica], ratio)
+
+    def _observe_slot_wait(self, observed_ms: float) -> None:
+        """A request waited ``observed_ms`` for a slot (per unit of the estimate: no adapters
+        ahead of it): move the estimate toward it in log space, at most
+        ``max_calibration_step``-fold per observation."""
+        p = self.params
+        current = math.log(self.adapter_slot_wait_estimate_ms)
+        bound = math.log(p.max_calibration_step)
+        step = min(bound, max(-bound, math.log(observed_ms) - current))
+        self._slot_wait_log = current + p.calibration_alpha * step
 
 
 #: Near-equal costs within 1% count as ties. ``max-score``'s default 5% is ~10 ms on a 200 ms

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -439,6 +440,34 @@ def test_the_estimate_is_the_decisions_own_terms() -> None:
     # The chosen replica's decode pace, for "room elsewhere is not room for this request".
     assert with_states.chosen_decode_itl_ms == 22.0
     assert estimate.chosen_decode_itl_ms is None
+    # Requests waiting only for a LoRA slot (all held, none of theirs running) are no backlog.
+    slots_held = dict(max_loras=2, running_adapters=frozenset({"x", "y"}))
+    lora_states = [
+        replace(states[0], **slots_held, waiting_adapters=frozenset({"z"})),
+        replace(states[1], **slots_held, waiting_adapters=frozenset({"x", "z"})),
+    ]
+    lora = estimate_from_decision(decision, lora_states)
+    assert sorted((load.queue_wait_ms, load.backlog_requests) for load in lora.loads) == [
+        (300.0, 4),  # "x" waits too, for KV or a sequence slot, not only for an adapter slot
+        (900.0, 0),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"max_loras": 2, "running_adapters": {"x", "y"}, "waiting_adapters": {"z"}}, True),
+        ({"max_loras": 3, "running_adapters": {"x", "y"}, "waiting_adapters": {"z"}}, False),
+        ({"max_loras": 2, "running_adapters": {"x", "y"}, "waiting_adapters": {"y", "z"}}, False),
+        ({"max_loras": 2, "running_adapters": {"x", "y"}, "waiting_adapters": set()}, False),
+        ({"max_loras": None, "running_adapters": {"x", "y"}, "waiting_adapters": {"z"}}, False),
+    ],
+    ids=["all held", "a slot free", "a waiting adapter runs", "none waiting", "slots unknown"],
+)
+def test_waiting_only_for_slots(fields: dict[str, object], expected: bool) -> None:
+    values = {k: frozenset(v) if isinstance(v, set) else v for k, v in fields.items()}
+    state = ReplicaState(ReplicaId("a"), "http://a", waiting=3, **values)  # type: ignore[arg-type]
+    assert state.waiting_only_for_slots is expected
 
 
 def test_token_budgets_reserve_prompt_tokens_and_refuse_until_the_next_window() -> None:

@@ -14,7 +14,7 @@ from adapters_registry.loader import LoadResult
 from gateway.adapters import hold_adapter
 from gateway.errors import GatewayError
 from gateway.proxy import ReplicaUnsuitable
-from gateway.replicas import ReplicaRegistry, parse_max_loras
+from gateway.replicas import LoraInfo, ReplicaRegistry, parse_lora_info
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -24,14 +24,32 @@ R0 = ReplicaId("pool-a/0")
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ('vllm:lora_requests_info{max_lora="4",running_lora_adapters="a"} 1.7e9\n', 4),
-        ('vllm:lora_requests_info{running_lora_adapters="",max_lora="1"} 1.0\n', 1),
+        (
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,b",'
+            'waiting_lora_adapters="c"} 1.7e9\n',
+            LoraInfo(4, frozenset({"a", "b"}), frozenset({"c"})),
+        ),
+        (
+            'vllm:lora_requests_info{running_lora_adapters="",max_lora="1",'
+            'waiting_lora_adapters=""} 1.0\n',
+            LoraInfo(1),
+        ),
         ("vllm:num_requests_running 3\n", None),
-        ('vllm:lora_requests_info{max_lora="many"} 1\n', None),
+        ('vllm:lora_requests_info{max_lora="many"} 1\n', LoraInfo(None)),
+        # One sample per label set ever seen: the current one has the latest value (set time).
+        (
+            'vllm:lora_requests_info{max_lora="2",running_lora_adapters="new",'
+            'waiting_lora_adapters=""} 20.0\n'
+            'vllm:lora_requests_info{max_lora="2",running_lora_adapters="old",'
+            'waiting_lora_adapters="x"} 10.0\n',
+            LoraInfo(2, frozenset({"new"})),
+        ),
     ],
 )
-def test_max_loras_from_engine_metrics(text: str, expected: int | None) -> None:
-    assert parse_max_loras(text) == expected
+def test_lora_slots_and_adapters_from_engine_metrics(
+    text: str, expected: LoraInfo | None
+) -> None:
+    assert parse_lora_info(text) == expected
 
 
 class _Response:

@@ -67,6 +67,23 @@ ESTIMATES = [
                  {"adapter_cold_load_ms": 50.0}, id="adapter in host memory"),
     pytest.param({}, {"adapter": "ad", "adapter_cold_load_ms": {ReplicaId("a"): 1_234.0}},
                  {"adapter_cold_load_ms": 1_234.0}, id="registry estimate wins"),
+    # LoRA slots (--max-loras): the adapter waits only while every slot is held by others.
+    pytest.param({"max_loras": 2, "running_adapters": frozenset({"x", "y"}), "running": 2},
+                 {"adapter": "ad"}, {"adapter_slot_wait_ms": 1_000.0}, id="slots all held"),
+    pytest.param({"max_loras": 2, "running_adapters": frozenset({"x", "y"}), "running": 6},
+                 {"adapter": "ad"}, {"adapter_slot_wait_ms": 3_000.0},
+                 id="slots held by 3 running requests each"),
+    pytest.param({"max_loras": 2, "running_adapters": frozenset({"x", "y"}), "running": 2,
+                  "waiting_adapters": frozenset({"x", "z", "ad"})}, {"adapter": "ad"},
+                 {"adapter_slot_wait_ms": 1_500.0}, id="slots held, one adapter waits ahead"),
+    pytest.param({"max_loras": 2, "running_adapters": frozenset({"x", "ad"})}, {"adapter": "ad"},
+                 {"adapter_slot_wait_ms": 0.0}, id="adapter running: joins its slot"),
+    pytest.param({"max_loras": 3, "running_adapters": frozenset({"x", "y"})}, {"adapter": "ad"},
+                 {"adapter_slot_wait_ms": 0.0}, id="a slot free"),
+    pytest.param({"running_adapters": frozenset({"x", "y"})}, {"adapter": "ad"},
+                 {"adapter_slot_wait_ms": 0.0}, id="slot count unknown"),
+    pytest.param({"max_loras": 1, "running_adapters": frozenset({"x"})}, {},
+                 {"adapter_slot_wait_ms": 0.0}, id="base model needs no slot"),
     pytest.param({"kv_usage": 0.85}, {}, {"kv_penalty_ms": 0.0}, id="kv below knee"),
     pytest.param({"kv_usage": 0.95}, {}, {"kv_penalty_ms": 500.0}, id="kv half-way past knee"),
     pytest.param({"kv_usage": 1.0}, {}, {"kv_penalty_ms": 2_000.0}, id="kv full"),
@@ -85,8 +102,8 @@ def test_cost_terms(
     terms = estimate.as_terms()
     for name, value in expected.items():
         assert terms[name] == pytest.approx(value), name
-    parts = ("queue_wait_ms", "prefill_ms", "adapter_cold_load_ms", "kv_penalty_ms",
-             "stale_penalty_ms")
+    parts = ("queue_wait_ms", "prefill_ms", "adapter_cold_load_ms", "adapter_slot_wait_ms",
+             "kv_penalty_ms", "stale_penalty_ms")
     assert terms["expected_ttft_ms"] == pytest.approx(sum(terms[p] for p in parts))
 
 
@@ -385,3 +402,53 @@ def test_a_retry_on_a_fallback_replica_counts_its_backlog_there() -> None:
     clock.now += 0.1
     busy_b = rep("b", inflight_prefill_tokens=5_000)
     assert scorer.estimate(req(request_id="n"), busy_b).queue_wait_ms == pytest.approx(400.0)
+
+
+def test_an_adapter_sent_since_the_engine_was_read_holds_a_slot() -> None:
+    clock = [NOW]
+    scorer = ExpectedTtftScorer(clock=lambda: clock[0])
+    read = rep(max_loras=1, metrics_read_at=NOW)  # no adapter running when last read
+    first = req(request_id="first", adapter="p")
+    scorer.score_with_terms(first, [read])
+    clock[0] = NOW + 0.1
+    scorer.on_request_start(first, ReplicaId("a"))  # runs at once: holds the one slot
+    assert scorer.estimate(req(adapter="q"), read).adapter_slot_wait_ms == 1_000.0
+    assert scorer.estimate(req(adapter="p"), read).adapter_slot_wait_ms == 0.0
+    # Read after it was sent, the engine's own figures say who holds the slot.
+    fresh = rep(max_loras=1, metrics_read_at=NOW + 0.2)
+    assert scorer.estimate(req(adapter="q"), fresh).adapter_slot_wait_ms == 0.0
+
+
+def test_a_request_that_waited_for_a_slot_calibrates_the_wait_not_the_speed() -> None:
+    scorer = at_now()
+    held = rep(max_loras=1, running_adapters=frozenset({"x"}))
+    for i in range(30):
+        request = req(request_id=f"r{i}", adapter="ad",
+                      adapter_cold_load_ms={ReplicaId("a"): 0.0})
+        scorer.score_with_terms(request, [held])
+        scorer.on_request_start(request, ReplicaId("a"))
+        # 200 ms of prefill (2,000 uncached tokens at 10k/s) after a 4 s wait for the slot.
+        scorer.on_request_complete(request, ReplicaId("a"), 4_200.0, 0, True)
+    assert scorer.adapter_slot_wait_estimate_ms == pytest.approx(4_000.0, rel=0.01)
+    assert scorer.calibrated_speed(ReplicaId("a")) is None
+    # A wait shorter than predicted brings it down again, at most 4-fold per request.
+    request = req(request_id="short", adapter="ad", adapter_cold_load_ms={ReplicaId("a"): 0.0})
+    scorer.score_with_terms(request, [held])
+    scorer.on_request_start(request, ReplicaId("a"))
+    scorer.on_request_complete(request, ReplicaId("a"), 200.0, 0, True)
+    assert scorer.adapter_slot_wait_estimate_ms == pytest.approx(4_000.0 * 4 ** -0.2, rel=0.01)
+
+
+def test_many_waits_in_flight_move_the_estimate_to_what_they_waited_not_beyond() -> None:
+    """Completions of requests routed on an older estimate still pull toward what they waited."""
+    scorer = at_now()
+    held = rep(max_loras=2, running_adapters=frozenset({"x", "y"}), running=2,
+               waiting_adapters=frozenset({"z"}))  # one adapter ahead: 1.5 x the estimate
+    requests = [req(request_id=f"r{i}", adapter="ad", adapter_cold_load_ms={ReplicaId("a"): 0.0})
+                for i in range(60)]
+    for request in requests:  # all routed before any completes
+        scorer.score_with_terms(request, [held])
+        scorer.on_request_start(request, ReplicaId("a"))
+    for request in requests:  # each waited 1.5 x 3 s for its slot, then prefilled 200 ms
+        scorer.on_request_complete(request, ReplicaId("a"), 4_700.0, 0, True)
+    assert scorer.adapter_slot_wait_estimate_ms == pytest.approx(3_000.0, rel=0.01)
