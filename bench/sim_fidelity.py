@@ -69,6 +69,8 @@ MODEL = "tiny"
 MAX_NUM_SEQS = 16
 MAX_NUM_BATCHED_TOKENS = 2048
 KV_BLOCKS = 256
+#: What a run saves in ``--out-dir`` for ``--from-runs``: the real runs and calibration bursts.
+RUNS_FILE = "results.json"
 
 
 # --------------------------------------------------------------------------- trace slices
@@ -414,9 +416,22 @@ def render(
             f"{n.hit_points:+.1f}) | {live.preemptions:g} / {sim.preemptions:g} | "
             f"{1e3 * live.mean_queue_s:.0f} / {1e3 * sim.mean_queue_s:.0f} |"
         )
-    lines += ["", "## Against the issue's bounds", "",
-              "| slice | check | bound | simulate | noise floor | verdict |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "## Against the issue's bounds", "", checks_text(results)]
+    lines += ["", "Measured medians and p95 (ms; per request, the median of the real runs):", "",
+              "| slice | TTFT median | TTFT p95 | e2e median | e2e p95 |", "|---|---|---|---|---|"]
+    for name, (live, _farthest, _sim) in results.items():
+        lines.append(
+            f"| {name} | {1e3 * statistics.median(live.ttft_s):.0f} | "
+            f"{1e3 * quantile(live.ttft_s, 0.95):.0f} | {1e3 * statistics.median(live.e2e_s):.0f}"
+            f" | {1e3 * quantile(live.e2e_s, 0.95):.0f} |"
+        )
+    return _reading(lines)
+
+
+def checks_text(results: dict[str, tuple[SliceRun, SliceRun, SliceRun]]) -> str:
+    """The issue's bounds, one row per slice and check: simulate's error, the noise floor's."""
+    lines = ["| slice | check | bound | simulate | noise floor | verdict |",
+             "|---|---|---|---|---|---|"]
     for name, (live, farthest, sim) in results.items():
         c, n = Comparison.of(sim, live), Comparison.of(farthest, live)
         checks = [("hit rate (points)", 2.0, c.hit_points, n.hit_points, "{:+.1f}")]
@@ -432,14 +447,10 @@ def render(
             bound_text = f"±{bound:g}" if "points" in check else f"±{bound:.0%}"
             lines.append(f"| {name} | {check} | {bound_text} | {fmt.format(value)} | "
                          f"{fmt.format(noise)} | {verdict} |")
-    lines += ["", "Measured medians and p95 (ms; per request, the median of the real runs):", "",
-              "| slice | TTFT median | TTFT p95 | e2e median | e2e p95 |", "|---|---|---|---|---|"]
-    for name, (live, _farthest, _sim) in results.items():
-        lines.append(
-            f"| {name} | {1e3 * statistics.median(live.ttft_s):.0f} | "
-            f"{1e3 * quantile(live.ttft_s, 0.95):.0f} | {1e3 * statistics.median(live.e2e_s):.0f}"
-            f" | {1e3 * quantile(live.e2e_s, 0.95):.0f} |"
-        )
+    return "\n".join(lines)
+
+
+def _reading(lines: list[str]) -> str:
     lines += [
         "",
         "## Reading it",
@@ -531,7 +542,10 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
         raw = {name: {"real_median": asdict(live), "simulate": asdict(sim),
                       "real_runs": [asdict(run) for run in real_runs[name]]}
                for name, (live, _farthest, sim) in results.items()}
-        (args.out_dir / "results.json").write_text(json.dumps(raw, indent=1), encoding="utf-8")
+        saved = {"seed": args.seed, "window_s": window_s,
+                 "bursts": [asdict(b) for b in result.path.bursts],
+                 "slices": raw}
+        (args.out_dir / RUNS_FILE).write_text(json.dumps(saved, indent=1), encoding="utf-8")
         text = render(
             " ".join(["python -m bench.sim_fidelity", *(argv or sys.argv[1:])]),
             calibration_text,
@@ -547,6 +561,44 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
     finally:
         if engine is not None:
             engine.stop()
+
+
+def replay_saved(out_dir: Path, refit_path: bool = False) -> str:
+    """The model of today against the real runs a previous run saved in ``out_dir``.
+
+    The real engine is slow to measure and noisy; a change to the engine model (the request
+    path's discipline, say) is judged here on the same measurements, without it. With
+    ``refit_path`` the request path's work is fitted again from the saved calibration bursts
+    under today's model (the step-time fit is kept), and that profile is used.
+    """
+    from planning.calibrate.request_path import Burst, fit_request_path
+    from replica.sim.engine import EngineConfig
+
+    saved = json.loads((out_dir / RUNS_FILE).read_text(encoding="utf-8"))
+    profile = out_dir / "calibrated-profile.yaml"
+    notes = [f"real runs of {out_dir / RUNS_FILE}; profile {profile}"]
+    if refit_path:
+        import yaml
+
+        settings = yaml.safe_load(profile.read_text(encoding="utf-8"))
+        step = dict(settings["step_time"])
+        config = EngineConfig.from_profile(str(profile))  # its path terms are refitted
+        bursts = [Burst(**b) for b in saved["bursts"]]
+        fit = fit_request_path(config, bursts)
+        step["request_work_s"] = fit.model.request_work_s
+        step["stream_token_s"] = fit.model.stream_token_s
+        settings["step_time"] = step
+        profile = out_dir / "refitted-profile.yaml"
+        profile.write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
+        notes += [fit.table(), f"refitted profile {profile}"]
+    results: dict[str, tuple[SliceRun, SliceRun, SliceRun]] = {}
+    for name, make in SLICES.items():
+        records = (over_capacity_slice(saved["seed"], window_s=saved["window_s"])
+                   if name == "over-capacity" else make(saved["seed"]))
+        runs = [SliceRun(**run) for run in saved["slices"][name]["real_runs"]]
+        live = median_run(runs)
+        results[name] = (live, farthest_run(runs, live), simulate_slice(records, profile))
+    return "\n".join([*notes, "", checks_text(results)])
 
 
 @contextlib.asynccontextmanager
@@ -617,7 +669,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-dir", type=Path, default=Path("/tmp/sim-fidelity"))
     parser.add_argument("--no-doc", dest="write_doc", action="store_false",
                         help="do not write docs/benchmarks/sim-fidelity.md")
+    parser.add_argument("--from-runs", type=Path, metavar="DIR",
+                        help="no engine: simulate against the real runs an earlier run saved in "
+                        "DIR (its --out-dir: results.json and calibrated-profile.yaml) and print "
+                        "the checks; for judging a change to the engine model on the same data")
+    parser.add_argument("--refit-path", action="store_true",
+                        help="with --from-runs: fit the request path's work again from the saved "
+                        "calibration bursts under today's model first")
     args = parser.parse_args(argv)
+    if args.from_runs is not None:
+        print(replay_saved(args.from_runs, args.refit_path))
+        return 0
+    if args.refit_path:
+        parser.error("--refit-path needs --from-runs")
     for flag, value in (("--runs", args.runs), ("--burst-runs", args.burst_runs)):
         if value < 2:
             parser.error(f"{flag} must be 2 or more (got {value}): the noise floor needs two")

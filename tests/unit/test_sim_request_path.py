@@ -83,6 +83,22 @@ def test_the_fit_recovers_the_path_from_bursts() -> None:
     assert "ms per streamed token" in fit.table()
 
 
+def test_stalled_repeats_do_not_move_the_fit() -> None:
+    """Two of five repeats of every shape stalled by half a second (a busy shared core): the
+    lower quartile of the repeats is what the path fit sees, so it recovers the path still."""
+    config = _config(TRUE)
+    bursts = []
+    for shape in SHAPES:
+        makespan, ttft = simulate_burst(config, *shape)
+        bursts += [Burst(*shape, makespan + stall, ttft + stall)
+                   for stall in (0.0, 0.5, 0.002, 0.6, 0.001)]
+    fit = fit_request_path(_config(_lone(TRUE)), bursts)
+    assert fit.model.request_work_s == pytest.approx(TRUE.request_work_s, rel=0.05)
+    assert fit.model.stream_token_s == pytest.approx(TRUE.stream_token_s, rel=0.05)
+    assert all(r.repeats == 5 for r in fit.residuals)
+    assert "(lower quartile of 5)" in fit.table()
+
+
 def test_bursts_the_engine_explains_leave_no_path_work() -> None:
     lone = _lone(TRUE)
     bursts = [Burst(*shape, *simulate_burst(_config(lone), *shape)) for shape in SHAPES]
