@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -15,6 +16,8 @@ from gateway.adapters import hold_adapter
 from gateway.errors import GatewayError
 from gateway.proxy import ReplicaUnsuitable
 from gateway.replicas import LoraInfo, ReplicaRegistry, parse_lora_info
+from routing.contracts import RoutingRequest
+from routing.policies.expected_ttft import ExpectedTtftScorer
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -210,3 +213,31 @@ async def test_errors_inside_the_held_attempt_are_not_fallbacks() -> None:
     with pytest.raises(GatewayError):
         async with _hold(_Registry(None), replica, last_resort=False):
             raise GatewayError(504, "upstream_timeout", "slow")
+
+
+async def test_the_poll_reads_which_adapters_hold_the_lora_slots() -> None:
+    """vLLM's ``lora_requests_info`` (as the e2e tier's engines print it): the adapters running
+    hold the slots, and routing's slot wait reads them."""
+    registry = ReplicaRegistry()
+    registry.upsert(ReplicaState(replica_id=R0, url="http://r0"))
+    metrics = (
+        "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\n"
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a,b",'
+        'waiting_lora_adapters="c"} 1.7963563077854762e+09\n'
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",'
+        'waiting_lora_adapters=""} 1.7963563e+09\n'
+    )
+    answers = {"/health": (200, ""), "/v1/models": (200, _models("a", "b", "c")),
+               "/metrics": (200, metrics)}
+    await registry.poll_once(_Session(answers))  # type: ignore[arg-type]
+    state = registry.get(R0)
+    assert state is not None
+    assert (state.max_loras, state.running_adapters, state.waiting_adapters) == (
+        2, {"a", "b"}, {"c"}
+    )
+    assert state.waiting_only_for_slots
+    scorer = ExpectedTtftScorer(clock=lambda: state.metrics_read_at)
+    request = RoutingRequest(request_id="r", model="base", adapter="c", tenant="t", route="d",
+                             prompt_tokens=100, chain=[], seed=1)
+    assert scorer.estimate(request, state).adapter_slot_wait_ms > 0
+    assert scorer.estimate(replace(request, adapter="a"), state).adapter_slot_wait_ms == 0
