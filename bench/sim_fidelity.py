@@ -11,8 +11,10 @@
    ``--runs`` times measured (5, and 15 for the second-long over-capacity burst:
    ``--burst-runs``; prefix cache reset before each run), and once through
    ``fleetgate simulate`` (one replica, the calibrated profile, the same token ids). The
-   measurement is, per request, the median of the real runs: a stall of the shared CPU that hits
-   one run does not move it. The **noise floor** is the real run farthest from that median.
+   measurement is, per request, the lower quartile of the real runs: stalls of the shared CPU
+   only add time and hit up to half of a burst's runs, and the simulator models none (the
+   per-request median is checked too). The **noise floor** is the real run farthest from the
+   measurement.
 4. Compare per-request TTFT and end-to-end latency (median and p95), the prefix hit rate by
    vLLM's own counters, preemptions and queue time; write docs/benchmarks/sim-fidelity.md and
    predicted-vs-measured PNGs.
@@ -34,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -278,9 +280,26 @@ class Comparison:
 def median_run(runs: Sequence[SliceRun]) -> SliceRun:
     """Per request, the median of the runs' times; per counter, the median of the runs' counts.
     A stall that hits one run (the shared core's hiccup, hundreds of ms) does not move it."""
+    return _per_request(runs, statistics.median)
 
+
+def stall_free_run(runs: Sequence[SliceRun]) -> SliceRun:
+    """Per request, the lower quartile of the runs' times (the second fastest of five, the
+    fourth of fifteen); per counter, the median. Stalls only ever add time, and on this
+    machine they hit up to half of the over-capacity bursts' runs, which the median then
+    reports: calibration's bursts are combined the same way (``planning/calibrate``)."""
+
+    def lower_quartile(values: Sequence[float]) -> float:
+        return sorted(values)[(len(values) - 1) // 4]
+
+    return _per_request(runs, lower_quartile)
+
+
+def _per_request(
+    runs: Sequence[SliceRun], combine: Callable[[Sequence[float]], float]
+) -> SliceRun:
     def per_request(times: Sequence[list[float]]) -> list[float]:
-        return [statistics.median(values) for values in zip(*times, strict=True)]
+        return [combine(values) for values in zip(*times, strict=True)]
 
     def counter(name: str) -> float:
         return statistics.median(getattr(run, name) for run in runs)
@@ -349,6 +368,7 @@ def render(
     warmup_runs: int = 0,
     runs: int = 2,
     burst_runs: int | None = None,
+    medians: dict[str, tuple[SliceRun, SliceRun, SliceRun]] | None = None,
 ) -> str:
     lines = [
         "# Simulator fidelity against a real vLLM CPU engine",
@@ -359,12 +379,15 @@ def render(
         "other jobs"
         + (f" (load average {load[0][0]:.1f} / {load[0][1]:.1f} before, {load[1][0]:.1f} / "
            f"{load[1][1]:.1f} after, 1 / 5 min)" if load else "")
-        + f". **Measured** = per request, the median of {runs} real runs"
+        + f". **Measured** = per request, the lower quartile of {runs} real runs"
         + (f" ({burst_runs} for the over-capacity burst, a second each)" if burst_runs else "")
         + " (prefix cache reset",
-        "before each run); **noise floor** = the real run farthest from that median, as an error",
-        "against it, beside every figure. Errors are predicted/measured − 1",
-        "of the slice's median or p95; hit-rate differences are in points, by vLLM's counters.",
+        "before each run): the stall-free time, as calibration's bursts are combined (stalls of",
+        "this shared machine only add time, hit up to half of a burst's runs, and the simulator",
+        "has none; *Reading it* below). **Noise floor** = the real run farthest from the",
+        "measurement, as an error against it, beside every figure. Errors are predicted/measured",
+        "− 1 of the slice's median or p95; hit-rate differences are in points, by vLLM's",
+        "counters. The checks are also given against the per-request median of the runs.",
         *(
             [f"Each slice was first replayed {warmup_runs} time(s) unmeasured, so that the "
              "measured runs meet a warm engine."]
@@ -417,6 +440,9 @@ def render(
             f"{1e3 * live.mean_queue_s:.0f} / {1e3 * sim.mean_queue_s:.0f} |"
         )
     lines += ["", "## Against the issue's bounds", "", checks_text(results)]
+    if medians:
+        lines += ["", "The same checks against the per-request **median** of the runs, stalls "
+                  "included (the measurement of sessions 13–16):", "", checks_text(medians)]
     lines += ["", "Measured medians and p95 (ms; per request, the median of the real runs):", "",
               "| slice | TTFT median | TTFT p95 | e2e median | e2e p95 |", "|---|---|---|---|---|"]
     for name, (live, _farthest, _sim) in results.items():
@@ -460,10 +486,13 @@ def _reading(lines: list[str]) -> str:
         "  cache is compared with vLLM's own `prefix_cache_queries/hits` counters on identical",
         "  prompts.",
         "- **Timing, and the noise floor**: the real engine is a CPU process on a 2-core machine",
-        "  shared with other jobs (the load average is in the header). Its stalls hit single",
-        "  requests of single runs, hence the per-request median over runs. Where even one real",
-        "  run differs from that median by more than a bound, this machine cannot show that",
-        "  bound either way.",
+        "  shared with other jobs (the load average is in the header). Its stalls (0.3–1.5 s,",
+        "  before vLLM's engine has the request: its own queue-time counter stays near 0) hit",
+        "  whole runs of the second-long burst: in session 17 eight of fifteen, whose median",
+        "  TTFTs were 357–1,588 ms against 113–187 ms for the other seven. A per-request median",
+        "  then measures the stalls. The lower quartile measures the engine and its request",
+        "  path, which is what the simulator models. Where even one real run differs from the",
+        "  measurement by more than a bound, this machine cannot show that bound either way.",
         "- **The request path** (docs/simulator.md): a lone request's TTFT is mostly",
         "  `request_overhead_s` (HTTP, the gateway, the hop to the engine core, streaming back).",
         "  Under a burst that work queues: the simulator serves it as one server per replica,",
@@ -494,6 +523,7 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
         limits = EngineLimits(MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS)
         prompts = PromptFactory(MODEL, BLOCK, BLOCK, args.vocab_size)
         results: dict[str, tuple[SliceRun, SliceRun, SliceRun]] = {}
+        medians: dict[str, tuple[SliceRun, SliceRun, SliceRun]] = {}
         real_runs: dict[str, list[SliceRun]] = {}
         timeout = aiohttp.ClientTimeout(total=600)
         async with contextlib.AsyncExitStack() as stack:
@@ -532,10 +562,12 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
                           f"{count} ...", flush=True)
                     runs.append(await replay_live(probe, records, prompts, url))
                 real_runs[name] = runs
-                live = median_run(runs)
+                live = stall_free_run(runs)
                 farthest = farthest_run(runs, live)
                 sim = await asyncio.to_thread(simulate_slice, records, profile)
                 results[name] = (live, farthest, sim)
+                median = median_run(runs)
+                medians[name] = (median, farthest_run(runs, median), sim)
                 c, n = Comparison.of(sim, live), Comparison.of(farthest, live)
                 print(f"  sim vs real: {c}\n  farthest run vs real: {n}", flush=True)
         plot(results, PLOT_DIR if args.write_doc else args.out_dir)
@@ -552,7 +584,7 @@ async def run_bench(args: argparse.Namespace, argv: Sequence[str] | None = None)
             profile.read_text(encoding="utf-8"), results, time.perf_counter() - started,
             through_gateway=args.through_gateway, window_s=window_s,
             load=(load_before, os.getloadavg()), warmup_runs=args.warmup_runs, runs=args.runs,
-            burst_runs=args.burst_runs,
+            burst_runs=args.burst_runs, medians=medians,
         )
         if args.write_doc:
             write_page(DOC, text)  # keeps the hand-written notes at the end
@@ -592,13 +624,17 @@ def replay_saved(out_dir: Path, refit_path: bool = False) -> str:
         profile.write_text(yaml.safe_dump(settings, sort_keys=False), encoding="utf-8")
         notes += [fit.table(), f"refitted profile {profile}"]
     results: dict[str, tuple[SliceRun, SliceRun, SliceRun]] = {}
+    medians: dict[str, tuple[SliceRun, SliceRun, SliceRun]] = {}
     for name, make in SLICES.items():
         records = (over_capacity_slice(saved["seed"], window_s=saved["window_s"])
                    if name == "over-capacity" else make(saved["seed"]))
         runs = [SliceRun(**run) for run in saved["slices"][name]["real_runs"]]
-        live = median_run(runs)
-        results[name] = (live, farthest_run(runs, live), simulate_slice(records, profile))
-    return "\n".join([*notes, "", checks_text(results)])
+        live, sim = stall_free_run(runs), simulate_slice(records, profile)
+        results[name] = (live, farthest_run(runs, live), sim)
+        median = median_run(runs)
+        medians[name] = (median, farthest_run(runs, median), sim)
+    return "\n".join([*notes, "", checks_text(results), "", "Against the median of all runs:",
+                      "", checks_text(medians)])
 
 
 @contextlib.asynccontextmanager

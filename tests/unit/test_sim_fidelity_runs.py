@@ -90,7 +90,7 @@ def test_saved_runs_are_judged_again_without_an_engine(tmp_path: Path) -> None:
 
     text = sf.replay_saved(tmp_path)
     rows = [line for line in text.splitlines() if line.startswith("| ") and "slice" not in line]
-    assert len(rows) == 8  # 3 checks for each slice below capacity, 2 for the burst
+    assert len(rows) == 16  # 3 checks per slice below capacity, 2 for the burst; twice
     assert all("| within |" in row and "+0.0" in row for row in rows), rows
 
     refitted = sf.replay_saved(tmp_path, refit_path=True)
