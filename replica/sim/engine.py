@@ -561,6 +561,7 @@ class EngineModel:
                             budget += tokens
                             break
             scheduled.append((request, count))
+            self._cache_blocks(request, request.num_computed + count)
             budget -= count
             index += 1
         return budget
@@ -598,6 +599,7 @@ class EngineModel:
             request.num_computed = cached
             self._running.append(request)
             scheduled.append((request, count))
+            self._cache_blocks(request, cached + count)
             budget -= count
         self._waiting.extendleft(reversed(skipped))
         return load_s
@@ -610,11 +612,20 @@ class EngineModel:
         self._extend_hashes(request, usable)
         return self._kv.lookup(request.block_hashes[:usable])
 
-    def _cache_blocks(self, request: _Request) -> None:
-        """Register the request's newly full blocks in the prefix cache."""
+    def _cache_blocks(self, request: _Request, tokens: int | None = None) -> None:
+        """Register the request's newly full blocks in the prefix cache, up to ``tokens`` (its
+        computed tokens by default).
+
+        The scheduler calls it with the tokens a step is about to compute, as vLLM does: its
+        ``allocate_slots`` commits the blocks of the tokens scheduled this step when it
+        allocates them, so a request scheduled after them, in the same step or while a long
+        prompt is still being prefilled in chunks, already hits them.
+        """
         if not self.config.enable_prefix_caching:
             return
-        full = request.num_computed // self._block_size
+        if tokens is None:
+            tokens = request.num_computed
+        full = min(tokens, request.num_tokens) // self._block_size
         if full == request.hashed_full_blocks:
             return  # the common decode step: no block filled up
         request.hashed_full_blocks = full

@@ -99,6 +99,21 @@ def test_prefix_reuse_cuts_ttft_by_the_prefill_of_the_cached_tokens(
     assert (stats.prefix_queries_tokens, stats.prefix_hits_tokens) == (2 * total, expected_cached)
 
 
+def test_a_prefix_scheduled_this_step_is_a_hit_for_the_next_request_in_it() -> None:
+    """vLLM commits a block to the prefix cache when it schedules the tokens that fill it
+    (``allocate_slots``), not after the step: two requests with one prefix, arriving together,
+    are scheduled in one step, and the second hits the first's blocks."""
+    engine = EngineModel(EngineConfig.from_profile("h100-llama3-8b"))
+    engine.submit(SimRequest("first", prompt(1600, 64, 0), max_tokens=2))
+    engine.submit(SimRequest("second", prompt(1600, 64, 1), max_tokens=2))
+    first_step = engine.step(0.0)
+    assert first_step.first_token == {"first", "second"}  # one step for both
+    assert engine.cached_tokens("first") == 0
+    assert engine.cached_tokens("second") == 1600
+    stats = engine.stats()
+    assert stats.prefix_hits_tokens == 1600
+
+
 def test_identical_prompt_recomputes_its_last_block() -> None:
     engine = EngineModel(EngineConfig.from_profile("tiny"))
     for rid in ("a", "b"):
