@@ -51,6 +51,7 @@ from planning.calibrate import (
     write_profile,
 )
 from planning.calibrate.probe import EngineProbe, metric_total
+from planning.calibrate.request_path import Burst, fit_request_path, lower_quartile
 from planning.simulator import SimulationConfig
 from planning.simulator.api import simulate
 from planning.simulator.config import prepare_requests
@@ -288,10 +289,6 @@ def stall_free_run(runs: Sequence[SliceRun]) -> SliceRun:
     fourth of fifteen); per counter, the median. Stalls only ever add time, and on this
     machine they hit up to half of the over-capacity bursts' runs, which the median then
     reports: calibration's bursts are combined the same way (``planning/calibrate``)."""
-
-    def lower_quartile(values: Sequence[float]) -> float:
-        return sorted(values)[(len(values) - 1) // 4]
-
     return _per_request(runs, lower_quartile)
 
 
@@ -603,7 +600,6 @@ def replay_saved(out_dir: Path, refit_path: bool = False) -> str:
     ``refit_path`` the request path's work is fitted again from the saved calibration bursts
     under today's model (the step-time fit is kept), and that profile is used.
     """
-    from planning.calibrate.request_path import Burst, fit_request_path
     from replica.sim.engine import EngineConfig
 
     saved = json.loads((out_dir / RUNS_FILE).read_text(encoding="utf-8"))

@@ -34,7 +34,14 @@ from replica.sim.engine import EngineConfig, EngineModel, SimRequest
 from replica.sim.request_path import RequestPath
 from replica.sim.step_time import StepTimeModel
 
-__all__ = ["Burst", "BurstResidual", "PathFit", "fit_request_path", "simulate_burst"]
+__all__ = [
+    "Burst",
+    "BurstResidual",
+    "PathFit",
+    "fit_request_path",
+    "lower_quartile",
+    "simulate_burst",
+]
 
 #: A burst whose makespan exceeds the engine-only replay's by less than this waited on the
 #: engine, not on the path.
@@ -147,15 +154,15 @@ def simulate_burst(config: EngineConfig, requests: int, prompt_tokens: int,
     return finish, statistics.fmean(first.values())
 
 
-def _lower_quartile(values: Sequence[float]) -> float:
-    """The repeat a quarter of the way up (the fastest of up to four, the second of five to
-    eight): a stall only ever adds time, and the model has none."""
+def lower_quartile(values: Sequence[float]) -> float:
+    """The value a quarter of the way up (the fastest of up to four, the second of five to
+    eight): the stall-free repeat, since a stall only ever adds time and the model has none."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 4]
 
 
 def _typical_shapes(bursts: Sequence[Burst]) -> list[tuple[Burst, int]]:
-    """One burst per shape, its repeats' lower quartile (``_lower_quartile``), and how many
+    """One burst per shape, its repeats' lower quartile (``lower_quartile``), and how many
     there were.
 
     The median let stalls through: on a 2-core machine about a third of the bursts stall, so
@@ -168,8 +175,8 @@ def _typical_shapes(bursts: Sequence[Burst]) -> list[tuple[Burst, int]]:
         groups.setdefault(b.shape, []).append(b)
     out = []
     for shape, group in groups.items():
-        makespan = _lower_quartile([b.makespan_s for b in group])
-        ttft = _lower_quartile([b.mean_ttft_s for b in group])
+        makespan = lower_quartile([b.makespan_s for b in group])
+        ttft = lower_quartile([b.mean_ttft_s for b in group])
         out.append((Burst(*shape, makespan, ttft), len(group)))
     return out
 

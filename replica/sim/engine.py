@@ -505,7 +505,6 @@ class EngineModel:
                 else:
                     decode_tokens += 1
             tokens[request.request_id] = emitted
-            self._cache_blocks(request)
             if request.num_output >= request.max_tokens:
                 finished.append(request.request_id)
                 self._finish(request)
@@ -612,9 +611,8 @@ class EngineModel:
         self._extend_hashes(request, usable)
         return self._kv.lookup(request.block_hashes[:usable])
 
-    def _cache_blocks(self, request: _Request, tokens: int | None = None) -> None:
-        """Register the request's newly full blocks in the prefix cache, up to ``tokens`` (its
-        computed tokens by default).
+    def _cache_blocks(self, request: _Request, tokens: int) -> None:
+        """Register the request's newly full blocks in the prefix cache, up to ``tokens``.
 
         The scheduler calls it with the tokens a step is about to compute, as vLLM does: its
         ``allocate_slots`` commits the blocks of the tokens scheduled this step when it
@@ -623,8 +621,6 @@ class EngineModel:
         """
         if not self.config.enable_prefix_caching:
             return
-        if tokens is None:
-            tokens = request.num_computed
         full = min(tokens, request.num_tokens) // self._block_size
         if full == request.hashed_full_blocks:
             return  # the common decode step: no block filled up
