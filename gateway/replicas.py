@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -22,6 +22,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.inflight import InflightTracker
 from gateway.policy_view import PoolSpeeds, ReplicaSpec
 from routing.fleet import Fleet
+from routing.lora_slots import LORA_INFO_METRIC, LoraInfo, latest_lora_info
 from routing.recent_itl import RecentItl
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
@@ -39,17 +40,6 @@ _GAUGES = {
 }
 
 
-@dataclass(frozen=True)
-class LoraInfo:
-    """What ``vllm:lora_requests_info`` says: GPU LoRA slots, and the adapters using them."""
-
-    max_loras: int | None = None
-    #: Adapters of running requests (each holds a slot) ...
-    running: frozenset[str] = frozenset()
-    #: ... and of requests waiting, some of them for a slot.
-    waiting: frozenset[str] = frozenset()
-
-
 def _label_pairs(line: str) -> dict[str, str]:
     labels = line.split("{", 1)[1].rsplit("}", 1)[0]
     pairs = {}
@@ -60,33 +50,19 @@ def _label_pairs(line: str) -> dict[str, str]:
 
 
 def parse_lora_info(text: str) -> LoraInfo | None:
-    """The current ``vllm:lora_requests_info`` sample, if the engine exports one.
-
-    The gauge keeps one sample per label set it ever had, its value the time it was set: the
-    current one has the latest value.
-    """
-    latest: tuple[float, dict[str, str]] | None = None
+    """The current ``vllm:lora_requests_info`` sample, if the engine exports one (a line scan:
+    this runs on every poll of every replica)."""
+    prefix = LORA_INFO_METRIC + "{"
+    samples = []
     for line in text.splitlines():
-        if not line.startswith("vllm:lora_requests_info{"):
+        if not line.startswith(prefix):
             continue
         try:
             value = float(line.rsplit(" ", 1)[1])
         except (ValueError, IndexError):
             continue
-        if latest is None or value >= latest[0]:
-            latest = (value, _label_pairs(line))
-    if latest is None:
-        return None
-    labels = latest[1]
-    try:
-        max_loras: int | None = int(labels.get("max_lora", ""))
-    except ValueError:
-        max_loras = None
-
-    def names(key: str) -> frozenset[str]:
-        return frozenset(n for n in labels.get(key, "").split(",") if n)
-
-    return LoraInfo(max_loras, names("running_lora_adapters"), names("waiting_lora_adapters"))
+        samples.append((_label_pairs(line), value))
+    return latest_lora_info(samples)
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:

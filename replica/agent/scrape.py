@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from routing.lora_slots import LORA_INFO_METRIC, LoraInfo, latest_lora_info
+
 
 @dataclass(frozen=True)
 class EngineSnapshot:
@@ -34,10 +36,6 @@ class EngineSnapshot:
     read_at: float = field(default_factory=time.time)
 
 
-def _adapters(label: str | None) -> frozenset[str]:
-    return frozenset(name for name in (label or "").split(",") if name)
-
-
 def _int_label(labels: Mapping[str, str], name: str) -> int | None:
     raw = labels.get(name)
     try:
@@ -49,12 +47,11 @@ def _int_label(labels: Mapping[str, str], name: str) -> int | None:
 def parse_metrics(text: str) -> dict[str, Any]:
     """The figures fleetgate reads from vLLM's Prometheus text, as ``EngineSnapshot`` fields.
 
-    ``vllm:lora_requests_info`` is a gauge whose *value* is the time it was set, with one sample
-    per distinct label set ever seen; the current one is the sample with the latest value.
+    ``vllm:lora_requests_info`` is read as ``routing.lora_slots`` reads it (the latest sample).
     """
     kv_usage: list[float] = []
     running = waiting = preemptions = 0.0
-    lora_latest: tuple[float, Mapping[str, str]] | None = None
+    lora_samples: list[tuple[Mapping[str, str], float]] = []
     block_size: int | None = None
     num_blocks: int | None = None
     for family in text_string_to_metric_families(text):
@@ -68,23 +65,22 @@ def parse_metrics(text: str) -> dict[str, Any]:
                 waiting += value
             elif name == "vllm:num_preemptions_total":
                 preemptions += value
-            elif name == "vllm:lora_requests_info":
-                if lora_latest is None or value >= lora_latest[0]:
-                    lora_latest = (value, labels)
+            elif name == LORA_INFO_METRIC:
+                lora_samples.append((labels, value))
             elif name == "vllm:cache_config_info":
                 block_size = _int_label(labels, "block_size")
                 blocks = _int_label(labels, "num_gpu_blocks")
                 num_blocks = blocks if blocks is None else (num_blocks or 0) + blocks
-    lora_labels: Mapping[str, str] = lora_latest[1] if lora_latest else {}
+    lora = latest_lora_info(lora_samples) or LoraInfo()
     return {
         # Engines of one replica share nothing; the fullest one is the one that preempts first.
         "kv_usage": max(kv_usage, default=0.0),
         "running": int(running),
         "waiting": int(waiting),
         "preemptions_total": int(preemptions),
-        "max_loras": _int_label(lora_labels, "max_lora"),
-        "running_adapters": _adapters(lora_labels.get("running_lora_adapters")),
-        "waiting_adapters": _adapters(lora_labels.get("waiting_lora_adapters")),
+        "max_loras": lora.max_loras,
+        "running_adapters": lora.running,
+        "waiting_adapters": lora.waiting,
         "block_size": block_size,
         "num_gpu_blocks": num_blocks,
     }
