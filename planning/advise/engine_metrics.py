@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from planning.advise.model import EngineFlags
 from planning.triage.model import SourceError
+from routing.lora_slots import LORA_INFO_METRIC, latest_lora_info
 
 #: The four timers (advise name -> vLLM histogram). Prefill is vLLM's own timer (scheduled to
 #: first token), not TTFT minus queue: it is absent on engines that do not export it.
@@ -79,7 +80,7 @@ class EngineReading:
 def parse_engine_metrics(text: str) -> EngineReading:
     """An ``EngineReading`` from Prometheus exposition text."""
     reading = EngineReading()
-    lora: tuple[float, Mapping[str, str]] | None = None
+    lora_samples: list[tuple[Mapping[str, str], float]] = []
     kv: list[float] = []
     try:
         families = list(text_string_to_metric_families(text))
@@ -102,10 +103,8 @@ def parse_engine_metrics(text: str) -> EngineReading:
                 reading.prefix_hits += value
             elif name == "vllm:cache_config_info":
                 reading.cache_info = dict(labels)
-            elif name == "vllm:lora_requests_info":
-                # One series per label set ever seen; the current one has the latest timestamp.
-                if lora is None or value >= lora[0]:
-                    lora = (value, labels)
+            elif name == LORA_INFO_METRIC:
+                lora_samples.append((labels, value))
             elif family.name in _HISTOGRAMS:
                 hist = reading.histograms.setdefault(family.name, Histogram())
                 if name.endswith("_bucket"):
@@ -115,11 +114,10 @@ def parse_engine_metrics(text: str) -> EngineReading:
                 elif name.endswith("_count"):
                     hist.count += value
     reading.kv_usage = max(kv) if kv else None
+    lora = latest_lora_info(lora_samples)
     if lora is not None:
-        labels = lora[1]
-        reading.max_lora = _int(labels.get("max_lora"))
-        names = [labels.get(k, "") for k in ("running_lora_adapters", "waiting_lora_adapters")]
-        reading.adapters = frozenset(a for a in ",".join(names).split(",") if a)
+        reading.max_lora = lora.max_loras
+        reading.adapters = lora.running | lora.waiting
     return reading
 
 

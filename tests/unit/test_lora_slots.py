@@ -1,9 +1,10 @@
 """``routing.lora_slots``: the one reading of vLLM's ``lora_requests_info`` gauge that the
-gateway's poll and the replica agent's scrape share."""
+gateway's poll, the replica agent's scrape and the flag advisor share."""
 
 from __future__ import annotations
 
 from gateway.replicas import parse_lora_info
+from planning.advise.engine_metrics import parse_engine_metrics
 from replica.agent.scrape import parse_metrics
 from routing.lora_slots import LoraInfo, latest_lora_info
 
@@ -35,10 +36,12 @@ def test_unknown_slot_count_is_none() -> None:
         assert LoraInfo.from_labels({"max_lora": raw}).max_loras is None
 
 
-def test_gateway_poll_and_agent_scrape_read_the_gauge_alike() -> None:
+def test_gateway_agent_and_advisor_read_the_gauge_alike() -> None:
     expected = LoraInfo(2, frozenset({"sql", "chat"}), frozenset({"law"}))
     assert parse_lora_info(REAL_FORMAT) == expected
     scraped = parse_metrics(REAL_FORMAT)
     assert LoraInfo(
         scraped["max_loras"], scraped["running_adapters"], scraped["waiting_adapters"]
     ) == expected
+    advised = parse_engine_metrics(REAL_FORMAT)
+    assert (advised.max_lora, advised.adapters) == (2, expected.running | expected.waiting)
