@@ -98,15 +98,18 @@ class Workload:
     what: str
 
 
-#: Saturation rates measured on 2026-12-01 with ``--find-saturation`` (the middle of a 4.4%-wide
-#: bracket). The first table (2026-11-29: rag 140, rag-cache-buster 38, multi-turn 135, agent 65,
-#: b2b-lora 25) had drifted: at 38 and 25 req/s least-loaded's p95 queue was 6.0 s and 2.4 s.
+#: Saturation rates measured on 2026-12-04 with ``--find-saturation`` (the middle of a 4.4%-wide
+#: bracket), after the engine model began committing prefix blocks when it schedules them. The
+#: table before (2026-12-01: rag 143, rag-cache-buster 34.1, multi-turn 144, agent 66.4, b2b-lora
+#: 21.5) had moved by 2-7%: at 66.4 req/s least-loaded's p95 queue on agent was 655 ms. The first
+#: (2026-11-29: rag 140, rag-cache-buster 38, multi-turn 135, agent 65, b2b-lora 25) had drifted
+#: further: at 38 and 25 req/s least-loaded's p95 queue was 6.0 s and 2.4 s.
 WORKLOADS: tuple[Workload, ...] = (
-    Workload("rag", 143.0, "3,000-token shared system prompt + Zipf RAG chunks"),
-    Workload("rag-cache-buster", 34.1, "the same, with a timestamp on top: nothing shared"),
-    Workload("multi-turn", 144.0, "chat sessions whose history grows turn by turn"),
-    Workload("agent", 66.4, "few-shot agent prompts + growing tool-call transcripts"),
-    Workload("b2b-lora", 21.5, "40 LoRA fine-tunes (Zipf), 4 GPU LoRA slots/replica"),
+    Workload("rag", 139.9, "3,000-token shared system prompt + Zipf RAG chunks"),
+    Workload("rag-cache-buster", 33.37, "the same, with a timestamp on top: nothing shared"),
+    Workload("multi-turn", 147.2, "chat sessions whose history grows turn by turn"),
+    Workload("agent", 70.86, "few-shot agent prompts + growing tool-call transcripts"),
+    Workload("b2b-lora", 21.97, "40 LoRA fine-tunes (Zipf), 4 GPU LoRA slots/replica"),
 )
 
 
