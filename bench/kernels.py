@@ -56,18 +56,41 @@ def _time_ms(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def gpu_timings() -> list[Timing]:
-    """Our kernels vs vLLM's CUDA kernels and native code, bf16, hidden 4096."""
+#: What the "native" column is when vLLM is not installed (a bare GPU host): the PyTorch
+#: reference, which follows vLLM 0.32's native code operation for operation.
+NATIVE_WITHOUT_VLLM = "replica.kernels.reference"
+
+
+def _baselines() -> tuple[Callable[..., Any] | None, Callable[..., Any] | None,
+                          Callable[..., Any], Callable[..., Any], str]:
+    """(vLLM CUDA rms_norm, its fused op, native rms_norm, native fused, what native is).
+
+    Without vLLM the CUDA ops are None and the native ones are ``replica.kernels.reference``.
+    """
     import torch
-    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
-    from vllm.ir.ops.layernorm import fused_add_rms_norm as vllm_fused
-    from vllm.ir.ops.layernorm import rms_norm as vllm_rms
+
+    try:
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+        from vllm.ir.ops.layernorm import fused_add_rms_norm as vllm_fused
+        from vllm.ir.ops.layernorm import rms_norm as vllm_rms
+    except ImportError:
+        from replica.kernels import reference
+
+        return (None, None, reference.rms_norm_ref, reference.fused_add_rms_norm_ref,
+                NATIVE_WITHOUT_VLLM)
+    return (torch.ops._C.rms_norm, torch.ops._C.fused_add_rms_norm,
+            vllm_rms.impls["native"].impl_fn, vllm_fused.impls["native"].impl_fn, "vllm")
+
+
+def gpu_timings() -> tuple[list[Timing], str]:
+    """Our kernels vs vLLM's CUDA kernels and native code, bf16, hidden 4096; and what the
+    native column is (``"vllm"``, or ``NATIVE_WITHOUT_VLLM`` where vLLM is not installed)."""
+    import torch
 
     from replica.kernels import rms_norm as ours
 
+    cuda_rms, cuda_fused, native_rms, native_fused, native = _baselines()
     out: list[Timing] = []
-    native_rms = vllm_rms.impls["native"].impl_fn
-    native_fused = vllm_fused.impls["native"].impl_fn
     gen = torch.Generator(device="cuda").manual_seed(0)
     for tokens in TOKENS:
         x = torch.randn(tokens, HIDDEN, dtype=torch.bfloat16, device="cuda", generator=gen)
@@ -78,7 +101,8 @@ def gpu_timings() -> list[Timing]:
         out.append(Timing(
             "rms_norm", tokens,
             _time_ms(lambda x=x, w=w: ours.rms_norm(x, w, EPS)) * 1e3,
-            _time_ms(lambda x=x, w=w, y=y: torch.ops._C.rms_norm(y, x, w, EPS)) * 1e3,
+            None if cuda_rms is None
+            else _time_ms(lambda x=x, w=w, y=y: cuda_rms(y, x, w, EPS)) * 1e3,
             _time_ms(lambda x=x, w=w: native_rms(x, w, EPS)) * 1e3,
             2 * elem + w.numel() * 2,
         ))
@@ -87,33 +111,31 @@ def gpu_timings() -> list[Timing]:
         out.append(Timing(
             "fused_add_rms_norm", tokens,
             _time_ms(lambda x=x, r=r, w=w: ours.fused_add_rms_norm(x, r, w, EPS)) * 1e3,
-            _time_ms(lambda xi=xi, ri=ri, w=w: torch.ops._C.fused_add_rms_norm(xi, ri, w, EPS))
-            * 1e3,
+            None if cuda_fused is None
+            else _time_ms(lambda xi=xi, ri=ri, w=w: cuda_fused(xi, ri, w, EPS)) * 1e3,
             _time_ms(lambda x=x, r=r, w=w: native_fused(x, r, w, EPS)) * 1e3,
             4 * elem + w.numel() * 2,
         ))
-    return out
+    return out, native
 
 
 def _versions() -> dict[str, str]:
-    import torch
-    import triton
+    import importlib
 
     from replica.kernels import __version__
 
-    found = {"replica.kernels": __version__, "torch": torch.__version__,
-             "triton": triton.__version__, "python": platform.python_version()}
-    try:
-        import vllm
-
-        found["vllm"] = vllm.__version__
-    except ImportError:
-        found["vllm"] = "not installed"
+    found = {"replica.kernels": __version__}
+    for name in ("torch", "triton", "vllm"):
+        try:
+            found[name] = importlib.import_module(name).__version__
+        except ImportError:
+            found[name] = "not installed"
+    found["python"] = platform.python_version()
     return found
 
 
 def render(device: str, backend: str, results: list[Any], timings: list[Timing] | None,
-           full: bool, seconds: float) -> str:
+           full: bool, seconds: float, native: str = "vllm") -> str:
     """The markdown report."""
     versions = _versions()
     ok = sum(r.ok for r in results)
@@ -138,11 +160,18 @@ def render(device: str, backend: str, results: list[Any], timings: list[Timing] 
             f"{HIDDEN} (Llama-3-8B), {', '.join(map(str, TOKENS))} tokens.",
         ]
     else:
+        if native == "vllm":
+            about = ("*vLLM CUDA* is `torch.ops._C` (what vLLM's RMSNorm runs on a GPU with its "
+                     "custom op on), *vLLM native* the PyTorch code it runs with the op off "
+                     "(uncompiled here).")
+        else:
+            about = ("**vLLM is not installed on this host**, so there is no *vLLM CUDA* column "
+                     f"and *vLLM native* is `{native}`, the PyTorch reference the kernels are "
+                     "checked against, which follows vLLM 0.32's native code operation for "
+                     "operation (eager, uncompiled), in place of vLLM's own.")
         lines += [
-            f"Median of `triton.testing.do_bench`, bf16, hidden {HIDDEN}, eps {EPS:g}. *vLLM CUDA*"
-            " is `torch.ops._C` (what vLLM's RMSNorm runs on a GPU with its custom op on), "
-            "*vLLM native* the PyTorch code it runs with the op off (uncompiled here). GB/s is "
-            "our kernel's effective bandwidth (inputs read once, outputs written once).",
+            f"Median of `triton.testing.do_bench`, bf16, hidden {HIDDEN}, eps {EPS:g}. {about} "
+            "GB/s is our kernel's effective bandwidth (inputs read once, outputs written once).",
             "",
             "| op | tokens | ours µs | vLLM CUDA µs | vLLM native µs | ours vs CUDA | ours GB/s |",
             "|---|---:|---:|---:|---:|---:|---:|",
@@ -189,14 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now()
     results = run_cases(selected, device, lambda r: print(format_result(r), flush=True))
     seconds = (datetime.datetime.now() - started).total_seconds()
-    timings = None
+    timings, native = None, "vllm"
     if device == "cuda":
         print("timings: ours vs vLLM", flush=True)
-        timings = gpu_timings()
+        timings, native = gpu_timings()
     else:
         print("no GPU: correctness sweep only (the interpreter's speed means nothing)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(device, backend, results, timings, full, seconds))
+    args.out.write_text(render(device, backend, results, timings, full, seconds, native))
     print(f"written to {args.out}")
     return 0 if all(r.ok for r in results) else 1
 

@@ -22,4 +22,4 @@ __all__ = ["__version__"]
 
 #: The kernel package's version: what the replica reports and routing can require. Bump it with
 #: every change to a kernel's source or launch parameters (docs/kernels.md, "Rolling out").
-__version__ = "0.1.0"
+__version__ = "0.1.1"

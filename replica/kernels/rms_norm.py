@@ -58,9 +58,12 @@ def _to_f32(x):
 def _from_f32(x, dtype: tl.constexpr):
     if dtype == tl.bfloat16:
         # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, keep the top half.
+        # Not for NaN: a GPU's NaN is 0x7FFFFFFF, which that carry turns into -0.0 (0x8000);
+        # NaN becomes 0x7FC0, as in PyTorch's own conversion.
         bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        bits = tl.where(x != x, 0x7FC0, rounded)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return x.to(dtype)
 
 
