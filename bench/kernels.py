@@ -44,6 +44,9 @@ class Timing:
     vllm_native_us: float
     #: Bytes the op must move (inputs read once, outputs written once).
     bytes_moved: int
+    #: The native code under ``torch.compile`` (Inductor fuses it into one generated kernel,
+    #: which is what vLLM runs with the custom op off and compilation on); None if not timed.
+    compiled_us: float | None = None
 
     @property
     def ours_gbps(self) -> float:
@@ -90,6 +93,9 @@ def gpu_timings() -> tuple[list[Timing], str]:
     from replica.kernels import rms_norm as ours
 
     cuda_rms, cuda_fused, native_rms, native_fused, native = _baselines()
+    # One compiled graph per shape (dynamic=False), as a served model's fixed batch sizes get.
+    compiled_rms = torch.compile(native_rms, dynamic=False)
+    compiled_fused = torch.compile(native_fused, dynamic=False)
     out: list[Timing] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for tokens in TOKENS:
@@ -105,6 +111,7 @@ def gpu_timings() -> tuple[list[Timing], str]:
             else _time_ms(lambda x=x, w=w, y=y: cuda_rms(y, x, w, EPS)) * 1e3,
             _time_ms(lambda x=x, w=w: native_rms(x, w, EPS)) * 1e3,
             2 * elem + w.numel() * 2,
+            _time_ms(lambda x=x, w=w: compiled_rms(x, w, EPS)) * 1e3,
         ))
         # vLLM's fused kernel works in place; the drift of repeated calls stays finite in bf16.
         xi, ri = x.clone(), r.clone()
@@ -115,6 +122,7 @@ def gpu_timings() -> tuple[list[Timing], str]:
             else _time_ms(lambda xi=xi, ri=ri, w=w: cuda_fused(xi, ri, w, EPS)) * 1e3,
             _time_ms(lambda x=x, r=r, w=w: native_fused(x, r, w, EPS)) * 1e3,
             4 * elem + w.numel() * 2,
+            _time_ms(lambda x=x, r=r, w=w: compiled_fused(x, r, w, EPS)) * 1e3,
         ))
     return out, native
 
@@ -163,7 +171,7 @@ def render(device: str, backend: str, results: list[Any], timings: list[Timing] 
         if native == "vllm":
             about = ("*vLLM CUDA* is `torch.ops._C` (what vLLM's RMSNorm runs on a GPU with its "
                      "custom op on), *vLLM native* the PyTorch code it runs with the op off "
-                     "(uncompiled here).")
+                     "(eager).")
         else:
             about = ("**vLLM is not installed on this host**, so there is no *vLLM CUDA* column "
                      f"and *vLLM native* is `{native}`, the PyTorch reference the kernels are "
@@ -171,16 +179,23 @@ def render(device: str, backend: str, results: list[Any], timings: list[Timing] 
                      "operation (eager, uncompiled), in place of vLLM's own.")
         lines += [
             f"Median of `triton.testing.do_bench`, bf16, hidden {HIDDEN}, eps {EPS:g}. {about} "
-            "GB/s is our kernel's effective bandwidth (inputs read once, outputs written once).",
+            "*Native compiled* is the same native code under `torch.compile` (one graph per "
+            "shape): Inductor fuses it into one generated kernel, which is what vLLM runs with "
+            "the custom op off and compilation on. GB/s is our kernel's effective bandwidth "
+            "(inputs read once, outputs written once).",
             "",
-            "| op | tokens | ours µs | vLLM CUDA µs | vLLM native µs | ours vs CUDA | ours GB/s |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| op | tokens | ours µs | vLLM CUDA µs | vLLM native µs | native compiled µs "
+            "| ours vs CUDA | ours vs compiled | ours GB/s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for t in timings:
             ratio = f"{t.vllm_cuda_us / t.ours_us:.2f}x" if t.vllm_cuda_us else "-"
             cuda = f"{t.vllm_cuda_us:.1f}" if t.vllm_cuda_us else "-"
+            compiled = f"{t.compiled_us:.1f}" if t.compiled_us else "-"
+            vs_compiled = f"{t.compiled_us / t.ours_us:.2f}x" if t.compiled_us else "-"
             lines.append(f"| {t.op} | {t.tokens} | {t.ours_us:.1f} | {cuda} | "
-                         f"{t.vllm_native_us:.1f} | {ratio} | {t.ours_gbps:.0f} |")
+                         f"{t.vllm_native_us:.1f} | {compiled} | {ratio} | {vs_compiled} | "
+                         f"{t.ours_gbps:.0f} |")
     lines += [
         "",
         f"## Correctness ({'full' if full else 'CI'} sweep, {device})",

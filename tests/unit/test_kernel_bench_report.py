@@ -5,22 +5,22 @@ from __future__ import annotations
 from bench.kernels import NATIVE_WITHOUT_VLLM, Timing, render
 
 
-def _timing(cuda_us: float | None) -> Timing:
+def _timing(cuda_us: float | None, compiled_us: float | None = None) -> Timing:
     return Timing("rms_norm", 16, ours_us=4.0, vllm_cuda_us=cuda_us, vllm_native_us=20.0,
-                  bytes_moved=4_000_000)
+                  bytes_moved=4_000_000, compiled_us=compiled_us)
 
 
 def test_without_vllm_the_table_says_what_native_is_and_has_no_cuda_ratio() -> None:
     page = render("cuda", "triton (cuda)", [], [_timing(None)], True, 1.0, NATIVE_WITHOUT_VLLM)
     assert "vLLM is not installed on this host" in page
     assert f"`{NATIVE_WITHOUT_VLLM}`" in page
-    assert "| rms_norm | 16 | 4.0 | - | 20.0 | - | 1000 |" in page
+    assert "| rms_norm | 16 | 4.0 | - | 20.0 | - | - | - | 1000 |" in page
 
 
 def test_with_vllm_the_ratio_is_cuda_over_ours() -> None:
-    page = render("cuda", "triton (cuda)", [], [_timing(6.0)], True, 1.0)
+    page = render("cuda", "triton (cuda)", [], [_timing(6.0, compiled_us=5.0)], True, 1.0)
     assert "vLLM is not installed" not in page
-    assert "| rms_norm | 16 | 4.0 | 6.0 | 20.0 | 1.50x | 1000 |" in page
+    assert "| rms_norm | 16 | 4.0 | 6.0 | 20.0 | 5.0 | 1.50x | 1.25x | 1000 |" in page
 
 
 def test_without_a_gpu_no_timings_are_claimed() -> None:
