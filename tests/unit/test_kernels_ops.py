@@ -23,7 +23,17 @@ import replica.kernels.vllm_plugin as plugin
 from replica.kernels import ops, trace
 from vllm.model_executor.layers.layernorm import RMSNorm
 
+from replica.kernels.cases import TOLERANCES
+
 out = {}
+# Seeded: the normalised output may differ from vLLM's by an ulp for some inputs (the kernel's
+# contract is the sweep's tolerance; about one unseeded draw in 300 of these shapes differs).
+torch.manual_seed(0)
+atol, rtol = TOLERANCES["bfloat16"]
+
+def close(a, b):
+    return torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol)
+
 x = torch.randn(5, 96, dtype=torch.bfloat16)
 r = torch.randn(5, 96, dtype=torch.bfloat16)
 w = torch.randn(96, dtype=torch.bfloat16)
@@ -57,8 +67,9 @@ with torch.no_grad():
     got, got_res = layer(x, r)
     want, want_res = layer.forward_native(x.clone(), r.clone())
     out["layer_class"] = type(layer).__name__
-    out["layer_equal_native"] = bool(torch.equal(got, want) and torch.equal(got_res, want_res))
-    out["layer_no_residual_equal"] = bool(torch.equal(layer(x), layer.forward_native(x)))
+    # The normalised output within the sweep's bf16 tolerance; the new residual bit for bit.
+    out["layer_matches_native"] = bool(close(got, want) and torch.equal(got_res, want_res))
+    out["layer_no_residual_matches"] = bool(close(layer(x), layer.forward_native(x)))
     disabled(x, r)
 out["layer_counts"] = trace.counts()
 out["disabled_forward"] = disabled._forward_method.__name__
@@ -93,7 +104,7 @@ def test_torch_compile_keeps_the_op_opaque_and_every_call_is_counted(
 
 def test_vllm_rms_norm_is_replaced_and_calls_the_kernel(probe: dict[str, Any]) -> None:
     assert probe["layer_class"] == "FleetgateRMSNorm"
-    assert probe["layer_equal_native"] and probe["layer_no_residual_equal"]
+    assert probe["layer_matches_native"] and probe["layer_no_residual_matches"]
     # One call each through the layer; the layer built with the op disabled never reaches it.
     assert probe["layer_counts"] == {"fused_add_rms_norm": {"calls": 1, "rows": 5},
                                      "rms_norm": {"calls": 1, "rows": 5}}
