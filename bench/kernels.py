@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from replica.kernels.cases import TOLERANCES, cases
 
@@ -64,12 +64,21 @@ def _time_ms(fn: Callable[[], Any]) -> float:
 NATIVE_WITHOUT_VLLM = "replica.kernels.reference"
 
 
-def _baselines() -> tuple[Callable[..., Any] | None, Callable[..., Any] | None,
-                          Callable[..., Any], Callable[..., Any], str]:
-    """(vLLM CUDA rms_norm, its fused op, native rms_norm, native fused, what native is).
+class Baselines(NamedTuple):
+    """What our kernels are timed against."""
 
-    Without vLLM the CUDA ops are None and the native ones are ``replica.kernels.reference``.
-    """
+    #: vLLM's CUDA ops (``torch.ops._C``); None where vLLM is not installed.
+    cuda_rms: Callable[..., Any] | None
+    cuda_fused: Callable[..., Any] | None
+    #: vLLM's native PyTorch code, or ``replica.kernels.reference`` without vLLM.
+    native_rms: Callable[..., Any]
+    native_fused: Callable[..., Any]
+    #: What the native column is: ``"vllm"`` or ``NATIVE_WITHOUT_VLLM``.
+    native: str
+
+
+def _baselines() -> Baselines:
+    """vLLM's CUDA ops and native code; without vLLM, no CUDA ops and the reference as native."""
     import torch
 
     try:
@@ -79,10 +88,10 @@ def _baselines() -> tuple[Callable[..., Any] | None, Callable[..., Any] | None,
     except ImportError:
         from replica.kernels import reference
 
-        return (None, None, reference.rms_norm_ref, reference.fused_add_rms_norm_ref,
-                NATIVE_WITHOUT_VLLM)
-    return (torch.ops._C.rms_norm, torch.ops._C.fused_add_rms_norm,
-            vllm_rms.impls["native"].impl_fn, vllm_fused.impls["native"].impl_fn, "vllm")
+        return Baselines(None, None, reference.rms_norm_ref, reference.fused_add_rms_norm_ref,
+                         NATIVE_WITHOUT_VLLM)
+    return Baselines(torch.ops._C.rms_norm, torch.ops._C.fused_add_rms_norm,
+                     vllm_rms.impls["native"].impl_fn, vllm_fused.impls["native"].impl_fn, "vllm")
 
 
 def gpu_timings() -> tuple[list[Timing], str]:

@@ -2,8 +2,8 @@
 
 The gauge keeps one sample per label set it ever had, its value the time that label set was
 set, so the current reading is the sample with the latest value. The gateway's poll (a quick
-line scan) and the replica agent's scrape (``prometheus_client``'s parser) read ``/metrics`` their
-own ways and hand the samples here, so both read the gauge the same way.
+line scan), the replica agent's scrape and the flag advisor (``prometheus_client``'s parser) read
+``/metrics`` their own ways and hand the samples here, so all three read the gauge the same way.
 """
 
 from __future__ import annotations

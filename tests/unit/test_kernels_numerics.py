@@ -95,8 +95,7 @@ def test_fleetgate_kernels_check_passes_here() -> None:
 _ROUNDING_BITS = (0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00001, 0x7F800000, 0xFF800000,
                   0x7F7FFFFF, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x00012345, 0x80000000, 0)
 _ROUNDING_SCRIPT = """
-import os, sys, torch, triton, triton.language as tl
-os.environ["TRITON_INTERPRET"] = "1"
+import sys, torch, triton, triton.language as tl
 from replica.kernels.rms_norm import _from_f32
 
 @triton.jit
