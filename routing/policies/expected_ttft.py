@@ -28,19 +28,21 @@ them drains (vLLM skips it in its waiting queue and schedules the others). How l
 the decodes still running and on how often the slot-holding adapters are asked for, so it is
 learned: requests sent to a replica whose slots were all held calibrate ``adapter_slot_wait_ms``
 (one estimate per scorer, in log space, from their TTFT minus the rest of their prediction),
-and they calibrate nothing else. It is scaled by the replica's running requests per slot (a
-slot frees when one of the adapters holding it has none left running) and by the adapters
-already waiting there for a slot ahead of this one. Adapters this scorer sent to a replica since
-its figures were read count as running there. Without it, on the b2b-lora workload at 3x, 740 of
-2,000 requests went to a replica whose slots were all held and waited a median 6.9 s, predicted
-134 ms (docs/policies/fleet-cost.md, *LoRA slots*).
+and they calibrate nothing else. A slot frees when its adapter has no request left running
+there, so the estimate is per request in flight: the slot-holding adapter with the fewest of
+this scorer's requests on that replica frees first. Adapters already waiting there take the free
+slots and the next ones to free, so a request behind them waits for a later release (a free slot
+is no help when more adapters wait for it). Adapters this scorer sent to a replica since its
+figures were read count as holding a slot there. Without the term, on the b2b-lora workload at
+3x, 740 of 2,000 requests went to a replica whose slots were all held and waited a median 6.9 s,
+predicted 134 ms (docs/policies/fleet-cost.md, *LoRA slots*).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -53,6 +55,7 @@ from routing.policies.backlog import DrainingBacklog, RecentPrefill
 from routing.policies.base import Plugin, PluginKind, PluginParams
 from routing.policies.calibration import SpeedCalibration
 from routing.policies.max_score import MaxScorePicker
+from routing.policies.placements import Placements
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -248,6 +251,8 @@ class ExpectedTtftScorer(Plugin):
         #: Per replica, adapter -> wall time this scorer sent it there to run at once (it holds
         #: a slot from then; the engine's figures show it once read after that).
         self._sent_adapters: dict[ReplicaId, dict[str, float]] = {}
+        #: Per replica, the adapters of the requests this scorer has in flight there.
+        self._adapters_in_flight: Placements[str] = Placements(p.max_pending)
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
 
     # ------------------------------------------------------------------ estimating
@@ -285,7 +290,7 @@ class ExpectedTtftScorer(Plugin):
 
     @property
     def adapter_slot_wait_estimate_ms(self) -> float:
-        """The wait assumed for a LoRA slot where each slot serves one running request and
+        """The wait assumed for a LoRA slot whose adapter has one request left in flight, where
         no other adapter waits for one."""
         if self._slot_wait_log is None:
             return self.params.default_adapter_slot_wait_ms
@@ -296,28 +301,32 @@ class ExpectedTtftScorer(Plugin):
         limit = replica.max_loras
         if not limit:
             return 0.0  # slots unknown (or LoRA off): nothing to wait for that we can see
-        running = replica.running_adapters
-        if adapter in running:
+        holders = set(replica.running_adapters)
+        if adapter in holders:
             return 0.0
-        held = len(running)
         sent = self._sent_adapters.get(replica.replica_id)
         if sent:
             read_at = replica.metrics_read_at
             for name, at in list(sent.items()):
                 if at <= read_at:
                     del sent[name]  # the engine's figures already show it (or it has ended)
-                elif name not in running:
-                    if name == adapter:
-                        return 0.0
-                    held += 1
-        if held < limit:
+                elif name == adapter:
+                    return 0.0
+                else:
+                    holders.add(name)
+        # Adapters already waiting there take the free slots, then the next ones to free.
+        ahead = len(replica.waiting_adapters - holders - {adapter})
+        releases = ahead - (limit - len(holders))
+        if releases < 0:
             return 0.0
-        # A slot frees when one of the adapters holding it has no request left running: the
-        # more running requests per slot, the longer that takes; each adapter already waiting
-        # for a slot there takes one of the next ones.
-        per_slot = max(held, replica.running_now) / limit
-        ahead = len(replica.waiting_adapters - running - {adapter})
-        return self.adapter_slot_wait_estimate_ms * per_slot * (1.0 + ahead / limit)
+        # A slot frees when its adapter has no request left running there, so the holder with
+        # the fewest of this scorer's requests in flight frees first (one it cannot see counts
+        # as one). Past one release per slot, each further round takes about as long again.
+        in_flight = Counter(self._adapters_in_flight.on(replica.replica_id))
+        drains = sorted(max(1, in_flight[name]) for name in holders)
+        last = len(drains) - 1
+        units = drains[min(releases, last)] * (1.0 + max(0, releases - last) / limit)
+        return self.adapter_slot_wait_estimate_ms * units
 
     def estimate(
         self, request: RoutingRequest, replica: ReplicaState, now: float | None = None
@@ -461,6 +470,8 @@ class ExpectedTtftScorer(Plugin):
         Also called for a retry on a fallback replica, whose prediction may already be gone:
         the prefill work is then recomputed from the request's own prefix matches.
         """
+        if request.adapter:
+            self._adapters_in_flight.place(request.request_id, replica, request.adapter)
         pending = self._pending.get(request.request_id)
         chosen = pending.terms.get(replica) if pending is not None else None
         if pending is not None and chosen is not None:
@@ -493,6 +504,7 @@ class ExpectedTtftScorer(Plugin):
         ok: bool,
     ) -> None:
         """Move the replica's prefill speed (or the adapter's load time) toward the observation."""
+        self._adapters_in_flight.forget(request.request_id)
         pending = self._pending.pop(request.request_id, None)
         if not ok or ttft_ms is None or not math.isfinite(ttft_ms) or pending is None:
             return

@@ -67,15 +67,20 @@ ESTIMATES = [
                  {"adapter_cold_load_ms": 50.0}, id="adapter in host memory"),
     pytest.param({}, {"adapter": "ad", "adapter_cold_load_ms": {ReplicaId("a"): 1_234.0}},
                  {"adapter_cold_load_ms": 1_234.0}, id="registry estimate wins"),
-    # LoRA slots (--max-loras): the adapter waits only while every slot is held by others.
+    # LoRA slots (--max-loras): the adapter waits while no slot is left for it.
     pytest.param({"max_loras": 2, "running_adapters": frozenset({"x", "y"}), "running": 2},
                  {"adapter": "ad"}, {"adapter_slot_wait_ms": 1_000.0}, id="slots all held"),
     pytest.param({"max_loras": 2, "running_adapters": frozenset({"x", "y"}), "running": 6},
-                 {"adapter": "ad"}, {"adapter_slot_wait_ms": 3_000.0},
-                 id="slots held by 3 running requests each"),
+                 {"adapter": "ad"}, {"adapter_slot_wait_ms": 1_000.0},
+                 id="slots held: requests the scorer did not send count as one per holder"),
     pytest.param({"max_loras": 2, "running_adapters": frozenset({"x", "y"}), "running": 2,
-                  "waiting_adapters": frozenset({"x", "z", "ad"})}, {"adapter": "ad"},
-                 {"adapter_slot_wait_ms": 1_500.0}, id="slots held, one adapter waits ahead"),
+                  "waiting_adapters": frozenset({"x", "y", "z", "w", "ad"})}, {"adapter": "ad"},
+                 {"adapter_slot_wait_ms": 1_500.0},
+                 id="slots held, two adapters wait ahead: a second round of releases"),
+    pytest.param({"max_loras": 3, "running_adapters": frozenset({"x", "y"}),
+                  "waiting_adapters": frozenset({"z", "w"})}, {"adapter": "ad"},
+                 {"adapter_slot_wait_ms": 1_000.0},
+                 id="a slot free, but two adapters wait ahead for it"),
     pytest.param({"max_loras": 2, "running_adapters": frozenset({"x", "ad"})}, {"adapter": "ad"},
                  {"adapter_slot_wait_ms": 0.0}, id="adapter running: joins its slot"),
     pytest.param({"max_loras": 3, "running_adapters": frozenset({"x", "y"})}, {"adapter": "ad"},
@@ -439,11 +444,31 @@ def test_a_request_that_waited_for_a_slot_calibrates_the_wait_not_the_speed() ->
     assert scorer.adapter_slot_wait_estimate_ms == pytest.approx(4_000.0 * 4 ** -0.2, rel=0.01)
 
 
+def test_the_slot_that_frees_first_is_the_holder_with_the_fewest_requests_in_flight() -> None:
+    scorer = at_now()
+    held = rep(max_loras=2, running_adapters=frozenset({"x", "y"}))
+    sent = [("x", 3), ("y", 2)]
+    for adapter, count in sent:
+        for i in range(count):
+            request = req(request_id=f"{adapter}{i}", adapter=adapter)
+            scorer.score_with_terms(request, [held])
+            scorer.on_request_start(request, ReplicaId("a"))
+    assert scorer.estimate(req(adapter="ad"), held).adapter_slot_wait_ms == 2_000.0
+    # One adapter waiting ahead takes y's slot: this one waits for x's three requests.
+    queued = rep(max_loras=2, running_adapters=frozenset({"x", "y"}),
+                 waiting_adapters=frozenset({"z"}))
+    assert scorer.estimate(req(adapter="ad"), queued).adapter_slot_wait_ms == 3_000.0
+    # y's requests finish (one of them failed: it leaves all the same): y's slot frees first.
+    scorer.on_request_complete(req(request_id="y0", adapter="y"), ReplicaId("a"), 100.0, 0, True)
+    scorer.on_request_complete(req(request_id="y1", adapter="y"), ReplicaId("a"), None, 0, False)
+    assert scorer.estimate(req(adapter="ad"), held).adapter_slot_wait_ms == 1_000.0
+
+
 def test_many_waits_in_flight_move_the_estimate_to_what_they_waited_not_beyond() -> None:
     """Completions of requests routed on an older estimate still pull toward what they waited."""
     scorer = at_now()
     held = rep(max_loras=2, running_adapters=frozenset({"x", "y"}), running=2,
-               waiting_adapters=frozenset({"z"}))  # one adapter ahead: 1.5 x the estimate
+               waiting_adapters=frozenset({"z", "w"}))  # a second round: 1.5 x the estimate
     requests = [req(request_id=f"r{i}", adapter="ad", adapter_cold_load_ms={ReplicaId("a"): 0.0})
                 for i in range(60)]
     for request in requests:  # all routed before any completes
