@@ -41,6 +41,7 @@ import random
 import shlex
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
@@ -216,7 +217,21 @@ def find_saturation(
         probes.append(Probe(factor * trace_rate, queue))
         return queue > SATURATION_QUEUE_P95_MS
 
-    low, high = _bracket(saturated, max_doublings)
+    try:
+        low, high = _bracket(saturated, max_doublings)
+    except ValueError as exc:
+        group = largest_arrival_group(records)
+        if probes[-1].queue_p95_ms > SATURATION_QUEUE_P95_MS and group > 1:
+            # Saturated at every rate: scaling the rate cannot spread requests that share a
+            # timestamp, and on a small fleet such a group alone queues past the threshold.
+            raise ValueError(
+                f"{exc}, saturated even at the lowest: the trace's requests arrive in groups "
+                f"at identical timestamps (up to {group} at once; scaling the rate does not "
+                "spread them), and on this fleet a group alone queues that long. Drop "
+                "--find-saturation to make load 1x the trace's own rate, or add replicas "
+                "(--replicas)"
+            ) from None
+        raise
     for _ in range(refinements):
         middle = math.sqrt(low * high)
         if saturated(middle):
@@ -224,6 +239,12 @@ def find_saturation(
         else:
             low = middle
     return SaturationSearch(math.sqrt(low * high) * trace_rate, tuple(probes))
+
+
+def largest_arrival_group(records: Sequence[TraceRecord]) -> int:
+    """The most requests of ``records`` that share one timestamp (0 for none)."""
+    counts = Counter(record.timestamp for record in records)
+    return max(counts.values(), default=0)
 
 
 def _bracket(saturated: Callable[[float], bool], max_doublings: int) -> tuple[float, float]:

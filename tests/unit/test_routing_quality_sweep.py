@@ -196,6 +196,20 @@ def test_the_search_bisects_to_where_the_queue_passes_one_second(
     assert len(search.probes) == 3 + 4  # bracket, then four refinements
 
 
+def test_a_trace_saturated_at_every_rate_says_its_arrivals_share_timestamps() -> None:
+    # Two groups of 12 requests of 8k tokens, each group at one timestamp, on one replica: the
+    # group's own prefills queue past a second however slowly the groups follow each other.
+    stamps = [0] * 12 + [60_000] * 12
+    records = [
+        TraceRecord(stamp, 8192, 4, tuple(range(16 * i, 16 * i + 16)))
+        for i, stamp in enumerate(stamps)
+    ]
+    assert rq.largest_arrival_group(records) == 12
+    with pytest.raises(ValueError, match="up to 12 at once") as caught:
+        rq.find_saturation(records, 1 / 60, SimulationConfig(replicas=1), max_doublings=2)
+    assert "Drop --find-saturation" in str(caught.value)
+
+
 def test_close_latencies_show_the_decimal_that_decides() -> None:
     assert rq._ms(204.3, 204.1) == "204.3 vs 204.1"
     assert rq._ms(204.0, 204.0) == "204 vs 204"
