@@ -322,8 +322,10 @@ class ExpectedTtftScorer(Plugin):
         # A slot frees when its adapter has no request left running there, so the holder with
         # the fewest of this scorer's requests in flight frees first (one it cannot see counts
         # as one). Past one release per slot, each further round takes about as long again.
+        # With no holder in sight (figures between steps), the adapters waiting take the slots
+        # at once and hold them for one request each.
         in_flight = Counter(self._adapters_in_flight.on(replica.replica_id))
-        drains = sorted(max(1, in_flight[name]) for name in holders)
+        drains = sorted(max(1, in_flight[name]) for name in holders) or [1]
         last = len(drains) - 1
         units = drains[min(releases, last)] * (1.0 + max(0, releases - last) / limit)
         return self.adapter_slot_wait_estimate_ms * units

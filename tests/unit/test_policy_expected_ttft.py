@@ -7,6 +7,8 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from routing.contracts import RoutingRequest
 from routing.engine import Profile, RoutingEngine
@@ -81,6 +83,9 @@ ESTIMATES = [
                   "waiting_adapters": frozenset({"z", "w"})}, {"adapter": "ad"},
                  {"adapter_slot_wait_ms": 1_000.0},
                  id="a slot free, but two adapters wait ahead for it"),
+    pytest.param({"max_loras": 2, "waiting_adapters": frozenset({"z", "w", "v"})},
+                 {"adapter": "ad"}, {"adapter_slot_wait_ms": 1_500.0},
+                 id="no slot held, more adapters waiting than slots"),
     pytest.param({"max_loras": 2, "running_adapters": frozenset({"x", "ad"})}, {"adapter": "ad"},
                  {"adapter_slot_wait_ms": 0.0}, id="adapter running: joins its slot"),
     pytest.param({"max_loras": 3, "running_adapters": frozenset({"x", "y"})}, {"adapter": "ad"},
@@ -462,6 +467,33 @@ def test_the_slot_that_frees_first_is_the_holder_with_the_fewest_requests_in_fli
     scorer.on_request_complete(req(request_id="y0", adapter="y"), ReplicaId("a"), 100.0, 0, True)
     scorer.on_request_complete(req(request_id="y1", adapter="y"), ReplicaId("a"), None, 0, False)
     assert scorer.estimate(req(adapter="ad"), held).adapter_slot_wait_ms == 1_000.0
+
+
+ADAPTERS = st.sets(st.sampled_from(["ad", "p", "q", "r", "s", "t"]), max_size=6)
+
+
+@given(limit=st.integers(1, 4), running=ADAPTERS, waiting=ADAPTERS,
+       sent=st.lists(st.sampled_from(["p", "q", "r", "s", "t"]), max_size=8))
+def test_the_slot_wait_is_defined_for_any_slot_state(
+    limit: int, running: set[str], waiting: set[str], sent: list[str]
+) -> None:
+    """Whatever the engine reports (sets that disagree, more waiting than slots, nothing
+    running), the wait is a finite figure, 0 once the adapter holds a slot, and never shorter
+    with more adapters waiting ahead."""
+    scorer = at_now()
+    state = rep(max_loras=limit, running_adapters=frozenset(running),
+                waiting_adapters=frozenset(waiting))
+    for i, adapter in enumerate(sent):
+        request = req(request_id=f"s{i}", adapter=adapter)
+        scorer.score_with_terms(request, [state])
+        scorer.on_request_start(request, ReplicaId("a"))
+    wait = scorer.estimate(req(adapter="ad"), state).adapter_slot_wait_ms
+    assert math.isfinite(wait) and wait >= 0.0
+    if "ad" in running:
+        assert wait == 0.0
+    more = rep(max_loras=limit, running_adapters=frozenset(running),
+               waiting_adapters=frozenset(waiting | {"x1", "x2"}))
+    assert scorer.estimate(req(adapter="ad"), more).adapter_slot_wait_ms >= wait
 
 
 def test_many_waits_in_flight_move_the_estimate_to_what_they_waited_not_beyond() -> None:
