@@ -12,9 +12,11 @@
    ``--burst-runs``; prefix cache reset before each run), and once through
    ``fleetgate simulate`` (one replica, the calibrated profile, the same token ids). The
    measurement is, per request, the lower quartile of the real runs: stalls of the shared CPU
-   only add time and hit up to half of a burst's runs, and the simulator models none (the
-   per-request median is checked too). The **noise floor** is the real run farthest from the
-   measurement.
+   only add time, and the simulator models none (the per-request median is checked too). The
+   **noise floor** is the real run farthest from the measurement. The engine's EngineCore and
+   Worker busy-poll their queues; when the bench starts the engine it runs them at nice 19
+   (``VllmEngine.lower_busy_pollers``), since at nice 0 they starved the API server, the
+   gateway and this client on a 2-core machine and stalled runs by 0.5-1.5 s.
 4. Compare per-request TTFT and end-to-end latency (median and p95), the prefix hit rate by
    vLLM's own counters, preemptions and queue time; write docs/benchmarks/sim-fidelity.md and
    predicted-vs-measured PNGs.
@@ -380,8 +382,8 @@ def render(
         + (f" ({burst_runs} for the over-capacity burst, a second each)" if burst_runs else "")
         + " (prefix cache reset",
         "before each run): the stall-free time, as calibration's bursts are combined (stalls of",
-        "this shared machine only add time, hit up to half of a burst's runs, and the simulator",
-        "has none; *Reading it* below). **Noise floor** = the real run farthest from the",
+        "this shared machine only add time, and the simulator has none; *Reading it* below).",
+        "**Noise floor** = the real run farthest from the",
         "measurement, as an error against it, beside every figure. Errors are predicted/measured",
         "− 1 of the slice's median or p95; hit-rate differences are in points, by vLLM's",
         "counters. The checks are also given against the per-request median of the runs.",
@@ -483,19 +485,22 @@ def _reading(lines: list[str]) -> str:
         "  cache is compared with vLLM's own `prefix_cache_queries/hits` counters on identical",
         "  prompts.",
         "- **Timing, and the noise floor**: the real engine is a CPU process on a 2-core machine",
-        "  shared with other jobs (the load average is in the header). Its stalls (0.3–1.5 s,",
-        "  before vLLM's engine has the request: its own queue-time counter stays near 0) hit",
-        "  whole runs of the second-long burst: in session 17 eight of fifteen, whose median",
-        "  TTFTs were 357–1,588 ms against 113–187 ms for the other seven. A per-request median",
-        "  then measures the stalls. The lower quartile measures the engine and its request",
-        "  path, which is what the simulator models. Where even one real run differs from the",
-        "  measurement by more than a bound, this machine cannot show that bound either way.",
+        "  shared with other jobs (the load average is in the header). vLLM's CPU build runs an",
+        "  EngineCore and a Worker process that both busy-poll their shared-memory queues",
+        "  (`sched_yield` in a loop for a second after each message). At normal priority the two",
+        "  held both cores, and the API server, the gateway and the client waited behind them:",
+        "  up to half of the burst's runs stalled 0.5–1.5 s before vLLM had the request. The",
+        "  bench now runs the two at nice 19 (`VllmEngine.lower_busy_pollers`; an engine given",
+        "  with `--engine` is measured as it runs). The measurement stays the per-request lower",
+        "  quartile, which is what the simulator models: the engine and its request path.",
+        "  Where even one real run differs from the measurement by more than a bound, this",
+        "  machine cannot show that bound either way.",
         "- **The request path** (docs/simulator.md): a lone request's TTFT is mostly",
         "  `request_overhead_s` (HTTP, the gateway, the hop to the engine core, streaming back).",
         "  Under a burst that work queues: the simulator serves it as one server per replica,",
         "  with the work per request and per streamed token fitted from calibration's bursts",
-        "  (the burst table above). The engine's worker busy-polls one of the two cores, so",
-        "  the API server, the engine core, the gateway and the client share the other.",
+        "  (the burst table above). The Worker computes on one core; the API server, the",
+        "  engine core, the gateway and the client share the other.",
         "- **What the model misses here**: how that shared core's contention varies run to",
         "  run (the noise floor), and vLLM merging a stream's pending tokens when the API",
         "  server falls behind (the per-token cost is an average over the bursts' load).",
@@ -653,7 +658,7 @@ async def _gateway_in_front(session: aiohttp.ClientSession, engine_url: str) -> 
 
 def _start_engine() -> VllmEngine:
     """One real vLLM CPU engine on the tiny model, DEV mode on (for /reset_prefix_cache)."""
-    from replica.launcher import EngineSpec, VllmEngine
+    from replica.launcher import BUSY_POLLER_NICENESS, EngineSpec, VllmEngine
     from replica.tiny_model import RECIPE_VERSION, ensure_tiny_model
     from replica.vllm_env import require_vllm_env
 
@@ -673,6 +678,11 @@ def _start_engine() -> VllmEngine:
     )
     engine.start()
     print(f"vLLM engine healthy after {engine.wait_healthy(300):.0f} s", flush=True)
+    # Its EngineCore and Worker busy-poll a core each; without this, on a 2-core machine the
+    # API server, the gateway and this client queued behind them and a third of the burst's
+    # runs stalled 0.5-1.5 s (docs/benchmarks/sim-fidelity.md, notes of session 21).
+    pids = engine.lower_busy_pollers()
+    print(f"vLLM's busy-polling processes (pids {pids}) at nice {BUSY_POLLER_NICENESS}", flush=True)
     return engine
 
 
@@ -691,8 +701,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "farthest from it")
     parser.add_argument("--burst-runs", type=int, default=15, metavar="N",
                         help="measured real runs of the over-capacity burst (default 15, at "
-                        "least 2): a run takes a second, and the API server's stalls hit a third "
-                        "of them, so the median needs more runs than the long slices")
+                        "least 2): a run takes a second, so one stall of the shared CPU sways it "
+                        "more than it sways the long slices")
     parser.add_argument("--warmup-runs", type=int, default=1, metavar="N",
                         help="unmeasured replays of each slice before the measured ones "
                         "(default 1; 0 measures the engine's first pass over the slice's shapes)")
