@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-        help="the engine's --max-num-seqs (not published in its metrics; default vLLM's 256)",
+        help="the engine's --max-num-seqs (not published in its metrics; default vLLM's 256); "
+        "calibration also decodes a batch of exactly this many where its prompts fit one step",
     )
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,

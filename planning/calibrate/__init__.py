@@ -146,7 +146,7 @@ async def calibrate(
             raise ProbeError(f"cannot reach the engine at {engine_url}: {exc}") from exc
         max_model_len = reported_len or 2048
         fitted_plan = (plan or CalibrationPlan()).fitted_to(
-            max_model_len, limits.max_num_batched_tokens
+            max_model_len, limits.max_num_batched_tokens, limits.max_num_seqs
         )
         measured = await run_workload(probe, model, fitted_plan, seed, progress)
     fit = fit_step_time(measured.steps)

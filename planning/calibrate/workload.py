@@ -94,13 +94,22 @@ class CalibrationPlan:
                                  or self.burst_repeats < 1 or self.burst_prompt_tokens < 2):
             raise ValueError("bursts need >= 2 requests of >= 2 prompt tokens and >= 1 token")
 
-    def fitted_to(self, max_model_len: int, max_num_batched_tokens: int) -> CalibrationPlan:
-        """The plan with every prompt short enough for one step and the model's context."""
+    def fitted_to(
+        self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int | None = None
+    ) -> CalibrationPlan:
+        """The plan with every prompt short enough for one step and the model's context, and,
+        given the engine's ``max_num_seqs``, no batch larger than it and one batch of exactly
+        that: a saturated engine decodes its full batch, and a step time extrapolated from
+        smaller batches under-predicted a burst's queueing by 6-24% on the CPU engine
+        (docs/benchmarks/sim-fidelity.md, session 21)."""
         limit = min(max_model_len - self.decode_tokens - 1, max_num_batched_tokens)
         lengths = tuple(sorted({min(n, limit) for n in self.prefill_lengths}))
         contexts = tuple(sorted({min(n, limit) for n in self.decode_contexts}))
+        batches = self.decode_batches
+        if max_num_seqs is not None:
+            batches = tuple(sorted({min(b, max_num_seqs) for b in batches} | {max_num_seqs}))
         return dataclasses.replace(
-            self, prefill_lengths=lengths, decode_contexts=contexts,
+            self, prefill_lengths=lengths, decode_contexts=contexts, decode_batches=batches,
             max_batch_tokens=max_num_batched_tokens,
             burst_prompt_tokens=min(self.burst_prompt_tokens, limit),
         )

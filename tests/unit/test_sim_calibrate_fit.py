@@ -166,6 +166,18 @@ def test_plan_fits_the_engine_limits() -> None:
     assert plan.max_batch_tokens == 2048
 
 
+def test_plan_decodes_the_engines_full_batch_and_nothing_larger() -> None:
+    from planning.calibrate.workload import CalibrationPlan
+
+    plan = CalibrationPlan(decode_batches=(1, 2, 4, 8))
+    # A saturated engine runs max_num_seqs at once: that batch is measured, not extrapolated.
+    assert plan.fitted_to(2048, 2048, max_num_seqs=16).decode_batches == (1, 2, 4, 8, 16)
+    # A smaller limit caps the plan's batches (8 would run as 6, then 2).
+    assert plan.fitted_to(2048, 2048, max_num_seqs=6).decode_batches == (1, 2, 4, 6)
+    # Unknown limit: the plan as given.
+    assert plan.fitted_to(2048, 2048).decode_batches == (1, 2, 4, 8)
+
+
 def test_decode_span_comes_from_the_engines_clock_only_when_it_counted_exactly_the_batch() -> None:
     before = HistogramTotals(total_s=10.0, count=100)
     # 4 requests x 31 decode steps = 124 gaps, 6.2 s in all: 50 ms a gap, 31 gaps a request.
