@@ -299,7 +299,10 @@ class EngineProcess:
         processes: on the 2-core CI machine a burst's requests reached the gateway 0.5-1.5 s
         late in a third of the runs (docs/benchmarks/sim-fidelity.md). At a lower priority the
         spinning takes only the CPU nobody else wants; the engine's own work is unchanged where
-        it has a core to itself. Only for benchmarks and tests sharing a machine with the engine.
+        it has a core to itself. For a benchmark that runs one engine on a small machine: two
+        engines at this priority also compete for compute with everything else: in a full run
+        of the e2e tier with both reniced, one fell behind the other and a routing test that
+        passes at normal priority failed (docs/simulator.md), so the e2e tier does not use it.
         """
         if self.process is None or self.process.poll() is not None:
             return []

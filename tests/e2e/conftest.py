@@ -90,10 +90,6 @@ def vllm_engines(
         with ThreadPoolExecutor(len(engines)) as pool:
             startup_s = list(pool.map(lambda e: e.wait_healthy(ENGINE_START_TIMEOUT_S), engines))
         print(f"\nvLLM engines healthy after {', '.join(f'{s:.0f}s' for s in startup_s)}")
-        # Each engine's EngineCore and Worker busy-poll a core: four spinning processes on the
-        # 2-core CI machine would keep the tests' gateways and clients waiting for a CPU.
-        for engine in engines:
-            engine.lower_busy_pollers()
         yield engines
     finally:
         for engine in engines:
