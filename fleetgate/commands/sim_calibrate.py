@@ -7,6 +7,11 @@ Examples::
     fleetgate sim calibrate --engine http://127.0.0.1:8000 --output cpu-tiny.yaml \\
         --max-num-seqs 256 --max-num-batched-tokens 2048
 
+    # with LoRA: also time loading an adapter (storage -> host -> slot); the path as the
+    # engine sees it, readable here to size the adapter
+    fleetgate sim calibrate --engine http://127.0.0.1:8000 --output cpu-tiny.yaml \\
+        --adapter sql=/models/sql-lora --max-loras 2 --max-cpu-loras 4
+
     # then use it wherever a preset goes
     fleetgate sim --profile cpu-tiny.yaml
     fleetgate simulate --trace t.jsonl --profile cpu-tiny.yaml
@@ -28,6 +33,7 @@ from planning.calibrate import (
     calibrate,
     write_profile,
 )
+from planning.calibrate.adapters import parse_adapter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +53,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
         help="the engine's --max-num-batched-tokens (default 2048)",
+    )
+    group.add_argument(
+        "--adapter", action="append", default=[], metavar="NAME=PATH",
+        help="also time loading this LoRA adapter (repeatable): its load call (storage to host "
+        "to a slot) and its first request once other adapters pushed it out of its slot. PATH "
+        "as the engine sees it, readable here (its size); the engine needs --enable-lora and "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True. Writes lora_storage_gbps, lora_h2d_gbps and "
+        "adapter_default_size_mb",
+    )
+    group.add_argument(
+        "--adapter-repeats", type=int, default=3, metavar="N",
+        help="rounds per adapter, combined by their median (default 3)",
+    )
+    # --max-loras is `fleetgate sim`'s own option (the same flag of vLLM); calibrate reads it
+    # as the engine's: how many more adapters push one out of its slot.
+    group.add_argument(
+        "--max-cpu-loras", type=int, default=None,
+        help="with --adapter: the engine's --max-cpu-loras, and --max-loras its --max-loras "
+        "(default: the base profile's); the slot stage is measured only where the host cache "
+        "holds more adapters than the slots",
     )
     group.add_argument(
         "--base-profile", default="tiny",
@@ -82,13 +108,29 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"fleetgate sim calibrate: --{name.replace('_', '-')} must be >= 1", flush=True)
             return 2
-    limits = EngineLimits(args.max_num_seqs, args.max_num_batched_tokens)
+    for name in ("max_loras", "max_cpu_loras"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 0:
+            print(f"fleetgate sim calibrate: --{name.replace('_', '-')} must be >= 0", flush=True)
+            return 2
+    if args.adapter_repeats < 1:
+        print("fleetgate sim calibrate: --adapter-repeats must be >= 1", flush=True)
+        return 2
+    try:
+        adapters = tuple(parse_adapter(text) for text in args.adapter)
+    except ValueError as exc:
+        print(f"fleetgate sim calibrate: {exc}", flush=True)
+        return 2
+    limits = EngineLimits(
+        args.max_num_seqs, args.max_num_batched_tokens,
+        getattr(args, "max_loras", None), args.max_cpu_loras,
+    )
     plan = QUICK_PLAN if args.quick else CalibrationPlan()
     try:
         result = asyncio.run(
             calibrate(
                 args.engine, args.metrics_url, plan, limits, args.base_profile,
                 progress=lambda line: print(f"  {line}", flush=True),
+                adapters=adapters, adapter_repeats=args.adapter_repeats,
             )
         )
         write_profile(result, args.output)
@@ -99,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     print(result.fit.table())
     if result.path.residuals:
         print(result.path.table())
+    if result.adapters is not None:
+        print(result.adapters.table())
     print(
         f"fitted step time: base {model.base_s * 1e3:.2f} ms + "
         f"{model.prefill_token_s * 1e6:.2f} us/prefill token "

@@ -18,10 +18,11 @@ from typing import Any
 import aiohttp
 import yaml
 
+from planning.calibrate.adapters import AdapterFit, AdapterSpec, fit_adapters, measure_adapters
 from planning.calibrate.fit import FitResult, Observation, fit_step_time
 from planning.calibrate.probe import CacheInfo, EngineProbe, ProbeError
 from planning.calibrate.request_path import PathFit, fit_request_path
-from planning.calibrate.workload import CalibrationPlan, run_workload
+from planning.calibrate.workload import CalibrationPlan, _Prompts, run_workload
 from replica.sim.engine import EngineConfig
 from replica.sim.profiles import load_preset
 from replica.sim.step_time import StepTimeModel
@@ -29,6 +30,7 @@ from replica.sim.step_time import StepTimeModel
 __all__ = [
     "DEFAULT_MAX_NUM_BATCHED_TOKENS",
     "DEFAULT_MAX_NUM_SEQS",
+    "AdapterSpec",
     "CalibrationPlan",
     "CalibrationResult",
     "EngineLimits",
@@ -49,6 +51,10 @@ class EngineLimits:
 
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    #: LoRA slots and host cache (``--max-loras``, ``--max-cpu-loras``); None: the base
+    #: profile's. Adapter calibration needs them to push an adapter out of its slot.
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +73,19 @@ class CalibrationResult:
     #: The preset whose hardware and model geometry the profile keeps (for LoRA sizes, price).
     base_profile: str
     elapsed_s: float
+    #: Adapter load stages, where ``--adapter`` asked for them (``adapters.py``).
+    adapters: AdapterFit | None = None
 
     def profile(self) -> dict[str, Any]:
         """The profile mapping (validated by building an ``EngineConfig`` from it)."""
         settings = _engine_settings(
             self.base_profile, self.cache, self.max_model_len, self.limits, self.path.model
         )
+        if self.adapters is not None:
+            settings["lora_storage_gbps"] = float(f"{self.adapters.storage_gbps:.6g}")
+            if self.adapters.h2d_gbps is not None:
+                settings["lora_h2d_gbps"] = float(f"{self.adapters.h2d_gbps:.6g}")
+            settings["adapter_default_size_mb"] = float(f"{self.adapters.size_mb:.6g}")
         EngineConfig.from_profile(**_as_overrides(settings))  # raises on anything invalid
         settings["calibration"] = {
             "engine": self.engine_url,
@@ -102,7 +115,10 @@ def _engine_settings(
         "step_time": {k: float(f"{v:.6g}") for k, v in step_time.as_mapping().items()},
     }
     for key in ("max_loras", "max_cpu_loras"):
-        if key in base:
+        given = getattr(limits, key)
+        if given is not None:
+            settings[key] = given
+        elif key in base:
             settings[key] = base[key]
     return settings
 
@@ -132,8 +148,11 @@ async def calibrate(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     request_timeout_s: float = 120.0,
+    adapters: tuple[AdapterSpec, ...] = (),
+    adapter_repeats: int = 3,
 ) -> CalibrationResult:
-    """Run the designed workload against a live engine and fit the step-time model."""
+    """Run the designed workload against a live engine and fit the step-time model; with
+    ``adapters``, measure their load stages too (``adapters.py``)."""
     limits = limits or EngineLimits()
     started = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
@@ -149,6 +168,20 @@ async def calibrate(
             max_model_len, limits.max_num_batched_tokens, limits.max_num_seqs
         )
         measured = await run_workload(probe, model, fitted_plan, seed, progress)
+        adapter_fit = None
+        if adapters:
+            base = EngineConfig.from_profile(base_profile)
+            slots = limits.max_loras if limits.max_loras is not None else base.max_loras
+            host = limits.max_cpu_loras if limits.max_cpu_loras is not None else base.max_cpu_loras
+            if progress is not None:
+                progress(f"{len(adapters)} adapter(s) x{adapter_repeats}: load, pushed out of "
+                         f"its slot by {slots} more, first request (max_loras {slots}, "
+                         f"max_cpu_loras {host})")
+            loads = await measure_adapters(
+                probe, list(adapters), adapter_repeats, _Prompts(seed + 1).fresh,
+                max_loras=slots, max_cpu_loras=host,
+            )
+            adapter_fit = fit_adapters(loads)
     fit = fit_step_time(measured.steps)
     config = EngineConfig.from_profile(**_as_overrides(
         _engine_settings(base_profile, cache, max_model_len, limits, fit.model)
@@ -164,4 +197,5 @@ async def calibrate(
         observations=measured.steps,
         base_profile=base_profile,
         elapsed_s=time.perf_counter() - started,
+        adapters=adapter_fit,
     )

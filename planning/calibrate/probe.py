@@ -159,6 +159,27 @@ class EngineProbe:
         except (KeyError, ValueError) as exc:
             raise ProbeError(f"vllm:cache_config_info: unreadable labels {labels}") from exc
 
+    async def load_adapter(self, name: str, path: str) -> float:
+        """``POST /v1/load_lora_adapter``; returns the seconds until the engine answered."""
+        sent = self.clock()
+        body = {"lora_name": name, "lora_path": path}
+        async with self.session.post(f"{self.base}/v1/load_lora_adapter", json=body) as response:
+            text = await response.text()
+            if response.status != 200:
+                raise ProbeError(
+                    f"POST /v1/load_lora_adapter ({name} from {path}) answered {response.status}: "
+                    f"{text[:300]}. Start vLLM with --enable-lora (and --max-lora-rank for the "
+                    "adapter) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+                )
+        return self.clock() - sent
+
+    async def unload_adapter(self, name: str) -> bool:
+        """``POST /v1/unload_lora_adapter``; False if the engine did not have it loaded."""
+        body = {"lora_name": name}
+        async with self.session.post(f"{self.base}/v1/unload_lora_adapter", json=body) as response:
+            await response.read()
+            return response.status == 200
+
     async def complete(self, model: str, prompt: list[int], max_tokens: int) -> TimedCompletion:
         """Stream one completion of ``prompt`` (token ids); exactly ``max_tokens`` tokens."""
         body = {

@@ -3,7 +3,8 @@
 The session's first engine (tests/e2e/conftest.py) is measured with the quick workload; the
 profile must copy the engine's KV cache shape from its metrics, hold a physically sensible step
 time (every coefficient >= 0, a step costs something, prefill costs grow with tokens), and
-drive ``fleetgate simulate`` on a small shared-prefix trace to completion. Timing accuracy
+drive ``fleetgate simulate`` on a small shared-prefix trace to completion. With ``--adapter`` it
+also times loading one of the tiny LoRA adapters and leaves the engine without it. Timing accuracy
 against this engine is the fidelity benchmark's job (docs/benchmarks/sim-fidelity.md), not a
 test's: a shared CPU's noise would make any bound either loose or flaky.
 """
@@ -13,26 +14,43 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import httpx
 import pytest
 
 from fleetgate.cli import main as fleetgate
+from planning.calibrate.adapters import adapter_size_bytes
 from planning.simulator import SimulationConfig
 from planning.simulator.api import simulate
 from planning.simulator.config import prepare_requests
 from replica.launcher import VllmEngine
 from replica.sim.engine import EngineConfig
 from replica.sim.profiles import load_preset
+from replica.tiny_model import TinyModel
 from tests.e2e.conftest import KV_BLOCKS_PER_ENGINE, SERVED_MODEL
 from traces.format import TraceRecord
 
 pytestmark = [pytest.mark.e2e]
 
 
+async def _served_models(url: str) -> set[str]:
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.get(f"{url}/v1/models")
+    response.raise_for_status()
+    return {model["id"] for model in response.json()["data"]}
+
+
 async def test_calibrate_a_real_engine_writes_a_usable_profile(
-    vllm_engine: VllmEngine, tmp_path: Path
+    vllm_engine: VllmEngine, tiny_model: TinyModel, tmp_path: Path
 ) -> None:
     profile = tmp_path / "cpu-tiny.yaml"
-    argv = ["sim", "calibrate", "--engine", vllm_engine.url, "--output", str(profile), "--quick"]
+    adapter_path = next(iter(tiny_model.adapters.values()))
+    argv = [
+        "sim", "calibrate", "--engine", vllm_engine.url, "--output", str(profile), "--quick",
+        # A name no other test loads; calibration unloads it (and its stand-ins) when done.
+        "--adapter", f"fg-calibrate-probe={adapter_path}",
+        "--max-loras", str(vllm_engine.spec.max_loras),
+        "--max-cpu-loras", str(vllm_engine.spec.max_cpu_loras),
+    ]
     code = await asyncio.wait_for(asyncio.to_thread(fleetgate, argv), timeout=600)
     assert code == 0
 
@@ -44,6 +62,15 @@ async def test_calibrate_a_real_engine_writes_a_usable_profile(
     assert all(value >= 0 for value in step.values())
     assert step["base_s"] + step["request_overhead_s"] > 0
     assert step["prefill_token_s"] > 0  # a longer prompt never prefills faster
+    # The adapter's load, timed on vLLM: its size as read from disk, a bandwidth that
+    # reproduces the load call (the tiny adapter's slot stage is within the noise, so the
+    # host-to-device bandwidth may stay the base profile's).
+    assert settings["adapter_default_size_mb"] == pytest.approx(
+        adapter_size_bytes(adapter_path) / 1e6, rel=1e-3
+    )
+    assert settings["lora_storage_gbps"] > 0
+    assert settings["max_loras"] == vllm_engine.spec.max_loras
+    assert "fg-calibrate-probe" not in await _served_models(vllm_engine.url)
 
     config = EngineConfig.from_profile(str(profile))
     assert config.step_time is not None

@@ -3,7 +3,7 @@
 A live simulated replica (``start_sim_fleet``, real HTTP on a free port) runs a profile file
 with known ``step_time`` coefficients; the calibration command is never shown that file. It
 drives the replica over HTTP, fits, and writes a profile; the fitted coefficients must match the
-known ones within 5%.
+known ones within 5%, and so must the adapter load bandwidths (``--adapter``).
 
 Robust by construction: the sim sleeps its modelled step times in real time, so the client sees
 them plus this machine's overheads (asyncio wake-up lateness, about 1-4 ms per step on a loaded
@@ -42,7 +42,15 @@ KNOWN_PROFILE = {
     "max_num_batched_tokens": 4096,
     "max_model_len": 4096,
     "step_time": KNOWN_STEP_TIME,
+    # Adapter loads: 100 MB at 0.2 GB/s from storage (0.5 s) and 0.4 GB/s into a slot (0.25 s),
+    # long against the client's few ms of noise. One slot, so one more adapter pushes it out.
+    "max_loras": 1,
+    "max_cpu_loras": 4,
+    "lora_storage_gbps": 0.2,
+    "lora_h2d_gbps": 0.4,
+    "adapter_default_size_mb": 100.0,
 }
+KNOWN_ADAPTER_BYTES = 100_000_000
 TOLERANCE = 0.05
 
 
@@ -50,12 +58,17 @@ async def test_calibrate_recovers_a_simulated_replicas_step_time(tmp_path: Path)
     known = tmp_path / "known.yaml"
     known.write_text(yaml.safe_dump(KNOWN_PROFILE), encoding="utf-8")
     fitted_path = tmp_path / "fitted.yaml"
+    adapter = tmp_path / "sql-lora"
+    adapter.mkdir()
+    with open(adapter / "adapter_model.safetensors", "wb") as weights:
+        weights.truncate(KNOWN_ADAPTER_BYTES)  # sparse: the size is what calibration reads
     async with start_sim_fleet(
         1, port=0, profile=str(known), kv_events=None, kv_replay=None
     ) as fleet:
         argv = [
             "sim", "calibrate", "--engine", fleet.urls[0], "--output", str(fitted_path),
             "--quick", "--max-num-seqs", "32", "--max-num-batched-tokens", "4096",
+            "--adapter", f"sql={adapter}", "--max-loras", "1", "--max-cpu-loras", "4",
         ]
         # The command runs its own event loop; the replica keeps serving on this one.
         code = await asyncio.wait_for(asyncio.to_thread(fleetgate, argv), timeout=240)
@@ -66,6 +79,14 @@ async def test_calibrate_recovers_a_simulated_replicas_step_time(tmp_path: Path)
         name: fitted["step_time"][name] / value - 1.0 for name, value in KNOWN_STEP_TIME.items()
     }
     assert all(abs(e) <= TOLERANCE for e in errors.values()), errors
+    # The adapter's two load stages, from its load call and its first request once pushed out
+    # of its slot, as the profile's bandwidths; its size as the default adapter size.
+    lora_errors = {
+        name: fitted[name] / KNOWN_PROFILE[name] - 1.0
+        for name in ("lora_storage_gbps", "lora_h2d_gbps", "adapter_default_size_mb")
+    }
+    assert all(abs(e) <= TOLERANCE for e in lora_errors.values()), lora_errors
+    assert fitted["max_loras"] == 1 and fitted["max_cpu_loras"] == 4
     # What the metrics publish is copied, not fitted; what they do not comes from the flags.
     assert fitted["block_size"] == 16
     assert fitted["num_gpu_blocks_override"] == 1024
