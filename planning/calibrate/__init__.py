@@ -174,9 +174,12 @@ async def calibrate(
             slots = limits.max_loras if limits.max_loras is not None else base.max_loras
             host = limits.max_cpu_loras if limits.max_cpu_loras is not None else base.max_cpu_loras
             if progress is not None:
-                progress(f"{len(adapters)} adapter(s) x{adapter_repeats}: load, pushed out of "
-                         f"its slot by {slots} more, first request (max_loras {slots}, "
-                         f"max_cpu_loras {host})")
+                how = (f"load, pushed out of its slot by {slots} more, two requests"
+                       if host > slots >= 1 else
+                       "load only (the host cache holds no more than the slots: the slot stage "
+                       "cannot be isolated, the whole load is fitted to storage)")
+                progress(f"{len(adapters)} adapter(s) x{adapter_repeats}: {how} "
+                         f"(max_loras {slots}, max_cpu_loras {host})")
             loads = await measure_adapters(
                 probe, list(adapters), adapter_repeats, _Prompts(seed + 1).fresh,
                 max_loras=slots, max_cpu_loras=host,
