@@ -49,6 +49,7 @@ def _group_members(pgid: int) -> list[tuple[int, str]]:
             stat = (entry / "stat").read_text()
         except OSError:  # it exited while we looked
             continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
         comm = stat[stat.find("(") + 1 : stat.rfind(")")]
         fields = stat.rsplit(")", 1)[-1].split()
         if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):

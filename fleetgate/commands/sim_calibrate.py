@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"fleetgate sim calibrate: --{name.replace('_', '-')} must be >= 1", flush=True)
             return 2
     for name in ("max_loras", "max_cpu_loras"):
-        if getattr(args, name, None) is not None and getattr(args, name) < 0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
             print(f"fleetgate sim calibrate: --{name.replace('_', '-')} must be >= 0", flush=True)
             return 2
     if args.adapter_repeats < 1:
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     limits = EngineLimits(
         args.max_num_seqs, args.max_num_batched_tokens,
-        getattr(args, "max_loras", None), args.max_cpu_loras,
+        args.max_loras, args.max_cpu_loras,
     )
     plan = QUICK_PLAN if args.quick else CalibrationPlan()
     try:

@@ -168,11 +168,14 @@ async def calibrate(
             max_model_len, limits.max_num_batched_tokens, limits.max_num_seqs
         )
         measured = await run_workload(probe, model, fitted_plan, seed, progress)
+        fit = fit_step_time(measured.steps)
+        # The engine as the profile will describe it: its LoRA slots and host cache too.
+        config = EngineConfig.from_profile(**_as_overrides(
+            _engine_settings(base_profile, cache, max_model_len, limits, fit.model)
+        ))
         adapter_fit = None
         if adapters:
-            base = EngineConfig.from_profile(base_profile)
-            slots = limits.max_loras if limits.max_loras is not None else base.max_loras
-            host = limits.max_cpu_loras if limits.max_cpu_loras is not None else base.max_cpu_loras
+            slots, host = config.max_loras, config.max_cpu_loras
             if progress is not None:
                 how = (f"load, pushed out of its slot by {slots} more, two requests"
                        if host > slots >= 1 else
@@ -185,10 +188,6 @@ async def calibrate(
                 max_loras=slots, max_cpu_loras=host,
             )
             adapter_fit = fit_adapters(loads)
-    fit = fit_step_time(measured.steps)
-    config = EngineConfig.from_profile(**_as_overrides(
-        _engine_settings(base_profile, cache, max_model_len, limits, fit.model)
-    ))
     return CalibrationResult(
         engine_url=engine_url,
         served_model=model,

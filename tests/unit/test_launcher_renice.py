@@ -10,26 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from replica.launcher import EngineProcess, renice_processes
+from replica.launcher import EngineProcess, _group_members, renice_processes
 
 pytestmark = pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc (Linux)")
 
 
 def _members(pgid: int, count: int) -> None:
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        names = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
-        found = 0
-        for entry in names:
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[-1].split()
-            except OSError:
-                continue
-            found += int(fields[2]) == pgid
-        if found >= count:
-            return
+    while len(_group_members(pgid)) < count:
+        assert time.monotonic() < deadline, f"group {pgid} never had {count} members"
         time.sleep(0.02)
-    raise AssertionError(f"group {pgid} never had {count} members")
 
 
 def test_only_the_named_processes_of_the_group_are_reniced() -> None:
