@@ -404,7 +404,14 @@ def _optional_bounds(settings: FlowControlSettings) -> str:
             f"engine inter-token latency over {settings.saturation_itl_fraction:g} x the TPOT "
             f"SLO at first{moving}"
         )
-    return f" or {' or '.join(parts)}" if parts else ""
+    held = (
+        "; and, once any replica is full, a standard or sheddable request whose prefill would "
+        "push a critical decode on its chosen replica past its TPOT SLO waits "
+        "(`protect_critical_decodes`)"
+        if settings.protect_critical_decodes
+        else ""
+    )
+    return (f" or {' or '.join(parts)}" if parts else "") + held
 
 
 def _optional_share(text: str) -> float | None:
@@ -508,6 +515,13 @@ def _parser() -> argparse.ArgumentParser:
         help="engines schedule by priority (vLLM's --scheduling-policy priority), each request "
         "carrying its class as vLLM's priority, with flow control off and on alike",
     )
+    parser.add_argument(
+        "--protect-critical-decodes",
+        action="store_true",
+        help="once any replica is full, hold a standard or sheddable request whose prefill "
+        "would push a critical decode on its chosen replica past its TPOT SLO "
+        "(flow_control.protect_critical_decodes; off by default)",
+    )
     parser.add_argument("--out", default=DEFAULT_PAGE, help="markdown page to write")
     parser.add_argument("--no-page", action="store_true", help="print the checks only")
     return parser
@@ -535,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tpot_target=args.tpot_target,
         max_itl_fraction=args.max_itl_fraction,
         admit_within_slo_fraction=args.admit_within_slo_fraction,
+        protect_critical_decodes=args.protect_critical_decodes,
     )
     scales = [float(x) for x in args.scales.split(",")]
     chosen = subjects([n.strip() for n in args.workloads.split(",") if n.strip()], args.requests)

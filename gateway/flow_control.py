@@ -173,6 +173,7 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
         max_queue_length=spec.max_queue_length,
         max_queue_wait_ms=spec.max_queue_wait_ms,
         admit_within_slo_fraction=spec.admit_within_slo_fraction,
+        protect_critical_decodes=spec.protect_critical_decodes,
     )
 
 
@@ -263,6 +264,7 @@ class FlowGate:
             flow.weight,
             self.controller.now(),
             flow.tpot_slo_ms,
+            routed.routing_request.max_output_tokens,
         )
         verdict = self.controller.admit(request, self._estimate(routed))
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
@@ -325,6 +327,8 @@ class FlowGate:
         inter-token bound. Returns the charge of its completion tokens to the tenant's budget,
         if it has one, for the caller to run."""
         self._wake.set()
+        if request_id is not None:
+            self.controller.request_finished(request_id)
         if request_id is not None and request_id in self._admitted:
             slo = self._admitted.pop(request_id)
             self.controller.observe_finished(tpot_ms, slo)

@@ -290,6 +290,7 @@ class _Simulation:
             1.0,
             request.arrival_s,
             self.config.slo_tpot_ms,
+            record.output_length,
         )
         verdict = self.flow.admit(flow_request, self._estimate(decision))
         if verdict.decision is Decision.ADMIT:
@@ -468,8 +469,10 @@ class _Simulation:
         self.router.observe_complete(
             routing_request, replica.replica_id, ttft_ms, outcome.cached_tokens, True
         )
-        if self.flow is not None and outcome.output_tokens >= 2:
-            self.flow.observe_finished(outcome.tpot_ms, self.config.slo_tpot_ms)
+        if self.flow is not None:
+            self.flow.request_finished(request_id)
+            if outcome.output_tokens >= 2:
+                self.flow.observe_finished(outcome.tpot_ms, self.config.slo_tpot_ms)
         if self.on_done is not None:
             self.on_done(1)
 

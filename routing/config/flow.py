@@ -67,6 +67,11 @@ class FlowControlSpec(StrictModel):
     #: Optional (null: off): admit, saturated or not, a request whose predicted TTFT is at most
     #: this fraction of its SLO (docs/flow-control.md says when it helps and when it hurts).
     admit_within_slo_fraction: float | None = Field(default=None, gt=0, le=1)
+    #: Once any replica is full, hold a standard or sheddable request whose prefill would push
+    #: a critical request's decode on the replica it was routed to past its TPOT SLO. Off by
+    #: default: it trades other classes' goodput for critical TPOT (docs/flow-control.md,
+    #: *Protected critical decodes*, measures both).
+    protect_critical_decodes: bool = False
     #: The engines run vLLM's ``--scheduling-policy priority``: each chat or completion request
     #: carries its class as vLLM's ``priority`` (critical -1, standard 0, sheddable 1; a
     #: client's own ``priority`` is replaced). Applies whether or not ``enabled`` is set.

@@ -63,3 +63,6 @@ class FlowRequest:
     arrival_s: float
     #: The TPOT the request is judged against (ms; None: it has none).
     tpot_slo_ms: float | None = None
+    #: The most tokens it asked for (``max_tokens``; None: not given): a critical request's
+    #: decode is protected from stalls in proportion (``DecodeGuard``).
+    max_output_tokens: int | None = None

@@ -19,6 +19,13 @@ routing chose by.
   TTFT is not the saturation test because it is a model of the engine's queue that under- or
   overcounts it by workload; it is the test of whether a request can meet its SLO.
 * **critical** is always admitted while a replica is up: it jumps the queue.
+* **Protected critical decodes** (``protect_critical_decodes``, off by default). Each critical
+  request in flight has a budget of prefill stall it can absorb and still meet its TPOT, spent
+  by every prefill admitted to its replica after it (``DecodeGuard``). Once any replica is
+  full, a standard or sheddable request whose prefill would overspend a budget on the replica
+  routing chose waits, as if the fleet were saturated. Past saturation these stalls, not the
+  mean inter-token latency, are what make critical requests miss; holding for them costs the
+  other classes (docs/flow-control.md, *Protected critical decodes*, has both sides).
 * The inter-token bound moves with what the decodes actually get: each request that finishes
   moves it (``tpot_target``). A TPOT miss tightens it, so that new work is held sooner and the
   running decodes get the steps; a met TPOT relaxes it, up to ``max_itl_fraction``. It settles
@@ -44,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from routing.flow_control.classes import FlowRequest, RequestClass
+from routing.flow_control.decode_guard import DecodeGuard
 from routing.flow_control.estimate import FleetEstimate, ReplicaLoad
 from routing.flow_control.queue import FairQueue, QueuedEntry
 
@@ -129,6 +137,9 @@ class FlowControlSettings:
     min_itl_fraction: float = 0.5
     #: ... and the highest: at 1.0 a replica whose decodes already miss the SLO is full.
     max_itl_fraction: float = 1.0
+    #: Once any replica is full, hold a standard or sheddable request whose prefill would push
+    #: a critical decode in flight on its chosen replica past its TPOT SLO (``DecodeGuard``).
+    protect_critical_decodes: bool = False
 
     def __post_init__(self) -> None:
         backlog = self.saturation_backlog_requests
@@ -193,6 +204,8 @@ class FlowController:
         #: How far TPOT misses have lowered the inter-token bound from where it starts
         #: (negative: met TPOTs have raised it).
         self._itl_lowered = 0.0
+        #: The critical decodes in flight and the stall each can still absorb.
+        self.guard = DecodeGuard()
 
     def now(self) -> float:
         """The controller's clock (arrival times of ``FlowRequest`` are on it)."""
@@ -206,16 +219,16 @@ class FlowController:
         if not settings.enabled:
             return _ADMIT_OFF
         if request.request_class is RequestClass.CRITICAL:
-            return _ADMIT_CRITICAL
+            return self._admitted(request, estimate, _ADMIT_CRITICAL)
         self._remember(estimate)
         ahead = self.queue.waiting_at_or_above(request.request_class)
         if not ahead:
             if estimate.min_queue_wait_ms is None:
-                return _ADMIT_UNKNOWN
+                return self._admitted(request, estimate, _ADMIT_UNKNOWN)
             if not self._saturated(estimate, request):
-                return _ADMIT_IDLE
+                return self._admitted(request, estimate, _ADMIT_IDLE)
             if self._within_slo(request, estimate):
-                return _ADMIT_WITHIN_SLO
+                return self._admitted(request, estimate, _ADMIT_WITHIN_SLO)
         if (
             request.request_class is RequestClass.SHEDDABLE
             and estimate.predicted_ttft_ms is not None
@@ -248,12 +261,19 @@ class FlowController:
         self._remember(estimate)
         entry.predicted_ttft_ms = estimate.predicted_ttft_ms
         waited = self._waited(entry)
-        if estimate.min_queue_wait_ms is None or not self._saturated(estimate, entry.request):
+        request = entry.request
+        if estimate.min_queue_wait_ms is None or not self._saturated(estimate, request):
             self.queue.pop_head()
-            return Verdict(Decision.ADMIT, "capacity_freed", waited_s=waited)
-        if self._within_slo(entry.request, estimate, waited):
+            return self._admitted(
+                request, estimate, Verdict(Decision.ADMIT, "capacity_freed", waited_s=waited)
+            )
+        if self._within_slo(request, estimate, waited):
             self.queue.pop_head()
-            return Verdict(Decision.ADMIT, _ADMIT_WITHIN_SLO.reason, waited_s=waited)
+            return self._admitted(
+                request,
+                estimate,
+                Verdict(Decision.ADMIT, _ADMIT_WITHIN_SLO.reason, waited_s=waited),
+            )
         reason = self._expired(entry)
         if reason is not None:
             self.queue.pop_head()
@@ -274,6 +294,11 @@ class FlowController:
         """The earliest clock time at which a queued request's wait runs out."""
         deadlines = [self._deadline_s(e) for e in self.queue.entries()]
         return min(deadlines) if deadlines else None
+
+    def request_finished(self, request_id: str) -> None:
+        """An admitted request ended (served, failed or cancelled): its decode needs no
+        protection any more."""
+        self.guard.finished(request_id)
 
     def cancel(self, request_id: str) -> bool:
         """The client went away: leave the queue at once. False if it was not queued."""
@@ -324,10 +349,42 @@ class FlowController:
             return False
         return waited_s * 1000.0 + ttft <= fraction * request.ttft_slo_ms
 
+    def _admitted(self, request: FlowRequest, estimate: FleetEstimate, verdict: Verdict) -> Verdict:
+        """Book an admission with the decode guard: its prefill spends the budgets of the
+        critical decodes on its replica, and a critical request's own decode gets one."""
+        if self.settings.protect_critical_decodes:
+            self.guard.admitted(
+                request.request_id,
+                estimate.chosen_replica,
+                estimate.chosen_prefill_ms,
+                self._clock(),
+                protect=request.request_class is RequestClass.CRITICAL,
+                output_tokens=request.max_output_tokens,
+                tpot_slo_ms=request.tpot_slo_ms,
+                ttft_slo_ms=request.ttft_slo_ms,
+                decode_itl_ms=estimate.chosen_decode_itl_ms,
+            )
+        return verdict
+
+    def _endangers(self, estimate: FleetEstimate, request: FlowRequest) -> bool:
+        """True when ``request`` (not critical) would push a protected decode on the chosen
+        replica past its TPOT while some replica is full (with every replica free, holding work
+        for one decode would only turn the queue into waits)."""
+        return (
+            self.settings.protect_critical_decodes
+            and request.request_class is not RequestClass.CRITICAL
+            and self.guard.endangers(
+                estimate.chosen_replica, estimate.chosen_prefill_ms, self._clock()
+            )
+            and any(self._full(load, request) for load in estimate.loads)
+        )
+
     def _saturated(self, estimate: FleetEstimate, request: FlowRequest) -> bool:
         loads = estimate.loads
         if not loads:
             return False
+        if self._endangers(estimate, request):
+            return True
         if not self._too_slow(estimate.chosen_decode_itl_ms, request):
             return all(self._full(load, request) for load in loads)  # stops at the first room
         # Routing chose a replica whose decodes already run too slow, and it does not read the

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from routing.contracts import RoutingDecision
 from routing.state import ReplicaState
+from routing.types import ReplicaId
 
 __all__ = ["FleetEstimate", "ReplicaLoad", "estimate_from_decision"]
 
@@ -56,6 +57,10 @@ class FleetEstimate:
     loads: tuple[ReplicaLoad, ...] = ()
     #: The chosen replica's recent inter-token latency (ms; None: unknown).
     chosen_decode_itl_ms: float | None = None
+    #: The replica routing chose (None: unknown) ...
+    chosen_replica: ReplicaId | None = None
+    #: ... and the request's predicted prefill time there (ms; None: unknown).
+    chosen_prefill_ms: float | None = None
 
     @property
     def min_queue_wait_ms(self) -> float | None:
@@ -106,6 +111,7 @@ def estimate_from_decision(
         )
     chosen = decision.explanations.get(decision.replica)
     ttft = chosen.terms.get("expected_ttft_ms") if chosen is not None else None
+    prefill = chosen.terms.get("prefill_ms") if chosen is not None else None
     chosen_state = by_id.get(decision.replica)
     chosen_itl = chosen_state.decode_itl_ms if chosen_state is not None else None
-    return FleetEstimate(ttft, tuple(loads), chosen_itl)
+    return FleetEstimate(ttft, tuple(loads), chosen_itl, decision.replica, prefill)

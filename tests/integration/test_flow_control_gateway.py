@@ -374,3 +374,28 @@ async def test_a_request_that_misses_its_tpot_tightens_the_bound_others_are_held
             assert controller.itl_fraction == pytest.approx(0.76)
             metrics = await (await http.get(f"{url}/metrics")).text()
             assert "fleetgate_flow_itl_bound_ratio 0.76" in metrics
+
+
+async def test_a_critical_request_in_flight_is_protected_until_it_ends(tmp_path: Path) -> None:
+    """``protect_critical_decodes``: the gateway books each admitted critical request, with its
+    ``max_tokens``, as a protected decode on its replica, and forgets it when it ends."""
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with serve(upstream.app()) as upstream_url:
+        path = tmp_path / "policy.yaml"
+        policy = _policy(upstream_url).replace(
+            "  max_queue_wait_ms: 600000\n",
+            "  max_queue_wait_ms: 600000\n  protect_critical_decodes: true\n",
+        )
+        assert "protect_critical_decodes: true" in policy
+        path.write_text(policy)
+        app = create_app(GatewayConfig(policy_path=str(path)))
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            gold = asyncio.create_task(_post(http, url, "gold", "gold"))
+            await wait_until(lambda: upstream.attempts == 1, "the critical request is in flight")
+            guard = app[GATEWAY].flow.controller.guard  # type: ignore[index]
+            assert len(guard) == 1  # max_tokens 3: 2 x the TPOT SLO of stall it can absorb
+            upstream.header_gate.set()
+            status, _, _ = await gold
+            assert status == 200
+            await wait_until(lambda: len(guard) == 0, "its decode is no longer protected")
