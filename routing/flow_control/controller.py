@@ -188,6 +188,8 @@ _ADMIT_CRITICAL = Verdict(Decision.ADMIT, "critical")
 _ADMIT_OFF = Verdict(Decision.ADMIT, "flow_control_off")
 _ADMIT_UNKNOWN = Verdict(Decision.ADMIT, "no_estimate")
 _ADMIT_WITHIN_SLO = Verdict(Decision.ADMIT, "within_slo")
+#: Why a request waits when its prefill would push a protected critical decode past its TPOT.
+_PROTECTING = "protecting_critical_decode"
 
 
 class FlowController:
@@ -222,7 +224,8 @@ class FlowController:
             return self._admitted(request, estimate, _ADMIT_CRITICAL)
         self._remember(estimate)
         ahead = self.queue.waiting_at_or_above(request.request_class)
-        if not ahead:
+        protecting = self._endangers(estimate, request)
+        if not ahead and not protecting:
             if estimate.min_queue_wait_ms is None:
                 return self._admitted(request, estimate, _ADMIT_UNKNOWN)
             if not self._saturated(estimate, request):
@@ -244,7 +247,7 @@ class FlowController:
                 (victim.request, self._refusal(ShedReason.QUEUE_FULL, self._waited(victim)))
             )
         self.queue.push(request, estimate.predicted_ttft_ms)
-        return Verdict(Decision.QUEUE, "saturated")
+        return Verdict(Decision.QUEUE, _PROTECTING if protecting else "saturated")
 
     # ------------------------------------------------------------------ the queue
 
@@ -262,12 +265,15 @@ class FlowController:
         entry.predicted_ttft_ms = estimate.predicted_ttft_ms
         waited = self._waited(entry)
         request = entry.request
-        if estimate.min_queue_wait_ms is None or not self._saturated(estimate, request):
+        protecting = self._endangers(estimate, request)
+        if not protecting and (
+            estimate.min_queue_wait_ms is None or not self._saturated(estimate, request)
+        ):
             self.queue.pop_head()
             return self._admitted(
                 request, estimate, Verdict(Decision.ADMIT, "capacity_freed", waited_s=waited)
             )
-        if self._within_slo(request, estimate, waited):
+        if not protecting and self._within_slo(request, estimate, waited):
             self.queue.pop_head()
             return self._admitted(
                 request,
@@ -278,7 +284,7 @@ class FlowController:
         if reason is not None:
             self.queue.pop_head()
             return self._refusal(reason, waited)
-        return Verdict(Decision.QUEUE, "saturated", waited_s=waited)
+        return Verdict(Decision.QUEUE, _PROTECTING if protecting else "saturated", waited_s=waited)
 
     def expire(self) -> list[tuple[FlowRequest, Verdict]]:
         """Refuse every queued request whose wait ran out (and any evicted): the driver answers."""
@@ -383,8 +389,6 @@ class FlowController:
         loads = estimate.loads
         if not loads:
             return False
-        if self._endangers(estimate, request):
-            return True
         if not self._too_slow(estimate.chosen_decode_itl_ms, request):
             return all(self._full(load, request) for load in loads)  # stops at the first room
         # Routing chose a replica whose decodes already run too slow, and it does not read the

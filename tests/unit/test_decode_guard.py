@@ -111,7 +111,7 @@ def test_once_a_replica_is_full_a_prefill_that_would_sink_a_critical_decode_wait
     assert flow.admit(_request("small", STANDARD), _estimate(250.0)).decision is Decision.ADMIT
     # 50 ms of budget left: a 400 ms prefill on A would push "c" past its TPOT.
     held = flow.admit(_request("long", STANDARD), _estimate(400.0))
-    assert held.decision is Decision.QUEUE
+    assert (held.decision, held.reason) == (Decision.QUEUE, "protecting_critical_decode")
     assert flow.judge_head(_estimate(400.0)).decision is Decision.QUEUE
     flow.request_finished("c")  # its decode ended: nothing left to protect
     assert flow.judge_head(_estimate(400.0)).decision is Decision.ADMIT
