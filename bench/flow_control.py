@@ -405,8 +405,9 @@ def _optional_bounds(settings: FlowControlSettings) -> str:
             f"SLO at first{moving}"
         )
     held = (
-        "; and, once any replica is full, a standard or sheddable request whose prefill would "
-        "push a critical decode on its chosen replica past its TPOT SLO waits "
+        "; and, while decodes miss their TPOT (the bound below its start) and any replica is "
+        "full, a standard or sheddable request whose prefill would push a critical decode on "
+        "its chosen replica past its TPOT SLO waits "
         "(`protect_critical_decodes`)"
         if settings.protect_critical_decodes
         else ""
@@ -518,8 +519,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--protect-critical-decodes",
         action="store_true",
-        help="once any replica is full, hold a standard or sheddable request whose prefill "
-        "would push a critical decode on its chosen replica past its TPOT SLO "
+        help="while decodes miss their TPOT and any replica is full, hold a standard or "
+        "sheddable request whose prefill would push a critical decode on its chosen replica "
+        "past its TPOT SLO "
         "(flow_control.protect_critical_decodes; off by default)",
     )
     parser.add_argument("--out", default=DEFAULT_PAGE, help="markdown page to write")

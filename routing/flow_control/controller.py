@@ -21,9 +21,10 @@ routing chose by.
 * **critical** is always admitted while a replica is up: it jumps the queue.
 * **Protected critical decodes** (``protect_critical_decodes``, off by default). Each critical
   request in flight has a budget of prefill stall it can absorb and still meet its TPOT, spent
-  by every prefill admitted to its replica after it (``DecodeGuard``). Once any replica is
-  full, a standard or sheddable request whose prefill would overspend a budget on the replica
-  routing chose waits, as if the fleet were saturated. Past saturation these stalls, not the
+  by every prefill admitted to its replica after it (``DecodeGuard``). While decodes miss
+  their TPOT (the inter-token bound below its start) and any replica is full, a standard or
+  sheddable request whose prefill would overspend a budget on the replica routing chose waits,
+  as if the fleet were saturated. Past saturation these stalls, not the
   mean inter-token latency, are what make critical requests miss; holding for them costs the
   other classes (docs/flow-control.md, *Protected critical decodes*, has both sides).
 * The inter-token bound moves with what the decodes actually get: each request that finishes
@@ -137,8 +138,9 @@ class FlowControlSettings:
     min_itl_fraction: float = 0.5
     #: ... and the highest: at 1.0 a replica whose decodes already miss the SLO is full.
     max_itl_fraction: float = 1.0
-    #: Once any replica is full, hold a standard or sheddable request whose prefill would push
-    #: a critical decode in flight on its chosen replica past its TPOT SLO (``DecodeGuard``).
+    #: While decodes miss their TPOT and any replica is full, hold a standard or sheddable
+    #: request whose prefill would push a critical decode in flight on its chosen replica past
+    #: its TPOT SLO (``DecodeGuard``).
     protect_critical_decodes: bool = False
 
     def __post_init__(self) -> None:
@@ -374,16 +376,28 @@ class FlowController:
 
     def _endangers(self, estimate: FleetEstimate, request: FlowRequest) -> bool:
         """True when ``request`` (not critical) would push a protected decode on the chosen
-        replica past its TPOT while some replica is full (with every replica free, holding work
-        for one decode would only turn the queue into waits)."""
+        replica past its TPOT, while decodes miss their TPOT (the inter-token bound is below
+        where it starts) and some replica is full. Otherwise holding work for one decode would
+        only turn the queue into waits: at ordinary load, and where decodes keep pace."""
         return (
             self.settings.protect_critical_decodes
             and request.request_class is not RequestClass.CRITICAL
+            and self._decodes_behind()
             and self.guard.endangers(
                 estimate.chosen_replica, estimate.chosen_prefill_ms, self._clock()
             )
             and any(self._full(load, request) for load in estimate.loads)
         )
+
+    def _decodes_behind(self) -> bool:
+        """Finished requests have missed their TPOT more often than ``tpot_target`` allows:
+        the inter-token bound has moved below where it starts. Always, when the bound does not
+        move (no ``tpot_target``)."""
+        start = self.settings.saturation_itl_fraction
+        bound = self.itl_fraction
+        if start is None or bound is None or self.settings.tpot_target is None:
+            return True
+        return bound < start
 
     def _saturated(self, estimate: FleetEstimate, request: FlowRequest) -> bool:
         loads = estimate.loads

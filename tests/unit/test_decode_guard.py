@@ -95,17 +95,21 @@ def _request(rid: str, request_class: RequestClass, tokens: int = 11) -> FlowReq
     return FlowRequest(rid, "t", request_class, 2000.0, 1.0, 100.0, 50.0, tokens)
 
 
-def _with_protected_decode(clock: FakeClock, protect: bool = True) -> FlowController:
+def _with_protected_decode(
+    clock: FakeClock, protect: bool = True, behind: bool = True
+) -> FlowController:
     """A controller whose replica A runs critical request "c": 10 x (50 - 20) = 300 ms of
-    stall budget."""
+    stall budget; ``behind``: a request has just missed its TPOT (the bound moved down)."""
     flow = FlowController(FlowControlSettings(protect_critical_decodes=protect), clock)
+    if behind:
+        flow.observe_finished(60.0, 50.0)
     verdict = flow.admit(_request("c", CRITICAL), _estimate(100.0, FREE, FREE))
     assert verdict.decision is Decision.ADMIT
     assert len(flow.guard) == (1 if flow.settings.protect_critical_decodes else 0)
     return flow
 
 
-def test_once_a_replica_is_full_a_prefill_that_would_sink_a_critical_decode_waits() -> None:
+def test_a_prefill_that_would_sink_a_critical_decode_waits_while_decodes_fall_behind() -> None:
     clock = FakeClock()
     flow = _with_protected_decode(clock)
     assert flow.admit(_request("small", STANDARD), _estimate(250.0)).decision is Decision.ADMIT
@@ -115,6 +119,18 @@ def test_once_a_replica_is_full_a_prefill_that_would_sink_a_critical_decode_wait
     assert flow.judge_head(_estimate(400.0)).decision is Decision.QUEUE
     flow.request_finished("c")  # its decode ended: nothing left to protect
     assert flow.judge_head(_estimate(400.0)).decision is Decision.ADMIT
+
+
+def test_while_decodes_keep_their_tpot_nothing_waits_for_a_protected_decode() -> None:
+    flow = _with_protected_decode(FakeClock(), behind=False)
+    assert flow.admit(_request("long", STANDARD), _estimate(400.0)).decision is Decision.ADMIT
+    # That prefill sank "c"; another critical decode starts there, then a request misses its
+    # TPOT: the bound moves below its start, and the next long prefill waits.
+    assert (
+        flow.admit(_request("c2", CRITICAL), _estimate(0.0, FREE, FREE)).decision is Decision.ADMIT
+    )
+    flow.observe_finished(60.0, 50.0)
+    assert flow.admit(_request("long2", STANDARD), _estimate(400.0)).decision is Decision.QUEUE
 
 
 def test_with_every_replica_free_nothing_waits_for_a_protected_decode() -> None:
