@@ -188,6 +188,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the gateway's flow control (priority queue, SLO-aware shedding; "
         "docs/flow-control.md) in front of routing (default: on with --classes, else off)",
     )
+    parser.add_argument(
+        "--protect-critical-decodes",
+        action="store_true",
+        help="flow control's flow_control.protect_critical_decodes (off by default): while "
+        "decodes miss their TPOT and any replica is full, hold a standard or sheddable request "
+        "whose prefill would push a critical decode on its replica past its TPOT SLO; implies "
+        "--flow-control on (docs/flow-control.md, Protected critical decodes)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.add_argument(
@@ -215,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.stats_interval_ms < 0:
         return _fail(f"--stats-interval-ms must be >= 0 (got {args.stats_interval_ms})")
+    if args.protect_critical_decodes and args.flow_control == "off":
+        return _fail(
+            "--protect-critical-decodes is a flow-control setting: drop --flow-control off"
+        )
     # Before the (possibly long) simulation, so a missing extra costs no work.
     if args.plot and (problem := missing_extra("matplotlib", PLAN, "--plot")):
         return _fail(problem)
@@ -254,7 +266,11 @@ def _sweep(
 
     adapters = parse_adapter_spec(args.adapters) if args.adapters else None
     classes = parse_class_mix(args.classes) if args.classes else None
-    flow_on = args.flow_control == "on" or (args.flow_control is None and classes is not None)
+    flow_on = (
+        args.flow_control == "on"
+        or args.protect_critical_decodes
+        or (args.flow_control is None and classes is not None)
+    )
     config = SimulationConfig(
         replicas=args.replicas,
         profile=args.profile,
@@ -264,7 +280,9 @@ def _sweep(
         seed=args.seed,
         stats_interval_s=args.stats_interval_ms / 1000.0,
         classes=classes,
-        flow_control=FlowControlSettings() if flow_on else None,
+        flow_control=FlowControlSettings(protect_critical_decodes=args.protect_critical_decodes)
+        if flow_on
+        else None,
     )
     replayed = min(len(records), args.limit or len(records))
     # A bar is worth drawing only on a terminal, and only when the whole sweep takes a while.

@@ -99,3 +99,32 @@ def test_the_simulator_reports_each_finished_requests_tpot_to_flow_control(
     )
     assert sorted(tpot for tpot, _ in seen) == pytest.approx(expected)  # type: ignore[type-var]
     assert {slo for _, slo in seen} == {config.slo_tpot_ms}
+
+
+def test_simulate_protect_critical_decodes_turns_the_decode_guard_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from routing.flow_control.decode_guard import DecodeGuard
+
+    booked: list[bool] = []
+    original = DecodeGuard.admitted
+
+    def spy(self: DecodeGuard, *args: object, **kwargs: object) -> None:
+        booked.append(bool(kwargs.get("protect")))
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DecodeGuard, "admitted", spy)
+    trace = tmp_path / "trace.jsonl"
+    write_trace(generate("multi-turn", 60, 40.0, seed=1), trace)
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    argv += ["--policies", "expected-ttft", "--json", "--no-progress"]
+    argv += ["--classes", "critical=0.5,standard=0.5"]
+    assert main(argv) == 0
+    assert booked == []  # off by default
+    capsys.readouterr()
+    assert main([*argv, "--protect-critical-decodes"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["flow_control"] is True
+    # Every admission is booked; the critical ones are protected.
+    assert len(booked) == 60 and any(booked) and not all(booked)
+    assert main([*argv, "--protect-critical-decodes", "--flow-control", "off"]) == 2
+    assert "drop --flow-control off" in capsys.readouterr().err
