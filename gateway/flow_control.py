@@ -329,10 +329,10 @@ class FlowGate:
         self._wake.set()
         if request_id is not None:
             self.controller.request_finished(request_id)
-        if request_id is not None and request_id in self._admitted:
-            slo = self._admitted.pop(request_id)
-            self.controller.observe_finished(tpot_ms, slo)
-            self._bound_gauge()
+            if request_id in self._admitted:
+                slo = self._admitted.pop(request_id)
+                self.controller.observe_finished(tpot_ms, slo)
+                self._bound_gauge()
         spec = policy.tenant(tenant) if policy is not None else None
         budget = spec.token_budget if spec is not None else None
         tokens = usage.get("completion_tokens") if isinstance(usage, Mapping) else None

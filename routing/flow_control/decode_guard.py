@@ -23,14 +23,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from routing.policies.placements import Placements
 from routing.types import ReplicaId
 
 __all__ = ["DecodeGuard"]
 
+#: Protected requests remembered at most (a finish never reported is forgotten, oldest first).
+MAX_PROTECTED = 4096
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, eq=False)  # compared by identity: two entries may hold equal figures
 class _Protected:
-    replica: ReplicaId
+    request_id: str
     budget_ms: float
     #: Controller-clock seconds after which the entry is dropped.
     expires_s: float
@@ -40,11 +44,10 @@ class DecodeGuard:
     """The critical decodes in flight per replica, and the stall each can still absorb (ms)."""
 
     def __init__(self) -> None:
-        self._entries: dict[str, _Protected] = {}
-        self._by_replica: dict[ReplicaId, set[str]] = {}
+        self._protected: Placements[_Protected] = Placements(MAX_PROTECTED)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._protected)
 
     def admitted(
         self,
@@ -66,22 +69,18 @@ class DecodeGuard:
             return
         self._expire(replica, now_s)
         if prefill_ms is not None and prefill_ms > 0:
-            for request in list(self._by_replica.get(replica, ())):
-                entry = self._entries[request]
+            for entry in list(self._protected.on(replica)):
                 entry.budget_ms -= prefill_ms
                 if entry.budget_ms < 0:
-                    self.finished(request)
+                    self._protected.forget(entry.request_id)
         if not protect or output_tokens is None or output_tokens < 2 or tpot_slo_ms is None:
             return
         slack = tpot_slo_ms - (decode_itl_ms or 0.0)
         if slack <= 0:
             return  # its decodes already run at the SLO: nothing to protect
         lifetime_s = (ttft_slo_ms + output_tokens * tpot_slo_ms) / 1000.0
-        self.finished(request_id)
-        self._entries[request_id] = _Protected(
-            replica, (output_tokens - 1) * slack, now_s + lifetime_s
-        )
-        self._by_replica.setdefault(replica, set()).add(request_id)
+        entry = _Protected(request_id, (output_tokens - 1) * slack, now_s + lifetime_s)
+        self._protected.place(request_id, replica, entry)
 
     def endangers(self, replica: ReplicaId | None, prefill_ms: float | None, now_s: float) -> bool:
         """True when a prefill of ``prefill_ms`` on ``replica`` would spend more than a
@@ -89,23 +88,13 @@ class DecodeGuard:
         if replica is None or prefill_ms is None or prefill_ms <= 0:
             return False
         self._expire(replica, now_s)
-        return any(
-            self._entries[request].budget_ms < prefill_ms
-            for request in self._by_replica.get(replica, ())
-        )
+        return any(entry.budget_ms < prefill_ms for entry in self._protected.on(replica))
 
     def finished(self, request_id: str) -> None:
         """The request ended (or needs no protection any more)."""
-        entry = self._entries.pop(request_id, None)
-        if entry is None:
-            return
-        on_replica = self._by_replica.get(entry.replica)
-        if on_replica is not None:
-            on_replica.discard(request_id)
-            if not on_replica:
-                del self._by_replica[entry.replica]
+        self._protected.forget(request_id)
 
     def _expire(self, replica: ReplicaId, now_s: float) -> None:
-        for request in list(self._by_replica.get(replica, ())):
-            if self._entries[request].expires_s <= now_s:
-                self.finished(request)
+        for entry in list(self._protected.on(replica)):
+            if entry.expires_s <= now_s:
+                self._protected.forget(entry.request_id)
