@@ -63,6 +63,7 @@ from planning.simulator.report import write_load_plots
 from planning.simulator.summary import Spread, default_policy
 from routing.policies.registry import BUILTIN_PROFILES
 from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
+from traces.spread import spread_arrivals
 
 DEFAULT_SCALES = (0.5, 1.0, 2.0, 3.0, 4.0)
 #: Load levels replayed with several seeds, to show how much one seed's figures can move.
@@ -149,10 +150,18 @@ def generated_subject(workload: Workload, requests: int, seeds: Sequence[int]) -
     )
 
 
-def trace_subject(path: str, block_size: int, limit: int | None, seeds: Sequence[int]) -> Subject:
+def trace_subject(
+    path: str,
+    block_size: int,
+    limit: int | None,
+    seeds: Sequence[int],
+    arrival_spread_ms: int = 0,
+) -> Subject:
     """A trace file's first ``limit`` requests; load 1x is its own rate until measured.
 
-    The file is one fixed trace: seeds vary only routing's random choices, not the traffic.
+    The file is one fixed trace: seeds vary routing's random choices and, with
+    ``arrival_spread_ms``, where each arrival falls within that many ms after its timestamp
+    (``traces.spread``), not the traffic itself.
     """
     records = tuple(read_trace(path, block_size)[:limit])
     if len(records) < 2:
@@ -163,7 +172,7 @@ def trace_subject(path: str, block_size: int, limit: int | None, seeds: Sequence
     return Subject(
         Path(path).stem,
         f"trace {path}",
-        dict.fromkeys(seeds, records),
+        {seed: spread_arrivals(records, arrival_spread_ms, seed) for seed in seeds},
         rate,
         rate,
         "the trace's own rate",
@@ -227,9 +236,10 @@ def find_saturation(
             raise ValueError(
                 f"{exc}, saturated even at the lowest: the trace's requests arrive in groups "
                 f"at identical timestamps (up to {group} at once; scaling the rate does not "
-                "spread them), and on this fleet a group alone queues that long. Drop "
-                "--find-saturation to make load 1x the trace's own rate, or add replicas "
-                "(--replicas)"
+                "spread them), and on this fleet a group alone queues that long. Spread "
+                "them over the trace's timestamp resolution (--arrival-spread-ms, e.g. 3000 "
+                "for 3-second buckets), drop --find-saturation to make load 1x the trace's "
+                "own rate, or add replicas (--replicas)"
             ) from None
         raise
     for _ in range(refinements):
@@ -648,7 +658,9 @@ def _header(ctx: PageContext) -> list[str]:
         f"`fleetgate serve` and `fleetgate up` route with): **{ctx.default}**.",
         f"- Traces: {ctx.requests:,} requests per trace; {seeds}. A seed sets routing's random "
         "choices and, for a generated workload, the trace (`python -m bench.workloads SHAPE "
-        "--seed N`); figures at a multi-seed level are means, with the min–max range in brackets.",
+        "--seed N`) or, for a recorded trace replayed with `--arrival-spread-ms`, where each "
+        "arrival falls after its timestamp; figures at a multi-seed level are means, with the "
+        "min–max range in brackets.",
         f"- SLOs for goodput: TTFT ≤ {config.slo_ttft_ms:g} ms and TPOT ≤ {config.slo_tpot_ms:g} "
         "ms (both must hold).",
         "- Ceilings (hit rate only): *pooled* = one LRU cache as large as the whole fleet's KV "
@@ -895,6 +907,16 @@ def _parser() -> argparse.ArgumentParser:
         help="also replay built-in POLICY with these plugin parameters, as NAME (repeatable; "
         "e.g. d05=fleet-cost:decode_weight=0.05); reported, never a baseline for the checks",
     )
+    parser.add_argument(
+        "--arrival-spread-ms",
+        type=int,
+        default=0,
+        metavar="MS",
+        help="with --trace: move each arrival later by a seeded uniform draw from [0, MS) ms, "
+        "for traces whose timestamps are coarse (Mooncake's conversation trace: 3000); each "
+        "seed is then one placement of the arrivals within their buckets (default: 0, as "
+        "recorded)",
+    )
     parser.add_argument("--replicas", type=int, default=8, help="fleet size (default: 8)")
     parser.add_argument(
         "--jobs",
@@ -948,11 +970,20 @@ def _plan(args: argparse.Namespace) -> Plan:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag} must be >= 1 (got {value})")
+    if args.arrival_spread_ms < 0:
+        raise ValueError(f"--arrival-spread-ms must be >= 0 (got {args.arrival_spread_ms})")
+    if args.arrival_spread_ms and not args.trace:
+        raise ValueError(
+            "--arrival-spread-ms spreads a recorded trace's timestamps; it needs --trace "
+            "(a generated workload's arrivals are already drawn per seed)"
+        )
     seeds = range(args.seeds)
     config = SimulationConfig(replicas=args.replicas, trace_block_size=args.trace_block_size)
     if args.trace:
         subjects: tuple[Subject, ...] = (
-            trace_subject(args.trace, args.trace_block_size, args.requests, seeds),
+            trace_subject(
+                args.trace, args.trace_block_size, args.requests, seeds, args.arrival_spread_ms
+            ),
         )
         out = Path(args.out or Path(args.trace).with_suffix(".routing-quality.md"))
     else:

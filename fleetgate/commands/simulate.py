@@ -84,6 +84,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -196,6 +203,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whose prefill would push a critical decode on its replica past its TPOT SLO; implies "
         "--flow-control on (docs/flow-control.md, Protected critical decodes)",
     )
+    parser.add_argument(
+        "--arrival-spread-ms",
+        type=_non_negative_int,
+        default=0,
+        metavar="MS",
+        help="move each arrival later by a uniform draw from [0, MS) ms, seeded by --seed: for "
+        "traces whose timestamps are coarse (Mooncake's conversation trace stamps arrivals in "
+        "3-second buckets: 3000), so that a bucket's requests do not all arrive at once "
+        "(default: 0, as recorded)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.add_argument(
@@ -263,6 +280,7 @@ def _sweep(
     from planning.simulator.api import simulate_sweep
     from planning.simulator.flow import parse_class_mix
     from routing.flow_control import FlowControlSettings
+    from traces.spread import spread_arrivals
 
     adapters = parse_adapter_spec(args.adapters) if args.adapters else None
     classes = parse_class_mix(args.classes) if args.classes else None
@@ -285,6 +303,10 @@ def _sweep(
         else None,
     )
     replayed = min(len(records), args.limit or len(records))
+    if args.arrival_spread_ms:
+        # The first --limit requests as recorded, then spread: the spread must not change
+        # which requests are replayed.
+        records = spread_arrivals(records[:replayed], args.arrival_spread_ms, args.seed)
     # A bar is worth drawing only on a terminal, and only when the whole sweep takes a while.
     progress = (
         not args.no_progress

@@ -140,3 +140,39 @@ def test_the_benchmark_sweeps_a_trace_file_and_writes_its_page(
     out = capsys.readouterr()
     assert "checks:" in out.out and "0 of 0" not in out.out
     assert "[3/3]" in out.err  # 1x seed 0, 2x seeds 0 and 1
+
+
+def _burst_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> dict:
+    """The default policy's JSON row for twelve 2k-token requests stamped at one instant."""
+    trace = tmp_path / "burst.jsonl"
+    write_trace(
+        [TraceRecord(0, 4 * 512, 4, (1000 + 4 * i + j for j in range(4))) for i in range(12)], trace
+    )
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    argv += ["--policies", registry.DEFAULT_PROFILE, "--no-progress", "--json", *extra]
+    assert main(argv) == 0
+    (row,) = [r for r in json.loads(capsys.readouterr().out) if r["default"]]
+    return row
+
+
+def test_arrival_spread_turns_a_recorded_burst_into_arrivals_over_the_interval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    burst = _burst_rows(tmp_path, capsys)
+    spread = _burst_rows(tmp_path, capsys, "--arrival-spread-ms", "60000")
+    assert spread["requests"] == burst["requests"] == 12
+    # All at once, the twelve queue behind each other; over a minute, hardly at all.
+    assert spread["queue_p95_ms"] < burst["queue_p95_ms"]
+    again = _burst_rows(tmp_path, capsys, "--arrival-spread-ms", "60000")
+    assert again == spread  # one seed, one placement
+    other = _burst_rows(tmp_path, capsys, "--arrival-spread-ms", "60000", "--seed", "1")
+    assert other["ttft_p50_ms"] != spread["ttft_p50_ms"]
+
+
+def test_a_negative_arrival_spread_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(_simulate(tmp_path, "--arrival-spread-ms", "-5"))
+    assert exited.value.code == 2
+    assert "--arrival-spread-ms" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from planning.simulator.api import SweepPoint
 from planning.simulator.ceilings import Ceilings
 from planning.simulator.summary import PolicySummary, Spread
 from traces.format import TraceRecord
+from traces.spread import spread_arrivals
 
 
 def _summary(policy: str, goodput: float, ttft_p95: float, hit: float) -> PolicySummary:
@@ -207,7 +208,46 @@ def test_a_trace_saturated_at_every_rate_says_its_arrivals_share_timestamps() ->
     assert rq.largest_arrival_group(records) == 12
     with pytest.raises(ValueError, match="up to 12 at once") as caught:
         rq.find_saturation(records, 1 / 60, SimulationConfig(replicas=1), max_doublings=2)
-    assert "Drop --find-saturation" in str(caught.value)
+    assert "drop --find-saturation" in str(caught.value)
+    assert "--arrival-spread-ms" in str(caught.value)
+
+
+def test_spread_arrivals_end_the_groups_that_saturate_every_rate() -> None:
+    # The same two groups, spread over a minute each: now a rate exists below saturation.
+    stamps = [0] * 12 + [60_000] * 12
+    records = [
+        TraceRecord(stamp, 8192, 4, tuple(range(16 * i, 16 * i + 16)))
+        for i, stamp in enumerate(stamps)
+    ]
+    spread = spread_arrivals(records, 60_000, seed=0)
+    assert rq.largest_arrival_group(spread) == 1
+    # Spread, the groups no longer saturate the fleet at the recorded rate: the search finds
+    # the rate where they do, above it.
+    search = rq.find_saturation(spread, 1 / 60, SimulationConfig(replicas=1), max_doublings=8)
+    assert search.rate > 1 / 60
+
+
+def test_a_trace_subject_draws_one_placement_of_its_arrivals_per_seed(tmp_path) -> None:
+    path = tmp_path / "buckets.jsonl"
+    path.write_text(
+        "".join(TraceRecord(3000 * (i // 5), 500, 20, (i,)).to_json() + "\n" for i in range(40)),
+        encoding="utf-8",
+    )
+    as_recorded = rq.trace_subject(str(path), 512, None, range(2))
+    assert as_recorded.traces[0] == as_recorded.traces[1]
+    assert rq.largest_arrival_group(as_recorded.traces[0]) == 5
+    spread = rq.trace_subject(str(path), 512, None, range(2), arrival_spread_ms=3000)
+    assert spread.traces[0] != spread.traces[1]
+    assert rq.largest_arrival_group(spread.traces[0]) < 5
+    # The load levels still multiply the trace's own rate, whatever the placement.
+    assert spread.trace_rate == as_recorded.trace_rate
+
+
+def test_arrival_spread_is_for_recorded_traces_and_not_negative() -> None:
+    with pytest.raises(ValueError, match="needs --trace"):
+        rq._plan(rq._parser().parse_args(["--arrival-spread-ms", "3000"]))
+    with pytest.raises(ValueError, match=">= 0"):
+        rq._plan(rq._parser().parse_args(["--trace", "x.jsonl", "--arrival-spread-ms", "-1"]))
 
 
 def test_close_latencies_show_the_decimal_that_decides() -> None:
@@ -233,5 +273,7 @@ def test_load_plots_draw_seed_bars_whose_mean_rounds_past_the_range(tmp_path) ->
     assert sum([0.1, 0.1, 0.1]) / 3 > 0.1
     written = write_load_plots(points, tmp_path, "w-")
     assert sorted(p.name for p in written) == [
-        "w-goodput_vs_load.png", "w-hit_rate_vs_load.png", "w-ttft_p95_vs_load.png"
+        "w-goodput_vs_load.png",
+        "w-hit_rate_vs_load.png",
+        "w-ttft_p95_vs_load.png",
     ]
