@@ -41,6 +41,7 @@ from planning.simulator.flow import parse_class_mix
 from planning.simulator.summary import PolicySummary, default_policy
 from routing.flow_control import FlowControlSettings
 from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
+from traces.spread import spread_arrivals
 
 DEFAULT_MIX = "critical=0.2,standard=0.5,sheddable=0.3"
 DEFAULT_SCALES = (0.5, 1.0, 2.0, 3.0, 4.0)
@@ -497,6 +498,15 @@ def _parser() -> argparse.ArgumentParser:
         help="replay only the first N requests of each --trace (default: the whole file)",
     )
     parser.add_argument(
+        "--arrival-spread-ms",
+        type=int,
+        default=0,
+        metavar="MS",
+        help="move each --trace arrival later by a uniform draw from [0, MS) ms, seeded by "
+        "--seed, for traces with coarse timestamps (Mooncake's conversation trace: 3000; "
+        "traces/README.md, Coarse timestamps) (default: 0, as recorded)",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=min(2, os.cpu_count() or 1),
@@ -529,16 +539,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def trace_subjects(paths: Sequence[str], limit: int | None) -> dict[str, list[TraceRecord]]:
-    """Subject name (the file's stem) -> its first ``limit`` requests, replayed as recorded."""
-    return {Path(p).stem: read_trace(p, DEFAULT_BLOCK_SIZE)[:limit] for p in paths}
+def trace_subjects(
+    paths: Sequence[str], limit: int | None, arrival_spread_ms: int = 0, seed: int = 0
+) -> dict[str, list[TraceRecord]]:
+    """Subject name (the file's stem) -> its first ``limit`` requests, each arrival moved later
+    by a seeded draw from [0, ``arrival_spread_ms``) ms (0: as recorded; ``traces.spread``)."""
+    return {
+        Path(p).stem: list(
+            spread_arrivals(read_trace(p, DEFAULT_BLOCK_SIZE)[:limit], arrival_spread_ms, seed)
+        )
+        for p in paths
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.arrival_spread_ms < 0:
+        parser.error(f"--arrival-spread-ms must be >= 0 (got {args.arrival_spread_ms})")
     try:
-        traces = trace_subjects(args.trace, args.trace_requests)
+        traces = trace_subjects(args.trace, args.trace_requests, args.arrival_spread_ms, args.seed)
     except (OSError, TraceFormatError) as exc:
         parser.error(str(exc))
     started = time.perf_counter()

@@ -26,6 +26,25 @@ def test_a_trace_subject_is_named_by_its_file_and_cut_to_the_limit(tmp_path: Pat
     assert [r.timestamp for r in traces["conversation"]] == [0, 100, 200, 300]
 
 
+def test_a_trace_subject_spreads_its_arrivals_when_asked(tmp_path: Path) -> None:
+    path = str(_trace(tmp_path / "conversation.jsonl", 10))
+    spread = flow_control.trace_subjects([path], 4, arrival_spread_ms=100, seed=1)
+    stamps = [r.timestamp for r in spread["conversation"]]
+    assert len(stamps) == 4 and stamps == sorted(stamps)
+    assert all(i * 100 <= t < (i + 1) * 100 for i, t in enumerate(stamps))
+    assert stamps != [0, 100, 200, 300]
+
+
+def test_a_negative_arrival_spread_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(_trace(tmp_path / "conversation.jsonl", 10))
+    with pytest.raises(SystemExit) as exited:
+        flow_control.main(["--workloads", "", "--trace", trace, "--arrival-spread-ms", "-1"])
+    assert exited.value.code == 2
+    assert "--arrival-spread-ms" in capsys.readouterr().err
+
+
 def test_a_missing_trace_is_a_usage_error_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
