@@ -103,7 +103,14 @@ from routing.policies.placements import Placements
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
-__all__ = ["TERM_NAMES", "ArrivalRate", "DecayedShare", "FleetCostScorer", "profile"]
+__all__ = [
+    "TERM_NAMES",
+    "ArrivalRate",
+    "DecayedShare",
+    "FleetCostScorer",
+    "RunningQuantile",
+    "profile",
+]
 
 #: The cost terms: expected-ttft's, then this scorer's own, the total last.
 TERM_NAMES = (
@@ -203,6 +210,38 @@ class DecayedShare:
             self._marked += 1.0
 
 
+class RunningQuantile:
+    """A running estimate of the ``quantile`` of a stream of positive values.
+
+    Stochastic approximation in log space: each value moves the estimate up by ``step`` ×
+    ``quantile`` when it is at or above it, down by ``step`` × (1 − ``quantile``) otherwise,
+    so it settles where a share 1 − ``quantile`` of the values lie above it. O(1) per value
+    and no history; at ``step`` 0.05 it follows a shifted distribution within a few hundred
+    values, and wanders by a few per cent around a steady one.
+    """
+
+    def __init__(self, quantile: float, step: float = 0.05) -> None:
+        if not 0 < quantile < 1:
+            raise ValueError(f"quantile: must be in (0, 1) (got {quantile!r})")
+        self._quantile = quantile
+        self._step = step
+        self._value: float | None = None
+
+    @property
+    def value(self) -> float | None:
+        """The estimate (None before any value)."""
+        return self._value
+
+    def add(self, value: float) -> float:
+        """Count one value; returns the new estimate."""
+        if self._value is None:
+            self._value = max(value, 1.0)  # below a millisecond, no TTFT is a scale
+        else:
+            above = 1.0 if value >= self._value else 0.0
+            self._value *= math.exp(self._step * (above - (1.0 - self._quantile)))
+        return self._value
+
+
 class FleetCostScorer(ExpectedTtftScorer):
     """Scores replicas by own expected TTFT plus the delay the choice puts on everyone else."""
 
@@ -221,6 +260,14 @@ class FleetCostScorer(ExpectedTtftScorer):
         #: Queue depth (requests per replica, fleet mean) that costs nothing: the weight grows
         #: only with the depth beyond it.
         duplicate_free_depth: float = Field(default=0.5, ge=0.0)
+        #: Weight of duplicated prefill that would overflow a full prefix cache (evicting
+        #: someone's prefix) while the best-matched replica would still answer within the
+        #: fleet's usual TTFT, ``slack_quantile`` below; the queue-depth weight applies when it
+        #: is higher. 0: off (docs/policies/fleet-cost.md, *Stickiness while the holder has
+        #: TTFT slack*) ...
+        slack_duplicate_weight: float = Field(default=0.0, ge=0.0)
+        #: ... the usual TTFT: this quantile of recent decisions' best expected TTFT.
+        slack_quantile: float = Field(default=0.9, gt=0.0, lt=1.0)
         #: Ceiling on the duplicate weight (a pathological queue must not freeze all balance).
         max_duplicate_weight: float = Field(default=50.0, ge=0.0)
         #: Share of this prefill charged per decode running on a replica that prefills all the
@@ -298,6 +345,8 @@ class FleetCostScorer(ExpectedTtftScorer):
         super().__init__(params, name=name, clock=clock, elapsed_clock=elapsed_clock)
         self._arrivals = ArrivalRate(self.params.rate_window_s)
         self._overflow_share = DecayedShare(self.params.overflow_window_s)
+        #: The fleet's usual TTFT: recent decisions' best expected TTFT, at ``slack_quantile``.
+        self._usual_ttft = RunningQuantile(self.params.slack_quantile)
         #: Overflow requests in flight, by replica.
         self._overflow: Placements[None] = Placements(self.params.max_pending)
         #: Short decodes in flight, by replica: their ``max_tokens``.
@@ -441,6 +490,32 @@ class FleetCostScorer(ExpectedTtftScorer):
             rid: n - least[uncached] for rid, (uncached, n) in evicts.items() if n > least[uncached]
         }
 
+    def _slack_weight(
+        self, base: dict[ReplicaId, tuple[float, ...]], least_uncached: float, weight: float
+    ) -> float:
+        """``slack_duplicate_weight`` while the best-matched replica answers within the fleet's
+        usual TTFT, else 0; every decision updates the usual TTFT.
+
+        Where the fleet does not queue, the duplicate weight is 0 and a busy holder loses the
+        request to an idle replica for a few hundred ms of its TTFT; with smooth arrivals on
+        Mooncake's conversation trace at 2x that cost 1 point of hit rate in 14. Where the
+        duplicate lands in a full cache it evicts someone's prefix: a miss later. A holder that
+        still answers within the usual TTFT keeps the request, so the TTFT it adds stays under
+        the fleet's tail. The caller charges it only where the duplicate would evict: a cache
+        with room takes it for idle compute alone (docs/policies/fleet-cost.md, *Stickiness
+        while the holder has TTFT slack*).
+        """
+        p = self.params
+        if p.slack_duplicate_weight <= 0:
+            return 0.0
+        usual = self._usual_ttft.add(min(values[_EXPECTED] for values in base.values()))
+        if p.slack_duplicate_weight <= weight:
+            return 0.0
+        holder = min(
+            values[_EXPECTED] for values in base.values() if values[_UNCACHED] == least_uncached
+        )
+        return p.slack_duplicate_weight if holder <= usual else 0.0
+
     def arrival_rate(self) -> float:
         """Requests per second this scorer has been asked to route, recently."""
         return self._arrivals.rate(self._elapsed_clock())
@@ -474,6 +549,7 @@ class FleetCostScorer(ExpectedTtftScorer):
         evicted = (
             self._evicted_tokens(replicas, base, elapsed_now) if weight <= p.duplicate_base else {}
         )
+        slack = self._slack_weight(base, least_uncached, weight)
         window_ms = p.recent_prefill_window_s * 1000.0
         per_replica_rate = self._arrivals.rate(elapsed_now) / (
             fleet.count if fleet is not None else len(base)
@@ -511,9 +587,14 @@ class FleetCostScorer(ExpectedTtftScorer):
                 fragile_ms = p.fragile_loss_ms * self.fragile_stalled(replica, prefill_ms)
                 if p.fragile_queue_ms is not None:
                     fragile_ms *= max(0.0, 1.0 - values[_QUEUE] / p.fragile_queue_ms)
+            replica_weight = weight
+            if slack > weight and duplicate_ms > 0:
+                room = self._fill.room_tokens(replica)
+                if room is not None and room < values[_UNCACHED]:
+                    replica_weight = slack
             total = (
                 values[_TTFT_COST]
-                + weight * duplicate_ms
+                + replica_weight * duplicate_ms
                 + externality_ms
                 + eviction_ms
                 + fragile_ms
@@ -521,7 +602,7 @@ class FleetCostScorer(ExpectedTtftScorer):
             raw[replica.replica_id] = (
                 *values,
                 duplicate_ms,
-                weight,
+                replica_weight,
                 externality_ms,
                 eviction_ms,
                 fragile_ms,

@@ -14,6 +14,7 @@ from routing.policies.fleet_cost import (
     ArrivalRate,
     DecayedShare,
     FleetCostScorer,
+    RunningQuantile,
 )
 from routing.policies.max_score import MaxScorePicker
 from routing.policies.registry import builtin_profile
@@ -714,3 +715,79 @@ def test_the_charge_falls_as_the_queue_ahead_grows(waiting: int, share: float) -
     start_short(s, "a", 3, "short")
     _, terms = s.score_with_terms(req(request_id="long"), [rep("a", waiting=waiting), rep("b")])
     assert terms[ReplicaId("a")]["fragile_ms"] == pytest.approx(1_000.0 * share)
+
+
+# --------------------------------------------------------------------------- slack stickiness
+
+#: Stickiness while the holder has slack, alone: no queue-depth weight, no other terms.
+SLACK = {**QUIET, "duplicate_per_queued": 0.0, "slack_duplicate_weight": 1.0}
+
+
+def _warmed(**params: Any) -> FleetCostScorer:
+    """A scorer whose usual TTFT has been learnt from 200 decisions on a fleet where the best
+    replica answered in 512 + 200 ms (ten requests queued everywhere)."""
+    s = scorer(**{**SLACK, **params})
+    busy = [rep("a", waiting=10), rep("b", waiting=10)]
+    for n in range(200):
+        s.score_with_terms(req(request_id=f"warm-{n}", chain=[]), busy)
+    return s
+
+
+def _holder_or_cold(s: FleetCostScorer, holder_waiting: int, cold_cached_blocks: int) -> tuple:
+    """Where a request goes between the replica holding 1,600 of its 2,000 tokens (with
+    ``holder_waiting`` queued: 400 tokens to prefill behind them) and an idle one without them
+    whose 200-block cache holds ``cold_cached_blocks``; and the terms."""
+    replicas = [
+        rep("holder", waiting=holder_waiting, kv_capacity_blocks=200, cached_blocks=200),
+        rep("cold", kv_capacity_blocks=200, cached_blocks=cold_cached_blocks),
+    ]
+    scores, terms = s.score_with_terms(req(prefix_matches={ReplicaId("holder"): 100}), replicas)
+    return max(scores, key=lambda rid: scores[rid]), terms
+
+
+def test_a_holder_within_the_usual_ttft_keeps_a_prefix_a_full_cache_would_evict() -> None:
+    # holder: 4 x 512 queued tokens (204.8 ms) + 40 ms; cold: 200 ms, and 160 ms of it is
+    # prefill the holder would skip, written over someone's cached prefix.
+    off, terms = _holder_or_cold(scorer(**{**SLACK, "slack_duplicate_weight": 0.0}), 4, 200)
+    assert off == "cold" and terms[ReplicaId("cold")]["duplicate_weight"] == 0.0
+    chosen, terms = _holder_or_cold(_warmed(), 4, 200)
+    assert chosen == "holder"
+    assert terms[ReplicaId("cold")]["duplicate_weight"] == 1.0
+    assert terms[ReplicaId("cold")]["fleet_cost_ms"] == pytest.approx(200.0 + 160.0)
+
+
+def test_no_stickiness_where_the_duplicate_evicts_nothing() -> None:
+    """A cache with room takes the duplicate for idle compute only: the request's TTFT wins."""
+    chosen, terms = _holder_or_cold(_warmed(), 4, 0)
+    assert chosen == "cold"
+    assert terms[ReplicaId("cold")]["duplicate_weight"] == 0.0
+
+
+def test_no_stickiness_when_the_holder_is_slower_than_usual() -> None:
+    # 30 queued there: 1,536 + 40 ms, past the usual ~712 ms.
+    chosen, _ = _holder_or_cold(_warmed(), 30, 200)
+    assert chosen == "cold"
+
+
+def test_stickiness_never_lowers_the_queue_depth_weight() -> None:
+    s = _warmed(duplicate_per_queued=1.0, duplicate_free_depth=0.0)
+    _, terms = _holder_or_cold(s, 4, 200)
+    assert terms[ReplicaId("cold")]["duplicate_weight"] == 2.0  # mean depth 2 beats 1
+
+
+@pytest.mark.parametrize("quantile", [0.5, 0.8, 0.9])
+def test_the_running_quantile_settles_at_its_quantile(quantile: float) -> None:
+    q = RunningQuantile(quantile)
+    assert q.value is None
+    for n in range(20_000):
+        q.add(1.0 + (n * 37) % 100)  # 1..100, every value equally often
+    assert q.value == pytest.approx(1.0 + 100 * quantile, rel=0.1)
+
+
+def test_the_running_quantile_follows_a_shift() -> None:
+    q = RunningQuantile(0.9)
+    for n in range(2_000):
+        q.add(100.0 + n % 10)
+    for n in range(2_000):
+        q.add(1000.0 + n % 10)
+    assert q.value == pytest.approx(1009.0, rel=0.05)
