@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from itertools import pairwise
 
 from traces.format import TraceRecord
 
-__all__ = ["spread_arrivals"]
+__all__ = ["CoarseTimestamps", "coarse_timestamps", "spread_arrivals"]
+
+#: Requests per distinct timestamp, on average, from which a trace counts as bucketed.
+BUCKETED_REQUESTS_PER_TIMESTAMP = 3.0
 
 
 def spread_arrivals(
@@ -40,3 +44,23 @@ def spread_arrivals(
     ]
     # A stable sort: requests that land on the same millisecond keep the trace's order.
     return tuple(sorted(moved, key=lambda record: record.timestamp))
+
+
+@dataclass(frozen=True)
+class CoarseTimestamps:
+    """How a trace's arrivals are bucketed: requests per timestamp, and the buckets' spacing."""
+
+    requests_per_timestamp: float
+    #: The median gap between consecutive distinct timestamps (ms): the bucket width.
+    bucket_ms: int
+
+
+def coarse_timestamps(records: Sequence[TraceRecord]) -> CoarseTimestamps | None:
+    """How ``records`` are bucketed, when their arrivals come in groups at shared timestamps
+    (3 or more requests per distinct timestamp on average); None for a trace stamped finely
+    enough that arrivals are mostly apart."""
+    stamps = sorted({record.timestamp for record in records})
+    if len(stamps) < 2 or len(records) / len(stamps) < BUCKETED_REQUESTS_PER_TIMESTAMP:
+        return None
+    gaps = sorted(b - a for a, b in pairwise(stamps))
+    return CoarseTimestamps(len(records) / len(stamps), gaps[len(gaps) // 2])

@@ -255,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not records:
         return _fail(f"{args.trace} holds no requests")
+    if not args.arrival_spread_ms:
+        _hint_coarse(args.trace, records[: args.limit] if args.limit else records)
     try:
         points = _sweep(args, records, policies)
     except ValueError as exc:
@@ -265,6 +267,22 @@ def run(args: argparse.Namespace) -> int:
         for path in _plots(args, points):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _hint_coarse(path: str, records: Sequence[TraceRecord]) -> None:
+    """A note on stderr when the trace's arrivals come in groups at shared timestamps."""
+    from traces.spread import coarse_timestamps
+
+    coarse = coarse_timestamps(records)
+    if coarse is None:
+        return
+    print(
+        f"note: {path} stamps its arrivals in groups ({coarse.requests_per_timestamp:.1f} "
+        f"requests per timestamp, about {coarse.bucket_ms} ms apart): replayed as recorded, "
+        f"each group arrives at one instant. --arrival-spread-ms {coarse.bucket_ms} spreads "
+        "each over its interval (traces/README.md, Coarse timestamps)",
+        file=sys.stderr,
+    )
 
 
 def _fail(message: str) -> int:

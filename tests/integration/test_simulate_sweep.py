@@ -176,3 +176,22 @@ def test_a_negative_arrival_spread_is_a_usage_error(
         main(_simulate(tmp_path, "--arrival-spread-ms", "-5"))
     assert exited.value.code == 2
     assert "--arrival-spread-ms" in capsys.readouterr().err
+
+
+def test_a_bucketed_trace_gets_a_note_on_spreading_its_arrivals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "buckets.jsonl"
+    records = [TraceRecord(3000 * (i // 4), 512, 4, (500 + i,)) for i in range(12)]
+    write_trace(records, trace)
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    argv += ["--policies", "round-robin", "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "4.0 requests per timestamp, about 3000 ms apart" in err
+    assert "--arrival-spread-ms 3000" in err
+    assert main([*argv, "--arrival-spread-ms", "3000"]) == 0
+    assert "--arrival-spread-ms" not in capsys.readouterr().err
+    # Six requests 100 ms apart: nothing to say.
+    assert main(_simulate(tmp_path)) == 0
+    assert "--arrival-spread-ms" not in capsys.readouterr().err

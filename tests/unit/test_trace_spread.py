@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from traces.format import TraceRecord
-from traces.spread import spread_arrivals
+from traces.spread import coarse_timestamps, spread_arrivals
 
 
 def _bucketed(buckets: int, per_bucket: int, width: int = 3000) -> list[TraceRecord]:
@@ -81,3 +81,17 @@ def test_every_arrival_moves_later_by_less_than_the_spread(
     original = {r.hash_ids: r.timestamp for r in records}
     for moved in spread:
         assert 0 <= moved.timestamp - original[moved.hash_ids] < spread_ms
+
+
+def test_bucketed_arrivals_are_recognised_with_their_bucket_width() -> None:
+    coarse = coarse_timestamps(_bucketed(20, 10))
+    assert coarse is not None
+    assert coarse.requests_per_timestamp == 10.0
+    assert coarse.bucket_ms == 3000
+
+
+def test_arrivals_stamped_apart_or_all_at_once_are_not_bucketed() -> None:
+    apart = [TraceRecord(137 * i, 600, 20, (i,)) for i in range(50)]
+    assert coarse_timestamps(apart) is None
+    assert coarse_timestamps(_bucketed(1, 10)) is None  # one instant: no spacing to tell
+    assert coarse_timestamps(spread_arrivals(_bucketed(20, 10), 3000, seed=0)) is None
