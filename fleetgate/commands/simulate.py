@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     if not records:
         return _fail(f"{args.trace} holds no requests")
     if not args.arrival_spread_ms:
-        _hint_coarse(args.trace, records[: args.limit] if args.limit else records)
+        _hint_coarse(args.trace, records[: args.limit])
     try:
         points = _sweep(args, records, policies)
     except ValueError as exc:

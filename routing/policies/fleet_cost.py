@@ -588,7 +588,7 @@ class FleetCostScorer(ExpectedTtftScorer):
                 if p.fragile_queue_ms is not None:
                     fragile_ms *= max(0.0, 1.0 - values[_QUEUE] / p.fragile_queue_ms)
             replica_weight = weight
-            if slack > weight and duplicate_ms > 0:
+            if slack and duplicate_ms > 0:  # nonzero only above ``weight``
                 room = self._fill.room_tokens(replica)
                 if room is not None and room < values[_UNCACHED]:
                     replica_weight = slack
