@@ -32,10 +32,18 @@ For every candidate replica the scorer computes, in milliseconds::
   this prefill once: a 1 s prefill on a replica running 40 decodes costs 40 decode-seconds of
   TPOT, which expected-TTFT alone never sees. A decode spreads the stall over its output tokens:
   against SLOs of 2 s TTFT and 50 ms TPOT and a few hundred tokens, a decode-ms is worth ~0.1 of
-  the newcomer's TTFT-ms (``decode_weight`` 0.09). But it costs goodput only when the decodes
-  are short of TPOT slack, i.e. when the replica spends much of its time prefilling: the share
+  the newcomer's TTFT-ms (``decode_weight`` 0.09). A decode that asked for N tokens
+  (``max_tokens``) takes X / N ms of TPOT from an X ms stall, and a TPOT-ms is worth
+  ``decode_slo_ratio`` (40: a 2,000 ms TTFT SLO over a 50 ms TPOT SLO) TTFT-ms, so it weighs
+  ``min(1, 40 / N)``: a 40-token answer takes the whole stall, a 1,000-token chat 4% of it (the
+  replica's weight is the mean over its requests in flight; without ``max_tokens``, 0.09).
+  Requests sent where their expected TTFT was past ``overflow_ttft_ms`` are late already: they
+  are not counted (``decode_savable_only``). On Mooncake's arXiv slice (six in ten requests
+  answer in 64 tokens or fewer) goodput past saturation doubled (docs/policies/fleet-cost.md,
+  *Decodes by length*). But a decode charge costs goodput only when the decodes are short of
+  TPOT slack, i.e. when the replica spends much of its time prefilling: the share
   is 0 up to a prefill duty cycle of ``decode_free_duty`` (0.4, the decayed prefill ms sent
-  there per ms) and grows linearly to ``decode_weight`` at 1. Chosen on a public conversation
+  there per ms) and grows linearly to the decodes' weight at 1. Chosen on a public conversation
   trace and the generated workloads (docs/policies/fleet-cost.md, *What was tried*). The
   arrival term (``queue_weight``) is off by default: the duplicate weight prices the queue.
 * ``eviction_ms`` charges the cached tokens a prefill pushes out of a replica's prefix cache
@@ -271,12 +279,27 @@ class FleetCostScorer(ExpectedTtftScorer):
         #: Ceiling on the duplicate weight (a pathological queue must not freeze all balance).
         max_duplicate_weight: float = Field(default=50.0, ge=0.0)
         #: Share of this prefill charged per decode running on a replica that prefills all the
-        #: time (their TPOT stall) ...
+        #: time (their TPOT stall), for a decode whose length is unknown; 0 turns the decode
+        #: charge off ...
         decode_weight: float = Field(default=0.09, ge=0.0)
         #: ... and the prefill duty cycle (recent prefill ms per ms) up to which the decodes have
         #: TPOT slack and are not charged; the charge grows linearly from there to
         #: ``decode_weight`` at 1. None: charge every running decode ``decode_weight``.
         decode_free_duty: float | None = Field(default=0.4, ge=0.0, lt=1.0)
+        #: A decode of N tokens spreads a prefill's stall over N steps: X ms of prefill adds
+        #: X / N ms to its TPOT, worth ``decode_slo_ratio`` ms of a newcomer's TTFT (the TTFT
+        #: SLO over the TPOT SLO, 2,000 / 50 ms). So a running decode that asked for N tokens
+        #: (``max_tokens``) weighs ``min(decode_weight_max, decode_slo_ratio / N)``, and one that
+        #: did not say weighs ``decode_weight`` (0.09: a few hundred tokens); the charge uses the
+        #: mean weight of the requests in flight on the replica. None: every decode weighs
+        #: ``decode_weight`` ...
+        decode_slo_ratio: float | None = Field(default=40.0, gt=0.0)
+        #: ... and no decode weighs more than this (the whole prefill: a decode is lost once).
+        decode_weight_max: float = Field(default=1.0, gt=0.0)
+        #: Charge only the running decodes that can still make their SLOs: a request sent where
+        #: its expected TTFT was past ``overflow_ttft_ms`` (or as overflow) is late already,
+        #: and stalling it costs no goodput. False: charge every running decode.
+        decode_savable_only: bool = True
         #: Share of this prefill charged per request expected to arrive there during its wait.
         queue_weight: float = Field(default=0.0, ge=0.0)
         #: Share of this prefill charged per running decode while the replica's recent prefill
@@ -349,6 +372,10 @@ class FleetCostScorer(ExpectedTtftScorer):
         self._usual_ttft = RunningQuantile(self.params.slack_quantile)
         #: Overflow requests in flight, by replica.
         self._overflow: Placements[None] = Placements(self.params.max_pending)
+        #: Requests in flight sent where their expected TTFT was past ``overflow_ttft_ms``.
+        self._late: Placements[None] = Placements(self.params.max_pending)
+        #: Every request in flight, by replica: its decode weight (``decode_weight_of``).
+        self._decode_weights: Placements[float] = Placements(self.params.max_pending)
         #: Short decodes in flight, by replica: their ``max_tokens``.
         self._fragile: Placements[int] = Placements(self.params.max_pending)
         #: Prefix-cache blocks written per replica (for ``eviction_ms``).
@@ -373,14 +400,37 @@ class FleetCostScorer(ExpectedTtftScorer):
         return min(p.max_duplicate_weight, p.duplicate_base + p.duplicate_per_queued * excess)
 
     def decode_share(self, replica: ReplicaState, elapsed_now: float) -> float:
-        """Share of a prefill on ``replica`` charged per running decode, given its duty cycle."""
+        """Share of a prefill on ``replica`` charged per running decode: the decodes' weight
+        (``decode_weight``, or the mean by length of those in flight there), gated by the
+        replica's prefill duty cycle."""
         p = self.params
+        weight = p.decode_weight
+        weights = self._decode_weights.on(replica.replica_id)
+        if weights:
+            weight = sum(weights) / len(weights)
         free = p.decode_free_duty
         if free is None:
-            return p.decode_weight
+            return weight
         window_ms = p.recent_prefill_window_s * 1000.0
         duty = self._recent.load_ms(replica.replica_id, elapsed_now) / window_ms
-        return p.decode_weight * max(0.0, duty - free) / (1.0 - free)
+        return weight * max(0.0, duty - free) / (1.0 - free)
+
+    def decode_weight_of(self, request: RoutingRequest) -> float:
+        """What one decode of ``request`` weighs in the decode charge (see ``decode_slo_ratio``)."""
+        p = self.params
+        tokens = request.max_output_tokens
+        if p.decode_slo_ratio is None or tokens is None or tokens <= 0:
+            return p.decode_weight
+        return min(p.decode_weight_max, p.decode_slo_ratio / tokens)
+
+    def savable_running(self, replica: ReplicaState) -> int:
+        """Running decodes on ``replica`` that can still make their SLOs.
+
+        Requests sent there late (expected TTFT past ``overflow_ttft_ms``) are late because of
+        the queue, so they are counted against the queue first: only those beyond it run.
+        """
+        late_running = self._late.count(replica.replica_id) - replica.queued
+        return max(0, replica.running_now - max(0, late_running))
 
     def _savable(self, replica: ReplicaState) -> int:
         """Requests in flight on ``replica`` that were not sent there as overflow (those can
@@ -388,8 +438,19 @@ class FleetCostScorer(ExpectedTtftScorer):
         return max(0, replica.load - self._overflow.count(replica.replica_id))
 
     def on_request_start(self, request: RoutingRequest, replica: ReplicaId) -> None:
-        """Calibration as in ``expected-ttft``; an overflow request is counted on ``replica``
-        (once: a retry on a fallback moves it)."""
+        """Calibration as in ``expected-ttft``; the request is counted on ``replica`` (once: a
+        retry on a fallback moves it) as overflow, as late (its expected TTFT there was past
+        ``overflow_ttft_ms``) and by its decode weight."""
+        pending = self._pending.get(request.request_id)
+        chosen = pending.terms.get(replica) if pending is not None else None
+        limit = self.params.overflow_ttft_ms
+        if request.overflow or (
+            chosen is not None and limit is not None and chosen["expected_ttft_ms"] > limit
+        ):
+            self._late.place(request.request_id, replica, None)
+        else:
+            self._late.forget(request.request_id)  # a retry that is on time where it went now
+        self._decode_weights.place(request.request_id, replica, self.decode_weight_of(request))
         super().on_request_start(request, replica)
         matches = request.prefix_matches
         cached = matches.get(replica, 0) * request.block_size if matches else 0
@@ -423,6 +484,8 @@ class FleetCostScorer(ExpectedTtftScorer):
         """Calibration as in ``expected-ttft``; an overflow request leaves its replica's count."""
         super().on_request_complete(request, replica, ttft_ms, cached_tokens, ok)
         self._overflow.forget(request.request_id)
+        self._late.forget(request.request_id)
+        self._decode_weights.forget(request.request_id)
         self._fragile.forget(request.request_id)
 
     @staticmethod
@@ -562,7 +625,9 @@ class FleetCostScorer(ExpectedTtftScorer):
             # count a speed difference as duplicated work.
             duplicate_ms = (values[_UNCACHED] - least_uncached) / values[_SPEED] * 1000.0
             externality_ms = 0.0
-            running = replica.running_now
+            running = (
+                self.savable_running(replica) if p.decode_savable_only else replica.running_now
+            )
             if p.protect_weight > 0 and prefill_ms > 0 and running > 0:
                 # The share of this prefill that lands while the replica's prefill duty cycle is
                 # still below ``protect_duty``: past it, its decodes miss their TPOT anyway.

@@ -791,3 +791,83 @@ def test_the_running_quantile_follows_a_shift() -> None:
     for n in range(2_000):
         q.add(1000.0 + n % 10)
     assert q.value == pytest.approx(1009.0, rel=0.05)
+
+
+# --------------------------------------------------------------------------- decodes by length
+
+
+@pytest.mark.parametrize(
+    ("params", "max_tokens", "weight"),
+    [
+        pytest.param({}, 400, 40.0 / 400, id="400 tokens: a stall of X ms adds X/400 to TPOT"),
+        pytest.param({}, 20, 1.0, id="20 tokens: 2.0 capped at the whole prefill"),
+        pytest.param({"decode_weight_max": 0.5}, 40, 0.5, id="the cap is a parameter"),
+        pytest.param({}, None, 0.09, id="no max_tokens: decode_weight"),
+        pytest.param({"decode_slo_ratio": None}, 20, 0.09, id="off: every decode decode_weight"),
+        pytest.param({"decode_slo_ratio": 25.0}, 100, 0.25, id="a 1.25 s TTFT SLO over 50 ms"),
+    ],
+)
+def test_a_decode_weighs_the_tpot_a_stall_adds_to_it(
+    params: dict[str, Any], max_tokens: int | None, weight: float
+) -> None:
+    s = scorer(**params)
+    assert s.decode_weight_of(req(max_output_tokens=max_tokens)) == pytest.approx(weight)
+
+
+def test_a_long_prefill_goes_where_the_decodes_are_long() -> None:
+    """Same number of running decodes, same queue: on "chat" each of 20 decodes asked for 1,000
+    tokens and spreads the stall thin; on "short" each asked for 40 and takes it whole."""
+    s = scorer(**{**QUIET, "decode_weight": 0.09, "decode_free_duty": None})
+    for i in range(20):
+        start_short(s, "chat", 1_000, f"chat-{i}")
+        start_short(s, "short", 40, f"short-{i}")
+    replicas = [rep("chat", running=20), rep("short", running=20)]
+    scores, terms = s.score_with_terms(req(request_id="new"), replicas)
+    # 200 ms of prefill x 20 decodes x 0.04 (40 / 1,000) and x 1.0 (40 / 40, at the cap)
+    assert terms[ReplicaId("chat")]["externality_ms"] == pytest.approx(200.0 * 20 * 0.04)
+    assert terms[ReplicaId("short")]["externality_ms"] == pytest.approx(200.0 * 20 * 1.0)
+    assert max(scores, key=scores.__getitem__) == "chat"
+
+
+def _sent_late(s: FleetCostScorer, replica: str, count: int) -> list[RoutingRequest]:
+    """``count`` requests routed to ``replica`` where every replica was past the SLO (60 waiting:
+    a 3 s queue) and the overflow share had run out (sent late, not as overflow)."""
+    sent = []
+    for i in range(count):
+        request = req(request_id=f"{replica}-late-{i}")
+        s.score_with_terms(request, [rep(replica, waiting=60), rep("other", waiting=60)])
+        assert not request.overflow
+        s.on_request_start(request, ReplicaId(replica))
+        sent.append(request)
+    return sent
+
+
+@pytest.mark.parametrize(
+    ("savable_only", "waiting", "charged"),
+    [
+        pytest.param(True, 0, 10 - 6, id="6 late running: 4 decodes can still make their SLOs"),
+        pytest.param(True, 4, 10 - 2, id="4 of the late ones still queue: 2 of them run"),
+        pytest.param(True, 8, 10, id="every late one still queues: all 10 running count"),
+        pytest.param(False, 0, 10, id="off: every running decode counts"),
+    ],
+)
+def test_decodes_that_are_late_already_are_not_charged(
+    savable_only: bool, waiting: int, charged: int
+) -> None:
+    s = scorer(
+        **{**QUIET, "decode_weight": 0.1, "decode_free_duty": None},
+        decode_savable_only=savable_only,
+        overflow_max_share=0.0,
+    )
+    late = _sent_late(s, "mixed", 6)
+    replica = rep("mixed", running=10, waiting=waiting)
+    assert s.savable_running(replica) == 10 - max(0, 6 - waiting)
+    _, terms = s.score_with_terms(req(request_id="new", chain=[]), [replica, rep("idle")])
+    assert terms[ReplicaId("mixed")]["externality_ms"] == pytest.approx(200.0 * 0.1 * charged)
+    # A retry that is on time where it lands, and completions, clear the marks.
+    s.on_request_start(late[0], ReplicaId("idle"))
+    for request in late[1:]:
+        s.on_request_complete(request, ReplicaId("mixed"), 5_000.0, 0, True)
+    assert s._late.count(ReplicaId("mixed")) == 0
+    assert s._late.count(ReplicaId("idle")) == 0
+    assert len(s._decode_weights) == 1  # late[0], in flight on "idle"
