@@ -283,8 +283,8 @@ class FleetCostScorer(ExpectedTtftScorer):
         #: charge off ...
         decode_weight: float = Field(default=0.09, ge=0.0)
         #: ... and the prefill duty cycle (recent prefill ms per ms) up to which the decodes have
-        #: TPOT slack and are not charged; the charge grows linearly from there to
-        #: ``decode_weight`` at 1. None: charge every running decode ``decode_weight``.
+        #: TPOT slack and are not charged; the charge grows linearly from there to the
+        #: decodes' weight at 1. None: charge every running decode its full weight.
         decode_free_duty: float | None = Field(default=0.4, ge=0.0, lt=1.0)
         #: A decode of N tokens spreads a prefill's stall over N steps: X ms of prefill adds
         #: X / N ms to its TPOT, worth ``decode_slo_ratio`` ms of a newcomer's TTFT (the TTFT
@@ -481,7 +481,7 @@ class FleetCostScorer(ExpectedTtftScorer):
         cached_tokens: int | None,
         ok: bool,
     ) -> None:
-        """Calibration as in ``expected-ttft``; an overflow request leaves its replica's count."""
+        """Calibration as in ``expected-ttft``; the request leaves its replica's counts."""
         super().on_request_complete(request, replica, ttft_ms, cached_tokens, ok)
         self._overflow.forget(request.request_id)
         self._late.forget(request.request_id)
