@@ -47,6 +47,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bench._bench_common import write_page
 from bench.policy_variants import PolicyVariant, parse_variant
 from bench.workloads import generate
 from bench.workloads.blocks import BlockIdAllocator, Segment
@@ -1111,8 +1112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan.seeds,
         default,
     )
-    plan.out.parent.mkdir(parents=True, exist_ok=True)
-    plan.out.write_text(render_markdown(plan.subjects, results, verdicts, ctx), encoding="utf-8")
+    # Hand-written notes below ``NOTES_MARKER`` survive the rewrite.
+    write_page(plan.out, render_markdown(plan.subjects, results, verdicts, ctx))
     print(f"wrote {plan.out} and {plot_dir}/", file=sys.stderr)
     return 0
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import routing_quality
+from bench._bench_common import NOTES_MARKER
 from fleetgate.cli import main
 from fleetgate.commands.simulate import default_policies, rate_scales
 from planning.simulator import JSON_FIELDS
@@ -131,9 +132,12 @@ def test_the_benchmark_sweeps_a_trace_file_and_writes_its_page(
     argv = ["--trace", str(trace), "--scales", "1,2", "--spread-scales", "2", "--seeds", "2"]
     argv += ["--policies", _policies(), "--replicas", "2", "--jobs", "1"]
     argv += ["--out", str(page)]
+    page.parent.mkdir()
+    page.write_text(f"an old run\n{NOTES_MARKER}\nhand-written\n", encoding="utf-8")
     assert routing_quality.main(argv) == 0
     text = page.read_text(encoding="utf-8")
     assert "--trace" in text and "the trace's own rate" in text
+    assert "an old run" not in text and text.endswith(f"{NOTES_MARKER}\nhand-written\n")
     assert "| mine | 1× |" in text and "| mine | 2× |" in text
     for stem in ("goodput_vs_load", "ttft_p95_vs_load", "hit_rate_vs_load"):
         assert (tmp_path / "out" / "page" / f"mine-{stem}.png").read_bytes()[:8] == PNG_MAGIC
