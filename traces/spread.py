@@ -14,6 +14,7 @@ those requests happened to fall.
 from __future__ import annotations
 
 import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
@@ -62,5 +63,5 @@ def coarse_timestamps(records: Sequence[TraceRecord]) -> CoarseTimestamps | None
     stamps = sorted({record.timestamp for record in records})
     if len(stamps) < 2 or len(records) / len(stamps) < BUCKETED_REQUESTS_PER_TIMESTAMP:
         return None
-    gaps = sorted(b - a for a, b in pairwise(stamps))
-    return CoarseTimestamps(len(records) / len(stamps), gaps[len(gaps) // 2])
+    gap = statistics.median_high(b - a for a, b in pairwise(stamps))
+    return CoarseTimestamps(len(records) / len(stamps), gap)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from fleetgate.extras import PLAN, missing_extra, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
+from traces.spread import coarse_timestamps, spread_arrivals
 
 if TYPE_CHECKING:
     from planning.simulator.api import SweepPoint
@@ -271,8 +272,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _hint_coarse(path: str, records: Sequence[TraceRecord]) -> None:
     """A note on stderr when the trace's arrivals come in groups at shared timestamps."""
-    from traces.spread import coarse_timestamps
-
     coarse = coarse_timestamps(records)
     if coarse is None:
         return
@@ -298,7 +297,6 @@ def _sweep(
     from planning.simulator.api import simulate_sweep
     from planning.simulator.flow import parse_class_mix
     from routing.flow_control import FlowControlSettings
-    from traces.spread import spread_arrivals
 
     adapters = parse_adapter_spec(args.adapters) if args.adapters else None
     classes = parse_class_mix(args.classes) if args.classes else None
