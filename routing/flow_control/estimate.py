@@ -105,7 +105,7 @@ def estimate_from_decision(
                 wait,
                 terms.get("decode_interference_ms", 0.0),
                 backlog,
-                state.kv_usage if state is not None else None,
+                state.kv_usage_now if state is not None else None,
                 state.decode_itl_ms if state is not None else None,
             )
         )

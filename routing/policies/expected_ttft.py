@@ -404,8 +404,9 @@ class ExpectedTtftScorer(Plugin):
                 cold_ms, cold_is_ours = self.adapter_cold_load_estimate_ms(adapter), True
 
         kv_penalty = 0.0
-        if replica.kv_usage > p.kv_threshold:
-            excess = (min(1.0, replica.kv_usage) - p.kv_threshold) / (1.0 - p.kv_threshold)
+        kv_usage = replica.kv_usage_now
+        if kv_usage > p.kv_threshold:
+            excess = (min(1.0, kv_usage) - p.kv_threshold) / (1.0 - p.kv_threshold)
             kv_penalty = p.kv_penalty_ms * excess * excess
 
         # Old figures may hide a queue that built up since: assume worse, not better.

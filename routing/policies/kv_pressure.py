@@ -35,11 +35,12 @@ class KvPressureScorer(Plugin):
     def score(
         self, request: RoutingRequest, replicas: Sequence[ReplicaState]
     ) -> dict[ReplicaId, float]:
-        """Piecewise-linear in ``kv_usage``: 1 → 0.5 up to the threshold, 0.5 → 0 above it."""
+        """Piecewise-linear in ``kv_usage_now`` (the gauge less the requests ended since it was
+        read): 1 → 0.5 up to the threshold, 0.5 → 0 above it."""
         threshold = self.params.threshold
         scores: dict[ReplicaId, float] = {}
         for replica in replicas:
-            usage = min(1.0, max(0.0, replica.kv_usage))
+            usage = min(1.0, max(0.0, replica.kv_usage_now))
             if usage <= threshold:
                 scores[replica.replica_id] = 1.0 - 0.5 * usage / threshold
             else:

@@ -201,9 +201,9 @@ def in_flight_or_done(stack: Stack, task: asyncio.Task[Any], request_id: str) ->
     return task.done() or stack.gw.registry.attempts.replica_of(request_id) is not None
 
 
-def registry_view(stack: Stack) -> dict[str, tuple[int, int, int, int, float]]:
+def registry_view(stack: Stack) -> dict[str, tuple[int, int, int, int, float, float]]:
     """Per replica, what the gateway's registry holds now: (running gauge, waiting gauge,
-    in flight, ended since the reading, the reading's age in ms)."""
+    in flight, ended since the reading, the reading's age in ms, KV usage gauge)."""
     now = time.time()
     out = {}
     for state in stack.gw.registry.all():
@@ -213,6 +213,7 @@ def registry_view(stack: Stack) -> dict[str, tuple[int, int, int, int, float]]:
             state.inflight_requests,
             state.finished_since_read,
             round((now - state.metrics_read_at) * 1000),
+            round(state.kv_usage, 3),
         )
     return out
 
@@ -222,7 +223,7 @@ async def run_workload(
     prompts: list[str],
     tenant: str,
     headers: dict[str, str] | None,
-    views: list[dict[str, tuple[int, int, int, int, float]]] | None = None,
+    views: list[dict[str, tuple[int, int, int, int, float, float]]] | None = None,
 ) -> tuple[Any, list[str]]:
     before = await stack.engine_counters()
     # First round: clients a few ms apart, each arriving while the previous ones are in flight.
@@ -259,10 +260,46 @@ async def run_workload(
             views.append(registry_view(stack))
         ids.append(request_id)
         tasks.append(task)
+    # The engines' figures read now, mid-round, as a health poll may read them: each engine
+    # runs its share of the round, and its KV gauge is near full (four 26-block requests in
+    # 112 blocks). Those requests end long before the next poll; the later ones must still find
+    # their prefixes where the round put them (``ReplicaState.kv_usage_now``).
+    await stack.gw.registry.poll_once(stack.gw.http())
+    if views is not None:
+        views.append(registry_view(stack))
     await asyncio.gather(*tasks)
+    if views is not None:
+        views.append(registry_view(stack))
     for prompt in prompts[PREFIXES:]:
         ids.append((await complete(stack, prompt, tenant, headers=headers))[0])
+    if views is not None:
+        views.append(registry_view(stack))
     return delta(await stack.engine_counters(), before), ids
+
+
+def moved_decisions(
+    decisions: dict[str, Any], order: list[int], request_ids: list[str]
+) -> list[tuple[str, dict[str, tuple[float, ...]]]]:
+    """The later decisions that did not go where their prefix's first request went, with the
+    terms that decided them: what a failure of the hit-rate check needs to be read."""
+    first = {order[j]: decisions[request_ids[j]]["served_by"] for j in range(PREFIXES)}
+    moved = []
+    for p, request_id in zip(order[PREFIXES:], request_ids[PREFIXES:], strict=True):
+        decision = decisions[request_id]
+        if decision["served_by"] == first[p]:
+            continue
+        per_replica = {}
+        for replica, explanation in decision["explanations"].items():
+            t = explanation["terms"]
+            per_replica[replica] = tuple(
+                round(t.get(name, -1), 1)
+                for name in (
+                    "uncached_tokens", "queue_wait_ms", "prefill_ms", "prefill_tokens_per_s",
+                    "kv_penalty_ms", "stale_penalty_ms", "fleet_cost_ms",
+                )
+            )
+        moved.append((decision["served_by"], per_replica))
+    return moved
 
 
 async def test_prefix_aware_routing_reaches_90_percent_of_ideal_on_vllm_counters(
@@ -273,7 +310,7 @@ async def test_prefix_aware_routing_reaches_90_percent_of_ideal_on_vllm_counters
     queried = sum(len(t) for t in token_lists)
     ideal = ideal_hits / queried
     # Same prompts, two tenants (two cache salts): the runs share no cached block.
-    views: list[dict[str, tuple[int, int, int, int, float]]] = []
+    views: list[dict[str, tuple[int, int, int, int, float, float]]] = []
     aware, aware_ids = await run_workload(stack, prompts, "alpha", None, views)
     blind, _ = await run_workload(stack, prompts, "gamma", RR_HEADER)
     decisions = await stack.decisions()
@@ -303,15 +340,34 @@ async def test_prefix_aware_routing_reaches_90_percent_of_ideal_on_vllm_counters
     ]
     first_round = [decisions[r] for r in aware_ids[:PREFIXES]]
     lines.append(
-        "first-round decisions (replica, queue_wait_ms per replica, degraded): "
+        "first-round decisions (replica; per replica: queue wait, externality, eviction and "
+        "total cost ms; degraded): "
         + str([
-            (d["served_by"], {k: round(e["terms"].get("queue_wait_ms", -1)) for k, e in
-                              d["explanations"].items()}, d["degraded"]) for d in first_round
+            (
+                d["served_by"],
+                {
+                    k: tuple(
+                        round(e["terms"].get(name, -1))
+                        for name in (
+                            "queue_wait_ms", "externality_ms", "eviction_ms", "fleet_cost_ms"
+                        )
+                    )
+                    for k, e in d["explanations"].items()
+                },
+                d["degraded"],
+            )
+            for d in first_round
         ])
     )
     lines.append(
-        "registry after each first-round dispatch (running, waiting, in flight, ended since "
-        f"the reading, reading age ms): {views}"
+        "registry after each first-round dispatch, after a poll of the engines mid-round, when "
+        "the round ended and after the last request (running, waiting, in flight, ended since "
+        f"the reading, reading age ms, KV usage): {views}"
+    )
+    lines.append(
+        "later decisions sent away from their prefix's first-round replica (replica; per "
+        "replica: uncached tokens, queue wait, prefill ms, speed tokens/s, kv and stale "
+        f"penalties ms, cost ms): {moved_decisions(decisions, order, aware_ids)}"
     )
     degraded = sum(decisions[r]["degraded"] for r in aware_ids)
     lines.append(f"degraded decisions (index unavailable): {degraded}")

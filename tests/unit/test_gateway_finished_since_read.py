@@ -75,6 +75,27 @@ def test_a_request_that_ended_after_the_reading_comes_off_the_gauge() -> None:
     assert (state.finished_since_read, state.running_now) == (1, 0)
 
 
+def test_kv_usage_loses_the_share_of_the_requests_that_ended() -> None:
+    """vLLM frees a finished request's blocks at once: a KV gauge read during a burst must not
+    keep a replica looking full after the burst ended (the real-vLLM prefix test's first round
+    read one engine at 93% and sent every later request for its prefixes to the other)."""
+    clock = Clock(100.0)
+    inflight = MemoryInflight(clock)
+    for _ in range(4):
+        inflight.start(R, 100)
+    registry = ReplicaRegistry()
+    registry.upsert(ReplicaState(R, "http://r0", running=4, kv_usage=0.92, metrics_read_at=100.5))
+    assert view(registry, inflight).kv_usage_now == pytest.approx(0.92)
+    clock.now = 101.0
+    inflight.finish(R, 0, started_at=100.0)
+    inflight.finish(R, 0, started_at=100.0)
+    state = view(registry, inflight)
+    assert (state.kv_usage, state.kv_usage_now) == (0.92, pytest.approx(0.46))
+    inflight.finish(R, 0, started_at=100.0)
+    inflight.finish(R, 0, started_at=100.0)
+    assert view(registry, inflight).kv_usage_now == 0.0
+
+
 def test_a_reading_that_arrives_after_the_end_is_still_corrected() -> None:
     """The agent read the engine while the request ran; the gateway merged it after the end."""
     clock = Clock(101.0)

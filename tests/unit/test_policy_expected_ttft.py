@@ -97,6 +97,11 @@ ESTIMATES = [
     pytest.param({"kv_usage": 0.85}, {}, {"kv_penalty_ms": 0.0}, id="kv below knee"),
     pytest.param({"kv_usage": 0.95}, {}, {"kv_penalty_ms": 500.0}, id="kv half-way past knee"),
     pytest.param({"kv_usage": 1.0}, {}, {"kv_penalty_ms": 2_000.0}, id="kv full"),
+    # The gauge less the share of its running requests that ended since the reading.
+    pytest.param({"kv_usage": 1.0, "running": 20, "finished_since_read": 1}, {},
+                 {"kv_penalty_ms": 500.0}, id="kv full at the reading, 1 of 20 ended since"),
+    pytest.param({"kv_usage": 0.93, "running": 4, "finished_since_read": 4}, {},
+                 {"kv_penalty_ms": 0.0}, id="kv read during a burst that has ended"),
     pytest.param({"metrics_read_at": NOW - 1.5}, {}, {"stale_penalty_ms": 0.0}, id="fresh"),
     pytest.param({"metrics_read_at": NOW - 12}, {}, {"stale_penalty_ms": 1_000.0}, id="stale"),
     pytest.param({"metrics_read_at": NOW - 600}, {}, {"stale_penalty_ms": 5_000.0},
