@@ -73,7 +73,9 @@ def guard_where_configured(handler: Handler) -> Handler:
 async def replicas(request: web.Request) -> web.Response:
     """Every known replica: state as policies see it, circuit breaker, in-flight counts."""
     gw = request.app[GATEWAY]
-    gw.registry.set_inflight(gw.inflight.counts(), gw.inflight.ended_since)
+    gw.registry.set_inflight(
+        gw.inflight.counts(), gw.inflight.ended_since, gw.inflight.awaiting_prefill
+    )
     out = []
     for state in gw.registry.all():
         item = dataclasses.asdict(state)

@@ -1,4 +1,5 @@
-"""In-flight load per replica: requests and not-yet-prefilled prompt tokens.
+"""In-flight load per replica: requests, not-yet-prefilled prompt tokens, and the requests still
+waiting for their first token.
 
 One gateway counts in memory. Several gateways share counts through Redis: each publishes its own
 counts under its own key with a short TTL (so a crashed gateway's counts vanish by themselves) and
@@ -37,10 +38,18 @@ class InflightTracker(Protocol):
     def prefilled(self, replica: ReplicaId, prefill_tokens: int) -> None: ...
 
     def finish(
-        self, replica: ReplicaId, prefill_tokens: int, started_at: float | None = None
+        self,
+        replica: ReplicaId,
+        prefill_tokens: int,
+        started_at: float | None = None,
+        awaiting_prefill: bool = False,
     ) -> None: ...
 
     def counts(self) -> Counts: ...
+
+    def awaiting_prefill(self, replica: ReplicaId) -> int:
+        """Requests in flight on ``replica`` whose first token has not arrived."""
+        ...
 
     def count(self, replica: ReplicaId) -> tuple[int, int]:
         """(requests, unprefilled prompt tokens) in flight on ``replica``."""
@@ -64,6 +73,8 @@ class MemoryInflight:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._requests: dict[ReplicaId, int] = defaultdict(int)
         self._tokens: dict[ReplicaId, int] = defaultdict(int)
+        #: Per replica, the requests in flight whose first token has not arrived.
+        self._awaiting: dict[ReplicaId, int] = defaultdict(int)
         #: Per replica, the last requests that ended: (sent at, ended at), wall-clock seconds.
         self._ended: dict[ReplicaId, deque[tuple[float, float]]] = {}
         self._clock = clock
@@ -74,23 +85,33 @@ class MemoryInflight:
         """A request was sent to ``replica``; its prompt is not prefilled yet."""
         self._requests[replica] += 1
         self._tokens[replica] += prefill_tokens
+        self._awaiting[replica] += 1
         self._changed.add(replica)
 
     def prefilled(self, replica: ReplicaId, prefill_tokens: int) -> None:
         """The first byte arrived: the engine has prefilled the prompt."""
         self._tokens[replica] = max(0, self._tokens[replica] - prefill_tokens)
+        self._awaiting[replica] = max(0, self._awaiting[replica] - 1)
         self._changed.add(replica)
 
     def finish(
-        self, replica: ReplicaId, prefill_tokens: int, started_at: float | None = None
+        self,
+        replica: ReplicaId,
+        prefill_tokens: int,
+        started_at: float | None = None,
+        awaiting_prefill: bool = False,
     ) -> None:
-        """The request ended; ``prefill_tokens`` is what is still counted as unprefilled (or 0).
+        """The request ended; ``prefill_tokens`` is what is still counted as unprefilled (or 0),
+        and ``awaiting_prefill`` whether its first token never arrived (``prefilled`` was not
+        called for it).
 
         ``started_at`` (wall clock) is when it was sent: with it, ``ended_since`` can tell an
         engine reading that still counted this request.
         """
         self._requests[replica] = max(0, self._requests[replica] - 1)
         self._tokens[replica] = max(0, self._tokens[replica] - prefill_tokens)
+        if awaiting_prefill:
+            self._awaiting[replica] = max(0, self._awaiting[replica] - 1)
         self._changed.add(replica)
         if started_at is not None:
             ended = self._ended.get(replica)
@@ -103,6 +124,9 @@ class MemoryInflight:
 
     def count(self, replica: ReplicaId) -> tuple[int, int]:
         return self._requests.get(replica, 0), self._tokens.get(replica, 0)
+
+    def awaiting_prefill(self, replica: ReplicaId) -> int:
+        return self._awaiting.get(replica, 0)
 
     def take_changed(self) -> set[ReplicaId]:
         changed, self._changed = self._changed, set()
@@ -155,6 +179,9 @@ class RedisInflight(MemoryInflight):
         self._ttl_s = ttl_s
         self.gateway_id = gateway_id or uuid.uuid4().hex
         self._others: Counts = {}
+        #: The other gateways' requests awaiting their first token, per replica (a gateway that
+        #: does not publish them counts all its requests).
+        self._others_awaiting: dict[ReplicaId, int] = {}
         #: When a sync last read the other gateways' counts (monotonic seconds).
         self._synced_at = time.monotonic()
 
@@ -162,6 +189,9 @@ class RedisInflight(MemoryInflight):
         n, t = super().count(replica)
         on, ot = self._others.get(replica, (0, 0))
         return n + on, t + ot
+
+    def awaiting_prefill(self, replica: ReplicaId) -> int:
+        return super().awaiting_prefill(replica) + self._others_awaiting.get(replica, 0)
 
     def counts(self) -> Counts:
         own = super().counts()
@@ -175,8 +205,13 @@ class RedisInflight(MemoryInflight):
         """Publish our counts and read everyone else's; errors only cost freshness."""
         own_key = self.key_prefix + self.gateway_id
         try:
-            await self._redis.set(own_key, json.dumps(super().counts()), px=int(self._ttl_s * 1000))
+            published = {
+                rid: (n, t, MemoryInflight.awaiting_prefill(self, rid))
+                for rid, (n, t) in super().counts().items()
+            }
+            await self._redis.set(own_key, json.dumps(published), px=int(self._ttl_s * 1000))
             others: dict[ReplicaId, tuple[int, int]] = {}
+            others_awaiting: dict[ReplicaId, int] = {}
             async for key in self._redis.scan_iter(match=self.key_prefix + "*", count=100):
                 name = key.decode() if isinstance(key, bytes) else key
                 if name == own_key:
@@ -184,14 +219,26 @@ class RedisInflight(MemoryInflight):
                 raw = await self._redis.get(key)
                 if raw is None:
                     continue
-                for rid, (n, t) in json.loads(raw).items():
-                    on, ot = others.get(ReplicaId(rid), (0, 0))
-                    others[ReplicaId(rid)] = (on + int(n), ot + int(t))
+                for rid, figures in json.loads(raw).items():
+                    n, t = int(figures[0]), int(figures[1])
+                    # [requests, tokens] from a gateway that does not count the third: all of
+                    # its requests may be waiting.
+                    awaiting = int(figures[2]) if len(figures) > 2 else n
+                    replica = ReplicaId(rid)
+                    on, ot = others.get(replica, (0, 0))
+                    others[replica] = (on + n, ot + t)
+                    others_awaiting[replica] = others_awaiting.get(replica, 0) + awaiting
             # Where the other gateways' counts moved, readers must look again.
-            previous = self._others
+            previous, previous_awaiting = self._others, self._others_awaiting
             moved = previous.keys() | others.keys()
-            self._changed.update(rid for rid in moved if previous.get(rid) != others.get(rid))
+            self._changed.update(
+                rid
+                for rid in moved
+                if previous.get(rid) != others.get(rid)
+                or previous_awaiting.get(rid) != others_awaiting.get(rid)
+            )
             self._others = others
+            self._others_awaiting = others_awaiting
             self._synced_at = time.monotonic()
         except Exception as exc:  # redis errors, bad JSON from a foreign key
             task = asyncio.current_task()
@@ -207,6 +254,7 @@ class RedisInflight(MemoryInflight):
                 # freed. Count our own requests only until Redis answers again.
                 self._changed.update(self._others)
                 self._others = {}
+                self._others_awaiting = {}
 
     async def close(self) -> None:
         # Shutting down: a failed delete is harmless, the key expires by itself.

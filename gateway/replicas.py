@@ -434,15 +434,18 @@ class ReplicaRegistry:
         self,
         counts: dict[ReplicaId, tuple[int, int]],
         ended_since: Callable[[ReplicaId, float], int] | None = None,
+        awaiting_prefill: Callable[[ReplicaId], int] | None = None,
     ) -> None:
         """Copy in-flight (requests, unprefilled prompt tokens) per replica into the states.
 
         ``ended_since(replica, read_at)`` (the in-flight tracker's) counts the requests sent
         there before the engine figures were read that have ended since: the ``running`` gauge
         still counts them, and they become the state's ``finished_since_read``.
+        ``awaiting_prefill(replica)`` counts those still waiting for their first token
+        (``inflight_unprefilled``).
         """
         for rid, state in self._states.items():
-            self._set_inflight_of(state, counts.get(rid, (0, 0)), ended_since)
+            self._set_inflight_of(state, counts.get(rid, (0, 0)), ended_since, awaiting_prefill)
 
     def refresh_inflight(self, tracker: InflightTracker) -> None:
         """``set_inflight`` from ``tracker``, for the replicas where something changed.
@@ -459,15 +462,19 @@ class ReplicaRegistry:
         for rid in changed:
             state = states.get(rid)
             if state is not None:
-                self._set_inflight_of(state, tracker.count(rid), tracker.ended_since)
+                self._set_inflight_of(
+                    state, tracker.count(rid), tracker.ended_since, tracker.awaiting_prefill
+                )
 
     def _set_inflight_of(
         self,
         state: ReplicaState,
         count: tuple[int, int],
         ended_since: Callable[[ReplicaId, float], int] | None,
+        awaiting_prefill: Callable[[ReplicaId], int] | None = None,
     ) -> None:
         requests, tokens = count
+        unprefilled = awaiting_prefill(state.replica_id) if awaiting_prefill else None
         # Nothing to take off a gauge of 0 (most replicas of a large, lightly loaded fleet):
         # skip the tracker's look-up.
         since_read = (
@@ -479,13 +486,15 @@ class ReplicaRegistry:
             state.inflight_requests,
             state.inflight_prefill_tokens,
             state.finished_since_read,
-        ) != (requests, tokens, since_read):
+            state.inflight_unprefilled,
+        ) != (requests, tokens, since_read, unprefilled):
             self._put(
                 replace(
                     state,
                     inflight_requests=requests,
                     inflight_prefill_tokens=tokens,
                     finished_since_read=since_read,
+                    inflight_unprefilled=unprefilled,
                 ),
                 inflight_only=True,
             )

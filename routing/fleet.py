@@ -26,6 +26,7 @@ _ID = attrgetter("replica_id")
 _RUNNING = attrgetter("running")
 _WAITING = attrgetter("waiting")
 _INFLIGHT = attrgetter("inflight_requests")
+_QUEUED = attrgetter("queued")
 
 
 class Fleet(Sequence[ReplicaState]):
@@ -40,6 +41,7 @@ class Fleet(Sequence[ReplicaState]):
         "_adapters",
         "_inflight",
         "_position",
+        "_queued",
         "_running",
         "_serving",
         "_states",
@@ -52,6 +54,7 @@ class Fleet(Sequence[ReplicaState]):
         self._running = np.fromiter(map(_RUNNING, self._states), np.int64, n)
         self._waiting = np.fromiter(map(_WAITING, self._states), np.int64, n)
         self._inflight = np.fromiter(map(_INFLIGHT, self._states), np.int64, n)
+        self._queued = np.fromiter(map(_QUEUED, self._states), np.int64, n)
         self._position = {rid: i for i, rid in enumerate(map(_ID, self._states))}
         if len(self._position) != n:
             raise ValueError("a fleet lists each replica once")
@@ -90,6 +93,7 @@ class Fleet(Sequence[ReplicaState]):
         self._running[position] = state.running
         self._waiting[position] = state.waiting
         self._inflight[position] = state.inflight_requests
+        self._queued[position] = state.queued
         if old.healthy != state.healthy or old.models != state.models:
             self._serving.clear()
         if (
@@ -106,6 +110,7 @@ class Fleet(Sequence[ReplicaState]):
         copy._running = self._running.copy()
         copy._waiting = self._waiting.copy()
         copy._inflight = self._inflight.copy()
+        copy._queued = self._queued.copy()
         copy._position = self._position  # membership is the same: shared, never written
         copy._serving = dict(self._serving)
         copy._adapters = dict(self._adapters)
@@ -128,6 +133,11 @@ class Fleet(Sequence[ReplicaState]):
     @property
     def inflight(self) -> np.ndarray:
         return _read_only(self._inflight)
+
+    @property
+    def queued(self) -> np.ndarray:
+        """``ReplicaState.queued`` per position (read-only view)."""
+        return _read_only(self._queued)
 
     def position(self, replica: ReplicaId) -> int | None:
         """Where ``replica`` is in the fleet, or None."""

@@ -40,6 +40,7 @@ _ID = attrgetter("replica_id")
 _RUNNING = attrgetter("running")
 _WAITING = attrgetter("waiting")
 _INFLIGHT = attrgetter("inflight_requests")
+_QUEUED = attrgetter("queued")
 #: Tie draws for callers that bring no generator of their own.
 _RNG = np.random.default_rng()
 
@@ -115,13 +116,11 @@ def prune(
     if count <= pruning.above:
         kept = list(figures.states) if kept_at is None else _at(figures.states, kept_at.tolist())
         return Pruned(kept, None, seen, count, removed)
-    running, waiting, inflight = figures.running, figures.waiting, figures.inflight
-    group = figures.group
+    queued, group = figures.queued, figures.group
     if kept_at is not None:
-        running, waiting, inflight = running[kept_at], waiting[kept_at], inflight[kept_at]
+        queued = queued[kept_at]
         load = load[kept_at]
         group = group[kept_at] if group is not None else None
-    queued = np.maximum(np.maximum(waiting, inflight - running), 0)
     summary = CandidatesSummary(count, float(load.sum()) / count, float(queued.sum()) / count)
     keys = load + (rng if rng is not None else _RNG).random(count)
     k = pruning.least_loaded
@@ -158,6 +157,8 @@ class _Figures:
     running: np.ndarray
     waiting: np.ndarray
     inflight: np.ndarray
+    #: ``ReplicaState.queued`` per replica.
+    queued: np.ndarray
     #: Healthy and serving the model, when the pass filters; None otherwise.
     serving: np.ndarray | None
     #: Group code (prefix depth, then adapter residence); None when all are in one group.
@@ -180,6 +181,7 @@ class _Figures:
                 fleet.running,
                 fleet.waiting,
                 fleet.inflight,
+                fleet.queued,
                 fleet.serving(serves) if serves is not None else None,
                 group,
             )
@@ -201,6 +203,7 @@ class _Figures:
             np.fromiter(map(_RUNNING, states), np.int64, n),
             np.fromiter(map(_WAITING, states), np.int64, n),
             np.fromiter(map(_INFLIGHT, states), np.int64, n),
+            np.fromiter(map(_QUEUED, states), np.int64, n),
             serving,
             group,
         )

@@ -219,8 +219,12 @@ class AttemptRecorder:
 
     def ended(self, replica: ReplicaId) -> None:
         gw = self.gw
+        awaiting = replica in self._unprefilled  # no first byte came: it never prefilled
         gw.inflight.finish(
-            replica, self._unprefilled.pop(replica, 0), self._sent_at.pop(replica, None)
+            replica,
+            self._unprefilled.pop(replica, 0),
+            self._sent_at.pop(replica, None),
+            awaiting_prefill=awaiting,
         )
         state = gw.registry.get(replica)
         pool = state.pool if state else "unknown"

@@ -131,6 +131,7 @@ class SimulatedReplica:
         """The gateway sent a request here."""
         self.state.inflight_requests += 1
         self.state.inflight_prefill_tokens += uncached_tokens
+        self.state.inflight_unprefilled = (self.state.inflight_unprefilled or 0) + 1
         self.routed += 1
 
     def inflight_prefilled(self, uncached_tokens: int) -> None:
@@ -138,6 +139,8 @@ class SimulatedReplica:
         self.state.inflight_prefill_tokens = max(
             0, self.state.inflight_prefill_tokens - uncached_tokens
         )
+        # Every simulated request has its first token before it finishes.
+        self.state.inflight_unprefilled = max(0, (self.state.inflight_unprefilled or 0) - 1)
 
     def inflight_finish(self) -> None:
         """The request completed."""

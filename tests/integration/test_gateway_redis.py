@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import aiohttp
@@ -40,6 +41,37 @@ async def test_inflight_counts_are_shared_between_gateways(redis_url: str) -> No
     await third.sync()
     assert third.counts().get(replica, (0, 0)) == (0, 0)
     await third.close()
+
+
+async def test_requests_awaiting_their_first_token_are_shared_between_gateways(
+    redis_url: str,
+) -> None:
+    """Each gateway publishes how many of its requests still wait for their first token; a
+    gateway that publishes only (requests, tokens) counts all of its requests as waiting."""
+    first, second = RedisInflight(redis_url), RedisInflight(redis_url)
+    replica = ReplicaId("pool/0")
+    try:
+        first.start(replica, 100)
+        first.start(replica, 100)
+        first.prefilled(replica, 100)
+        second.start(replica, 20)
+        await first.sync()
+        await second.sync()
+        await first.sync()
+        assert (second.awaiting_prefill(replica), first.awaiting_prefill(replica)) == (2, 2)
+        second.prefilled(replica, 20)
+        await second.sync()
+        await first.sync()
+        assert first.awaiting_prefill(replica) == 1
+        # An older gateway's key: [requests, tokens] only.
+        await first._redis.set(first.key_prefix + "old-gateway", json.dumps({replica: [3, 30]}))
+        await second.sync()
+        assert second.counts()[replica] == (6, 130)
+        assert second.awaiting_prefill(replica) == 1 + 3
+    finally:
+        await first._redis.delete(first.key_prefix + "old-gateway")
+        await first.close()
+        await second.close()
 
 
 async def test_inflight_counts_stay_within_their_fleet(redis_url: str) -> None:

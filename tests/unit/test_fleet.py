@@ -202,7 +202,7 @@ def test_refreshing_what_changed_gives_the_figures_of_a_full_refresh(ops) -> Non
                     [replace(current, running=value % 7, metrics_read_at=read_at)]
                 )
         incremental.refresh_inflight(inflight)
-        full.set_inflight(inflight.counts(), inflight.ended_since)
+        full.set_inflight(inflight.counts(), inflight.ended_since, inflight.awaiting_prefill)
         assert incremental.all() == full.all()
         fleet, twin = incremental.routable(), full.routable()
         assert fleet.inflight.tolist() == twin.inflight.tolist()

@@ -57,7 +57,7 @@ def view(registry: ReplicaRegistry, inflight: MemoryInflight) -> ReplicaState:
     if _REFRESH["incremental"]:
         registry.refresh_inflight(inflight)
     else:
-        registry.set_inflight(inflight.counts(), inflight.ended_since)
+        registry.set_inflight(inflight.counts(), inflight.ended_since, inflight.awaiting_prefill)
     state = registry.get(R)
     assert state is not None
     return state
@@ -94,6 +94,35 @@ def test_kv_usage_loses_the_share_of_the_requests_that_ended() -> None:
     inflight.finish(R, 0, started_at=100.0)
     inflight.finish(R, 0, started_at=100.0)
     assert view(registry, inflight).kv_usage_now == 0.0
+
+
+def test_requests_with_their_first_token_are_not_queued_behind_an_old_gauge() -> None:
+    """Between polls, the gateway's in-flight requests beyond the ``running`` gauge counted as
+    queued even once decoding: two decodes sent since a poll made an idle-queued engine look
+    congested. Only those still waiting for their first token are queued."""
+    clock = Clock(100.0)
+    inflight = MemoryInflight(clock)
+    registry = registry_reading(running=0, read_at=99.0)
+    inflight.start(R, 800)
+    inflight.start(R, 800)
+    state = view(registry, inflight)
+    assert (state.inflight_unprefilled, state.queued, state.running_now) == (2, 2, 2)
+    inflight.prefilled(R, 800)
+    state = view(registry, inflight)
+    assert (state.inflight_unprefilled, state.queued, state.running_now) == (1, 1, 2)
+    inflight.prefilled(R, 800)
+    state = view(registry, inflight)
+    assert (state.inflight_unprefilled, state.queued, state.load) == (0, 0, 2)
+    # A request that ends without a first token (an error, a disconnect) leaves the count too.
+    inflight.start(R, 50)
+    inflight.finish(R, 50, started_at=100.0, awaiting_prefill=True)
+    inflight.finish(R, 0, started_at=100.0)
+    state = view(registry, inflight)
+    assert (state.inflight_requests, state.inflight_unprefilled, state.queued) == (1, 0, 0)
+    # The engine's own waiting queue (other clients') still counts.
+    reread(registry, running=1, read_at=100.0)
+    registry.sync_discovered([replace(view(registry, inflight), waiting=3)])
+    assert view(registry, inflight).queued == 3
 
 
 def test_a_reading_that_arrives_after_the_end_is_still_corrected() -> None:

@@ -141,18 +141,32 @@ async def test_a_hot_prefix_is_costed_on_its_least_loaded_holders_only() -> None
 @settings(max_examples=50, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50)),
+        st.tuples(
+            st.integers(0, 50),
+            st.integers(0, 50),
+            st.integers(0, 50),
+            st.none() | st.integers(0, 50),
+        ),
         min_size=1,
         max_size=30,
     )
 )
 def test_the_loads_read_in_the_pass_are_replica_state_load(figures) -> None:  # type: ignore[no-untyped-def]
-    """The pass reads load and queue inline (no property call per replica): same figures."""
+    """The pass reads load and queue as arrays (no property call per replica in a Fleet): the
+    same figures as ``ReplicaState``'s, whether or not the requests awaiting their first token
+    are counted."""
     from routing.prune import prune
 
     replicas = [
-        ReplicaState(ReplicaId(f"r{i}"), "u", running=r, waiting=w, inflight_requests=f)
-        for i, (r, w, f) in enumerate(figures)
+        ReplicaState(
+            ReplicaId(f"r{i}"),
+            "u",
+            running=r,
+            waiting=w,
+            inflight_requests=f,
+            inflight_unprefilled=None if u is None else min(u, f),
+        )
+        for i, (r, w, f, u) in enumerate(figures)
     ]
     pruned = prune(request({}, 4, 0), replicas, Pruning(1, 1))
     summary, loads = pruned.summary, pruned.loads
