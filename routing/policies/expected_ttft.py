@@ -199,8 +199,11 @@ class ExpectedTtftScorer(Plugin):
         kv_threshold: float = Field(default=0.9, gt=0.0, lt=1.0)
         #: Penalty at a full KV cache; it grows quadratically from 0 at the threshold.
         kv_penalty_ms: float = Field(default=2000.0, ge=0.0)
-        #: Load figures older than this are distrusted ...
-        stale_after_s: float = Field(default=2.0, ge=0.0)
+        #: Load figures older than this are distrusted ... Above the gateway's poll cycle: its
+        #: health poll reads the engines every ``health_check_interval_s`` (2 s) and then takes
+        #: up to its timeout (2 s), so a reading routinely ages past 2 s before the next one. At
+        #: 2 s every replica took a penalty before each poll, larger for a slow-answering one.
+        stale_after_s: float = Field(default=5.0, ge=0.0)
         #: ... at this many ms of penalty per second of extra age ...
         stale_penalty_ms_per_s: float = Field(default=100.0, ge=0.0)
         #: ... up to this cap.

@@ -103,7 +103,9 @@ ESTIMATES = [
     pytest.param({"kv_usage": 0.93, "running": 4, "finished_since_read": 4}, {},
                  {"kv_penalty_ms": 0.0}, id="kv read during a burst that has ended"),
     pytest.param({"metrics_read_at": NOW - 1.5}, {}, {"stale_penalty_ms": 0.0}, id="fresh"),
-    pytest.param({"metrics_read_at": NOW - 12}, {}, {"stale_penalty_ms": 1_000.0}, id="stale"),
+    pytest.param({"metrics_read_at": NOW - 3.9}, {}, {"stale_penalty_ms": 0.0},
+                 id="one poll cycle old (2 s interval + a slow poll): not stale"),
+    pytest.param({"metrics_read_at": NOW - 12}, {}, {"stale_penalty_ms": 700.0}, id="stale"),
     pytest.param({"metrics_read_at": NOW - 600}, {}, {"stale_penalty_ms": 5_000.0},
                  id="stale, capped"),
 ]
