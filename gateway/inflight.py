@@ -206,7 +206,7 @@ class RedisInflight(MemoryInflight):
         own_key = self.key_prefix + self.gateway_id
         try:
             published = {
-                rid: (n, t, MemoryInflight.awaiting_prefill(self, rid))
+                rid: (n, t, self._awaiting.get(rid, 0))  # our own, not the merged count
                 for rid, (n, t) in super().counts().items()
             }
             await self._redis.set(own_key, json.dumps(published), px=int(self._ttl_s * 1000))

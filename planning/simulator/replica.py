@@ -38,6 +38,8 @@ class SimulatedReplica:
             epoch=self.epoch,
             block_size=config.block_size,
             kv_capacity_blocks=config.num_gpu_blocks,
+            # The simulated gateway counts its requests awaiting their first token, as the real one.
+            inflight_unprefilled=0,
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
             # What an operator would configure: the roofline's speed for a full prefill chunk
@@ -131,7 +133,7 @@ class SimulatedReplica:
         """The gateway sent a request here."""
         self.state.inflight_requests += 1
         self.state.inflight_prefill_tokens += uncached_tokens
-        self.state.inflight_unprefilled = (self.state.inflight_unprefilled or 0) + 1
+        self.state.inflight_unprefilled += 1
         self.routed += 1
 
     def inflight_prefilled(self, uncached_tokens: int) -> None:
@@ -140,7 +142,7 @@ class SimulatedReplica:
             0, self.state.inflight_prefill_tokens - uncached_tokens
         )
         # Every simulated request has its first token before it finishes.
-        self.state.inflight_unprefilled = max(0, (self.state.inflight_unprefilled or 0) - 1)
+        self.state.inflight_unprefilled = max(0, self.state.inflight_unprefilled - 1)
 
     def inflight_finish(self) -> None:
         """The request completed."""
