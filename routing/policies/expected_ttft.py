@@ -214,6 +214,10 @@ class ExpectedTtftScorer(Plugin):
         max_calibration_step: float = Field(default=4.0, ge=1.0)
         #: Requests with fewer uncached tokens than this do not calibrate speed (too noisy).
         min_calibration_tokens: int = Field(default=64, ge=1)
+        #: ... nor do requests whose predicted queue wait was more than this share of their
+        #: predicted queue wait + prefill: what such a request waited is mostly queue, and the
+        #: queue model's error would be learned as prefill speed. None: every request does.
+        max_calibration_queue_share: float | None = Field(default=0.5, gt=0.0, le=1.0)
         #: Cost differences well below this many ms barely change the score (tie-friendly).
         cost_floor_ms: float = Field(default=10.0, gt=0.0)
         #: Predictions kept for requests awaiting completion (oldest dropped first).
@@ -542,6 +546,10 @@ class ExpectedTtftScorer(Plugin):
             return
         if uncached < p.min_calibration_tokens or replica not in self._configured:
             return
+        share = p.max_calibration_queue_share
+        queue_ms = predicted["queue_wait_ms"]
+        if share is not None and queue_ms > share * (queue_ms + uncached / speed * 1000.0):
+            return  # mostly queue: the residual says more about the queue model than speed
         prefill_ms = residual_ms - predicted["adapter_cold_load_ms"]
         # Speed relative to the configured figure; SpeedCalibration bounds each step and shares
         # what it learns across the pool (identical replicas must not drift apart on noise).
