@@ -214,9 +214,10 @@ class ExpectedTtftScorer(Plugin):
         max_calibration_step: float = Field(default=4.0, ge=1.0)
         #: Requests with fewer uncached tokens than this do not calibrate speed (too noisy).
         min_calibration_tokens: int = Field(default=64, ge=1)
-        #: ... nor do requests whose predicted queue wait was more than this share of their
-        #: predicted queue wait + prefill: what such a request waited is mostly queue, and the
-        #: queue model's error would be learned as prefill speed. None: every request does.
+        #: ... nor do requests whose predicted queue wait was more than this share of that wait
+        #: plus their prefill (their uncached tokens at the speed then assumed): what such a
+        #: request waited is mostly queue, and the queue model's error would be learned as
+        #: prefill speed. None: every request does.
         max_calibration_queue_share: float | None = Field(default=0.5, gt=0.0, le=1.0)
         #: Cost differences well below this many ms barely change the score (tie-friendly).
         cost_floor_ms: float = Field(default=10.0, gt=0.0)
