@@ -181,24 +181,23 @@ def test_calibration_subtracts_the_predicted_queue_and_uses_engine_cached_tokens
 
 
 @pytest.mark.parametrize(
-    ("queued_tokens", "share", "calibrated"),
+    ("queued_tokens", "ttft_ms", "share", "calibrated"),
     [
         # 300 ms of queue before 200 ms of prefill: mostly queue, learns no speed.
-        pytest.param(3_000, 0.5, None, id="mostly queue"),
+        pytest.param(3_000, 700.0, 0.5, None, id="mostly queue"),
         # 100 ms of queue before 200 ms of prefill: 900 - 100 ms for 2000 tokens.
-        pytest.param(1_000, 0.5, 2_500.0, id="mostly prefill"),
+        pytest.param(1_000, 900.0, 0.5, 2_500.0, id="mostly prefill"),
         # Gate off: the queue model's error is learned as speed (700 - 300 ms for 2000 tokens).
-        pytest.param(3_000, None, 5_000.0, id="gate off"),
+        pytest.param(3_000, 700.0, None, 5_000.0, id="gate off"),
     ],
 )
 def test_a_request_that_mostly_queued_does_not_calibrate_speed(
-    queued_tokens: int, share: float | None, calibrated: float | None
+    queued_tokens: int, ttft_ms: float, share: float | None, calibrated: float | None
 ) -> None:
     params = ExpectedTtftScorer.Params(calibration_alpha=1.0, max_calibration_queue_share=share)
     scorer = at_now(params)
     request = req(request_id="q")
     scorer.score_with_terms(request, [rep("a", inflight_prefill_tokens=queued_tokens)])
-    ttft_ms = 700.0 if queued_tokens == 3_000 else 900.0
     scorer.on_request_complete(request, ReplicaId("a"), ttft_ms, 0, True)
     speed = scorer.calibrated_speed(ReplicaId("a"))
     assert speed == (None if calibrated is None else pytest.approx(calibrated))
