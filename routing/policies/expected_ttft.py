@@ -528,33 +528,35 @@ class ExpectedTtftScorer(Plugin):
             uncached = max(0.0, float(request.prompt_tokens - cached_tokens))
         else:
             uncached = predicted["uncached_tokens"]
-        speed = predicted["prefill_tokens_per_s"]
-        residual_ms = ttft_ms - predicted["queue_wait_ms"]
+        # Its uncached tokens at the speed assumed when it was routed.
+        prefill_then_ms = uncached / predicted["prefill_tokens_per_s"] * 1000.0
+        queue_ms = predicted["queue_wait_ms"]
+        residual_ms = ttft_ms - queue_ms
         if predicted["adapter_slot_wait_ms"] > 0.0:
             # It waited for a LoRA slot: what the rest of the prediction does not explain is
             # that wait (and it says nothing reliable about prefill speed).
             multiple = pending.slot_wait_multiple
             if multiple > 0.0:
-                rest_ms = uncached / speed * 1000.0 + predicted["adapter_cold_load_ms"]
+                rest_ms = prefill_then_ms + predicted["adapter_cold_load_ms"]
                 self._observe_slot_wait(max(1.0, residual_ms - rest_ms) / multiple)
             return
 
         if replica in pending.cold_load_is_ours and request.adapter:
             # The adapter had to be loaded: attribute what prefill does not explain to the load.
-            observed = max(0.0, residual_ms - uncached / speed * 1000.0)
+            observed = max(0.0, residual_ms - prefill_then_ms)
             old = self.adapter_cold_load_estimate_ms(request.adapter)
             self._cold_load_ms[request.adapter] = old + p.calibration_alpha * (observed - old)
             return
         if uncached < p.min_calibration_tokens or replica not in self._configured:
             return
         share = p.max_calibration_queue_share
-        queue_ms = predicted["queue_wait_ms"]
-        if share is not None and queue_ms > share * (queue_ms + uncached / speed * 1000.0):
+        if share is not None and queue_ms > share * (queue_ms + prefill_then_ms):
             return  # mostly queue: the residual says more about the queue model than speed
         prefill_ms = residual_ms - predicted["adapter_cold_load_ms"]
         # Speed relative to the configured figure; SpeedCalibration bounds each step and shares
         # what it learns across the pool (identical replicas must not drift apart on noise).
         implied = uncached / (prefill_ms / 1000.0) if prefill_ms > 0 else math.inf
+        speed = predicted["prefill_tokens_per_s"]
         ratio = min(implied, speed * p.max_calibration_step) / self._configured[replica]
         self._calibration.observe(replica, self._pool_of[replica], ratio)
 
