@@ -756,6 +756,18 @@ def test_a_holder_within_the_usual_ttft_keeps_a_prefix_a_full_cache_would_evict(
     assert terms[ReplicaId("cold")]["fleet_cost_ms"] == pytest.approx(200.0 + 160.0)
 
 
+def test_stickiness_while_the_holder_has_slack_is_on_by_default() -> None:
+    """Without the queue-depth weight, the default parameters alone keep the prefix on its
+    holder (``slack_duplicate_weight`` 1 since session 27)."""
+    s = scorer(**{**QUIET, "duplicate_per_queued": 0.0})
+    busy = [rep("a", waiting=10), rep("b", waiting=10)]
+    for n in range(200):
+        s.score_with_terms(req(request_id=f"warm-{n}", chain=[]), busy)
+    chosen, terms = _holder_or_cold(s, 4, 200)
+    assert chosen == "holder"
+    assert terms[ReplicaId("cold")]["duplicate_weight"] == 1.0
+
+
 def test_no_stickiness_where_the_duplicate_evicts_nothing() -> None:
     """A cache with room takes the duplicate for idle compute only: the request's TTFT wins."""
     chosen, terms = _holder_or_cold(_warmed(), 4, 0)
