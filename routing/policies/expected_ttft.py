@@ -529,7 +529,8 @@ class ExpectedTtftScorer(Plugin):
         else:
             uncached = predicted["uncached_tokens"]
         # Its uncached tokens at the speed assumed when it was routed.
-        prefill_then_ms = uncached / predicted["prefill_tokens_per_s"] * 1000.0
+        speed = predicted["prefill_tokens_per_s"]
+        prefill_then_ms = uncached / speed * 1000.0
         queue_ms = predicted["queue_wait_ms"]
         residual_ms = ttft_ms - queue_ms
         if predicted["adapter_slot_wait_ms"] > 0.0:
@@ -556,7 +557,6 @@ class ExpectedTtftScorer(Plugin):
         # Speed relative to the configured figure; SpeedCalibration bounds each step and shares
         # what it learns across the pool (identical replicas must not drift apart on noise).
         implied = uncached / (prefill_ms / 1000.0) if prefill_ms > 0 else math.inf
-        speed = predicted["prefill_tokens_per_s"]
         ratio = min(implied, speed * p.max_calibration_step) / self._configured[replica]
         self._calibration.observe(replica, self._pool_of[replica], ratio)
 

@@ -723,10 +723,11 @@ def test_the_charge_falls_as_the_queue_ahead_grows(waiting: int, share: float) -
 SLACK = {**QUIET, "duplicate_per_queued": 0.0, "slack_duplicate_weight": 1.0}
 
 
-def _warmed(**params: Any) -> FleetCostScorer:
-    """A scorer whose usual TTFT has been learnt from 200 decisions on a fleet where the best
-    replica answered in 512 + 200 ms (ten requests queued everywhere)."""
-    s = scorer(**{**SLACK, **params})
+def _warmed(base: dict[str, Any] = SLACK, **params: Any) -> FleetCostScorer:
+    """A scorer (``base`` parameters, then ``params``) whose usual TTFT has been learnt from 200
+    decisions on a fleet where the best replica answered in 512 + 200 ms (ten requests queued
+    everywhere)."""
+    s = scorer(**{**base, **params})
     busy = [rep("a", waiting=10), rep("b", waiting=10)]
     for n in range(200):
         s.score_with_terms(req(request_id=f"warm-{n}", chain=[]), busy)
@@ -759,11 +760,7 @@ def test_a_holder_within_the_usual_ttft_keeps_a_prefix_a_full_cache_would_evict(
 def test_stickiness_while_the_holder_has_slack_is_on_by_default() -> None:
     """Without the queue-depth weight, the default parameters alone keep the prefix on its
     holder (``slack_duplicate_weight`` 1 since session 27)."""
-    s = scorer(**{**QUIET, "duplicate_per_queued": 0.0})
-    busy = [rep("a", waiting=10), rep("b", waiting=10)]
-    for n in range(200):
-        s.score_with_terms(req(request_id=f"warm-{n}", chain=[]), busy)
-    chosen, terms = _holder_or_cold(s, 4, 200)
+    chosen, terms = _holder_or_cold(_warmed({**QUIET, "duplicate_per_queued": 0.0}), 4, 200)
     assert chosen == "holder"
     assert terms[ReplicaId("cold")]["duplicate_weight"] == 1.0
 
