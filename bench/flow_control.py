@@ -416,6 +416,19 @@ def _optional_bounds(settings: FlowControlSettings) -> str:
     return (f" or {' or '.join(parts)}" if parts else "") + held
 
 
+def _seeds(text: str) -> list[int]:
+    """``0`` or ``0,1,2``: the seeds to replay with."""
+    try:
+        seeds = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"seeds are integers, comma-separated (got {text!r})"
+        ) from None
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"a seed is named twice in {text!r}")
+    return seeds
+
+
 def _optional_share(text: str) -> float | None:
     """A share in (0, 1), or ``none``."""
     return None if text.strip().lower() == "none" else float(text)
@@ -515,10 +528,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seed",
-        type=int,
-        default=0,
+        type=_seeds,
+        default=[0],
+        metavar="N[,N,...]",
         help="draws the classes (by conversation) and routing's random choices; the on/off "
-        "comparison of a point near its threshold can flip with it (default %(default)s)",
+        "comparison of a point near its threshold can flip with it (default 0). Several "
+        "(0,1,2) replay everything once per seed and print each seed's checks and mean goodput "
+        "and their mean, without a page: judge a change of setting by that mean, not by one "
+        "seed",
     )
     parser.add_argument(
         "--engine-priority",
@@ -552,13 +569,73 @@ def trace_subjects(
     }
 
 
+@dataclass(frozen=True)
+class Replay:
+    """Every point of one seed, its checks, and each subject served alone."""
+
+    seed: int
+    points: list[Point]
+    checks: list[Check]
+    alone: dict[str, PolicySummary]
+
+    def mean_goodput(self, flow: bool) -> float:
+        """Overall goodput with (``flow``) or without flow control, averaged over the points."""
+        rows = [p.on if flow else p.off for p in self.points]
+        return sum(r.goodput or 0.0 for r in rows) / max(1, len(rows))
+
+    @property
+    def passed(self) -> int:
+        return sum(c.passed for c in self.checks)
+
+
+def replay(
+    chosen: dict[str, tuple[list[TraceRecord], float]],
+    scales: Sequence[float],
+    args: argparse.Namespace,
+    settings: FlowControlSettings,
+    seed: int,
+    pool: ProcessPoolExecutor,
+    label: str = "",
+) -> Replay:
+    """Every subject at every scale with ``seed``, its checks printed as they come."""
+    tasks = [(subject, trace, scale) for subject, (trace, _) in chosen.items() for scale in scales]
+    futures = [
+        pool.submit(
+            run_point, subject, trace, scale, args.classes, settings, args.engine_priority, seed
+        )
+        for subject, trace, scale in tasks
+    ]
+    alone_futures = {
+        subject: pool.submit(served_alone, trace, args.classes, args.engine_priority, seed)
+        for subject, (trace, _) in chosen.items()
+    }
+    points: list[Point] = []
+    checks: list[Check] = []
+    for (subject, _, scale), future in zip(tasks, futures, strict=True):
+        point = future.result()  # in task order: the printout reads like the page
+        points.append(point)
+        for c in check(point, alone_futures[subject].result()):
+            checks.append(c)
+            print(
+                f"{label}{'PASS' if c.passed else 'FAIL'}  {subject:17} {scale:g}x  "
+                f"{c.name:32} {c.detail}",
+                flush=True,
+            )
+    alone = {subject: f.result() for subject, f in alone_futures.items()}
+    return Replay(seed, points, checks, alone)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.arrival_spread_ms < 0:
         parser.error(f"--arrival-spread-ms must be >= 0 (got {args.arrival_spread_ms})")
+    seeds: list[int] = args.seed
     try:
-        traces = trace_subjects(args.trace, args.trace_requests, args.arrival_spread_ms, args.seed)
+        traces = {
+            seed: trace_subjects(args.trace, args.trace_requests, args.arrival_spread_ms, seed)
+            for seed in seeds
+        }
     except (OSError, TraceFormatError) as exc:
         parser.error(str(exc))
     started = time.perf_counter()
@@ -574,61 +651,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         protect_critical_decodes=args.protect_critical_decodes,
     )
     scales = [float(x) for x in args.scales.split(",")]
-    chosen = subjects([n.strip() for n in args.workloads.split(",") if n.strip()], args.requests)
-    chosen.update({name: (trace, 1.0) for name, trace in traces.items()})
-    points: list[Point] = []
-    checks: list[Check] = []
-    tasks = [(subject, trace, scale) for subject, (trace, _) in chosen.items() for scale in scales]
+    generated = subjects([n.strip() for n in args.workloads.split(",") if n.strip()], args.requests)
+    replays: list[Replay] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [
-            pool.submit(
-                run_point,
-                subject,
-                trace,
-                scale,
-                args.classes,
-                settings,
-                args.engine_priority,
-                args.seed,
-            )
-            for subject, trace, scale in tasks
-        ]
-        alone_futures = {
-            subject: pool.submit(
-                served_alone, trace, args.classes, args.engine_priority, args.seed
-            )
-            for subject, (trace, _) in chosen.items()
-        }
-        for (subject, _, scale), future in zip(tasks, futures, strict=True):
-            point = future.result()  # in task order: the printout reads like the page
-            points.append(point)
-            for c in check(point, alone_futures[subject].result()):
-                checks.append(c)
-                print(
-                    f"{'PASS' if c.passed else 'FAIL'}  {subject:17} {scale:g}x  "
-                    f"{c.name:32} {c.detail}",
-                    flush=True,
-                )
+        for seed in seeds:
+            chosen = {**generated, **{name: (t, 1.0) for name, t in traces[seed].items()}}
+            label = f"seed {seed}  " if len(seeds) > 1 else ""
+            replays.append(replay(chosen, scales, args, settings, seed, pool, label))
     elapsed = time.perf_counter() - started
-    failed = sum(not c.passed for c in checks)
-    print(f"{len(checks) - failed} of {len(checks)} checks pass ({elapsed:.0f} s)")
-    if not args.no_page:
+    for r in replays:
+        print(
+            f"{'seed ' + str(r.seed) + ': ' if len(seeds) > 1 else ''}"
+            f"{r.passed} of {len(r.checks)} checks pass; overall goodput with flow control "
+            f"{r.mean_goodput(True):.2%}, without {r.mean_goodput(False):.2%} "
+            f"(mean of {len(r.points)} points)"
+        )
+    if len(seeds) > 1:
+        n = len(replays)
+        print(
+            f"mean of {n} seeds: {sum(r.passed for r in replays) / n:.1f} checks pass; overall "
+            f"goodput with flow control {sum(r.mean_goodput(True) for r in replays) / n:.2%}, "
+            f"without {sum(r.mean_goodput(False) for r in replays) / n:.2%}"
+        )
+    print(f"({elapsed:.0f} s)")
+    failed = sum(len(r.checks) - r.passed for r in replays)
+    if len(seeds) > 1:
+        print("several seeds: no page written (a page shows one seed)", file=sys.stderr)
+    elif not args.no_page:
+        [only] = replays
         page = Path(args.out)
-        plots = write_plots(points, page.parent / page.stem)
+        plots = write_plots(only.points, page.parent / page.stem)
         command = "python -m bench.flow_control " + " ".join(argv or sys.argv[1:])
         page.write_text(
             render_page(
-                points,
-                checks,
+                only.points,
+                only.checks,
                 command.strip(),
                 settings,
                 args.requests,
                 plots,
                 page,
                 elapsed,
-                {name: len(trace) for name, trace in traces.items()},
+                {name: len(trace) for name, trace in traces[only.seed].items()},
                 args.engine_priority,
-                {subject: f.result() for subject, f in alone_futures.items()},
+                only.alone,
             )
         )
         print(f"wrote {page} and {len(plots)} PNGs", file=sys.stderr)

@@ -113,4 +113,32 @@ def test_the_seed_reaches_every_simulation_of_a_point(
     flow_control.run_point("t", trace, 1.0, mix, settings, seed=7)
     flow_control.served_alone(trace, mix, seed=7)
     assert seen == [7, 7, 7]
-    assert flow_control._parser().parse_args(["--seed", "3"]).seed == 3
+    assert flow_control._parser().parse_args(["--seed", "3"]).seed == [3]
+
+
+def test_several_seeds_replay_everything_once_each_and_print_their_mean_without_a_page(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "tiny.jsonl"
+    rows = _records([(i * 200, 1000, 20) for i in range(40)])
+    trace.write_text("".join(r.to_json() + "\n" for r in rows))
+    page = tmp_path / "fc.md"
+    args = ["--workloads", "", "--scales", "1", "--trace", str(trace), "--out", str(page)]
+    assert flow_control.main([*args, "--seed", "0,1", "--jobs", "1"]) == 0
+    out = capsys.readouterr()
+    assert "seed 0  PASS  tiny" in out.out and "seed 1  PASS  tiny" in out.out
+    assert "seed 0: 3 of 3 checks pass; overall goodput with flow control 100.00%" in out.out
+    assert "seed 1: 3 of 3 checks pass" in out.out
+    assert "mean of 2 seeds: 3.0 checks pass" in out.out
+    assert "no page written" in out.err
+    assert not page.exists()
+
+
+@pytest.mark.parametrize("seeds", ["0,x", "1,1", ""])
+def test_seeds_that_are_not_distinct_integers_are_a_usage_error(
+    seeds: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        flow_control._parser().parse_args(["--seed", seeds])
+    assert exited.value.code == 2
+    assert "--seed" in capsys.readouterr().err
