@@ -632,12 +632,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--arrival-spread-ms must be >= 0 (got {args.arrival_spread_ms})")
     seeds: list[int] = args.seed
     try:
-        traces = {
-            seed: trace_subjects(args.trace, args.trace_requests, args.arrival_spread_ms, seed)
-            for seed in seeds
-        }
+        recorded = trace_subjects(args.trace, args.trace_requests)
     except (OSError, TraceFormatError) as exc:
         parser.error(str(exc))
+    # Read once; each seed places the arrivals in their buckets its own way.
+    traces = {
+        seed: {
+            name: list(spread_arrivals(trace, args.arrival_spread_ms, seed))
+            for name, trace in recorded.items()
+        }
+        for seed in seeds
+    }
     started = time.perf_counter()
     settings = FlowControlSettings(
         saturation_backlog_requests=args.saturation_backlog_requests,
