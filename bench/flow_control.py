@@ -210,9 +210,9 @@ def points_table(points: Sequence[Point]) -> str:
     """One markdown row per point."""
     lines = [
         "| subject | load | goodput off → on | critical off → on | standard off → on "
-        "| sheddable off → on | shed (on) | queued (on) | gateway wait p95 / max (on) "
-        "| p95 TTFT off → on |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| sheddable off → on | shed (on) | queued (on) | critical steered (on) "
+        "| gateway wait p95 / max (on) | p95 TTFT off → on |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in points:
         cells = [
@@ -225,6 +225,7 @@ def points_table(points: Sequence[Point]) -> str:
             ),
             str(p.on.shed),
             str(p.on.queued),
+            str(p.on.steered),
             f"{p.on.gateway_wait_p95_ms or 0:,.0f} / {p.on.gateway_wait_max_ms or 0:,.0f} ms",
             f"{p.off.ttft_p95_ms or 0:,.0f} → {p.on.ttft_p95_ms or 0:,.0f} ms",
         ]
@@ -413,7 +414,14 @@ def _optional_bounds(settings: FlowControlSettings) -> str:
         if settings.protect_critical_decodes
         else ""
     )
-    return (f" or {' or '.join(parts)}" if parts else "") + held
+    steered = (
+        "; a critical request routed to a replica whose decodes run too slow for its TPOT SLO "
+        "goes to routing's best-ranked candidate with room instead, when its expected TTFT "
+        "there is no worse (`steer_critical`)"
+        if settings.steer_critical
+        else ""
+    )
+    return (f" or {' or '.join(parts)}" if parts else "") + held + steered
 
 
 def _seeds(text: str) -> list[int]:
@@ -551,6 +559,13 @@ def _parser() -> argparse.ArgumentParser:
         "past its TPOT SLO "
         "(flow_control.protect_critical_decodes; off by default)",
     )
+    parser.add_argument(
+        "--no-steer-critical",
+        dest="steer_critical",
+        action="store_false",
+        help="leave a critical request on the replica routing chose even when its decodes run "
+        "too slow for the TPOT SLO (flow_control.steer_critical: false)",
+    )
     parser.add_argument("--out", default=DEFAULT_PAGE, help="markdown page to write")
     parser.add_argument("--no-page", action="store_true", help="print the checks only")
     return parser
@@ -654,6 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_itl_fraction=args.max_itl_fraction,
         admit_within_slo_fraction=args.admit_within_slo_fraction,
         protect_critical_decodes=args.protect_critical_decodes,
+        steer_critical=args.steer_critical,
     )
     scales = [float(x) for x in args.scales.split(",")]
     generated = subjects([n.strip() for n in args.workloads.split(",") if n.strip()], args.requests)

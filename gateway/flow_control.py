@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
@@ -102,7 +103,8 @@ class Routed(Protocol):
 
 
 R = TypeVar("R", bound=Routed)
-Repick = Callable[[Any], Awaitable[Any]]
+#: Routes a request again: on the fleet as it is now, or among the given replicas only.
+Repick = Callable[..., Awaitable[Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +176,7 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
         max_queue_wait_ms=spec.max_queue_wait_ms,
         admit_within_slo_fraction=spec.admit_within_slo_fraction,
         protect_critical_decodes=spec.protect_critical_decodes,
+        steer_critical=spec.steer_critical,
     )
 
 
@@ -219,9 +222,11 @@ class FlowGate:
         routed: R,
         headers: Mapping[str, str],
         policy: Policy | None,
-        repick: Callable[[R], Awaitable[R]],
+        repick: Callable[..., Awaitable[R]],
     ) -> R:
-        """Admit ``routed`` (maybe after a wait, maybe re-routed by ``repick``), or raise a 429."""
+        """Admit ``routed`` (maybe after a wait, maybe re-routed by ``repick``), or raise a 429.
+        ``repick(routed)`` routes it again on the fleet as it is now, ``repick(routed, only)``
+        among those replicas only."""
         route = routed.route
         flow = tenant_flow(
             policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
@@ -266,7 +271,8 @@ class FlowGate:
             flow.tpot_slo_ms,
             routed.routing_request.max_output_tokens,
         )
-        verdict = self.controller.admit(request, self._estimate(routed))
+        routed, estimate = await self._steer(request, routed, repick)
+        verdict = self.controller.admit(request, estimate)
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
         if verdict.decision is Decision.ADMIT:
             self._track(request)
@@ -293,6 +299,40 @@ class FlowGate:
             raise _refusal(verdict)
         self._track(request)
         return routed
+
+    async def _steer(
+        self, request: FlowRequest, routed: Routed, repick: Repick
+    ) -> tuple[Routed, FleetEstimate]:
+        """A critical request routed to a replica decoding too slowly for it: routed again among
+        the replicas with room, and sent there if its expected TTFT is no worse
+        (``FlowController.steer_candidates``; the simulator does the same). The request path
+        forwards what this returns."""
+        controller = self.controller
+        estimate = self._estimate(routed)
+        room = controller.steer_candidates(request, estimate)
+        if room is None:
+            return routed, estimate
+        routing_request = routed.routing_request
+        first = routing_request.overflow, routing_request.candidates
+        try:
+            steered = await repick(routed, room)
+        except Exception:  # e.g. those replicas went away meanwhile: routing's choice stands
+            log.debug("steering request %s failed", request.request_id, exc_info=True)
+            steered = None
+        steered_estimate = self._estimate(steered) if steered is not None else None
+        if steered_estimate is None or not controller.takes_steer(estimate, steered_estimate):
+            # Routing again judged the request afresh: the first decision's judgement stands.
+            routing_request.overflow, routing_request.candidates = first
+            return routed, estimate
+        assert steered is not None
+        # The rest of the first decision's order stays behind the new one's, to retry on.
+        first_order = [routed.decision.replica, *routed.decision.fallbacks]
+        steered = dataclasses.replace(
+            cast(Any, steered), decision=steered.decision.with_fallbacks(first_order)
+        )
+        if self.metrics is not None:
+            self.metrics.flow_steered.labels(request.tenant).inc()
+        return steered, steered_estimate
 
     def _track(self, request: FlowRequest) -> None:
         """Remember an admitted request until it finishes: its TPOT moves the bound."""

@@ -318,6 +318,13 @@ class GatewayMetrics:
             ["tenant", "request_class", "decision", "reason"],
             registry=r,
         )
+        self.flow_steered = Counter(
+            "fleetgate_flow_steered",
+            "Critical requests flow control moved off the replica routing chose, whose decodes "
+            "ran too slow for their TPOT SLO, to one with room (steer_critical)",
+            ["tenant"],
+            registry=r,
+        )
         for name, metric in list(vars(self).items()):
             if isinstance(metric, MetricWrapperBase) and metric._labelnames:
                 setattr(self, name, CachedLabels(metric))

@@ -232,6 +232,21 @@ class RoutingDecision:
     #: Time spent in each stage and plugin, in ms (index lookup, each filter/scorer, picker).
     timings_ms: dict[str, float] = field(default_factory=dict)
 
+    def with_fallbacks(self, more: Sequence[ReplicaId]) -> RoutingDecision:
+        """The same decision with the replicas of ``more`` it does not name yet appended to its
+        fallbacks, in their order (a decision made among a few replicas keeps the rest of the
+        fleet to retry on)."""
+        named = {self.replica, *self.fallbacks}
+        extra = [replica for replica in more if replica not in named]
+        return RoutingDecision(
+            self.replica,
+            [*self.fallbacks, *extra],
+            self.profile,
+            self.degraded,
+            self.explanations,
+            self.timings_ms,
+        )
+
 
 class NoReplicaAvailable(RuntimeError):
     """No healthy replica left after filtering: the one routing failure the client sees (503)."""

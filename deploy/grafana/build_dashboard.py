@@ -151,6 +151,12 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("{{tenant}} {{reason}}", "sum by (tenant, reason) (rate(fleetgate_flow_decisions_total"
                                       f'{{decision="shed"}}[{RATE}]))'),
         ]),
+        # Critical requests moved off a replica whose decodes ran too slow for them: steady
+        # steering means routing's choices and the engines' pace disagree
+        # (flow_control.steer_critical).
+        ("Critical requests steered per second", "reqps", [
+            ("{{tenant}}", f"sum by (tenant) (rate(fleetgate_flow_steered_total[{RATE}]))"),
+        ]),
         # Low (toward 0.5): requests have been missing their TPOT, so new work is held sooner;
         # high (toward 1.0): decodes keep pace and little is held (flow_control.tpot_target).
         ("Inter-token bound (fraction of the TPOT SLO)", "percentunit", [

@@ -205,6 +205,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--flow-control on (docs/flow-control.md, Protected critical decodes)",
     )
     parser.add_argument(
+        "--no-steer-critical",
+        dest="steer_critical",
+        action="store_false",
+        help="flow control leaves a critical request on the replica routing chose even when "
+        "its decodes run too slow for the TPOT SLO (flow_control.steer_critical: false; "
+        "docs/flow-control.md, Critical steering)",
+    )
+    parser.add_argument(
         "--arrival-spread-ms",
         type=_non_negative_int,
         default=0,
@@ -245,6 +253,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(
             "--protect-critical-decodes is a flow-control setting: drop --flow-control off"
         )
+    if not args.steer_critical and args.flow_control == "off":
+        return _fail("--no-steer-critical is a flow-control setting: drop --flow-control off")
     # Before the (possibly long) simulation, so a missing extra costs no work.
     if args.plot and (problem := missing_extra("matplotlib", PLAN, "--plot")):
         return _fail(problem)
@@ -314,7 +324,10 @@ def _sweep(
         seed=args.seed,
         stats_interval_s=args.stats_interval_ms / 1000.0,
         classes=classes,
-        flow_control=FlowControlSettings(protect_critical_decodes=args.protect_critical_decodes)
+        flow_control=FlowControlSettings(
+            protect_critical_decodes=args.protect_critical_decodes,
+            steer_critical=args.steer_critical,
+        )
         if flow_on
         else None,
     )

@@ -49,7 +49,10 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 # Flow control judges by the routing estimate, so it runs on the decision: a
                 # queued request is routed again when its turn comes (docs/flow-control.md).
                 routed = await gw.flow.admit(
-                    routed, request.headers, gw.policy.source, lambda r: repick(gw, r)
+                    routed,
+                    request.headers,
+                    gw.policy.source,
+                    lambda r, only=None: repick(gw, r, only),
                 )
             plan = plan_forward(
                 routed,

@@ -209,11 +209,15 @@ async def route(
     )
 
 
-async def repick(gw: RouteDeps, routed: RouteDecision) -> RouteDecision:
-    """``routed`` routed again on the fleet as it is now (flow control's queued requests)."""
+async def repick(
+    gw: RouteDeps, routed: RouteDecision, only: frozenset[ReplicaId] | None = None
+) -> RouteDecision:
+    """``routed`` routed again on the fleet as it is now (flow control's queued requests), or
+    among ``only`` those replicas (a critical request steered off a replica decoding too
+    slowly for it; ``NoReplicaAvailable`` when none of them is routable)."""
     if routed.decision.profile == PINNED_PROFILE:
         return routed  # only its replica holds what it continues (a stored response)
-    decision, last_resort = await _pick_replica(gw, routed.routing_request, routed.route)
+    decision, last_resort = await _pick_replica(gw, routed.routing_request, routed.route, only)
     return dataclasses.replace(
         routed, decision=decision, last_resort=last_resort, routed_at=time.time()
     )
@@ -296,11 +300,17 @@ def block_size_for(
 
 
 async def _pick_replica(
-    gw: RouteDeps, request: RoutingRequest, matched_route: Route
+    gw: RouteDeps,
+    request: RoutingRequest,
+    matched_route: Route,
+    only: frozenset[ReplicaId] | None = None,
 ) -> tuple[RoutingDecision, bool]:
-    """The engine's decision (and whether it was a last resort), traced and measured."""
+    """The engine's decision (and whether it was a last resort), traced and measured; among
+    ``only`` those replicas if given (then no last resort: ``NoReplicaAvailable`` instead)."""
     gw.registry.refresh_inflight(gw.inflight)
     replicas = gw.registry.routable()
+    if only is not None:
+        replicas = [replica for replica in replicas if replica.replica_id in only]
     adapters.fill_cold_load_estimates(gw.adapters, gw.registry, request, replicas)
     decide_start_ns = time.time_ns()
     last_resort = False
@@ -308,6 +318,8 @@ async def _pick_replica(
         try:
             decision = await gw.engine.route(request, replicas, matched_route.profile)
         except NoReplicaAvailable as exc:
+            if only is not None:
+                raise
             decision = await _route_last_resort(gw, request, matched_route, exc)
             last_resort = True
         span.set_attribute("fleetgate.replica", decision.replica)

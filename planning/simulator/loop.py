@@ -47,7 +47,7 @@ from routing.flow_control import (
 )
 from routing.index.memory import MemoryBlockIndex
 from routing.policies.registry import builtin_profile
-from routing.types import BlockHash
+from routing.types import BlockHash, ReplicaId
 
 __all__ = ["PolicyRun", "RequestOutcome", "ShedOutcome", "run_policy"]
 
@@ -123,6 +123,8 @@ class PolicyRun:
     shed: list[ShedOutcome] = field(default_factory=list)
     #: Requests that waited in the gateway queue (served or refused later).
     queued: int = 0
+    #: Critical requests flow control moved off a replica whose decodes were too slow.
+    steered: int = 0
     #: Requests routed as overflow: predicted to miss the TTFT SLO on every replica.
     overflow: int = 0
     #: Why the first refused request was refused (the engine's message), for the summary.
@@ -204,6 +206,8 @@ class _Simulation:
         self.waiting: dict[str, _Waiting] = {}
         self.shed: list[ShedOutcome] = []
         self.queued = 0
+        #: Critical requests flow control moved off a replica whose decodes were too slow.
+        self.steered = 0
         self.pump_due: float | None = None
 
     def _clock(self) -> float:
@@ -250,6 +254,7 @@ class _Simulation:
             flow_control=self.flow is not None,
             shed=self.shed,
             queued=self.queued,
+            steered=self.steered,
         )
 
     def _advance(self, now: float) -> None:
@@ -292,7 +297,8 @@ class _Simulation:
             self.config.slo_tpot_ms,
             record.output_length,
         )
-        verdict = self.flow.admit(flow_request, self._estimate(decision))
+        decision, estimate = await self._steer(waiting, flow_request, decision)
+        verdict = self.flow.admit(flow_request, estimate)
         if verdict.decision is Decision.ADMIT:
             await self._dispatch(waiting, decision, 0.0)
         elif verdict.decision is Decision.QUEUE:
@@ -302,6 +308,29 @@ class _Simulation:
         else:
             self._record_shed(waiting, verdict)
 
+    async def _steer(
+        self, waiting: _Waiting, flow_request: FlowRequest, decision: RoutingDecision
+    ) -> tuple[RoutingDecision, FleetEstimate]:
+        """A critical request routed to a replica decoding too slowly for it: routed again among
+        the replicas with room, kept there if its expected TTFT is no worse (the gateway's
+        ``FlowGate`` does the same)."""
+        flow = self.flow
+        assert flow is not None
+        estimate = self._estimate(decision)
+        room = flow.steer_candidates(flow_request, estimate)
+        if room is None:
+            return decision, estimate
+        routing_request = waiting.routing_request
+        first = routing_request.overflow, routing_request.candidates
+        steered = await self._route(waiting, room)
+        steered_estimate = self._estimate(steered)
+        if not flow.takes_steer(estimate, steered_estimate):
+            # Routing again judged the request afresh: the first decision's judgement stands.
+            routing_request.overflow, routing_request.candidates = first
+            return decision, estimate
+        self.steered += 1
+        return steered, steered_estimate
+
     def _estimate(self, decision: RoutingDecision) -> FleetEstimate:
         """Flow control's view of ``decision``: its estimate, and each engine's queue as polled."""
         return estimate_from_decision(decision, (r.state for r in self.replicas))
@@ -309,10 +338,15 @@ class _Simulation:
     def _class_of(self, request: TraceRequest) -> RequestClass:
         return self.classes[request.index] if self.classes is not None else RequestClass.STANDARD
 
-    async def _route(self, waiting: _Waiting) -> RoutingDecision:
-        """One routing decision on the fleet as it is now (arrival, or a queue head judged)."""
+    async def _route(
+        self, waiting: _Waiting, only: frozenset[ReplicaId] | None = None
+    ) -> RoutingDecision:
+        """One routing decision on the fleet as it is now (arrival, or a queue head judged),
+        among ``only`` those replicas if given."""
         adapter = waiting.request.record.adapter
-        views = [r.routing_view(self.now) for r in self.replicas]
+        views = [
+            r.routing_view(self.now) for r in self.replicas if only is None or r.replica_id in only
+        ]
         if adapter is not None:
             # What the gateway's adapter registry supplies live: each replica's cold-load cost.
             waiting.routing_request.adapter_cold_load_ms = {

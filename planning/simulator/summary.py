@@ -43,6 +43,7 @@ SUMMARY_FIELDS = (
     "shed",
     "shed_by_class",
     "queued",
+    "steered",
     "gateway_wait_p50_ms",
     "gateway_wait_p95_ms",
     "gateway_wait_max_ms",
@@ -97,6 +98,8 @@ class PolicySummary:
     shed_by_class: dict[str, int] | None = None
     #: Requests that waited in the gateway queue.
     queued: int = 0
+    #: Critical requests flow control moved off a replica whose decodes were too slow.
+    steered: int = 0
     #: Time in the gateway queue, over every request (0 for those never queued).
     gateway_wait_p50_ms: float | None = None
     gateway_wait_p95_ms: float | None = None
@@ -148,6 +151,7 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
             flow_control=run.flow_control,
             shed=len(run.shed),
             queued=run.queued,
+            steered=run.steered,
         )
     ttft = np.array([(o.first_token_s - o.arrival_s) * 1000.0 for o in outcomes])
     tpot_all = np.array([o.tpot_ms for o in outcomes])
@@ -200,6 +204,7 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
         shed=len(run.shed),
         shed_by_class=shed_by_class,
         queued=run.queued,
+        steered=run.steered,
         gateway_wait_p50_ms=_percentile(waits, 50),
         gateway_wait_p95_ms=_percentile(waits, 95),
         gateway_wait_max_ms=float(waits.max()) if waits.size else math.nan,

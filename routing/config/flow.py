@@ -72,6 +72,11 @@ class FlowControlSpec(StrictModel):
     #: default: it trades other classes' goodput for critical TPOT (docs/flow-control.md,
     #: *Protected critical decodes*, measures both).
     protect_critical_decodes: bool = False
+    #: A critical request routed to a replica whose decodes run too slow for its TPOT SLO (and
+    #: not already past its TTFT SLO there) is routed again among the replicas with room, and
+    #: goes there when its expected TTFT is no worse (docs/flow-control.md, *Critical
+    #: steering*).
+    steer_critical: bool = True
     #: The engines run vLLM's ``--scheduling-policy priority``: each chat or completion request
     #: carries its class as vLLM's ``priority`` (critical -1, standard 0, sheddable 1; a
     #: client's own ``priority`` is replaced). Applies whether or not ``enabled`` is set.

@@ -19,6 +19,13 @@ routing chose by.
   TTFT is not the saturation test because it is a model of the engine's queue that under- or
   overcounts it by workload; it is the test of whether a request can meet its SLO.
 * **critical** is always admitted while a replica is up: it jumps the queue.
+* **Critical steering** (``steer_critical``). Routing does not read the engines' decode pace,
+  and critical requests are never held, so a critical request routed to a replica whose decodes
+  already run too slow for its TPOT (the inter-token test) would decode there at that pace.
+  Unless it is already late there (its expected TTFT over its SLO), it is routed again among
+  the replicas with room (``steer_candidates``: not full by any test), and goes to that choice
+  if its expected TTFT there is no worse (``takes_steer``), so that no cached prefix or shorter
+  queue is given up for it.
 * **Protected critical decodes** (``protect_critical_decodes``, off by default). Each critical
   request in flight has a budget of prefill stall it can absorb and still meet its TPOT, spent
   by every prefill admitted to its replica after it (``DecodeGuard``). While decodes miss
@@ -55,6 +62,7 @@ from routing.flow_control.classes import FlowRequest, RequestClass
 from routing.flow_control.decode_guard import DecodeGuard
 from routing.flow_control.estimate import FleetEstimate, ReplicaLoad
 from routing.flow_control.queue import FairQueue, QueuedEntry
+from routing.types import ReplicaId
 
 __all__ = [
     "ITL_BOUND_STEP",
@@ -142,6 +150,10 @@ class FlowControlSettings:
     #: request whose prefill would push a critical decode in flight on its chosen replica past
     #: its TPOT SLO (``DecodeGuard``).
     protect_critical_decodes: bool = False
+    #: A critical request routed to a replica whose decodes run too slow for its TPOT SLO is
+    #: routed again among the replicas with room, and goes there when its expected TTFT is no
+    #: worse (``FlowController.steer_candidates``, ``takes_steer``).
+    steer_critical: bool = True
 
     def __post_init__(self) -> None:
         backlog = self.saturation_backlog_requests
@@ -250,6 +262,46 @@ class FlowController:
             )
         self.queue.push(request, estimate.predicted_ttft_ms)
         return Verdict(Decision.QUEUE, _PROTECTING if protecting else "saturated")
+
+    def steer_candidates(
+        self, request: FlowRequest, estimate: FleetEstimate
+    ) -> frozenset[ReplicaId] | None:
+        """The replicas to route a critical request again among, or None to keep routing's
+        choice: those with room by every test of ``_full``, when routing chose one whose
+        decodes run too slow for the request's TPOT SLO (the inter-token test) and some have.
+        The caller routes again among them and keeps the new choice only if ``takes_steer``.
+
+        A request whose expected TTFT at routing's choice is already over its SLO stays: it is
+        late wherever it goes, and its prefill (long, to be that late) would slow the decodes of
+        a replica that still has room. Steering those cost the conversation trace at 4x five
+        points of goodput (docs/flow-control.md, *Critical steering*).
+        """
+        settings = self.settings
+        if (
+            not (settings.enabled and settings.steer_critical)
+            or request.request_class is not RequestClass.CRITICAL
+            or estimate.predicted_ttft_ms is None
+            or estimate.predicted_ttft_ms > request.ttft_slo_ms
+            or not self._too_slow(estimate.chosen_decode_itl_ms, request)
+        ):
+            return None
+        room = frozenset(
+            load.replica
+            for load in estimate.loads
+            if load.replica is not None
+            and load.replica != estimate.chosen_replica
+            and not self._full(load, request)
+        )
+        return room or None
+
+    @staticmethod
+    def takes_steer(estimate: FleetEstimate, steered: FleetEstimate) -> bool:
+        """Whether the decision among the replicas with room replaces routing's first one: only
+        if the request's expected TTFT there is no worse. A worse one means giving up a cached
+        prefix or a shorter queue, and past saturation the prefill it adds costs the fleet more
+        than the decode pace it saves (docs/flow-control.md, *Critical steering*)."""
+        first, then = estimate.predicted_ttft_ms, steered.predicted_ttft_ms
+        return first is not None and then is not None and then <= first
 
     # ------------------------------------------------------------------ the queue
 

@@ -45,6 +45,8 @@ class ReplicaLoad:
     kv_usage: float | None = None
     #: Mean time between output tokens there lately (ms; None: unknown or nothing decoding).
     decode_itl_ms: float | None = None
+    #: Which replica (None: unknown).
+    replica: ReplicaId | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +109,7 @@ def estimate_from_decision(
                 backlog,
                 state.kv_usage_now if state is not None else None,
                 state.decode_itl_ms if state is not None else None,
+                replica,
             )
         )
     chosen = decision.explanations.get(decision.replica)

@@ -399,3 +399,86 @@ async def test_a_critical_request_in_flight_is_protected_until_it_ends(tmp_path:
             status, _, _ = await gold
             assert status == 200
             await wait_until(lambda: len(guard) == 0, "its decode is no longer protected")
+
+
+def _two_replica_policy(slow_url: str, roomy_url: str, steer: bool) -> str:
+    """Two replicas; routing prefers the first (emptier KV cache) at equal expected TTFT."""
+    return f"""
+version: 1
+replica_pools:
+  - name: pool-a
+    replicas: [{slow_url}, {roomy_url}]
+models:
+  - name: base-model
+    pools: [pool-a]
+plugins:
+  - type: expected-ttft
+    name: ttft
+  - type: kv-pressure
+    name: kv
+  - type: max-score
+    name: best
+profiles:
+  - name: paced
+    scorers: [{{ref: ttft, weight: 1}}, {{ref: kv, weight: 1}}]
+    picker: best
+routes:
+  - name: all
+    profile: paced
+    slo: {{ttft_p95_ms: 60000, tpot_p95_ms: 50}}
+flow_control:
+  enabled: true
+  steer_critical: {"true" if steer else "false"}
+tenants:
+  - {{name: gold, api_key_sha256: [{_sha("gold")}], priority: critical}}
+"""
+
+
+@pytest.mark.parametrize(("steer", "steering_fails"), [(True, False), (False, False), (True, True)])
+async def test_a_critical_request_on_a_replica_decoding_too_slowly_is_steered_to_one_with_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steer: bool, steering_fails: bool
+) -> None:
+    """Routing prefers the slow replica (its KV cache is emptier; the expected TTFT is the same
+    on both), whose decodes run at 90 ms a token against the route's 50 ms TPOT SLO. With
+    ``steer_critical`` (the default) the critical request is routed again among the replicas
+    with room and goes to the other one; without it, or when routing again fails, it goes
+    where routing first sent it."""
+    if steering_fails:
+        from gateway.request import handler
+
+        async def failing(gw: object, routed: object, only: object = None) -> object:
+            raise RuntimeError("routing again failed")
+
+        monkeypatch.setattr(handler, "repick", failing)
+    slow, roomy = FakeUpstream(), FakeUpstream()
+    slow.itl_s, slow.kv_usage = 0.090, 0.0
+    roomy.itl_s, roomy.kv_usage = 0.010, 0.8  # under saturation_kv_usage (0.92): room
+    async with serve(slow.app()) as slow_url, serve(roomy.app()) as roomy_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(_two_replica_policy(slow_url, roomy_url, steer))
+        app = create_app(GatewayConfig(policy_path=str(path), health_interval_s=0.05))
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            registry = app[GATEWAY].registry
+
+            def polled() -> bool:
+                states = {s.url.rstrip("/"): s for s in registry.all()}
+                a, b = states.get(slow_url.rstrip("/")), states.get(roomy_url.rstrip("/"))
+                return (
+                    a is not None
+                    and b is not None
+                    and (a.decode_itl_ms or 0.0) > 80.0
+                    and 0.0 < (b.decode_itl_ms or 0.0) < 20.0
+                    and b.kv_usage == pytest.approx(0.8)
+                )
+
+            await wait_until(polled, "the gateway read both replicas' pace and KV usage")
+            status, _, _ = await _post(http, url, "gold", "gold")
+            assert status == 200
+            steered = steer and not steering_fails
+            assert (slow.attempts, roomy.attempts) == ((0, 1) if steered else (1, 0))
+            metrics = await (await http.get(f"{url}/metrics")).text()
+            assert ('fleetgate_flow_steered_total{tenant="gold"} 1.0' in metrics) is steered
+            assert (
+                'fleetgate_flow_decisions_total{decision="admit",reason="critical",'
+                'request_class="critical",tenant="gold"} 1.0' in metrics
+            )

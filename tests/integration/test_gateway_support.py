@@ -41,6 +41,8 @@ class FakeUpstream:
     #: When set, ``/metrics`` reports 100 more output tokens at this many seconds apart at
     #: every scrape (``vllm:inter_token_latency_seconds``): the engine's decode pace.
     itl_s: float | None = None
+    #: When set, ``/metrics`` reports this KV cache usage (``vllm:kv_cache_usage_perc``, 0..1).
+    kv_usage: float | None = None
     _itl_sum_s: float = 0.0
     _itl_count: int = 0
     url: str = ""
@@ -77,6 +79,8 @@ class FakeUpstream:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        if self.kv_usage is not None:
+            text += f"vllm:kv_cache_usage_perc {self.kv_usage}\n"
         if self.itl_s is not None:
             self._itl_count += 100
             self._itl_sum_s += 100 * self.itl_s

@@ -406,8 +406,8 @@ def test_the_estimate_is_the_decisions_own_terms() -> None:
     assert estimate.predicted_ttft_ms == 450.0
     assert estimate.min_queue_wait_ms == 300.0
     assert sorted(estimate.loads, key=lambda load: load.queue_wait_ms) == [
-        ReplicaLoad(300.0, 7.0),
-        ReplicaLoad(900.0, 0.0),
+        ReplicaLoad(300.0, 7.0, replica=b),
+        ReplicaLoad(900.0, 0.0, replica=a),
     ]
     # With the replicas' states: the engine's waiting queue, or this gateway's requests beyond
     # what the engine last reported running, whichever is larger; and the KV usage.
@@ -434,8 +434,8 @@ def test_the_estimate_is_the_decisions_own_terms() -> None:
     ]
     with_states = estimate_from_decision(decision, states)
     assert sorted(with_states.loads, key=lambda load: load.queue_wait_ms) == [
-        ReplicaLoad(300.0, 7.0, 4, 0.95, 22.0),
-        ReplicaLoad(900.0, 0.0, 3, 0.4, 35.0),
+        ReplicaLoad(300.0, 7.0, 4, 0.95, 22.0, b),
+        ReplicaLoad(900.0, 0.0, 3, 0.4, 35.0, a),
     ]
     # The chosen replica's decode pace, for "room elsewhere is not room for this request".
     assert with_states.chosen_decode_itl_ms == 22.0
@@ -524,3 +524,82 @@ models:
         parse_policy(fleet + "flow_control: {critical_tpot_target: 0.99}\n")
     with pytest.raises(PolicyError, match="max_itl_fraction"):
         parse_policy(fleet + "flow_control: {min_itl_fraction: 0.7, max_itl_fraction: 0.6}\n")
+
+
+def test_a_decision_keeps_the_rest_of_another_order_to_retry_on() -> None:
+    a, b, c, d = (ReplicaId(name) for name in "abcd")
+    among_few = RoutingDecision(c, [d], "fleet-cost", False, {}, {"total": 1.0})
+    kept = among_few.with_fallbacks([a, c, b, d])
+    assert (kept.replica, kept.fallbacks) == (c, [d, a, b])
+    assert (kept.profile, kept.timings_ms) == ("fleet-cost", {"total": 1.0})
+    assert among_few.fallbacks == [d]  # the original is unchanged
+
+
+def _critical(
+    tpot_slo_ms: float | None = 50.0, request_class: RequestClass = CRITICAL
+) -> FlowRequest:
+    return FlowRequest("c1", "a", request_class, 2000.0, 1.0, 100.0, tpot_slo_ms)
+
+
+def _load(name: str, itl_ms: float = 10.0, backlog: int = 0, kv: float = 0.5) -> ReplicaLoad:
+    return ReplicaLoad(10.0, 0.0, backlog, kv, itl_ms, ReplicaId(name))
+
+
+def _routed_to(
+    first: ReplicaLoad, *others: ReplicaLoad, ttft_ms: float | None = 300.0
+) -> FleetEstimate:
+    """Routing chose ``first``'s replica, with this expected TTFT there."""
+    return FleetEstimate(
+        ttft_ms,
+        (first, *others),
+        chosen_decode_itl_ms=first.decode_itl_ms,
+        chosen_replica=first.replica,
+    )
+
+
+def test_a_critical_request_on_a_too_slow_replica_is_routed_again_among_those_with_room() -> None:
+    flow = _controller(FakeClock())  # defaults: the inter-token bound starts at 0.8 x the SLO
+    assert flow.settings.steer_critical is True
+    fleet = _routed_to(
+        _load("slow", itl_ms=45.0),  # 45 ms > 0.8 x 50 ms: too slow for this TPOT
+        _load("backlogged", backlog=3),  # full: requests wait to start there
+        _load("kv-full", kv=0.95),  # full: its KV cache
+        _load("paced", itl_ms=41.0),  # full: also too slow
+        _load("roomy"),
+        _load("roomy-too", itl_ms=39.0),
+    )
+    assert flow.steer_candidates(_critical(), fleet) == {ReplicaId("roomy"), ReplicaId("roomy-too")}
+    # Routing's choice keeps pace: nothing to steer from.
+    assert (
+        flow.steer_candidates(_critical(), _routed_to(_load("ok", itl_ms=35.0), _load("b"))) is None
+    )
+    # No replica has room.
+    full = _routed_to(_load("slow", itl_ms=45.0), _load("b", backlog=2))
+    assert flow.steer_candidates(_critical(), full) is None
+    # A request already past its TTFT SLO where routing sent it (2,000 ms here) stays: late
+    # anywhere, its long prefill would only slow the decodes of a replica that has room.
+    late = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"), ttft_ms=2000.5)
+    assert flow.steer_candidates(_critical(), late) is None
+    on_time = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"), ttft_ms=2000.0)
+    assert flow.steer_candidates(_critical(), on_time) == {ReplicaId("roomy")}
+    # The new decision is taken only if the request's expected TTFT there is no worse.
+    assert flow.takes_steer(fleet, replace(fleet, predicted_ttft_ms=300.0))
+    assert flow.takes_steer(fleet, replace(fleet, predicted_ttft_ms=120.0))
+    assert not flow.takes_steer(fleet, replace(fleet, predicted_ttft_ms=300.5))
+    assert not flow.takes_steer(fleet, replace(fleet, predicted_ttft_ms=None))
+
+
+def test_only_critical_requests_with_a_tpot_slo_are_steered_and_only_when_enabled() -> None:
+    fleet = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"))
+    roomy = {ReplicaId("roomy")}
+    flow = _controller(FakeClock())
+    assert flow.steer_candidates(_critical(), fleet) == roomy
+    assert flow.steer_candidates(_critical(request_class=STANDARD), fleet) is None
+    assert flow.steer_candidates(_critical(request_class=SHEDDABLE), fleet) is None
+    assert flow.steer_candidates(_critical(tpot_slo_ms=None), fleet) is None
+    off = _controller(FakeClock(), steer_critical=False)
+    assert off.steer_candidates(_critical(), fleet) is None
+    assert _controller(FakeClock(), enabled=False).steer_candidates(_critical(), fleet) is None
+    # A policy that estimates no TTFT gives nothing to compare.
+    no_ttft = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"), ttft_ms=None)
+    assert flow.steer_candidates(_critical(), no_ttft) is None

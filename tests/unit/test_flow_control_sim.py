@@ -128,3 +128,26 @@ def test_simulate_protect_critical_decodes_turns_the_decode_guard_on(
     assert len(booked) == 60 and any(booked) and not all(booked)
     assert main([*argv, "--protect-critical-decodes", "--flow-control", "off"]) == 2
     assert "drop --flow-control off" in capsys.readouterr().err
+
+
+def test_simulate_steers_critical_requests_off_replicas_whose_decodes_run_too_slow(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.flow_control import mooncake_like_trace
+    from planning.simulator.summary import default_policy
+
+    # Long prompts on 4 replicas at 2x their rate: some replicas' decodes slow past the
+    # inter-token bound while others have room.
+    trace = tmp_path / "trace.jsonl"
+    write_trace(mooncake_like_trace(300), trace)
+    argv = ["simulate", "--trace", str(trace), "--replicas", "4", "--rate-scale", "2"]
+    argv += ["--policies", default_policy(), "--json", "--no-progress"]
+    argv += ["--classes", "critical=0.3,standard=0.4,sheddable=0.3"]
+    assert main(argv) == 0
+    row = json.loads(capsys.readouterr().out)[0]  # then the unbounded and pooled bounds
+    assert (row["policy"], row["flow_control"]) == (default_policy(), True)
+    assert row["steered"] > 0  # on by default
+    assert main([*argv, "--no-steer-critical"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["steered"] == 0
+    assert main([*argv, "--no-steer-critical", "--flow-control", "off"]) == 2
+    assert "drop --flow-control off" in capsys.readouterr().err

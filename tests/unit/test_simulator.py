@@ -176,6 +176,7 @@ def test_json_output_has_exactly_the_documented_fields(
         "shed",
         "shed_by_class",
         "queued",
+        "steered",
         "gateway_wait_p50_ms",
         "gateway_wait_p95_ms",
         "gateway_wait_max_ms",
