@@ -42,6 +42,7 @@ from routing.flow_control import (
     Verdict,
     estimate_from_decision,
     parse_request_class,
+    steer_critical,
 )
 
 if TYPE_CHECKING:
@@ -305,34 +306,27 @@ class FlowGate:
     ) -> tuple[Routed, FleetEstimate]:
         """A critical request routed to a replica decoding too slowly for it: routed again among
         the replicas with room, and sent there if its expected TTFT is no worse
-        (``FlowController.steer_candidates``; the simulator does the same). The request path
+        (``routing.flow_control.steer_critical``, as in the simulator). The request path
         forwards what this returns."""
-        controller = self.controller
-        estimate = self._estimate(routed)
-        room = controller.steer_candidates(request, estimate)
-        if room is None:
-            return routed, estimate
-        routing_request = routed.routing_request
-        first = routing_request.overflow, routing_request.candidates
-        try:
-            steered = await repick(routed, room)
-        except Exception:  # e.g. those replicas went away meanwhile: routing's choice stands
-            log.debug("steering request %s failed", request.request_id, exc_info=True)
-            steered = None
-        steered_estimate = self._estimate(steered) if steered is not None else None
-        if steered_estimate is None or not controller.takes_steer(estimate, steered_estimate):
-            # Routing again judged the request afresh: the first decision's judgement stands.
-            routing_request.overflow, routing_request.candidates = first
-            return routed, estimate
-        assert steered is not None
+        steering = await steer_critical(
+            self.controller,
+            request,
+            routed,
+            routed.routing_request,
+            self._estimate,
+            lambda room: repick(routed, room),
+        )
+        if not steering.steered:
+            return routed, steering.estimate
         # The rest of the first decision's order stays behind the new one's, to retry on.
         first_order = [routed.decision.replica, *routed.decision.fallbacks]
         steered = dataclasses.replace(
-            cast(Any, steered), decision=steered.decision.with_fallbacks(first_order)
+            cast(Any, steering.routed),
+            decision=steering.routed.decision.with_fallbacks(first_order),
         )
         if self.metrics is not None:
             self.metrics.flow_steered.labels(request.tenant).inc()
-        return steered, steered_estimate
+        return steered, steering.estimate
 
     def _track(self, request: FlowRequest) -> None:
         """Remember an admitted request until it finishes: its TPOT moves the bound."""

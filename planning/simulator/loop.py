@@ -44,6 +44,7 @@ from routing.flow_control import (
     RequestClass,
     Verdict,
     estimate_from_decision,
+    steer_critical,
 )
 from routing.index.memory import MemoryBlockIndex
 from routing.policies.registry import builtin_profile
@@ -312,24 +313,19 @@ class _Simulation:
         self, waiting: _Waiting, flow_request: FlowRequest, decision: RoutingDecision
     ) -> tuple[RoutingDecision, FleetEstimate]:
         """A critical request routed to a replica decoding too slowly for it: routed again among
-        the replicas with room, kept there if its expected TTFT is no worse (the gateway's
-        ``FlowGate`` does the same)."""
-        flow = self.flow
-        assert flow is not None
-        estimate = self._estimate(decision)
-        room = flow.steer_candidates(flow_request, estimate)
-        if room is None:
-            return decision, estimate
-        routing_request = waiting.routing_request
-        first = routing_request.overflow, routing_request.candidates
-        steered = await self._route(waiting, room)
-        steered_estimate = self._estimate(steered)
-        if not flow.takes_steer(estimate, steered_estimate):
-            # Routing again judged the request afresh: the first decision's judgement stands.
-            routing_request.overflow, routing_request.candidates = first
-            return decision, estimate
-        self.steered += 1
-        return steered, steered_estimate
+        the replicas with room, kept there if its expected TTFT is no worse
+        (``routing.flow_control.steer_critical``, as in the gateway)."""
+        assert self.flow is not None
+        steering = await steer_critical(
+            self.flow,
+            flow_request,
+            decision,
+            waiting.routing_request,
+            self._estimate,
+            lambda room: self._route(waiting, room),
+        )
+        self.steered += steering.steered
+        return steering.routed, steering.estimate
 
     def _estimate(self, decision: RoutingDecision) -> FleetEstimate:
         """Flow control's view of ``decision``: its estimate, and each engine's queue as polled."""

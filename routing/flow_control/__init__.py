@@ -26,6 +26,7 @@ from routing.flow_control.controller import (
 )
 from routing.flow_control.estimate import FleetEstimate, estimate_from_decision
 from routing.flow_control.queue import FairQueue
+from routing.flow_control.steer import Steering, steer_critical
 
 __all__ = [
     "PRIORITY_HEADER",
@@ -40,9 +41,11 @@ __all__ = [
     "MemoryBudgetStore",
     "RequestClass",
     "ShedReason",
+    "Steering",
     "TokenBudget",
     "TokenBudgets",
     "Verdict",
     "estimate_from_decision",
     "parse_request_class",
+    "steer_critical",
 ]

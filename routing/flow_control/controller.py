@@ -19,8 +19,9 @@ routing chose by.
   TTFT is not the saturation test because it is a model of the engine's queue that under- or
   overcounts it by workload; it is the test of whether a request can meet its SLO.
 * **critical** is always admitted while a replica is up: it jumps the queue.
-* **Critical steering** (``steer_critical``). Routing does not read the engines' decode pace,
-  and critical requests are never held, so a critical request routed to a replica whose decodes
+* **Critical steering** (``steer_critical``; the gateway and the simulator drive it through
+  ``routing.flow_control.steer``). Routing does not read the engines' decode pace, and critical
+  requests are never held, so a critical request routed to a replica whose decodes
   already run too slow for its TPOT (the inter-token test) would decode there at that pace.
   Unless it is already late there (its expected TTFT over its SLO), it is routed again among
   the replicas with room (``steer_candidates``: not full by any test), and goes to that choice

@@ -603,3 +603,52 @@ def test_only_critical_requests_with_a_tpot_slo_are_steered_and_only_when_enable
     # A policy that estimates no TTFT gives nothing to compare.
     no_ttft = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"), ttft_ms=None)
     assert flow.steer_candidates(_critical(), no_ttft) is None
+
+
+def test_steering_keeps_the_first_judgement_unless_the_new_decision_is_taken() -> None:
+    """``steer_critical``, which the gateway and the simulator both drive: routing again among
+    the replicas with room, taking the new decision only when it is no worse, and otherwise
+    restoring what routing again overwrote on the request (its overflow verdict)."""
+    from routing.contracts import RoutingRequest
+    from routing.flow_control import steer_critical
+
+    flow = _controller(FakeClock())
+    first = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"), _load("busy", backlog=5))
+    routing_request = RoutingRequest("c1", "m", None, "a", "r", 100)
+    asked: list[frozenset[ReplicaId]] = []
+
+    def route_among(ttft_ms: float | None, fails: bool = False):  # type: ignore[no-untyped-def]
+        async def route(room: frozenset[ReplicaId]) -> FleetEstimate:
+            asked.append(room)
+            routing_request.overflow = True  # routing again judges the request afresh
+            if fails:
+                raise RuntimeError("gone")
+            return _routed_to(_load("roomy"), ttft_ms=ttft_ms)
+
+        return route
+
+    def run(route):  # type: ignore[no-untyped-def]
+        routing_request.overflow = False
+        return asyncio.run(
+            steer_critical(flow, _critical(), first, routing_request, lambda e: e, route)
+        )
+
+    taken = run(route_among(250.0))
+    assert taken.steered and taken.routed.chosen_replica == ReplicaId("roomy")
+    assert taken.estimate.predicted_ttft_ms == 250.0
+    assert routing_request.overflow is True  # the new decision's own judgement
+    assert asked == [{ReplicaId("roomy")}]
+    for route in (route_among(300.5), route_among(None), route_among(250.0, fails=True)):
+        kept = run(route)
+        assert not kept.steered and kept.routed is first and kept.estimate is first
+        assert routing_request.overflow is False  # the first judgement, restored
+    # Nothing to steer: routing is not asked again.
+    asked.clear()
+    standard = _critical(request_class=STANDARD)
+    assert (
+        asyncio.run(
+            steer_critical(flow, standard, first, routing_request, lambda e: e, route_among(1.0))
+        ).routed
+        is first
+    )
+    assert asked == []
