@@ -415,9 +415,9 @@ def _optional_bounds(settings: FlowControlSettings) -> str:
         else ""
     )
     steered = (
-        "; a critical request routed to a replica whose decodes run too slow for its TPOT SLO "
-        "goes to routing's best-ranked candidate with room instead, when its expected TTFT "
-        "there is no worse (`steer_critical`)"
+        "; a critical request routed to a replica whose decodes run too slow for its TPOT "
+        "SLO, and not already past its TTFT SLO there, is routed again among the replicas with "
+        "room and goes there when its expected TTFT is no worse (`steer_critical`)"
         if settings.steer_critical
         else ""
     )
