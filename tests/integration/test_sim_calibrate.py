@@ -2,8 +2,9 @@
 
 A live simulated replica (``start_sim_fleet``, real HTTP on a free port) runs a profile file
 with known ``step_time`` coefficients; the calibration command is never shown that file. It
-drives the replica over HTTP, fits, and writes a profile; the fitted coefficients must match the
-known ones within 5%, and so must the adapter load bandwidths (``--adapter``).
+drives the replica over HTTP, fits, and writes a profile; the fitted step times must match the
+known ones within 5% at every kind of step the plan measures, each coefficient within 10%, and
+the adapter load bandwidths (``--adapter``) within 5%.
 
 Robust by construction: the sim sleeps its modelled step times in real time, so the client sees
 them plus this machine's overheads (asyncio wake-up lateness, about 1-4 ms per step on a loaded
@@ -26,6 +27,7 @@ from fleetgate.cli import main as fleetgate
 from replica.sim.engine import EngineConfig
 from replica.sim.fleet import start_sim_fleet
 from replica.sim.profiles import load_preset
+from replica.sim.step_time import StepTimeModel
 
 KNOWN_STEP_TIME = {
     "base_s": 0.2,
@@ -75,10 +77,25 @@ async def test_calibrate_recovers_a_simulated_replicas_step_time(tmp_path: Path)
     assert code == 0
 
     fitted = load_preset(str(fitted_path))
+    # What the simulator uses is the step time: at every kind of step the quick plan measures
+    # (prefills of 64-1,536 tokens; decodes of 1-8 sequences at 32-512 tokens of context),
+    # the fitted model's must be within 5% of the known one's.
+    known_model = StepTimeModel.from_mapping(KNOWN_STEP_TIME)
+    fitted_model = StepTimeModel.from_mapping(fitted["step_time"])
+    steps = [(prompt, 0, 0) for prompt in (64, 512, 1536)]
+    steps += [(0, batch, batch * context) for batch in (1, 4, 8) for context in (32, 512)]
+    step_errors = {
+        step: fitted_model.step_s(*step) / known_model.step_s(*step) - 1.0 for step in steps
+    }
+    assert all(abs(e) <= TOLERANCE for e in step_errors.values()), step_errors
+    # Each coefficient on its own, within twice that: the decode and context coefficients can
+    # trade a few percent against each other within the client's timing noise (the quick plan
+    # decodes at two context lengths; one full-suite run fitted context_token_s 5.3% low and
+    # base_s 1.1% high, whose step times still agreed within 1.3%).
     errors = {
         name: fitted["step_time"][name] / value - 1.0 for name, value in KNOWN_STEP_TIME.items()
     }
-    assert all(abs(e) <= TOLERANCE for e in errors.values()), errors
+    assert all(abs(e) <= 2 * TOLERANCE for e in errors.values()), errors
     # The adapter's two load stages, from its load call and its first request once pushed out
     # of its slot, as the profile's bandwidths; its size as the default adapter size.
     lora_errors = {
