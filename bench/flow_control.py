@@ -210,7 +210,7 @@ def points_table(points: Sequence[Point]) -> str:
     """One markdown row per point."""
     lines = [
         "| subject | load | goodput off → on | critical off → on | standard off → on "
-        "| sheddable off → on | shed (on) | queued (on) | critical steered (on) "
+        "| sheddable off → on | shed (on) | queued (on) | steered (on) "
         "| gateway wait p95 / max (on) | p95 TTFT off → on |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -421,7 +421,15 @@ def _optional_bounds(settings: FlowControlSettings) -> str:
         if settings.steer_critical
         else ""
     )
-    return (f" or {' or '.join(parts)}" if parts else "") + held + steered
+    calm = (
+        "; a standard or sheddable request that would be held for the same reason while the "
+        f"fleet is calm (nothing queued or held for {settings.calm_window_s:g} s) is routed "
+        "again among the replicas with room and admitted there when its expected TTFT meets "
+        "its SLO (`steer_when_calm`)"
+        if settings.steer_when_calm
+        else ""
+    )
+    return (f" or {' or '.join(parts)}" if parts else "") + held + steered + calm
 
 
 def _seeds(text: str) -> list[int]:
@@ -566,6 +574,13 @@ def _parser() -> argparse.ArgumentParser:
         help="leave a critical request on the replica routing chose even when its decodes run "
         "too slow for the TPOT SLO (flow_control.steer_critical: false)",
     )
+    parser.add_argument(
+        "--no-steer-when-calm",
+        dest="steer_when_calm",
+        action="store_false",
+        help="hold a standard or sheddable request routed to a replica decoding too slowly, "
+        "with most of the fleet full, even on a calm fleet (flow_control.steer_when_calm: false)",
+    )
     parser.add_argument("--out", default=DEFAULT_PAGE, help="markdown page to write")
     parser.add_argument("--no-page", action="store_true", help="print the checks only")
     return parser
@@ -670,6 +685,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         admit_within_slo_fraction=args.admit_within_slo_fraction,
         protect_critical_decodes=args.protect_critical_decodes,
         steer_critical=args.steer_critical,
+        steer_when_calm=args.steer_when_calm,
     )
     scales = [float(x) for x in args.scales.split(",")]
     generated = subjects([n.strip() for n in args.workloads.split(",") if n.strip()], args.requests)

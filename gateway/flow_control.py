@@ -42,7 +42,7 @@ from routing.flow_control import (
     Verdict,
     estimate_from_decision,
     parse_request_class,
-    steer_critical,
+    steer_request,
 )
 
 if TYPE_CHECKING:
@@ -178,6 +178,8 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
         admit_within_slo_fraction=spec.admit_within_slo_fraction,
         protect_critical_decodes=spec.protect_critical_decodes,
         steer_critical=spec.steer_critical,
+        steer_when_calm=spec.steer_when_calm,
+        calm_window_s=spec.calm_window_s,
     )
 
 
@@ -304,11 +306,11 @@ class FlowGate:
     async def _steer(
         self, request: FlowRequest, routed: Routed, repick: Repick
     ) -> tuple[Routed, FleetEstimate]:
-        """A critical request routed to a replica decoding too slowly for it: routed again among
-        the replicas with room, and sent there if its expected TTFT is no worse
-        (``routing.flow_control.steer_critical``, as in the simulator). The request path
-        forwards what this returns."""
-        steering = await steer_critical(
+        """A request routed to a replica decoding too slowly for it, critical or (on a calm
+        fleet) about to be held: routed again among the replicas with room, and sent there if
+        the controller takes the new decision (``routing.flow_control.steer_request``, as in the
+        simulator). The request path forwards what this returns."""
+        steering = await steer_request(
             self.controller,
             request,
             routed,
@@ -325,7 +327,7 @@ class FlowGate:
             decision=steering.routed.decision.with_fallbacks(first_order),
         )
         if self.metrics is not None:
-            self.metrics.flow_steered.labels(request.tenant).inc()
+            self.metrics.flow_steered.labels(request.tenant, request.request_class.value).inc()
         return steered, steering.estimate
 
     def _track(self, request: FlowRequest) -> None:

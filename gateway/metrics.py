@@ -320,9 +320,10 @@ class GatewayMetrics:
         )
         self.flow_steered = Counter(
             "fleetgate_flow_steered",
-            "Critical requests flow control moved off the replica routing chose, whose decodes "
-            "ran too slow for their TPOT SLO, to one with room (steer_critical)",
-            ["tenant"],
+            "Requests flow control moved off the replica routing chose, whose decodes ran too "
+            "slow for their TPOT SLO, to one with room: critical ones (steer_critical), and "
+            "others it would have held on a calm fleet (steer_when_calm)",
+            ["tenant", "request_class"],
             registry=r,
         )
         for name, metric in list(vars(self).items()):

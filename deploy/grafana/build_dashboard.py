@@ -151,11 +151,13 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("{{tenant}} {{reason}}", "sum by (tenant, reason) (rate(fleetgate_flow_decisions_total"
                                       f'{{decision="shed"}}[{RATE}]))'),
         ]),
-        # Critical requests moved off a replica whose decodes ran too slow for them: steady
-        # steering means routing's choices and the engines' pace disagree
-        # (flow_control.steer_critical).
-        ("Critical requests steered per second", "reqps", [
-            ("{{tenant}}", f"sum by (tenant) (rate(fleetgate_flow_steered_total[{RATE}]))"),
+        # Requests moved off a replica whose decodes ran too slow for them: critical ones
+        # (flow_control.steer_critical; steady steering means routing's choices and the
+        # engines' pace disagree), and others that would have waited on a calm fleet
+        # (flow_control.steer_when_calm: bursts on a quiet fleet).
+        ("Requests steered per second by class", "reqps", [
+            ("{{tenant}} {{request_class}}",
+             f"sum by (tenant, request_class) (rate(fleetgate_flow_steered_total[{RATE}]))"),
         ]),
         # Low (toward 0.5): requests have been missing their TPOT, so new work is held sooner;
         # high (toward 1.0): decodes keep pace and little is held (flow_control.tpot_target).

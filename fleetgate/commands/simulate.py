@@ -213,6 +213,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "docs/flow-control.md, Critical steering)",
     )
     parser.add_argument(
+        "--no-steer-when-calm",
+        dest="steer_when_calm",
+        action="store_false",
+        help="flow control holds a standard or sheddable request routed to a replica decoding "
+        "too slowly, with most of the fleet full, even while the fleet is calm "
+        "(flow_control.steer_when_calm: false; docs/flow-control.md, Calm steering)",
+    )
+    parser.add_argument(
         "--arrival-spread-ms",
         type=_non_negative_int,
         default=0,
@@ -255,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.steer_critical and args.flow_control == "off":
         return _fail("--no-steer-critical is a flow-control setting: drop --flow-control off")
+    if not args.steer_when_calm and args.flow_control == "off":
+        return _fail("--no-steer-when-calm is a flow-control setting: drop --flow-control off")
     # Before the (possibly long) simulation, so a missing extra costs no work.
     if args.plot and (problem := missing_extra("matplotlib", PLAN, "--plot")):
         return _fail(problem)
@@ -327,6 +337,7 @@ def _sweep(
         flow_control=FlowControlSettings(
             protect_critical_decodes=args.protect_critical_decodes,
             steer_critical=args.steer_critical,
+            steer_when_calm=args.steer_when_calm,
         )
         if flow_on
         else None,

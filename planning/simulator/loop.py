@@ -44,7 +44,7 @@ from routing.flow_control import (
     RequestClass,
     Verdict,
     estimate_from_decision,
-    steer_critical,
+    steer_request,
 )
 from routing.index.memory import MemoryBlockIndex
 from routing.policies.registry import builtin_profile
@@ -124,7 +124,8 @@ class PolicyRun:
     shed: list[ShedOutcome] = field(default_factory=list)
     #: Requests that waited in the gateway queue (served or refused later).
     queued: int = 0
-    #: Critical requests flow control moved off a replica whose decodes were too slow.
+    #: Requests flow control moved off a replica whose decodes were too slow (critical ones,
+    #: and others it would have held on a calm fleet).
     steered: int = 0
     #: Requests routed as overflow: predicted to miss the TTFT SLO on every replica.
     overflow: int = 0
@@ -207,7 +208,8 @@ class _Simulation:
         self.waiting: dict[str, _Waiting] = {}
         self.shed: list[ShedOutcome] = []
         self.queued = 0
-        #: Critical requests flow control moved off a replica whose decodes were too slow.
+        #: Requests flow control moved off a replica whose decodes were too slow (critical ones,
+    #: and others it would have held on a calm fleet).
         self.steered = 0
         self.pump_due: float | None = None
 
@@ -312,11 +314,12 @@ class _Simulation:
     async def _steer(
         self, waiting: _Waiting, flow_request: FlowRequest, decision: RoutingDecision
     ) -> tuple[RoutingDecision, FleetEstimate]:
-        """A critical request routed to a replica decoding too slowly for it: routed again among
-        the replicas with room, kept there if its expected TTFT is no worse
-        (``routing.flow_control.steer_critical``, as in the gateway)."""
+        """A request routed to a replica decoding too slowly for it, critical or (on a calm
+        fleet) about to be held: routed again among the replicas with room, kept there if the
+        controller takes the new decision (``routing.flow_control.steer_request``, as in the
+        gateway)."""
         assert self.flow is not None
-        steering = await steer_critical(
+        steering = await steer_request(
             self.flow,
             flow_request,
             decision,

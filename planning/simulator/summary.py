@@ -98,7 +98,8 @@ class PolicySummary:
     shed_by_class: dict[str, int] | None = None
     #: Requests that waited in the gateway queue.
     queued: int = 0
-    #: Critical requests flow control moved off a replica whose decodes were too slow.
+    #: Requests flow control moved off a replica whose decodes were too slow (critical ones,
+    #: and others it would have held on a calm fleet).
     steered: int = 0
     #: Time in the gateway queue, over every request (0 for those never queued).
     gateway_wait_p50_ms: float | None = None

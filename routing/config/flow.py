@@ -77,6 +77,14 @@ class FlowControlSpec(StrictModel):
     #: goes there when its expected TTFT is no worse (docs/flow-control.md, *Critical
     #: steering*).
     steer_critical: bool = True
+    #: A standard or sheddable request that would be held because routing chose a replica
+    #: decoding too slowly while most of the fleet is full is routed again among the replicas
+    #: with room, and admitted there if its expected TTFT meets its SLO, while the fleet is
+    #: calm: nothing queued and nothing held for ``calm_window_s`` (docs/flow-control.md, *Calm
+    #: steering*).
+    steer_when_calm: bool = True
+    #: Seconds without a request held after which the fleet counts as calm again.
+    calm_window_s: NonNegativeFloat = 5.0
     #: The engines run vLLM's ``--scheduling-policy priority``: each chat or completion request
     #: carries its class as vLLM's ``priority`` (critical -1, standard 0, sheddable 1; a
     #: client's own ``priority`` is replaced). Applies whether or not ``enabled`` is set.

@@ -26,7 +26,7 @@ from routing.flow_control.controller import (
 )
 from routing.flow_control.estimate import FleetEstimate, estimate_from_decision
 from routing.flow_control.queue import FairQueue
-from routing.flow_control.steer import Steering, steer_critical
+from routing.flow_control.steer import Steering, steer_request
 
 __all__ = [
     "PRIORITY_HEADER",
@@ -47,5 +47,5 @@ __all__ = [
     "Verdict",
     "estimate_from_decision",
     "parse_request_class",
-    "steer_critical",
+    "steer_request",
 ]

@@ -27,6 +27,13 @@ routing chose by.
   the replicas with room (``steer_candidates``: not full by any test), and goes to that choice
   if its expected TTFT there is no worse (``takes_steer``), so that no cached prefix or shorter
   queue is given up for it.
+* **Calm steering** (``steer_when_calm``). A standard or sheddable request that would be held
+  for the same reason (routing chose a replica decoding too slowly, and most of the fleet is
+  full) while the fleet is calm (nothing queued, and nothing held for ``calm_window_s``) is
+  routed again among the replicas with room, and admitted there if its expected TTFT meets its
+  SLO. A burst on a quiet fleet (the opening seconds of traffic, a spike at light load) then
+  goes to the idle replicas instead of waiting; sustained overload, where requests are held
+  every few seconds, is held as before.
 * **Protected critical decodes** (``protect_critical_decodes``, off by default). Each critical
   request in flight has a budget of prefill stall it can absorb and still meet its TPOT, spent
   by every prefill admitted to its replica after it (``DecodeGuard``). While decodes miss
@@ -155,6 +162,13 @@ class FlowControlSettings:
     #: routed again among the replicas with room, and goes there when its expected TTFT is no
     #: worse (``FlowController.steer_candidates``, ``takes_steer``).
     steer_critical: bool = True
+    #: A standard or sheddable request that would be held because routing chose a replica
+    #: decoding too slowly while most of the fleet is full is routed again among the replicas
+    #: with room, and admitted there if its expected TTFT meets its SLO, while the fleet is calm:
+    #: nothing queued and nothing held for ``calm_window_s``.
+    steer_when_calm: bool = True
+    #: Seconds without a request held after which the fleet counts as calm again.
+    calm_window_s: float = 5.0
 
     def __post_init__(self) -> None:
         backlog = self.saturation_backlog_requests
@@ -175,6 +189,8 @@ class FlowControlSettings:
         itl = self.saturation_itl_fraction
         if itl is not None and not (itl > 0 and math.isfinite(itl)):
             raise ValueError(f"saturation_itl_fraction: must be > 0 (got {itl!r})")
+        if not (self.calm_window_s >= 0 and math.isfinite(self.calm_window_s)):
+            raise ValueError(f"calm_window_s: must be >= 0 (got {self.calm_window_s!r})")
         if self.max_queue_length < 0:
             raise ValueError(f"max_queue_length: must be >= 0 (got {self.max_queue_length})")
         if self.max_queue_wait_ms is not None and not self.max_queue_wait_ms > 0:
@@ -223,6 +239,8 @@ class FlowController:
         self._itl_lowered = 0.0
         #: The critical decodes in flight and the stall each can still absorb.
         self.guard = DecodeGuard()
+        #: When a request was last held (queued); the fleet is calm ``calm_window_s`` after.
+        self._last_hold_s = -math.inf
 
     def now(self) -> float:
         """The controller's clock (arrival times of ``FlowRequest`` are on it)."""
@@ -262,15 +280,24 @@ class FlowController:
                 (victim.request, self._refusal(ShedReason.QUEUE_FULL, self._waited(victim)))
             )
         self.queue.push(request, estimate.predicted_ttft_ms)
+        self._last_hold_s = self._clock()
         return Verdict(Decision.QUEUE, _PROTECTING if protecting else "saturated")
 
     def steer_candidates(
         self, request: FlowRequest, estimate: FleetEstimate
     ) -> frozenset[ReplicaId] | None:
-        """The replicas to route a critical request again among, or None to keep routing's
-        choice: those with room by every test of ``_full``, when routing chose one whose
-        decodes run too slow for the request's TPOT SLO (the inter-token test) and some have.
-        The caller routes again among them and keeps the new choice only if ``takes_steer``.
+        """The replicas to route a request again among, or None to keep routing's choice: those
+        with room by every test of ``_full``, when routing chose one whose decodes run too slow
+        for the request's TPOT SLO (the inter-token test) and some have. The caller routes again
+        among them and keeps the new choice only if ``takes_steer``.
+
+        * A critical request (``steer_critical``) is steered whenever that happens: it is never
+          held, so it would decode at that pace.
+        * A standard or sheddable one (``steer_when_calm``) only when it would otherwise be held
+          (``_saturated``) on a calm fleet: nothing queued, nothing held for ``calm_window_s``.
+          Holding it then only waits out a passing burst while replicas sit idle (rag at 0.5x
+          held requests for 67 ms at start-up); in sustained overload, where something is held
+          every few seconds, holding is what protects the decodes.
 
         A request whose expected TTFT at routing's choice is already over its SLO stays: it is
         late wherever it goes, and its prefill (long, to be that late) would slow the decodes of
@@ -279,11 +306,17 @@ class FlowController:
         """
         settings = self.settings
         if (
-            not (settings.enabled and settings.steer_critical)
-            or request.request_class is not RequestClass.CRITICAL
+            not settings.enabled
             or estimate.predicted_ttft_ms is None
             or estimate.predicted_ttft_ms > request.ttft_slo_ms
             or not self._too_slow(estimate.chosen_decode_itl_ms, request)
+        ):
+            return None
+        if request.request_class is RequestClass.CRITICAL:
+            if not settings.steer_critical:
+                return None
+        elif not (
+            settings.steer_when_calm and self._calm() and self._saturated(estimate, request)
         ):
             return None
         room = frozenset(
@@ -295,14 +328,23 @@ class FlowController:
         )
         return room or None
 
-    @staticmethod
-    def takes_steer(estimate: FleetEstimate, steered: FleetEstimate) -> bool:
-        """Whether the decision among the replicas with room replaces routing's first one: only
-        if the request's expected TTFT there is no worse. A worse one means giving up a cached
-        prefix or a shorter queue, and past saturation the prefill it adds costs the fleet more
-        than the decode pace it saves (docs/flow-control.md, *Critical steering*)."""
+    def takes_steer(
+        self, request: FlowRequest, estimate: FleetEstimate, steered: FleetEstimate
+    ) -> bool:
+        """Whether the decision among the replicas with room replaces routing's first one.
+
+        A critical request moves only if its expected TTFT there is no worse. A worse one means
+        giving up a cached prefix or a shorter queue, and past saturation the prefill it adds
+        costs the fleet more than the decode pace it saves (docs/flow-control.md, *Critical
+        steering*). A standard or sheddable one would otherwise wait: it moves if its expected
+        TTFT there meets its SLO.
+        """
         first, then = estimate.predicted_ttft_ms, steered.predicted_ttft_ms
-        return first is not None and then is not None and then <= first
+        if first is None or then is None:
+            return False
+        if request.request_class is RequestClass.CRITICAL:
+            return then <= first
+        return then <= request.ttft_slo_ms
 
     # ------------------------------------------------------------------ the queue
 
@@ -451,6 +493,13 @@ class FlowController:
         if start is None or bound is None or self.settings.tpot_target is None:
             return True
         return bound < start
+
+    def _calm(self) -> bool:
+        """Nothing queued, and nothing held for ``calm_window_s``."""
+        return (
+            not self.queue
+            and self._clock() - self._last_hold_s >= self.settings.calm_window_s
+        )
 
     def _saturated(self, estimate: FleetEstimate, request: FlowRequest) -> bool:
         loads = estimate.loads

@@ -1,4 +1,4 @@
-"""Critical steering, driven the same way by the gateway and the simulator.
+"""Steering (critical, and on a calm fleet), driven the same way by the gateway and the simulator.
 
 Ask the controller which replicas have room (``FlowController.steer_candidates``), route again
 among them the driver's own way, and keep the new decision only if the controller takes it
@@ -19,7 +19,7 @@ from routing.flow_control.controller import FlowController
 from routing.flow_control.estimate import FleetEstimate
 from routing.types import ReplicaId
 
-__all__ = ["Steering", "steer_critical"]
+__all__ = ["Steering", "steer_request"]
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Steering(Generic[T]):
     steered: bool
 
 
-async def steer_critical(
+async def steer_request(
     controller: FlowController,
     request: FlowRequest,
     routed: T,
@@ -45,7 +45,8 @@ async def steer_critical(
     route_among: Callable[[frozenset[ReplicaId]], Awaitable[T]],
 ) -> Steering[T]:
     """``routed`` as it stands, or routed again among the replicas with room when the
-    controller steers ``request`` (docs/flow-control.md, *Critical steering*)."""
+    controller steers ``request`` (docs/flow-control.md, *Critical steering* and *Calm
+    steering*)."""
     estimate = estimate_of(routed)
     room = controller.steer_candidates(request, estimate)
     if room is None:
@@ -58,7 +59,7 @@ async def steer_critical(
         log.debug("routing request %s again failed", request.request_id, exc_info=True)
     else:
         again_estimate = estimate_of(again)
-        if controller.takes_steer(estimate, again_estimate):
+        if controller.takes_steer(request, estimate, again_estimate):
             return Steering(again, again_estimate, True)
     routing_request.overflow, routing_request.candidates = judged
     return Steering(routed, estimate, False)

@@ -401,7 +401,7 @@ async def test_a_critical_request_in_flight_is_protected_until_it_ends(tmp_path:
             await wait_until(lambda: len(guard) == 0, "its decode is no longer protected")
 
 
-def _two_replica_policy(slow_url: str, roomy_url: str, steer: bool) -> str:
+def _two_replica_policy(slow_url: str, roomy_url: str, steer: bool, calm: bool = True) -> str:
     """Two replicas; routing prefers the first (emptier KV cache) at equal expected TTFT."""
     return f"""
 version: 1
@@ -429,8 +429,10 @@ routes:
 flow_control:
   enabled: true
   steer_critical: {"true" if steer else "false"}
+  steer_when_calm: {"true" if calm else "false"}
 tenants:
   - {{name: gold, api_key_sha256: [{_sha("gold")}], priority: critical}}
+  - {{name: silver, api_key_sha256: [{_sha("silver")}]}}
 """
 
 
@@ -477,8 +479,68 @@ async def test_a_critical_request_on_a_replica_decoding_too_slowly_is_steered_to
             steered = steer and not steering_fails
             assert (slow.attempts, roomy.attempts) == ((0, 1) if steered else (1, 0))
             metrics = await (await http.get(f"{url}/metrics")).text()
-            assert ('fleetgate_flow_steered_total{tenant="gold"} 1.0' in metrics) is steered
+            assert (
+                'fleetgate_flow_steered_total{request_class="critical",tenant="gold"} 1.0'
+                in metrics
+            ) is steered
             assert (
                 'fleetgate_flow_decisions_total{decision="admit",reason="critical",'
                 'request_class="critical",tenant="gold"} 1.0' in metrics
             )
+
+
+def _paces_read(registry: object, slow_url: str, roomy_url: str) -> bool:
+    states = {s.url.rstrip("/"): s for s in registry.all()}  # type: ignore[attr-defined]
+    a, b = states.get(slow_url.rstrip("/")), states.get(roomy_url.rstrip("/"))
+    return (
+        a is not None
+        and b is not None
+        and (a.decode_itl_ms or 0.0) > 80.0
+        and 0.0 < (b.decode_itl_ms or 0.0) < 20.0
+        and b.kv_usage == pytest.approx(0.8)
+    )
+
+
+@pytest.mark.parametrize("calm", [True, False])
+async def test_a_standard_request_that_would_wait_on_a_calm_fleet_goes_to_a_replica_with_room(
+    tmp_path: Path, calm: bool
+) -> None:
+    """Routing prefers the slow replica (90 ms a token against a 50 ms TPOT SLO), and with one
+    of the two replicas full that way a standard request would be held. Nothing has been held
+    before (a calm fleet), so with ``steer_when_calm`` (the default) it is routed again among
+    the replicas with room and served at once by the other; without it, it waits in the
+    gateway queue (and, its client gone, reaches no engine)."""
+    slow, roomy = FakeUpstream(), FakeUpstream()
+    slow.itl_s, slow.kv_usage = 0.090, 0.0
+    roomy.itl_s, roomy.kv_usage = 0.010, 0.8  # under saturation_kv_usage (0.92): room
+    async with serve(slow.app()) as slow_url, serve(roomy.app()) as roomy_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(_two_replica_policy(slow_url, roomy_url, steer=True, calm=calm))
+        app = create_app(GatewayConfig(policy_path=str(path), health_interval_s=0.05))
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            registry = app[GATEWAY].registry
+            await wait_until(
+                lambda: _paces_read(registry, slow_url, roomy_url),
+                "the gateway read both replicas' pace and KV usage",
+            )
+            if calm:
+                status, _, _ = await _post(http, url, "silver", "silver")
+                assert status == 200
+                assert (slow.attempts, roomy.attempts) == (0, 1)
+                metrics = await (await http.get(f"{url}/metrics")).text()
+                assert (
+                    'fleetgate_flow_steered_total{request_class="standard",tenant="silver"} 1.0'
+                    in metrics
+                )
+                assert (
+                    'fleetgate_flow_decisions_total{decision="admit",reason="not_saturated",'
+                    'request_class="standard",tenant="silver"} 1.0' in metrics
+                )
+                return
+            held = asyncio.create_task(_post(http, url, "silver", "silver"))
+            await wait_until(lambda: _queued(app) == 1, "the standard request is held")
+            held.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await held
+            await wait_until(lambda: _queued(app) == 0, "it left the queue with its client")
+            assert (slow.attempts, roomy.attempts) == (0, 0)

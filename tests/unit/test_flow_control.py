@@ -583,19 +583,18 @@ def test_a_critical_request_on_a_too_slow_replica_is_routed_again_among_those_wi
     on_time = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"), ttft_ms=2000.0)
     assert flow.steer_candidates(_critical(), on_time) == {ReplicaId("roomy")}
     # The new decision is taken only if the request's expected TTFT there is no worse.
-    assert flow.takes_steer(fleet, replace(fleet, predicted_ttft_ms=300.0))
-    assert flow.takes_steer(fleet, replace(fleet, predicted_ttft_ms=120.0))
-    assert not flow.takes_steer(fleet, replace(fleet, predicted_ttft_ms=300.5))
-    assert not flow.takes_steer(fleet, replace(fleet, predicted_ttft_ms=None))
+    critical = _critical()
+    assert flow.takes_steer(critical, fleet, replace(fleet, predicted_ttft_ms=300.0))
+    assert flow.takes_steer(critical, fleet, replace(fleet, predicted_ttft_ms=120.0))
+    assert not flow.takes_steer(critical, fleet, replace(fleet, predicted_ttft_ms=300.5))
+    assert not flow.takes_steer(critical, fleet, replace(fleet, predicted_ttft_ms=None))
 
 
-def test_only_critical_requests_with_a_tpot_slo_are_steered_and_only_when_enabled() -> None:
+def test_only_requests_with_a_tpot_slo_are_steered_and_only_when_enabled() -> None:
     fleet = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"))
     roomy = {ReplicaId("roomy")}
     flow = _controller(FakeClock())
     assert flow.steer_candidates(_critical(), fleet) == roomy
-    assert flow.steer_candidates(_critical(request_class=STANDARD), fleet) is None
-    assert flow.steer_candidates(_critical(request_class=SHEDDABLE), fleet) is None
     assert flow.steer_candidates(_critical(tpot_slo_ms=None), fleet) is None
     off = _controller(FakeClock(), steer_critical=False)
     assert off.steer_candidates(_critical(), fleet) is None
@@ -605,12 +604,62 @@ def test_only_critical_requests_with_a_tpot_slo_are_steered_and_only_when_enable
     assert flow.steer_candidates(_critical(), no_ttft) is None
 
 
+def test_other_classes_are_steered_only_instead_of_waiting_on_a_calm_fleet() -> None:
+    """A standard or sheddable request is steered only where it would be held (routing chose
+    a replica decoding too slowly, and half the fleet is full) and the fleet is calm: nothing
+    queued, nothing held for ``calm_window_s`` (5 s by default)."""
+    clock = FakeClock()
+    flow = _controller(clock)
+    assert flow.settings.steer_when_calm is True
+    assert flow.settings.calm_window_s == 5.0
+    standard, sheddable = _critical(request_class=STANDARD), _critical(request_class=SHEDDABLE)
+    held_here = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"))  # half full: it would wait
+    assert flow.admit(standard, held_here).decision is Decision.QUEUE  # what it would do unsteered
+    flow.cancel(standard.request_id)
+    clock.now += 5.0  # calm again
+    assert flow.steer_candidates(standard, held_here) == {ReplicaId("roomy")}
+    assert flow.steer_candidates(sheddable, held_here) == {ReplicaId("roomy")}
+    # Admitted where it is (fewer than half full): nothing to steer; critical ones still are.
+    admitted_here = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"), _load("roomy-too"))
+    paced = FlowRequest("s2", "a", STANDARD, 2000.0, 1.0, 100.0, 50.0)
+    assert flow.admit(paced, admitted_here).decision is Decision.ADMIT
+    assert flow.steer_candidates(standard, admitted_here) is None
+    assert flow.steer_candidates(_critical(), admitted_here) == {
+        ReplicaId("roomy"),
+        ReplicaId("roomy-too"),
+    }
+    # A request held: the fleet is not calm while anything is queued, nor for 5 s after.
+    everything_full = _routed_to(_load("a", backlog=2), _load("busy", backlog=2))
+    assert flow.admit(_request("held"), everything_full).decision is Decision.QUEUE
+    assert flow.steer_candidates(standard, held_here) is None
+    assert flow.cancel("held")
+    clock.now += 4.9
+    assert flow.steer_candidates(standard, held_here) is None
+    assert flow.steer_candidates(_critical(), held_here) == {ReplicaId("roomy")}  # regardless
+    clock.now += 0.1
+    assert flow.steer_candidates(standard, held_here) == {ReplicaId("roomy")}
+    # Already past its TTFT SLO at routing's choice: it stays (and waits or is refused).
+    late = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"), ttft_ms=2000.5)
+    assert flow.steer_candidates(standard, late) is None
+    off = _controller(FakeClock(), steer_when_calm=False)
+    assert off.steer_candidates(standard, held_here) is None
+    assert off.steer_candidates(_critical(), held_here) == {ReplicaId("roomy")}
+    # It would otherwise wait, so the new decision is taken if it meets the TTFT SLO (2,000 ms),
+    # even when worse than the first (a cached prefix given up for a replica with room).
+    assert flow.takes_steer(standard, held_here, replace(held_here, predicted_ttft_ms=2000.0))
+    assert not flow.takes_steer(standard, held_here, replace(held_here, predicted_ttft_ms=2000.5))
+    assert not flow.takes_steer(standard, held_here, replace(held_here, predicted_ttft_ms=None))
+    assert not flow.takes_steer(_critical(), held_here, replace(held_here, predicted_ttft_ms=301))
+    with pytest.raises(ValueError, match="calm_window_s"):
+        FlowControlSettings(calm_window_s=-1.0)
+
+
 def test_steering_keeps_the_first_judgement_unless_the_new_decision_is_taken() -> None:
-    """``steer_critical``, which the gateway and the simulator both drive: routing again among
+    """``steer_request``, which the gateway and the simulator both drive: routing again among
     the replicas with room, taking the new decision only when it is no worse, and otherwise
     restoring what routing again overwrote on the request (its overflow verdict)."""
     from routing.contracts import RoutingRequest
-    from routing.flow_control import steer_critical
+    from routing.flow_control import steer_request
 
     flow = _controller(FakeClock())
     first = _routed_to(_load("slow", itl_ms=45.0), _load("roomy"), _load("busy", backlog=5))
@@ -630,7 +679,7 @@ def test_steering_keeps_the_first_judgement_unless_the_new_decision_is_taken() -
     def run(route):  # type: ignore[no-untyped-def]
         routing_request.overflow = False
         return asyncio.run(
-            steer_critical(flow, _critical(), first, routing_request, lambda e: e, route)
+            steer_request(flow, _critical(), first, routing_request, lambda e: e, route)
         )
 
     taken = run(route_among(250.0))
@@ -644,10 +693,10 @@ def test_steering_keeps_the_first_judgement_unless_the_new_decision_is_taken() -
         assert routing_request.overflow is False  # the first judgement, restored
     # Nothing to steer: routing is not asked again.
     asked.clear()
-    standard = _critical(request_class=STANDARD)
+    no_tpot_slo = _critical(tpot_slo_ms=None)
     assert (
         asyncio.run(
-            steer_critical(flow, standard, first, routing_request, lambda e: e, route_among(1.0))
+            steer_request(flow, no_tpot_slo, first, routing_request, lambda e: e, route_among(1.0))
         ).routed
         is first
     )

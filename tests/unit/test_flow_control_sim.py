@@ -130,9 +130,12 @@ def test_simulate_protect_critical_decodes_turns_the_decode_guard_on(
     assert "drop --flow-control off" in capsys.readouterr().err
 
 
-def test_simulate_steers_critical_requests_off_replicas_whose_decodes_run_too_slow(
+def test_simulate_steers_requests_off_replicas_whose_decodes_run_too_slow(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Both kinds of steering act in the simulator, each switched off by its own flag:
+    critical requests (``--no-steer-critical``) and, on a calm fleet, the others that would
+    wait (``--no-steer-when-calm``)."""
     from bench.flow_control import mooncake_like_trace
     from planning.simulator.summary import default_policy
 
@@ -147,7 +150,11 @@ def test_simulate_steers_critical_requests_off_replicas_whose_decodes_run_too_sl
     row = json.loads(capsys.readouterr().out)[0]  # then the unbounded and pooled bounds
     assert (row["policy"], row["flow_control"]) == (default_policy(), True)
     assert row["steered"] > 0  # on by default
-    assert main([*argv, "--no-steer-critical"]) == 0
+    for only_one_kind in ("--no-steer-critical", "--no-steer-when-calm"):
+        assert main([*argv, only_one_kind]) == 0
+        assert json.loads(capsys.readouterr().out)[0]["steered"] > 0
+    assert main([*argv, "--no-steer-critical", "--no-steer-when-calm"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["steered"] == 0
-    assert main([*argv, "--no-steer-critical", "--flow-control", "off"]) == 2
-    assert "drop --flow-control off" in capsys.readouterr().err
+    for flag in ("--no-steer-critical", "--no-steer-when-calm"):
+        assert main([*argv, flag, "--flow-control", "off"]) == 2
+        assert "drop --flow-control off" in capsys.readouterr().err
