@@ -209,7 +209,7 @@ class _Simulation:
         self.shed: list[ShedOutcome] = []
         self.queued = 0
         #: Requests flow control moved off a replica whose decodes were too slow (critical ones,
-    #: and others it would have held on a calm fleet).
+        #: and others it would have held on a calm fleet).
         self.steered = 0
         self.pump_due: float | None = None
 

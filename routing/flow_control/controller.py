@@ -315,9 +315,7 @@ class FlowController:
         if request.request_class is RequestClass.CRITICAL:
             if not settings.steer_critical:
                 return None
-        elif not (
-            settings.steer_when_calm and self._calm() and self._saturated(estimate, request)
-        ):
+        elif not (settings.steer_when_calm and self._calm() and self._saturated(estimate, request)):
             return None
         room = frozenset(
             load.replica
@@ -496,10 +494,7 @@ class FlowController:
 
     def _calm(self) -> bool:
         """Nothing queued, and nothing held for ``calm_window_s``."""
-        return (
-            not self.queue
-            and self._clock() - self._last_hold_s >= self.settings.calm_window_s
-        )
+        return not self.queue and self._clock() - self._last_hold_s >= self.settings.calm_window_s
 
     def _saturated(self, estimate: FleetEstimate, request: FlowRequest) -> bool:
         loads = estimate.loads

@@ -18,11 +18,13 @@ import hashlib
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -436,28 +438,27 @@ tenants:
 """
 
 
-@pytest.mark.parametrize(("steer", "steering_fails"), [(True, False), (False, False), (True, True)])
-async def test_a_critical_request_on_a_replica_decoding_too_slowly_is_steered_to_one_with_room(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steer: bool, steering_fails: bool
-) -> None:
-    """Routing prefers the slow replica (its KV cache is emptier; the expected TTFT is the same
-    on both), whose decodes run at 90 ms a token against the route's 50 ms TPOT SLO. With
-    ``steer_critical`` (the default) the critical request is routed again among the replicas
-    with room and goes to the other one; without it, or when routing again fails, it goes
-    where routing first sent it."""
-    if steering_fails:
-        from gateway.request import handler
+@dataclass
+class _TwoReplicas:
+    slow: FakeUpstream
+    roomy: FakeUpstream
+    app: web.Application
+    url: str
+    http: aiohttp.ClientSession
 
-        async def failing(gw: object, routed: object, only: object = None) -> object:
-            raise RuntimeError("routing again failed")
 
-        monkeypatch.setattr(handler, "repick", failing)
+@asynccontextmanager
+async def _slow_and_roomy(
+    tmp_path: Path, steer: bool = True, calm: bool = True
+) -> AsyncIterator[_TwoReplicas]:
+    """A gateway in front of two fake engines: one decoding at 90 ms a token (over a 50 ms TPOT
+    SLO's bound), one at 10 ms with room; yielded once the gateway has read both."""
     slow, roomy = FakeUpstream(), FakeUpstream()
     slow.itl_s, slow.kv_usage = 0.090, 0.0
     roomy.itl_s, roomy.kv_usage = 0.010, 0.8  # under saturation_kv_usage (0.92): room
     async with serve(slow.app()) as slow_url, serve(roomy.app()) as roomy_url:
         path = tmp_path / "policy.yaml"
-        path.write_text(_two_replica_policy(slow_url, roomy_url, steer))
+        path.write_text(_two_replica_policy(slow_url, roomy_url, steer, calm))
         app = create_app(GatewayConfig(policy_path=str(path), health_interval_s=0.05))
         async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
             registry = app[GATEWAY].registry
@@ -474,31 +475,38 @@ async def test_a_critical_request_on_a_replica_decoding_too_slowly_is_steered_to
                 )
 
             await wait_until(polled, "the gateway read both replicas' pace and KV usage")
-            status, _, _ = await _post(http, url, "gold", "gold")
-            assert status == 200
-            steered = steer and not steering_fails
-            assert (slow.attempts, roomy.attempts) == ((0, 1) if steered else (1, 0))
-            metrics = await (await http.get(f"{url}/metrics")).text()
-            assert (
-                'fleetgate_flow_steered_total{request_class="critical",tenant="gold"} 1.0'
-                in metrics
-            ) is steered
-            assert (
-                'fleetgate_flow_decisions_total{decision="admit",reason="critical",'
-                'request_class="critical",tenant="gold"} 1.0' in metrics
-            )
+            yield _TwoReplicas(slow, roomy, app, url, http)
 
 
-def _paces_read(registry: object, slow_url: str, roomy_url: str) -> bool:
-    states = {s.url.rstrip("/"): s for s in registry.all()}  # type: ignore[attr-defined]
-    a, b = states.get(slow_url.rstrip("/")), states.get(roomy_url.rstrip("/"))
-    return (
-        a is not None
-        and b is not None
-        and (a.decode_itl_ms or 0.0) > 80.0
-        and 0.0 < (b.decode_itl_ms or 0.0) < 20.0
-        and b.kv_usage == pytest.approx(0.8)
-    )
+@pytest.mark.parametrize(("steer", "steering_fails"), [(True, False), (False, False), (True, True)])
+async def test_a_critical_request_on_a_replica_decoding_too_slowly_is_steered_to_one_with_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steer: bool, steering_fails: bool
+) -> None:
+    """Routing prefers the slow replica (its KV cache is emptier; the expected TTFT is the same
+    on both), whose decodes run at 90 ms a token against the route's 50 ms TPOT SLO. With
+    ``steer_critical`` (the default) the critical request is routed again among the replicas
+    with room and goes to the other one; without it, or when routing again fails, it goes
+    where routing first sent it."""
+    if steering_fails:
+        from gateway.request import handler
+
+        async def failing(gw: object, routed: object, only: object = None) -> object:
+            raise RuntimeError("routing again failed")
+
+        monkeypatch.setattr(handler, "repick", failing)
+    async with _slow_and_roomy(tmp_path, steer) as fleet:
+        status, _, _ = await _post(fleet.http, fleet.url, "gold", "gold")
+        assert status == 200
+        steered = steer and not steering_fails
+        assert (fleet.slow.attempts, fleet.roomy.attempts) == ((0, 1) if steered else (1, 0))
+        metrics = await (await fleet.http.get(f"{fleet.url}/metrics")).text()
+        assert (
+            'fleetgate_flow_steered_total{request_class="critical",tenant="gold"} 1.0' in metrics
+        ) is steered
+        assert (
+            'fleetgate_flow_decisions_total{decision="admit",reason="critical",'
+            'request_class="critical",tenant="gold"} 1.0' in metrics
+        )
 
 
 @pytest.mark.parametrize("calm", [True, False])
@@ -510,37 +518,25 @@ async def test_a_standard_request_that_would_wait_on_a_calm_fleet_goes_to_a_repl
     before (a calm fleet), so with ``steer_when_calm`` (the default) it is routed again among
     the replicas with room and served at once by the other; without it, it waits in the
     gateway queue (and, its client gone, reaches no engine)."""
-    slow, roomy = FakeUpstream(), FakeUpstream()
-    slow.itl_s, slow.kv_usage = 0.090, 0.0
-    roomy.itl_s, roomy.kv_usage = 0.010, 0.8  # under saturation_kv_usage (0.92): room
-    async with serve(slow.app()) as slow_url, serve(roomy.app()) as roomy_url:
-        path = tmp_path / "policy.yaml"
-        path.write_text(_two_replica_policy(slow_url, roomy_url, steer=True, calm=calm))
-        app = create_app(GatewayConfig(policy_path=str(path), health_interval_s=0.05))
-        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
-            registry = app[GATEWAY].registry
-            await wait_until(
-                lambda: _paces_read(registry, slow_url, roomy_url),
-                "the gateway read both replicas' pace and KV usage",
+    async with _slow_and_roomy(tmp_path, calm=calm) as fleet:
+        if calm:
+            status, _, _ = await _post(fleet.http, fleet.url, "silver", "silver")
+            assert status == 200
+            assert (fleet.slow.attempts, fleet.roomy.attempts) == (0, 1)
+            metrics = await (await fleet.http.get(f"{fleet.url}/metrics")).text()
+            assert (
+                'fleetgate_flow_steered_total{request_class="standard",tenant="silver"} 1.0'
+                in metrics
             )
-            if calm:
-                status, _, _ = await _post(http, url, "silver", "silver")
-                assert status == 200
-                assert (slow.attempts, roomy.attempts) == (0, 1)
-                metrics = await (await http.get(f"{url}/metrics")).text()
-                assert (
-                    'fleetgate_flow_steered_total{request_class="standard",tenant="silver"} 1.0'
-                    in metrics
-                )
-                assert (
-                    'fleetgate_flow_decisions_total{decision="admit",reason="not_saturated",'
-                    'request_class="standard",tenant="silver"} 1.0' in metrics
-                )
-                return
-            held = asyncio.create_task(_post(http, url, "silver", "silver"))
-            await wait_until(lambda: _queued(app) == 1, "the standard request is held")
-            held.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await held
-            await wait_until(lambda: _queued(app) == 0, "it left the queue with its client")
-            assert (slow.attempts, roomy.attempts) == (0, 0)
+            assert (
+                'fleetgate_flow_decisions_total{decision="admit",reason="not_saturated",'
+                'request_class="standard",tenant="silver"} 1.0' in metrics
+            )
+            return
+        held = asyncio.create_task(_post(fleet.http, fleet.url, "silver", "silver"))
+        await wait_until(lambda: _queued(fleet.app) == 1, "the standard request is held")
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await held
+        await wait_until(lambda: _queued(fleet.app) == 0, "it left the queue with its client")
+        assert (fleet.slow.attempts, fleet.roomy.attempts) == (0, 0)
