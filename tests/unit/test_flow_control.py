@@ -520,6 +520,16 @@ models:
     assert settings_of(fixed).tpot_target is None
     with pytest.raises(PolicyError, match="tpot_target"):
         parse_policy(fleet + "flow_control: {tpot_target: 1.5}\n")
+    calm = settings_of(
+        parse_policy(fleet + "flow_control: {steer_when_calm: false, calm_window_s: 2}\n")
+    )
+    assert (calm.steer_when_calm, calm.calm_window_s) == (False, 2.0)
+    assert (
+        settings_of(parse_policy(fleet)).steer_when_calm,
+        settings_of(parse_policy(fleet)).calm_window_s,
+    ) == (True, 5.0)
+    with pytest.raises(PolicyError, match="calm_window_s"):
+        parse_policy(fleet + "flow_control: {calm_window_s: -1}\n")
     with pytest.raises(PolicyError, match="renamed tpot_target"):
         parse_policy(fleet + "flow_control: {critical_tpot_target: 0.99}\n")
     with pytest.raises(PolicyError, match="max_itl_fraction"):
