@@ -2,7 +2,8 @@
 
 One JSON object per line (the Mooncake / NVIDIA Dynamo format):
 
-- ``timestamp``: arrival time in milliseconds since the start of the trace (non-decreasing);
+- ``timestamp``: arrival time in milliseconds since the start of the trace (non-decreasing); a
+  fractional one (some tools write ``1200.4``) is rounded to the nearest millisecond;
 - ``input_length``: prompt tokens;
 - ``output_length``: tokens to generate;
 - ``hash_ids``: one integer per block of ``block_size`` prompt tokens (the last block may be
@@ -86,11 +87,12 @@ def parse_record(line: str, where: str, block_size: int | None = None) -> TraceR
     if missing:
         raise TraceFormatError(f"{where}: missing field(s) {', '.join(missing)}")
     timestamp = obj["timestamp"]
-    if isinstance(timestamp, float) and timestamp.is_integer():
-        timestamp = int(timestamp)  # some tools write 1200.0; the value is still exact
+    if isinstance(timestamp, float) and math.isfinite(timestamp):
+        # Some tools write 1200.0 or 1200.4: sub-millisecond arrival times change no replay.
+        timestamp = round(timestamp)
     if isinstance(timestamp, bool) or not isinstance(timestamp, int) or timestamp < 0:
         raise TraceFormatError(
-            f"{where}: timestamp must be a non-negative integer of ms (got {timestamp!r})"
+            f"{where}: timestamp must be a finite, non-negative number of ms (got {timestamp!r})"
         )
     input_length = _int_field(obj, "input_length", where, minimum=1)
     output_length = _int_field(obj, "output_length", where, minimum=1)

@@ -34,7 +34,15 @@ def test_adapter_is_written_only_when_set() -> None:
         (['{"timestamp": 0, "input_length": 5}'], "missing field(s) output_length, hash_ids"),
         (
             ['{"timestamp": -1, "input_length": 5, "output_length": 1, "hash_ids": [0]}'],
-            "t.jsonl:1: timestamp must be a non-negative integer",
+            "t.jsonl:1: timestamp must be a finite, non-negative number of ms",
+        ),
+        (
+            ['{"timestamp": NaN, "input_length": 5, "output_length": 1, "hash_ids": [0]}'],
+            "t.jsonl:1: timestamp must be a finite, non-negative number of ms",
+        ),
+        (
+            ['{"timestamp": "12", "input_length": 5, "output_length": 1, "hash_ids": [0]}'],
+            "t.jsonl:1: timestamp must be a finite, non-negative number of ms",
         ),
         (
             ['{"timestamp": 0, "input_length": "5", "output_length": 1, "hash_ids": [0]}'],
@@ -81,3 +89,14 @@ def test_float_timestamps_with_integer_value_are_accepted() -> None:
     line = '{"timestamp": 12.0, "input_length": 5, "output_length": 1, "hash_ids": [0]}'
     (record,) = iter_trace(io.StringIO(line))
     assert record.timestamp == 12
+
+
+def test_fractional_millisecond_timestamps_are_rounded() -> None:
+    lines = [
+        '{"timestamp": 1200.4, "input_length": 5, "output_length": 1, "hash_ids": [0]}',
+        '{"timestamp": 1200.6, "input_length": 5, "output_length": 1, "hash_ids": [0]}',
+        '{"timestamp": 1300.0, "input_length": 5, "output_length": 1, "hash_ids": [0]}',
+    ]
+    records = list(iter_trace(io.StringIO("\n".join(lines)), "t.jsonl", block_size=512))
+    assert [r.timestamp for r in records] == [1200, 1201, 1300]
+    assert all(isinstance(r.timestamp, int) for r in records)
