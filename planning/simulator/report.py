@@ -57,31 +57,72 @@ def _cell(row: PolicySummary, attribute: str, fmt: str) -> str:
     return fmt.format(value)
 
 
-def render_table(report: SimulationReport, title: str = "") -> str:
-    """A fixed-width table: one row per policy, then the two ceilings (hit rate only)."""
-    rows = report.rows()
-    cells = [[_cell(row, attr, fmt) for _, attr, fmt in _COLUMNS] for row in rows]
-    headers = [header for header, _, _ in _COLUMNS]
+#: The request classes, in the order the flow-control table shows them.
+_CLASSES = ("critical", "standard", "sheddable")
+
+
+def _fixed_width(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> list[str]:
+    """Header and rows, the first column left-aligned and the others right-aligned."""
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    lines = []
-    if title:
-        lines.append(title)
-    lines.append(
-        "  ".join(
-            h.ljust(w) if i == 0 else h.rjust(w)
-            for i, (h, w) in enumerate(zip(headers, widths, strict=True))
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            v.ljust(w) if i == 0 else v.rjust(w)
+            for i, (v, w) in enumerate(zip(values, widths, strict=True))
         )
-    )
-    for index, row_cells in enumerate(cells):
+
+    return [line(headers), *(line(row) for row in cells)]
+
+
+def _flow_control_lines(report: SimulationReport) -> list[str]:
+    """With request classes (``--classes``): goodput per class and what flow control did, one
+    row per policy; nothing when every request was standard."""
+    rows = [
+        row
+        for row in report.summaries
+        if row.flow_control or set(row.goodput_by_class or {}) - {"standard"}
+    ]
+    if not rows:
+        return []
+    headers = ["policy", "flow control", *_CLASSES, "shed", "queued", "steered", "wait p95", "max"]
+    cells = [
+        [
+            row.policy,
+            "on" if row.flow_control else "off",
+            *(
+                "-"
+                if (by_class := row.goodput_by_class or {}).get(name) is None
+                else f"{by_class[name]:.1%}"
+                for name in _CLASSES
+            ),
+            str(row.shed),
+            str(row.queued),
+            str(row.steered),
+            _cell(row, "gateway_wait_p95_ms", "{:.0f}"),
+            _cell(row, "gateway_wait_max_ms", "{:.0f}"),
+        ]
+        for row in rows
+    ]
+    return [
+        "goodput by class (refused requests count as misses) and flow control:",
+        *_fixed_width(headers, cells),
+        "wait: time in the gateway queue, in ms (docs/flow-control.md).",
+    ]
+
+
+def render_table(report: SimulationReport, title: str = "") -> str:
+    """A fixed-width table: one row per policy, then the two ceilings (hit rate only); with
+    request classes, a second one of goodput by class and what flow control did."""
+    cells = [[_cell(row, attr, fmt) for _, attr, fmt in _COLUMNS] for row in report.rows()]
+    header, *body = _fixed_width([header for header, _, _ in _COLUMNS], cells)
+    lines = [title] if title else []
+    lines.append(header)
+    for index, row_line in enumerate(body):
         if index == len(report.summaries):
             lines.append("ceilings (hit rate only):")
-        lines.append(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(row_cells, widths, strict=True))
-            )
-        )
+        lines.append(row_line)
     lines.append("TTFT, TPOT and queue times in ms; goodput = share meeting both SLOs.")
+    lines.extend(_flow_control_lines(report))
     default = default_policy()
     if any(row.policy == default for row in report.summaries):
         lines.append(f"default policy (fleetgate serve / up): {default}")

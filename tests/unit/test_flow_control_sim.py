@@ -68,6 +68,26 @@ def test_simulate_with_classes_reports_flow_control_per_class(
     assert on["queued"] > 0 and on["shed"] > 0
     assert "critical" not in on["shed_by_class"]
     assert on["requests"] + on["shed"] == 120
+    # The table shows the same figures as the JSON, in a second table after the first.
+    table_argv = [arg for arg in argv if arg != "--json"]
+    assert main(table_argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index("goodput by class (refused requests count as misses) and flow control:")
+    assert lines[header + 1].split() == [
+        "policy", "flow", "control", "critical", "standard", "sheddable", "shed", "queued",
+        "steered", "wait", "p95", "max",
+    ]  # fmt: skip
+    row = lines[header + 2].split()
+    assert row[:2] == ["expected-ttft", "on"]
+    assert row[2:5] == [
+        f"{on['goodput_by_class'][c]:.1%}" for c in ("critical", "standard", "sheddable")
+    ]
+    assert row[5:8] == [str(on["shed"]), str(on["queued"]), str(on["steered"])]
+    assert row[9] == f"{on['gateway_wait_max_ms']:.0f}"
+    # Without classes every request is standard, and there is no such table.
+    no_classes = [*table_argv[: table_argv.index("--classes")], "--rate-scale", "8"]
+    assert main(no_classes) == 0
+    assert "goodput by class" not in capsys.readouterr().out
 
 
 def test_the_simulator_reports_each_finished_requests_tpot_to_flow_control(
