@@ -9,7 +9,7 @@ through these same types.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from routing.state import ReplicaState
@@ -238,14 +238,7 @@ class RoutingDecision:
         fleet to retry on)."""
         named = {self.replica, *self.fallbacks}
         extra = [replica for replica in more if replica not in named]
-        return RoutingDecision(
-            self.replica,
-            [*self.fallbacks, *extra],
-            self.profile,
-            self.degraded,
-            self.explanations,
-            self.timings_ms,
-        )
+        return replace(self, fallbacks=[*self.fallbacks, *extra])
 
 
 class NoReplicaAvailable(RuntimeError):

@@ -257,14 +257,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.stats_interval_ms < 0:
         return _fail(f"--stats-interval-ms must be >= 0 (got {args.stats_interval_ms})")
-    if args.protect_critical_decodes and args.flow_control == "off":
-        return _fail(
-            "--protect-critical-decodes is a flow-control setting: drop --flow-control off"
-        )
-    if not args.steer_critical and args.flow_control == "off":
-        return _fail("--no-steer-critical is a flow-control setting: drop --flow-control off")
-    if not args.steer_when_calm and args.flow_control == "off":
-        return _fail("--no-steer-when-calm is a flow-control setting: drop --flow-control off")
+    if args.flow_control == "off":
+        for flag, given in (
+            ("--protect-critical-decodes", args.protect_critical_decodes),
+            ("--no-steer-critical", not args.steer_critical),
+            ("--no-steer-when-calm", not args.steer_when_calm),
+        ):
+            if given:
+                return _fail(f"{flag} is a flow-control setting: drop --flow-control off")
     # Before the (possibly long) simulation, so a missing extra costs no work.
     if args.plot and (problem := missing_extra("matplotlib", PLAN, "--plot")):
         return _fail(problem)

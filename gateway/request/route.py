@@ -213,7 +213,7 @@ async def repick(
     gw: RouteDeps, routed: RouteDecision, only: frozenset[ReplicaId] | None = None
 ) -> RouteDecision:
     """``routed`` routed again on the fleet as it is now (flow control's queued requests), or
-    among ``only`` those replicas (a critical request steered off a replica decoding too
+    among ``only`` those replicas (a request flow control steers off a replica decoding too
     slowly for it; ``NoReplicaAvailable`` when none of them is routable)."""
     if routed.decision.profile == PINNED_PROFILE:
         return routed  # only its replica holds what it continues (a stored response)

@@ -89,12 +89,7 @@ def _flow_control_lines(report: SimulationReport) -> list[str]:
         [
             row.policy,
             "on" if row.flow_control else "off",
-            *(
-                "-"
-                if (by_class := row.goodput_by_class or {}).get(name) is None
-                else f"{by_class[name]:.1%}"
-                for name in _CLASSES
-            ),
+            *(_class_goodput(row, name) for name in _CLASSES),
             str(row.shed),
             str(row.queued),
             str(row.steered),
@@ -108,6 +103,11 @@ def _flow_control_lines(report: SimulationReport) -> list[str]:
         *_fixed_width(headers, cells),
         "wait: time in the gateway queue, in ms (docs/flow-control.md).",
     ]
+
+
+def _class_goodput(row: PolicySummary, name: str) -> str:
+    value = (row.goodput_by_class or {}).get(name)
+    return "-" if value is None else f"{value:.1%}"
 
 
 def render_table(report: SimulationReport, title: str = "") -> str:
