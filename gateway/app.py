@@ -145,7 +145,13 @@ def create_app(
         # Shared through Redis when the gateway runs with Redis: a follow-up may reach any gateway.
         response_affinity=build_response_affinity(config.redis_url),
     )
-    gw.flow = build_flow_gate(config.redis_url, config.index_key_prefix, gw.metrics, registry.all)
+    gw.flow = build_flow_gate(
+        config.redis_url,
+        config.index_key_prefix,
+        gw.metrics,
+        registry.all,
+        policy=lambda: gw.policy.source,
+    )
     if isinstance(index, MirrorBlockIndex):  # reloads, rebuilds, readiness at /metrics
         gw.metrics.registry.register(MirrorCollector(index))
     if config.policy_path is not None:

@@ -183,6 +183,10 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
     )
 
 
+#: The verdict for queued requests released because a reload turned flow control off.
+_RELEASED = Verdict(Decision.ADMIT, "flow_control_off")
+
+
 @dataclass(slots=True)
 class _Waiter:
     routed: Routed
@@ -201,8 +205,12 @@ class FlowGate:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         replica_states: Callable[[], Iterable[ReplicaState]] = tuple,
+        policy: Callable[[], Policy | None] | None = None,
     ) -> None:
         self.metrics = metrics
+        #: The policy in force now (reloads swap it), read by the pump on each pass so that a
+        #: reload reaches requests already queued; None: only arrivals bring new settings.
+        self.policy = policy
         #: The replicas as last polled (engine queue, KV usage, this gateway's in-flight counts):
         #: what flow control judges saturation by. Without them it judges by the optional
         #: predicted-wait bounds alone.
@@ -234,33 +242,64 @@ class FlowGate:
         flow = tenant_flow(
             policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
         )
-        tenant = routed.tenant.name
-        prompt_tokens = routed.routing_request.prompt_tokens
-        reserved = False
-        if flow.budget is not None:
-            check = await self.budgets.admit(tenant, flow.budget, prompt_tokens)
-            if not check.admitted:
-                self._count(tenant, flow.request_class, Decision.SHED, "token_budget")
-                raise _too_many(
-                    f"Token budget exceeded: this tenant's {check.exhausted} tokens per minute "
-                    "are spent.",
-                    check.retry_after_s,
-                )
-            reserved = flow.budget.prompt_tokens_per_minute is not None
+        reserved_in = await self._reserve_budget(routed, flow)
         try:
             return cast(R, await self._admit(routed, flow, policy, repick))
         except BaseException:
-            if reserved and flow.budget is not None:
-                await self.budgets.release(tenant, flow.budget, prompt_tokens)
+            if reserved_in is not None and flow.budget is not None:
+                await self.budgets.release(
+                    routed.tenant.name,
+                    flow.budget,
+                    routed.routing_request.prompt_tokens,
+                    reserved_in,
+                )
             raise
+
+    async def admit_pinned(self, routed: R, headers: Mapping[str, str], policy: Policy | None) -> R:
+        """A request only one replica can serve (a stored conversation's follow-up): flow
+        control cannot move or hold it usefully, but the tenant's token budget still holds."""
+        route = routed.route
+        flow = tenant_flow(
+            policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
+        )
+        await self._reserve_budget(routed, flow)
+        return routed
+
+    async def _reserve_budget(self, routed: Routed, flow: TenantFlow) -> int | None:
+        """Check the tenant's budgets and reserve the prompt tokens; the window they were
+        reserved in (None: nothing reserved). Raises 429 when a budget is spent, 400 when the
+        prompt alone is over the whole prompt budget."""
+        if flow.budget is None:
+            return None
+        tenant = routed.tenant.name
+        prompt_tokens = routed.routing_request.prompt_tokens
+        check = await self.budgets.admit(tenant, flow.budget, prompt_tokens)
+        if not check.admitted:
+            self._count(tenant, flow.request_class, Decision.SHED, "token_budget")
+            if not check.can_fit:
+                raise GatewayError(
+                    400,
+                    errors.INVALID_REQUEST,
+                    f"This request's {prompt_tokens} prompt tokens are more than this "
+                    f"tenant's whole prompt budget "
+                    f"({flow.budget.prompt_tokens_per_minute} tokens per minute): no "
+                    "minute can admit it. Shorten the prompt, or raise the tenant's "
+                    "token_budget.prompt_tokens_per_minute.",
+                    "messages",
+                )
+            raise _too_many(
+                f"Token budget exceeded: this tenant's {check.exhausted} tokens per minute "
+                "are spent.",
+                check.retry_after_s,
+            )
+        if flow.budget.prompt_tokens_per_minute is None:
+            return None
+        return check.window
 
     async def _admit(
         self, routed: Routed, flow: TenantFlow, policy: Policy | None, repick: Repick
     ) -> Routed:
-        if policy is not self._settings_source:  # read once per policy (re)load
-            self.controller.settings = settings_of(policy)
-            self._settings_source = policy
-            self._bound_gauge()
+        self._read_settings(policy)
         if not self.controller.settings.enabled:
             return routed  # off: not even the estimate is built (explanations cost at scale)
         request_id = routed.routing_request.request_id
@@ -273,6 +312,7 @@ class FlowGate:
             self.controller.now(),
             flow.tpot_slo_ms,
             routed.routing_request.max_output_tokens,
+            pool=routed.routing_request.model,
         )
         routed, estimate = await self._steer(request, routed, repick)
         verdict = self.controller.admit(request, estimate)
@@ -358,10 +398,13 @@ class FlowGate:
         usage: Any,
         request_id: str | None = None,
         tpot_ms: float | None = None,
+        prompt_uncounted: bool = False,
     ) -> Coroutine[Any, Any, None] | None:
         """A request ended: capacity may be free (wake the pump); its TPOT moves the
         inter-token bound. Returns the charge of its completion tokens to the tenant's budget,
-        if it has one, for the caller to run."""
+        if it has one, for the caller to run; with ``prompt_uncounted`` (a request routed
+        without counting its prompt: embeddings, a stored conversation's follow-up), of its
+        prompt tokens too, as the engine counted them."""
         self._wake.set()
         if request_id is not None:
             self.controller.request_finished(request_id)
@@ -371,13 +414,21 @@ class FlowGate:
                 self._bound_gauge()
         spec = policy.tenant(tenant) if policy is not None else None
         budget = spec.token_budget if spec is not None else None
-        tokens = usage.get("completion_tokens") if isinstance(usage, Mapping) else None
-        if budget is None or budget.completion_tokens_per_minute is None:
+        if budget is None or not isinstance(usage, Mapping):
             return None
-        if not isinstance(tokens, int) or tokens <= 0:
+        completion = usage.get("completion_tokens")
+        prompt = usage.get("prompt_tokens") if prompt_uncounted else None
+        charge = TokenBudget(
+            budget.prompt_tokens_per_minute if _counted(prompt) else None,
+            budget.completion_tokens_per_minute if _counted(completion) else None,
+        )
+        if charge.prompt_tokens_per_minute is None and charge.completion_tokens_per_minute is None:
             return None
-        return self.budgets.charge_completion(
-            tenant, TokenBudget(None, budget.completion_tokens_per_minute), tokens
+        return self.budgets.charge_after(
+            tenant,
+            charge,
+            prompt if isinstance(prompt, int) else 0,
+            completion if isinstance(completion, int) else 0,
         )
 
     # ------------------------------------------------------------------ the pump
@@ -407,27 +458,63 @@ class FlowGate:
 
     async def _pump(self) -> None:
         flow = self.controller
+        if self.policy is not None:
+            self._read_settings(self.policy())
+        if not flow.settings.enabled:  # turned off by a reload: nothing waits any more
+            self._release_all()
+            return
         for request, verdict in flow.expire():
             self._answer(request.request_id, verdict, None)
-        while (head := flow.head()) is not None:
-            waiter = self._waiters.get(head.request_id)
-            if waiter is None:  # its handler is gone; cancellation removes it, this is a guard
-                flow.cancel(head.request_id)
-                continue
-            try:
-                routed = await waiter.repick(waiter.routed)
-            except GatewayError as err:  # e.g. no replica left: this request's own error
-                flow.cancel(head.request_id)
-                if not waiter.answer.done():
-                    waiter.answer.set_exception(err)
-                continue
-            current = flow.head()
-            if current is None or current.request_id != head.request_id:
-                continue  # it left (disconnect, expiry) while it was being routed
-            verdict = flow.judge_head(self._estimate(routed))
-            if verdict.decision is Decision.QUEUE:
-                break
-            self._answer(head.request_id, verdict, routed)
+        # Each pool (base model) on its own: a saturated one never holds up the others.
+        for pool in flow.pools():
+            while (head := flow.head(pool)) is not None:
+                waiter = self._waiters.get(head.request_id)
+                if waiter is None:  # its handler is gone; cancellation removes it: a guard
+                    flow.cancel(head.request_id)
+                    continue
+                try:
+                    routed = await waiter.repick(waiter.routed)
+                except Exception as exc:  # this request's own failure: the rest still move
+                    self._fail(head.request_id, waiter, exc)
+                    continue
+                current = flow.head(pool)
+                if current is None or current.request_id != head.request_id:
+                    continue  # it left (disconnect, expiry) while it was being routed
+                verdict = flow.judge_head(self._estimate(routed), pool)
+                if verdict.decision is Decision.QUEUE:
+                    break
+                self._answer(head.request_id, verdict, routed)
+
+    def _read_settings(self, policy: Policy | None) -> None:
+        """The controller's settings from ``policy``, read again only when it changed."""
+        if policy is not self._settings_source:  # once per policy (re)load
+            self.controller.settings = settings_of(policy)
+            self._settings_source = policy
+            self._bound_gauge()
+
+    def _release_all(self) -> None:
+        """Flow control is off: every queued request goes on as routed when it was queued."""
+        for request_id, waiter in list(self._waiters.items()):
+            self.controller.cancel(request_id)
+            if not waiter.answer.done():
+                waiter.answer.set_result((_RELEASED, waiter.routed))
+
+    def _fail(self, request_id: str, waiter: _Waiter, exc: Exception) -> None:
+        """Routing a queued request again failed: it leaves the queue with that error (its own
+        ``GatewayError``, e.g. no replica left; anything else is a 503 to retry)."""
+        self.controller.cancel(request_id)
+        if isinstance(exc, GatewayError):
+            err = exc
+        else:
+            log.exception("routing queued request %s again failed", request_id)
+            err = GatewayError(
+                503,
+                errors.INTERNAL_ERROR,
+                "This request could not be routed again after waiting in the gateway queue "
+                "(the routing policy may have changed meanwhile); retry it.",
+            )
+        if not waiter.answer.done():
+            waiter.answer.set_exception(err)
 
     def _estimate(self, routed: Routed) -> FleetEstimate:
         return estimate_from_decision(routed.decision, self.replica_states())
@@ -459,6 +546,11 @@ class FlowGate:
             self.metrics.flow_queue_length.labels(request_class.value).set(
                 self.controller.queue.length(request_class)
             )
+
+
+def _counted(tokens: object) -> bool:
+    """A usage figure worth charging: a positive int (``True`` is not a count)."""
+    return isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
 
 
 def _too_many(message: str, retry_after_s: float) -> GatewayError:
@@ -502,12 +594,13 @@ def flow_finished(
     usage: Any,
     request_id: str | None = None,
     tpot_ms: float | None = None,
+    prompt_uncounted: bool = False,
 ) -> None:
     """Tell flow control a request ended (with its TPOT, when it streamed two tokens or more);
     its budget charge runs as a tracked background task."""
     if gw.flow is None:
         return
-    charge = gw.flow.request_finished(policy, tenant, usage, request_id, tpot_ms)
+    charge = gw.flow.request_finished(policy, tenant, usage, request_id, tpot_ms, prompt_uncounted)
     if charge is not None:
         task = asyncio.create_task(charge, name="fleetgate-token-budget")
         gw.background.add(task)
@@ -519,6 +612,7 @@ def build_flow_gate(
     key_prefix: str | None,
     metrics: GatewayMetrics | None,
     replica_states: Callable[[], Iterable[ReplicaState]] = tuple,
+    policy: Callable[[], Policy | None] | None = None,
 ) -> FlowGate:
     """The gateway's flow gate: token budgets in Redis when the gateway has Redis, else memory;
     saturation judged on ``replica_states`` (the registry's replicas)."""
@@ -529,4 +623,6 @@ def build_flow_gate(
         store = RedisBudgetStore(redis_url)
     else:
         store = MemoryBudgetStore()
-    return FlowGate(metrics, store, key_prefix or "fleetgate:", replica_states=replica_states)
+    return FlowGate(
+        metrics, store, key_prefix or "fleetgate:", replica_states=replica_states, policy=policy
+    )

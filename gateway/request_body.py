@@ -24,6 +24,18 @@ def request_id_of(request: web.Request) -> str:
     return f"fg-{uuid.uuid4().hex}"
 
 
+def unique_id(request_id: str, in_flight: set[str]) -> str:
+    """``request_id``, or it with a random suffix when a request in flight already has it.
+
+    Routing and flow control key their state by request id; two requests sharing one (a client
+    that reuses its ids, or two tenants that pick the same) would overwrite each other's. The
+    response's ``X-Request-Id`` shows the id the gateway used.
+    """
+    while request_id in in_flight:
+        request_id = f"{request_id.split('~', 1)[0]}~{uuid.uuid4().hex[:8]}"
+    return request_id
+
+
 async def read_json(request: web.Request, max_bytes: int) -> dict[str, Any]:
     """The JSON object body; 413 past ``max_bytes`` (checked before and while reading), 400 else."""
     body, _raw = await read_body(request, max_bytes)

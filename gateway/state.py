@@ -62,6 +62,9 @@ class GatewayState:
     #: load balancers stop sending, while requests that still arrive are served.
     stopping: bool = False
     active_requests: int = 0
+    #: The request ids in flight: routing and flow control key their state by request id, so
+    #: a client's ``X-Request-Id`` already in use gets a suffix (``request_body.unique_id``).
+    request_ids: set[str] = field(default_factory=set)
     #: Retries on fallbacks before the first byte (the policy's ``gateway.max_retries``).
     max_retries: int = 2
     policy_errors: list[str] = field(default_factory=list)

@@ -24,6 +24,15 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 
+#: KEYS[1] counter; ARGV amount (negative: tokens given back), ttl_s. A counter never goes below
+#: zero: a give-back whose reservation never reached Redis (it was down) must not bank credit.
+_ADD = """
+local value = redis.call('INCRBY', KEYS[1], ARGV[1])
+if value < 0 then redis.call('SET', KEYS[1], 0) end
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return value
+"""
+
 
 class RedisBudgetStore(BudgetStore):
     """Budget counters in Redis; keys ``<prefix>budget:<tenant>:<kind>:<minute>``."""
@@ -33,6 +42,7 @@ class RedisBudgetStore(BudgetStore):
 
         self._redis = bounded_client(redis_url, 0.5)
         self._reserve = self._redis.register_script(_RESERVE)
+        self._add = self._redis.register_script(_ADD)
 
     async def reserve(self, key: str, amount: int, limit: int, ttl_s: int) -> bool:
         try:
@@ -51,10 +61,7 @@ class RedisBudgetStore(BudgetStore):
 
     async def add(self, key: str, amount: int, ttl_s: int) -> None:
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.incrby(key, amount)
-                pipe.expire(key, ttl_s)
-                await pipe.execute()
+            await self._add(keys=[key], args=[amount, ttl_s])
         except Exception as exc:
             log.warning("token budget charge through Redis failed (%s)", exc)
 

@@ -14,14 +14,15 @@ from gateway.request.account import account, completion_tokens_of
 from gateway.request.forward import AttemptRecorder, forward, plan_forward
 from gateway.request.kinds import RequestKind
 from gateway.request.route import RequestLabels, admit, repick, route
-from gateway.request_body import read_body, request_id_of
+from gateway.request_body import read_body, request_id_of, unique_id
 from gateway.state import GATEWAY
 
 
 async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     """``POST`` of one OpenAI request of ``kind`` (``/v1/chat/completions``, ...)."""
     gw = request.app[GATEWAY]
-    request_id = request_id_of(request)
+    request_id = unique_id(request_id_of(request), gw.request_ids)
+    gw.request_ids.add(request_id)
     arrived = time.monotonic()
     labels = RequestLabels()
     forwarded = False
@@ -41,9 +42,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             pinned = None
             if kind.pinned_replica is not None:  # e.g. where a previous response is stored
                 pinned = await kind.pinned_replica(gw, tenant, body)
-            routed = await route(
-                gw, request, tenant, kind, body, request_id, labels, pinned=pinned
-            )
+            routed = await route(gw, request, tenant, kind, body, request_id, labels, pinned=pinned)
             span.set_attribute("fleetgate.route", routed.route.name)
             if gw.flow is not None and pinned is None:
                 # Flow control judges by the routing estimate, so it runs on the decision: a
@@ -54,6 +53,8 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                     gw.policy.source,
                     lambda r, only=None: repick(gw, r, only),
                 )
+            elif gw.flow is not None:  # one replica can serve it: only its budget is checked
+                routed = await gw.flow.admit_pinned(routed, request.headers, gw.policy.source)
             plan = plan_forward(
                 routed,
                 kind,
@@ -86,6 +87,9 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                     outcome.usage,
                     request_id,
                     outcome.tpot_ms(completion_tokens_of(outcome.usage)),
+                    # Not tokenized here (embeddings, a stored conversation's follow-up): its
+                    # prompt tokens are charged to the budget as the engine counted them.
+                    prompt_uncounted=routed.routing_request.prompt_tokens == 0,
                 )
                 # After the handler returns, aiohttp writes the response before the loop runs
                 # the next callback: accounting stays off the client's latency.
@@ -102,3 +106,4 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         return err.response(request_id)
     finally:
         gw.active_requests -= 1
+        gw.request_ids.discard(request_id)

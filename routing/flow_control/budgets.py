@@ -45,6 +45,11 @@ class BudgetCheck:
     #: ``prompt`` or ``completion`` when refused.
     exhausted: str | None = None
     retry_after_s: float = 0.0
+    #: The window the prompt tokens were reserved in (``release`` gives them back there).
+    window: int | None = None
+    #: False when the prompt alone is over the tenant's prompt budget: no window can admit it,
+    #: so retrying cannot help (the gateway answers 400, not 429).
+    can_fit: bool = True
 
 
 class BudgetStore(Protocol):
@@ -59,7 +64,8 @@ class BudgetStore(Protocol):
         ...
 
     async def add(self, key: str, amount: int, ttl_s: int) -> None:
-        """Add ``amount`` unconditionally (completion tokens, charged after the fact)."""
+        """Add ``amount`` unconditionally (completion tokens, charged after the fact; negative:
+        prompt tokens given back), never taking the counter below zero."""
         ...
 
 
@@ -81,7 +87,7 @@ class MemoryBudgetStore:
         return self._counts.get(key, 0)
 
     async def add(self, key: str, amount: int, ttl_s: int) -> None:
-        self._counts[key] = self._counts.get(key, 0) + amount
+        self._counts[key] = max(0, self._counts.get(key, 0) + amount)
 
     def drop_windows_before(self, window: int) -> None:
         """Forget counters of windows older than ``window`` (memory stays bounded)."""
@@ -119,20 +125,25 @@ class TokenBudgets:
         limit = budget.prompt_tokens_per_minute
         if limit is not None:
             if prompt_tokens > limit:
-                # Never fits in any window: retrying cannot help, but say when the window turns.
-                return BudgetCheck(False, "prompt", retry)
+                return BudgetCheck(False, "prompt", retry, can_fit=False)
             key = self._key(tenant, "prompt", window)
             if not await self.store.reserve(key, prompt_tokens, limit, 2 * WINDOW_S):
                 return BudgetCheck(False, "prompt", retry)
         if isinstance(self.store, MemoryBudgetStore):
             self.store.drop_windows_before(window)
-        return BudgetCheck(True)
+        return BudgetCheck(True, window=window)
 
-    async def release(self, tenant: str, budget: TokenBudget, prompt_tokens: int) -> None:
-        """Give back the prompt tokens ``admit`` reserved (the request was refused after all)."""
-        if budget.prompt_tokens_per_minute is None or prompt_tokens <= 0:
+    async def release(
+        self, tenant: str, budget: TokenBudget, prompt_tokens: int, window: int | None
+    ) -> None:
+        """Give back the prompt tokens ``admit`` reserved in ``window`` (the request was refused
+        after all). Into that window, not the current one: a request queued across a minute
+        boundary must not drive the new minute's counter below zero. A window already over
+        takes nothing back (its tokens are forgotten with it)."""
+        if budget.prompt_tokens_per_minute is None or prompt_tokens <= 0 or window is None:
             return
-        window, _ = self._window()
+        if window < self._window()[0]:
+            return
         await self.store.add(self._key(tenant, "prompt", window), -prompt_tokens, 2 * WINDOW_S)
 
     async def charge_completion(self, tenant: str, budget: TokenBudget, tokens: int) -> None:
@@ -141,3 +152,15 @@ class TokenBudgets:
             return
         window, _ = self._window()
         await self.store.add(self._key(tenant, "completion", window), tokens, 2 * WINDOW_S)
+
+    async def charge_after(
+        self, tenant: str, budget: TokenBudget, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """Count a finished request's tokens against the current window: its completion tokens,
+        and its prompt tokens where they could not be reserved up front (the gateway did not
+        tokenize the prompt). Only the budgets ``budget`` sets are charged."""
+        await self.charge_completion(tenant, budget, completion_tokens)
+        if budget.prompt_tokens_per_minute is None or prompt_tokens <= 0:
+            return
+        window, _ = self._window()
+        await self.store.add(self._key(tenant, "prompt", window), prompt_tokens, 2 * WINDOW_S)

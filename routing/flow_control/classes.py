@@ -66,3 +66,6 @@ class FlowRequest:
     #: The most tokens it asked for (``max_tokens``; None: not given): a critical request's
     #: decode is protected from stalls in proportion (``DecodeGuard``).
     max_output_tokens: int | None = None
+    #: The replicas it can go to, by name (the gateway's base model): it queues only behind
+    #: requests of its own pool, so a saturated model never holds up an idle one.
+    pool: str = ""

@@ -239,8 +239,9 @@ class FlowController:
         self._itl_lowered = 0.0
         #: The critical decodes in flight and the stall each can still absorb.
         self.guard = DecodeGuard()
-        #: When a request was last held (queued); the fleet is calm ``calm_window_s`` after.
-        self._last_hold_s = -math.inf
+        #: When a request of each pool was last held (queued); a pool is calm ``calm_window_s``
+        #: after.
+        self._last_hold_s: dict[str, float] = {}
 
     def now(self) -> float:
         """The controller's clock (arrival times of ``FlowRequest`` are on it)."""
@@ -256,7 +257,7 @@ class FlowController:
         if request.request_class is RequestClass.CRITICAL:
             return self._admitted(request, estimate, _ADMIT_CRITICAL)
         self._remember(estimate)
-        ahead = self.queue.waiting_at_or_above(request.request_class)
+        ahead = self.queue.waiting_at_or_above(request.request_class, request.pool)
         protecting = self._endangers(estimate, request)
         if not ahead and not protecting:
             if estimate.min_queue_wait_ms is None:
@@ -280,7 +281,7 @@ class FlowController:
                 (victim.request, self._refusal(ShedReason.QUEUE_FULL, self._waited(victim)))
             )
         self.queue.push(request, estimate.predicted_ttft_ms)
-        self._last_hold_s = self._clock()
+        self._last_hold_s[request.pool] = self._clock()
         return Verdict(Decision.QUEUE, _PROTECTING if protecting else "saturated")
 
     def steer_candidates(
@@ -315,7 +316,11 @@ class FlowController:
         if request.request_class is RequestClass.CRITICAL:
             if not settings.steer_critical:
                 return None
-        elif not (settings.steer_when_calm and self._calm() and self._saturated(estimate, request)):
+        elif not (
+            settings.steer_when_calm
+            and self._calm(request.pool)
+            and self._saturated(estimate, request)
+        ):
             return None
         room = frozenset(
             load.replica
@@ -346,16 +351,23 @@ class FlowController:
 
     # ------------------------------------------------------------------ the queue
 
-    def head(self) -> FlowRequest | None:
-        """The queued request to judge next (highest class, fairest tenant), if any."""
-        entry = self.queue.head()
+    def pools(self) -> list[str]:
+        """The pools with requests queued, the one whose head goes first first."""
+        return self.queue.pools()
+
+    def head(self, pool: str | None = None) -> FlowRequest | None:
+        """The queued request of ``pool`` to judge next (highest class, fairest tenant), if any;
+        with no pool, the head of the pool that goes first."""
+        entry = self.queue.head(pool)
         return entry.request if entry is not None else None
 
-    def judge_head(self, estimate: FleetEstimate) -> Verdict:
-        """Judge the head again on a fresh estimate: admit (dequeued), keep waiting, or refuse."""
-        entry = self.queue.head()
+    def judge_head(self, estimate: FleetEstimate, pool: str | None = None) -> Verdict:
+        """Judge ``pool``'s head (as ``head``) again on a fresh estimate of its own pool: admit
+        (dequeued), keep waiting, or refuse."""
+        entry = self.queue.head(pool)
         if entry is None:
             raise IndexError("the queue is empty")
+        pool = entry.request.pool
         self._remember(estimate)
         entry.predicted_ttft_ms = estimate.predicted_ttft_ms
         waited = self._waited(entry)
@@ -364,12 +376,12 @@ class FlowController:
         if not protecting and (
             estimate.min_queue_wait_ms is None or not self._saturated(estimate, request)
         ):
-            self.queue.pop_head()
+            self.queue.pop_head(pool)
             return self._admitted(
                 request, estimate, Verdict(Decision.ADMIT, "capacity_freed", waited_s=waited)
             )
         if not protecting and self._within_slo(request, estimate, waited):
-            self.queue.pop_head()
+            self.queue.pop_head(pool)
             return self._admitted(
                 request,
                 estimate,
@@ -377,7 +389,7 @@ class FlowController:
             )
         reason = self._expired(entry)
         if reason is not None:
-            self.queue.pop_head()
+            self.queue.pop_head(pool)
             return self._refusal(reason, waited)
         return Verdict(Decision.QUEUE, _PROTECTING if protecting else "saturated", waited_s=waited)
 
@@ -492,9 +504,12 @@ class FlowController:
             return True
         return bound < start
 
-    def _calm(self) -> bool:
-        """Nothing queued, and nothing held for ``calm_window_s``."""
-        return not self.queue and self._clock() - self._last_hold_s >= self.settings.calm_window_s
+    def _calm(self, pool: str) -> bool:
+        """Nothing of ``pool`` queued, and nothing of it held for ``calm_window_s``."""
+        held_s = self._last_hold_s.get(pool, -math.inf)
+        return (
+            self.queue.head(pool) is None and self._clock() - held_s >= self.settings.calm_window_s
+        )
 
     def _saturated(self, estimate: FleetEstimate, request: FlowRequest) -> bool:
         loads = estimate.loads

@@ -1,4 +1,9 @@
-"""The gateway queue: strict priority between classes, weighted fair queuing inside a class.
+"""The gateway queue: strict priority between classes, weighted fair queuing inside a class,
+one such queue per pool.
+
+A *pool* is the set of replicas a request can go to (the gateway keys it by base model): a
+request for an idle model never waits behind requests for a saturated one. Inside a pool,
+classes are strictly ordered and tenants share a class by weight.
 
 Inside a class every tenant gets a share of dequeues proportional to its weight, whatever the
 size of its burst: each entry carries a virtual finish tag ``max(class clock, tenant's last
@@ -7,7 +12,9 @@ first. A tenant that was idle restarts from the class clock, so it cannot bank c
 
 Removal from the middle (a client that disconnected, a request whose wait ran out) marks the
 entry dead and drops it from the length at once; dead entries leave the heap when they reach
-its top (O(log n) amortised instead of a linear search).
+its top (O(log n) amortised instead of a linear search). A tenant whose last live entry was
+removed restarts from the class clock, like an idle one: requests refused while queued are no
+debt against its next ones.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ class _ClassQueue:
     #: Virtual time: the tag of the last entry dequeued.
     clock: float = 0.0
     last_tag: dict[str, float] = field(default_factory=dict)
+    #: Live entries per tenant (a tenant with none left restarts from ``clock``).
+    live: dict[str, int] = field(default_factory=dict)
     length: int = 0
 
 
@@ -47,7 +56,7 @@ class FairQueue:
     """Priority classes, each a weighted-fair queue over tenants; ``len`` counts live entries."""
 
     def __init__(self) -> None:
-        self._classes = {c: _ClassQueue() for c in RequestClass}
+        self._pools: dict[str, dict[RequestClass, _ClassQueue]] = {}
         self._entries: dict[str, QueuedEntry] = {}
         self._sequence = itertools.count()
 
@@ -58,8 +67,18 @@ class FairQueue:
         return request_id in self._entries
 
     def length(self, request_class: RequestClass) -> int:
-        """Live entries of one class."""
-        return self._classes[request_class].length
+        """Live entries of one class, in every pool."""
+        return sum(classes[request_class].length for classes in self._pools.values())
+
+    def pools(self) -> list[str]:
+        """The pools with live entries, the one whose head goes first (class, then age) first."""
+        heads = [(pool, self.head(pool)) for pool in list(self._pools)]
+        live = [
+            (entry.request.request_class.rank, entry.sequence, pool)
+            for pool, entry in heads
+            if entry is not None
+        ]
+        return [pool for _, _, pool in sorted(live)]
 
     def push(self, request: FlowRequest, predicted_ttft_ms: float | None = None) -> QueuedEntry:
         """Queue ``request`` behind its tenant's earlier requests, by weight."""
@@ -67,37 +86,52 @@ class FairQueue:
             raise ValueError(f"request {request.request_id!r} is already queued")
         if not request.weight > 0:
             raise ValueError(f"weight must be > 0 (got {request.weight!r})")
-        queue = self._classes[request.request_class]
+        classes = self._pools.get(request.pool)
+        if classes is None:
+            classes = self._pools[request.pool] = {c: _ClassQueue() for c in RequestClass}
+        queue = classes[request.request_class]
         start = max(queue.clock, queue.last_tag.get(request.tenant, 0.0))
         tag = start + 1.0 / request.weight
         queue.last_tag[request.tenant] = tag
+        queue.live[request.tenant] = queue.live.get(request.tenant, 0) + 1
         entry = QueuedEntry(request, tag, next(self._sequence), predicted_ttft_ms)
         heapq.heappush(queue.heap, (tag, entry.sequence, entry))
         queue.length += 1
         self._entries[request.request_id] = entry
         return entry
 
-    def head(self) -> QueuedEntry | None:
-        """The entry that goes next: highest class first, smallest tag inside it."""
+    def head(self, pool: str | None = None) -> QueuedEntry | None:
+        """The entry that goes next in ``pool`` (highest class first, smallest tag inside it);
+        with no pool given, the head of the pool that goes first (``pools``)."""
+        if pool is None:
+            first = self.pools()
+            return self.head(first[0]) if first else None
+        classes = self._pools.get(pool)
+        if classes is None:
+            return None
         for request_class in RequestClass:
-            entry = self._top(self._classes[request_class])
+            entry = self._top(classes[request_class])
             if entry is not None:
                 return entry
         return None
 
-    def waiting_at_or_above(self, request_class: RequestClass) -> int:
-        """Live entries that would go before a new request of ``request_class``."""
-        return sum(self._classes[c].length for c in RequestClass if c.rank <= request_class.rank)
+    def waiting_at_or_above(self, request_class: RequestClass, pool: str = "") -> int:
+        """Live entries of ``pool`` that would go before a new request of ``request_class``."""
+        classes = self._pools.get(pool)
+        if classes is None:
+            return 0
+        return sum(classes[c].length for c in RequestClass if c.rank <= request_class.rank)
 
-    def pop_head(self) -> QueuedEntry:
-        """Dequeue the head (``IndexError`` when empty); advances its class's virtual clock."""
-        entry = self.head()
+    def pop_head(self, pool: str | None = None) -> QueuedEntry:
+        """Dequeue the head of ``pool`` (as ``head``; ``IndexError`` when empty); advances its
+        class's virtual clock."""
+        entry = self.head(pool)
         if entry is None:
             raise IndexError("the queue is empty")
-        queue = self._classes[entry.request.request_class]
+        queue = self._pools[entry.request.pool][entry.request.request_class]
         heapq.heappop(queue.heap)
         queue.clock = max(queue.clock, entry.finish_tag - 1.0 / entry.request.weight)
-        self._forget(entry)
+        self._forget(entry, popped=True)
         return entry
 
     def remove(self, request_id: str) -> QueuedEntry | None:
@@ -113,7 +147,9 @@ class FairQueue:
         for lower in reversed(RequestClass):
             if lower.rank <= request_class.rank:
                 return None
-            live = [e for _, _, e in self._classes[lower].heap if e.alive]
+            live = [
+                e for classes in self._pools.values() for _, _, e in classes[lower].heap if e.alive
+            ]
             if live:
                 return max(live, key=lambda e: e.sequence)
         return None
@@ -122,10 +158,21 @@ class FairQueue:
         """Every live entry, in no particular order."""
         return iter(list(self._entries.values()))
 
-    def _forget(self, entry: QueuedEntry) -> None:
+    def _forget(self, entry: QueuedEntry, popped: bool = False) -> None:
+        request = entry.request
         entry.alive = False
-        self._classes[entry.request.request_class].length -= 1
-        del self._entries[entry.request.request_id]
+        queue = self._pools[request.pool][request.request_class]
+        queue.length -= 1
+        left = queue.live[request.tenant] - 1
+        if left:
+            queue.live[request.tenant] = left
+        else:
+            del queue.live[request.tenant]
+            if not popped:
+                # Its last request left without being served: no debt (it restarts from the
+                # clock, as an idle tenant does).
+                queue.last_tag.pop(request.tenant, None)
+        del self._entries[request.request_id]
 
     @staticmethod
     def _top(queue: _ClassQueue) -> QueuedEntry | None:

@@ -86,6 +86,33 @@ async def test_request_id_generated_when_absent() -> None:
     assert upstream.headers[0]["X-Request-Id"] == generated
 
 
+async def test_a_request_id_already_in_flight_is_suffixed_not_shared() -> None:
+    """Routing and flow control key their state by request id: a second request reusing one in
+    flight gets its own (the first id with a suffix), shown in its X-Request-Id."""
+    upstream = FakeUpstream(header_gate=asyncio.Event())
+    headers = {"X-Request-Id": "same-id"}
+    async with gateway([upstream]) as url, aiohttp.ClientSession() as http:
+        post = f"{url}/v1/chat/completions"
+        first = asyncio.create_task(http.post(post, json=CHAT, headers=headers))
+        while not upstream.headers:  # the first is at the engine, holding its id
+            await asyncio.sleep(0.01)
+        second = asyncio.create_task(http.post(post, json=CHAT, headers=headers))
+        while len(upstream.headers) < 2:
+            await asyncio.sleep(0.01)
+        upstream.header_gate.set()
+        answers = [await first, await second]
+        ids = [r.headers["X-Request-Id"] for r in answers]
+        assert [r.status for r in answers] == [200, 200]
+        for r in answers:
+            r.release()
+        # Free again once both ended: a new request keeps the id it sent.
+        async with http.post(post, json=CHAT, headers=headers) as third:
+            assert third.headers["X-Request-Id"] == "same-id"
+    assert ids[0] == "same-id"
+    assert ids[1].startswith("same-id~") and ids[1] != ids[0]
+    assert [h["X-Request-Id"] for h in upstream.headers[:2]] == ids
+
+
 async def test_openai_client_chat_completions_streaming_and_models() -> None:
     upstream = FakeUpstream(adapters={"support-lora": "base-model"})
     async with gateway([upstream]) as url:

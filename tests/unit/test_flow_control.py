@@ -470,6 +470,64 @@ def test_waiting_only_for_slots(fields: dict[str, object], expected: bool) -> No
     assert state.waiting_only_for_slots is expected
 
 
+def test_a_request_for_another_pool_never_waits_behind_a_saturated_one() -> None:
+    flow = _controller(FakeClock())
+    held = replace(_request("model-a"), pool="a")
+    assert flow.admit(held, BUSY).decision is Decision.QUEUE
+    # Pool "b" has room: its request goes at once, though a standard one of "a" waits.
+    assert flow.admit(replace(_request("model-b"), pool="b"), IDLE).decision is Decision.ADMIT
+    assert flow.admit(replace(_request("model-a2"), pool="a"), IDLE).decision is Decision.QUEUE
+    # The pump judges each pool's head on its own fleet: "a" still saturated, "b" queued behind
+    # nothing of its own.
+    flow.admit(replace(_request("model-b2", slo_ms=60_000.0), pool="b"), BUSY)
+    assert flow.pools() == ["a", "b"]
+    assert flow.judge_head(BUSY, "a").decision is Decision.QUEUE
+    assert flow.judge_head(IDLE, "b").decision is Decision.ADMIT
+    assert [flow.head("a").request_id, flow.head("b")] == ["model-a", None]
+
+
+def test_a_tenant_whose_queued_requests_were_all_refused_carries_no_debt() -> None:
+    queue = FairQueue()
+    for i in range(50):
+        queue.push(_request(f"a-{i}", tenant="a"))
+    for i in range(50):
+        queue.remove(f"a-{i}")  # refused while queued: expired, or the client left
+    for i in range(4):
+        queue.push(_request(f"b-{i}", tenant="b"))
+        queue.push(_request(f"a2-{i}", tenant="a"))
+    tenants = [queue.pop_head().request.tenant for _ in range(8)]
+    assert Counter(tenants[:4]) == {"a": 2, "b": 2}
+
+
+def test_token_budgets_give_prompt_tokens_back_to_the_window_they_were_reserved_in() -> None:
+    clock = FakeClock()
+    clock.now = 170.0  # window [120, 180)
+    store = MemoryBudgetStore()
+    budgets = TokenBudgets(store, clock)
+    budget = TokenBudget(prompt_tokens_per_minute=1000)
+
+    async def scenario() -> None:
+        reserved = await budgets.admit("t", budget, 900)
+        assert reserved.admitted and reserved.window == 2
+        clock.now = 185.0  # queued across the minute boundary, then refused
+        assert (await budgets.admit("t", budget, 600)).admitted  # the new window's own tokens
+        await budgets.release("t", budget, 900, reserved.window)
+        # Not taken from the new window: it still holds its 600, and 500 more do not fit.
+        assert not (await budgets.admit("t", budget, 500)).admitted
+        assert (await budgets.admit("t", budget, 400)).admitted
+        # A give-back never takes a counter below zero (its reservation may never have counted).
+        await store.add("k", -50, 120)
+        assert await store.used("k") == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_larger_than_the_whole_budget_is_refused_as_never_fitting() -> None:
+    budgets = TokenBudgets(MemoryBudgetStore(), FakeClock())
+    check = asyncio.run(budgets.admit("t", TokenBudget(prompt_tokens_per_minute=100), 101))
+    assert (check.admitted, check.exhausted, check.can_fit) == (False, "prompt", False)
+
+
 def test_token_budgets_reserve_prompt_tokens_and_refuse_until_the_next_window() -> None:
     clock = FakeClock()
     clock.now = 150.0  # 30 s into the window [120, 180)
