@@ -24,6 +24,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 DEFAULT_BLOCK_SIZE = 512
+#: The latest timestamp read (ms): 2**53, where a float stops holding every integer (about
+#: 285,000 years); anything later is a corrupt line, not a trace.
+MAX_TIMESTAMP_MS = 2**53
 
 _REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
 _OPTIONAL = ("adapter",)
@@ -90,7 +93,11 @@ def parse_record(line: str, where: str, block_size: int | None = None) -> TraceR
     if isinstance(timestamp, float) and math.isfinite(timestamp):
         # Some tools write 1200.0 or 1200.4: sub-millisecond arrival times change no replay.
         timestamp = round(timestamp)
-    if isinstance(timestamp, bool) or not isinstance(timestamp, int) or timestamp < 0:
+    if (
+        isinstance(timestamp, bool)
+        or not isinstance(timestamp, int)
+        or not 0 <= timestamp <= MAX_TIMESTAMP_MS
+    ):
         raise TraceFormatError(
             f"{where}: timestamp must be a finite, non-negative number of ms (got {timestamp!r})"
         )
@@ -121,7 +128,18 @@ def iter_trace(
     timestamp that goes backwards (replay and simulation need arrival order).
     """
     previous = 0
-    for number, line in enumerate(stream, start=1):
+    lines = enumerate(stream, start=1)
+    number = 0
+    while True:
+        try:
+            number, line = next(lines)
+        except StopIteration:
+            return
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(
+                f"{name}: not UTF-8 text near line {number + 1} ({exc.reason}); a trace is "
+                "JSON lines"
+            ) from None
         if not line.strip():
             continue
         where = f"{name}:{number}"

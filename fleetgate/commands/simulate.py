@@ -109,7 +109,7 @@ def rate_scales(text: str) -> tuple[float, ...]:
             raise argparse.ArgumentTypeError(f"not a number: {item.strip()!r}") from None
         if not (value > 0 and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"each scale must be a positive number (got {item})")
-        if value in scales:
+        if any(f"{value:g}" == f"{s:g}" for s in scales):  # as the tables and PNGs name them
             raise argparse.ArgumentTypeError(f"scale {value:g} is listed twice")
         scales.append(value)
     return tuple(scales)
@@ -255,6 +255,9 @@ def run(args: argparse.Namespace) -> int:
             f"unknown policy {unknown[0] if unknown else '(none)'}; choose from: "
             + ", ".join(BUILTIN_PROFILES)
         )
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:
+        return _fail(f"--policies names {twice[0]} twice: each policy runs once")
     if args.stats_interval_ms < 0:
         return _fail(f"--stats-interval-ms must be >= 0 (got {args.stats_interval_ms})")
     if args.flow_control == "off":
@@ -268,6 +271,11 @@ def run(args: argparse.Namespace) -> int:
     # Before the (possibly long) simulation, so a missing extra costs no work.
     if args.plot and (problem := missing_extra("matplotlib", PLAN, "--plot")):
         return _fail(problem)
+    if args.plot:
+        try:
+            Path(args.plot).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return _fail(f"cannot write plots to {args.plot}: {exc.strerror or exc}")
     try:
         records = read_trace(args.trace, args.trace_block_size)
     except OSError as exc:

@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 #: Virtual seconds between judgements of the gateway queue's head while requests wait (besides
 #: every step end): a fleet with nothing running still drains the queue.
 PUMP_INTERVAL_S = 0.01
+#: Where the policies' wall clock starts (s): fixed, so that no replay depends on when it ran.
+WALL_EPOCH_S = 1_000.0
+
 #: The tenant every simulated request belongs to (one tenant: fairness is the gateway's tests').
 SIM_TENANT = "simulate"
 
@@ -152,6 +155,7 @@ class _Simulation:
         self.prompts = prompts
         self.on_done = on_done
         self.now = 0.0
+        self._last_wall = -math.inf
         self.index = MemoryBlockIndex(config.index_max_entries, clock=self._clock)
         profile = profile_factory() if profile_factory is not None else builtin_profile(policy)
         if profile.name != policy:
@@ -160,11 +164,15 @@ class _Simulation:
             )
         # Plugins that measure elapsed time (expected-ttft's backlog drain) must measure it in
         # the replay's virtual time, as a live gateway's monotonic clock moves with its traffic;
-        # the wall clock of a replay runs at an unrelated pace.
+        # the wall clock of a replay runs at an unrelated pace. So must those that compare wall
+        # times with when engine figures were read (``metrics_read_at``): on a fixed epoch.
         for plugin in profile.plugins:
             bind = getattr(plugin, "bind_elapsed_clock", None)
             if callable(bind):
                 bind(self._clock)
+            bind_wall = getattr(plugin, "bind_wall_clock", None)
+            if callable(bind_wall):
+                bind_wall(self.wall)
         self.router = RoutingEngine(self.index, {policy: profile})
         # Policies that never read prefix matches need no index feed: skip its cost.
         self.feed_index = profile.needs_prefix
@@ -212,6 +220,17 @@ class _Simulation:
         #: and others it would have held on a calm fleet).
         self.steered = 0
         self.pump_due: float | None = None
+
+    def wall(self) -> float:
+        """The policies' wall clock: the virtual time on a fixed epoch, moved on by the least
+        step a float allows at each reading within one virtual instant. Like a real clock, it
+        reads later at each call (a figure read after a request was sent is read after it),
+        and no figure of a replay depends on how fast the machine runs it."""
+        reading = WALL_EPOCH_S + self.now
+        if reading <= self._last_wall:
+            reading = math.nextafter(self._last_wall, math.inf)
+        self._last_wall = reading
+        return reading
 
     def _clock(self) -> float:
         return self.now
@@ -344,7 +363,9 @@ class _Simulation:
         among ``only`` those replicas if given."""
         adapter = waiting.request.record.adapter
         views = [
-            r.routing_view(self.now) for r in self.replicas if only is None or r.replica_id in only
+            r.routing_view(self.now, self.wall())
+            for r in self.replicas
+            if only is None or r.replica_id in only
         ]
         if adapter is not None:
             # What the gateway's adapter registry supplies live: each replica's cold-load cost.

@@ -9,8 +9,6 @@ The gateway knows a replica through two feeds of different freshness, and so doe
 
 from __future__ import annotations
 
-import time
-
 from replica.sim.engine import EngineConfig, EngineModel, SimRequest, StepResult
 from routing.recent_itl import RecentItl
 from routing.state import ReplicaState
@@ -113,14 +111,12 @@ class SimulatedReplica:
             self._stats_read_at, stats.itl_sum_s, stats.itl_count
         )
 
-    def routing_view(self, now: float) -> ReplicaState:
-        """The state as of ``now``: age of the engine figures mapped onto the wall clock.
-
-        Policies judge staleness against ``time.time()``; the simulator's clock is virtual, so
-        the read time is expressed as "this many seconds ago" on the wall clock.
-        """
+    def routing_view(self, now: float, wall_now: float) -> ReplicaState:
+        """The state as of ``now``; ``wall_now`` is the policies' wall clock at this moment
+        (the replay's, ``_Simulation.wall``), and the engine figures were read as long before it
+        as the last poll was before ``now``."""
         self.poll(now)
-        self.state.metrics_read_at = time.time() - (now - self._stats_read_at)
+        self.state.metrics_read_at = wall_now - (now - self._stats_read_at)
         return self.state
 
     def submit(self, request: SimRequest, now: float) -> None:

@@ -25,6 +25,7 @@ __all__ = [
 SUMMARY_FIELDS = (
     "policy",
     "requests",
+    "rejected",
     "prefix_hit_rate",
     "ttft_p50_ms",
     "ttft_p95_ms",
@@ -89,6 +90,9 @@ class PolicySummary:
     preemptions: int | None = None
     #: Requests the policy routed as overflow (predicted to miss the TTFT SLO on every replica).
     overflow: int = 0
+    #: Requests the engines refused (e.g. longer than the model's context): in neither
+    #: ``requests`` (those served) nor goodput.
+    rejected: int = 0
     #: Whether the run had flow control at the gateway (``--flow-control on``).
     flow_control: bool = False
     #: Goodput per request class; refused requests count as misses of their class.
@@ -141,7 +145,11 @@ def _percentile(values: np.ndarray, q: float) -> float:
 def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicySummary:
     """The report row of one policy run."""
     outcomes: Sequence[RequestOutcome] = run.outcomes
+    shed_by_class: dict[str, int] = {}
+    for shed in run.shed:
+        shed_by_class[shed.request_class.value] = shed_by_class.get(shed.request_class.value, 0) + 1
     if not outcomes:
+        shed_waits = np.array([s.waited_s * 1000.0 for s in run.shed])
         return PolicySummary(
             run.policy,
             0,
@@ -149,10 +157,17 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
             goodput=0.0 if run.shed else None,
             preemptions=run.preemptions,
             overflow=run.overflow,
+            rejected=run.rejected,
             flow_control=run.flow_control,
+            # Everything that arrived was refused: every class it had met nothing.
+            goodput_by_class={n: 0.0 for n in sorted(shed_by_class, key=_class_order)} or None,
             shed=len(run.shed),
+            shed_by_class=shed_by_class or None,
             queued=run.queued,
             steered=run.steered,
+            gateway_wait_p50_ms=_percentile(shed_waits, 50) if shed_waits.size else None,
+            gateway_wait_p95_ms=_percentile(shed_waits, 95) if shed_waits.size else None,
+            gateway_wait_max_ms=float(shed_waits.max()) if shed_waits.size else None,
         )
     ttft = np.array([(o.first_token_s - o.arrival_s) * 1000.0 for o in outcomes])
     tpot_all = np.array([o.tpot_ms for o in outcomes])
@@ -168,9 +183,6 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
     served_by_class: dict[str, list[bool]] = {}
     for outcome, met in zip(outcomes, meets, strict=True):
         served_by_class.setdefault(outcome.request_class.value, []).append(bool(met))
-    shed_by_class: dict[str, int] = {}
-    for shed in run.shed:
-        shed_by_class[shed.request_class.value] = shed_by_class.get(shed.request_class.value, 0) + 1
     goodput_by_class = {
         name: sum(served_by_class.get(name, []))
         / (len(served_by_class.get(name, [])) + shed_by_class.get(name, 0))
@@ -200,6 +212,7 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
         load_imbalance=max(routed) / mean_routed if mean_routed else math.nan,
         preemptions=run.preemptions,
         overflow=run.overflow,
+        rejected=run.rejected,
         flow_control=run.flow_control,
         goodput_by_class=goodput_by_class,
         shed=len(run.shed),

@@ -269,6 +269,12 @@ class ExpectedTtftScorer(Plugin):
         """Measure elapsed time (the backlog drain) with ``clock``: the simulator's virtual time."""
         self._elapsed_clock = clock
 
+    def bind_wall_clock(self, clock: Callable[[], float]) -> None:
+        """Read wall-clock time (what ``ReplicaState.metrics_read_at`` is compared with) from
+        ``clock``: the simulator's virtual time on a fixed epoch, so that a replay's decisions
+        never depend on how fast the machine runs it."""
+        self._clock = clock
+
     def calibrated_speed(self, replica: ReplicaId) -> float | None:
         """The calibrated prefill speed of ``replica`` in tokens/s, or None before any feedback."""
         configured = self._configured.get(replica)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,7 @@ def test_json_output_has_exactly_the_documented_fields(
         "rate_scale",
         "default",
         "requests",
+        "rejected",
         "prefix_hit_rate",
         "ttft_p50_ms",
         "ttft_p95_ms",
@@ -192,6 +195,39 @@ def test_cli_refuses_an_unknown_policy(tmp_path: Path, capsys: pytest.CaptureFix
     assert "unknown policy fastest" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--policies", "round-robin,round-robin"], "names round-robin twice"),
+        (["--rate-scale", "1,1.0000001"], "scale 1 is listed twice"),
+        (["--plot", "{file}"], "cannot write plots to"),
+    ],
+)
+def test_cli_refuses_repeats_and_an_unwritable_plot_folder_before_simulating(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace([_record(0, [1])], trace)
+    flags = [f.replace("{file}", str(trace)) for f in flags]  # a file is no folder for PNGs
+    with pytest.raises(SystemExit) if "scale" in message else _no_exit():
+        assert main(["simulate", "--trace", str(trace), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_a_trace_that_is_not_text_with_a_clear_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_bytes(b"\xff\xfe\x00binary")
+    assert main(["simulate", "--trace", str(trace)]) == 2
+    assert "not UTF-8 text" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def _no_exit() -> Iterator[None]:
+    yield
+
+
 def test_requests_the_engines_refuse_are_summed_up_once_with_the_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -210,3 +246,25 @@ def test_requests_the_engines_refuse_are_summed_up_once_with_the_reason(
     assert "{'expected-ttft': 1, 'round-robin': 1}" in warnings[0]
     assert "maximum context length" in warnings[0]
     assert not [r for r in caplog.records if "refused by" in r.getMessage()]
+
+
+def test_results_with_stale_engine_figures_never_depend_on_the_machines_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``stats_interval_s`` > 0 routing reads engine figures of some age. The policies'
+    wall clock is the replay's (``_Simulation.wall``): a machine that runs the replay slower or
+    faster (here a wall clock that leaps an hour at each reading) gives the same figures."""
+    from bench.workloads.generators import generate
+
+    requests = prepare_requests(generate("b2b-lora", 300, 40.0, seed=0))
+    config = SimulationConfig(stats_interval_s=0.1)
+
+    def rows() -> list[dict[str, object]]:
+        report = simulate(requests, ["fleet-cost", "expected-ttft"], config)
+        return [row.as_json() for row in report.rows()]
+
+    steady = rows()
+    leaps = iter(range(1, 10**9))
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600.0 * next(leaps))
+    assert rows() == steady

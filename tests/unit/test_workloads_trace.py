@@ -45,6 +45,14 @@ def test_adapter_is_written_only_when_set() -> None:
             "t.jsonl:1: timestamp must be a finite, non-negative number of ms",
         ),
         (
+            [
+                '{"timestamp": 1'
+                + "0" * 400
+                + ', "input_length": 5, "output_length": 1, "hash_ids": [0]}'
+            ],
+            "t.jsonl:1: timestamp must be a finite, non-negative number of ms",
+        ),
+        (
             ['{"timestamp": 0, "input_length": "5", "output_length": 1, "hash_ids": [0]}'],
             "input_length must be an integer",
         ),
