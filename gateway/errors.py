@@ -101,3 +101,14 @@ def bad_request(
 def model_not_found(model: str) -> GatewayError:
     """404 for an unknown model or adapter; also for another tenant's adapter (never reveal it)."""
     return GatewayError(404, MODEL_NOT_FOUND, f"The model `{model}` does not exist.", param="model")
+
+
+def shutting_down() -> GatewayError:
+    """503 for a request that reaches a gateway on its way down: retry at once (another
+    gateway, or this one's replacement, takes it)."""
+    return GatewayError(
+        503,
+        SHUTTING_DOWN,
+        "The gateway is shutting down; retry the request.",
+        headers={"Retry-After": "1"},
+    )

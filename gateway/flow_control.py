@@ -449,7 +449,7 @@ class FlowGate:
             for waiter in list(self._waiters.values()):
                 if not waiter.answer.done():
                     waiter.answer.set_exception(
-                        GatewayError(503, errors.SHUTTING_DOWN, "The gateway is shutting down.")
+                        errors.shutting_down()
                     )
             close = getattr(self.budget_store, "close", None)
             if close is not None:

@@ -101,9 +101,10 @@ class ForwardPlan:
     max_attempts: int
     #: Bound on each wait for the replica (the first byte, then each next chunk).
     read_timeout_s: float
-    #: Bytes of the first stream event that carries output (``RequestKind.first_token_marker``):
-    #: the time to first token ends there. None: at the first event.
-    first_token_marker: bytes | None = None
+    #: Bytes any of which mark the first stream event that carries output
+    #: (``RequestKind.first_token_marker``): the time to first token ends there. None: at the
+    #: first event.
+    first_token_marker: tuple[bytes, ...] | None = None
     #: The event that tells the client its started stream failed (``RequestKind.stream_error``);
     #: None: the OpenAI envelope as one ``data:`` event.
     stream_error: Callable[[GatewayError], bytes] | None = None
@@ -143,6 +144,10 @@ class AttemptHooks(Protocol):
 
     def started(self, replica: ReplicaId) -> None:
         """The request is being sent to ``replica``."""
+
+    async def answering(self, replica: ReplicaId) -> None:
+        """``replica`` answered 200 and its answer is about to be relayed: the last moment to
+        record where the request was served before the client can read it (and follow up)."""
 
     def first_byte(self, replica: ReplicaId) -> None:
         """The first token arrived: the engine has prefilled the prompt."""
@@ -312,7 +317,7 @@ async def _relay_stream(
     request_id: str,
     hide_usage_chunk: bool,
     hooks: AttemptHooks,
-    first_token_marker: bytes | None = None,
+    first_token_marker: tuple[bytes, ...] | None = None,
     stream_error: Callable[[GatewayError], bytes] | None = None,
 ) -> web.StreamResponse:
     relay = SseRelay(hide_usage_chunk)
@@ -336,8 +341,10 @@ async def _relay_stream(
         outcome.responded = True
         async for events in upstream_events():
             now = time.monotonic()
-            if last is None and first_token_marker is not None and not any(
-                first_token_marker in event for event in events
+            if (
+                last is None
+                and first_token_marker is not None
+                and not any(marker in event for event in events for marker in first_token_marker)
             ):
                 for event in events:  # before any output (response.created): not yet TTFT
                     await out.write(event)
@@ -491,6 +498,8 @@ async def send(
                         tried -= 1  # the retry replaces this attempt
                         hooks.retrying("adapter_missing")
                         continue
+                    if resp.status == 200:
+                        await hooks.answering(replica_id)
                     if resp.status == 200 and plan.stream:
                         result = await _relay_stream(
                             request, resp, outcome, request_id, plan.hide_usage_chunk, hooks,

@@ -89,6 +89,8 @@ def _append_response_item(messages: list[Message], item: Any, path: str) -> None
         return
     if item_type == "reasoning":
         texts = item.get("content") or item.get("summary") or []
+        if not isinstance(texts, list):
+            raise ValueError(f"{path}: a reasoning item's content and summary must be arrays")
         reasoning = texts[0].get("text", "") if texts and isinstance(texts[0], Mapping) else ""
         if last_assistant is not None and last_assistant.get("reasoning") is None:
             last_assistant["reasoning"] = reasoning

@@ -41,7 +41,11 @@ def salted_payload(body: Body, raw: bytes, tenant: Tenant) -> tuple[bytes, bool]
 
 
 def unchanged_payload(body: Body, raw: bytes, tenant: Tenant) -> tuple[bytes, bool]:
-    """The client's bytes as they are (tokenize/detokenize use no cache)."""
+    """The client's bytes as they are (tokenize, detokenize and pooling take no salt of the
+    tenant's), less any ``cache_salt`` the client sent: the gateway owns the salt, and a
+    tenant's derived salt is no secret."""
+    if "cache_salt" in body:
+        return _encode({k: v for k, v in body.items() if k != "cache_salt"}), False
     return raw, False
 
 
@@ -83,7 +87,15 @@ RESPONSES = RequestKind(
     usage=usage.from_responses,
     pinned_replica=_previous_response_home,
     served_by=_remember_home,
-    first_token_marker=b'"response.output_text.delta"',
+    # Any output delta is a first token: text, reasoning, a tool call's arguments, a refusal.
+    # The engine has prefilled the prompt once one comes (a reasoning model's text comes late).
+    first_token_marker=(
+        b'"response.output_text.delta"',
+        b'"response.reasoning_text.delta"',
+        b'"response.reasoning_summary_text.delta"',
+        b'"response.function_call_arguments.delta"',
+        b'"response.refusal.delta"',
+    ),
 )
 
 

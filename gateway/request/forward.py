@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
@@ -93,10 +93,17 @@ def plan_forward(
     """The plan for ``routed``: ``raw`` reused as the payload where nothing must change.
 
     ``priority``: vLLM's request ``priority`` to send (engines under priority scheduling), set
-    on chat and completion bodies (``kind.payload`` None), replacing any the client sent.
+    on chat and completion bodies (``kind.payload`` None). The gateway owns the field, as it
+    owns ``cache_salt``: a client's is dropped on every API, or a tenant could jump the engine's
+    queue (and have others preempted) past the class its tenant was given.
     """
-    if priority is not None and kind.payload is None and body.get("priority") != priority:
-        body = {**body, "priority": priority}
+    owned = body
+    if "priority" in body:
+        owned = {k: v for k, v in body.items() if k != "priority"}
+    if priority is not None and kind.payload is None:
+        owned = {**owned, "priority": priority}
+    if owned != body:
+        body = owned
         raw = _encode(body)
     payload, hide_usage = (kind.payload or upstream_payload)(body, raw, routed.tenant)
     decision = routed.decision
@@ -165,6 +172,14 @@ class AttemptRecorder:
         #: Wall-clock time each attempt was sent, for the tracker's ``ended_since``.
         self._sent_at: dict[ReplicaId, float] = {}
         self.attempts = 0
+        #: Told which replica answers, before its answer reaches the client (the Responses API
+        #: remembers where a response is stored: a fallback's answer is stored there).
+        self.on_answer: Callable[[ReplicaId], Awaitable[None]] | None = None
+
+    async def answering(self, replica: ReplicaId) -> None:
+        """A replica answered 200: tell ``on_answer`` before anything is relayed."""
+        if self.on_answer is not None:
+            await self.on_answer(replica)
 
     def prepare(
         self, replica: ReplicaState, last_resort: bool

@@ -4,18 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from aiohttp import web
 
 from gateway import errors
 from gateway.errors import GatewayError
 from gateway.flow_control import flow_finished
+from gateway.proxy import UpstreamOutcome
 from gateway.request.account import account, completion_tokens_of
 from gateway.request.forward import AttemptRecorder, forward, plan_forward
 from gateway.request.kinds import RequestKind
 from gateway.request.route import RequestLabels, admit, repick, route
 from gateway.request_body import read_body, request_id_of, unique_id
 from gateway.state import GATEWAY
+
+
+def usage_to_charge(outcome: UpstreamOutcome) -> Mapping[str, Any] | None:
+    """The usage the tenant's token budget is charged: the engine's, or, for a stream the client
+    left before its usage chunk (it comes after the last token), at least the tokens relayed
+    (one per chunk), so that hanging up early never makes an answer free."""
+    if outcome.usage is not None or not outcome.client_gone or outcome.ttft_s is None:
+        return outcome.usage
+    return {"completion_tokens": 1 + len(outcome.gaps_s)}
 
 
 async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
@@ -31,7 +43,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         with gw.tracer.start_as_current_span("fleetgate.request") as span:
             span.set_attribute("fleetgate.kind", kind.name)
             if gw.draining:
-                raise GatewayError(503, errors.SHUTTING_DOWN, "The gateway is shutting down.")
+                raise errors.shutting_down()
             tenant = admit(request, gw.policy, gw.rate_limiter)
             body, raw = await read_body(request, gw.config.max_body_bytes)
             kind.validate(body)
@@ -68,14 +80,13 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             )
             recorder = AttemptRecorder(gw, routed, arrived)
             forwarded = True  # from here on, accounting records the request
-            if kind.served_by is not None:  # told before the first byte can reach the client
-                await kind.served_by(gw, tenant, body, routed.decision.replica)
+            if kind.served_by is not None:
+                served_by = kind.served_by
+                # Told which replica answers before its first byte can reach the client, so a
+                # follow-up sent the moment the answer ends finds it (a fallback's included).
+                recorder.on_answer = lambda replica: served_by(gw, tenant, body, replica)
             try:
-                response = await forward(gw, request, routed, plan, recorder)
-                served = recorder.outcome.replica
-                if kind.served_by is not None and served not in (None, routed.decision.replica):
-                    await kind.served_by(gw, tenant, body, served)  # a fallback answered
-                return response
+                return await forward(gw, request, routed, plan, recorder)
             finally:
                 if kind.usage is not None:  # the API's own usage shape, as accounting reads it
                     recorder.outcome.usage = kind.usage(recorder.outcome.usage)
@@ -84,7 +95,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                     gw,
                     gw.policy.source,
                     routed.tenant.name,
-                    outcome.usage,
+                    usage_to_charge(outcome),
                     request_id,
                     outcome.tpot_ms(completion_tokens_of(outcome.usage)),
                     # Not tokenized here (embeddings, a stored conversation's follow-up): its

@@ -69,9 +69,10 @@ class RequestKind:
     stream_error: StreamErrorOf | None = None
     pinned_replica: PinOf | None = None
     served_by: ServedBy | None = None
-    #: Bytes that mark a stream event carrying output tokens; events before the first such one
-    #: (Responses' ``response.created``) do not end the time to first token. None: any event.
-    first_token_marker: bytes | None = None
+    #: Bytes any of which mark a stream event carrying output tokens; events before the first
+    #: such one (Responses' ``response.created``) do not end the time to first token. None: any
+    #: event.
+    first_token_marker: tuple[bytes, ...] | None = None
 
 
 def _validate_chat(body: Body) -> None:

@@ -156,3 +156,18 @@ async def test_after_sigterm_ready_is_503_while_requests_are_still_served() -> N
             with contextlib.suppress(asyncio.CancelledError):
                 await stopping
             await runner.cleanup()
+
+
+async def test_a_request_reaching_a_draining_gateway_gets_a_503_that_says_retry() -> None:
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
+        async with serve(app) as url, aiohttp.ClientSession() as http:
+            app[GATEWAY].draining = True
+            body = {"model": "base-model", "prompt": "hello", "max_tokens": 2}
+            async with http.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 503
+                assert resp.headers["Retry-After"] == "1"
+                assert (await resp.json())["error"]["code"] == "shutting_down"
+    assert upstream.attempts == 0

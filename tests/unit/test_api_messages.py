@@ -56,6 +56,8 @@ def test_responses_previous_turn_drops_its_system_and_replays_the_answer() -> No
         ({"input": [{"type": "mystery"}]}, "input[0]"),
         ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
         ({"instructions": 1, "input": "x"}, "instructions"),
+        ({"input": [{"type": "reasoning", "content": 5}]}, "input[0]"),
+        ({"input": [{"type": "reasoning", "summary": {"text": "x"}}]}, "input[0]"),
     ],
 )
 def test_responses_bad_shapes_name_the_field(body: dict, path: str) -> None:

@@ -211,3 +211,15 @@ async def test_budgets_hold_for_pinned_follow_ups_and_requests_not_tokenized_her
             with pytest.raises(GatewayError) as info:
                 await admit
             assert info.value.status == 429 and "prompt tokens" in info.value.message
+
+
+def test_a_stream_the_client_left_before_its_usage_is_charged_the_tokens_relayed() -> None:
+    from gateway.proxy import UpstreamOutcome
+    from gateway.request.handler import usage_to_charge
+
+    answered = UpstreamOutcome(usage={"completion_tokens": 40}, ttft_s=0.1, gaps_s=[0.02] * 39)
+    assert usage_to_charge(answered) == {"completion_tokens": 40}
+    left = UpstreamOutcome(ttft_s=0.1, gaps_s=[0.02] * 29, client_gone=True)
+    assert usage_to_charge(left) == {"completion_tokens": 30}
+    before_any_token = UpstreamOutcome(client_gone=True)
+    assert usage_to_charge(before_any_token) is None
