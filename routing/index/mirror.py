@@ -58,7 +58,7 @@ __all__ = ["MirrorBlockIndex", "MirrorFollowCounters"]
 log = logging.getLogger(__name__)
 
 #: Replicas whose snapshots one pipeline reads at bootstrap.
-_SNAPSHOT_BATCH = 128
+_SNAPSHOT_BATCH = 16
 #: Stream entries one tail read takes at most.
 _TAIL_COUNT = 2000
 #: What "Redis is unavailable" looks like; ``RedisClusterException`` (not a ``RedisError``) too:
@@ -189,14 +189,20 @@ class MirrorBlockIndex:
         check_ttl(check_interval_s, "check_interval_s", optional=False)
         check_ttl(bootstrap_timeout_s, "bootstrap_timeout_s", optional=False)
         check_ttl(speculative_catchup_s, "speculative_catchup_s", optional=False)
-        if isinstance(tail_block_ms, bool) or not isinstance(tail_block_ms, int) or (
-            tail_block_ms <= 0
+        if (
+            isinstance(tail_block_ms, bool)
+            or not isinstance(tail_block_ms, int)
+            or (tail_block_ms <= 0)
         ):
             raise ValueError(f"tail_block_ms must be a positive integer (got {tail_block_ms!r})")
         self._origin = uuid.uuid4().hex[:16]
         self._writer = StreamIndexWriter(
-            redis_url, key_prefix=key_prefix, shards=shards, timeout_s=timeout_s,
-            stream_max_len=stream_max_len, origin=self._origin,
+            redis_url,
+            key_prefix=key_prefix,
+            shards=shards,
+            timeout_s=timeout_s,
+            stream_max_len=stream_max_len,
+            origin=self._origin,
         )
         self.layout = self._writer.layout
         # The tail blocks in XREAD for up to tail_block_ms: its own client, with a socket
@@ -206,9 +212,20 @@ class MirrorBlockIndex:
             "socket_connect_timeout": max(timeout_s, 1.0),
         }
         self._tail_client = connect(redis_url, **self._tail_options)
-        self._snapshot = self._writer.client.register_script(stream_scripts.SNAPSHOT)
+        # Snapshots are bulk reads: a pipeline of them returns nothing until Redis has run every
+        # script, which for a fleet holding millions of blocks takes far longer than a lookup's
+        # timeout (with it, the bootstrap would time out and retry forever, routing load-only).
+        # Their own client waits as long as the bootstrap may take.
+        self._bulk_client = connect(
+            redis_url,
+            socket_timeout=bootstrap_timeout_s,
+            socket_connect_timeout=max(timeout_s, 1.0),
+        )
+        self._snapshot = self._bulk_client.register_script(stream_scripts.SNAPSHOT)
         self._local_options: dict[str, Any] = {
-            "max_entries": max_entries, "clock": clock, "require_heartbeat": require_heartbeat,
+            "max_entries": max_entries,
+            "clock": clock,
+            "require_heartbeat": require_heartbeat,
         }
         self._local = MemoryBlockIndex(**self._local_options)
         self._check_interval_s = float(check_interval_s)
@@ -233,6 +250,8 @@ class MirrorBlockIndex:
         self._tail_errors = 0
         #: False while the tail cannot reach Redis: lookups then degrade to load-only.
         self._connected = True
+        #: The Redis server's clock less this process's (ms), read at bootstrap.
+        self._server_offset_ms = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -273,6 +292,7 @@ class MirrorBlockIndex:
                 await self._task
             self._task = None
         await self._tail_client.aclose()
+        await self._bulk_client.aclose()
         await self._writer.close()
 
     # ------------------------------------------------------------------ following Redis
@@ -334,6 +354,8 @@ class MirrorBlockIndex:
         replies = await pipe.execute()
         seconds, micros = await client.time()  # not pipelined: a Cluster pipeline refuses it
         server_ms = seconds * 1000 + micros // 1000
+        # Stream ids are the server's ms: the tail ages guesses by them, on this offset.
+        self._server_offset_ms = server_ms - time.time() * 1000.0
         last_ids: dict[str, bytes] = {}
         replicas: list[ReplicaId] = []
         for shard, key in enumerate(keys):
@@ -354,7 +376,8 @@ class MirrorBlockIndex:
         for key in keys:
             if last_ids[key] == b"0-0":
                 continue
-            for entry_id, fields in await client.xrange(key, min=since, max=last_ids[key]):
+            guesses = await self._bulk_client.xrange(key, min=since, max=last_ids[key])
+            for entry_id, fields in guesses:
                 if fields.get(b"o") == b"s":
                     age_ms = server_ms - _stream_id(entry_id)[0]
                     self._apply_guess(fields, age_ms)
@@ -369,9 +392,12 @@ class MirrorBlockIndex:
     async def _snapshots(self, replicas: Sequence[ReplicaId]) -> list[Any]:
         """The ``SNAPSHOT`` script's reply for each of ``replicas``: pipelined on one server,
         sent concurrently on a Cluster (whose pipelines refuse scripts)."""
-        client = self._writer.client
+        client = self._bulk_client
         keys = [self.layout.replica_keys(replica) for replica in replicas]
         if isinstance(client, aioredis.RedisCluster):
+            # Learn the slots first: concurrent first commands on a fresh Cluster client race
+            # in its set-up (a connection used before it is open).
+            await client.initialize()
             return list(
                 await asyncio.gather(
                     *(self._snapshot(keys=[k.state, k.blocks], client=client) for k in keys)
@@ -405,7 +431,7 @@ class MirrorBlockIndex:
             for raw_key, entries in replies or ():
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
                 for entry_id, fields in entries:
-                    await self._apply_event(fields)
+                    await self._apply_event(fields, entry_id)
                     self._last_ids[key] = entry_id
             self._progress.set()
             if time.monotonic() >= next_check:
@@ -450,11 +476,14 @@ class MirrorBlockIndex:
 
     # ------------------------------------------------------------------ applying events
 
-    async def _apply_event(self, fields: dict[bytes, bytes]) -> None:
+    async def _apply_event(self, fields: dict[bytes, bytes], entry_id: bytes) -> None:
         op = fields[b"o"]
         if op == b"s":
             if fields.get(b"g", b"").decode() != self._origin:  # our own guess is applied
-                self._apply_guess(fields, 0)
+                # Aged by when it was written: after an outage or a lag, a guess read late
+                # lives only what is left of its time, and an expired one not at all.
+                server_now_ms = time.time() * 1000.0 + self._server_offset_ms
+                self._apply_guess(fields, max(0.0, server_now_ms - _stream_id(entry_id)[0]))
             return
         replica = ReplicaId(fields[b"p"].decode())
         seq, incarnation = int(fields[b"q"]), fields[b"i"]
@@ -492,8 +521,10 @@ class MirrorBlockIndex:
         if ttl_ms <= 0:
             return
         self._apply_record(
-            ReplicaId(fields[b"p"].decode()), Epoch(int(fields[b"e"])),
-            unpack_blocks(fields[b"b"]), ttl_ms / 1000,
+            ReplicaId(fields[b"p"].decode()),
+            Epoch(int(fields[b"e"])),
+            unpack_blocks(fields[b"b"]),
+            ttl_ms / 1000,
         )
 
     async def _reload(self, replica: ReplicaId, reason: str) -> None:
@@ -683,4 +714,3 @@ class MirrorBlockIndex:
                 "tail_errors": self._tail_errors,
             },
         )
-

@@ -51,8 +51,12 @@ def states() -> list[ReplicaState]:
     rng = random.Random(7)
     return [
         ReplicaState(
-            replica_id=rid, url=f"http://10.0.0.{n}:8000", models=frozenset({MODEL}),
-            running=rng.randint(0, 8), waiting=0, kv_usage=0.3,
+            replica_id=rid,
+            url=f"http://10.0.0.{n}:8000",
+            models=frozenset({MODEL}),
+            running=rng.randint(0, 8),
+            waiting=0,
+            kv_usage=0.3,
         )
         for n, rid in enumerate(REPLICAS)
     ]
@@ -63,7 +67,11 @@ class Gateway:
 
     def __init__(self, redis_url: str, prefix: str) -> None:
         self.index = MirrorBlockIndex(
-            redis_url, key_prefix=prefix, shards=4, timeout_s=1.0, check_interval_s=0.1,
+            redis_url,
+            key_prefix=prefix,
+            shards=4,
+            timeout_s=1.0,
+            check_interval_s=0.1,
             tail_block_ms=50,
         )
         self.engine = RoutingEngine(
@@ -72,8 +80,15 @@ class Gateway:
 
     async def decide(self, chain: list[int], request_id: str) -> tuple[ReplicaId, bool]:
         request = RoutingRequest(
-            request_id=request_id, model=MODEL, adapter=None, tenant="t", route="r",
-            prompt_tokens=len(chain) * BLOCK, chain=chain, block_size=BLOCK, seed=1,
+            request_id=request_id,
+            model=MODEL,
+            adapter=None,
+            tenant="t",
+            route="r",
+            prompt_tokens=len(chain) * BLOCK,
+            chain=chain,
+            block_size=BLOCK,
+            seed=1,
         )
         decision = await self.engine.route(request, states(), "expected-ttft")
         return decision.replica, decision.degraded
@@ -191,7 +206,8 @@ async def test_a_late_or_restarted_gateway_routes_as_the_others(
 
 @pytest.mark.parametrize("loss", ["flushall", "restart"])
 async def test_redis_lost_gateways_degrade_then_rebuild(
-    redis_server, loss: str  # type: ignore[no-untyped-def]
+    redis_server,
+    loss: str,  # type: ignore[no-untyped-def]
 ) -> None:
     async with AsyncExitStack() as stack:
         writer = StreamIndexWriter(redis_server.url, key_prefix=PREFIX, shards=4, timeout_s=1.0)
@@ -245,7 +261,9 @@ async def test_redis_lost_gateways_degrade_then_rebuild(
 
 
 async def test_a_gateway_that_missed_events_reloads_the_replica(
-    redis_url: str, prefix: str, writer  # type: ignore[no-untyped-def]
+    redis_url: str,
+    prefix: str,
+    writer,  # type: ignore[no-untyped-def]
 ) -> None:
     """Events trimmed from the capped stream before a gateway read them: its next event of that
     replica shows a sequence gap, and the gateway reloads the replica from its snapshot."""
@@ -349,3 +367,54 @@ async def test_a_mirror_tails_a_password_protected_cluster() -> None:
         await mirror.close()
         await writer.close()
         cluster.stop()
+
+
+async def test_a_mirror_bootstraps_a_fleet_holding_nearly_a_million_blocks(
+    redis_url: str, prefix: str, writer: StreamIndexWriter
+) -> None:
+    """Snapshots are read through their own client, whose timeout is the bootstrap's: through
+    the lookups' client (0.1 s at the gateway's default), a pipeline of large snapshots timed
+    out before Redis had answered, and the bootstrap retried it forever while routing stayed
+    load-only."""
+    replicas, per_replica = 30, 32_768  # under the mirror's default max_entries (1,000,000)
+    for n in range(replicas):
+        replica = ReplicaId(f"big/r{n}")
+        await writer.set_epoch(replica, Epoch(1))
+        for start in range(0, per_replica, 8_192):
+            base = n * 10**7 + start
+            await writer.record(replica, Epoch(1), list(range(base, base + 8_192)))
+        await writer.heartbeat(replica, 600)
+    mirror = MirrorBlockIndex(redis_url, key_prefix=prefix, shards=4, bootstrap_timeout_s=60.0)
+    try:
+        await mirror.start()  # the gateway's default timeout_s: 0.1 s
+        assert mirror.match_now([5 * 10**7, 5 * 10**7 + 1]) == {ReplicaId("big/r5"): 2}
+        assert (await mirror.stats()).entries == replicas * per_replica
+    finally:
+        await mirror.close()
+
+
+async def test_a_guess_read_late_lives_only_what_is_left_of_its_time(
+    redis_url: str, prefix: str, writer: StreamIndexWriter
+) -> None:
+    """The tail ages another gateway's guess by its stream id (the server's clock when it was
+    written): after an outage or a lag, an expired guess is not applied as if new."""
+    async with AsyncExitStack() as stack:
+        gateway = await start_gateway(stack, redis_url, prefix)
+        replica, chain = REPLICAS[0], chain_of(2)
+        await writer.set_epoch(replica, Epoch(1))
+        await gateway.index.sync()
+        seconds, micros = await writer.client.time()
+        now_ms = seconds * 1000 + micros // 1000
+        guess = {
+            b"o": b"s",
+            b"p": replica.encode(),
+            b"e": b"1",
+            b"b": b"".join(block.to_bytes(8, "big") for block in chain[:2]),
+            b"g": b"other",
+        }
+        # Written 10 s ago with 2 s to live: expired when read.
+        await gateway.index._apply_event({**guess, b"t": b"2000"}, f"{now_ms - 10_000}-0".encode())
+        assert gateway.index.match_now(chain) == {}
+        # Written 1 s ago with 60 s to live: applied.
+        await gateway.index._apply_event({**guess, b"t": b"60000"}, f"{now_ms - 1_000}-0".encode())
+        assert gateway.index.match_now(chain) == {replica: 2}
