@@ -406,7 +406,11 @@ local function holders(value)
     local refreshed = false
     if touch_ttl and now_s - t >= refresh_s then
       local kept_c, kept_spec = drop_dead(c, spec, live, now)
-      refreshed = encode(kept_c, now_s, kept_spec)
+      -- Only a block some replica confirmed holding lives on by being matched: one held by
+      -- guesses alone lives as long as the longest of them, hit or not.
+      if string.find(kept_c, '[^%z]') then
+        refreshed = encode(kept_c, now_s, kept_spec)
+      end
     end
     m = {bytes, refreshed}
     memo[value] = m

@@ -300,3 +300,29 @@ async def test_stats_count_blocks_and_live_replicas(backend: Backend) -> None:
 async def test_bad_input_is_refused(backend: Backend, call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         await call(backend.index)
+
+
+async def test_a_match_never_extends_a_block_held_only_by_guesses(redis_url: str) -> None:
+    """Lookup mode refreshes a matched block's TTL (a hit keeps it alive), but only where some
+    replica confirmed holding it: a guess-only block lives as long as its longest guess."""
+    import redis.asyncio as aioredis
+
+    prefix = f"fgtest-{uuid.uuid4().hex}"
+    index = RedisBlockIndex(redis_url, key_prefix=prefix, timeout_s=2.0)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        guessed, confirmed = make_chain(3, model="guessed"), make_chain(3, model="confirmed")
+        await index.record(R1, E1, guessed, ttl_s=5.0)
+        await index.record(R1, E1, confirmed)
+        assert await index.match(guessed) == {R1: 3}
+        assert await index.match(confirmed) == {R1: 3}
+        ttls = {}
+        async for key in client.scan_iter(match=f"{{{prefix}}}*"):  # the hash tag {prefix}
+            ttls[key] = await client.pttl(key)
+        block_ttls = sorted(t for t in ttls.values() if t > 0)
+        # Three guess-only blocks still within their 5 s; the confirmed ones refreshed to hours.
+        assert [t <= 5_000 for t in block_ttls].count(True) == 3
+        assert all(t > 60_000 for t in block_ttls[3:])
+    finally:
+        await client.aclose()
+        await index.close()
