@@ -171,6 +171,7 @@ class ReplicaAgent:
         if deregister:
             with contextlib.suppress(FleetStoreUnavailable):
                 await self.fleet.remove(self.replica)
+            await self._retire_on_leaving()
         await self.scraper.close()
         if self.kernel_reader is not None:
             await self.kernel_reader.close()
@@ -178,6 +179,20 @@ class ReplicaAgent:
             await self.index.close()
         if self._owns_fleet:
             await self.fleet.close()
+
+    async def _retire_on_leaving(self) -> None:
+        """The replica leaves the fleet: retire its epoch, so that every gateway forgets its
+        blocks at once and the index drops them (left behind, they would stay in Redis and be
+        loaded by every gateway that starts later). Best effort: Redis may be gone too."""
+        epoch = self.applier.epoch
+        if epoch is None:
+            return
+        try:
+            await self.index.retire_epoch(self.replica, epoch)
+        except Exception as exc:  # leaving anyway: the keys expire on their own
+            logger.warning(
+                "replica %s: could not retire its epoch on leaving: %s", self.replica, exc
+            )
 
     async def __aenter__(self) -> ReplicaAgent:
         await self.start()

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 #: Members per ``SADD``/``SREM`` call: Lua's ``unpack`` is bounded by its C stack (~8,000).
 _CHUNK = 1000
+#: A replica's state and blocks expire this long after its last heartbeat (ms): one that
+#: crashed or lost its node without retiring its epoch leaves nothing behind for long.
+SILENT_EXPIRY_MS = 3_600_000
 
 WRITE = (
     """
@@ -25,6 +28,9 @@ local op, replica, epoch, maxlen = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local payload, ttl = ARGV[5], ARGV[6]
 local CHUNK = """
     + str(_CHUNK)
+    + """
+local SILENT_MS = """
+    + str(SILENT_EXPIRY_MS)
     + """
 local current = redis.call('HGET', R, 'e')
 local incarnation = redis.call('HGET', R, 'i')
@@ -88,6 +94,10 @@ elseif op == 'h' then
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   redis.call('HSET', R, 'a', string.format('%.0f', now + tonumber(ttl)))
   emit('h', 't', ttl)
+  -- A replica that stops heartbeating without leaving (a crash, a lost node) takes its keys
+  -- with it once silent for SILENT_MS: heartbeats push the expiry on while it lives.
+  redis.call('PEXPIRE', R, SILENT_MS)
+  redis.call('PEXPIRE', B, SILENT_MS)
 end
 return known
 """

@@ -372,3 +372,23 @@ async def test_stop_finishes_even_if_a_loop_swallows_its_cancellation() -> None:
     await agent.start()
     await asyncio.wait_for(agent.stop(), timeout=30)
     assert swallowed.is_set()
+
+
+async def test_an_agent_that_leaves_the_fleet_retires_its_blocks(index: RedisBlockIndex) -> None:
+    """Stopped for good (deregistered), the agent retires its epoch: gateways forget the
+    replica's blocks at once (the mirrored index deletes them; lookup mode's expire with their
+    TTL), instead of keeping them until its heartbeat lapses."""
+    publisher = KVEventPublisher("tcp://127.0.0.1:*", topic="kv")
+    config = make_config(publisher.endpoint)
+    target = chain(PROMPT)
+    async with running_publisher(publisher):
+        agent = ReplicaAgent(config, index=index)
+        await agent.start()
+        try:
+            await handshake(publisher, agent)
+            publisher.publish([stored([11, 12, 13], PROMPT)])
+            await wait_until(lambda: _matches(index, target, {"pool/r0": 3}), "blocks indexed")
+        finally:
+            await agent.stop()
+    assert await index.match(target) == {}
+    assert (await index.stats()).replicas == 0

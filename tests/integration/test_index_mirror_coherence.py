@@ -418,3 +418,20 @@ async def test_a_guess_read_late_lives_only_what_is_left_of_its_time(
         # Written 1 s ago with 60 s to live: applied.
         await gateway.index._apply_event({**guess, b"t": b"60000"}, f"{now_ms - 1_000}-0".encode())
         assert gateway.index.match_now(chain) == {replica: 2}
+
+
+async def test_a_replica_silent_for_an_hour_leaves_nothing_in_redis(
+    redis_url: str, prefix: str, writer: StreamIndexWriter
+) -> None:
+    """A replica that crashed without retiring its epoch: heartbeats keep pushing its keys'
+    expiry on; once it stops, its state and blocks go an hour after the last one."""
+    from routing.index.stream_scripts import SILENT_EXPIRY_MS
+
+    replica, chain = REPLICAS[0], chain_of(1)
+    await writer.set_epoch(replica, Epoch(1))
+    await writer.record(replica, Epoch(1), chain)
+    keys = writer.layout.replica_keys(replica)
+    assert await writer.client.pttl(keys.blocks) == -1  # no heartbeat yet: not judged silent
+    await writer.heartbeat(replica, 10.0)
+    for key in (keys.state, keys.blocks):
+        assert SILENT_EXPIRY_MS - 60_000 < await writer.client.pttl(key) <= SILENT_EXPIRY_MS
