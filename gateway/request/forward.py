@@ -93,18 +93,18 @@ def plan_forward(
     """The plan for ``routed``: ``raw`` reused as the payload where nothing must change.
 
     ``priority``: vLLM's request ``priority`` to send (engines under priority scheduling), set
-    on chat and completion bodies (``kind.payload`` None). The gateway owns the field, as it
-    owns ``cache_salt``: a client's is dropped on every API, or a tenant could jump the engine's
-    queue (and have others preempted) past the class its tenant was given.
+    on chat and completion bodies (``kind.payload`` None). With it the gateway owns the field:
+    a client's is replaced there and dropped on every other API, or a tenant could jump the
+    engine's queue (and have others preempted) past the class its tenant was given. Without it
+    (``engine_priority`` off) the body is the client's.
     """
-    owned = body
-    if "priority" in body:
+    if priority is not None:
         owned = {k: v for k, v in body.items() if k != "priority"}
-    if priority is not None and kind.payload is None:
-        owned = {**owned, "priority": priority}
-    if owned != body:
-        body = owned
-        raw = _encode(body)
+        if kind.payload is None:
+            owned["priority"] = priority
+        if owned != body:
+            body = owned
+            raw = _encode(body)
     payload, hide_usage = (kind.payload or upstream_payload)(body, raw, routed.tenant)
     decision = routed.decision
     return ForwardPlan(
