@@ -43,7 +43,7 @@ _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 # Label values created at 0 for every route (``GatewayMetrics.precreate``): the errors a routed
 # request can end in (the no-healthy-replica alert reads one), the retry reasons of any fleet.
 _ROUTE_ERROR_CODES = (errors.NO_HEALTHY_REPLICA, errors.UPSTREAM_TIMEOUT, errors.UPSTREAM_ERROR)
-_RETRY_REASONS = ("connect_failed", "upstream_dropped")
+_RETRY_REASONS = ("connect_failed", "upstream_dropped", "upstream_5xx")
 
 
 class CachedLabels:

@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 # Failures before the response headers: the replica streamed nothing (safe to retry elsewhere).
 # UpstreamConnectError and UpstreamDisconnected are ConnectionErrors.
 _RETRYABLE = (ConnectionError,)
+#: Answers that say the replica, not the request, failed: retried on a fallback while one is
+#: left, and counted against the replica's circuit breaker.
+_SERVER_ERRORS = frozenset({500, 502, 503, 504})
 # Hop-by-hop and length headers that must not be copied from the upstream response.
 _DROP_HEADERS = {
     "content-length",
@@ -484,8 +487,22 @@ async def send(
                     headers,
                     read_timeout_s=read_timeout_s,
                 ) as resp:
-                    breaker.success()
                     outcome.status = resp.status
+                    if resp.status in _SERVER_ERRORS:
+                        breaker.failure()
+                        if can_retry():
+                            # The engine failed the request before answering it (vLLM's 500
+                            # once its engine core died, a proxy's 502/503/504): another
+                            # replica may serve it. With none left, the error is relayed.
+                            retry_reason = "upstream_5xx"
+                            log.info(
+                                "replica %s answered %d; trying a fallback",
+                                replica_id,
+                                resp.status,
+                            )
+                            continue
+                    else:
+                        breaker.success()
                     if (
                         resp.status == 404
                         and replica_id not in retried_missing

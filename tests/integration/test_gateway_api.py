@@ -201,6 +201,37 @@ async def test_retry_on_fallback_when_replica_drops_before_first_byte() -> None:
     )
 
 
+async def test_a_replica_answering_500_is_retried_on_a_fallback_while_one_is_left() -> None:
+    failing, good = FakeUpstream(fail_status=500), FakeUpstream()
+    async with (
+        gateway([failing, good], profile="round-robin") as url,
+        aiohttp.ClientSession() as http,
+    ):
+        statuses = []
+        for _ in range(2):
+            async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+                statuses.append(resp.status)
+        async with http.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+    assert statuses == [200, 200]
+    assert failing.attempts == 1 and len(good.received) == 2
+    assert 'fleetgate_upstream_retries_total{reason="upstream_5xx",route="default"} 1.0' in (
+        metrics
+    )
+
+
+async def test_with_no_replica_left_an_engines_503_reaches_the_client_as_it_is() -> None:
+    busy = FakeUpstream(fail_status=503)
+    async with (
+        gateway([busy]) as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/v1/chat/completions", json=CHAT) as resp,
+    ):
+        assert resp.status == 503
+        assert (await resp.json())["error"]["message"] == "EngineCore encountered an issue."
+    assert busy.attempts == 1
+
+
 async def test_an_unreachable_replica_is_a_connect_failed_retry_and_connections_are_counted() -> (
     None
 ):

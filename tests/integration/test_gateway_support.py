@@ -26,6 +26,9 @@ class FakeUpstream:
     adapters: dict[str, str] = field(default_factory=dict)
     #: Close the connection without answering completions (a replica dying mid-request).
     drop_completions: bool = False
+    #: When set, completions are answered with this status and vLLM's error body (an engine
+    #: whose core died answers 500 to everything).
+    fail_status: int | None = None
     #: False: ``/health`` answers 503 (a replica too busy to answer its health polls).
     health_ok: bool = True
     #: When set, a streaming response sends its first chunk, then waits for this gate.
@@ -105,6 +108,11 @@ class FakeUpstream:
             request.transport.close()
             return web.Response()
         body = await request.json()
+        if self.fail_status is not None:
+            error = {"message": "EngineCore encountered an issue.", "type": "InternalServerError"}
+            return web.json_response(
+                {"error": {**error, "code": self.fail_status}}, status=self.fail_status
+            )
         self.received.append(body)
         self.headers.append(request.headers.copy())
         if self.header_gate is not None:
