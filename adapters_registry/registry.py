@@ -132,8 +132,16 @@ class AdapterRegistry:
     # ------------------------------------------------------------------ policy
 
     def update_policy(self, policy: Policy) -> list[str]:
-        """Follow a policy reload; returns runtime adapters dropped (see ``AdapterCatalog``)."""
-        return self.catalog.update_policy(policy)
+        """Follow a policy reload; returns the adapters whose weights the replicas must drop:
+        runtime additions the reload dropped (see ``AdapterCatalog``), and adapters whose
+        ``source`` it changed (``unload_everywhere`` them)."""
+        before = {a.name: a.source for a in self.catalog}
+        dropped = self.catalog.update_policy(policy)
+        changed = [
+            a.name for a in self.catalog if a.name in before and before[a.name] != a.source
+        ]
+        gone = [name for name in before if name not in self.catalog]
+        return sorted({*dropped, *changed, *gone})
 
     def capacity(self, replica: ReplicaState) -> SlotCapacity:
         """Slots of ``replica``: the engine's report, else its pool's configuration."""
@@ -258,12 +266,26 @@ class AdapterRegistry:
     # ------------------------------------------------------------------ admin
 
     def add(self, spec: Adapter | Mapping[str, Any], *, replace: bool = False) -> Adapter:
-        """Add a runtime adapter (admin API); raises ``InvalidAdapter``."""
+        """Add a runtime adapter (admin API); raises ``InvalidAdapter``. A replacement with
+        another ``source`` must then be unloaded everywhere (``weights_changed``)."""
         return self.catalog.add(spec, replace=replace)
+
+    def weights_changed(self, name: str, before: Adapter | None) -> bool:
+        """True when ``name`` now names other weights than ``before`` did: replicas still
+        holding the old ones would serve them under the name (vLLM loads by name and answers
+        a second load of a loaded name with 'already loaded')."""
+        now = self.catalog.find(name)
+        return before is not None and (now is None or now.source != before.source)
 
     async def remove(self, name: str, states: Iterable[ReplicaState]) -> list[str]:
         """Remove a runtime adapter and unload it everywhere; returns failures as messages."""
         self.catalog.remove(name)
+        return await self.unload_everywhere(name, states, reason="admin")
+
+    async def unload_everywhere(
+        self, name: str, states: Iterable[ReplicaState], *, reason: str
+    ) -> list[str]:
+        """Unload ``name`` from every replica that holds it; returns failures as messages."""
         failures = []
         for state in states:
             view = self.view.get(state.replica_id)
@@ -271,7 +293,7 @@ class AdapterRegistry:
             if not held:
                 continue
             try:
-                await self.loader.unload(state, name, reason="admin")
+                await self.loader.unload(state, name, reason=reason)
             except AdapterError as exc:
                 failures.append(str(exc))
         return failures

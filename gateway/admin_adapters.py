@@ -97,11 +97,21 @@ async def add_adapter(request: web.Request) -> web.Response:
     except GatewayError as err:
         return err.response()
     replace = request.query.get("replace", "").lower() in ("1", "true", "yes")
+    before = registry.catalog.find(str(spec.get("name", ""))) if replace else None
     try:
         adapter = registry.add(spec, replace=replace)
     except InvalidAdapter as exc:
         return _invalid(exc)
-    return web.json_response({"added": adapter.model_dump(mode="json")}, status=201)
+    failures: list[str] = []
+    if registry.weights_changed(adapter.name, before):
+        # New weights under an old name: the replicas still holding the old ones drop them
+        # before this answers, so the next request loads the new source.
+        failures = await registry.unload_everywhere(
+            adapter.name, gw.registry.adapter_states(), reason="replaced"
+        )
+    return web.json_response(
+        {"added": adapter.model_dump(mode="json"), "unload_failures": failures}, status=201
+    )
 
 
 async def remove_adapter(request: web.Request) -> web.Response:

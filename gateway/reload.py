@@ -6,6 +6,7 @@ for the admin API and logged, and the running policy stays.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -39,9 +40,10 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
         policy = load_policy(path)
         view = from_policy(policy)
         profiles = build_profiles(view)
+        stale: list[str] = []
         if gw.adapters is not None:
             # Last check before the swap: it refuses (changing nothing) or takes the new catalog.
-            gw.adapters.update_policy(policy)  # logs the runtime additions it drops
+            stale = gw.adapters.update_policy(policy)  # logs the runtime additions it drops
     except PolicyError as exc:
         return _refused(gw, [str(e) for e in exc.errors], path)
     except (OSError, ValueError, TypeError) as exc:  # InvalidAdapter is a ValueError
@@ -54,6 +56,8 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     gw.registry.set_pool_speeds(view.pool_speeds)
     gw.policy_mtime = mtime
     gw.policy_errors = []
+    if stale and gw.adapters is not None:
+        _unload_in_background(gw, stale)
     gw.metrics.policy_reloads.labels("ok").inc()
     summary = policy.summary() if hasattr(policy, "summary") else None
     log.info("policy reloaded from %s: %s", path, summary)
@@ -78,3 +82,27 @@ def policy_file_changed(gw: GatewayState) -> bool:
         return os.stat(gw.config.policy_path).st_mtime != gw.policy_mtime
     except OSError:
         return False
+
+
+def _unload_in_background(gw: GatewayState, names: list[str]) -> None:
+    """Unload adapters the reload removed or pointed at other weights, from every replica that
+    holds them (a tracked background task: the reload itself stays synchronous)."""
+    registry = gw.adapters
+    assert registry is not None
+
+    async def unload() -> None:
+        for name in names:
+            failures = await registry.unload_everywhere(
+                name, gw.registry.adapter_states(), reason="replaced"
+            )
+            for failure in failures:
+                log.warning("after the policy reload, unloading %s failed: %s", name, failure)
+
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # reloaded outside the gateway's loop (a script): nothing to drive it
+        log.warning("adapters %s changed; unload them from the replicas", ", ".join(names))
+        return
+    task = loop.create_task(unload(), name="fleetgate-adapter-unload")
+    gw.background.add(task)
+    task.add_done_callback(gw.background.discard)

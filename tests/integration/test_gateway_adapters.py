@@ -26,6 +26,7 @@ from tests.integration.test_gateway_adapters_support import (
     policy_yaml,
     post_chat,
 )
+from tests.support.polling import wait_until
 
 
 @pytest.fixture
@@ -318,3 +319,49 @@ async def test_fleetgate_up_demo_adapters(http: aiohttp.ClientSession) -> None:
             assert resp.status == 200, await resp.text()
         loaded = [await served_adapters(http, u) for u in stack.replica_urls]
         assert sorted(loaded) == [[], ["demo-lora-0"]]
+
+
+async def _roots(http: aiohttp.ClientSession, engine_url: str) -> dict[str, str]:
+    """Adapter name -> the source it was loaded from, as the (simulated) vLLM lists them."""
+    async with http.get(f"{engine_url}/v1/models") as resp:
+        body = await resp.json()
+    return {m["id"]: m["root"] for m in body["data"] if m.get("parent")}
+
+
+async def test_new_weights_under_an_old_name_are_never_served_from_the_old_source(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """vLLM loads by name (and answers a second load of a loaded name 'already loaded'): an
+    adapter replaced with another source, at runtime or by a policy reload, is unloaded from
+    the replicas that hold it, so that the next request loads the new weights. Otherwise the
+    new owner would be served the old owner's fine-tune."""
+    async with (
+        start_sim_fleet(1, kv_events=None, kv_replay=None, speed=1000.0) as fleet,
+        adapter_gateway(tmp_path, fleet, [adapter("acme-lora")]) as (url, _),
+    ):
+        engine = fleet.urls[0]
+        async with http.post(f"{url}/admin/adapters", json=adapter("x"), headers=ADMIN) as r:
+            assert r.status == 201
+        assert (await post_chat(http, url, "acme", "x"))[0] == 200
+        assert (await _roots(http, engine))["x"] == "/adapters/acme/x"
+        replaced = adapter("x", "globex")  # /adapters/globex/x, owned by globex
+        async with http.post(
+            f"{url}/admin/adapters?replace=true", json=replaced, headers=ADMIN
+        ) as r:
+            assert r.status == 201 and (await r.json())["unload_failures"] == []
+        assert "x" not in await _roots(http, engine)
+        assert (await post_chat(http, url, "globex", "x"))[0] == 200
+        assert (await _roots(http, engine))["x"] == "/adapters/globex/x"
+        # A policy reload that points a file adapter at other weights does the same.
+        assert (await post_chat(http, url, "acme", "acme-lora"))[0] == 200
+        moved = adapter("acme-lora", source="/adapters/acme/acme-lora-v2")
+        (tmp_path / "gateway.yaml").write_text(policy_yaml(fleet.urls, [moved]))
+        async with http.post(f"{url}/admin/policy/reload", headers=ADMIN) as resp:
+            assert resp.status == 200, await resp.text()
+
+        async def unloaded() -> bool:
+            return "acme-lora" not in await _roots(http, engine)
+
+        await wait_until(unloaded, "the old acme-lora weights to be unloaded")
+        assert (await post_chat(http, url, "acme", "acme-lora"))[0] == 200
+        assert (await _roots(http, engine))["acme-lora"] == "/adapters/acme/acme-lora-v2"
