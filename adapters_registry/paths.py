@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from routing.config.tenancy import SOURCE_WITH_CREDENTIALS
+
 #: Schemes the engine resolves itself; their sources are passed through as written.
 REMOTE_SCHEMES = ("s3", "gs", "hf", "http", "https")
 
@@ -35,6 +37,8 @@ def normalise_source(source: str) -> str:
     if source.startswith("/"):
         return _normalise_local(source, source)
     parts = urlsplit(source)
+    if "@" in parts.netloc:
+        raise ValueError(SOURCE_WITH_CREDENTIALS)
     if parts.scheme == "file":
         if parts.netloc:
             raise ValueError(f"file:// URIs take no host: use file:///abs/path (got {source!r})")
@@ -76,9 +80,11 @@ class StorageRoots:
 
     ``by_tenant`` maps a tenant to its allowed roots; ``shared`` applies to adapters without
     owners (public ones) and to owners with no entry of their own. A local source must lie under
-    an allowed root of *every* owner that has roots, so an adapter shared by two tenants cannot
-    point into either one's private directory unless both are allowed there. With no roots
-    configured at all, any absolute path is accepted (single-tenant deployments).
+    an allowed root of *every* owner, so an adapter shared by two tenants cannot point into
+    either one's private directory unless both are allowed there. Once any root is configured,
+    an owner left with none (no entry and no shared roots) may point nowhere: it would otherwise
+    reach every other tenant's directory. With no roots configured at all, any absolute path is
+    accepted (single-tenant deployments).
     """
 
     by_tenant: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -112,8 +118,13 @@ class StorageRoots:
             return
         for owner in owners or [None]:
             roots = self.roots_for(owner)
-            if roots and not any(_within(source, root) for root in roots):
-                who = f"tenant {owner!r}" if owner is not None else "adapters without owners"
+            who = f"tenant {owner!r}" if owner is not None else "adapters without owners"
+            if not roots:
+                raise ValueError(
+                    f"no storage roots allow local paths for {who}: give it storage roots "
+                    "(or shared ones) to load adapters from disk"
+                )
+            if not any(_within(source, root) for root in roots):
                 raise ValueError(
                     f"{source!r} is outside the storage roots of {who} ({', '.join(roots)})"
                 )

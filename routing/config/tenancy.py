@@ -75,10 +75,19 @@ class Tenant(StrictModel):
 ADAPTER_SOURCE_SCHEMES = ("file", "s3", "gs", "hf", "http", "https")
 
 
+#: Why a source with credentials in it is refused (never quoting it: the error is logged).
+SOURCE_WITH_CREDENTIALS = (
+    "must not carry credentials (user:password@ in the URI): give the engines access through "
+    "their own environment (HF_TOKEN, cloud credentials) instead"
+)
+
+
 def _check_adapter_source(value: str) -> str:
     if value.startswith("/"):
         return check_local_path(value)
     parts = urlsplit(value)
+    if "@" in parts.netloc:
+        raise ValueError(SOURCE_WITH_CREDENTIALS)
     if parts.scheme not in ADAPTER_SOURCE_SCHEMES:
         raise ValueError(
             f"must be an absolute path or a URI with scheme "

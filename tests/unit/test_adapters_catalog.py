@@ -155,9 +155,20 @@ def test_storage_roots_confine_each_owner() -> None:
 
 
 def test_storage_roots_are_checked_against_the_policy_too() -> None:
-    roots = StorageRoots.build({"initech": ["/srv/initech"]})
+    roots = StorageRoots.build({"initech": ["/srv/initech"]}, shared=["/adapters"])
     with pytest.raises(InvalidAdapter, match="initech-a"):
         AdapterCatalog(POLICY, roots)
+
+
+def test_once_roots_are_configured_an_owner_without_any_may_load_nothing_from_disk() -> None:
+    # Only initech has roots and nothing is shared: acme, with none, must not reach initech's.
+    roots = StorageRoots.build({"initech": ["/adapters/initech"]})
+    with pytest.raises(ValueError, match="no storage roots allow local paths for tenant 'acme'"):
+        roots.check("/adapters/initech/secret", ["acme"])
+    with pytest.raises(ValueError, match="adapters without owners"):
+        roots.check("/adapters/initech/secret", [])
+    roots.check("/adapters/initech/secret", ["initech"])
+    roots.check("hf://org/repo", ["acme"])  # remote sources are the engine's business
 
 
 def test_policy_reload_drops_shadowed_runtime_adapters(catalog: AdapterCatalog) -> None:
@@ -192,3 +203,13 @@ def test_normalise_source(source: str, expected: str) -> None:
 def test_normalise_source_refuses(source: str) -> None:
     with pytest.raises(ValueError):
         normalise_source(source)
+
+
+def test_a_source_with_credentials_is_refused_without_repeating_them(
+    catalog: AdapterCatalog,
+) -> None:
+    secret = "https://svc:ghp_SECRETTOKEN@example.com/org/lora"
+    with pytest.raises(InvalidAdapter) as info:
+        catalog.add(adapter("leaky", source=secret))
+    assert "must not carry credentials" in str(info.value)
+    assert "SECRETTOKEN" not in str(info.value)
