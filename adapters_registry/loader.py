@@ -166,11 +166,14 @@ class AdapterLoader:
         # other callers share, nor leave the cross-gateway lock to expire.
         return await asyncio.shield(task)
 
-    async def unload(self, replica: ReplicaState, adapter: str, *, reason: str = "admin") -> bool:
+    async def unload(
+        self, replica: ReplicaState, adapter: str, *, reason: str = "admin", if_idle: bool = False
+    ) -> bool:
         """Unload ``adapter`` from ``replica`` (admin removal, pre-warm rebalancing).
 
-        Returns False if the engine did not have it. Waits for a load or unload in progress.
-        Raises ``AdapterUnloadFailed``.
+        Returns False if the engine did not have it, or (``if_idle``: a rebalancing that can
+        wait) a request is using it. Waits for a load or unload in progress. Raises
+        ``AdapterUnloadFailed``.
         """
         rid = replica.replica_id
         owner = self._owner()
@@ -180,6 +183,10 @@ class AdapterLoader:
                 raise AdapterUnloadFailed(adapter, rid, "another load or unload is still running")
             await asyncio.sleep(self.settings.poll_interval_s)
         try:
+            # With the lock held any new request waits for us, so this re-read is current (the
+            # plan that chose it may have read a view seconds old).
+            if if_idle and (await self._snapshot(rid)).inflight.get(adapter, 0) > 0:
+                return False
             return await self._unload_locked(replica, adapter, reason)
         finally:
             await self._unlock(rid, adapter, owner)

@@ -263,7 +263,8 @@ async def reconcile(
             continue
         try:
             if step.evict is not None:
-                await loader.unload(state, step.evict, reason="prewarm")
+                # Never from under a request: one may have started since the plan was made.
+                await loader.unload(state, step.evict, reason="prewarm", if_idle=True)
             await loader.ensure_loaded(state, step.adapter)
             report.loaded.append(step)
         except AdapterError as exc:

@@ -184,3 +184,16 @@ async def test_unknown_adapter_is_not_found(setup: tuple[AdapterRegistry, FakeEn
     with pytest.raises(AdapterNotFound):
         await reg.ensure_loaded(full(4), "nope")
     assert engine.calls == []
+
+
+async def test_a_rebalancing_unload_leaves_an_adapter_a_request_is_using(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    reg, engine, _ = setup
+    state = full(2)
+    await reg.ensure_loaded(state, "a")
+    async with reg.serving(state, "a"):
+        assert not await reg.loader.unload(state, "a", reason="prewarm", if_idle=True)
+        assert engine.loaded == {"a"}
+    assert await reg.loader.unload(state, "a", reason="prewarm", if_idle=True)
+    assert engine.loaded == set()
