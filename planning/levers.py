@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -62,8 +63,13 @@ class LeverParams:
             value = getattr(self, f.name)
             if f.name == "fp8_tflops" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{f.name}: must be a number > 0 (got {value!r})")
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(f"{f.name}: must be a finite number > 0 (got {value!r})")
         if self.shared_prefix_tokens > self.prompt_tokens:
             raise ValueError(
                 f"shared_prefix_tokens ({self.shared_prefix_tokens}) must be <= "

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from fleetgate.commands._args import positive_float, positive_int
 from planning.advise import AdviceError, EngineFlags, PoolSnapshot, advise
 from planning.advise.live import Target, gateway_targets, overlay_flags, parse_target, read_live
 from planning.advise.render import to_json, to_text
@@ -85,7 +86,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("FLEETGATE_ADMIN_KEY"),
         help="the gateway's admin key, to list replicas (default: $FLEETGATE_ADMIN_KEY)",
     )
-    parser.add_argument("--samples", type=int, default=5, help="scrapes of each engine (default 5)")
+    parser.add_argument(
+        "--samples", type=positive_int, default=5, help="scrapes of each engine (default 5)"
+    )
     parser.add_argument(
         "--interval", type=float, default=2.0, help="seconds between scrapes (default 2)"
     )
@@ -119,10 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--requests", type=int, default=2000, help="synthetic trace size (default 2000)"
     )
     verify.add_argument("--rate", type=float, help="requests/s of the synthetic trace")
-    verify.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="default 2000")
-    verify.add_argument("--slo-tpot-ms", type=float, default=50.0, help="default 50")
+    verify.add_argument("--slo-ttft-ms", type=positive_float, default=2000.0, help="default 2000")
+    verify.add_argument("--slo-tpot-ms", type=positive_float, default=50.0, help="default 50")
     verify.add_argument("--seed", type=int, default=0, help="trace and routing seed")
-    parser.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout, s (default 10)")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=10.0, help="HTTP timeout, s (default 10)"
+    )
 
 
 def _given_flags(specs: list[str]) -> dict[str | None, EngineFlags]:

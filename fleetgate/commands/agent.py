@@ -18,6 +18,7 @@ import contextlib
 import logging
 import signal
 
+from fleetgate.commands._args import cannot_start, positive_float, positive_int
 from replica.agent import AgentConfig, ReplicaAgent
 
 
@@ -26,7 +27,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     group = parser.add_argument_group("agent")
     group.add_argument("--replica-id", required=True, help="stable replica id, e.g. pool-a/r0")
     group.add_argument(
-        "--engine-url", required=engine_url_required,
+        "--engine-url",
+        required=engine_url_required,
         help="the engine's HTTP base URL as the agent reaches it",
     )
     group.add_argument(
@@ -44,7 +46,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     group.add_argument("--kv-topic", default="kv", help="KV-event topic (default: kv)")
     group.add_argument("--replay", help="the engine's replay endpoint, tcp://HOST:PORT")
     group.add_argument(
-        "--index-url", default="memory",
+        "--index-url",
+        default="memory",
         help="block index: redis://HOST:PORT/DB, a Redis Cluster as redis+cluster://NODE:PORT "
         "(mirror mode; then give --fleet-url too), or memory (default: memory)",
     )
@@ -52,27 +55,30 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     group.add_argument(
         "--index-mode",
         choices=("lookup", "mirror"),
-        help="Redis index layout to write; must equal the gateways' index.mode "
-        "(default: mirror)",
+        help="Redis index layout to write; must equal the gateways' index.mode (default: mirror)",
     )
     group.add_argument(
         "--index-key-prefix",
         default="fleetgate:",
         help="index key prefix; must equal the gateways' index.key_prefix (default: fleetgate:)",
     )
+    group.add_argument("--fleet-key-prefix", default="fleetgate:", help="fleet store key prefix")
     group.add_argument(
-        "--fleet-key-prefix", default="fleetgate:", help="fleet store key prefix"
+        "--scrape-interval",
+        type=positive_float,
+        default=0.25,
+        help="seconds between engine scrapes",
     )
     group.add_argument(
-        "--scrape-interval", type=float, default=0.25, help="seconds between engine scrapes"
-    )
-    group.add_argument(
-        "--heartbeat-ttl", type=float, default=3.0,
+        "--heartbeat-ttl",
+        type=positive_float,
+        default=3.0,
         help="seconds a replica stays listed without a heartbeat (default: 3)",
     )
-    group.add_argument("--max-cpu-loras", type=int, help="the engine's --max-cpu-loras")
+    group.add_argument("--max-cpu-loras", type=positive_int, help="the engine's --max-cpu-loras")
     group.add_argument(
-        "--listen", default="127.0.0.1:9100",
+        "--listen",
+        default="127.0.0.1:9100",
         help="HOST:PORT for the agent's /metrics and /health; 'off' disables (default: "
         "127.0.0.1:9100)",
     )
@@ -133,7 +139,9 @@ async def _serve(config: AgentConfig) -> None:
     await agent.start()
     logging.getLogger("fleetgate.agent").info(
         "agent for %s on engine %s; /metrics and /health on port %s",
-        config.replica_id, config.engine_url, agent.listen_port,
+        config.replica_id,
+        config.engine_url,
+        agent.listen_port,
     )
     waiter = asyncio.create_task(stop.wait())
     loops = asyncio.create_task(agent.wait())
@@ -155,5 +163,8 @@ def run(args: argparse.Namespace) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
-    asyncio.run(_serve(agent_config_from_args(args)))
+    try:
+        asyncio.run(_serve(agent_config_from_args(args)))
+    except (OSError, ValueError) as exc:  # a port in use, a URL or setting that cannot work
+        return cannot_start("agent", exc, str(args.listen))
     return 0

@@ -18,6 +18,7 @@ import os
 
 from aiohttp import web
 
+from fleetgate.commands._args import cannot_start, port, positive_int, replica_url, routing_profile
 from gateway.config import GatewayConfig
 from gateway.logging_setup import configure_logging
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
@@ -29,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", dest="policy", help="routing-policy YAML file")
     parser.add_argument(
         "--replica",
+        type=replica_url,
         action="append",
         default=[],
         metavar="URL",
@@ -50,13 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", help="tokenizer directory (default: text blocks)")
     parser.add_argument(
         "--profile",
+        type=routing_profile,
         default=DEFAULT_PROFILE,
         help=f"profile without --config (default: {DEFAULT_PROFILE})",
     )
-    parser.add_argument("--block-size", type=int, default=16, help="vLLM --block-size")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="vLLM --block-size")
     parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=1, help="processes (SO_REUSEPORT)")
+    parser.add_argument("--port", type=port, default=8000)
+    parser.add_argument("--workers", type=positive_int, default=1, help="processes (SO_REUSEPORT)")
     parser.add_argument(
         "--admin-key",
         default=os.environ.get("FLEETGATE_ADMIN_KEY"),
@@ -132,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
     if args.workers > 1:
         where = f"http://{args.host}:{args.port}"
         print(f"fleetgate serve: {args.workers} workers listening on {where}", flush=True)
-    return serve_forever(factory, config, args.host, args.port, args.workers, _announce)
+    try:
+        return serve_forever(factory, config, args.host, args.port, args.workers, _announce)
+    except OSError as exc:  # a port in use, an address this host does not have
+        return cannot_start("serve", exc, f"{args.host}:{args.port}")
 
 
 async def _announce(url: str) -> None:

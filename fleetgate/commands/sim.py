@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetgate.commands import sim_calibrate
+from fleetgate.commands._args import cannot_start, port, positive_float, positive_int
 from gateway.logging_setup import configure_logging
 from replica.sim.fleet import SimFleet, start_sim_fleet
 
@@ -34,17 +35,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fleetgate sim``."""
     parser.epilog = __doc__.split("Examples::", 1)[1] if __doc__ else None
     parser.add_argument(
-        "action", nargs="?", choices=["calibrate"],
+        "action",
+        nargs="?",
+        choices=["calibrate"],
         help="calibrate: fit a profile YAML to a live engine (see the calibrate options)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on")
     parser.add_argument(
-        "--port", type=int, default=8001,
+        "--port",
+        type=port,
+        default=8001,
         help="HTTP port of the first replica; replica i uses PORT+i (0: any free ports)",
     )
-    parser.add_argument("--replicas", type=int, default=1, help="number of replicas (default 1)")
     parser.add_argument(
-        "--profile", default="h100-llama3-8b",
+        "--replicas", type=positive_int, default=1, help="number of replicas (default 1)"
+    )
+    parser.add_argument(
+        "--profile",
+        default="h100-llama3-8b",
         help="engine preset from replica/sim/profiles/presets.yaml, or a profile YAML file "
         "(e.g. from `fleetgate sim calibrate`) (default: h100-llama3-8b)",
     )
@@ -60,19 +68,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-topic", default="kv", help="KV-event topic (default: kv)")
     parser.add_argument(
-        "--speed", type=float, default=1.0,
+        "--speed",
+        type=positive_float,
+        default=1.0,
         help="modelled seconds per wall second (default 1: real time)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of replica 0 (replica i: +i)")
-    parser.add_argument("--max-loras", type=int, help="GPU LoRA slots (vLLM's --max-loras)")
-    parser.add_argument("--block-size", type=int, help="KV block size in tokens")
     parser.add_argument(
-        "--tokenizer", metavar="DIR",
+        "--max-loras", type=positive_int, help="GPU LoRA slots (vLLM's --max-loras)"
+    )
+    parser.add_argument("--block-size", type=positive_int, help="KV block size in tokens")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
         help="Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json); "
         "default: a built-in deterministic word-hash tokenizer",
     )
     parser.add_argument(
-        "--max-waiting", type=int, default=1024,
+        "--max-waiting",
+        type=positive_int,
+        default=1024,
         help="waiting requests beyond which a replica answers 503 (default 1024)",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
@@ -143,5 +158,8 @@ def run(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, stop.set)
         await serve(args, stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except (OSError, ValueError) as exc:  # a port in use, a profile or setting that cannot work
+        return cannot_start("sim", exc, f"{args.host}:{args.port}")
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from fleetgate.commands._args import positive_float
 from planning.triage import MetricsError, RouteMetrics, triage
 from planning.triage.flags import annotate
 from planning.triage.gateway_source import fetch_gateway_metrics
@@ -80,7 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the model can afford some quality loss: allow weight quantization for TPOT",
     )
     parser.add_argument("--route", action="append", help="only these routes (repeatable)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout, s (default 10)")
+    parser.add_argument(
+        "--timeout", type=positive_float, default=10.0, help="HTTP timeout, s (default 10)"
+    )
     parser.add_argument("--json", action="store_true", help="print levers as JSON")
     parser.add_argument(
         "--advice",

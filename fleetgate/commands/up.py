@@ -12,6 +12,13 @@ from __future__ import annotations
 import argparse
 import secrets
 
+from fleetgate.commands._args import (
+    cannot_start,
+    port,
+    positive_float,
+    positive_int,
+    routing_profile,
+)
 from fleetgate.embedded import EmbeddedStack, embedded_stack
 from gateway.logging_setup import configure_logging
 from gateway.server import StopSignals, run_event_loop
@@ -20,15 +27,23 @@ from routing.policies.registry import DEFAULT_PROFILE
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fleetgate up``."""
-    parser.add_argument("--sim", type=int, default=2, metavar="N", help="simulated replicas")
-    parser.add_argument("--port", type=int, default=8000, help="gateway port (0: any free)")
+    parser.add_argument(
+        "--sim", type=positive_int, default=2, metavar="N", help="simulated replicas"
+    )
+    parser.add_argument("--port", type=port, default=8000, help="gateway port (0: any free)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--model", default="sim-model", help="model name the sims serve")
     parser.add_argument(
-        "--profile", default=DEFAULT_PROFILE, help=f"routing profile (default: {DEFAULT_PROFILE})"
+        "--profile",
+        type=routing_profile,
+        default=DEFAULT_PROFILE,
+        help=f"routing profile (default: {DEFAULT_PROFILE})",
     )
     parser.add_argument(
-        "--sim-speed", type=float, default=1.0, help="simulated engine speed-up (1 = real time)"
+        "--sim-speed",
+        type=positive_float,
+        default=1.0,
+        help="simulated engine speed-up (1 = real time)",
     )
     parser.add_argument(
         "--usd-per-hour",
@@ -45,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="demo LoRA adapters (demo-lora-0..N-1) served through the adapter registry",
     )
     parser.add_argument(
-        "--max-loras", type=int, default=None, help="the sims' --max-loras (GPU LoRA slots)"
+        "--max-loras",
+        type=positive_int,
+        default=None,
+        help="the sims' --max-loras (GPU LoRA slots)",
     )
 
 
@@ -117,5 +135,8 @@ def run(args: argparse.Namespace) -> int:
             print(banner(stack, admin_key), flush=True)
             await signals.wait()
 
-    run_event_loop(main())
+    try:
+        run_event_loop(main())
+    except (OSError, ValueError) as exc:  # a port in use, a setting that cannot work
+        return cannot_start("up", exc, f"{args.host}:{args.port}")
     return 0

@@ -1,0 +1,87 @@
+"""Argument types shared by the commands: each refuses a value that cannot work with argparse's
+own exit 2 and a message naming the range, before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import sys
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535; a larger number would wrap silently."""
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 (any free one) to 65535 (got {value})")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {value})")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (got {value})")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (NaN and infinity are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (got {text})")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def cannot_start(command: str, exc: Exception, where: str | None = None) -> int:
+    """Print why ``command`` could not start (a port in use, a bad setting) in one line on
+    stderr, instead of a traceback; returns the exit status 2."""
+    if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
+        message = f"cannot listen on {where}: the port is in use (choose another with --port)"
+    elif isinstance(exc, OSError) and where is not None:
+        message = f"cannot listen on {where}: {exc.strerror or exc}"
+    else:
+        message = str(exc)
+    print(f"fleetgate {command}: {message}", file=sys.stderr)
+    return 2
+
+
+def routing_profile(name: str) -> str:
+    """A built-in routing profile's name (``--profile`` without a policy file)."""
+    from routing.policies.registry import BUILTIN_PROFILES
+
+    if name not in BUILTIN_PROFILES:
+        raise argparse.ArgumentTypeError(
+            f"unknown routing profile {name!r}; choose from: {', '.join(BUILTIN_PROFILES)}"
+        )
+    return name
+
+
+def replica_url(url: str) -> str:
+    """An engine's base URL: ``http://`` or ``https://`` and a host (no path beyond ``/``)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(
+            f"an engine URL is http(s)://HOST:PORT (got {url!r}; did you mean http://{url}?)"
+        )
+    return url.rstrip("/")

@@ -1,0 +1,50 @@
+"""Command-line mistakes get one clear line and exit 2, never a traceback, and before anything
+starts: ports out of range or in use, unknown profiles, engine URLs without a scheme, numbers
+that cannot work."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from fleetgate.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["up", "--port", "70000"], "a port is 0 (any free one) to 65535 (got 70000)"),
+        (["up", "--profile", "nosuch"], "unknown routing profile 'nosuch'; choose from:"),
+        (["up", "--sim-speed", "0"], "must be a finite number > 0 (got 0)"),
+        (["serve", "--replica", "10.0.0.5:8000"], "did you mean http://10.0.0.5:8000?"),
+        (["serve", "--replica", "http://x", "--workers", "0"], "must be an integer >= 1"),
+        (["sim", "--speed", "nan"], "must be a finite number > 0 (got nan)"),
+        (["triage", "--timeout", "-1"], "must be a finite number > 0 (got -1)"),
+        (["plan", "levers", "--model-params", "nan"], "must be a finite number > 0 (got nan)"),
+    ],
+)
+def test_a_setting_that_cannot_work_is_refused_before_starting(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # refused by argparse itself
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["up", "sim"])
+def test_a_port_in_use_is_one_line_that_says_so(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = [command, "--port", str(port)] + (["--sim", "1"] if command == "up" else [])
+        assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in err
+    assert "Traceback" not in err
