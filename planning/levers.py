@@ -420,7 +420,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(rows, params))
     if args.plot is not None:
-        plot_table(rows, args.plot)
+        try:
+            plot_table(rows, args.plot)
+        except (OSError, ValueError) as exc:  # no such folder; a suffix matplotlib cannot write
+            print(f"fleetgate plan levers: cannot write {args.plot}: {exc}", file=sys.stderr)
+            return 2
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0

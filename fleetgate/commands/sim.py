@@ -158,8 +158,10 @@ def run(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, stop.set)
         await serve(args, stop)
 
+    import zmq
+
     try:
         asyncio.run(main())
-    except (OSError, ValueError) as exc:  # a port in use, a profile or setting that cannot work
+    except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a bad profile, address
         return cannot_start("sim", exc, f"{args.host}:{args.port}")
     return 0

@@ -204,10 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--match", default="", help="only cases whose name contains this")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("replica.kernels: --device cuda, but this torch sees no CUDA device; use "
+                  "--device cpu (Triton's interpreter) or auto", file=sys.stderr)
+            return 2
     device = prepare_backend(args.device)
     from replica.kernels import __version__
 
     selected = [c for c in cases(args.full) if args.match in c.name]
+    if not selected:
+        print(f"replica.kernels: no case's name contains {args.match!r}", file=sys.stderr)
+        return 2
     if not args.json:
         print(f"replica.kernels {__version__}: {len(selected)} cases on "
               f"{backend_name(device)}", flush=True)

@@ -22,6 +22,8 @@ from fleetgate.cli import main
         (["sim", "--speed", "nan"], "must be a finite number > 0 (got nan)"),
         (["triage", "--timeout", "-1"], "must be a finite number > 0 (got -1)"),
         (["plan", "levers", "--model-params", "nan"], "must be a finite number > 0 (got nan)"),
+        (["plan", "levers", "--plot", "/nonexistent/levers.png"], "cannot write"),
+        (["sim", "--kv-events", "not-an-address", "--port", "0"], "fleetgate sim: Invalid"),
     ],
 )
 def test_a_setting_that_cannot_work_is_refused_before_starting(
