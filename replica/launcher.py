@@ -501,7 +501,9 @@ class EngineSupervisor:
                 backoff = self.backoff_min_s  # it ran well for a while: start over gently
             if self.max_restarts is not None and self.restarts >= self.max_restarts:
                 logger.error("engine exited with %s; no restarts left", code)
-                return code if code else 1
+                # Killed by a signal (Popen's -N): the shell's convention, 128 + N, as an exit
+                # status cannot be negative (-15 would read as 241).
+                return 128 - code if code < 0 else code or 1
             logger.warning(
                 "engine exited with %s; restarting in %.1fs (log %s)",
                 code, backoff, self.process.log_path,

@@ -201,7 +201,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"fleetgate advise: cannot read the fleet: {exc}", file=sys.stderr)
         return 1
     if args.save:
-        Path(args.save).write_text(yaml.safe_dump(to_mapping(pools), sort_keys=False))
+        try:
+            Path(args.save).write_text(yaml.safe_dump(to_mapping(pools), sort_keys=False))
+        except OSError as exc:
+            print(f"fleetgate advise: cannot write {args.save}: {exc.strerror}", file=sys.stderr)
+            return 2
     if args.json:
         payload = json.loads(to_json(pools, results))
         for name, rows in checks.items():

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 
+from fleetgate.commands._args import positive_float, positive_int
 from fleetgate.extras import BENCH, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE
 
@@ -54,7 +55,7 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument(
         "--trace-block-size",
-        type=int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         metavar="N",
         help=f"prompt tokens per hash id in the trace (default: {DEFAULT_BLOCK_SIZE})",
@@ -87,7 +88,7 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         help="let the model stop early instead of generating output_length tokens",
     )
     parser.add_argument(
-        "--timeout-s", type=float, default=600.0, help="per-request timeout (default: 600)"
+        "--timeout-s", type=positive_float, default=600.0, help="per-request timeout (default: 600)"
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt-text seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -47,6 +47,8 @@ _REPLAY_ERRORS = (TimeoutError, KVEventDecodeError, RuntimeError, zmq.ZMQError)
 #: The engine must fail health probes this long before its return counts as a restart, so one
 #: slow probe under load does not throw the replica's index entries away.
 RESTART_AFTER_DOWN_S = 2.0
+#: While the engine is down, how often the agent says so again (s).
+DOWN_LOG_INTERVAL_S = 30.0
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
@@ -119,6 +121,7 @@ class ReplicaAgent:
         #: Batches applied, for tests and /health.
         self.batches_applied = 0
         self._down_since: float | None = None
+        self._down_logged_at = 0.0
         self._ever_up = False
         self._model_known = asyncio.Event()
         if config.model is not None:
@@ -365,6 +368,21 @@ class ReplicaAgent:
         now = time.monotonic()
         if not up and self._down_since is None:
             self._down_since = now
+            self._down_logged_at = now
+            logger.warning(
+                "replica %s: engine at %s does not answer its health check%s",
+                self.replica,
+                self.config.engine_url,
+                "" if self._ever_up else " (not up yet)",
+            )
+        elif not up and now - self._down_logged_at >= DOWN_LOG_INTERVAL_S:
+            self._down_logged_at = now
+            logger.warning(
+                "replica %s: engine at %s still down after %.0fs",
+                self.replica,
+                self.config.engine_url,
+                now - (self._down_since or now),
+            )
         if up:
             down_for = now - self._down_since if self._down_since is not None else 0.0
             if self._ever_up and down_for >= RESTART_AFTER_DOWN_S:

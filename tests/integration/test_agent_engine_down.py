@@ -28,7 +28,7 @@ PROMPT = list(range(1000, 1000 + 4 * BLOCK))  # four full blocks
 
 
 async def test_a_dead_engines_blocks_stop_matching_once_its_heartbeat_expires(
-    redis_url: str,
+    redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     index = RedisBlockIndex(redis_url, key_prefix=f"down{free_port()}", timeout_s=1.0)
     chain = hash_token_blocks(PROMPT, BLOCK, chain_seed(MODEL, None, None))
@@ -72,3 +72,8 @@ async def test_a_dead_engines_blocks_stop_matching_once_its_heartbeat_expires(
 
         await wait_until(lambda: not agent.engine_up, "the agent sees its engine down", 15)
         await wait_until(gone, "the dead engine's blocks stop matching", timeout_s=15)
+        # ... and says so in its log, where an SRE looks first.
+        assert any(
+            "does not answer its health check" in r.getMessage() and r.levelname == "WARNING"
+            for r in caplog.records
+        )

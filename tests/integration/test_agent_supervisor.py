@@ -122,3 +122,18 @@ async def test_supervisor_gives_up_after_max_restarts(tmp_path: Path) -> None:
 async def _until(predicate: Callable[[], bool]) -> None:
     while not predicate():
         await asyncio.sleep(0.02)
+
+
+async def test_an_engine_killed_by_a_signal_exits_with_128_plus_the_signal(
+    tmp_path: Path,
+) -> None:
+    """Popen reports a signal as -N; a process's exit status cannot be negative (-15 read as
+    241), so the supervisor returns the shell's 128 + N."""
+    supervisor = EngineSupervisor(
+        lambda: EngineProcess(
+            [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],
+            url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e.log",
+        ),
+        backoff_min_s=0.01, backoff_max_s=0.02, max_restarts=0,
+    )
+    assert await asyncio.wait_for(supervisor.run(asyncio.Event()), 60) == 128 + 15
