@@ -27,6 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
+from fleetgate.commands._args import cannot_start
 from fleetgate.commands.agent import add_agent_arguments, agent_config_from_args
 from replica.agent import ReplicaAgent
 from replica.kv_events import subscriber_endpoint_for
@@ -93,6 +96,11 @@ def inspect_vllm_args(args: Sequence[str], add_kv_events: bool = True) -> Engine
             raise SystemExit(
                 f"fleetgate replica run: --kv-events-config is not JSON: {exc}"
             ) from None
+        if not isinstance(config, dict):
+            raise SystemExit(
+                "fleetgate replica run: --kv-events-config must be a JSON object, e.g. "
+                '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\''
+            )
         if config.get("enable_kv_cache_events"):
             endpoint = subscriber_endpoint_for(config.get("endpoint", "tcp://*:5557"), host=host)
             topic = config.get("topic", "")
@@ -197,5 +205,10 @@ def run(args: argparse.Namespace) -> int:
     if not vllm_args:
         print("fleetgate replica run: give vLLM's arguments after `--`", file=sys.stderr)
         return 2
-    view = inspect_vllm_args(vllm_args, add_kv_events=not args.no_kv_events)
-    return asyncio.run(_supervise(args, view))
+    try:
+        view = inspect_vllm_args(vllm_args, add_kv_events=not args.no_kv_events)
+        return asyncio.run(_supervise(args, view))
+    except (OSError, ValueError, AttributeError, httpx.InvalidURL) as exc:
+        # A setting that cannot work (--backoff-min 0, a --kv-events-config that is no JSON
+        # object, an engine address without brackets), a port in use, a missing interpreter.
+        return cannot_start("replica run", exc)

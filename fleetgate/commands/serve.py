@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import sys
 
 from aiohttp import web
 
@@ -96,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging()
     if not args.policy and not args.replica and not args.redis:
-        print("fleetgate serve: give --config FILE, or --replica URL (and/or --redis URL)")
+        print(
+            "fleetgate serve: give --config FILE, or --replica URL (and/or --redis URL)",
+            file=sys.stderr,
+        )
         return 2
     if args.policy:
         from routing.config import PolicyError, load_policy
@@ -104,9 +108,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             load_policy(args.policy)  # refuse to start on an invalid file, with every error
         except PolicyError as exc:
-            print(f"fleetgate serve: {args.policy} is invalid:")
+            print(f"fleetgate serve: {args.policy} is invalid:", file=sys.stderr)
             for error in exc.errors:
-                print(f"  {error}")
+                print(f"  {error}", file=sys.stderr)
             return 2
     try:
         config = GatewayConfig(
@@ -120,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
             otlp_endpoint=args.otlp_endpoint,
         )
     except ValueError as exc:
-        print(f"fleetgate serve: {exc}")
+        print(f"fleetgate serve: {exc}", file=sys.stderr)
         return 2
     replicas = tuple(
         ReplicaSpec(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import secrets
+import sys
 
 from fleetgate.commands._args import (
     cannot_start,
@@ -111,10 +112,10 @@ def run(args: argparse.Namespace) -> int:
     """Run until Ctrl-C."""
     configure_logging()
     if args.sim < 1:
-        print("fleetgate up: --sim must be >= 1")
+        print("fleetgate up: --sim must be >= 1", file=sys.stderr)
         return 2
     if args.adapters < 0:
-        print("fleetgate up: --adapters must be >= 0")
+        print("fleetgate up: --adapters must be >= 0", file=sys.stderr)
         return 2
     admin_key = args.admin_key or secrets.token_urlsafe(16)
 

@@ -5,6 +5,7 @@ that cannot work."""
 from __future__ import annotations
 
 import socket
+import sys
 
 import pytest
 
@@ -24,6 +25,14 @@ from fleetgate.cli import main
         (["plan", "levers", "--model-params", "nan"], "must be a finite number > 0 (got nan)"),
         (["plan", "levers", "--plot", "/nonexistent/levers.png"], "cannot write"),
         (["sim", "--kv-events", "not-an-address", "--port", "0"], "fleetgate sim: Invalid"),
+        (
+            [
+                *["replica", "run", "--replica-id", "p/r0", "--vllm-python", sys.executable],
+                *["--backoff-min", "0", "--", "--model", "m"],
+            ],
+            "fleetgate replica run: need 0 < backoff_min_s",
+        ),
+        (["serve"], "fleetgate serve: give --config FILE"),
     ],
 )
 def test_a_setting_that_cannot_work_is_refused_before_starting(
