@@ -74,8 +74,23 @@ def operating_point(
     )
 
 
+#: The largest offered load sized (replicas busy on average): Erlang C costs a step per
+#: replica, and a fleet past this is a typo in --rate (per second) or --prefill-ms.
+MAX_OFFERED_LOAD = 100_000
+
+
 def replicas_needed(rate: float, slo_ttft_ms: float, prefill_ms: float, quantile: float) -> int:
     """The smallest replica count whose TTFT at ``quantile`` is within ``slo_ttft_ms``."""
+    for name, value in (("rate", rate), ("slo_ttft_ms", slo_ttft_ms), ("prefill_ms", prefill_ms)):
+        if not (math.isfinite(value) and value > 0):
+            raise CapacityError(f"{name} must be a finite number > 0 (got {value})")
+    offered = rate * prefill_ms / 1000.0
+    if offered > MAX_OFFERED_LOAD:
+        raise CapacityError(
+            f"{rate:g} requests/s of {prefill_ms:g} ms prefill keep {offered:,.0f} replicas busy "
+            f"on average, over the {MAX_OFFERED_LOAD:,} this sizes: check --rate (requests per "
+            "second) and --prefill-ms"
+        )
     if prefill_ms >= slo_ttft_ms:
         raise CapacityError(
             f"prefill alone takes {prefill_ms:.1f} ms, at or over the TTFT SLO of "

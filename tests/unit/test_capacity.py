@@ -128,6 +128,8 @@ def test_explicit_prefill_overrides_the_profile_but_keeps_its_price() -> None:
         ({"price_per_hour": -1.0}, "--price-per-hour must be >= 0"),
         ({"prefill_ms": None}, "give --profile PRESET"),
         ({"prefill_ms": None, "profile": "no-such-gpu"}, "--profile no-such-gpu: .*unknown"),
+        ({"rate": float("inf")}, "rate must be a finite number > 0"),
+        ({"rate": 1e9}, "replicas busy on average, over the 100,000 this sizes"),
     ],
 )
 def test_bad_questions_are_refused_clearly(overrides: dict, message: str) -> None:
