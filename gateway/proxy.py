@@ -409,10 +409,11 @@ async def _write_to_client(
 
 
 async def _relay_body(
-    resp: UpstreamResponse, outcome: UpstreamOutcome, request_id: str
+    resp: UpstreamResponse, outcome: UpstreamOutcome, request_id: str, read: bytes | None = None
 ) -> web.Response:
+    """The upstream's whole answer as the client's (``read``: its body, read already)."""
     try:
-        body = await resp.read()
+        body = await resp.read() if read is None else read
     except UpstreamPayloadError as exc:
         raise UpstreamDiedBeforeAnswer(str(exc)) from exc
     outcome.ttft_s = None
@@ -503,9 +504,12 @@ async def send(
                             continue
                     else:
                         breaker.success()
+                    not_found: bytes | None = None
+                    if resp.status == 404 and replica_id not in retried_missing:
+                        not_found = await resp.read()  # small: kept to relay if not ours
                     if (
-                        resp.status == 404
-                        and replica_id not in retried_missing
+                        not_found is not None
+                        and _names_a_missing_model(not_found)
                         and await hooks.model_missing(replica_id)
                     ):
                         # The engine lost an adapter we believed loaded (it restarted, or an
@@ -523,7 +527,7 @@ async def send(
                             plan.first_token_marker, plan.stream_error,
                         )
                     else:
-                        result = await _relay_body(resp, outcome, request_id)
+                        result = await _relay_body(resp, outcome, request_id, not_found)
                         hooks.first_byte(replica_id)
                     outcome.finished_at = time.monotonic()
                     return result
@@ -567,6 +571,13 @@ async def send(
         "No healthy replica could take the request.",
         headers={"Retry-After": "1"},
     )
+
+
+def _names_a_missing_model(body: bytes) -> bool:
+    """True for vLLM's answer to a model (or adapter) it does not serve ("The model `x` does
+    not exist."): only that 404 means an adapter was lost. A 404 for a path the engine lacks,
+    or a stored response it no longer has, is relayed as it is."""
+    return b"does not exist" in body and b"model" in body.lower()
 
 
 def _any_usable(replicas: ReplicaDirectory, candidates: Sequence[ReplicaId]) -> bool:

@@ -365,3 +365,23 @@ async def test_new_weights_under_an_old_name_are_never_served_from_the_old_sourc
         await wait_until(unloaded, "the old acme-lora weights to be unloaded")
         assert (await post_chat(http, url, "acme", "acme-lora"))[0] == 200
         assert (await _roots(http, engine))["acme-lora"] == "/adapters/acme/acme-lora-v2"
+
+
+async def test_a_404_that_is_not_about_the_adapter_is_relayed_without_reloading_it(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """Only vLLM's 'The model `x` does not exist' means the engine lost the adapter; a path the
+    engine does not serve (here /classify on a generative model) is answered as it is."""
+    async with (
+        start_sim_fleet(1, kv_events=None, kv_replay=None, speed=1000.0) as fleet,
+        adapter_gateway(tmp_path, fleet, [adapter("acme-lora")]) as (url, _),
+    ):
+        loads = count_engine_loads(fleet.replicas[0])
+        body = {"model": "acme-lora", "input": "hello"}
+        async with http.post(f"{url}/classify", json=body, headers=auth("acme")) as resp:
+            assert resp.status == 404
+        assert loads == ["acme-lora"]  # loaded once to send it, never again for the 404
+        retries = await metric(
+            http, url, "fleetgate_upstream_retries_total", reason="adapter_missing"
+        )
+        assert retries == 0
