@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections import deque
@@ -43,6 +44,7 @@ from gateway.upstream_client import UpstreamPool
 from routing.config import Policy
 from routing.contracts import BlockIndex, IndexUnavailable, PromptTokenizer
 from routing.index.mirror import MirrorBlockIndex
+from routing.types import ReplicaId
 
 if TYPE_CHECKING:
     from replica.fleet_store import FleetStore
@@ -222,6 +224,7 @@ def _lifecycle(
             await gw.registry.poll_once(gw.session, timeout_s=2.0)
         if adapters is not None:
             gw.adapters = open_registry(gw, adapters)
+            gw.registry.on_remove.append(functools.partial(_forget_adapters_of, gw))
             # The engines' adapter lists before the first request; the loop keeps them fresh.
             await gw.adapters.refresh(gw.registry.adapter_states())
         tasks = [
@@ -314,3 +317,15 @@ async def _within(deadline: float, what: str, step: Awaitable[Any]) -> None:
 async def _start_draining(app: web.Application) -> None:
     """Refuse new requests; aiohttp lets in-flight ones finish up to its shutdown timeout."""
     app[GATEWAY].draining = True
+
+
+def _forget_adapters_of(gw: GatewayState, replica: ReplicaId) -> None:
+    """A replica left the fleet: the adapter registry drops its placement and slot gauges (a
+    tracked background task; a later replica reusing the id starts clean)."""
+    if gw.adapters is None:
+        return
+    task = asyncio.get_running_loop().create_task(
+        gw.adapters.forget_replica(replica), name="fleetgate-adapter-forget"
+    )
+    gw.background.add(task)
+    task.add_done_callback(gw.background.discard)

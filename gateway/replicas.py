@@ -109,6 +109,9 @@ class ReplicaRegistry:
         #: polls go on meanwhile, so a replica that is really gone is unhealthy, not routed.
         self.discovery_grace_s = discovery_grace_s
         self._clock = clock
+        #: Told the id of each replica that leaves the fleet (the adapter registry forgets its
+        #: placement and slot gauges).
+        self.on_remove: list[Callable[[ReplicaId], None]] = []
         self._missing_since: dict[ReplicaId, float] = {}
         #: Consecutive failed /health polls per replica; ``unhealthy_after_polls`` in a row
         #: mark it unhealthy.
@@ -232,9 +235,11 @@ class ReplicaRegistry:
         self._discovered = seen
 
     def remove(self, replica: ReplicaId) -> None:
-        """Forget a replica."""
+        """Forget a replica (and tell ``on_remove``)."""
         if self._states.pop(replica, None) is not None:
             self._fleet = None  # membership changed: the next ``routable`` builds a new one
+            for listener in self.on_remove:
+                listener(replica)
         self._breakers.pop(replica, None)
         self._tripped.discard(replica)
         self._adapters_read_at.pop(replica, None)

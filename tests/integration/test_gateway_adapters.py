@@ -385,3 +385,32 @@ async def test_a_404_that_is_not_about_the_adapter_is_relayed_without_reloading_
             http, url, "fleetgate_upstream_retries_total", reason="adapter_missing"
         )
         assert retries == 0
+
+
+async def test_a_replica_that_leaves_the_fleet_leaves_no_adapter_gauges_behind(
+    tmp_path: Path, fleet: SimFleet, http: aiohttp.ClientSession
+) -> None:
+    async with adapter_gateway(tmp_path, fleet, [adapter("acme-lora")]) as (url, _):
+        assert (await post_chat(http, url, "acme", "acme-lora"))[0] == 200
+
+        async def slot_gauges() -> set[str]:
+            async with http.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+            return {
+                line.split('replica="', 1)[1].split('"', 1)[0]
+                for line in text.splitlines()
+                if line.startswith("fleetgate_adapter_slots_used{")
+            }
+
+        assert await slot_gauges() == {"pool-a/0", "pool-a/1"}
+        # A reload takes the second replica out of the pool.
+        (tmp_path / "gateway.yaml").write_text(
+            policy_yaml(fleet.urls[:1], [adapter("acme-lora")])
+        )
+        async with http.post(f"{url}/admin/policy/reload", headers=ADMIN) as resp:
+            assert resp.status == 200, await resp.text()
+
+        async def forgotten() -> bool:
+            return await slot_gauges() == {"pool-a/0"}
+
+        await wait_until(forgotten, "the departed replica's adapter gauges to go")
