@@ -18,7 +18,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, str] = {
     "up": "Run gateway + N simulated replicas in one process (no Redis).",
     "serve": "Run the production gateway (policy YAML, Redis index).",
-    "policy": "Validate or explain a routing-policy YAML file.",
+    "policy": "Validate or show a routing-policy YAML file; hash an API key.",
     "sim": "Run simulated vLLM replicas that speak vLLM's wire formats.",
     "agent": "Run the replica agent: KV events + metrics to the index.",
     "replica": "Start and supervise a vLLM engine with its agent.",

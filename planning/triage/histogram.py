@@ -10,7 +10,8 @@ def histogram_quantile(quantile: float, buckets: Iterable[tuple[float, float]]) 
     """The ``quantile`` of a histogram given as (upper bound ``le``, cumulative count) pairs.
 
     Linear interpolation inside the bucket holding the rank, as Prometheus does; a rank in the
-    ``+Inf`` bucket returns the highest finite bound. ``None`` when the histogram is empty.
+    ``+Inf`` bucket returns the highest finite bound. ``None`` when the histogram is empty, or
+    has no finite bucket to bound the rank by (Prometheus answers NaN there, not 0).
     """
     if not 0 <= quantile <= 1:
         raise ValueError(f"quantile must be in [0, 1] (got {quantile})")
@@ -23,7 +24,7 @@ def histogram_quantile(quantile: float, buckets: Iterable[tuple[float, float]]) 
     for upper_bound, count in ordered:
         if count >= rank:
             if math.isinf(upper_bound):
-                return lower_bound
+                return lower_bound if lower_count > 0 or ordered[0][0] != upper_bound else None
             if count == lower_count:
                 return upper_bound
             return lower_bound + (upper_bound - lower_bound) * (rank - lower_count) / (

@@ -151,3 +151,10 @@ def test_prometheus_query_errors_are_reported() -> None:
         pytest.raises(SourceError, match="parse error"),
     ):
         fetch_prometheus_metrics("http://prom:9090", client)
+
+
+def test_a_histogram_with_only_its_inf_bucket_has_no_quantile() -> None:
+    """Nothing bounds the rank (Prometheus answers NaN): not a p95 of 0 ms."""
+    inf = float("inf")
+    assert histogram_quantile(0.95, [(inf, 10.0)]) is None
+    assert histogram_quantile(0.95, [(0.1, 0.0), (inf, 10.0)]) == 0.1  # above the top bound
