@@ -161,9 +161,28 @@ class AdapterCatalog:
             self._roots.check(adapter.source, adapter.owners)
         except ValueError as exc:
             errors.append(f"source: {exc}")
+        if adapter.pinned:
+            errors.extend(self._pinned_fit(adapter))
         if errors:
             raise InvalidAdapter(adapter.name, errors)
         return adapter
+
+    def _pinned_fit(self, adapter: Adapter) -> list[str]:
+        """A pinned runtime addition must leave its base model's pinned adapters within the
+        GPU LoRA slots of every pool serving it, as the policy file's own are checked: past
+        them nothing else could ever load there (the file's pinned ones included)."""
+        pinned = {a.name for a in self if a.pinned and a.base_model == adapter.base_model}
+        count = len(pinned | {adapter.name})
+        model = self._policy.model(adapter.base_model)
+        problems = []
+        for name in model.pools if model is not None else ():
+            pool = self._policy.pool(name)
+            if pool is not None and pool.max_loras is not None and count > pool.max_loras:
+                problems.append(
+                    f"pinned: {count} pinned adapters of {adapter.base_model!r} would exceed "
+                    f"pool {name!r} max_loras {pool.max_loras}; nothing else could ever load"
+                )
+        return problems
 
     def add(self, spec: Adapter | Mapping[str, Any], *, replace: bool = False) -> Adapter:
         """Add (or with ``replace``, update) a runtime adapter; returns the stored entry.
