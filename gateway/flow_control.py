@@ -225,6 +225,9 @@ class FlowGate:
         self._admitted: OrderedDict[str, float] = OrderedDict()
         self._wake = asyncio.Event()
         self._settings_source: Policy | None = None
+        #: True while ``run`` judges the queue: without it a queued request would wait forever
+        #: (expiry is the pump's too), so requests are admitted rather than queued.
+        self.pumping = False
 
     # ------------------------------------------------------------------ the request path
 
@@ -322,6 +325,11 @@ class FlowGate:
             return routed
         if verdict.decision is Decision.SHED:
             raise _refusal(verdict)
+        if not self.pumping:  # nothing would ever judge it again: degrade, never hang
+            self.controller.cancel(request_id)
+            log.error("flow-control queue is not running; admitting %s unqueued", request_id)
+            self._track(request)
+            return routed
         answer: asyncio.Future[tuple[Verdict, Routed]] = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = _Waiter(routed, repick, answer)
         self._queue_gauges()
@@ -435,6 +443,7 @@ class FlowGate:
 
     async def run(self) -> None:
         """Judge the queue until cancelled (the app's cleanup context owns this task)."""
+        self.pumping = True
         try:
             while True:
                 timeout = PUMP_INTERVAL_S if self._waiters else None
@@ -446,6 +455,7 @@ class FlowGate:
                 except Exception:  # never let one bad judgement stop the queue for everyone
                     log.exception("flow-control pump failed; retrying")
         finally:
+            self.pumping = False
             for waiter in list(self._waiters.values()):
                 if not waiter.answer.done():
                     waiter.answer.set_exception(

@@ -223,3 +223,14 @@ def test_a_stream_the_client_left_before_its_usage_is_charged_the_tokens_relayed
     assert usage_to_charge(left) == {"completion_tokens": 30}
     before_any_token = UpstreamOutcome(client_gone=True)
     assert usage_to_charge(before_any_token) is None
+
+
+async def test_without_its_pump_the_gate_admits_rather_than_queue_forever() -> None:
+    """Expiry and admission from the queue are the pump's: with it gone (never started, or
+    stopped), a request that would wait is sent on, with an error in the log."""
+    policy = _policy()
+    gate = FlowGate(replica_states=lambda: _states(model_a_waiting=5), policy=lambda: policy)
+    async with asyncio.timeout(PATIENCE_S):
+        admitted = await gate.admit(_routed("a-1", "model-a", ["a1", "a2"]), {}, policy, _unchanged)
+    assert admitted.routing_request.request_id == "a-1"
+    assert len(gate.controller.queue) == 0
