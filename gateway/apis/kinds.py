@@ -85,6 +85,7 @@ RESPONSES = RequestKind(
     prepare=_with_response_id,
     payload=salted_payload,
     usage=usage.from_responses,
+    stream_error=responses.stream_error_event,
     pinned_replica=_previous_response_home,
     served_by=_remember_home,
     # Any output delta is a first token: text, reasoning, a tool call's arguments, a refusal.

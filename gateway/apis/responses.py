@@ -15,6 +15,7 @@ response's ``id``) so it knows the id before the answer, and records which repli
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -91,3 +92,10 @@ async def remember(
 ) -> None:
     await affinity.remember(response_id, ResponseHome(replica, tenant))
 
+
+
+def stream_error_event(err: GatewayError) -> bytes:
+    """The in-band error of a Responses stream that already started, as the Responses API
+    streams one (an ``error`` event: type, code, message, param)."""
+    body = json.dumps({"type": "error", "code": err.code, "message": err.message, "param": None})
+    return f"event: error\ndata: {body}\n\n".encode()
