@@ -218,6 +218,6 @@ def test_a_source_with_credentials_is_refused_without_repeating_them(
 def test_a_pinned_runtime_adapter_must_fit_the_pools_lora_slots() -> None:
     """As the policy file's own: past max_loras pinned adapters, nothing else could load."""
     catalog = AdapterCatalog(make_policy([adapter("p0", pinned=True)], max_loras=1))
-    with pytest.raises(InvalidAdapter, match="2 pinned adapters of .* exceed pool 'pool-a' max"):
+    with pytest.raises(InvalidAdapter, match=r"2 pinned adapters of .* exceed pool 'pool-a' max"):
         catalog.add(adapter("p1", pinned=True))
     catalog.add(adapter("p1"))  # not pinned: fine
