@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleetgate.commands._args import non_negative_int, positive_float, positive_int
 from fleetgate.extras import PLAN, missing_extra, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
 from traces.spread import coarse_timestamps, spread_arrivals
@@ -78,27 +79,6 @@ default policies: {policies}
 """
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 (got {value})")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (got {value})")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (got {value})")
-    return value
-
-
 def rate_scales(text: str) -> tuple[float, ...]:
     """``--rate-scale``: one positive number or a comma list of them (each listed once)."""
     scales = []
@@ -122,13 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", required=True, metavar="FILE", help="JSONL trace to replay")
     parser.add_argument(
         "--trace-block-size",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         metavar="N",
         help=f"prompt tokens per hash id in the trace (default: {DEFAULT_BLOCK_SIZE})",
     )
     parser.add_argument(
-        "--replicas", type=_positive_int, default=8, metavar="N", help="fleet size (default: 8)"
+        "--replicas", type=positive_int, default=8, metavar="N", help="fleet size (default: 8)"
     )
     parser.add_argument(
         "--profile",
@@ -153,18 +133,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "comma list (0.5,1,2,3,4) runs every policy at each scale: a load sweep",
     )
     parser.add_argument(
-        "--limit", type=_positive_int, metavar="N", help="replay only the first N requests"
+        "--limit", type=positive_int, metavar="N", help="replay only the first N requests"
     )
     parser.add_argument(
         "--slo-ttft-ms",
-        type=_positive_float,
+        type=positive_float,
         default=2000.0,
         metavar="MS",
         help="TTFT SLO for goodput (default: 2000)",
     )
     parser.add_argument(
         "--slo-tpot-ms",
-        type=_positive_float,
+        type=positive_float,
         default=50.0,
         metavar="MS",
         help="time-per-output-token SLO for goodput (default: 50)",
@@ -222,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--arrival-spread-ms",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         metavar="MS",
         help="move each arrival later by a uniform draw from [0, MS) ms, seeded by --seed: for "

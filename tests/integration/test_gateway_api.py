@@ -181,28 +181,20 @@ async def test_client_disconnect_aborts_upstream() -> None:
         gate.set()
 
 
-async def test_retry_on_fallback_when_replica_drops_before_first_byte() -> None:
-    dropper, good = FakeUpstream(drop_completions=True), FakeUpstream()
-    async with (
-        gateway([dropper, good], profile="round-robin") as url,
-        aiohttp.ClientSession() as http,
-    ):
-        statuses = []
-        for _ in range(2):
-            async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
-                statuses.append(resp.status)
-        async with http.get(f"{url}/metrics") as resp:
-            metrics = await resp.text()
-    assert statuses == [200, 200]
-    assert dropper.attempts == 1 and len(good.received) == 2
-    # It took the request, then dropped the connection: not a connect failure.
-    assert 'fleetgate_upstream_retries_total{reason="upstream_dropped",route="default"} 1.0' in (
-        metrics
-    )
-
-
-async def test_a_replica_answering_500_is_retried_on_a_fallback_while_one_is_left() -> None:
-    failing, good = FakeUpstream(fail_status=500), FakeUpstream()
+@pytest.mark.parametrize(
+    ("failing", "reason"),
+    [
+        # It took the request, then dropped the connection: not a connect failure.
+        (FakeUpstream(drop_completions=True), "upstream_dropped"),
+        # Its engine answered 500 (vLLM's answer once its engine core died).
+        (FakeUpstream(fail_status=500), "upstream_5xx"),
+    ],
+    ids=["dropped", "500"],
+)
+async def test_a_replica_failing_before_the_first_byte_is_retried_on_a_fallback(
+    failing: FakeUpstream, reason: str
+) -> None:
+    good = FakeUpstream()
     async with (
         gateway([failing, good], profile="round-robin") as url,
         aiohttp.ClientSession() as http,
@@ -215,9 +207,7 @@ async def test_a_replica_answering_500_is_retried_on_a_fallback_while_one_is_lef
             metrics = await resp.text()
     assert statuses == [200, 200]
     assert failing.attempts == 1 and len(good.received) == 2
-    assert 'fleetgate_upstream_retries_total{reason="upstream_5xx",route="default"} 1.0' in (
-        metrics
-    )
+    assert f'fleetgate_upstream_retries_total{{reason="{reason}",route="default"}} 1.0' in metrics
 
 
 async def test_with_no_replica_left_an_engines_503_reaches_the_client_as_it_is() -> None:

@@ -12,7 +12,7 @@ from aiohttp import web
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
-from tests.integration.test_gateway_support import serve
+from tests.integration.test_gateway_support import engine_app, serve
 
 MODEL = "base-model"
 
@@ -23,15 +23,6 @@ def _event(payload: dict[str, object]) -> bytes:
 
 def dying_replica() -> web.Application:
     """Answers /v1/responses with the stream's first events, then drops the connection."""
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "parent": None}]})
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
 
     async def responses(request: web.Request) -> web.StreamResponse:
         response_id = (await request.json())["request_id"]
@@ -46,12 +37,7 @@ def dying_replica() -> web.Application:
         request.transport.close()  # the engine dies mid-answer
         return resp
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/responses", responses)
-    return app
+    return engine_app(MODEL, {"/v1/responses": responses})
 
 
 async def test_mid_stream_failure_reaches_the_openai_client_as_a_responses_error_event() -> None:

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from multidict import CIMultiDict
+
+#: An aiohttp request handler.
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass
@@ -185,3 +188,25 @@ async def serve(app: web.Application, handler_cancellation: bool = False) -> Asy
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+def engine_app(model: str, posts: dict[str, Handler]) -> web.Application:
+    """A bare engine: /health, /v1/models listing ``model``, idle /metrics, and ``posts``
+    (path -> handler), for tests that script one endpoint's answer."""
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": model, "parent": None}]})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    for path, handler in posts.items():
+        app.router.add_post(path, handler)
+    return app
