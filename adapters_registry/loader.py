@@ -171,9 +171,9 @@ class AdapterLoader:
     ) -> bool:
         """Unload ``adapter`` from ``replica`` (admin removal, pre-warm rebalancing).
 
-        Returns False if the engine did not have it, or (``if_idle``: a rebalancing that can
-        wait) a request is using it. Waits for a load or unload in progress. Raises
-        ``AdapterUnloadFailed``.
+        Returns False if the engine did not have it. Waits for a load or unload in progress.
+        Raises ``AdapterUnloadFailed``; with ``if_idle`` (a rebalancing that can wait) that too
+        when a request is using it, and nothing is unloaded.
         """
         rid = replica.replica_id
         owner = self._owner()
@@ -186,7 +186,7 @@ class AdapterLoader:
             # With the lock held any new request waits for us, so this re-read is current (the
             # plan that chose it may have read a view seconds old).
             if if_idle and (await self._snapshot(rid)).inflight.get(adapter, 0) > 0:
-                return False
+                raise AdapterUnloadFailed(adapter, rid, "a request is using it")
             return await self._unload_locked(replica, adapter, reason)
         finally:
             await self._unlock(rid, adapter, owner)

@@ -52,8 +52,10 @@ log = logging.getLogger(__name__)
 # UpstreamConnectError and UpstreamDisconnected are ConnectionErrors.
 _RETRYABLE = (ConnectionError,)
 #: Answers that say the replica, not the request, failed: retried on a fallback while one is
-#: left, and counted against the replica's circuit breaker.
+#: left. All but 503 (overloaded, or shutting down: busy, not broken) also count against the
+#: replica's circuit breaker.
 _SERVER_ERRORS = frozenset({500, 502, 503, 504})
+_BROKEN = _SERVER_ERRORS - {503}
 # Hop-by-hop and length headers that must not be copied from the upstream response.
 _DROP_HEADERS = {
     "content-length",
@@ -489,21 +491,20 @@ async def send(
                     read_timeout_s=read_timeout_s,
                 ) as resp:
                     outcome.status = resp.status
-                    if resp.status in _SERVER_ERRORS:
+                    if resp.status in _BROKEN:
                         breaker.failure()
-                        if can_retry():
-                            # The engine failed the request before answering it (vLLM's 500
-                            # once its engine core died, a proxy's 502/503/504): another
-                            # replica may serve it. With none left, the error is relayed.
-                            retry_reason = "upstream_5xx"
-                            log.info(
-                                "replica %s answered %d; trying a fallback",
-                                replica_id,
-                                resp.status,
-                            )
-                            continue
                     else:
-                        breaker.success()
+                        breaker.success()  # a 503 is busy or draining, not broken
+                    if resp.status in _SERVER_ERRORS and can_retry():
+                        # The engine failed the request before answering it (vLLM's 500 once
+                        # its engine core died, an overloaded or draining one's 503, a proxy's
+                        # 502/504): another replica may serve it. With none left, the error is
+                        # relayed.
+                        retry_reason = "upstream_5xx"
+                        log.info(
+                            "replica %s answered %d; trying a fallback", replica_id, resp.status
+                        )
+                        continue
                     not_found: bytes | None = None
                     if resp.status == 404 and replica_id not in retried_missing:
                         not_found = await resp.read()  # small: kept to relay if not ours

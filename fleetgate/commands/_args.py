@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import logging
 import math
 import sys
 
@@ -61,6 +62,8 @@ def cannot_start(command: str, exc: Exception, where: str | None = None) -> int:
     else:
         message = str(exc)
     print(f"fleetgate {command}: {message}", file=sys.stderr)
+    # The traceback, for a bug that surfaced as one of these, at debug level.
+    logging.getLogger("fleetgate").debug("fleetgate %s could not start", command, exc_info=exc)
     return 2
 
 
@@ -76,7 +79,7 @@ def routing_profile(name: str) -> str:
 
 
 def replica_url(url: str) -> str:
-    """An engine's base URL: ``http://`` or ``https://`` and a host (no path beyond ``/``)."""
+    """An engine's base URL: ``http://`` or ``https://`` and a host."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)

@@ -205,10 +205,17 @@ def run(args: argparse.Namespace) -> int:
     if not vllm_args:
         print("fleetgate replica run: give vLLM's arguments after `--`", file=sys.stderr)
         return 2
+    if not 0 < args.backoff_min <= args.backoff_max:
+        print(
+            f"fleetgate replica run: need 0 < --backoff-min ({args.backoff_min:g}) <= "
+            f"--backoff-max ({args.backoff_max:g})",
+            file=sys.stderr,
+        )
+        return 2
+    view = inspect_vllm_args(vllm_args, add_kv_events=not args.no_kv_events)
     try:
-        view = inspect_vllm_args(vllm_args, add_kv_events=not args.no_kv_events)
         return asyncio.run(_supervise(args, view))
-    except (OSError, ValueError, AttributeError, httpx.InvalidURL) as exc:
-        # A setting that cannot work (--backoff-min 0, a --kv-events-config that is no JSON
-        # object, an engine address without brackets), a port in use, a missing interpreter.
+    except (OSError, httpx.InvalidURL) as exc:
+        # A port in use, a missing interpreter, an engine address httpx cannot use (an IPv6
+        # host without brackets).
         return cannot_start("replica run", exc)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from adapters_registry.errors import (
     AdapterLoadFailed,
     AdapterNotFound,
+    AdapterUnloadFailed,
     NoAdapterSlot,
     ThrashGuardTripped,
 )
@@ -193,7 +194,8 @@ async def test_a_rebalancing_unload_leaves_an_adapter_a_request_is_using(
     state = full(2)
     await reg.ensure_loaded(state, "a")
     async with reg.serving(state, "a"):
-        assert not await reg.loader.unload(state, "a", reason="prewarm", if_idle=True)
+        with pytest.raises(AdapterUnloadFailed, match="a request is using it"):
+            await reg.loader.unload(state, "a", reason="prewarm", if_idle=True)
         assert engine.loaded == {"a"}
     assert await reg.loader.unload(state, "a", reason="prewarm", if_idle=True)
     assert engine.loaded == set()

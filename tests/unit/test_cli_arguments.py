@@ -30,7 +30,7 @@ from fleetgate.cli import main
                 *["replica", "run", "--replica-id", "p/r0", "--vllm-python", sys.executable],
                 *["--backoff-min", "0", "--", "--model", "m"],
             ],
-            "fleetgate replica run: need 0 < backoff_min_s",
+            "fleetgate replica run: need 0 < --backoff-min (0) <= --backoff-max (60)",
         ),
         (["serve"], "fleetgate serve: give --config FILE"),
     ],
