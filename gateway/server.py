@@ -68,6 +68,8 @@ async def start_site(
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
     shown = "127.0.0.1" if bound_host in ("0.0.0.0", "::") else bound_host
+    if ":" in shown:  # an IPv6 address: a URL takes it in brackets
+        shown = f"[{shown}]"
     return runner, f"http://{shown}:{bound_port}"
 
 

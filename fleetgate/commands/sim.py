@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -147,7 +148,14 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         return sim_calibrate.run(args)
     if args.replicas < 1:
-        print("fleetgate sim: --replicas must be >= 1", flush=True)
+        print("fleetgate sim: --replicas must be >= 1", file=sys.stderr)
+        return 2
+    if args.port and args.port + args.replicas - 1 > 65535:
+        print(
+            f"fleetgate sim: replica i listens on --port + i, and {args.port} + "
+            f"{args.replicas - 1} is past 65535: choose a lower --port (or 0: any free ports)",
+            file=sys.stderr,
+        )
         return 2
 
     async def main() -> None:

@@ -33,6 +33,7 @@ from fleetgate.cli import main
             "fleetgate replica run: need 0 < --backoff-min (0) <= --backoff-max (60)",
         ),
         (["serve"], "fleetgate serve: give --config FILE"),
+        (["sim", "--port", "65535", "--replicas", "2"], "65535 + 1 is past 65535"),
     ],
 )
 def test_a_setting_that_cannot_work_is_refused_before_starting(
@@ -59,3 +60,25 @@ def test_a_port_in_use_is_one_line_that_says_so(
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in err
     assert "Traceback" not in err
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this machine")
+async def test_a_gateway_on_an_ipv6_address_shows_a_url_that_can_be_pasted() -> None:
+    from aiohttp import web
+
+    from gateway.server import start_site
+
+    runner, url = await start_site(web.Application(), "::1", 0, drain_timeout_s=1)
+    try:
+        assert url.startswith("http://[::1]:")
+    finally:
+        await runner.cleanup()
