@@ -24,6 +24,7 @@ from gateway import errors, health, openai_api
 from gateway.adapters import AdapterSetup, open_registry, setup_from_policy
 from gateway.admin import add_admin_routes, guard_where_configured
 from gateway.apis.endpoints import add_api_routes
+from gateway.background import run_in_background
 from gateway.config import GatewayConfig
 from gateway.cost import RouteWindow
 from gateway.dashboard import add_dashboard_routes
@@ -324,8 +325,5 @@ def _forget_adapters_of(gw: GatewayState, replica: ReplicaId) -> None:
     tracked background task; a later replica reusing the id starts clean)."""
     if gw.adapters is None:
         return
-    task = asyncio.get_running_loop().create_task(
-        gw.adapters.forget_replica(replica), name="fleetgate-adapter-forget"
-    )
-    gw.background.add(task)
-    task.add_done_callback(gw.background.discard)
+    forget = gw.adapters.forget_replica(replica)
+    run_in_background(gw.background, forget, "fleetgate-adapter-forget")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from gateway import errors
+from gateway.background import run_in_background
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from routing.flow_control import (
@@ -612,9 +613,7 @@ def flow_finished(
         return
     charge = gw.flow.request_finished(policy, tenant, usage, request_id, tpot_ms, prompt_uncounted)
     if charge is not None:
-        task = asyncio.create_task(charge, name="fleetgate-token-budget")
-        gw.background.add(task)
-        task.add_done_callback(gw.background.discard)
+        run_in_background(gw.background, charge, "fleetgate-token-budget")
 
 
 def build_flow_gate(

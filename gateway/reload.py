@@ -6,12 +6,12 @@ for the admin API and logged, and the running policy stays.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
 
+from gateway.background import run_in_background
 from gateway.policy_view import from_policy
 from gateway.routing_glue import build_profiles
 from gateway.state import GatewayState
@@ -98,11 +98,9 @@ def _unload_in_background(gw: GatewayState, names: list[str]) -> None:
             for failure in failures:
                 log.warning("after the policy reload, unloading %s failed: %s", name, failure)
 
+    work = unload()
     try:
-        loop = asyncio.get_running_loop()
+        run_in_background(gw.background, work, "fleetgate-adapter-unload")
     except RuntimeError:  # reloaded outside the gateway's loop (a script): nothing to drive it
+        work.close()
         log.warning("adapters %s changed; unload them from the replicas", ", ".join(names))
-        return
-    task = loop.create_task(unload(), name="fleetgate-adapter-unload")
-    gw.background.add(task)
-    task.add_done_callback(gw.background.discard)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from gateway.background import run_in_background
 from routing.contracts import BlockIndex
 from routing.state import ReplicaState
 from routing.types import BlockHash, Epoch, ReplicaId
@@ -144,10 +145,9 @@ class SpeculativeWriter:
             # the replica (the request's bytes are out by then), costs less than a task.
             loop.call_soon(_write_now, target, target.in_process, replica, list(blocks))
             return None
-        task = loop.create_task(_write(target, replica, list(blocks)))
-        target.background.add(task)
-        task.add_done_callback(target.background.discard)
-        return task
+        return run_in_background(
+            target.background, _write(target, replica, list(blocks)), "fleetgate-speculative"
+        )
 
 
 def _write_now(
