@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Bump when the recipe changes, so cached builds are rebuilt rather than silently reused.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 VOCAB_SIZE = 1024
 HIDDEN_SIZE = 128
@@ -36,8 +36,11 @@ INTERMEDIATE_SIZE = 256
 MAX_POSITIONS = 2048
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 
-#: A minimal chat template: role-tagged turns, then the assistant tag when a reply is wanted.
+#: A minimal chat template: the tools a request offers (as vLLM hands them to templates, so the
+#: e2e tier checks the gateway renders them the same), role-tagged turns, then the assistant tag
+#: when a reply is wanted.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|tools|>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
     "{% for message in messages %}"
     "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
     "{% endfor %}"

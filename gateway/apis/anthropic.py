@@ -18,6 +18,7 @@ from aiohttp import web
 from gateway.errors import GatewayError, bad_request
 from routing.api_messages import anthropic_messages
 from routing.contracts import PromptTokenizer, TokenizedPrompt
+from routing.template_inputs import anthropic_tools, template_variables
 
 #: HTTP status -> Anthropic's error ``type`` (https://docs.anthropic.com/en/api/errors).
 _TYPES: Final = {
@@ -77,5 +78,20 @@ async def prompt(tokenizer: PromptTokenizer, model: str, body: Mapping[str, Any]
     TokenizedPrompt
 ):
     """What vLLM renders for this request: its chat messages through the chat template."""
-    kwargs = body.get("chat_template_kwargs") or {}
-    return await tokenizer.tokenize_chat(model, anthropic_messages(body), **kwargs)
+    variables = template_variables(
+        tools=anthropic_tools(body.get("tools")),
+        chat_template_kwargs=body.get("chat_template_kwargs"),
+        reasoning_effort=_reasoning_effort(body),
+    )
+    return await tokenizer.tokenize_chat(model, anthropic_messages(body), **variables)
+
+
+def _reasoning_effort(body: Mapping[str, Any]) -> str | None:
+    """vLLM's ``reasoning_effort`` for a Messages request: ``output_config.effort``, and "none"
+    when thinking is disabled (vLLM probes each model for "none" or "low"; "none" is the usual)."""
+    thinking, config = body.get("thinking"), body.get("output_config")
+    if isinstance(thinking, Mapping) and thinking.get("type") == "disabled":
+        return "none"
+    if isinstance(config, Mapping) and isinstance(config.get("effort"), str):
+        return config["effort"]
+    return None

@@ -25,6 +25,7 @@ from gateway.response_affinity import ResponseAffinity, ResponseHome
 from gateway.state import GatewayState
 from routing.api_messages import responses_messages
 from routing.contracts import PromptTokenizer, TokenizedPrompt
+from routing.template_inputs import responses_tools, template_variables
 from routing.types import ReplicaId
 
 #: Stable error codes of this API (also ``fleetgate_errors_total`` labels).
@@ -58,8 +59,13 @@ async def prompt(tokenizer: PromptTokenizer, model: str, body: Mapping[str, Any]
     TokenizedPrompt
 ):
     """``instructions`` + ``input`` as vLLM renders them (a follow-up's history is not known)."""
-    kwargs = body.get("chat_template_kwargs") or {}
-    return await tokenizer.tokenize_chat(model, responses_messages(body), **kwargs)
+    reasoning = body.get("reasoning")
+    variables = template_variables(
+        tools=responses_tools(body.get("tools")),
+        chat_template_kwargs=body.get("chat_template_kwargs"),
+        reasoning_effort=reasoning.get("effort") if isinstance(reasoning, Mapping) else None,
+    )
+    return await tokenizer.tokenize_chat(model, responses_messages(body), **variables)
 
 
 def not_found(response_id: str) -> GatewayError:

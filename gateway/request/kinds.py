@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.request_body import validate_chat, validate_common, validate_completion
 from routing.contracts import PromptTokenizer, TokenizedPrompt
+from routing.template_inputs import chat_template_variables
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -86,8 +87,8 @@ def _validate_completion(body: Body) -> None:
 
 
 async def _chat_prompt(tokenizer: PromptTokenizer, model: str, body: Body) -> TokenizedPrompt:
-    kwargs = body.get("chat_template_kwargs") or {}
-    return await tokenizer.tokenize_chat(model, body["messages"], **kwargs)
+    variables = chat_template_variables(body)  # tools and switches render into the prompt too
+    return await tokenizer.tokenize_chat(model, body["messages"], **variables)
 
 
 async def _completion_prompt(tokenizer: PromptTokenizer, model: str, body: Body) -> TokenizedPrompt:

@@ -97,11 +97,13 @@ class LocalTokenizer:
                 f"LocalTokenizer: {self.model_dir} has no chat template; pass chat_template="
             )
         add_generation_prompt = bool(template_kwargs.pop("add_generation_prompt", True))
-        return self.chat_template.render(
-            normalise_messages(messages),
-            add_generation_prompt=add_generation_prompt,
-            **template_kwargs,
+        normalised = normalise_messages(messages)
+        text = self.chat_template.render(
+            normalised, add_generation_prompt=add_generation_prompt, **template_kwargs
         )
+        if template_kwargs.get("continue_final_message"):
+            return _open_final_message(text, normalised)
+        return text
 
     async def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         if len(text) > _OFFLOAD_CHARS:
@@ -153,3 +155,14 @@ def _token(config: Mapping[str, Any], key: str) -> str | None:
     if isinstance(value, Mapping):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """``text`` cut right after the final message's content, as transformers does for
+    ``continue_final_message``: the model goes on with that message instead of a new turn."""
+    final = (messages[-1].get("content") or "").strip() if messages else ""
+    if not final or final not in text:
+        raise TokenizationError(
+            "continue_final_message: the chat template does not render the final message's text"
+        )
+    return text[: text.rindex(final) + len(final)]

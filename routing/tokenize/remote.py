@@ -68,9 +68,7 @@ class RemoteTokenizer:
     ) -> TokenizedPrompt:
         """Token ids of a chat request after the upstream applied its chat template."""
         normalise_messages(messages)  # refuse malformed messages here, not as an upstream 400
-        body: dict[str, Any] = {"add_generation_prompt": True, **template_kwargs}
-        body.update(model=model, messages=list(messages))
-        return await self._tokenize(body)
+        return await self._tokenize(tokenize_chat_body(model, messages, template_kwargs))
 
     async def _tokenize(self, body: dict[str, Any]) -> TokenizedPrompt:
         try:
@@ -142,3 +140,27 @@ class RemoteTokenizer:
 def _fail(future: asyncio.Future[tuple[int, ...]], exc: BaseException) -> None:
     future.set_exception(exc)
     future.exception()  # mark it retrieved: there may be no one else waiting on it
+
+
+#: Template variables that ``/tokenize`` takes as fields of its own; vLLM hands every other one
+#: to the template through ``chat_template_kwargs`` (a top-level field it does not know is
+#: ignored, which would tokenize a prompt the chat endpoint never renders).
+_TOKENIZE_FIELDS = ("add_generation_prompt", "continue_final_message", "tools")
+
+
+def tokenize_chat_body(
+    model: str, messages: Sequence[Mapping[str, Any]], template_kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    """vLLM's ``/tokenize`` body for ``messages`` rendered with ``template_kwargs``."""
+    body: dict[str, Any] = {"add_generation_prompt": True}
+    extra: dict[str, Any] = {}
+    for name, value in template_kwargs.items():
+        if name in _TOKENIZE_FIELDS:
+            if value is not None:
+                body[name] = value
+        elif value is not None:
+            extra[name] = value
+    if extra:
+        body["chat_template_kwargs"] = extra
+    body.update(model=model, messages=list(messages))
+    return body

@@ -14,6 +14,7 @@ import functools
 import itertools
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import openai
@@ -26,6 +27,7 @@ from replica.launcher import VllmEngine
 from replica.tiny_model import TinyModel
 from routing.hashing import chain_seed, hash_token_blocks
 from routing.index import RedisBlockIndex
+from routing.template_inputs import chat_template_variables
 from routing.tokenize.local import LocalTokenizer
 from tests.e2e.conftest import SERVED_MODEL
 from tests.support import polling
@@ -187,6 +189,39 @@ async def test_chat_template_prompt_matches(
         model=SERVED_MODEL, messages=messages, max_tokens=1, temperature=0  # type: ignore[arg-type]
     )
     await wait_until(lambda: _matches(index, chain, {"e2e/r1": len(chain)}), "chat prompt")
+
+
+async def test_tools_render_into_the_chain_the_engine_caches(
+    replicas: list[Replica], index: RedisBlockIndex, tokenizer: LocalTokenizer
+) -> None:
+    # vLLM renders a request's tools into the chat template (the tiny model's puts them first):
+    # the gateway must hash that prompt, or a tool-calling request matches none of its blocks.
+    r1 = replicas[1]
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": fresh_prompt(60)}],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "lookup",
+                    "description": "Find which replica holds a prefix.",
+                    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+                },
+            }
+        ],
+        "tool_choice": "none",  # "auto" needs a tool parser; the tools are rendered either way
+    }
+    variables = chat_template_variables(body)
+    tokens = (await tokenizer.tokenize_chat(SERVED_MODEL, body["messages"], **variables)).token_ids
+    chain = hash_token_blocks(list(tokens or []), BLOCK_SIZE, chain_seed(SERVED_MODEL))
+    bare = (await tokenizer.tokenize_chat(SERVED_MODEL, body["messages"])).token_ids
+    bare_chain = hash_token_blocks(list(bare or []), BLOCK_SIZE, chain_seed(SERVED_MODEL))
+    assert len(chain) >= 3
+    await r1.client.chat.completions.create(
+        model=SERVED_MODEL, max_tokens=1, temperature=0, **body
+    )
+    await wait_until(lambda: _matches(index, chain, {"e2e/r1": len(chain)}), "tool chat prompt")
+    assert await index.match(bare_chain) == {}  # without the tools nothing would have matched
 
 
 async def test_adapter_and_cache_salt_chains_match(

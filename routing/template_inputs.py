@@ -1,0 +1,181 @@
+"""What vLLM hands a chat template besides the messages, so the gateway renders the engine's prompt.
+
+vLLM renders ``tools`` into the prompt (Llama 3.x, Qwen, Mistral and Hermes templates put the tool
+schemas at or near the start), along with ``documents``, the request's ``add_generation_prompt`` /
+``continue_final_message`` switches, ``reasoning_effort`` and the client's
+``chat_template_kwargs``. A gateway that leaves any of them out hashes a different token sequence
+from the first block on, and a tool-calling request then matches nothing it has cached.
+
+Mirrors vLLM 0.32: ``ChatCompletionRequest.build_chat_params`` (the request's switches override
+its ``chat_template_kwargs`` unless ``None`` or ``"auto"``), ``OnlineRenderer.preprocess_chat``
+(the tools are defaults under both) and the tool dicts it renders:
+``ChatCompletionToolsParam.model_dump`` for chat, the same shape built from an Anthropic tool
+(``input_schema`` as ``parameters``) or a Responses function tool. Not modelled: vLLM's
+``--exclude-tools-when-tool-choice-none`` (off by default) and a request ``chat_template``, which
+vLLM refuses unless started with ``--trust-request-chat-template``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = [
+    "anthropic_tools",
+    "chat_template_variables",
+    "openai_tools",
+    "responses_tools",
+    "template_variables",
+]
+
+ToolDict = dict[str, Any]
+
+#: Override values that leave the default in place (vLLM's ``merge_kwargs``).
+_UNSET = (None, "auto")
+
+
+def _merge(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(defaults)
+    merged.update({k: v for k, v in overrides.items() if not _is_unset(v)})
+    return merged
+
+
+def _is_unset(value: Any) -> bool:
+    return any(value is unset or (isinstance(value, str) and value == unset) for unset in _UNSET)
+
+
+def _function_tool(
+    name: Any, description: Any, parameters: Any, strict: Any, defer_loading: Any, path: str
+) -> ToolDict:
+    """vLLM's ``ChatCompletionToolsParam.model_dump()``: ``strict``, ``defer_loading`` if set."""
+    if not isinstance(name, str):
+        raise ValueError(f"{path}.name: must be a string")
+    if parameters is not None and not isinstance(parameters, Mapping):
+        raise ValueError(f"{path}.parameters: must be an object")
+    function: ToolDict = {"name": name, "description": description, "parameters": parameters}
+    if strict is not None:
+        function["strict"] = strict
+    if defer_loading is not None:
+        function["defer_loading"] = defer_loading
+    return {"type": "function", "function": function}
+
+
+def openai_tools(tools: Any) -> list[ToolDict] | None:
+    """A chat request's ``tools`` as the dicts vLLM gives the template (``None``: no tools)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
+        raise ValueError("tools: must be an array")
+    out = []
+    for i, tool in enumerate(tools):
+        path = f"tools[{i}]"
+        if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+            raise ValueError(f"{path}.function: must be an object")
+        function = tool["function"]
+        defer = function.get("defer_loading")
+        if defer is None:
+            defer = tool.get("defer_loading")  # vLLM copies the tool's flag onto its function
+        out.append(
+            _function_tool(
+                function.get("name"),
+                function.get("description"),
+                function.get("parameters"),
+                function.get("strict"),
+                defer,
+                f"{path}.function",
+            )
+        )
+    return out
+
+
+def anthropic_tools(tools: Any) -> list[ToolDict] | None:
+    """An Anthropic Messages request's ``tools`` as vLLM converts them for the chat template."""
+    if tools is None:
+        return None
+    if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
+        raise ValueError("tools: must be an array")
+    out = []
+    for i, tool in enumerate(tools):
+        path = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise ValueError(f"{path}: must be an object")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, Mapping):
+            raise ValueError(f"{path}.input_schema: must be an object")
+        if "type" not in schema:
+            schema = {**schema, "type": "object"}  # vLLM's default for a schema without one
+        out.append(
+            _function_tool(
+                tool.get("name"),
+                tool.get("description"),
+                schema,
+                tool.get("strict"),
+                tool.get("defer_loading"),
+                path,
+            )
+        )
+    return out
+
+
+def responses_tools(tools: Any) -> list[ToolDict] | None:
+    """A Responses request's function ``tools`` as vLLM renders them (built-in tools are not)."""
+    if not tools:
+        return None
+    if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
+        raise ValueError("tools: must be an array")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise ValueError(f"tools[{i}]: must be an object")
+        if tool.get("type") != "function":
+            continue  # web search, MCP ...: vLLM runs them; the template never sees them
+        out.append(
+            _function_tool(
+                tool.get("name"),
+                tool.get("description"),
+                tool.get("parameters"),
+                tool.get("strict"),
+                tool.get("defer_loading"),
+                f"tools[{i}]",
+            )
+        )
+    return out or None
+
+
+def template_variables(
+    *,
+    tools: list[ToolDict] | None,
+    chat_template_kwargs: Any = None,
+    add_generation_prompt: Any = True,
+    continue_final_message: Any = False,
+    documents: Any = None,
+    reasoning_effort: Any = None,
+) -> dict[str, Any]:
+    """The variables the chat template sees besides ``messages``, merged as vLLM merges them."""
+    if chat_template_kwargs is None:
+        chat_template_kwargs = {}
+    if not isinstance(chat_template_kwargs, Mapping):
+        raise ValueError("chat_template_kwargs: must be an object")
+    switches: dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "documents": documents,
+        "reasoning_effort": reasoning_effort,
+    }
+    if reasoning_effort is not None and "enable_thinking" not in chat_template_kwargs:
+        # vLLM turns thinking on for templates that need an explicit opt-in (Gemma 4 ...).
+        switches["enable_thinking"] = reasoning_effort != "none"
+    request = _merge(chat_template_kwargs, switches)
+    return _merge({"tools": tools}, request)
+
+
+def chat_template_variables(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The template variables of an OpenAI chat request body."""
+    return template_variables(
+        tools=openai_tools(body.get("tools")),
+        chat_template_kwargs=body.get("chat_template_kwargs"),
+        add_generation_prompt=body.get("add_generation_prompt", True),
+        continue_final_message=body.get("continue_final_message", False),
+        documents=body.get("documents"),
+        reasoning_effort=body.get("reasoning_effort"),
+    )
