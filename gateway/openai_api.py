@@ -13,7 +13,7 @@ from gateway.request.handler import handle
 from gateway.request.kinds import CHAT, COMPLETION
 from gateway.request.route import UNROUTED
 from gateway.request_body import request_id_of
-from gateway.state import GATEWAY
+from gateway.state import GATEWAY, GatewayState
 
 #: Reported as ``created`` for every model: the gateway's start, stable across calls.
 _STARTED = int(time.time())
@@ -29,8 +29,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await handle(request, COMPLETION)
 
 
-def _model_card(model_id: str, parent: str | None) -> dict[str, object]:
-    return {
+def _model_card(model_id: str, parent: str | None, max_model_len: int | None) -> dict[str, object]:
+    card: dict[str, object] = {
         "id": model_id,
         "object": "model",
         "created": _STARTED,
@@ -39,6 +39,17 @@ def _model_card(model_id: str, parent: str | None) -> dict[str, object]:
         "parent": parent,
         "permission": [],
     }
+    if max_model_len is not None:  # vLLM's card has it; clients size prompts from it
+        card["max_model_len"] = max_model_len
+    return card
+
+
+def _cards(gw: GatewayState, models: list[tuple[str, str | None]]) -> list[dict[str, object]]:
+    """Model cards; an adapter has its base model's ``max_model_len``."""
+    return [
+        _model_card(model_id, parent, gw.registry.max_model_len(parent or model_id))
+        for model_id, parent in models
+    ]
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -51,8 +62,7 @@ async def list_models(request: web.Request) -> web.Response:
         gw.metrics.errors.labels(UNROUTED, err.code).inc()
         return err.response(request_id)
     if gw.adapters is not None:  # the registry's catalog, runtime additions included
-        cards = model_cards(gw, tenant)
-        data = [_model_card(model_id, parent) for model_id, parent in cards]
+        data = _cards(gw, list(model_cards(gw, tenant)))
         return web.json_response(
             {"object": "list", "data": data}, headers={"X-Request-Id": request_id}
         )
@@ -62,6 +72,5 @@ async def list_models(request: web.Request) -> web.Response:
     else:
         bases = sorted(gw.registry.base_models())
         adapters = sorted(gw.registry.served_adapters.items())
-    data = [_model_card(m, None) for m in bases]
-    data += [_model_card(name, base) for name, base in adapters]
+    data = _cards(gw, [(m, None) for m in bases] + [(name, base) for name, base in adapters])
     return web.json_response({"object": "list", "data": data}, headers={"X-Request-Id": request_id})

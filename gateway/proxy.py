@@ -522,7 +522,7 @@ async def send(
                         continue
                     if resp.status == 200:
                         await hooks.answering(replica_id)
-                    if resp.status == 200 and plan.stream:
+                    if resp.status == 200 and plan.stream and _is_event_stream(resp):
                         result = await _relay_stream(
                             request, resp, outcome, request_id, plan.hide_usage_chunk, hooks,
                             plan.first_token_marker, plan.stream_error,
@@ -586,4 +586,12 @@ def _any_usable(replicas: ReplicaDirectory, candidates: Sequence[ReplicaId]) -> 
     for replica_id in candidates:
         if replicas.get(replica_id) is not None and replicas.breaker(replica_id).allows():
             return True
+    return False
+
+
+def _is_event_stream(resp: UpstreamResponse) -> bool:
+    """The engine answered with events (a JSON body asked for as a stream is relayed whole)."""
+    for name, value in resp.headers:
+        if name.lower() == "content-type":
+            return value.split(";", 1)[0].strip().lower() == "text/event-stream"
     return False

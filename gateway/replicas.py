@@ -136,6 +136,8 @@ class ReplicaRegistry:
         self.attempts = AttemptsInFlight()
         #: Each replica's recent inter-token latency, from its engine's ITL histogram.
         self._itl: dict[ReplicaId, RecentItl] = {}
+        #: Each replica's ``max_model_len`` per base model, from its ``/v1/models``.
+        self._max_model_len: dict[ReplicaId, dict[str, int]] = {}
 
     # ------------------------------------------------------------------ membership
 
@@ -246,6 +248,7 @@ class ReplicaRegistry:
         self._failed_polls.pop(replica, None)
         self._missing_since.pop(replica, None)
         self._itl.pop(replica, None)
+        self._max_model_len.pop(replica, None)
 
     # ------------------------------------------------------------------ reading
 
@@ -329,6 +332,12 @@ class ReplicaRegistry:
         """Base models at least one replica (healthy or not) serves."""
         return {m for s in self._states.values() for m in s.models}
 
+    def max_model_len(self, model: str) -> int | None:
+        """The longest context every replica of ``model`` accepts (the smallest they report), for
+        ``/v1/models``; None until one has reported it."""
+        limits = [v[model] for v in self._max_model_len.values() if model in v]
+        return min(limits) if limits else None
+
     def ready_models(self) -> dict[str, bool]:
         """Per base model: is at least one replica serving it healthy with a closed circuit?"""
         ready: dict[str, bool] = {m: False for m in self.base_models()}
@@ -398,6 +407,7 @@ class ReplicaRegistry:
             # the last list (and its read time) instead of claiming, freshly, that there are none.
             if isinstance(models_body, dict):
                 bases, adapters = set(), set()
+                limits: dict[str, int] = {}
                 for entry in models_body.get("data", []):
                     parent = entry.get("parent")
                     if parent:
@@ -405,9 +415,13 @@ class ReplicaRegistry:
                         self.served_adapters[str(entry["id"])] = str(parent)
                     else:
                         bases.add(str(entry.get("id")))
+                        limit = entry.get("max_model_len")
+                        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+                            limits[str(entry.get("id"))] = limit
                 if bases:
                     updates["models"] = frozenset(bases)
                 updates["loaded_adapters"] = frozenset(adapters)
+                self._max_model_len[state.replica_id] = limits
                 self._adapters_read_at[state.replica_id] = models_read_at
             if lora is not None:
                 if lora.max_loras is not None:

@@ -12,6 +12,7 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
+from gateway.apis.background_responses import BackgroundResponses
 from gateway.config import GatewayConfig
 from gateway.cost import ReplicaTimeMeter, RouteWindow
 from gateway.flow_control import FlowGate
@@ -27,6 +28,7 @@ from gateway.routing_glue import Router
 from gateway.speculative import SpeculativeTarget, SpeculativeWriter, in_process_record
 from gateway.upstream_client import UpstreamPool
 from routing.contracts import BlockIndex, PromptTokenizer
+from routing.types import ReplicaId
 
 if TYPE_CHECKING:
     from adapters_registry import AdapterRegistry
@@ -95,6 +97,16 @@ class GatewayState:
             background=self.background,
             in_process=in_process_record(self.index),
         )
+
+    @functools.cached_property
+    def background_responses(self) -> BackgroundResponses:
+        """Background Responses this gateway forwarded, accounted when they end."""
+
+        def replica_url(replica: ReplicaId) -> str | None:
+            state = self.registry.get(replica)
+            return state.url if state is not None else None
+
+        return BackgroundResponses(replica_url, self.http, self.background)
 
     def http(self) -> aiohttp.ClientSession:
         """The pooled upstream session (only valid while the app runs)."""

@@ -12,10 +12,13 @@ import json
 from typing import Any
 
 import msgspec
+from aiohttp import web
 
 from gateway.apis import anthropic, responses, usage
+from gateway.apis.background_responses import is_background_start
 from gateway.errors import bad_request
 from gateway.policy_view import Tenant
+from gateway.proxy import UpstreamOutcome
 from gateway.request.kinds import Body, RequestKind
 from gateway.request_body import validate_common
 from gateway.state import GatewayState
@@ -77,6 +80,22 @@ async def _remember_home(gw: GatewayState, tenant: Tenant, body: Body, replica: 
                                  tenant.name)
 
 
+def _background_response(
+    body: Body, outcome: UpstreamOutcome, answer: web.StreamResponse | None
+) -> str | None:
+    """The id of a background response the engine is still generating (accounted when it
+    ends, ``gateway/apis/background_responses.py``)."""
+    if outcome.status != 200 or not isinstance(answer, web.Response) or not answer.body:
+        return None
+    try:
+        parsed = json.loads(bytes(answer.body))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    if not is_background_start(body, parsed):
+        return None
+    return str(parsed.get("id") or body["request_id"])
+
+
 RESPONSES = RequestKind(
     "responses",
     "/v1/responses",
@@ -88,6 +107,7 @@ RESPONSES = RequestKind(
     stream_error=responses.stream_error_event,
     pinned_replica=_previous_response_home,
     served_by=_remember_home,
+    finishes_later=_background_response,
     # Any output delta is a first token: text, reasoning, a tool call's arguments, a refusal.
     # The engine has prefilled the prompt once one comes (a reasoning model's text comes late).
     first_token_marker=(
@@ -152,15 +172,17 @@ def _validate_detokenize(body: Body) -> None:
 
 
 EMBEDDINGS = RequestKind(
-    "embeddings", "/v1/embeddings", _validate_embeddings, _no_prompt, prefix_routed=False,
+    "embeddings", "/v1/embeddings", _validate_embeddings, _no_prompt,
+    prefix_routed=False, streams=False,
     payload=salted_payload, usage=usage.from_pooling,
 )
 TOKENIZE = RequestKind(
-    "tokenize", "/tokenize", _validate_tokenize, _no_prompt, prefix_routed=False,
+    "tokenize", "/tokenize", _validate_tokenize, _no_prompt, prefix_routed=False, streams=False,
     payload=unchanged_payload,
 )
 DETOKENIZE = RequestKind(
-    "detokenize", "/detokenize", _validate_detokenize, _no_prompt, prefix_routed=False,
+    "detokenize", "/detokenize", _validate_detokenize, _no_prompt,
+    prefix_routed=False, streams=False,
     payload=unchanged_payload,
 )
 
@@ -173,7 +195,8 @@ def _validate_model_only(body: Body) -> None:
 def pooling_kind(path: str) -> RequestKind:
     """A vLLM pooling endpoint (score, rerank, classify, ...): routed by load, body untouched."""
     return RequestKind(
-        f"pooling:{path}", path, _validate_model_only, _no_prompt, prefix_routed=False,
+        f"pooling:{path}", path, _validate_model_only, _no_prompt,
+        prefix_routed=False, streams=False,
         payload=unchanged_payload, usage=usage.from_pooling,
     )
 
@@ -194,5 +217,6 @@ def _validate_count_tokens(body: Body) -> None:
 
 COUNT_TOKENS = RequestKind(
     "messages_count_tokens", "/v1/messages/count_tokens", _validate_count_tokens, _no_prompt,
-    prefix_routed=False, payload=unchanged_payload, error_response=anthropic.error_response,
+    prefix_routed=False, streams=False, payload=unchanged_payload,
+    error_response=anthropic.error_response,
 )

@@ -112,7 +112,7 @@ def plan_forward(
         route=routed.route.name,
         upstream_path=kind.upstream_path,
         payload=payload,
-        stream=bool(body.get("stream")),
+        stream=kind.streams and bool(body.get("stream")),
         hide_usage_chunk=hide_usage,
         candidates=(decision.replica, *decision.fallbacks),
         max_attempts=1 + max_retries,
@@ -267,6 +267,9 @@ def upstream_body(body: Mapping[str, Any], tenant: Tenant) -> tuple[dict[str, An
         options = dict(out.get("stream_options") or {})
         if not options.get("include_usage"):
             options["include_usage"] = True
+            # vLLM sends per-chunk usage only with include_usage: the client who asked for it
+            # without include_usage gets none, and must not get it because the gateway asked.
+            options.pop("continuous_usage_stats", None)
             hide_usage = True
         out["stream_options"] = options
     return out, hide_usage

@@ -16,9 +16,9 @@ from gateway.proxy import UpstreamOutcome
 from gateway.request.account import account, completion_tokens_of
 from gateway.request.forward import AttemptRecorder, forward, plan_forward
 from gateway.request.kinds import RequestKind
-from gateway.request.route import RequestLabels, admit, repick, route
+from gateway.request.route import RequestLabels, RouteDecision, admit, repick, route
 from gateway.request_body import read_body, request_id_of, unique_id
-from gateway.state import GATEWAY
+from gateway.state import GATEWAY, GatewayState
 
 
 def usage_to_charge(outcome: UpstreamOutcome) -> Mapping[str, Any] | None:
@@ -28,6 +28,40 @@ def usage_to_charge(outcome: UpstreamOutcome) -> Mapping[str, Any] | None:
     if outcome.usage is not None or not outcome.client_gone or outcome.ttft_s is None:
         return outcome.usage
     return {"completion_tokens": 1 + len(outcome.gaps_s)}
+
+
+def settle(
+    gw: GatewayState,
+    kind: RequestKind,
+    routed: RouteDecision,
+    outcome: UpstreamOutcome,
+    arrived: float,
+    streamed: bool,
+    usage: Mapping[str, Any] | None,
+    answering: bool = False,
+) -> None:
+    """Charge the tenant's budget for a finished request and account for it (``answering``:
+    the handler is about to return, so the accounting runs after the answer is written)."""
+    if kind.usage is not None:  # the API's own usage shape, as accounting reads it
+        usage = kind.usage(usage)
+    outcome.usage = usage
+    if not answering:
+        outcome.finished_at = time.monotonic()
+    flow_finished(
+        gw,
+        gw.policy.source,
+        routed.tenant.name,
+        usage_to_charge(outcome),
+        routed.routing_request.request_id,
+        outcome.tpot_ms(completion_tokens_of(outcome.usage)),
+        # Not tokenized here (embeddings, a stored conversation's follow-up): its prompt tokens
+        # are charged to the budget as the engine counted them.
+        prompt_uncounted=routed.routing_request.prompt_tokens == 0,
+    )
+    if answering:
+        asyncio.get_running_loop().call_soon(account, gw, routed, outcome, arrived, streamed)
+    else:
+        account(gw, routed, outcome, arrived, streamed)
 
 
 async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
@@ -85,28 +119,24 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 # Told which replica answers before its first byte can reach the client, so a
                 # follow-up sent the moment the answer ends finds it (a fallback's included).
                 recorder.on_answer = lambda replica: served_by(gw, tenant, body, replica)
+            answer: web.StreamResponse | None = None
             try:
-                return await forward(gw, request, routed, plan, recorder)
+                answer = await forward(gw, request, routed, plan, recorder)
+                return answer
             finally:
-                if kind.usage is not None:  # the API's own usage shape, as accounting reads it
-                    recorder.outcome.usage = kind.usage(recorder.outcome.usage)
                 outcome = recorder.outcome
-                flow_finished(
-                    gw,
-                    gw.policy.source,
-                    routed.tenant.name,
-                    usage_to_charge(outcome),
-                    request_id,
-                    outcome.tpot_ms(completion_tokens_of(outcome.usage)),
-                    # Not tokenized here (embeddings, a stored conversation's follow-up): its
-                    # prompt tokens are charged to the budget as the engine counted them.
-                    prompt_uncounted=routed.routing_request.prompt_tokens == 0,
-                )
-                # After the handler returns, aiohttp writes the response before the loop runs
-                # the next callback: accounting stays off the client's latency.
-                asyncio.get_running_loop().call_soon(
-                    account, gw, routed, recorder.outcome, arrived, plan.stream
-                )
+                later = kind.finishes_later(body, outcome, answer) if kind.finishes_later else None
+                if later is not None and outcome.replica is not None:
+                    # A background response: accounted with its usage once it ends.
+                    gw.background_responses.watch(
+                        later,
+                        outcome.replica,
+                        lambda usage: settle(gw, kind, routed, outcome, arrived, False, usage),
+                    )
+                else:
+                    # After the handler returns, aiohttp writes the response before the loop
+                    # runs the accounting: it stays off the client's latency.
+                    settle(gw, kind, routed, outcome, arrived, plan.stream, outcome.usage, True)
     except GatewayError as err:
         gw.metrics.errors.labels(labels.route, err.code).inc()
         if not forwarded:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from gateway.errors import GatewayError
     from gateway.policy_view import Tenant
+    from gateway.proxy import UpstreamOutcome
     from gateway.state import GatewayState
     from routing.types import ReplicaId
 
@@ -43,6 +44,9 @@ PinOf = Callable[["GatewayState", "Tenant", Body], Awaitable["ReplicaId | None"]
 ServedBy = Callable[["GatewayState", "Tenant", Body, "ReplicaId"], Awaitable[None]]
 #: The in-band SSE event that tells a client its started stream failed, in this API's shape.
 StreamErrorOf = Callable[["GatewayError"], bytes]
+#: (body, outcome, the answer relayed) -> the id of a response the engine goes on generating
+#: after it answered (a background Response), to account when it ends; None: it has ended.
+FinishesLaterOf = Callable[[Body, "UpstreamOutcome", "web.StreamResponse | None"], "str | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +62,10 @@ class RequestKind:
     prompt: PromptOf
     #: False: no prompt blocks to match (routing on load alone, no speculative index write).
     prefix_routed: bool = True
+    #: False: the endpoint never streams (embeddings, pooling, tokenize): a client's
+    #: ``"stream": true`` there is ignored, as vLLM ignores it, and the answer is relayed and
+    #: accounted as the JSON body it is.
+    streams: bool = True
     # The hooks below let an API that is not chat-shaped (``gateway/apis/``: Responses,
     # Anthropic Messages, embeddings) use the same path; None keeps chat's behaviour.
     prepare: BodyPrep | None = None
@@ -74,6 +82,7 @@ class RequestKind:
     #: such one (Responses' ``response.created``) do not end the time to first token. None: any
     #: event.
     first_token_marker: tuple[bytes, ...] | None = None
+    finishes_later: FinishesLaterOf | None = None
 
 
 def _validate_chat(body: Body) -> None:

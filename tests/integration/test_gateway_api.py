@@ -133,6 +133,10 @@ async def test_openai_client_chat_completions_streaming_and_models() -> None:
         models = await client.models.list()
         cards = {m.id: getattr(m, "parent", None) for m in models.data}
         assert cards == {"base-model": None, "support-lora": "base-model"}
+        # vLLM's cards carry max_model_len (clients size prompts from it); so do the gateway's,
+        # an adapter's being its base model's.
+        limits = {m.id: getattr(m, "max_model_len", None) for m in models.data}
+        assert limits == {"base-model": 4096, "support-lora": 4096}
         await client.close()
     assert upstream.received[2]["stream_options"] == {"include_usage": True}
 

@@ -270,6 +270,25 @@ async def test_embeddings_and_tokenize_detokenize(
             assert (await resp.json())["error"]["param"] == "model"
 
 
+async def test_stream_true_on_an_endpoint_that_never_streams_is_relayed_and_charged(
+    stack: EmbeddedStack,
+) -> None:
+    # vLLM ignores "stream" on embeddings: the answer is JSON, and the gateway must relay it as
+    # JSON and charge its usage (it used to relay it as an event stream and charge nothing, so a
+    # tenant could dodge its token budget with one extra field).
+    before = _metric(await _metrics(stack), "fleetgate_prompt_tokens_total")
+    async with aiohttp.ClientSession() as http, http.post(
+        f"{stack.url}/v1/embeddings",
+        json={"model": stack.model, "input": "alpha beta gamma", "stream": True},
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.content_type == "application/json"
+        answer = await resp.json()
+    charged = _metric(await _metrics(stack), "fleetgate_prompt_tokens_total") - before
+    assert answer["usage"]["prompt_tokens"] > 0
+    assert charged == answer["usage"]["prompt_tokens"]
+
+
 async def test_count_tokens_pooling_relay_and_unrouted_endpoints(stack: EmbeddedStack) -> None:
     async with anthropic.AsyncAnthropic(
         base_url=stack.url, api_key="any", max_retries=0

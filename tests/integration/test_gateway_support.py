@@ -27,6 +27,8 @@ class FakeUpstream:
 
     models: list[str] = field(default_factory=lambda: ["base-model"])
     adapters: dict[str, str] = field(default_factory=dict)
+    #: What ``/v1/models`` reports for the base models, as vLLM does.
+    max_model_len: int = 4096
     #: Close the connection without answering completions (a replica dying mid-request).
     drop_completions: bool = False
     #: When set, completions are answered with this status and vLLM's error body (an engine
@@ -79,7 +81,10 @@ class FakeUpstream:
         return web.Response(text="", status=200 if self.health_ok else 503)
 
     async def _models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "parent": None} for m in self.models]
+        data = [
+            {"id": m, "object": "model", "parent": None, "max_model_len": self.max_model_len}
+            for m in self.models
+        ]
         data += [{"id": a, "object": "model", "parent": p} for a, p in self.adapters.items()]
         return web.json_response({"object": "list", "data": data})
 

@@ -55,6 +55,18 @@ def test_payload_matches_upstream_body_in_every_case() -> None:
         assert hide == expected_hide
 
 
+def test_continuous_usage_is_not_switched_on_by_the_gateways_own_usage_request() -> None:
+    # vLLM sends per-chunk usage only with include_usage. The gateway asks for include_usage to
+    # read cached_tokens; that must not turn on the usage a client asked for without it.
+    asked = {"model": "m", "prompt": "x", "stream": True,
+             "stream_options": {"continuous_usage_stats": True}}
+    payload, hide = _payload(asked, PLAIN)
+    assert hide and json.loads(payload)["stream_options"] == {"include_usage": True}
+    both = {**asked, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    payload, hide = _payload(both, PLAIN)
+    assert not hide and json.loads(payload)["stream_options"] == both["stream_options"]
+
+
 def test_text_mode_prompt_units_are_estimated_tokens_consistent_with_blocks() -> None:
     text = "word " * 1180  # 5,900 characters
     prompt = TokenizedPrompt(token_ids=None, text=text)
