@@ -154,6 +154,16 @@ class GatewayMetrics:
             buckets=_LENGTH_BUCKETS,
             registry=r,
         )
+        # vLLM refuses a request whose prompt + max_tokens exceeds --max-model-len, generated or
+        # not: advise never cuts the flag below the longest of these.
+        self.request_budget_tokens = Histogram(
+            "fleetgate_request_budget_tokens",
+            "Prompt tokens + the output budget the request asked for (max_completion_tokens, "
+            "max_tokens or max_output_tokens), for requests that state one",
+            ["route", "pool"],
+            buckets=_LENGTH_BUCKETS,
+            registry=r,
+        )
         self.cached_tokens = Counter(
             "fleetgate_cached_tokens",
             "Prompt tokens served from the prefix cache",

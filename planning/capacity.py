@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from planning.erlang import erlang_c, wait_percentile
+from planning.plot_path import plot_path_problem
 
 APPROXIMATIONS = (
     "Each replica is one server prefilling one request at a time; batching of prefills and "
@@ -463,11 +464,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"fleetgate plan capacity: error: {exc}", file=sys.stderr)
         return 2
     if args.plot:
+        problem = plot_path_problem(args.plot)
+        if problem is not None:
+            print(
+                f"fleetgate plan capacity: error: cannot write {args.plot}: {problem}",
+                file=sys.stderr,
+            )
+            return 2
         try:
             plot_hockey_stick(plan, args.plot)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # e.g. the disk filled up
             print(f"fleetgate plan capacity: cannot write {args.plot}: {exc}", file=sys.stderr)
-            return 1
+            return 2
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render_text(plan))
     if args.plot and not args.json:
         print(f"\nwrote {args.plot}")

@@ -25,10 +25,17 @@ from typing import Any
 
 import yaml
 
+from planning import yamlio
+from planning.plot_path import plot_path_problem
 from replica.sim.profiles import HardwareProfile, ModelProfile, load_hardware, load_model
 from replica.sim.roofline import Roofline
 
 GB = 1e9
+
+
+#: Parameters that may be 0: a workload with no shared prefix (the prefix-cache rows then equal
+#: the rows without it), or prefill only (no output tokens). Every other one must be > 0.
+ZERO_ALLOWED = frozenset({"shared_prefix_tokens", "output_tokens"})
 
 
 @dataclass(frozen=True)
@@ -63,13 +70,16 @@ class LeverParams:
             value = getattr(self, f.name)
             if f.name == "fp8_tflops" and value is None:
                 continue
+            zero_ok = f.name in ZERO_ALLOWED
             if (
                 isinstance(value, bool)
                 or not isinstance(value, int | float)
                 or not math.isfinite(value)
-                or value <= 0
+                or value < 0
+                or (value == 0 and not zero_ok)
             ):
-                raise ValueError(f"{f.name}: must be a finite number > 0 (got {value!r})")
+                bound = ">= 0" if zero_ok else "> 0"
+                raise ValueError(f"{f.name}: must be a finite number {bound} (got {value!r})")
         if self.shared_prefix_tokens > self.prompt_tokens:
             raise ValueError(
                 f"shared_prefix_tokens ({self.shared_prefix_tokens}) must be <= "
@@ -120,12 +130,16 @@ def scenarios(params: LeverParams) -> list[Lever]:
     prefix cache) back at the normal batch, so it compares with row 4.
     """
     big = params.large_batch
-    shared = f"{params.shared_prefix_tokens / 1000:g}k"
+    shared = (
+        f"{params.shared_prefix_tokens / 1000:g}k shared"
+        if params.shared_prefix_tokens
+        else "none shared"
+    )
     return [
         Lever("bf16 weights + bf16 KV", "bf16", "bf16", False, False),
         Lever("FP8 weights (W8A8)", "fp8", "bf16", False, False),
         Lever("+ FP8 KV", "fp8", "fp8", False, False),
-        Lever(f"+ prefix cache ({shared} shared)", "fp8", "fp8", True, False),
+        Lever(f"+ prefix cache ({shared})", "fp8", "fp8", True, False),
         Lever(f"+ batch {big}", "fp8", "fp8", True, True),
         Lever(f"bf16 at batch {big}", "bf16", "bf16", False, True),
         Lever(f"INT4 (W4A16) + FP8 KV + cache, batch {params.batch}", "int4", "fp8", True, False),
@@ -361,7 +375,7 @@ def params_from_args(args: argparse.Namespace) -> LeverParams:
     from_file: dict[str, Any] = {}
     if args.params is not None:
         try:
-            loaded = yaml.safe_load(args.params.read_text(encoding="utf-8"))
+            loaded = yamlio.load(args.params.read_text(encoding="utf-8"))
         except (OSError, yaml.YAMLError) as exc:
             raise ValueError(f"--params {args.params}: {exc}") from exc
         if loaded is None:
@@ -414,6 +428,10 @@ def run(args: argparse.Namespace) -> int:
         rows = lever_table(params)
     except ValueError as exc:
         print(f"fleetgate plan levers: error: {exc}", file=sys.stderr)
+        return 2
+    problem = plot_path_problem(args.plot) if args.plot is not None else None
+    if problem is not None:  # before printing: a failed run prints no table
+        print(f"fleetgate plan levers: error: cannot write {args.plot}: {problem}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"params": asdict(params), "rows": [asdict(r) for r in rows]}, indent=2))

@@ -26,15 +26,21 @@ from planning.triage.model import SourceError
 
 EPILOG = """\
 what it checks, per pool (docs/advise.md has each rule and a worked example):
-  --max-model-len           cut to max(p99 prompt+output x 1.25, longest seen), block-aligned
+  --max-model-len           cut to max(p99 prompt+output x 1.25, longest seen, longest prompt +
+                            requested max_tokens), block-aligned (vLLM refuses prompt +
+                            max_tokens over it; without the gateway's budget histogram the row
+                            warns that the cut may refuse long-output requests)
   --gpu-memory-utilization  back to 0.9 when lowered and KV is pinned
-  --kv-cache-dtype          fp8 when KV is pinned (>= 90% with a growing queue or preemptions)
-                            on a GPU with FP8: exactly 2x the blocks
-  --quantization            fp8 weights when KV is still pinned with an FP8 cache
+  --kv-cache-dtype          fp8 when KV is pinned (preemptions, or >= 90% while requests wait
+                            or the queue grows) on a GPU with FP8: exactly 2x the blocks
+  --quantization            fp8 weights when KV is still pinned with an FP8 cache (methods whose
+                            weight width is unknown: not checked)
   --enable-prefix-caching   on (it costs nothing where it buys little)
   --enable-chunked-prefill  on (long prefills stop stalling decodes)
   --tensor-parallel-size    the smallest power of two that fits, at most the KV-head count
-  --max-num-seqs            90% of the running level at which preemptions start
+  --max-num-seqs            90% of the running level at which preemptions start (vLLM's
+                            default: 1024 on 70 GiB+ GPUs other than A100, else 256; a running
+                            level above an assumed default is reported, not cut from)
   --max-loras/--max-cpu-loras  the adapter working set, when adapters thrash
 Each value says where it came from: measured, engine-reported, given (--flags, the snapshot),
 or assumed default (vLLM's).

@@ -26,18 +26,21 @@ decision chart (levers are listed in this order):
   1. TTFT p95 over SLO  -> prefix caching + prefix-aware routing (if > 30% of prompt tokens are a
                            shared prefix), then queueing (replicas, admission control), then
                            chunked prefill or prefill/decode disaggregation
-  2. KV > 90% or preemptions -> FP8 KV cache, then FP8/INT4 weights
+  2. KV cache limits     -> FP8 KV cache, then FP8/INT4 weights (vLLM --quantization fp8);
+                           "limits": any preemption, or KV >= 90% while requests wait
+                           (waiting_mean >= 1): the definition `fleetgate advise` uses
   3. TPOT p95 over SLO  -> weight quantization if --quality-headroom, else smaller max batch /
                            more replicas / speculative decoding
   4. > 3 fine-tuned variants -> LoRA adapters on one base model
   5. none of these      -> within SLO: capacity headroom and cost per 1M tokens, not tuning
+                           ("SLO not checked" or "no signals" when that is all it rests on)
   Also flagged: cache-busting prompt layouts, and capacity planned from averages (p95 TTFT over
   SLO while average utilisation is low).
 
 input file (YAML or JSON), one route or a mapping of route -> these keys (all optional):
   ttft_p95_ms, ttft_slo_ms, tpot_p95_ms, tpot_slo_ms, shared_prefix_fraction (0..1),
-  kv_cache_usage (0..1), preemptions_per_min, fine_tuned_variants, quality_headroom (bool),
-  cache_busting_layout (bool), utilisation (0..1)
+  kv_cache_usage (0..1), preemptions_per_min, waiting_mean (requests waiting per replica),
+  fine_tuned_variants, quality_headroom (bool), cache_busting_layout (bool), utilisation (0..1)
 
 examples:
   fleetgate triage --input routes.yaml
@@ -46,7 +49,8 @@ examples:
 
 --json prints [{"lever": CATEGORY, "reason": TEXT}, ...] for a single-route file, else
 {ROUTE: [...]}. Categories: prefix-caching, queueing, kv-quantization, weight-quantization,
-reduce-batch, multi-lora, capacity-headroom.
+reduce-batch, multi-lora, capacity-headroom. The capacity-headroom lever also has "state":
+"within SLO", "SLO not checked" or "no signals".
 """
 
 

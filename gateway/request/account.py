@@ -21,6 +21,7 @@ from gateway.request.record import CachePrediction, DecisionRecord
 from gateway.request.route import PINNED_PROFILE, RouteDecision
 from gateway.routing_glue import Router
 from gateway.speculative import SpeculativeTarget, SpeculativeWriter
+from routing.hashing import chain_seed
 from routing.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -90,8 +91,11 @@ def account(
     except Exception:  # accounting must never turn a served request into an error
         log.exception("accounting failed for request %s", routed.routing_request.request_id)
     try:
-        chain = routed.routing_request.chain
-        gw.layout.observe(routed.route.name, routed.prompt, chain, routed.block_size)
+        request = routed.routing_request
+        # Seeded like the chain: tenants with different salts sharing a template is isolation,
+        # not a cache-busting layout.
+        seed = chain_seed(request.model, request.adapter, routed.tenant.cache_salt)
+        gw.layout.observe(routed.route.name, routed.prompt, request.chain, routed.block_size, seed)
     except Exception:  # a detector must never disturb serving
         log.exception("prompt layout detector failed")
 
@@ -140,6 +144,9 @@ def _account(
             m.request_prompt_tokens.labels(route, pool).observe(prompt_tokens)
             m.request_output_tokens.labels(route, pool).observe(completion_tokens)
             m.request_context_tokens.labels(route, pool).observe(prompt_tokens + completion_tokens)
+            budget = routed.routing_request.max_output_tokens
+            if budget is not None:
+                m.request_budget_tokens.labels(route, pool).observe(prompt_tokens + budget)
         gw.window.add(
             route,
             pool,

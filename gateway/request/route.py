@@ -179,7 +179,6 @@ async def route(
         raise GatewayError(
             400, errors.INVALID_REQUEST, f"Invalid prompt: {exc}", "prompt"
         ) from None
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     routing_request = RoutingRequest(
         request_id=request_id,
         model=base_model,
@@ -189,7 +188,7 @@ async def route(
         prompt_tokens=prompt_units(prompt),
         chain=chain,
         block_size=block_size,
-        max_output_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        max_output_tokens=output_budget(body),
     )
     if pinned is not None:
         decision, last_resort = pinned_decision(pinned), False
@@ -207,6 +206,15 @@ async def route(
         last_resort,
         time.time(),
     )
+
+
+def output_budget(body: Body) -> int | None:
+    """The output budget the request states (``max_completion_tokens``, else ``max_tokens``, else
+    Responses' ``max_output_tokens``); None when it states none."""
+    value = (
+        body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+    )
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 async def repick(

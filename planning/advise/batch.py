@@ -7,13 +7,16 @@ the lowest per-replica ``running`` seen when ``vllm:num_preemptions_total`` move
 observation it is estimated from the cache: KV blocks / blocks of an average finished request.
 
 Advised: 90% of that level, rounded down to a multiple of 8 from 16 up (CUDA-graph batch sizes
-are multiples of 8), advised only when it is below today's cap.
+are multiples of 8), advised only when it is below today's cap. vLLM's default cap depends on the
+GPU (1024 on 70 GiB+ GPUs other than A100, else 256: ``model.batch_defaults``); a measured running
+level above an *assumed* cap means the assumption is wrong, and the row says so instead of
+advising a cut from it.
 """
 
 from __future__ import annotations
 
 from planning.advise.model import Advice, PoolSnapshot
-from planning.advise.rows import change, keep, unchecked
+from planning.advise.rows import change, flag_name, keep, unchecked
 from planning.advise.sizing import blocks_for
 
 MARGIN = 0.90
@@ -37,11 +40,46 @@ def preemption_onset(pool: PoolSnapshot) -> tuple[int, str] | None:
     return None
 
 
+def wrong_assumption(pool: PoolSnapshot) -> Advice | None:
+    """A "not checked" row when the measured running level is above an *assumed* cap.
+
+    No replica runs more sequences than its ``--max-num-seqs``: a running peak (or preemption
+    onset) above the assumed default proves the engine runs with another cap, so no cut is
+    advised from the assumed one.
+    """
+    flags, m = pool.flags, pool.measured
+    cap = flags.max_num_seqs
+    if cap is None or flags.source(FIELD) != "assumed default":
+        return None
+    seen = [
+        (level, name)
+        for level, name in ((m.running_peak, "running peak"), (m.running_at_preemption, "onset"))
+        if level is not None and level > cap
+    ]
+    if not seen:
+        return None
+    level, name = max(seen)
+    evidence = (
+        f"measured {name} {level} is above the assumed default --max-num-seqs {cap} (vLLM's "
+        f"default on {pool.hardware or 'an unnamed GPU'}), so the engine runs with another cap: "
+        "the assumption is wrong; give --max-num-seqs (--flags)"
+    )
+    if m.running_at_preemption is not None and m.preemptions_per_min:
+        evidence += (
+            f". Preemptions start at running = {m.running_at_preemption}: "
+            f"{nice_floor(m.running_at_preemption * MARGIN)} if the cap is above that"
+        )
+    return Advice(flag_name(FIELD), "not checked", cap, flags.source(FIELD), None, evidence)
+
+
 def max_num_seqs(pool: PoolSnapshot) -> Advice:
     """Lower the cap below the preemption onset, or keep it."""
     flags, m = pool.flags, pool.measured
     if flags.max_num_seqs is None:
         return unchecked(flags, FIELD, "--max-num-seqs (--flags)")
+    wrong = wrong_assumption(pool)
+    if wrong is not None:
+        return wrong
     if m.preemptions_per_min is None:
         return unchecked(flags, FIELD, "the preemption rate (vllm:num_preemptions_total)")
     peak = f", running peak {m.running_peak}" if m.running_peak is not None else ""

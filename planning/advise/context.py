@@ -1,4 +1,4 @@
-"""``--max-model-len`` from the measured p99 prompt + output length.
+"""``--max-model-len`` from the measured p99 prompt + output length and the requested budgets.
 
 vLLM refuses a request whose prompt + ``max_tokens`` exceeds ``--max-model-len``, and at start-up
 it refuses to run unless the KV cache holds at least one sequence of that length. The paged cache
@@ -7,9 +7,14 @@ holds only what sequences use, so the flag does not reserve memory per user; wha
 / blocks of one max-length sequence) and whether the engine starts at all on a given GPU and TP.
 A model's own limit (128k for Llama 3) is rarely what a fleet serves.
 
-Advised value: the larger of p99 × 1.25 and the longest request seen (the top non-empty
-histogram bucket), rounded up to a block multiple, so no request already served would be refused.
-It is advised only when it cuts the flag by at least a quarter: smaller cuts buy little.
+Advised value: the largest of p99 × 1.25, the longest request seen (the top non-empty histogram
+bucket) and the longest prompt + *requested* output budget (``requested_context_max``, from the
+gateway's ``fleetgate_request_budget_tokens``), rounded up to a block multiple, so no request
+already served would be refused. vLLM checks the budget a request asks for, not what it generates:
+a 1,400-token prompt with ``max_tokens: 4096`` that stops after 180 tokens counts 1,580 tokens of
+context but is refused below 5,496. Where the budget was not measured, the row says the cut may
+refuse requests that ask for long outputs. It is advised only when it cuts the flag by at least a
+quarter: smaller cuts buy little.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ def advised_max_model_len(pool: PoolSnapshot) -> int | None:
     if m.context_p99 is None or flags.max_model_len is None:
         return None
     block = flags.block_size or 16
-    target = max(m.context_p99 * HEADROOM, m.context_max or 0.0)
+    target = max(m.context_p99 * HEADROOM, m.context_max or 0.0, m.requested_context_max or 0.0)
     return min(round_up(target, block), flags.max_model_len)
 
 
@@ -48,6 +53,8 @@ def max_model_len(pool: PoolSnapshot) -> Advice:
     seen = f"p99 prompt+output {tokens(m.context_p99)} tokens{longest}"
     if m.requests is not None:
         seen += f" over {m.requests:,} requests"
+    if m.requested_context_max is not None:
+        seen += f"; longest prompt + requested max_tokens ≤ {tokens(m.requested_context_max)}"
     if advised > current * WORTH_CUTTING:
         near = (
             " (p99 within 10% of it: check for refused requests)"
@@ -66,6 +73,13 @@ def max_model_len(pool: PoolSnapshot) -> Advice:
     effect += "; a GPU or TP too small to start at today's value may start at this one"
     why = (
         f"{seen}; --max-model-len {tokens(current)} is {current / m.context_p99:.0f}x the p99. "
-        f"Advised = max(p99 x {HEADROOM:g}, longest) rounded up to the {block}-token block"
+        f"Advised = max(p99 x {HEADROOM:g}, longest, longest requested) rounded up to the "
+        f"{block}-token block"
     )
+    if m.requested_context_max is None:
+        why += (
+            ". The clients' max_tokens were not measured (fleetgate_request_budget_tokens): "
+            "vLLM refuses prompt + max_tokens over --max-model-len, so this cut may refuse "
+            "requests that ask for long outputs even if they generate little"
+        )
     return change(flags, FIELD, advised, why, effect)

@@ -1,9 +1,9 @@
 """``advise(PoolSnapshot) -> list[Advice]``: every flag the issue names, in one fixed order.
 
-Pure: no I/O. Unknown flags are first filled with vLLM's defaults (marked ``assumed default``),
-then each rule family judges its flags. The order is the order of the output, and the order in
-which to apply changes: length first (it sizes everything else), then memory, then features,
-then TP, then the batch cap, then adapters.
+Pure apart from reading the named profiles. Unknown flags are first filled with vLLM's defaults
+for the pool's GPU (marked ``assumed default``), then each rule family judges its flags. The order
+is the order of the output, and the order in which to apply changes: length first (it sizes
+everything else), then memory, then features, then TP, then the batch cap, then adapters.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 from planning.advise import adapters, batch, context, features, memory, parallel
 from planning.advise.model import Advice, AdviceError, PoolSnapshot
-from planning.advise.sizing import Sizing
+from planning.advise.sizing import Sizing, flags_with_defaults
 
 #: Flags in output order (``--json`` keeps it).
 FLAGS = (
@@ -39,7 +39,7 @@ def sizing_of(pool: PoolSnapshot) -> Sizing | None:
 
 def advise(pool: PoolSnapshot) -> list[Advice]:
     """One row per flag in ``FLAGS`` for one pool."""
-    pool = replace(pool, flags=pool.flags.with_defaults())
+    pool = replace(pool, flags=flags_with_defaults(pool))
     sizing = sizing_of(pool)
     return [
         context.max_model_len(pool),

@@ -33,6 +33,7 @@ _LENGTH_FAMILIES = {
     "fleetgate_request_prompt_tokens": "prompt",
     "fleetgate_request_output_tokens": "output",
     "fleetgate_request_context_tokens": "context",
+    "fleetgate_request_budget_tokens": "budget",
 }
 
 
@@ -49,7 +50,7 @@ class Target:
 class GatewayReading:
     """What one scrape of the gateway's ``/metrics`` said (lifetime counters)."""
 
-    #: pool -> kind (prompt/output/context) -> histogram.
+    #: pool -> kind (prompt/output/context/budget) -> histogram.
     lengths: dict[str, dict[str, Histogram]]
     adapter_requests: dict[str, float]
     #: replica id -> loads / unloads.
@@ -192,7 +193,7 @@ def _lengths(
     if before is not None:
         earlier = before.lengths.get(pool, {})
         kinds = {k: h.since(earlier.get(k, Histogram())) for k, h in kinds.items()}
-    return Lengths(kinds["prompt"], kinds["output"], kinds.get("context"))
+    return Lengths(kinds["prompt"], kinds["output"], kinds.get("context"), kinds.get("budget"))
 
 
 def _activity(

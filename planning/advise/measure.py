@@ -6,7 +6,8 @@ first and last sample. Preemptions: the counter's increase per minute; the ``run
 which it moved is the preemption onset ``--max-num-seqs`` is set below. A lifetime counter still at
 0 means 0/min even from one scrape. Lengths: the gateway's per-pool histograms when read (it sees
 every request), else vLLM's own prompt and generation histograms (their p99s summed: an upper
-bound on prompt + output).
+bound on prompt + output). Only the gateway sees the output budget requests ask for
+(``max_tokens``), so ``requested_context_max`` is known only when it is read.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ class Sample:
 
 @dataclass(frozen=True)
 class Lengths:
-    """Per-request length histograms of one pool (prompt, output, prompt + output)."""
+    """Per-request length histograms of one pool (prompt, output, prompt + output, and prompt +
+    the output budget requested, where the gateway records it)."""
 
     prompt: Histogram
     output: Histogram
     context: Histogram | None = None
+    budget: Histogram | None = None
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,7 @@ def measurements(
         request_rate_per_s=rate,
         context_p99=ctx_p99,
         context_max=ctx_max,
+        requested_context_max=longest(lengths.budget) if lengths else None,
         prompt_p99=percentile(lengths.prompt, 0.99) if lengths else None,
         output_p99=percentile(lengths.output, 0.99) if lengths else None,
         prompt_mean=mean(lengths.prompt) if lengths else None,

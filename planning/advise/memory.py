@@ -9,45 +9,43 @@ weights + KV do not fit. The levers, in the order ``advise`` pulls them:
 3. ``--quantization fp8`` (weights): frees half the weights' bytes for KV, at a quality cost the
    owner must accept; advised only once the KV cache is already FP8.
 
-They are advised only when KV is *pinned*: usage at or over 90% on the fullest replica while the
-queue grows or the engine preempts. A full cache with an empty queue is a cache doing its job.
+They are advised only when KV is *pinned* (``planning.kv_pressure``, shared with ``triage``): the
+engine preempts, or usage is at or over 90% on the fullest replica while requests wait or the
+queue grows. A full cache with an empty queue is a cache doing its job.
 """
 
 from __future__ import annotations
 
+from planning import kv_pressure as pressure
 from planning.advise.model import Advice, PoolSnapshot
 from planning.advise.rows import change, keep, unchecked
-from planning.advise.sizing import Sizing, kv_dtype_of, weight_dtype_of
+from planning.advise.sizing import (
+    QUANTIZED_WIDTH_UNKNOWN,
+    UNKNOWN_DTYPE,
+    Sizing,
+    kv_dtype_of,
+    weight_dtype_of,
+)
 
-KV_PINNED = 0.90
 #: vLLM's default; above it activations and CUDA graphs risk running out of memory.
 SAFE_UTILISATION = 0.90
 
 
 def kv_pinned(pool: PoolSnapshot) -> bool | None:
-    """True when KV is full while the queue grows or the engine preempts; None when unknown."""
+    """True when the engine preempts, or KV is full while the queue grows or requests wait;
+    None when unknown (``planning.kv_pressure``: triage uses the same definition)."""
     m = pool.measured
-    if m.kv_usage is None:
-        return None
-    pressure = (
-        (m.preemptions_per_min or 0) > 0
-        or (m.waiting_growth_per_min or 0) > 0
-        or (m.waiting_mean or 0) >= 1
+    return pressure.kv_pinned(
+        m.kv_usage, m.preemptions_per_min, m.waiting_mean, m.waiting_growth_per_min
     )
-    return m.kv_usage >= KV_PINNED and pressure
 
 
 def pressure_text(pool: PoolSnapshot) -> str:
     """The numbers behind ``kv_pinned``, for evidence strings."""
     m = pool.measured
-    parts = [f"KV usage {m.kv_usage:.0%}" if m.kv_usage is not None else "KV usage unknown"]
-    if m.waiting_mean is not None:
-        parts.append(f"{m.waiting_mean:.1f} waiting")
-    if m.waiting_growth_per_min is not None:
-        parts.append(f"queue {m.waiting_growth_per_min:+.1f}/min")
-    if m.preemptions_per_min is not None:
-        parts.append(f"{m.preemptions_per_min:g} preemptions/min")
-    return ", ".join(parts)
+    return pressure.pressure_reasons(
+        m.kv_usage, m.preemptions_per_min, m.waiting_mean, m.waiting_growth_per_min
+    )
 
 
 def kv_cache_dtype(pool: PoolSnapshot, sizing: Sizing | None) -> Advice:
@@ -109,7 +107,15 @@ def quantization(pool: PoolSnapshot, sizing: Sizing | None) -> Advice:
         return unchecked(flags, field, "KV usage (vllm:kv_cache_usage_perc)")
     if not pinned:
         return keep(flags, field, f"{pressure_text(pool)}: the KV cache is not what limits")
-    if weight_dtype_of(flags.quantization) != "bf16":
+    weights = weight_dtype_of(flags.quantization)
+    if (
+        weights == UNKNOWN_DTYPE
+        and (flags.quantization or "").lower() not in QUANTIZED_WIDTH_UNKNOWN
+    ):
+        return unchecked(
+            flags, field, f"the weight width of --quantization {flags.quantization} (not known)"
+        )
+    if weights != "bf16":
         return keep(flags, field, f"{pressure_text(pool)}; weights already {flags.quantization}")
     if kv_dtype_of(flags.kv_cache_dtype) != "fp8":
         return keep(

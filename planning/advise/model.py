@@ -23,7 +23,8 @@ class AdviceError(ValueError):
 
 
 #: vLLM's defaults (V1 engine), used when nothing reports a flag. ``max_model_len`` has no
-#: default here: vLLM takes the model's own limit, which only the model card knows.
+#: default here: vLLM takes the model's own limit, which only the model card knows. The batch
+#: limits depend on the GPU: see ``batch_defaults``.
 VLLM_DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.9,
     "kv_cache_dtype": "auto",
@@ -31,13 +32,36 @@ VLLM_DEFAULTS: dict[str, Any] = {
     "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
     "tensor_parallel_size": 1,
-    "max_num_seqs": 256,
-    "max_num_batched_tokens": 8192,
     "enable_lora": False,
     "max_loras": 1,
     "max_cpu_loras": None,
     "block_size": 16,
 }
+
+#: vLLM's batch defaults for the OpenAI API server (``vllm serve``), by GPU. From
+#: ``EngineArgs.get_batch_defaults`` in vllm/engine/arg_utils.py (V1): a device with at least
+#: 70 GiB whose name does not contain "a100" gets ``max_num_batched_tokens`` 8192 and
+#: ``max_num_seqs`` 1024 ("For GPUs like H100 and MI300x, use larger default values"; A100 is
+#: excluded because the large token budget lowered its throughput, vLLM PR #17885); every other
+#: GPU gets 2048 and 256. (The offline ``LLM`` class uses 16384/1024 and 8192/256.)
+LARGE_GPU_BATCH_DEFAULTS = {"max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+OTHER_GPU_BATCH_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+#: vLLM's threshold, in GiB; a profile's ``memory_gb`` is the marketed size (80 for an H100,
+#: about 79.6 GiB as the driver reports it), so the comparison holds either way.
+LARGE_GPU_GIB = 70
+
+
+def batch_defaults(hardware_name: str | None, memory_gb: float | None) -> dict[str, int]:
+    """vLLM's default ``max_num_seqs`` / ``max_num_batched_tokens`` on this GPU.
+
+    An unknown GPU gets the smaller pair; ``advise`` then treats a running level above the
+    assumed cap as proof that the engine runs with another one.
+    """
+    if memory_gb is None or hardware_name is None:
+        return dict(OTHER_GPU_BATCH_DEFAULTS)
+    if memory_gb >= LARGE_GPU_GIB and "a100" not in hardware_name.lower():
+        return dict(LARGE_GPU_BATCH_DEFAULTS)
+    return dict(OTHER_GPU_BATCH_DEFAULTS)
 
 
 @dataclass(frozen=True)
@@ -89,11 +113,18 @@ class EngineFlags:
         """Where ``name``'s value came from (``assumed default`` when nothing said)."""
         return self.sources.get(name, "assumed default")
 
-    def with_defaults(self) -> EngineFlags:
-        """Unknown flags filled with vLLM's defaults, marked ``assumed default``."""
+    def with_defaults(
+        self, hardware_name: str | None = None, memory_gb: float | None = None
+    ) -> EngineFlags:
+        """Unknown flags filled with vLLM's defaults, marked ``assumed default``.
+
+        The batch limits' defaults depend on the GPU (``batch_defaults``); without one named,
+        the smaller pair is assumed.
+        """
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
         sources = dict(self.sources)
-        for name, default in VLLM_DEFAULTS.items():
+        defaults = VLLM_DEFAULTS | batch_defaults(hardware_name, memory_gb)
+        for name, default in defaults.items():
             if values[name] is None and default is not None:
                 values[name] = default
                 sources[name] = "assumed default"
@@ -166,6 +197,10 @@ class Measurements:
     context_p99: float | None = None
     #: Upper bound of the longest request seen (the top non-empty histogram bucket).
     context_max: float | None = None
+    #: Upper bound of the longest prompt + *requested* output budget (``max_tokens`` and its
+    #: kin) among requests that state one: vLLM refuses a request when this exceeds
+    #: ``--max-model-len``, however little it generates. ``None``: not measured.
+    requested_context_max: float | None = None
     prompt_p99: float | None = None
     output_p99: float | None = None
     prompt_mean: float | None = None
@@ -193,6 +228,7 @@ class Measurements:
         for name in (
             "context_p99",
             "context_max",
+            "requested_context_max",
             "prompt_p99",
             "output_p99",
             "prompt_mean",

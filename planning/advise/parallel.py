@@ -13,7 +13,13 @@ from __future__ import annotations
 from planning.advise.context import advised_max_model_len
 from planning.advise.model import Advice, PoolSnapshot
 from planning.advise.rows import change, keep, unchecked
-from planning.advise.sizing import Sizing, blocks_for, kv_dtype_of, weight_dtype_of
+from planning.advise.sizing import (
+    UNKNOWN_DTYPE,
+    Sizing,
+    blocks_for,
+    kv_dtype_of,
+    weight_dtype_of,
+)
 
 FIELD = "tensor_parallel_size"
 
@@ -42,6 +48,10 @@ def tensor_parallel_size(pool: PoolSnapshot, sizing: Sizing | None) -> Advice:
         return unchecked(flags, FIELD, "--max-model-len or measured concurrency")
     blocks, what = need
     weights, kv = weight_dtype_of(flags.quantization), kv_dtype_of(flags.kv_cache_dtype)
+    if weights == UNKNOWN_DTYPE:
+        return unchecked(
+            flags, FIELD, f"the weight width of --quantization {flags.quantization} (not known)"
+        )
     util = flags.gpu_memory_utilization or 0.9
     smallest = sizing.smallest_tp(blocks, util, weights, kv, flags.block_size or 16)
     current = flags.tensor_parallel_size

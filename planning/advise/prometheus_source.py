@@ -2,8 +2,9 @@
 
 Engine series are grouped by ``pool_label`` (default ``pool``: relabel the engines' pod label
 ``fleetgate.io/pool`` to it in the scrape config); series without it form the pool ``default``.
-The gateway's length histograms carry ``pool`` themselves. Adapter requests and loads have no
-pool label: they are attributed only when there is one pool. ``--max-model-len`` is not in
+The gateway's length histograms (``fleetgate_request_budget_tokens`` too) carry ``pool``
+themselves. Adapter requests and loads have no pool label: they are attributed only when there is
+one pool. ``--max-model-len`` is not in
 Prometheus (``/v1/models`` has it): give it with ``--flags``, or the row says "not checked".
 """
 
@@ -21,6 +22,7 @@ from planning.triage.model import SourceError
 from planning.triage.prometheus_source import query
 
 _LENGTH = "fleetgate_request_{kind}_tokens"
+_BUDGET = "fleetgate_request_budget_tokens"
 
 
 def _seconds(window: str) -> float:
@@ -48,6 +50,10 @@ def _queries(w: str, by: str) -> dict[str, str]:
             f"sum by (pool) (increase({name}_count[{w}]))"
         )
     out["requests"] = f"sum by (pool) (increase({_LENGTH.format(kind='context')}_count[{w}]))"
+    # The longest prompt + requested output budget: the top non-empty bucket's upper bound.
+    out["requested_context_max"] = (
+        f"histogram_quantile(1, sum by (pool, le) (increase({_BUDGET}_bucket[{w}])))"
+    )
     out |= {
         "kv_usage": f"max by ({by}) (avg_over_time(vllm:kv_cache_usage_perc[{w}]))",
         "waiting_mean": f"avg by ({by}) (avg_over_time(vllm:num_requests_waiting[{w}]))",
@@ -94,7 +100,7 @@ def fetch_prometheus_pools(
     for field, promql in _queries(window, pool_label).items():
         label = (
             "pool"
-            if field.split("_")[0] in ("prompt", "output", "context", "requests")
+            if field.split("_")[0] in ("prompt", "output", "context", "requests", "requested")
             else (pool_label)
         )
         for labels, value in query(client, base_url, promql):
@@ -147,6 +153,7 @@ def _measurements(v: dict[str, float], window_s: float) -> Measurements:
         "request_rate_per_s": v.get("request_rate_per_s"),
         "context_p99": min(known_p99) if known_p99 else None,
         "context_max": min(known_top) if known_top else None,
+        "requested_context_max": v.get("requested_context_max"),
         "prompt_p99": v.get("prompt_p99"),
         "output_p99": v.get("output_p99"),
         "prompt_mean": v.get("prompt_mean"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from planning.advise.model import AdviceError, EngineFlags, PoolSnapshot
 from replica.sim.profiles import HardwareProfile, ModelProfile, load_hardware, load_model
 from replica.sim.roofline import Roofline
 
@@ -27,19 +28,53 @@ _KV_DTYPES = {
     "fp8_e4m3": "fp8",
     "fp8_e5m2": "fp8",
 }
-#: vLLM ``--quantization`` values -> weight dtype (None: unquantized 16-bit).
+#: vLLM ``--quantization`` values -> weight dtype (None: unquantized 16-bit). The roofline knows
+#: bf16, fp8 and int4 (0.5 bytes a weight, scales ignored); 4-bit float formats (MXFP4, NVFP4)
+#: weigh the same, so they size as ``int4``.
 _WEIGHT_DTYPES = {
     None: "bf16",
     "fp8": "fp8",
     "fbgemm_fp8": "fp8",
+    "ptpc_fp8": "fp8",
     "modelopt": "fp8",
+    "compressed-tensors": "fp8",
     "awq": "int4",
     "awq_marlin": "int4",
     "gptq": "int4",
     "gptq_marlin": "int4",
+    # 2:4 sparse 4-bit: fewer bytes than dense int4, so sizing it as int4 errs on the safe side.
+    "gptq_marlin_24": "int4",
+    "marlin": "int4",
+    "qqq": "int4",
+    "moe_wna16": "int4",
     "int4": "int4",
-    "compressed-tensors": "fp8",
+    # vLLM's in-flight bitsandbytes quantization is 4-bit (NF4).
+    "bitsandbytes": "int4",
+    "mxfp4": "int4",
+    "modelopt_fp4": "int4",
+    "petit_nvfp4": "int4",
 }
+#: Quantized, but how many bits a weight takes is in the checkpoint, not the method's name
+#: (GGUF Q2..Q8, HQQ, AQLM 2-bit, INT8 kernels the roofline has no dtype for).
+QUANTIZED_WIDTH_UNKNOWN = frozenset(
+    {
+        "gguf",
+        "hqq",
+        "aqlm",
+        "bitblas",
+        "gptq_bitblas",
+        "quark",
+        "torchao",
+        "auto-round",
+        "inc",
+        "rtn",
+        "deepspeedfp",
+        "experts_int8",
+        "tpu_int8",
+    }
+)
+#: ``weight_dtype_of`` for a method whose weight width is not known here.
+UNKNOWN_DTYPE = "unknown"
 
 
 def kv_dtype_of(cache_dtype: str | None) -> str:
@@ -48,8 +83,20 @@ def kv_dtype_of(cache_dtype: str | None) -> str:
 
 
 def weight_dtype_of(quantization: str | None) -> str:
-    """The roofline weight dtype of a vLLM ``--quantization`` value."""
-    return _WEIGHT_DTYPES.get(quantization.lower() if quantization else None, "bf16")
+    """The roofline weight dtype of a vLLM ``--quantization`` value; ``unknown`` when the method
+    is not one whose width is known (the sizing rules then say "not checked")."""
+    return _WEIGHT_DTYPES.get(quantization.lower() if quantization else None, UNKNOWN_DTYPE)
+
+
+def flags_with_defaults(pool: PoolSnapshot) -> EngineFlags:
+    """The pool's flags with vLLM's defaults filled in for its GPU (batch limits vary by GPU)."""
+    memory = None
+    if pool.hardware:
+        try:
+            memory = load_hardware(pool.hardware).memory_gb
+        except (ValueError, KeyError) as exc:
+            raise AdviceError(f"pool {pool.pool}: {exc}") from exc
+    return pool.flags.with_defaults(pool.hardware, memory)
 
 
 def blocks_for(tokens: float, block_size: int) -> int:

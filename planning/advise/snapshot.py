@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from planning import yamlio
 from planning.advise.model import (
     FLAG_FIELDS,
     MEASUREMENT_FIELDS,
@@ -41,7 +42,7 @@ def read_yaml(path: str | Path) -> Any:
     """A YAML (or JSON) file's data; errors name the file."""
     path = Path(path)
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yamlio.load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise AdviceError(f"{path}: cannot read ({exc.strerror})") from exc
     except yaml.YAMLError as exc:

@@ -20,7 +20,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from planning.advise.model import Advice, AdviceError, EngineFlags, PoolSnapshot
-from planning.advise.sizing import kv_dtype_of, weight_dtype_of
+from planning.advise.sizing import (
+    UNKNOWN_DTYPE,
+    flags_with_defaults,
+    kv_dtype_of,
+    weight_dtype_of,
+)
 from planning.simulator import SimulationConfig, prepare_requests, simulate
 from planning.simulator.summary import PolicySummary, default_policy
 from replica.sim.engine import EngineConfig
@@ -106,6 +111,8 @@ def engine_overrides(flags: EngineFlags) -> dict[str, Any]:
         "kv_dtype": kv_dtype_of(flags.kv_cache_dtype),
         "weight_dtype": weight_dtype_of(flags.quantization),
     }
+    if mapping["weight_dtype"] == UNKNOWN_DTYPE:
+        mapping["weight_dtype"] = None  # the preset's: the method's width is not known
     if flags.enable_lora:
         mapping["max_loras"] = flags.max_loras
         mapping["max_cpu_loras"] = max(flags.max_cpu_loras or 0, flags.max_loras or 0)
@@ -134,7 +141,7 @@ def _preset(pool: PoolSnapshot) -> tuple[str, dict[str, Any]]:
 
 def _configs(pool: PoolSnapshot, advice: Sequence[Advice]) -> tuple[dict, dict, str]:
     preset, base = _preset(pool)
-    today = pool.flags.with_defaults()
+    today = flags_with_defaults(pool)
     now = {**base, **engine_overrides(today)}
     new = {**base, **engine_overrides(advised_flags(today, advice))}
     reported = today.num_gpu_blocks

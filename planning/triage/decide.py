@@ -5,11 +5,15 @@ Rules run in this order, and levers keep the order the rules add them in:
 1. TTFT p95 over SLO → prefix caching with prefix-aware routing (when more than 30% of prompt
    tokens are a shared prefix), then queueing (replicas, admission control), then chunked
    prefill or prefill/decode disaggregation.
-2. KV usage over 90% or any preemptions → FP8 KV cache, then FP8/INT4 weights.
+2. The KV cache limits (any preemption, or usage at or over 90% while requests wait: the
+   definition ``fleetgate advise`` uses, ``planning.kv_pressure``) → FP8 KV cache, then FP8/INT4
+   weights.
 3. TPOT p95 over SLO → weight quantization if quality headroom is declared, else a smaller
    max batch, more replicas or speculative decoding.
 4. More than 3 fine-tuned variants → LoRA adapters on one base model.
-5. None of these → within SLO: look at capacity headroom and cost, not tuning.
+5. None of these → within SLO: look at capacity headroom and cost, not tuning. The lever says
+   which: ``within SLO`` when an SLO was checked and met, ``SLO not checked`` when only other
+   signals were known, ``no signals`` when no rule could be checked (unknown is not healthy).
 
 Failure modes that the signals reveal are folded into the lever they call for: a cache-busting
 prompt layout (a prefix-caching lever, whether or not TTFT is over SLO) and capacity planned from
@@ -18,18 +22,23 @@ averages (in the queueing lever's reason).
 
 from __future__ import annotations
 
+from planning.kv_pressure import KV_PINNED, kv_pinned, pressure_reasons
 from planning.triage.model import Lever, RouteMetrics
 
 SHARED_PREFIX_THRESHOLD = 0.30
-KV_USAGE_THRESHOLD = 0.90
 LORA_VARIANTS_THRESHOLD = 3
 #: Average utilisation below this, with p95 TTFT over SLO, means bursts, not the mean, queue.
 LOW_UTILISATION = 0.60
 #: Average utilisation at or above this leaves no room for bursts.
 HIGH_UTILISATION = 0.80
 
-QUANTIZE_WEIGHTS = "quantize weights to FP8 (or INT4)"
+QUANTIZE_WEIGHTS = "quantize weights to FP8 (vLLM --quantization fp8) or INT4"
 FIX_LAYOUT = "fix the cache-busting prompt layout"
+WITHIN_SLO = "within SLO: review capacity headroom and cost per 1M tokens instead of tuning"
+SLO_NOT_CHECKED = (
+    "no rule fired, but no latency SLO was checked: review capacity headroom and cost per 1M tokens"
+)
+NO_SIGNALS = "no signals: not checked, cannot judge this route"
 
 
 def triage(metrics: RouteMetrics) -> list[Lever]:
@@ -121,6 +130,15 @@ def unchecked(metrics: RouteMetrics) -> list[str]:
         missing.append("TTFT (needs ttft_p95_ms and ttft_slo_ms)")
     if metrics.kv_cache_usage is None and metrics.preemptions_per_min is None:
         missing.append("KV pressure (needs kv_cache_usage or preemptions_per_min)")
+    elif (
+        (metrics.kv_cache_usage or 0) >= KV_PINNED
+        and not metrics.preemptions_per_min
+        and metrics.waiting_mean is None
+    ):
+        missing.append(
+            "KV pressure at this usage (needs waiting_mean: a full cache limits only while "
+            "requests wait)"
+        )
     if metrics.tpot_p95_ms is None or metrics.tpot_slo_ms is None:
         missing.append("TPOT (needs tpot_p95_ms and tpot_slo_ms)")
     if metrics.fine_tuned_variants is None:
@@ -200,14 +218,13 @@ def _queueing(metrics: RouteMetrics) -> Lever:
 
 
 def _kv_pressure(metrics: RouteMetrics) -> str | None:
-    reasons = []
-    if metrics.kv_cache_usage is not None and metrics.kv_cache_usage > KV_USAGE_THRESHOLD:
-        reasons.append(
-            f"KV cache usage {metrics.kv_cache_usage:.0%} is over {KV_USAGE_THRESHOLD:.0%}"
-        )
-    if metrics.preemptions_per_min:
-        reasons.append(f"{metrics.preemptions_per_min:g} preemptions/min")
-    return " and ".join(reasons) or None
+    """The reason when the KV cache limits (advise's definition, ``planning.kv_pressure``)."""
+    if not kv_pinned(metrics.kv_cache_usage, metrics.preemptions_per_min, metrics.waiting_mean):
+        return None
+    figures = pressure_reasons(
+        metrics.kv_cache_usage, metrics.preemptions_per_min, metrics.waiting_mean
+    )
+    return f"the KV cache limits ({figures})"
 
 
 def _headroom(metrics: RouteMetrics) -> Lever:
@@ -226,9 +243,45 @@ def _headroom(metrics: RouteMetrics) -> Lever:
     summary = "; ".join(facts) if facts else "no rule fired"
     if missing:
         summary += f" (not checked: {', '.join(missing)})"
+    if not _any_signal(metrics):
+        return Lever(
+            "capacity-headroom",
+            NO_SIGNALS,
+            f"no rule could be checked ({', '.join(missing)}); unknown is not healthy: give "
+            "the route's latencies and SLOs, KV usage or preemptions (--input, --gateway or "
+            "--prometheus)",
+            state="no signals",
+        )
+    slo_checked = any(
+        value is not None and slo is not None
+        for value, slo in (
+            (metrics.ttft_p95_ms, metrics.ttft_slo_ms),
+            (metrics.tpot_p95_ms, metrics.tpot_slo_ms),
+        )
+    )
     return Lever(
         "capacity-headroom",
-        "within SLO: review capacity headroom and cost per 1M tokens instead of tuning",
+        WITHIN_SLO if slo_checked else SLO_NOT_CHECKED,
         f"{summary}. See whether fewer replicas still meet the SLO (`fleetgate plan capacity`) "
         "and track fleetgate_cost_per_1m_tokens_usd",
+        state="within SLO" if slo_checked else "SLO not checked",
+    )
+
+
+def _any_signal(metrics: RouteMetrics) -> bool:
+    """True when at least one rule's inputs are known (else "no rule fired" means nothing)."""
+    m = metrics
+    return (
+        (m.ttft_p95_ms is not None and m.ttft_slo_ms is not None)
+        or (m.tpot_p95_ms is not None and m.tpot_slo_ms is not None)
+        or any(
+            value is not None
+            for value in (
+                m.kv_cache_usage,
+                m.preemptions_per_min,
+                m.fine_tuned_variants,
+                m.utilisation,
+                m.cache_busting_layout,
+            )
+        )
     )

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from planning import yamlio
 from planning.triage.model import FIELD_NAMES, MetricsError, RouteMetrics
 
 #: Route name used when the input is a single mapping of metrics.
@@ -48,7 +49,7 @@ def load_metrics_file(path: str | Path) -> dict[str, RouteMetrics]:
     except OSError as exc:
         raise MetricsError(f"{path}: cannot read ({exc.strerror})") from exc
     try:
-        data = yaml.safe_load(text)
+        data = yamlio.load(text)
     except yaml.YAMLError as exc:
         raise MetricsError(f"{path}: not valid YAML or JSON ({exc})") from exc
     return parse_metrics(data, str(path))

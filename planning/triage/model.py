@@ -18,6 +18,8 @@ LeverCategory = Literal[
     "capacity-headroom",
 ]
 CATEGORIES: tuple[str, ...] = get_args(LeverCategory)
+HeadroomState = Literal["within SLO", "SLO not checked", "no signals"]
+HEADROOM_STATES: tuple[str, ...] = get_args(HeadroomState)
 
 
 class MetricsError(ValueError):
@@ -39,10 +41,16 @@ class Lever:
     category: LeverCategory
     action: str
     why: str
+    #: Only on the ``capacity-headroom`` lever: what "no rule fired" rests on. ``within SLO``
+    #: (an SLO was checked and met), ``SLO not checked`` (other signals only) or ``no signals``
+    #: (nothing could be checked: unknown is not healthy).
+    state: HeadroomState | None = None
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
             raise ValueError(f"unknown lever category {self.category!r}")
+        if self.state is not None and self.state not in HEADROOM_STATES:
+            raise ValueError(f"unknown lever state {self.state!r}")
 
     @property
     def reason(self) -> str:
@@ -50,8 +58,12 @@ class Lever:
         return f"{self.action}: {self.why}"
 
     def to_dict(self) -> dict[str, str]:
-        """``{"lever": category, "reason": text}``, the ``--json`` shape."""
-        return {"lever": self.category, "reason": self.reason}
+        """``{"lever": category, "reason": text}``, the ``--json`` shape (plus ``state`` on the
+        ``capacity-headroom`` lever)."""
+        out = {"lever": self.category, "reason": self.reason}
+        if self.state is not None:
+            out["state"] = self.state
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +81,9 @@ class RouteMetrics:
     shared_prefix_fraction: float | None = None
     kv_cache_usage: float | None = None
     preemptions_per_min: float | None = None
+    #: Requests waiting per replica, on average (``vllm:num_requests_waiting``): with KV usage it
+    #: tells a full cache that limits from one doing its job (``planning.kv_pressure``).
+    waiting_mean: float | None = None
     #: Fine-tuned model variants served behind this route (full models or adapters).
     fine_tuned_variants: int | None = None
     #: True when the owner says the model can afford some quality loss (quantization).
@@ -79,7 +94,7 @@ class RouteMetrics:
     utilisation: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("ttft_p95_ms", "tpot_p95_ms", "preemptions_per_min"):
+        for name in ("ttft_p95_ms", "tpot_p95_ms", "preemptions_per_min", "waiting_mean"):
             _check_number(name, getattr(self, name), low=0.0)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             _check_number(name, getattr(self, name), low=0.0, exclusive=True)

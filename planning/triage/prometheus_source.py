@@ -1,7 +1,7 @@
 """Triage input from Prometheus: PromQL over its HTTP API, rates over a window.
 
-Per-route signals come from the gateway's metrics; KV usage, preemptions and utilisation are
-fleet-wide (engines are shared by routes) and apply to every route.
+Per-route signals come from the gateway's metrics; KV usage, preemptions, the waiting queue and
+utilisation are fleet-wide (engines are shared by routes) and apply to every route.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ FLEET_QUERIES: dict[str, str] = {
     # The fullest replica is the one that preempts; average over the window, max over replicas.
     "kv_cache_usage": "max(avg_over_time(vllm:kv_cache_usage_perc[{w}]))",
     "preemptions_per_min": "60 * sum(rate(vllm:num_preemptions_total[{w}]))",
+    "waiting_mean": "avg(avg_over_time(vllm:num_requests_waiting[{w}]))",
     # Replica-seconds attributed to requests per second of wall time, per healthy replica.
     "utilisation": (
         "sum(rate(fleetgate_replica_seconds_total[{w}])) / "

@@ -34,6 +34,8 @@ def describe(metrics: RouteMetrics) -> str:
         parts.append(f"KV {metrics.kv_cache_usage:.0%}")
     if metrics.preemptions_per_min is not None:
         parts.append(f"{metrics.preemptions_per_min:g} preemptions/min")
+    if metrics.waiting_mean is not None:
+        parts.append(f"{metrics.waiting_mean:.1f} waiting")
     if metrics.fine_tuned_variants is not None:
         parts.append(f"fine-tuned variants {metrics.fine_tuned_variants}")
     if metrics.utilisation is not None:

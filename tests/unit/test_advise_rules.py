@@ -151,6 +151,10 @@ def test_triage_levers_that_name_a_flag_carry_the_advised_value() -> None:
     from planning.triage.flags import annotate
 
     _pool, rows = _advice("fp8_capable_kv_pinned")
-    levers = annotate(triage(RouteMetrics(kv_cache_usage=0.96)), {"rag": rows})
+    levers = annotate(triage(RouteMetrics(kv_cache_usage=0.96, waiting_mean=9.0)), {"rag": rows})
     kv = next(lever for lever in levers if lever.category == "kv-quantization")
     assert kv.why.endswith("fleetgate advise: pool rag: --kv-cache-dtype auto -> fp8")
+    # The weight lever names vLLM's flag, so it carries advise's verdict too (FP8 KV first).
+    weights = next(lever for lever in levers if lever.category == "weight-quantization")
+    assert "--quantization fp8" in weights.action
+    assert weights.why.endswith("fleetgate advise: pool rag: --quantization none (no change)")

@@ -168,3 +168,18 @@ def test_text_output_states_the_approximations() -> None:
     assert "approximations" in text
     # Each caveat is printed (wrapped; its first words stay on one line).
     assert all(caveat[:40] in text for caveat in capacity.APPROXIMATIONS)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("x.foo", "format 'foo' is not supported"), ("missing/x.png", "no such folder")],
+)
+def test_bad_plot_path_is_one_line_exit_2_before_any_output(
+    tmp_path, capsys: pytest.CaptureFixture[str], name: str, message: str
+) -> None:
+    argv = ["--rate", "20", "--slo-ttft-ms", "800", "--prompt-tokens", "4000"]
+    argv += ["--output-tokens", "250", "--prefill-ms", "100", "--plot", str(tmp_path / name)]
+    assert capacity.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1

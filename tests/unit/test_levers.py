@@ -234,3 +234,56 @@ def test_cli_rejects_bad_params_file(
     params_file.write_text(content)
     assert run(parse(["--params", str(params_file)])) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["shared_prefix_tokens", "output_tokens"])
+def test_zero_shared_prefix_or_output_is_a_valid_workload(field: str) -> None:
+    params = LeverParams(**{field: 0})
+    table = lever_table(params)
+    for row in table:
+        for value in (row.kv_gb, row.ttft_ms, row.tpot_ms, row.tokens_per_s):
+            assert value >= 0 and value == value and value != float("inf")
+        assert 0 < row.usd_per_m_output_tokens < float("inf")
+    if field == "shared_prefix_tokens":
+        # No shared prefix: the prefix-cache row is the row without the cache.
+        fp8_kv, cached = table[2], table[3]
+        assert cached.scenario == "+ prefix cache (none shared)"
+        assert (cached.kv_gb, cached.ttft_ms, cached.tpot_ms) == (
+            fp8_kv.kv_gb,
+            fp8_kv.ttft_ms,
+            fp8_kv.tpot_ms,
+        )
+
+
+@pytest.mark.parametrize("field", ["prompt_tokens", "batch", "hbm_gb"])
+def test_zero_is_still_refused_elsewhere(field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field}: must be a finite number > 0"):
+        LeverParams(**{field: 0})
+
+
+def test_cli_accepts_zero_shared_tokens(capsys: pytest.CaptureFixture) -> None:
+    assert run(parse(["--shared-tokens", "0", "--json"])) == 0
+    assert json.loads(capsys.readouterr().out)["params"]["shared_prefix_tokens"] == 0
+
+
+def test_params_file_reads_exponent_numbers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    params_file = tmp_path / "p.yaml"
+    params_file.write_text("model_params: 70.6e9\nlayers: 80\nhbm_gb: 1.41e2\n")
+    assert run(parse(["--params", str(params_file), "--json"])) == 0
+    params = json.loads(capsys.readouterr().out)["params"]
+    assert (params["model_params"], params["hbm_gb"]) == (70.6e9, 141)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("x.foo", "format 'foo' is not supported"), ("missing/x.png", "no such folder")],
+)
+@pytest.mark.parametrize("as_json", [False, True])
+def test_bad_plot_path_fails_before_printing(
+    tmp_path: Path, capsys: pytest.CaptureFixture, name: str, message: str, as_json: bool
+) -> None:
+    argv = ["--plot", str(tmp_path / name)] + (["--json"] if as_json else [])
+    assert run(parse(argv)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert message in captured.err and len(captured.err.strip().splitlines()) == 1

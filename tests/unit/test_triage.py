@@ -59,9 +59,12 @@ def test_healthy_internal_tool_gets_capacity_headroom_only() -> None:
         ),
         # TTFT exactly at the SLO is within it.
         ({"ttft_p95_ms": 2000.0, "shared_prefix_fraction": 0.9}, ["capacity-headroom"]),
-        # Rule 2: KV over 90% or any preemption.
-        ({"kv_cache_usage": 0.91}, ["kv-quantization", "weight-quantization"]),
-        ({"kv_cache_usage": 0.9}, ["capacity-headroom"]),
+        # Rule 2: the KV cache limits (advise's definition): any preemption, or usage at or
+        # over 90% while requests wait. A full cache with no queue is doing its job.
+        ({"kv_cache_usage": 0.95}, ["capacity-headroom"]),
+        ({"kv_cache_usage": 0.95, "waiting_mean": 0.5}, ["capacity-headroom"]),
+        ({"kv_cache_usage": 0.9, "waiting_mean": 2.0}, ["kv-quantization", "weight-quantization"]),
+        ({"kv_cache_usage": 0.89, "waiting_mean": 2.0}, ["capacity-headroom"]),
         ({"preemptions_per_min": 0.5}, ["kv-quantization", "weight-quantization"]),
         # Rule 3: TPOT over SLO, with and without quality headroom.
         ({"tpot_p95_ms": 90.0}, ["reduce-batch"]),
@@ -75,6 +78,7 @@ def test_healthy_internal_tool_gets_capacity_headroom_only() -> None:
                 "ttft_p95_ms": 3000.0,
                 "shared_prefix_fraction": 0.8,
                 "kv_cache_usage": 0.97,
+                "waiting_mean": 5.0,
                 "tpot_p95_ms": 90.0,
                 "fine_tuned_variants": 12,
             },
@@ -97,7 +101,13 @@ def test_each_rule(overrides: dict, expected: list[str]) -> None:
 def test_kv_pressure_and_tpot_with_headroom_merge_into_one_weight_lever() -> None:
     levers = triage(
         RouteMetrics(
-            **HEALTHY | {"kv_cache_usage": 0.95, "tpot_p95_ms": 90.0, "quality_headroom": True}
+            **HEALTHY
+            | {
+                "kv_cache_usage": 0.95,
+                "waiting_mean": 3.0,
+                "tpot_p95_ms": 90.0,
+                "quality_headroom": True,
+            }
         )
     )
     assert [lever.category for lever in levers] == ["kv-quantization", "weight-quantization"]
@@ -143,6 +153,10 @@ def test_unknown_signals_are_reported_not_assumed_healthy() -> None:
     levers = triage(RouteMetrics())
     assert [lever.category for lever in levers] == ["capacity-headroom"]
     assert "not checked" in levers[0].reason
+    # Not "within SLO": nothing was checked, and the JSON says so in its own field.
+    assert "within SLO" not in levers[0].action
+    assert levers[0].action == decide.NO_SIGNALS
+    assert levers[0].to_dict()["state"] == "no signals"
     assert len(decide.unchecked(RouteMetrics())) == 4
     assert decide.unchecked(RouteMetrics(**HEALTHY)) == []
 
@@ -165,3 +179,31 @@ def test_every_lever_uses_the_fixed_vocabulary() -> None:
 def test_json_shape_of_a_lever() -> None:
     lever = Lever("queueing", "add replicas", "busy")
     assert lever.to_dict() == {"lever": "queueing", "reason": "add replicas: busy"}
+
+
+def test_headroom_lever_says_what_no_rule_fired_rests_on() -> None:
+    (healthy,) = triage(RouteMetrics(**HEALTHY))
+    assert healthy.action == decide.WITHIN_SLO and healthy.to_dict()["state"] == "within SLO"
+    (kv_only,) = triage(RouteMetrics(kv_cache_usage=0.4))
+    assert kv_only.action == decide.SLO_NOT_CHECKED
+    assert kv_only.to_dict()["state"] == "SLO not checked"
+    assert "within SLO" not in kv_only.action
+
+
+def test_kv_rule_is_advises_definition() -> None:
+    # The review's case: KV 95%, no preemptions, an empty queue. advise keeps --kv-cache-dtype,
+    # so triage must not recommend FP8 KV or weight quantization either.
+    from planning.advise import Measurements, PoolSnapshot
+    from planning.advise.memory import kv_pinned
+    from planning.advise.model import EngineFlags
+
+    for kv, preempt, waiting in [(0.95, 0.0, 0.0), (0.95, 0.0, 3.0), (0.5, 2.0, 0.0), (0.9, 0, 1)]:
+        pool = PoolSnapshot(
+            "p",
+            EngineFlags(),
+            Measurements(kv_usage=kv, preemptions_per_min=preempt, waiting_mean=waiting),
+        )
+        fired = "kv-quantization" in _categories(
+            kv_cache_usage=kv, preemptions_per_min=preempt, waiting_mean=waiting
+        )
+        assert fired == kv_pinned(pool), (kv, preempt, waiting)

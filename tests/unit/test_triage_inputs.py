@@ -76,3 +76,10 @@ def test_defaults_fill_only_unknown_values() -> None:
     assert merged == RouteMetrics(
         ttft_p95_ms=900, ttft_slo_ms=500, tpot_slo_ms=40, quality_headroom=True
     )
+
+
+def test_files_read_exponent_numbers(tmp_path) -> None:
+    path = tmp_path / "e.yaml"
+    path.write_text("a:\n  ttft_p95_ms: 1e3\n  ttft_slo_ms: 8.5e2\n  waiting_mean: 2e0\n")
+    routes = load_metrics_file(path)
+    assert routes["a"] == RouteMetrics(ttft_p95_ms=1000, ttft_slo_ms=850, waiting_mean=2)

@@ -117,6 +117,7 @@ PROMETHEUS_ANSWERS = {
     "fleetgate_requests_total": _vector(({"route": "rag"}, "1")),
     "vllm:kv_cache_usage_perc": _vector(({}, "0.93")),
     "vllm:num_preemptions_total": _vector(({}, "2")),
+    "vllm:num_requests_waiting": _vector(({}, "3.5")),
     "fleetgate_replica_seconds_total": _vector(({}, "0.4")),
 }
 
@@ -140,6 +141,7 @@ def test_prometheus_per_route_and_fleet_signals() -> None:
     assert rag.cache_busting_layout is False
     assert rag.fine_tuned_variants == 1
     assert (rag.kv_cache_usage, rag.preemptions_per_min, rag.utilisation) == (0.93, 2.0, 0.4)
+    assert rag.waiting_mean == 3.5
 
 
 def test_prometheus_query_errors_are_reported() -> None:

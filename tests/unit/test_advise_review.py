@@ -1,0 +1,221 @@
+"""`fleetgate advise` fixes from the planning review: requested max_tokens bound the length cut,
+vLLM's batch defaults follow the GPU, unknown quantization methods are not read as bf16, and
+snapshots read numbers written with an exponent."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gateway.metrics import GatewayMetrics
+from planning.advise import Advice, EngineFlags, Measurements, PoolSnapshot, advise, changes
+from planning.advise.live import _lengths, parse_gateway
+from planning.advise.measure import Sample, measurements
+from planning.advise.model import batch_defaults
+from planning.advise.prometheus_source import fetch_prometheus_pools
+from planning.advise.sizing import weight_dtype_of
+from planning.advise.snapshot import load_snapshot, parse_snapshot, to_mapping
+from planning.advise.verify import _configs
+
+FIXTURES = Path(__file__).parent / "fixtures" / "advise"
+
+
+def _row(rows: list[Advice], flag: str) -> Advice:
+    return next(row for row in rows if row.flag == flag)
+
+
+def _oversized() -> PoolSnapshot:
+    (pool,) = load_snapshot(FIXTURES / "oversized_max_model_len.json").values()
+    return pool
+
+
+# --------------------------------------------------------------- 1: requested max_tokens
+
+
+def test_requested_budget_is_a_floor_of_the_advised_max_model_len() -> None:
+    # p99 2,910 alone gives 3,648; a 1,400-token prompt asking max_tokens 4,096 (5,496, in the
+    # 6,144 bucket) would be refused by vLLM at 3,648. The floor keeps it served.
+    pool = _oversized()
+    asked = replace(pool, measured=replace(pool.measured, requested_context_max=6144.0))
+    row = _row(advise(asked), "--max-model-len")
+    assert row.kind == "change" and row.advised == 6144
+    assert "requested max_tokens ≤ 6,144" in row.evidence
+    assert "not measured" not in row.evidence
+
+
+def test_requested_budget_near_today_keeps_the_flag() -> None:
+    pool = _oversized()
+    asked = replace(pool, measured=replace(pool.measured, requested_context_max=131072.0))
+    assert "--max-model-len" not in changes(advise(asked))
+
+
+def test_unmeasured_budget_warns_that_the_cut_may_refuse_requests() -> None:
+    row = _row(advise(_oversized()), "--max-model-len")
+    assert row.kind == "change" and row.advised == 3648
+    assert "max_tokens were not measured" in row.evidence
+    assert "may refuse requests that ask for long outputs" in row.evidence
+
+
+def _gateway_text() -> str:
+    from prometheus_client import generate_latest
+
+    metrics = GatewayMetrics()
+    for prompt, output, budget in ((1400, 180, 4096), (900, 120, None)):
+        metrics.request_prompt_tokens.labels("chat", "gpu").observe(prompt)
+        metrics.request_output_tokens.labels("chat", "gpu").observe(output)
+        metrics.request_context_tokens.labels("chat", "gpu").observe(prompt + output)
+        if budget is not None:
+            metrics.request_budget_tokens.labels("chat", "gpu").observe(prompt + budget)
+    return generate_latest(metrics.registry).decode()
+
+
+def test_live_gateway_reading_gives_the_longest_requested_context() -> None:
+    reading = parse_gateway(_gateway_text())
+    lengths = _lengths(reading, "gpu", None)
+    assert lengths is not None and lengths.budget is not None
+    measured = measurements([Sample(0.0, [])], lengths)
+    assert measured.context_max == 1536 + 256  # 1,580 generated: longest prompt + output bound
+    assert measured.requested_context_max == 6144  # 5,496 asked for, in the 6,144 bucket
+
+
+def test_prometheus_reads_the_longest_requested_context() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        promql = request.url.params["query"]
+        series = []
+        if "fleetgate_request_budget_tokens_bucket" in promql:
+            assert promql.startswith("histogram_quantile(1, sum by (pool, le)")
+            series = [{"metric": {"pool": "chat"}, "value": [0, "6144"]}]
+        elif promql == "vllm:cache_config_info":
+            series = [{"metric": {"pool": "chat"}, "value": [0, "1"]}]
+        return httpx.Response(200, json={"status": "success", "data": {"result": series}})
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        pools = fetch_prometheus_pools("http://prom:9090", client, window="10m")
+    assert pools["chat"].measured.requested_context_max == 6144.0
+
+
+def test_snapshot_field_is_optional_and_round_trips() -> None:
+    old = {"pools": {"p": {"flags": {"max-model-len": 8192}, "measured": {"context_p99": 100}}}}
+    assert parse_snapshot(old)["p"].measured.requested_context_max is None
+    new = {"pools": {"p": {"measured": {"context_p99": 100, "requested_context_max": 4096}}}}
+    pools = parse_snapshot(new)
+    assert pools["p"].measured.requested_context_max == 4096
+    assert parse_snapshot(to_mapping(pools)) == pools
+
+
+# --------------------------------------------------------------- 2: vLLM's batch defaults
+
+
+@pytest.mark.parametrize(
+    ("hardware", "memory", "seqs", "tokens"),
+    [
+        ("h100-sxm", 80, 1024, 8192),
+        ("h200", 141, 1024, 8192),
+        ("a100-80gb", 80, 256, 2048),
+        ("l4", 24, 256, 2048),
+        (None, None, 256, 2048),
+    ],
+)
+def test_batch_defaults_follow_the_gpu(
+    hardware: str | None, memory: float | None, seqs: int, tokens: int
+) -> None:
+    assert batch_defaults(hardware, memory) == {
+        "max_num_seqs": seqs,
+        "max_num_batched_tokens": tokens,
+    }
+
+
+def _seqs_pool(hardware: str) -> PoolSnapshot:
+    # The review's seqs.yaml: preempting at running 400, peak 430, --max-num-seqs not given.
+    return PoolSnapshot(
+        "chat",
+        EngineFlags(max_model_len=8192, num_gpu_blocks=26500, kv_cache_dtype="fp8"),
+        Measurements(
+            kv_usage=0.97,
+            waiting_mean=3,
+            preemptions_per_min=12,
+            running_at_preemption=400,
+            running_peak=430,
+            prompt_mean=1500,
+            output_mean=200,
+        ),
+        replicas=2,
+        hardware=hardware,
+        model="llama3-8b",
+    )
+
+
+def test_h100_assumes_1024_seqs_and_cuts_to_90_percent_of_the_onset() -> None:
+    row = _row(advise(_seqs_pool("h100-sxm")), "--max-num-seqs")
+    assert row.current == 1024 and row.current_source == "assumed default"
+    assert row.kind == "change" and row.advised == 360
+
+
+def test_running_above_the_assumed_cap_says_the_assumption_is_wrong() -> None:
+    # An A100 default of 256 cannot hold 430 running sequences: the engine has another cap.
+    row = _row(advise(_seqs_pool("a100-80gb")), "--max-num-seqs")
+    assert row.kind == "not checked" and row.advised is None
+    assert "assumption is wrong" in row.evidence and "430" in row.evidence
+
+
+def test_verify_simulates_today_at_the_gpus_default() -> None:
+    now, _new, _preset = _configs(_seqs_pool("h100-sxm"), [])
+    assert now["max_num_seqs"] == 1024 and now["max_num_batched_tokens"] == 8192
+
+
+# --------------------------------------------------------------- 3: quantization methods
+
+
+@pytest.mark.parametrize(
+    ("method", "dtype"),
+    [
+        ("bitsandbytes", "int4"),
+        ("mxfp4", "int4"),
+        ("modelopt_fp4", "int4"),
+        ("gptq_marlin_24", "int4"),
+        ("awq_marlin", "int4"),
+        ("fp8", "fp8"),
+        (None, "bf16"),
+        ("gguf", "unknown"),
+        ("something-new", "unknown"),
+    ],
+)
+def test_weight_dtype_of_quantization_methods(method: str | None, dtype: str) -> None:
+    assert weight_dtype_of(method) == dtype
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "gguf", "mxfp4", "modelopt_fp4"])
+def test_four_bit_models_are_never_told_to_upgrade_to_fp8(method: str) -> None:
+    pool = _seqs_pool("h100-sxm")
+    pool = replace(pool, flags=replace(pool.flags, quantization=method))
+    rows = advise(pool)
+    assert "--quantization" not in changes(rows)
+    assert _row(rows, "--quantization").kind == "no change"
+    tp = _row(rows, "--tensor-parallel-size")
+    assert "bf16 weights" not in tp.evidence
+    if method == "gguf":  # the checkpoint decides its width: no sizing from a guess
+        assert tp.kind == "not checked"
+
+
+def test_unknown_quantization_is_not_checked() -> None:
+    pool = _seqs_pool("h100-sxm")
+    pool = replace(pool, flags=replace(pool.flags, quantization="something-new"))
+    rows = advise(pool)
+    assert _row(rows, "--quantization").kind == "not checked"
+    assert _row(rows, "--tensor-parallel-size").kind == "not checked"
+
+
+# --------------------------------------------------------------- 5: exponent numbers
+
+
+def test_snapshot_reads_exponent_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        "pools:\n  a:\n    flags: {max-model-len: 8e3}\n    measured: {context_p99: 1.5e3}\n"
+    )
+    (pool,) = load_snapshot(path).values()
+    assert pool.flags.max_model_len == 8000
+    assert pool.measured.context_p99 == 1500

@@ -1,0 +1,119 @@
+"""The requested output budget: parsed from every API's field, observed per (route, pool).
+
+``fleetgate advise`` keeps ``--max-model-len`` at or above the longest prompt + requested budget
+(``fleetgate_request_budget_tokens``): vLLM refuses prompt + max_tokens over the flag, whatever
+the request goes on to generate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.cost import RouteWindow
+from gateway.metrics import GatewayMetrics
+from gateway.policy_view import Route, Tenant
+from gateway.proxy import UpstreamOutcome
+from gateway.request.account import account
+from gateway.request.route import RouteDecision, output_budget
+from routing.contracts import RoutingDecision, RoutingRequest, TokenizedPrompt
+from routing.types import ReplicaId
+
+
+@pytest.mark.parametrize(
+    ("body", "budget"),
+    [
+        ({"max_completion_tokens": 300, "max_tokens": 100}, 300),
+        ({"max_tokens": 4096}, 4096),
+        ({"max_output_tokens": 2048}, 2048),  # Responses API
+        ({}, None),
+        ({"max_tokens": "lots"}, None),
+        ({"max_tokens": True}, None),
+    ],
+)
+def test_output_budget_reads_each_api_field(body: dict[str, object], budget: int | None) -> None:
+    assert output_budget({"model": "m", **body}) == budget
+
+
+class _Engine:
+    def observe_complete(self, *args: object) -> None:
+        pass
+
+
+class _Layout:
+    def observe(self, *args: object) -> None:
+        pass
+
+
+def _deps() -> SimpleNamespace:
+    return SimpleNamespace(
+        metrics=GatewayMetrics(),
+        window=RouteWindow(),
+        engine=_Engine(),
+        layout=_Layout(),
+        decisions=deque(),
+        speculative=None,
+        speculative_target=None,
+    )
+
+
+def _routed(budget: int | None) -> RouteDecision:
+    request = RoutingRequest(
+        request_id="r1",
+        model="m",
+        adapter=None,
+        tenant="t",
+        route="chat",
+        prompt_tokens=1400,
+        max_output_tokens=budget,
+    )
+    decision = RoutingDecision(
+        replica=ReplicaId("r"), fallbacks=[], profile="default", degraded=False, explanations={}
+    )
+    return RouteDecision(
+        Route("chat"),
+        Tenant("t"),
+        "m",
+        None,
+        TokenizedPrompt(token_ids=[]),
+        16,
+        request,
+        decision,
+        False,
+        0.0,
+    )
+
+
+def _served() -> UpstreamOutcome:
+    return UpstreamOutcome(
+        replica=ReplicaId("r"),
+        status=200,
+        usage={"prompt_tokens": 1400, "completion_tokens": 180},
+        replica_seconds={"gpu": 1.0},
+        finished_at=1.0,
+    )
+
+
+def _sample(gw: SimpleNamespace, name: str, le: str | None = None) -> float | None:
+    labels = {"route": "chat", "pool": "gpu"} | ({"le": le} if le else {})
+    return gw.metrics.registry.get_sample_value(name, labels)
+
+
+def test_budget_histogram_observes_prompt_plus_requested_output() -> None:
+    # A 1,400-token prompt asking for 4,096 tokens that generated 180: the context histogram sees
+    # 1,580, the budget histogram 5,496 (what vLLM checks against --max-model-len).
+    gw = _deps()
+    account(gw, _routed(4096), _served(), arrived=0.0, streamed=False)
+    assert _sample(gw, "fleetgate_request_context_tokens_sum") == 1580
+    assert _sample(gw, "fleetgate_request_budget_tokens_sum") == 1400 + 4096
+    assert _sample(gw, "fleetgate_request_budget_tokens_bucket", "6144.0") == 1
+    assert _sample(gw, "fleetgate_request_budget_tokens_bucket", "4096.0") == 0
+
+
+def test_request_without_a_budget_is_not_observed() -> None:
+    gw = _deps()
+    account(gw, _routed(None), _served(), arrived=0.0, streamed=False)
+    assert _sample(gw, "fleetgate_request_context_tokens_count") == 1
+    assert _sample(gw, "fleetgate_request_budget_tokens_count") is None
