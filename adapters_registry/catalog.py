@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from adapters_registry.errors import AdapterNotFound, InvalidAdapter
+from adapters_registry.metrics import private_adapter_label
 from adapters_registry.paths import StorageRoots, normalise_source
 from routing.config import Adapter, Policy
 
@@ -37,9 +38,13 @@ class AdapterCatalog:
     """
 
     def __init__(self, policy: Policy, storage_roots: StorageRoots | None = None) -> None:
-        self._roots = storage_roots or StorageRoots()
+        #: Roots given in code (``RegistrySettings.storage_roots``) win over the policy's
+        #: ``adapter_storage``; without them, the roots follow the policy through reloads.
+        self._fixed_roots = storage_roots if storage_roots and storage_roots.configured else None
+        self._roots = self._roots_of(policy)
         self._policy = policy
         self._runtime: dict[str, Adapter] = {}
+        self._labels: dict[str, str] = {}
         self._check_policy(policy)
 
     # ------------------------------------------------------------------ policy and reloads
@@ -55,22 +60,44 @@ class AdapterCatalog:
         A runtime addition survives unless the new policy defines an adapter of the same name
         (the file wins) or removed its base model.
         """
-        self._check_policy(policy)
+        roots = self._roots_of(policy)
+        self._check_policy(policy, roots)
         self._policy = policy
+        self._roots = roots
         dropped = []
         for name, adapter in list(self._runtime.items()):
-            if policy.adapter(name) is not None or policy.model(adapter.base_model) is None:
+            if (
+                policy.adapter(name) is not None
+                or policy.model(adapter.base_model) is None
+                or not self._within_roots(adapter)
+            ):
                 dropped.append(name)
                 del self._runtime[name]
         if dropped:
             log.warning("policy reload dropped runtime adapters: %s", ", ".join(dropped))
         return dropped
 
-    def _check_policy(self, policy: Policy) -> None:
+    def _roots_of(self, policy: Policy) -> StorageRoots:
+        if self._fixed_roots is not None:
+            return self._fixed_roots
+        storage = getattr(policy, "adapter_storage", None)
+        if storage is None or not storage.configured:
+            return StorageRoots()
+        return StorageRoots.build(storage.tenants, storage.shared)
+
+    def _within_roots(self, adapter: Adapter) -> bool:
+        try:
+            self._roots.check(normalise_source(adapter.source), adapter.owners)
+        except ValueError:
+            return False
+        return True
+
+    def _check_policy(self, policy: Policy, roots: StorageRoots | None = None) -> None:
         # The policy schema checked paths; only storage roots are new here.
+        roots = self._roots if roots is None else roots
         for adapter in policy.adapters:
             try:
-                self._roots.check(normalise_source(adapter.source), adapter.owners)
+                roots.check(normalise_source(adapter.source), adapter.owners)
             except ValueError as exc:
                 raise InvalidAdapter(adapter.name, [f"source: {exc}"]) from None
 
@@ -96,6 +123,22 @@ class AdapterCatalog:
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.find(name) is not None
+
+    def metrics_label(self, name: str) -> str:
+        """The ``adapter`` label of ``name`` on ``/metrics``: its name if public, else an opaque
+        ``private-<hex>`` (``adapters_registry.metrics.private_adapter_label``). An adapter no
+        longer in the catalog (unloaded after its removal) keeps its last label."""
+        adapter = self.find(name)
+        if adapter is not None and adapter.public:
+            return name
+        if adapter is None:
+            return self._labels.get(name) or private_adapter_label(name, "")
+        label = private_adapter_label(name, adapter.source)
+        if self._labels.get(name) != label:
+            if len(self._labels) > 4096:  # names come from the policy and the admin API
+                self._labels.clear()
+            self._labels[name] = label
+        return label
 
     def is_runtime(self, name: str) -> bool:
         """True if ``name`` was added through ``add`` (and can be removed with ``remove``)."""

@@ -1,12 +1,19 @@
 """The adapter metrics of docs/metrics.md (section "Adapters"), in one small class.
 
-Label values are server-controlled: ``adapter`` only ever holds catalogued names (requests for
+Label values are server-controlled: ``adapter`` only ever holds catalogued adapters (requests for
 unknown names are refused before anything is counted) and ``replica`` holds replica ids.
+
+``/metrics`` is served on the port tenants call, so a *private* adapter (not ``public``) is
+labelled with an opaque ``private-<12 hex>`` instead of its name (``private_adapter_label``): a
+tenant must not learn other tenants' adapter names, or watch their traffic, from it. Public
+adapters keep their name. ``GET /admin/adapters`` maps each label back to its adapter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+from collections.abc import Callable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -14,10 +21,22 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 COLD_START_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+def private_adapter_label(name: str, source: str) -> str:
+    """The ``adapter`` label of a private adapter: ``private-`` and 12 hex digits of a hash of
+    its name and source. Stable across gateways and restarts; a name alone cannot be confirmed
+    from it without the adapter's source (which tenants never see), and new weights under the
+    same name start a new series."""
+    digest = hashlib.sha256(f"fleetgate/adapter-label/v1/{name}/{source}".encode()).hexdigest()
+    return f"private-{digest[:12]}"
+
+
 class AdapterMetrics:
     """Counters, gauges and the cold-start histogram, registered in ``registry``."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        #: Adapter name -> its ``adapter`` label; the registry sets the catalog's
+        #: (``AdapterCatalog.metrics_label``: private adapters get an opaque label).
+        self.label_of: Callable[[str], str] = lambda name: name
         reg = REGISTRY if registry is None else registry
         self.requests = Counter(
             "fleetgate_adapter_requests_total", "Requests per catalogued adapter",
@@ -45,17 +64,18 @@ class AdapterMetrics:
 
     def request(self, adapter: str) -> None:
         """One request for ``adapter``."""
-        self.requests.labels(adapter=adapter).inc()
+        self.requests.labels(adapter=self.label_of(adapter)).inc()
 
     def load(self, adapter: str, replica: str, ok: bool, seconds: float | None = None) -> None:
         """One load attempt; a successful one also observes its cold-start time."""
-        self.loads.labels(adapter=adapter, replica=replica, outcome="ok" if ok else "failed").inc()
+        label = self.label_of(adapter)
+        self.loads.labels(adapter=label, replica=replica, outcome="ok" if ok else "failed").inc()
         if ok and seconds is not None:
-            self.cold_start.labels(adapter=adapter).observe(seconds)
+            self.cold_start.labels(adapter=label).observe(seconds)
 
     def unload(self, adapter: str, replica: str, reason: str) -> None:
         """One unload (``lru``, ``admin`` or ``prewarm``)."""
-        self.unloads.labels(adapter=adapter, replica=replica, reason=reason).inc()
+        self.unloads.labels(adapter=self.label_of(adapter), replica=replica, reason=reason).inc()
 
     def set_slots_used(self, replica: str, used: int) -> None:
         """GPU LoRA slots in use on ``replica``."""

@@ -103,6 +103,8 @@ class AdapterRegistry:
         self.store = store
         self.view = PlacementView()
         self.metrics = metrics or AdapterMetrics(metrics_registry)
+        # Private adapters are labelled opaquely on /metrics, which tenants can reach.
+        self.metrics.label_of = self.catalog.metrics_label
         self.load_times = LoadTimeModel(self.settings.cold_start)
         self.guard = ThrashGuard(self.settings.thrash)
         self.traffic = TrafficWindow(self.settings.prewarm)

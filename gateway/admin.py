@@ -98,7 +98,7 @@ async def policy(request: web.Request) -> web.Response:
                 {"name": r.name, "profile": r.profile, "ttft_slo_ms": r.ttft_slo_ms}
                 for r in view.routes
             ],
-            "tenants": sorted({t.name for t in view.tenants_by_key_sha256.values()}),
+            "tenants": sorted(view.tenants_by_name),
             "open_access": view.open_access,
             "adapters": [dataclasses.asdict(a) for a in view.adapters.values()],
             "pool_usd_per_hour": dict(view.pool_usd_per_hour),

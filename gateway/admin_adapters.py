@@ -79,6 +79,8 @@ async def list_adapters(request: web.Request) -> web.Response:
             **adapter.model_dump(mode="json"),
             "runtime": registry.catalog.is_runtime(adapter.name),
             "loaded_on": sorted(where.get(adapter.name, [])),
+            # Its ``adapter`` label on /metrics (opaque for a private adapter).
+            "metrics_label": registry.catalog.metrics_label(adapter.name),
         }
         for adapter in registry.catalog
     ]

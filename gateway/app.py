@@ -23,6 +23,7 @@ from aiohttp import web
 from gateway import errors, health, openai_api
 from gateway.adapters import AdapterSetup, open_registry, setup_from_policy
 from gateway.admin import add_admin_routes, guard_where_configured
+from gateway.apis.anthropic import error_response as anthropic_error_response
 from gateway.apis.endpoints import add_api_routes
 from gateway.background import run_in_background
 from gateway.config import GatewayConfig
@@ -33,9 +34,11 @@ from gateway.flow_control import build_flow_gate
 from gateway.index_metrics import MirrorCollector
 from gateway.inflight import InflightTracker, MemoryInflight, RedisInflight
 from gateway.layout import LayoutDiagnostics
+from gateway.logging_setup import HTTP_SERVER_LOG
 from gateway.metrics import GatewayMetrics
 from gateway.policy_view import GatewayPolicy, from_policy
 from gateway.replicas import ReplicaRegistry
+from gateway.request_body import request_id_of
 from gateway.response_affinity import build_response_affinity
 from gateway.routing_glue import build_engine, build_gateway_index, build_prompt_tokenizer
 from gateway.state import GATEWAY, GatewayState
@@ -66,27 +69,64 @@ def load_policy_view(config: GatewayConfig) -> GatewayPolicy:
 
     view = from_policy(load_policy(config.policy_path))
     config.apply_policy(view.source, startup=True)
+    for warning in getattr(view.source, "warnings", list)():
+        log.warning("policy %s: %s", config.policy_path, warning)
     return view
+
+
+#: Paths whose errors go out in Anthropic's envelope (the Messages API and its sub-paths).
+_ANTHROPIC_PATH = "/v1/messages"
+
+#: Settings of aiohttp's per-connection request handler, on the app itself so that they hold
+#: however the app is served (``start_site``, a test's or an embedder's runner).
+HANDLER_ARGS: dict[str, Any] = {
+    # Request bodies are decoded by ``request_body.read_body``, which counts the decoded bytes
+    # against the body limit in bounded steps; aiohttp would decode a whole gzip bomb on the
+    # event loop while discarding an unread body (docs/gateway.md, "Request bodies").
+    "auto_decompress": False,
+    # One header line may be 16 KiB (aiohttp: 8190 bytes): long JWTs and SSO cookies fit, and
+    # reach the gateway's own 401 in the envelope instead of the parser's plain-text 400.
+    "max_field_size": 16 * 1024,
+    # Malformed requests are logged redacted, at DEBUG (no header bytes, no traceback).
+    "logger": HTTP_SERVER_LOG,
+}
+
+
+def _error_response(request: web.Request, err: GatewayError) -> web.Response:
+    """``err`` in the envelope of the API the path belongs to, with the request's id."""
+    request_id = request_id_of(request)
+    path = request.path
+    if path == _ANTHROPIC_PATH or path.startswith(_ANTHROPIC_PATH + "/"):
+        return anthropic_error_response(err, request_id)
+    return err.response(request_id)
 
 
 @web.middleware
 async def envelope_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Unknown paths, wrong methods and unexpected failures still answer in the OpenAI envelope."""
+    """Unknown paths, wrong methods and unexpected failures still answer in the API's envelope
+    (Anthropic's under ``/v1/messages``, else OpenAI's), with an ``X-Request-Id``."""
     try:
         return await handler(request)
     except GatewayError as err:
-        return err.response()
+        return _error_response(request, err)
     except web.HTTPNotFound:
-        return GatewayError(404, errors.NOT_FOUND, f"No such endpoint: {request.path}").response()
-    except web.HTTPMethodNotAllowed:
-        return GatewayError(
-            405, errors.INVALID_REQUEST, f"Method {request.method} not allowed on {request.path}"
-        ).response()
+        err = GatewayError(404, errors.NOT_FOUND, f"No such endpoint: {request.path}")
+        return _error_response(request, err)
+    except web.HTTPMethodNotAllowed as exc:
+        allow = ", ".join(sorted(exc.allowed_methods))
+        err = GatewayError(
+            405,
+            errors.INVALID_REQUEST,
+            f"Method {request.method} not allowed on {request.path}",
+            headers={"Allow": allow},
+        )
+        return _error_response(request, err)
     except web.HTTPException:
         raise
     except Exception:
         log.exception("unhandled error on %s", request.path)
-        return GatewayError(500, errors.INTERNAL_ERROR, "Internal gateway error.").response()
+        err = GatewayError(500, errors.INTERNAL_ERROR, "Internal gateway error.")
+        return _error_response(request, err)
 
 
 def create_app(
@@ -161,7 +201,7 @@ def create_app(
         with contextlib.suppress(OSError):
             gw.policy_mtime = os.stat(config.policy_path).st_mtime
 
-    app = web.Application(middlewares=[envelope_errors])
+    app = web.Application(middlewares=[envelope_errors], handler_args=HANDLER_ARGS)
     app[GATEWAY] = gw
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)

@@ -10,19 +10,35 @@ from gateway import errors
 from gateway.errors import GatewayError
 from gateway.policy_view import GatewayPolicy, Tenant, sha256_hex
 
+#: What ``bearer_key`` returns for an ``Authorization`` header that is present but is not
+#: ``Bearer <key>`` (``Basic ...``, a bare key): no tenant's key, so such a request is 401, never
+#: anonymous. Not a string any client could send as a key (it has a NUL byte).
+MALFORMED_AUTHORIZATION = "\x00malformed-authorization"
+
 
 def bearer_key(request: web.Request) -> str | None:
     """The key of ``Authorization: Bearer <key>`` (also ``api-key:``, and ``x-api-key:``, which
-    the official ``anthropic`` client sends), or None."""
+    the official ``anthropic`` client sends), or None when the request carries none.
+
+    An ``Authorization`` header that is there but not ``Bearer <key>`` gives
+    ``MALFORMED_AUTHORIZATION`` unless ``api-key`` / ``x-api-key`` carries a key: a client that
+    meant to authenticate gets 401 instead of silently acting as the anonymous tenant.
+    """
     header = request.headers.get("Authorization", "")
-    scheme, _, value = header.partition(" ")
+    scheme, _, value = header.strip().partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    return request.headers.get("api-key") or request.headers.get("x-api-key") or None
+    other = request.headers.get("api-key") or request.headers.get("x-api-key")
+    if other:
+        return other
+    if header.strip():
+        return MALFORMED_AUTHORIZATION
+    return None
 
 
 def authenticate(request: web.Request, policy: GatewayPolicy) -> Tenant:
-    """The tenant this request acts for; 401 if the key is missing or unknown."""
+    """The tenant this request acts for; 401 if the key is missing, unknown or malformed (open
+    access, without declared tenants, takes any)."""
     tenant = policy.tenant_for_key(bearer_key(request))
     if tenant is None:
         raise GatewayError(
@@ -37,7 +53,7 @@ def authenticate(request: web.Request, policy: GatewayPolicy) -> Tenant:
 def is_admin(request: web.Request, admin_key: str | None, policy: GatewayPolicy) -> bool:
     """True if the request carries the admin key (``--admin-key`` or one of the policy's)."""
     key = bearer_key(request)
-    if not key:
+    if not key or key == MALFORMED_AUTHORIZATION:
         return False
     if admin_key is not None and hmac.compare_digest(key.encode(), admin_key.encode()):
         return True

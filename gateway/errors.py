@@ -32,6 +32,7 @@ NO_ADAPTER_SLOT: Final = "no_adapter_slot"
 ADAPTER_LOAD_FAILED: Final = "adapter_load_failed"
 INVALID_ADAPTER: Final = "invalid_adapter"
 ADAPTERS_DISABLED: Final = "adapters_disabled"
+UNSUPPORTED_ENCODING: Final = "unsupported_content_encoding"
 
 #: HTTP status -> OpenAI error ``type`` (what OpenAI's own API sends for that status).
 _TYPES: Final = {
@@ -42,6 +43,7 @@ _TYPES: Final = {
     405: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     502: "api_error",
     503: "api_error",

@@ -88,11 +88,13 @@ class BoundedSet:
         return len(self._young | self._old)
 
 
-def block_content_hashes(prompt: TokenizedPrompt, block_size: int) -> list[int]:
-    """Un-chained hash of each full block's content alone (no parent, no seed).
+def block_content_hashes(prompt: TokenizedPrompt, block_size: int, seed: int = 0) -> list[int]:
+    """Un-chained hash of each full block's content alone (no parent), seeded with ``seed``.
 
     Blocks are cut as the chain cuts them (``routing.hashing.prompt_chain``): ``block_size``
-    tokens, or ``block_size * CHARS_PER_TOKEN`` characters in text mode.
+    tokens, or ``block_size * CHARS_PER_TOKEN`` characters in text mode. Give the chain's seed
+    (``routing.hashing.chain_seed``: model, adapter, tenant salt): a block repeats by content
+    only within one cache domain, as it can only be reused within one.
     """
     if prompt.token_ids is not None:
         data = np.asarray(prompt.token_ids, dtype="<u4").tobytes()
@@ -102,7 +104,7 @@ def block_content_hashes(prompt: TokenizedPrompt, block_size: int) -> list[int]:
         step = block_size * CHARS_PER_TOKEN * 4  # 4 bytes per character
     view = memoryview(data)
     digest = xxhash.xxh3_64_intdigest
-    return [digest(view[i : i + step]) for i in range(0, len(data) - step + 1, step)]
+    return [digest(view[i : i + step], seed) for i in range(0, len(data) - step + 1, step)]
 
 
 @dataclass
@@ -160,9 +162,20 @@ class LayoutDiagnostics:
         self._routes: dict[str, RouteLayout] = {}
 
     def observe(
-        self, route: str, prompt: TokenizedPrompt, chain: Sequence[BlockHash], block_size: int
+        self,
+        route: str,
+        prompt: TokenizedPrompt,
+        chain: Sequence[BlockHash],
+        block_size: int,
+        seed: int = 0,
     ) -> None:
-        """Account one request's prompt blocks, then remember them."""
+        """Account one request's prompt blocks, then remember them.
+
+        ``seed``: the chain's seed (``routing.hashing.chain_seed`` of the model, adapter and
+        tenant salt), so content repeats count only within one cache domain: two tenants with
+        different salts sharing a template never share a cached block, and that is isolation,
+        not a cache-busting layout. The default, 0, puts every request in one domain.
+        """
         state = self._routes.get(route)
         if state is None:
             state = RouteLayout(
@@ -174,7 +187,7 @@ class LayoutDiagnostics:
         state.seen += 1
         if state.seen > self.full_requests and state.seen % self.sample_every:
             return
-        contents = block_content_hashes(prompt, block_size)
+        contents = block_content_hashes(prompt, block_size, seed)
         prefix = state.chained.prefix_known(chain)
         after_miss = state.content.count_known(contents[prefix:])
         recent = state.recent

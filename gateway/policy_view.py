@@ -4,6 +4,11 @@
 few flat, frozen structures the request path needs, so handlers never walk the schema. Without a
 policy file the gateway runs ``GatewayPolicy.default(...)``: any API key (or none) is the default
 tenant, one route sends every model through one profile.
+
+Access is open (every caller the default tenant) only when no tenant is declared: without a
+policy file, or with one that has no ``tenants:``. A policy that declares tenants never falls
+open, whatever its keys: a key must match one of them, and a request without a key acts as
+``gateway.anonymous_tenant`` (the full tenant, with its salt, rate limit and routes) or is 401.
 """
 
 from __future__ import annotations
@@ -108,8 +113,11 @@ class ReplicaSpec:
 class GatewayPolicy:
     """Everything the request path reads from the policy, resolved once per (re)load."""
 
-    #: SHA-256 hex of an API key -> tenant. Empty: every caller is the default tenant.
+    #: SHA-256 hex of an API key -> tenant.
     tenants_by_key_sha256: Mapping[str, Tenant] = field(default_factory=dict)
+    #: Every declared tenant by name, with keys or without (the anonymous one may have none).
+    #: Left empty, it is filled from ``tenants_by_key_sha256``. Empty: open access.
+    tenants_by_name: Mapping[str, Tenant] = field(default_factory=dict)
     routes: tuple[Route, ...] = (Route(DEFAULT_ROUTE),)
     adapters: Mapping[str, AdapterEntry] = field(default_factory=dict)
     replicas: tuple[ReplicaSpec, ...] = ()
@@ -128,10 +136,16 @@ class GatewayPolicy:
     #: The loaded ``routing.config.Policy`` (None in default mode); the engine reads profiles here.
     source: Policy | None = None
 
+    def __post_init__(self) -> None:
+        if not self.tenants_by_name and self.tenants_by_key_sha256:
+            by_name = {t.name: t for t in self.tenants_by_key_sha256.values()}
+            object.__setattr__(self, "tenants_by_name", by_name)
+
     @property
     def open_access(self) -> bool:
-        """No tenants configured: any key, or none, is the default tenant."""
-        return not self.tenants_by_key_sha256
+        """No tenant declared (no policy file, or one without ``tenants:``): any key, or none,
+        is the default tenant. Declared tenants without any key never mean open access."""
+        return not self.tenants_by_name
 
     @classmethod
     def default(
@@ -156,11 +170,10 @@ class GatewayPolicy:
         if not api_key:
             if self.anonymous_tenant is None:
                 return None
-            return self._tenant_named(self.anonymous_tenant) or Tenant(self.anonymous_tenant)
+            # The declared tenant itself (salt, rate limit, routes); validation guarantees it
+            # exists, and a name that does not is refused rather than served without limits.
+            return self.tenants_by_name.get(self.anonymous_tenant)
         return self.tenants_by_key_sha256.get(sha256_hex(api_key))
-
-    def _tenant_named(self, name: str) -> Tenant | None:
-        return next((t for t in self.tenants_by_key_sha256.values() if t.name == name), None)
 
     def route_for(
         self, path: str, model: str, tenant: str, headers: Mapping[str, str]
@@ -214,6 +227,7 @@ def _salt(tenant: Any) -> str | None:
 def from_policy(policy: Policy) -> GatewayPolicy:
     """Read a loaded ``routing.config.Policy`` into the gateway's view."""
     tenants: dict[str, Tenant] = {}
+    by_name: dict[str, Tenant] = {}
     for t in _get(policy, "tenants", None) or ():
         limit = _get(t, "rate_limit")
         tenant = Tenant(
@@ -223,6 +237,7 @@ def from_policy(policy: Policy) -> GatewayPolicy:
             rate_limit_rps=_get(limit, "requests_per_s"),
             burst=int(_get(limit, "effective_burst", None) or _get(limit, "burst", None) or 1),
         )
+        by_name.setdefault(tenant.name, tenant)
         for digest in _get(t, "api_key_sha256", None) or ():
             tenants[str(digest).lower()] = tenant
     routes = []
@@ -291,6 +306,7 @@ def from_policy(policy: Policy) -> GatewayPolicy:
     admin = _get(policy, "admin")
     return GatewayPolicy(
         tenants_by_key_sha256=tenants,
+        tenants_by_name=by_name,
         # A request no route matches takes the implicit route "default" (docs/policy.md).
         routes=(*routes, Route(DEFAULT_ROUTE)),
         adapters=adapters,

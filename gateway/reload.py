@@ -61,6 +61,8 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     gw.metrics.policy_reloads.labels("ok").inc()
     summary = policy.summary() if hasattr(policy, "summary") else None
     log.info("policy reloaded from %s: %s", path, summary)
+    for warning in getattr(policy, "warnings", list)():
+        log.warning("policy %s: %s", path, warning)
     return ReloadResult(True, [], summary)
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
+import zlib
 from collections.abc import Mapping
 from typing import Any, Final
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway import errors
 from gateway.errors import GatewayError, bad_request
@@ -42,25 +45,111 @@ async def read_json(request: web.Request, max_bytes: int) -> dict[str, Any]:
     return body
 
 
+#: ``Content-Encoding`` values a request body may have besides ``identity``.
+DECODED_ENCODINGS: Final = ("gzip", "deflate")
+
+_READ_CHUNK: Final = 64 * 1024
+#: Decoded bytes per decompression step; the event loop runs other callbacks between steps.
+_DECODE_STEP: Final = 1024 * 1024
+
+
 async def read_body(request: web.Request, max_bytes: int) -> tuple[dict[str, Any], bytes]:
-    """The JSON object body and the bytes it was parsed from (see ``read_json``)."""
+    """The JSON object body and the bytes it was parsed from (see ``read_json``).
+
+    A compressed body (``Content-Encoding: gzip`` or ``deflate``) is limited by its *decoded*
+    size: it is decoded here, in bounded steps, and refused with 413 as soon as the decoded
+    bytes pass ``max_bytes``, so a small body that inflates to gigabytes costs at most
+    ``max_bytes`` of decompression. Other encodings are 415; a body that does not decode is 400.
+    The app turns aiohttp's own decoding off (``gateway.app.HANDLER_ARGS``): it would inflate
+    the whole rest of a refused body on the event loop while discarding it.
+    """
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    compressed = encoding not in ("", "identity")
+    if compressed and encoding not in DECODED_ENCODINGS:
+        raise GatewayError(
+            415,
+            errors.UNSUPPORTED_ENCODING,
+            f"Content-Encoding {encoding!r} is not supported; send the body uncompressed or "
+            f"with one of: {', '.join(DECODED_ENCODINGS)}.",
+            headers={"Accept-Encoding": ", ".join(DECODED_ENCODINGS)},
+        )
     length = request.content_length
     if length is not None and length > max_bytes:
         raise _too_large(max_bytes)
-    if length is not None and "Transfer-Encoding" not in request.headers:
-        # Known length within the limit: the HTTP parser stops at it, so read it in one go.
-        raw = await request.content.read()
-        return parse_json_object(raw), raw
+    try:
+        if compressed:
+            raw = await _read_decoded(request, encoding, max_bytes)
+        elif length is not None and "Transfer-Encoding" not in request.headers:
+            # Known length within the limit: the HTTP parser stops at it, so read it in one go.
+            raw = await request.content.read()
+        else:
+            raw = await _read_limited(request, max_bytes)
+    except web.RequestPayloadError as exc:  # a body cut short or malformed on the wire
+        raise bad_request(f"Request body could not be read: {_reason(exc)}") from None
+    return parse_json_object(raw), raw
+
+
+async def _read_limited(request: web.Request, max_bytes: int) -> bytes:
+    """The body, read in steps (a chunked body without Content-Length cannot exhaust memory);
+    413 once it passes ``max_bytes``."""
     chunks: list[bytes] = []
     size = 0
-    # Read incrementally so a chunked body without Content-Length cannot exhaust memory.
-    async for chunk in request.content.iter_chunked(64 * 1024):
+    async for chunk in request.content.iter_chunked(_READ_CHUNK):
         size += len(chunk)
         if size > max_bytes:
             raise _too_large(max_bytes)
         chunks.append(chunk)
-    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    return parse_json_object(raw), raw
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _read_decoded(request: web.Request, encoding: str, max_bytes: int) -> bytes:
+    """The decoded body of a ``gzip`` / ``deflate`` request; 413 once the *decoded* bytes pass
+    ``max_bytes``, 400 if it does not decode. Each step inflates at most ``_DECODE_STEP`` bytes.
+    """
+    decoder: Any = None
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_chunked(_READ_CHUNK):
+        if decoder is None:
+            decoder = _decoder(encoding, chunk)
+        data = chunk
+        while data:
+            if decoder.eof:
+                raise _not_encoded(encoding, "data after the end of the compressed stream")
+            try:
+                out = decoder.decompress(data, _DECODE_STEP)
+            except zlib.error:
+                raise _not_encoded(encoding, "not a valid compressed stream") from None
+            size += len(out)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(out)
+            data = decoder.unconsumed_tail
+            if data:
+                await asyncio.sleep(0)  # a highly compressible body: let others run
+    if decoder is None or not decoder.eof:
+        raise _not_encoded(encoding, "the compressed stream is truncated")
+    return b"".join(chunks)
+
+
+def _decoder(encoding: str, first: bytes) -> Any:
+    if encoding == "gzip":
+        return zlib.decompressobj(16 + zlib.MAX_WBITS)
+    # RFC 9110's deflate is zlib-wrapped; some clients send raw deflate (as aiohttp accepts).
+    wrapped = bool(first) and first[0] & 0x0F == 8
+    return zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+
+
+def _not_encoded(encoding: str, why: str) -> GatewayError:
+    return bad_request(f"Request body is not valid {encoding} data ({why}).")
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong reading the body, in the parser's words (never bytes of the body)."""
+    cause = exc.__cause__
+    if isinstance(cause, HttpProcessingError) and cause.message:
+        return str(cause.message)
+    return str(exc) or type(exc).__name__
 
 
 def _too_large(max_bytes: int) -> GatewayError:

@@ -2,8 +2,10 @@
 
 ``validate`` is meant for CI and for SREs before a rollout: every problem goes to stderr on its
 own line (``file:line: path: reason (got value)``) and the exit status is 1; a valid file prints a
-one-line summary and exits 0. ``show`` prints the policy as the gateway will see it, defaults and
-derived tenant salts filled in. ``hash-key`` turns an API key into the SHA-256 the file stores.
+one-line summary and exits 0, after any warnings (``file: warning: ...`` on stderr: valid, but
+probably not meant, such as tenants without a single API key, which lock every caller out).
+``show`` prints the policy as the gateway will see it, defaults and derived tenant salts filled
+in. ``hash-key`` turns an API key into the SHA-256 the file stores.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def _validate(files: list[str], quiet: bool) -> int:
                 # load_policy already prefixes "file:line:"; errors without a file get one here.
                 print(line if line.startswith(path) else f"{path}: {line}", file=sys.stderr)
             continue
+        for warning in policy.warnings():
+            print(f"{path}: warning: {warning}", file=sys.stderr)
         if not quiet:
             print(f"{path}: OK: {policy.summary()}")
     return status

@@ -15,6 +15,7 @@ from routing.config.policy import IMPLICIT_ROUTE, Policy, Prices
 from routing.config.routes import DEFAULT_PROFILE, HeaderMatch, Route, RouteMatch, Slo
 from routing.config.tenancy import (
     Adapter,
+    AdapterStorage,
     AdminSettings,
     RateLimit,
     Tenant,
@@ -25,6 +26,7 @@ __all__ = [
     "DEFAULT_PROFILE",
     "IMPLICIT_ROUTE",
     "Adapter",
+    "AdapterStorage",
     "AdminSettings",
     "Discovery",
     "GatewaySettings",

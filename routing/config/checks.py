@@ -9,9 +9,11 @@ reference" for every adapter it owns.
 from __future__ import annotations
 
 import difflib
+import posixpath
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
 
@@ -246,7 +248,39 @@ class _Checker:
             for j, owner in enumerate(adapter.owners):
                 if owner not in tenants:
                     self.add(("adapters", i, "owners", j), _unknown("tenant", owner, tenants))
+        self._check_storage_roots(tenants)
         self._check_pinned_fit()
+
+    def _check_storage_roots(self, tenants: set[str]) -> None:
+        """``adapter_storage`` names known tenants, and every file adapter's local source lies
+        under its owners' roots (the rule ``adapters_registry.paths.StorageRoots`` applies to
+        admin additions too)."""
+        p = self.policy
+        storage = p.adapter_storage
+        for name in storage.tenants:
+            if name not in tenants:
+                self.add(("adapter_storage", "tenants", name), _unknown("tenant", name, tenants))
+        if not storage.configured:
+            return
+        for i, adapter in enumerate(p.adapters):
+            path = _local_path(adapter.source)
+            if path is None:
+                continue
+            for owner in adapter.owners or [None]:
+                roots = storage.roots_for(owner)
+                who = f"tenant {owner!r}" if owner is not None else "adapters without owners"
+                if not roots:
+                    self.add(
+                        ("adapters", i, "source"),
+                        f"no adapter_storage roots allow local paths for {who} "
+                        f"(give it roots under adapter_storage.tenants, or shared ones)",
+                    )
+                elif not any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots):
+                    self.add(
+                        ("adapters", i, "source"),
+                        f"{adapter.source!r} is outside the adapter_storage roots of {who} "
+                        f"({', '.join(roots)})",
+                    )
 
     def _check_pinned_fit(self) -> None:
         """Pinned adapters of one base model must fit the GPU LoRA slots of its pools."""
@@ -295,6 +329,15 @@ class _Checker:
             tenants = self.names("tenants", (t.name for t in p.tenants))
             if anonymous not in tenants:
                 self.add(("gateway", "anonymous_tenant"), _unknown("tenant", anonymous, tenants))
+
+
+def _local_path(source: str) -> str | None:
+    """The path of a local adapter source (absolute, or ``file:///...``); None for a URI."""
+    if source.startswith("/"):
+        return posixpath.normpath(source)
+    if source.startswith("file://"):
+        return posixpath.normpath(urlsplit(source).path)
+    return None
 
 
 def check_policy(

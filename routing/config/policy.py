@@ -15,7 +15,7 @@ from routing.config.flow import FlowControlSpec
 from routing.config.infra import GatewaySettings, IndexSettings
 from routing.config.plugins import PluginSpec, ProfileSpec
 from routing.config.routes import Route
-from routing.config.tenancy import Adapter, AdminSettings, Tenant
+from routing.config.tenancy import Adapter, AdapterStorage, AdminSettings, Tenant
 
 #: The route of requests that match no route in the policy.
 IMPLICIT_ROUTE = Route(name="default")
@@ -47,6 +47,7 @@ class Policy(StrictModel):
     profiles: list[ProfileSpec] = Field(default_factory=list)
     tenants: list[Tenant] = Field(default_factory=list)
     adapters: list[Adapter] = Field(default_factory=list)
+    adapter_storage: AdapterStorage = Field(default_factory=AdapterStorage)
     prices: Prices = Field(default_factory=Prices)
     index: IndexSettings = Field(default_factory=IndexSettings)
     gateway: GatewaySettings = Field(default_factory=GatewaySettings)
@@ -207,6 +208,19 @@ class Policy(StrictModel):
             f"index={self.index.backend}",
         ]
         return f"policy v{self.version}: " + ", ".join(parts)
+
+    def warnings(self) -> list[str]:
+        """Valid but probably unintended settings, for ``fleetgate policy validate`` and the
+        gateway's log at every (re)load."""
+        found = []
+        keys = sum(len(t.api_key_sha256) for t in self.tenants)
+        if self.tenants and not keys and self.gateway.anonymous_tenant is None:
+            found.append(
+                f"tenants: {_count(len(self.tenants), 'tenant')} but no API key "
+                "(api_key_sha256) and no gateway.anonymous_tenant: every request is refused "
+                "with 401 (a policy that declares tenants never falls back to open access)"
+            )
+        return found
 
     def profiles_for_engine(
         self,

@@ -136,6 +136,46 @@ class Adapter(StrictModel):
         return self
 
 
+def _check_root(value: str) -> str:
+    return check_local_path(value.rstrip("/") or "/")
+
+
+class AdapterStorage(StrictModel):
+    """Where adapters' *local* sources may live on the replicas' disks (docs/adapters.md).
+
+    With any root configured, a local ``source`` (file adapters and admin-API additions alike)
+    must lie under a root of every owner: a tenant's own ``tenants`` entry, else ``shared``
+    (which also holds owner-less public adapters). An owner with neither may load nothing from
+    disk. URIs (``s3://``, ``hf://``, ...) are not confined. No roots: any absolute path.
+    """
+
+    #: Roots of public adapters without owners, and of owners without an entry of their own.
+    shared: list[str] = Field(default_factory=list)
+    #: Tenant name -> its roots.
+    tenants: dict[Name, list[str]] = Field(default_factory=dict)
+
+    @field_validator("shared")
+    @classmethod
+    def _shared(cls, roots: list[str]) -> list[str]:
+        return [_check_root(root) for root in roots]
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenants(cls, by_tenant: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {name: [_check_root(root) for root in roots] for name, roots in by_tenant.items()}
+
+    @property
+    def configured(self) -> bool:
+        """True if any root is configured."""
+        return bool(self.shared) or any(self.tenants.values())
+
+    def roots_for(self, owner: str | None) -> list[str]:
+        """Allowed roots of ``owner`` (None: an adapter without owners)."""
+        if owner is None:
+            return self.shared
+        return self.tenants.get(owner, self.shared)
+
+
 class AdminSettings(StrictModel):
     """The admin API (reload, drain, index stats); disabled when no key is configured."""
 

@@ -133,7 +133,8 @@ async def test_gateways_share_slots_and_in_flight_requests(
     async with g1.serving(r0, "a"):  # ...but g1 has a request in flight on it
         await g2.ensure_loaded(r0, "c")
         assert sorted(await served_adapters(session, r0.url)) == ["a", "c"]
-    assert g2.metrics.unloads.labels(adapter="b", replica="sim-0", reason="lru")._value.get() == 1
+    b = g2.catalog.metrics_label("b")  # private adapters are labelled opaquely
+    assert g2.metrics.unloads.labels(adapter=b, replica="sim-0", reason="lru")._value.get() == 1
 
 
 async def test_redis_outage_degrades_to_unlocked_loads(

@@ -75,10 +75,10 @@ async def test_loads_then_evicts_least_recently_used(
     await registry.ensure_loaded(r0, "c")
     assert sorted(await served_adapters(session, r0.url)) == ["a", "c"]
     assert await served_adapters(session, fleet.urls[1]) == []  # other replica untouched
-    m = registry.metrics
-    assert m.unloads.labels(adapter="b", replica="sim-0", reason="lru")._value.get() == 1
-    assert m.loads.labels(adapter="c", replica="sim-0", outcome="ok")._value.get() == 1
-    assert m.cold_start.labels(adapter="c")._sum.get() > 0
+    m, label = registry.metrics, registry.catalog.metrics_label  # private: opaque labels
+    assert m.unloads.labels(adapter=label("b"), replica="sim-0", reason="lru")._value.get() == 1
+    assert m.loads.labels(adapter=label("c"), replica="sim-0", outcome="ok")._value.get() == 1
+    assert m.cold_start.labels(adapter=label("c"))._sum.get() > 0
 
 
 async def test_pinned_adapter_survives_and_busy_replica_refuses(
@@ -226,5 +226,5 @@ async def test_admin_add_then_remove_unloads_everywhere(
     assert [await served_adapters(session, url) for url in fleet.urls] == [["acme-runtime"]] * 2
     assert await registry.remove("acme-runtime", replicas) == []
     assert [await served_adapters(session, url) for url in fleet.urls] == [[], []]
-    unloads = registry.metrics.unloads
-    assert unloads.labels(adapter="acme-runtime", replica="sim-1", reason="admin")._value.get() == 1
+    unloads, runtime = registry.metrics.unloads, registry.catalog.metrics_label("acme-runtime")
+    assert unloads.labels(adapter=runtime, replica="sim-1", reason="admin")._value.get() == 1

@@ -76,7 +76,15 @@ async def test_first_request_loads_the_adapter_where_it_is_routed_then_sticks_th
             }
             assert cold[chosen] == 0.0 and min(v for r, v in cold.items() if r != chosen) > 0
         assert loads[0] + loads[1] == ["acme-lora"]  # one load in the whole fleet
-        assert await metric(http, url, "fleetgate_adapter_requests_total", adapter="acme-lora") == 7
+        # /metrics is on the tenants' port: a private adapter's label is opaque, and only the
+        # admin API maps it back to the adapter.
+        async with http.get(f"{url}/admin/adapters", headers=ADMIN) as resp:
+            (entry,) = (a for a in (await resp.json())["adapters"] if a["name"] == "acme-lora")
+        label = entry["metrics_label"]
+        assert label.startswith("private-") and "acme-lora" not in label
+        assert await metric(http, url, "fleetgate_adapter_requests_total", adapter=label) == 7
+        async with http.get(f"{url}/metrics") as resp:
+            assert "acme-lora" not in await resp.text()
 
 
 async def test_other_tenants_adapter_is_a_404_identical_to_an_unknown_model(
@@ -182,11 +190,12 @@ async def test_pinned_adapter_survives_eviction_pressure(
             assert status == 200, body
             assert "pin" in await served_adapters(http, sim)
         assert sorted(await served_adapters(http, sim)) == ["c", "pin"]
-        unloads = gw.adapters.metrics.unloads if gw.adapters else None
-        assert unloads is not None
-        assert unloads.labels(adapter="pin", replica="pool-a/0", reason="lru")._value.get() == 0
+        assert gw.adapters is not None
+        unloads, label = gw.adapters.metrics.unloads, gw.adapters.catalog.metrics_label
+        pinned = unloads.labels(adapter=label("pin"), replica="pool-a/0", reason="lru")
+        assert pinned._value.get() == 0
         for evicted in ("a", "b"):
-            lru = unloads.labels(adapter=evicted, replica="pool-a/0", reason="lru")
+            lru = unloads.labels(adapter=label(evicted), replica="pool-a/0", reason="lru")
             assert lru._value.get() == 1
 
 

@@ -164,7 +164,8 @@ async def test_engine_failure_is_reported_and_not_remembered(
     with pytest.raises(AdapterLoadFailed, match="No adapter found"):
         await reg.ensure_loaded(full(4), "a")
     assert not (await reg.store.status(full(4).replica_id, "a")).resident
-    failed = reg.metrics.loads.labels(adapter="a", replica="r0", outcome="failed")
+    a = reg.catalog.metrics_label("a")  # a private adapter: an opaque label
+    failed = reg.metrics.loads.labels(adapter=a, replica="r0", outcome="failed")
     assert failed._value.get() == 1
     engine.fail_with = None
     assert (await reg.ensure_loaded(full(4), "a")).loaded_now
