@@ -45,46 +45,54 @@ def _is_unset(value: Any) -> bool:
 
 
 def _function_tool(
-    name: Any, description: Any, parameters: Any, strict: Any, defer_loading: Any, path: str
+    spec: Mapping[str, Any], path: str, parameters: Any, defer_loading: Any = None
 ) -> ToolDict:
-    """vLLM's ``ChatCompletionToolsParam.model_dump()``: ``strict``, ``defer_loading`` if set."""
+    """vLLM's ``ChatCompletionToolsParam.model_dump()`` of a function ``spec`` (its name,
+    description, strict): ``strict`` and ``defer_loading`` only where set."""
+    name = spec.get("name")
     if not isinstance(name, str):
         raise ValueError(f"{path}.name: must be a string")
     if parameters is not None and not isinstance(parameters, Mapping):
         raise ValueError(f"{path}.parameters: must be an object")
-    function: ToolDict = {"name": name, "description": description, "parameters": parameters}
-    if strict is not None:
-        function["strict"] = strict
+    function: ToolDict = {
+        "name": name,
+        "description": spec.get("description"),
+        "parameters": parameters,
+    }
+    if spec.get("strict") is not None:
+        function["strict"] = spec["strict"]
+    if defer_loading is None:
+        defer_loading = spec.get("defer_loading")
     if defer_loading is not None:
         function["defer_loading"] = defer_loading
     return {"type": "function", "function": function}
+
+
+def _objects(tools: Any) -> list[tuple[str, Mapping[str, Any]]]:
+    """(path, tool) of each entry of a ``tools`` array; ``ValueError`` for any other shape."""
+    if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
+        raise ValueError("tools: must be an array")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise ValueError(f"tools[{i}]: must be an object")
+        out.append((f"tools[{i}]", tool))
+    return out
 
 
 def openai_tools(tools: Any) -> list[ToolDict] | None:
     """A chat request's ``tools`` as the dicts vLLM gives the template (``None``: no tools)."""
     if tools is None:
         return None
-    if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
-        raise ValueError("tools: must be an array")
     out = []
-    for i, tool in enumerate(tools):
-        path = f"tools[{i}]"
-        if not isinstance(tool, Mapping) or not isinstance(tool.get("function"), Mapping):
+    for path, tool in _objects(tools):
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
             raise ValueError(f"{path}.function: must be an object")
-        function = tool["function"]
+        # vLLM copies the tool's defer_loading onto its function when the function has none.
         defer = function.get("defer_loading")
-        if defer is None:
-            defer = tool.get("defer_loading")  # vLLM copies the tool's flag onto its function
-        out.append(
-            _function_tool(
-                function.get("name"),
-                function.get("description"),
-                function.get("parameters"),
-                function.get("strict"),
-                defer,
-                f"{path}.function",
-            )
-        )
+        defer = tool.get("defer_loading") if defer is None else defer
+        out.append(_function_tool(function, f"{path}.function", function.get("parameters"), defer))
     return out
 
 
@@ -92,28 +100,14 @@ def anthropic_tools(tools: Any) -> list[ToolDict] | None:
     """An Anthropic Messages request's ``tools`` as vLLM converts them for the chat template."""
     if tools is None:
         return None
-    if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
-        raise ValueError("tools: must be an array")
     out = []
-    for i, tool in enumerate(tools):
-        path = f"tools[{i}]"
-        if not isinstance(tool, Mapping):
-            raise ValueError(f"{path}: must be an object")
+    for path, tool in _objects(tools):
         schema = tool.get("input_schema")
         if not isinstance(schema, Mapping):
             raise ValueError(f"{path}.input_schema: must be an object")
         if "type" not in schema:
             schema = {**schema, "type": "object"}  # vLLM's default for a schema without one
-        out.append(
-            _function_tool(
-                tool.get("name"),
-                tool.get("description"),
-                schema,
-                tool.get("strict"),
-                tool.get("defer_loading"),
-                path,
-            )
-        )
+        out.append(_function_tool(tool, path, schema))
     return out
 
 
@@ -121,24 +115,12 @@ def responses_tools(tools: Any) -> list[ToolDict] | None:
     """A Responses request's function ``tools`` as vLLM renders them (built-in tools are not)."""
     if not tools:
         return None
-    if not isinstance(tools, Sequence) or isinstance(tools, str | bytes):
-        raise ValueError("tools: must be an array")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, Mapping):
-            raise ValueError(f"tools[{i}]: must be an object")
-        if tool.get("type") != "function":
-            continue  # web search, MCP ...: vLLM runs them; the template never sees them
-        out.append(
-            _function_tool(
-                tool.get("name"),
-                tool.get("description"),
-                tool.get("parameters"),
-                tool.get("strict"),
-                tool.get("defer_loading"),
-                f"tools[{i}]",
-            )
-        )
+    out = [
+        _function_tool(tool, path, tool.get("parameters"))
+        # Web search, MCP ...: vLLM runs them; the template never sees them.
+        for path, tool in _objects(tools)
+        if tool.get("type") == "function"
+    ]
     return out or None
 
 
