@@ -64,6 +64,7 @@ from planning.simulator.report import write_load_plots
 from planning.simulator.summary import Spread, default_policy
 from routing.policies.registry import BUILTIN_PROFILES
 from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
+from traces.notes import trace_notes
 from traces.spread import spread_arrivals
 
 DEFAULT_SCALES = (0.5, 1.0, 2.0, 3.0, 4.0)
@@ -165,6 +166,8 @@ def trace_subject(
     (``traces.spread``), not the traffic itself.
     """
     records = tuple(read_trace(path, block_size)[:limit])
+    for note in trace_notes(path, records, arrival_spread_ms):
+        print(note, file=sys.stderr)
     if len(records) < 2:
         raise ValueError(f"{path}: a sweep needs at least 2 requests (got {len(records)})")
     rate = mean_rate(prepare_requests(records))
@@ -764,6 +767,29 @@ def _subject_section(
     return parts
 
 
+def _refused(subjects: Sequence[Subject], results: Sequence[PointResult]) -> list[str]:
+    """A line naming the requests the engines refused, where a workload has any: lengths alone
+    decide it (prompt + output over the model's context, or over the KV cache), so every policy
+    and load refuses the same ones, and every figure and ceiling leaves them out."""
+    counts = {}
+    for subject in subjects:
+        refused = max(
+            (max(r.rejected.values(), default=0) for r in results if r.subject == subject.name),
+            default=0,
+        )
+        if refused:
+            counts[subject.name] = refused
+    if not counts:
+        return []
+    listed = ", ".join(f"{name} {n:,}" for name, n in counts.items())
+    return [
+        f"- Refused by the engines, as vLLM answers 400 (prompt + output over the model's "
+        f"context, or over the KV cache): {listed} request(s) per point. Lengths alone decide, "
+        "so every policy and load refuses the same ones; they are left out of every figure "
+        "and of the ceilings."
+    ]
+
+
 def render_markdown(
     subjects: Sequence[Subject],
     results: Sequence[PointResult],
@@ -772,7 +798,8 @@ def render_markdown(
 ) -> str:
     """The whole benchmark page."""
     levels = load_levels(results)
-    parts = _header(ctx) + _load_section(subjects, levels) + _checks_section(verdicts, ctx.default)
+    parts = _header(ctx) + _refused(subjects, results)
+    parts += _load_section(subjects, levels) + _checks_section(verdicts, ctx.default)
     parts += [
         "",
         "## The sweep per workload",

@@ -5,7 +5,8 @@ One JSON object per line (the Mooncake / NVIDIA Dynamo format):
 - ``timestamp``: arrival time in milliseconds since the start of the trace (non-decreasing); a
   fractional one (some tools write ``1200.4``) is rounded to the nearest millisecond;
 - ``input_length``: prompt tokens;
-- ``output_length``: tokens to generate;
+- ``output_length``: tokens to generate; 0 (a request recorded as producing nothing) is
+  replayed as 1, the least any engine generates, and the reader says how many it changed;
 - ``hash_ids``: one integer per block of ``block_size`` prompt tokens (the last block may be
   partial). Equal integers mean equal content *and* equal prefix: the list is a prefix chain.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,9 @@ DEFAULT_BLOCK_SIZE = 512
 #: The latest timestamp read (ms): 2**53, where a float stops holding every integer (about
 #: 285,000 years); anything later is a corrupt line, not a trace.
 MAX_TIMESTAMP_MS = 2**53
+
+#: Block sizes a trace is likely written with, for the hint when hash_ids do not fit.
+_BLOCK_SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 _REQUIRED = ("timestamp", "input_length", "output_length", "hash_ids")
 _OPTIONAL = ("adapter",)
@@ -102,16 +107,27 @@ def parse_record(line: str, where: str, block_size: int | None = None) -> TraceR
             f"{where}: timestamp must be a finite, non-negative number of ms (got {timestamp!r})"
         )
     input_length = _int_field(obj, "input_length", where, minimum=1)
-    output_length = _int_field(obj, "output_length", where, minimum=1)
+    # vLLM's max_tokens is >= 1: a request recorded as generating nothing still samples one.
+    output_length = max(1, _int_field(obj, "output_length", where, minimum=0))
     hash_ids = obj["hash_ids"]
     if not isinstance(hash_ids, list) or any(
         isinstance(h, bool) or not isinstance(h, int) for h in hash_ids
     ):
         raise TraceFormatError(f"{where}: hash_ids must be a list of integers")
     if block_size is not None and len(hash_ids) != blocks_for(input_length, block_size):
+        fits = [
+            b
+            for b in _BLOCK_SIZES
+            if b != block_size and len(hash_ids) == blocks_for(input_length, b)
+        ]
+        hint = (
+            f"; it fits a block size of {fits[0]}: pass --trace-block-size {fits[0]}"
+            if fits
+            else ""
+        )
         raise TraceFormatError(
             f"{where}: {len(hash_ids)} hash_ids for input_length {input_length} does not match "
-            f"block_size {block_size} (expected {blocks_for(input_length, block_size)})"
+            f"block_size {block_size} (expected {blocks_for(input_length, block_size)}){hint}"
         )
     adapter = obj.get("adapter")
     if adapter is not None and (not isinstance(adapter, str) or not adapter):
@@ -154,10 +170,23 @@ def iter_trace(
 
 
 def read_trace(path: str | Path, block_size: int | None = None) -> list[TraceRecord]:
-    """Read and validate a whole JSONL trace file."""
+    """Read and validate a whole JSONL trace file (a UTF-8 byte-order mark is skipped)."""
     path = Path(path)
-    with path.open(encoding="utf-8") as stream:
+    with path.open(encoding="utf-8-sig") as stream:
         return list(iter_trace(stream, str(path), block_size))
+
+
+def zero_outputs(path: str | Path) -> int:
+    """How many lines of ``path`` record ``output_length`` 0 (``read_trace`` replays them as 1),
+    for the note the commands print; 0 when the file cannot be scanned."""
+    try:
+        with Path(path).open(encoding="utf-8-sig") as stream:
+            return sum(1 for line in stream if _ZERO_OUTPUT.search(line))
+    except (OSError, UnicodeDecodeError):
+        return 0
+
+
+_ZERO_OUTPUT = re.compile(r'"output_length"\s*:\s*0\s*[,}]')
 
 
 def write_trace(records: Iterable[TraceRecord], out: str | Path | TextIO) -> int:

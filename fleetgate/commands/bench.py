@@ -140,6 +140,10 @@ def _run_replay(args: argparse.Namespace) -> int:
         return fail(str(exc))
     if not records:
         return fail(f"{args.trace} holds no requests")
+    from traces.notes import trace_notes
+
+    for note in trace_notes(args.trace, records[: args.limit]):
+        print(note, file=sys.stderr)
     progress = (
         not args.no_progress
         and not args.json

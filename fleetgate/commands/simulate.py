@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from fleetgate.commands._args import non_negative_int, positive_float, positive_int
 from fleetgate.extras import PLAN, missing_extra, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
-from traces.spread import coarse_timestamps, spread_arrivals
+from traces.notes import trace_notes
+from traces.spread import spread_arrivals
 
 if TYPE_CHECKING:
     from planning.simulator.api import SweepPoint
@@ -264,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if not records:
         return _fail(f"{args.trace} holds no requests")
-    if not args.arrival_spread_ms:
-        _hint_coarse(args.trace, records[: args.limit])
+    for note in trace_notes(args.trace, records[: args.limit], args.arrival_spread_ms):
+        print(note, file=sys.stderr)
     try:
         points = _sweep(args, records, policies)
     except ValueError as exc:
@@ -276,20 +277,6 @@ def run(args: argparse.Namespace) -> int:
         for path in _plots(args, points):
             print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-def _hint_coarse(path: str, records: Sequence[TraceRecord]) -> None:
-    """A note on stderr when the trace's arrivals come in groups at shared timestamps."""
-    coarse = coarse_timestamps(records)
-    if coarse is None:
-        return
-    print(
-        f"note: {path} stamps its arrivals in groups ({coarse.requests_per_timestamp:.1f} "
-        f"requests per timestamp, about {coarse.bucket_ms} ms apart): replayed as recorded, "
-        f"each group arrives at one instant. --arrival-spread-ms {coarse.bucket_ms} spreads "
-        "each over its interval (traces/README.md, Coarse timestamps)",
-        file=sys.stderr,
-    )
 
 
 def _fail(message: str) -> int:
@@ -377,12 +364,17 @@ def _tables(args: argparse.Namespace, points: list[SweepPoint]) -> str:
     for point in points:
         scale = f" (rate scale {point.rate_scale:g})" if len(points) > 1 else ""
         title = (
-            f"{args.trace}: {point.requests} requests at {point.rate:.2f} req/s{scale} on "
+            f"{args.trace}: {point.requests} requests at {_rate(point.rate)}{scale} on "
             f"{args.replicas} x {args.profile}; SLOs TTFT {args.slo_ttft_ms:g} ms, "
             f"TPOT {args.slo_tpot_ms:g} ms"
         )
         blocks.append(render_table(point.report, title))
     return "\n\n".join(blocks)
+
+
+def _rate(rate: float) -> str:
+    """The trace's arrival rate; a trace whose requests share one timestamp has none."""
+    return f"{rate:.2f} req/s" if math.isfinite(rate) else "one instant (all at once)"
 
 
 def _plots(args: argparse.Namespace, points: list[SweepPoint]) -> list[Path]:

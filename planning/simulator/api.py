@@ -143,6 +143,13 @@ def _progress_bar(total: int) -> tqdm:
     return tqdm(total=total, unit="req", leave=False)
 
 
+def _accepted(record: TraceRecord, engine: EngineConfig) -> bool:
+    """An engine takes the request (``SimEngine.check``'s length tests): the ceilings count only
+    those, as the policies' hit rates do; a refused request never reaches any cache."""
+    total = record.input_length + record.output_length
+    return total <= engine.model_len and -(-total // engine.block_size) <= engine.num_gpu_blocks
+
+
 def _simulate(
     requests: Sequence[TraceRequest],
     policies: Sequence[str],
@@ -154,7 +161,10 @@ def _simulate(
     engine_config = engine_config_for(config)
     capacity = config.replicas * engine_config.num_gpu_blocks * engine_config.block_size
     ceilings = hit_rate_ceilings(
-        (r.record for r in requests), config.trace_block_size, engine_config.block_size, capacity
+        (r.record for r in requests if _accepted(r.record, engine_config)),
+        config.trace_block_size,
+        engine_config.block_size,
+        capacity,
     )
     prompts = PromptFactory(
         config.model,

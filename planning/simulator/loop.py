@@ -421,10 +421,6 @@ class _Simulation:
         request, routing_request, prompt = waiting.request, waiting.routing_request, waiting.prompt
         record = request.record
         request_id = routing_request.request_id
-        if decision.degraded:
-            self.degraded += 1
-        if routing_request.overflow:
-            self.overflow += 1
         replica = self.by_id[decision.replica]
         sim_request = SimRequest(
             request_id,
@@ -447,6 +443,11 @@ class _Simulation:
             # One line per refusal, per policy replayed, is noise: the caller sums them up.
             log.debug("request %s refused by %s: %s", request_id, replica.replica_id, exc)
             return
+        # Counted for requests an engine took: a refused one is in ``rejected`` alone.
+        if decision.degraded:
+            self.degraded += 1
+        if routing_request.overflow:
+            self.overflow += 1
         explanation = decision.explanations.get(decision.replica)
         matched = explanation.matched_blocks if explanation else 0
         uncached = max(0, record.input_length - matched * self.config.trace_block_size)

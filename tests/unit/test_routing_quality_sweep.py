@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -162,6 +163,11 @@ def test_the_page_shows_the_command_the_sweep_and_the_failures() -> None:
     assert "| **mine** (default) | 80.0% (80.0–80.0) | 51.0% |" in page
     assert "![goodput vs load, w](rq/w-goodput_vs_load.png)" in page
     assert "6 of 7 checks pass; 1 fail" in page
+    assert "Refused by the engines" not in page
+    # Requests the engines refuse are named on the page, not only in the progress lines.
+    refusing = [replace(results[0], rejected={"mine": 2, "round-robin": 2}), *results[1:]]
+    page = rq.render_markdown([subject], refusing, verdicts, ctx)
+    assert "Refused by the engines" in page and "w 2 request(s) per point" in page
     text = rq.checks_text(verdicts)
     assert "w 2x:" in text and "goodput margin FAIL" in text
     assert text.endswith("checks: 6 of 7 passed, 1 failed")

@@ -67,6 +67,24 @@ def test_one_replica_with_a_big_cache_reaches_the_unbounded_ceiling() -> None:
     assert report.summaries[0].prefix_hit_rate == pytest.approx(expected)
 
 
+def test_ceilings_leave_out_the_requests_the_engines_refuse() -> None:
+    # The same prompt three times, then a prompt over the context window that shares nothing:
+    # no engine ever holds its blocks, so it must not weigh down the ceilings (a policy's hit
+    # rate, over the requests served, then beat the "unbounded" ceiling).
+    too_long = 9_000  # past the 8,192-token window of BIG_CACHE
+    records = [
+        _record(0, [1, 2]),
+        _record(5_000, [1, 2]),
+        _record(10_000, [1, 2]),
+        _record(15_000, list(range(100, 100 + -(-too_long // 512))), length=too_long),
+    ]
+    report = simulate(prepare_requests(records), ["round-robin"], _config())
+    assert report.runs["round-robin"].rejected == 1
+    served = report.summaries[0].prefix_hit_rate
+    assert report.ceilings.unbounded == pytest.approx(served)
+    assert report.ceilings.pooled == pytest.approx(served)
+
+
 def test_pooled_ceiling_evicts_least_recently_used_blocks() -> None:
     from planning.simulator import hit_rate_ceilings
 

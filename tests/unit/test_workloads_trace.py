@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import io
+import json
+from pathlib import Path
 
 import pytest
 
-from traces.format import TraceFormatError, TraceRecord, iter_trace, write_trace
+from traces.format import (
+    TraceFormatError,
+    TraceRecord,
+    iter_trace,
+    read_trace,
+    write_trace,
+    zero_outputs,
+)
+from traces.notes import trace_notes
 
 RECORDS = [
     TraceRecord(0, 600, 20, (0, 1)),
@@ -57,8 +67,8 @@ def test_adapter_is_written_only_when_set() -> None:
             "input_length must be an integer",
         ),
         (
-            ['{"timestamp": 0, "input_length": 5, "output_length": 0, "hash_ids": [0]}'],
-            "output_length must be >= 1",
+            ['{"timestamp": 0, "input_length": 5, "output_length": -1, "hash_ids": [0]}'],
+            "output_length must be >= 0",
         ),
         (
             ['{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": ["a"]}'],
@@ -108,3 +118,54 @@ def test_fractional_millisecond_timestamps_are_rounded() -> None:
     records = list(iter_trace(io.StringIO("\n".join(lines)), "t.jsonl", block_size=512))
     assert [r.timestamp for r in records] == [1200, 1201, 1300]
     assert all(isinstance(r.timestamp, int) for r in records)
+
+
+def test_a_trace_written_with_another_block_size_names_the_flag_that_reads_it() -> None:
+    # 1025 tokens in 65 blocks: 16-token blocks, as some public traces use.
+    line = json.dumps(
+        {"timestamp": 0, "input_length": 1025, "output_length": 1, "hash_ids": list(range(65))}
+    )
+    with pytest.raises(TraceFormatError, match="pass --trace-block-size 16"):
+        list(iter_trace(io.StringIO(line), "t.jsonl", block_size=512))
+
+
+def test_zero_outputs_are_replayed_as_one_token_and_counted(tmp_path: Path) -> None:
+    lines = [
+        '{"timestamp": 0, "input_length": 5, "output_length": 0, "hash_ids": [0]}',
+        '{"timestamp":1,"input_length":5,"output_length":0,"hash_ids":[0]}',
+        '{"timestamp": 2, "input_length": 5, "output_length": 10, "hash_ids": [0]}',
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    records = read_trace(path, 512)
+    assert [r.output_length for r in records] == [1, 1, 10]
+    assert zero_outputs(path) == 2
+
+
+def test_a_byte_order_mark_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(
+        b"\xef\xbb\xbf"
+        + b'{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n'
+    )
+    assert [r.input_length for r in read_trace(path, 512)] == [5]
+
+
+def _records(timestamps: list[int]) -> list[TraceRecord]:
+    return [TraceRecord(t, 5, 1, (0,)) for t in timestamps]
+
+
+def test_notes_say_what_a_trace_probably_needs(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("")
+    # Stamped in seconds: 200 requests in 199 ms is 1,000 req/s and more.
+    (note,) = trace_notes(path, _records(list(range(200))))
+    assert "timestamps in seconds" in note and "multiply them by 1000" in note
+    (note,) = trace_notes(path, _records([5] * 200))
+    assert "same timestamp" in note
+    # 3-second buckets: spread them, unless they are spread already.
+    bucketed = _records([3000 * (i // 10) for i in range(200)])
+    (note,) = trace_notes(path, bucketed)
+    assert "--arrival-spread-ms 3000" in note
+    assert trace_notes(path, bucketed, arrival_spread_ms=3000) == []
+    assert trace_notes(path, _records([1000 * i for i in range(200)])) == []
