@@ -212,6 +212,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: 0, as recorded)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="replay the policies (and rate scales) in N worker processes: same results, about "
+        "N times sooner on N free cores (default: 1)",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.add_argument(
         "--plot",
@@ -337,6 +345,7 @@ def _sweep(
         limit=args.limit,
         adapters=adapters,
         progress=progress,
+        jobs=args.jobs,
     )
 
 

@@ -104,11 +104,13 @@ def simulate_sweep(
     limit: int | None = None,
     adapters: AdapterMix | None = None,
     progress: bool = False,
+    jobs: int = 1,
 ) -> list[SweepPoint]:
     """``simulate`` at each of ``rate_scales`` (in the order given), one progress bar for all.
 
     The same records are replayed at each scale (arrivals divided by it), so the points differ
-    only in load.
+    only in load. ``jobs`` > 1 replays the (scale, policy) runs in that many worker processes:
+    each run is independent (a fresh fleet) and deterministic, so the results are the same.
     """
     if not rate_scales:
         raise ValueError("rate_scales: name at least one rate scale")
@@ -120,15 +122,53 @@ def simulate_sweep(
     ]
     total = sum(len(batch) for batch in batches) * len(policies)
     bar = _progress_bar(total) if progress else None
-    points = []
     try:
-        for scale, batch in zip(rate_scales, batches, strict=True):
-            report = _simulate(batch, policies, config, bar, {})
-            points.append(SweepPoint(scale, config.seed, len(batch), mean_rate(batch), report))
+        if jobs > 1:
+            reports = _simulate_in_workers(batches, policies, config, bar, jobs)
+        else:
+            reports = [_simulate(batch, policies, config, bar, {}) for batch in batches]
     finally:
         if bar is not None:
             bar.close()
-    return points
+    return [
+        SweepPoint(scale, config.seed, len(batch), mean_rate(batch), report)
+        for scale, batch, report in zip(rate_scales, batches, reports, strict=True)
+    ]
+
+
+def _simulate_in_workers(
+    batches: Sequence[Sequence[TraceRequest]],
+    policies: Sequence[str],
+    config: SimulationConfig,
+    bar: tqdm | None,
+    jobs: int,
+) -> list[SimulationReport]:
+    """One report per batch, each (batch, policy) run in a worker process, merged in order."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    parts: dict[tuple[int, int], SimulationReport] = {}
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {
+            pool.submit(_simulate, batch, [policy], config, None, {}): (b, p)
+            for b, batch in enumerate(batches)
+            for p, policy in enumerate(policies)
+        }
+        for future in as_completed(futures):
+            b, p = futures[future]
+            parts[b, p] = future.result()
+            if bar is not None:
+                bar.set_description(policies[p])
+                bar.update(len(batches[b]))
+    reports = []
+    for b in range(len(batches)):
+        report = SimulationReport([], parts[b, 0].ceilings)
+        for p, policy in enumerate(policies):
+            part = parts[b, p]
+            report.summaries.extend(part.summaries)
+            report.runs[policy] = part.runs[policy]
+            report.wall_s[policy] = part.wall_s[policy]
+        reports.append(report)
+    return reports
 
 
 def mean_rate(requests: Sequence[TraceRequest]) -> float:

@@ -18,6 +18,7 @@ from planning.simulator import (
     prepare_requests,
     simulate,
 )
+from planning.simulator.api import simulate_sweep
 from traces.format import TraceRecord, write_trace
 
 #: The tiny engine (L4 + 50M-parameter model) with room for every test prompt: fast to simulate.
@@ -83,6 +84,19 @@ def test_ceilings_leave_out_the_requests_the_engines_refuse() -> None:
     served = report.summaries[0].prefix_hit_rate
     assert report.ceilings.unbounded == pytest.approx(served)
     assert report.ceilings.pooled == pytest.approx(served)
+
+
+def test_jobs_replay_in_worker_processes_with_the_same_results() -> None:
+    records = _shared_prefix_trace(groups=4, per_group=5, gap_ms=50)
+    config = _config(replicas=2)
+    policies = ["round-robin", "cache-aware"]
+    alone = simulate_sweep(records, [1.0, 2.0], policies, config)
+    pooled = simulate_sweep(records, [1.0, 2.0], policies, config, jobs=2)
+    assert [p.rate_scale for p in pooled] == [1.0, 2.0]
+    for a, b in zip(alone, pooled, strict=True):
+        assert a.report.summaries == b.report.summaries
+        assert a.report.ceilings == b.report.ceilings
+        assert list(b.report.runs) == policies
 
 
 def test_pooled_ceiling_evicts_least_recently_used_blocks() -> None:
