@@ -14,7 +14,7 @@ from fleetgate.commands._args import positive_float, positive_int
 from fleetgate.extras import BENCH, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE
 
-REPLAY_EPILOG = f"""\
+REPLAY_EPILOG = """\
 what it sends:
   One streamed /v1/completions request per trace line, at the line's timestamp multiplied by
   --time-scale, with at most --concurrency in flight. The prompt is synthesised from the
@@ -37,8 +37,6 @@ examples:
       --api-key $KEY --metrics-url http://vllm-0:8000/metrics --metrics-url http://vllm-1:8000/metrics
   fleetgate bench replay --trace rag.jsonl --url http://localhost:8080 --model m --time-scale 0.5 \\
       --json > result.json        # twice the trace's rate
-
-default --trace-block-size: {DEFAULT_BLOCK_SIZE}
 """
 
 

@@ -10,7 +10,7 @@ import pytest
 from bench.replay import PromptText, ReplayConfig
 from bench.replay.runner import replay_async
 from bench.replay.server_metrics import CacheCounters, parse_cache_counters
-from bench.replay.summary import summarize
+from bench.replay.summary import render_table, summarize
 from replica.sim.fleet import start_sim_fleet
 from routing.tokenize.word_hash import load_tokenizer
 from traces.format import TraceRecord, write_trace
@@ -77,6 +77,9 @@ async def test_replay_against_a_simulated_replica_counts_prefix_hits() -> None:
     assert summary["server_prefix_hit_rate"] == pytest.approx(hits / queries)
     assert summary["client_cached_rate"] == pytest.approx(hits / queries)
     assert summary["ttft_p50_ms"] is not None and summary["itl_p50_ms"] is not None
+    # The start-lag warning only when the replay fell behind the trace's pace.
+    assert "(high:" not in render_table({**summary, "start_lag_p95_ms": 3.0})
+    assert "(high:" in render_table({**summary, "start_lag_p95_ms": 250.0})
 
 
 def test_cli_replays_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
