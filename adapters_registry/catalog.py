@@ -19,16 +19,14 @@ from adapters_registry.errors import AdapterNotFound, InvalidAdapter
 from adapters_registry.metrics import private_adapter_label
 from adapters_registry.paths import StorageRoots, normalise_source
 from routing.config import Adapter, Policy
+from routing.config.errors import issues_from_validation
 
 log = logging.getLogger(__name__)
 
 
 def _pydantic_errors(exc: ValidationError) -> list[str]:
-    out = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "adapter"
-        out.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
-    return out
+    """One line per problem, worded as ``fleetgate policy validate`` words them."""
+    return [str(problem) for problem in issues_from_validation(exc)] or ["adapter: invalid"]
 
 
 class AdapterCatalog:

@@ -167,6 +167,13 @@ async def test_invalid_runtime_adapter_is_refused_with_every_reason(
         assert error["code"] == "invalid_adapter"
         assert any(d.startswith("base_model:") for d in error["details"])
         assert any(d.startswith("owners:") for d in error["details"])
+        # Shape errors read as `fleetgate policy validate` words them, not pydantic's text.
+        typo = {**adapter("acme-typo"), "sorce": "/x"}
+        async with http.post(f"{url}/admin/adapters", json=typo, headers=ADMIN) as resp:
+            assert resp.status == 400
+            details = (await resp.json())["error"]["details"]
+        assert "sorce: unknown key" in details
+        assert not any("Extra inputs" in d or "Value error" in d for d in details)
         async with http.post(f"{url}/admin/adapters", json=adapter("x")) as resp:
             assert resp.status == 401  # the admin key guards it
         # Bodies that are not a JSON object, or nest absurdly deep: a 400, never a 500.
