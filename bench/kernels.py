@@ -6,7 +6,9 @@
 1. The correctness sweep (``replica.kernels.check``, the full one by default): every case's max
    abs / rel error against the PyTorch reference. On CPU this is all it does, through Triton's
    interpreter, and the report says that no timings were taken.
-2. On a GPU, timings (``triton.testing.do_bench``, median) of each kernel against vLLM's CUDA
+2. On a GPU, timings (``triton.testing.do_bench``, median) of each kernel, both the bare launcher
+   (``replica.kernels.rms_norm``) and the ``torch.ops.fleetgate`` op the engine's layer calls
+   (``torch.library`` dispatch and the call counter on top), against vLLM's CUDA
    kernels (``torch.ops._C.rms_norm`` / ``fused_add_rms_norm``, what ``RMSNorm`` runs on a GPU
    without the plugin when its custom op is on) and against vLLM's native PyTorch code (what it
    runs when the custom op is off), over Llama-3-8B shapes: hidden 4096, bf16, 1 to 8192 tokens.
@@ -47,6 +49,9 @@ class Timing:
     #: The native code under ``torch.compile`` (Inductor fuses it into one generated kernel,
     #: which is what vLLM runs with the custom op off and compilation on); None if not timed.
     compiled_us: float | None = None
+    #: Our kernel through ``torch.ops.fleetgate`` (what ``FleetgateRMSNorm`` calls: custom-op
+    #: dispatch plus ``trace.record``); ``ours_us`` is the bare launcher. None if not timed.
+    ours_op_us: float | None = None
 
     @property
     def ours_gbps(self) -> float:
@@ -99,8 +104,12 @@ def gpu_timings() -> tuple[list[Timing], str]:
     native column is (``"vllm"``, or ``NATIVE_WITHOUT_VLLM`` where vLLM is not installed)."""
     import torch
 
+    import replica.kernels.ops  # noqa: F401  (registers torch.ops.fleetgate)
     from replica.kernels import rms_norm as ours
 
+    # What the engine's layer calls (FleetgateRMSNorm._triton -> ops -> torch.ops.fleetgate).
+    op_rms = torch.ops.fleetgate.rms_norm.default
+    op_fused = torch.ops.fleetgate.fused_add_rms_norm.default
     cuda_rms, cuda_fused, native_rms, native_fused, native = _baselines()
     # One compiled graph per shape (dynamic=False), as a served model's fixed batch sizes get.
     compiled_rms = torch.compile(native_rms, dynamic=False)
@@ -121,6 +130,7 @@ def gpu_timings() -> tuple[list[Timing], str]:
             _time_ms(lambda x=x, w=w: native_rms(x, w, EPS)) * 1e3,
             2 * elem + w.numel() * 2,
             _time_ms(lambda x=x, w=w: compiled_rms(x, w, EPS)) * 1e3,
+            _time_ms(lambda x=x, w=w: op_rms(x, w, EPS)) * 1e3,
         ))
         # vLLM's fused kernel works in place; the drift of repeated calls stays finite in bf16.
         xi, ri = x.clone(), r.clone()
@@ -132,6 +142,7 @@ def gpu_timings() -> tuple[list[Timing], str]:
             _time_ms(lambda x=x, r=r, w=w: native_fused(x, r, w, EPS)) * 1e3,
             4 * elem + w.numel() * 2,
             _time_ms(lambda x=x, r=r, w=w: compiled_fused(x, r, w, EPS)) * 1e3,
+            _time_ms(lambda x=x, r=r, w=w: op_fused(x, r, w, EPS)) * 1e3,
         ))
     return out, native
 
@@ -190,19 +201,25 @@ def render(device: str, backend: str, results: list[Any], timings: list[Timing] 
             f"Median of `triton.testing.do_bench`, bf16, hidden {HIDDEN}, eps {EPS:g}. {about} "
             "*Native compiled* is the same native code under `torch.compile` (one graph per "
             "shape): Inductor fuses it into one generated kernel, which is what vLLM runs with "
-            "the custom op off and compilation on. GB/s is our kernel's effective bandwidth "
+            "the custom op off and compilation on. *Ours launcher* times the bare launcher "
+            "(`replica.kernels.rms_norm`); *ours op* the `torch.ops.fleetgate` op that vLLM's "
+            "layer calls (`torch.library` dispatch and the call counter on top), which is what "
+            "an eager step pays. The ratios are baseline time / our launcher's time: **above 1x "
+            "ours is faster**, below 1x slower. GB/s is our launcher's effective bandwidth "
             "(inputs read once, outputs written once).",
             "",
-            "| op | tokens | ours µs | vLLM CUDA µs | vLLM native µs | native compiled µs "
-            "| ours vs CUDA | ours vs compiled | ours GB/s |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| op | tokens | ours launcher µs | ours op µs | vLLM CUDA µs | vLLM native µs "
+            "| native compiled µs | CUDA / ours (>1x: ours faster) "
+            "| compiled / ours (>1x: ours faster) | ours GB/s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for t in timings:
             ratio = f"{t.vllm_cuda_us / t.ours_us:.2f}x" if t.vllm_cuda_us else "-"
             cuda = f"{t.vllm_cuda_us:.1f}" if t.vllm_cuda_us else "-"
             compiled = f"{t.compiled_us:.1f}" if t.compiled_us else "-"
             vs_compiled = f"{t.compiled_us / t.ours_us:.2f}x" if t.compiled_us else "-"
-            lines.append(f"| {t.op} | {t.tokens} | {t.ours_us:.1f} | {cuda} | "
+            op = f"{t.ours_op_us:.1f}" if t.ours_op_us else "-"
+            lines.append(f"| {t.op} | {t.tokens} | {t.ours_us:.1f} | {op} | {cuda} | "
                          f"{t.vllm_native_us:.1f} | {compiled} | {ratio} | {vs_compiled} | "
                          f"{t.ours_gbps:.0f} |")
     lines += [

@@ -2,8 +2,10 @@
 
 What an operator runs before rolling out a new kernel version (docs/kernels.md): every case of
 the sweep prints its max abs / rel error against the PyTorch reference, and the exit status is 1
-if any case is out of tolerance. On a GPU the compiled kernel runs; without one, Triton's
-interpreter runs the same source on CPU.
+if any case is out of tolerance or over its mismatch budget. On a GPU the compiled kernel runs;
+without one, Triton's interpreter runs the same source on CPU, and ``--device auto`` (the
+default) says on stderr that the compiled kernel was not checked. A roll-out gate on a GPU host
+uses ``--device cuda``, which exits 2 rather than fall back to the interpreter.
 
 The kernels need torch and Triton, which fleetgate's own venv does not carry (the gateway has no
 use for them). If this interpreter lacks them, the check runs in the vLLM venv
@@ -21,6 +23,7 @@ EPILOG = """\
 examples:
   fleetgate kernels check                 # the CI sweep (odd shapes, edge values, 3 dtypes)
   fleetgate kernels check --full          # + Llama-3 shapes (1-8192 tokens x 4096, 8192, 16384)
+  fleetgate kernels check --full --device cuda   # the roll-out gate on a GPU host: no fallback
   fleetgate kernels check --match bf16    # only cases whose name contains 'bf16'
   fleetgate kernels check --json          # one JSON document (what the CI tests parse)
 """
@@ -36,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the full sweep (minutes under the interpreter)")
     check.add_argument("--json", action="store_true", help="print one JSON document")
     check.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                       help="auto: the GPU if there is one, else the interpreter on CPU")
+                       help="auto: the GPU if there is one, else the interpreter on CPU "
+                       "(with a warning: the compiled kernel is then not checked); cuda: the "
+                       "compiled kernel, or exit 2 (use it to gate a roll-out)")
     check.add_argument("--match", default="", help="only cases whose name contains this")
 
 

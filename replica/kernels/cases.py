@@ -16,18 +16,40 @@ final rounding can carry that to two ulps. Hence:
 
 * fp32: ``rtol = 2e-6`` (16 ulps of 2^-23), ``atol = 1e-6`` — tighter than vLLM's 1e-5 default.
 * bf16: ``rtol = 1.6e-2`` (two ulps, 2 x 2^-7) — vLLM's own bf16 default; ``atol = 1e-3``.
-* fp16: ``rtol = 2e-3`` (two ulps, 2 x 2^-10) — vLLM's rms_norm fp16 override; ``atol = 1e-3``.
+* fp16: ``rtol = 2e-3`` (two ulps, 2 x 2^-10); ``atol = 1e-3``, ten times tighter than vLLM's
+  rms_norm fp16 override (``atol = 1e-2, rtol = 2e-3``).
 
 The new residual (``x + residual`` rounded once) involves no reduction: it must be bit-exact.
-Observed in practice (docs/benchmarks/kernels.md): in bf16 and fp16 a few elements per million
-differ, by one or two ulps (none at all in most bf16 cases); in fp32 many differ, by 1-2 ulps.
+
+Mismatch budget (``MISMATCH_BUDGETS``): how *often* an output may differ, and by how many ulps
+---------------------------------------------------------------------------------------------
+The per-element tolerance is two ulps wide, and dropping one of the reference's roundings (no
+rounding to the weight dtype before the multiply, or the variance of the rounded residual sum)
+moves outputs by only one or two ulps: every such kernel is within tolerance. What gives it away
+is how many outputs move: 8-29 % of a case's bf16/fp16 elements (about 20 % typically), where
+the real kernel differs only where an fp32 summation-order difference meets a rounding boundary.
+Measured rates of the real kernel (share of elements that differ from the reference):
+
+* bf16: at most 1.5e-5 under the interpreter (CI sweep), 6.9e-6 compiled on an H200 (full sweep,
+  docs/benchmarks/kernels.md); always at most 2 ulps. Budget: 1e-4 of the elements, 2 ulps.
+* fp16: at most 2e-4 under the interpreter (3 of 15,360 elements), 9.2e-5 compiled; at most 2
+  ulps. Budget: 1e-3 of the elements, 2 ulps.
+* fp32: 10-40 % of the elements differ (the summation order perturbs nearly every result), by at
+  most 6 ulps under the interpreter. Budget: any share, 16 ulps (the summation bound above); the
+  rounding contract has nothing to drop in fp32 (the weight is fp32 too).
+
+Every case may have ``MISMATCH_FLOOR`` mismatches whatever its size, so one unlucky element in a
+700-element case is not read as a rate of 1.4e-3. Ulps are counted where the reference is a
+normal number; results below the smallest normal are left to ``atol`` (a GPU flushes fp32
+subnormal results to zero).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CI_CASES", "FULL_CASES", "OPS", "TOLERANCES", "Case", "cases"]
+__all__ = ["CI_CASES", "FULL_CASES", "MISMATCH_BUDGETS", "MISMATCH_FLOOR", "OPS", "TOLERANCES",
+           "Case", "allowed_mismatches", "cases"]
 
 OPS = ("rms_norm", "fused_add_rms_norm")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -38,6 +60,26 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "bfloat16": (1e-3, 1.6e-2),
     "float16": (1e-3, 2e-3),
 }
+
+#: dtype -> (share of a case's elements that may differ from the reference at all, largest ulp
+#: distance of a finite difference), justified in the module docstring. Gated with the
+#: tolerance: a kernel that drops one of the reference's roundings stays within tolerance but
+#: moves a fifth of all bf16/fp16 outputs.
+MISMATCH_BUDGETS: dict[str, tuple[float, int]] = {
+    "float32": (1.0, 16),
+    "bfloat16": (1e-4, 2),
+    "float16": (1e-3, 2),
+}
+#: Mismatches any case may have whatever its size, so that one unlucky element in a small case
+#: is not read as a share of a percent.
+MISMATCH_FLOOR = 2
+
+
+def allowed_mismatches(dtype: str, elements: int) -> int:
+    """How many of ``elements`` outputs may differ from the reference (``MISMATCH_BUDGETS``)."""
+    share = MISMATCH_BUDGETS[dtype][0]
+    return min(elements, max(MISMATCH_FLOOR, int(share * elements)))
+
 
 #: What the values of ``x`` (and the residual) look like.
 VALUE_KINDS = {
@@ -61,7 +103,8 @@ class Case:
     hidden: int
     dtype: str
     values: str = "normal"
-    #: ``random`` (normal), ``ones``, or ``none`` (the weightless RMSNorm).
+    #: ``random`` (normal), ``ones``, ``strided`` (random, every other element of a wider buffer:
+    #: a weight that is not contiguous) or ``none`` (the weightless RMSNorm).
     weight: str = "random"
     eps: float = 1e-6
     #: ``contiguous``, ``strided`` (rows of a wider buffer) or ``3d`` (batch, seq, hidden).
@@ -71,7 +114,7 @@ class Case:
     def __post_init__(self) -> None:
         if self.op not in OPS or self.dtype not in DTYPES or self.values not in VALUE_KINDS:
             raise ValueError(f"bad case {self}")
-        if self.weight not in ("random", "ones", "none"):
+        if self.weight not in ("random", "ones", "strided", "none"):
             raise ValueError(f"bad weight kind {self.weight!r}")
         if self.layout not in ("contiguous", "strided", "3d"):
             raise ValueError(f"bad layout {self.layout!r}")
@@ -89,6 +132,18 @@ class Case:
     @property
     def tolerance(self) -> tuple[float, float]:
         return TOLERANCES[self.dtype]
+
+    @property
+    def mismatch_budget(self) -> tuple[float, int]:
+        return MISMATCH_BUDGETS[self.dtype]
+
+    @property
+    def elements(self) -> int:
+        return self.rows * self.hidden
+
+    @property
+    def allowed_mismatches(self) -> int:
+        return allowed_mismatches(self.dtype, self.elements)
 
 
 def _short(dtype: str) -> str:
@@ -112,6 +167,8 @@ def _edges() -> list[Case]:
         Case("fused_add_rms_norm", 6, 128, "float16", eps=1e-5),
         Case("fused_add_rms_norm", 6, 4096, "bfloat16", layout="strided"),
         Case("rms_norm", 6, 4096, "bfloat16", layout="strided"),
+        Case("rms_norm", 8, 256, "bfloat16", weight="strided"),
+        Case("fused_add_rms_norm", 5, 200, "float16", weight="strided"),
         Case("fused_add_rms_norm", 12, 80, "float32", layout="3d"),
     ]
     return out

@@ -142,6 +142,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
             eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check(x, weight)
+    if weight is not None:
+        # The kernel reads the weight as ``W + cols`` (unit stride); a view such as ``w[::2]``
+        # would otherwise be read as garbage. Free when it is already contiguous.
+        weight = weight.contiguous()
     x2 = _rows(x)
     n_rows, n_cols = x2.shape
     y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)

@@ -12,7 +12,9 @@ Two vLLM rules decide whether the kernel runs, and both are kept rather than ove
   compile backend is Inductor — the default on GPUs, and on CPU even when LoRA then makes the
   model run eagerly — custom ops default to off and vLLM's native code runs instead; the layer
   then logs once that the kernel is not in use. So deploy with ``+rms_norm``.
-* ``VLLM_BATCH_INVARIANT=1`` keeps vLLM's batch-invariant implementation.
+* ``VLLM_BATCH_INVARIANT=1`` keeps vLLM's batch-invariant implementation: the layer then runs
+  what vLLM's ``RMSNorm`` runs on that platform (on a GPU its ``forward_cuda``, which calls
+  ``rms_norm_batch_invariant``), never the Triton kernel.
 
 On a CPU-only engine Triton has no backend: the import fails (strict mode then refuses to start)
 unless ``TRITON_INTERPRET=1`` runs the kernel through Triton's interpreter, which is slow and meant
@@ -59,8 +61,8 @@ class FleetgateRMSNorm(RMSNorm):
     def _triton(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.variance_size_override is not None or envs.VLLM_BATCH_INVARIANT:
-            # Variance over a prefix of the row, or batch invariance: vLLM's own code path.
+        if self.variance_size_override is not None:
+            # Variance over a prefix of the row: vLLM's own code (what its forward_cuda runs).
             return super().forward_native(x, residual)
         if residual is None:
             weight = self.weight.data if self.pass_weight else None
@@ -71,9 +73,31 @@ class FleetgateRMSNorm(RMSNorm):
     # The dispatch targets of an enabled CustomOp on the platforms Triton serves (and on CPU,
     # where only the interpreter gets here). ``forward_native`` stays vLLM's: it is what runs
     # when the op is disabled, and the reference the kernel is held to.
-    forward_cuda = _triton
-    forward_hip = _triton
-    forward_cpu = _triton
+    #
+    # With ``VLLM_BATCH_INVARIANT=1`` each one runs exactly what vLLM's RMSNorm runs on that
+    # platform: on CUDA and ROCm its forward_cuda, i.e. ``rms_norm_batch_invariant`` (not
+    # forward_native, whose ``ir.ops`` dispatch picks the non-invariant ``torch.ops._C`` kernel);
+    # on CPU CustomOp's forward_cpu, which is forward_native.
+    def forward_cuda(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if envs.VLLM_BATCH_INVARIANT:
+            return RMSNorm.forward_cuda(self, x, residual)
+        return self._triton(x, residual)
+
+    def forward_hip(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if envs.VLLM_BATCH_INVARIANT:
+            return RMSNorm.forward_cuda(self, x, residual)  # vLLM's forward_hip is forward_cuda
+        return self._triton(x, residual)
+
+    def forward_cpu(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if envs.VLLM_BATCH_INVARIANT:
+            return RMSNorm.forward_cpu(self, x, residual)
+        return self._triton(x, residual)
 
 
 # register_oot named the class after the registry key; give it back the in-tree op name so

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from replica.kernels.cases import CI_CASES, DTYPES, FULL_CASES, OPS, TOLERANCES, VALUE_KINDS
+from replica.kernels.cases import (
+    CI_CASES,
+    DTYPES,
+    FULL_CASES,
+    MISMATCH_BUDGETS,
+    MISMATCH_FLOOR,
+    OPS,
+    TOLERANCES,
+    VALUE_KINDS,
+    Case,
+    allowed_mismatches,
+)
 
 
 def test_case_names_are_unique_and_the_full_sweep_contains_ci() -> None:
@@ -20,7 +31,7 @@ def test_ci_sweep_covers_shapes_dtypes_and_edge_values() -> None:
     assert max(c.rows for c in CI_CASES) >= 2048                       # a large batch
     assert any(c.hidden == 4096 for c in CI_CASES)                     # Llama-3-8B
     assert {c.values for c in CI_CASES} == set(VALUE_KINDS)            # every edge-value kind
-    assert {c.weight for c in CI_CASES} == {"random", "ones", "none"}
+    assert {c.weight for c in CI_CASES} == {"random", "ones", "strided", "none"}
     assert {c.layout for c in CI_CASES} == {"contiguous", "strided", "3d"}
 
 
@@ -38,3 +49,21 @@ def test_tolerances_are_no_looser_than_vllms_own_kernel_tests() -> None:
         # fp32 rtol is 16 ulps (2e-6), vLLM's 1.3e-6 with a 10x looser atol: compare the sum
         # at a typical |y| of 1.
         assert atol + rtol <= sum(vllm[dtype]) * 1.0001
+
+
+def test_bf16_and_fp16_have_a_mismatch_budget_far_below_a_dropped_rounding() -> None:
+    # A kernel that drops one of vLLM's roundings changes 15-29 % of bf16/fp16 outputs by 1-2
+    # ulps (inside the tolerance); the real kernel changes at most ~2e-4 (cases.py docstring).
+    assert set(MISMATCH_BUDGETS) == set(DTYPES)
+    for dtype in ("bfloat16", "float16"):
+        share, ulps = MISMATCH_BUDGETS[dtype]
+        assert share <= 1e-3 and ulps == 2
+    assert MISMATCH_BUDGETS["float32"][1] <= 16
+
+
+def test_allowed_mismatches_has_a_floor_and_scales_with_the_case() -> None:
+    assert allowed_mismatches("bfloat16", 700) == MISMATCH_FLOOR
+    assert allowed_mismatches("bfloat16", 1) == 1
+    assert allowed_mismatches("bfloat16", 1_048_576) == 104
+    assert allowed_mismatches("float32", 1000) == 1000
+    assert Case("rms_norm", 256, 4096, "float16").allowed_mismatches == 1048

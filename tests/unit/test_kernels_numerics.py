@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,10 +36,11 @@ def kernel_python() -> Path:
 
 
 def run_in_kernel_env(*args: str, timeout: float = SWEEP_TIMEOUT_S,
-                      env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``python *args`` in the vLLM venv, from the repository root."""
+                      env: dict[str, str] | None = None,
+                      cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in the vLLM venv, from the repository root (or ``cwd``)."""
     base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([str(kernel_python()), *args], cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([str(kernel_python()), *args], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, check=False, env={**base, **(env or {})})
 
 
@@ -78,6 +80,48 @@ def test_check_exits_1_and_names_the_case_when_a_kernel_is_wrong() -> None:
     assert "1/2 cases within tolerance; FAILED: rms_norm-fp32-7x100" in proc.stdout
 
 
+#: Kernels that break the rounding contract of ``reference.py`` (docs/kernels.md, "Numerics")
+#: while staying within the per-element tolerance: (what is broken, source to replace, with,
+#: a case it shows in).
+_MUTANTS = {
+    "no-rounding-before-weight-multiply": (
+        "        y = _to_f32(_from_f32(y, W.dtype.element_ty)) * _to_f32(w)\n"
+        "        y = _to_f32(_from_f32(y, W.dtype.element_ty))\n",
+        "        y = y * _to_f32(w)\n",
+        "rms_norm-bf16-256x4096",
+    ),
+    "variance-of-the-rounded-residual-sum": (
+        "                 _from_f32(x, R_OUT.dtype.element_ty), mask=mask)\n",
+        "                 _from_f32(x, R_OUT.dtype.element_ty), mask=mask)\n"
+        "        x = _to_f32(_from_f32(x, R_OUT.dtype.element_ty))\n",
+        "fused_add_rms_norm-bf16-256x4096",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(_MUTANTS))
+def test_check_exits_1_and_names_the_case_when_a_kernel_drops_a_rounding(
+    mutant: str, tmp_path: Path,
+) -> None:
+    # Both mutants move 1-2 ulps, inside the tolerance, in ~20 % of the bf16 elements; only the
+    # mismatch budget (cases.MISMATCH_BUDGETS) tells them from the real kernel.
+    old, new, case = _MUTANTS[mutant]
+    shutil.copytree(REPO_ROOT / "replica", tmp_path / "replica",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    source = tmp_path / "replica" / "kernels" / "rms_norm.py"
+    text = source.read_text()
+    assert text.count(old) == 1, f"the kernel source changed: update the {mutant} mutant"
+    source.write_text(text.replace(old, new))
+    proc = run_in_kernel_env("-m", "replica.kernels.check", "--device", "cpu", "--match", case,
+                             timeout=300, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"FAIL {case} " in proc.stdout
+    # (--match also picks the fused_add_ case of the same shape: both ops may fail.)
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert "cases within tolerance; FAILED: " in summary
+    assert case in summary.split("FAILED: ")[1].split(", ")
+
+
 def test_fleetgate_kernels_check_passes_here() -> None:
     # From fleetgate's own venv (no torch): the command runs the check in the vLLM venv.
     fleetgate = Path(sys.executable).parent / "fleetgate"
@@ -85,8 +129,27 @@ def test_fleetgate_kernels_check_passes_here() -> None:
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the compiled kernel was NOT checked" in proc.stderr  # no GPU here: interpreter
     assert "6/6 cases within tolerance" in proc.stdout
     assert "max_abs=" in proc.stdout and "max_rel=" in proc.stdout
+
+
+def test_auto_device_without_cuda_warns_that_the_compiled_kernel_was_not_checked() -> None:
+    # --device auto on a host whose torch sees no GPU falls back to the interpreter: a green
+    # result must not read as a check of the compiled kernel. --device cpu is asked for: no
+    # warning; --device cuda refuses to fall back.
+    env = {"CUDA_VISIBLE_DEVICES": ""}
+    auto = run_in_kernel_env("-m", "replica.kernels.check", "--match", "fp32-1x128",
+                             timeout=300, env=env)
+    assert auto.returncode == 0, auto.stdout + auto.stderr
+    assert "the compiled kernel was NOT checked" in auto.stderr
+    assert "--device cuda" in auto.stderr
+    cpu = run_in_kernel_env("-m", "replica.kernels.check", "--match", "fp32-1x128",
+                            "--device", "cpu", timeout=300, env=env)
+    assert cpu.returncode == 0 and "NOT checked" not in cpu.stderr, cpu.stdout + cpu.stderr
+    cuda = run_in_kernel_env("-m", "replica.kernels.check", "--match", "fp32-1x128",
+                             "--device", "cuda", timeout=300, env=env)
+    assert cuda.returncode == 2, cuda.stdout + cuda.stderr
 
 
 #: fp32 bit patterns for the bf16 rounding: NaNs as a GPU makes them (0x7FFFFFFF: the canonical

@@ -24,7 +24,7 @@ from replica.kernels import ops, trace
 from vllm.model_executor.layers.layernorm import RMSNorm
 
 from replica.kernels.cases import TOLERANCES
-from replica.kernels.check import _compare
+from replica.kernels.check import _compare, within_budget
 
 out = {}
 # Seeded: the normalised output may differ from vLLM's by an ulp for some inputs (the kernel's
@@ -32,8 +32,9 @@ out = {}
 torch.manual_seed(0)
 
 def close(a, b):
-    # The sweep's own comparison (replica/kernels/check.py) at its bf16 tolerance.
-    return _compare(a, b, *TOLERANCES["bfloat16"])[0]
+    # The sweep's own comparison (replica/kernels/check.py) at its bf16 tolerance and within its
+    # bf16 mismatch budget (share of elements that differ, ulps).
+    return _compare(a, b, *TOLERANCES["bfloat16"])[0] and within_budget(a, b, "bfloat16")[0]
 
 x = torch.randn(5, 96, dtype=torch.bfloat16)
 r = torch.randn(5, 96, dtype=torch.bfloat16)
@@ -80,6 +81,41 @@ out["pid"] = os.getpid()
 print(json.dumps(out))
 '''
 
+#: With VLLM_BATCH_INVARIANT=1, which implementation each platform forward of the layer runs:
+#: vLLM's ``rms_norm_batch_invariant`` (replaced by a sentinel), the kernel (counted by
+#: ``trace``) or neither (vLLM's forward_native).
+BATCH_INVARIANT_PROBE = r'''
+import json, os
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ["VLLM_BATCH_INVARIANT"] = "1"
+import torch
+from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+import vllm.model_executor.layers.layernorm as layernorm
+import replica.kernels.vllm_plugin as plugin
+from replica.kernels import trace
+
+calls = []
+def sentinel(x, weight, eps, residual=None):
+    calls.append("rms_norm_batch_invariant")
+    return x if residual is None else (x, residual)
+layernorm.rms_norm_batch_invariant = sentinel
+
+with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(
+        custom_ops=["none", "+rms_norm"]))):
+    layer = layernorm.RMSNorm(64, eps=1e-6, dtype=torch.bfloat16)
+x = torch.randn(3, 64, dtype=torch.bfloat16)
+r = torch.randn(3, 64, dtype=torch.bfloat16)
+out = {"layer_class": type(layer).__name__}
+for name in ("forward_cuda", "forward_hip", "forward_cpu"):
+    calls.clear()
+    trace.reset()
+    forward = getattr(layer, name)
+    forward(x)
+    forward(x, r)
+    out[name] = {"batch_invariant": len(calls), "kernel": trace.counts()}
+print(json.dumps(out))
+'''
+
 NO_INTERPRETER = (
     "import os; os.environ.pop('TRITON_INTERPRET', None); "
     "import replica.kernels.vllm_plugin"
@@ -117,6 +153,19 @@ def test_trace_file_holds_this_process_counters(probe: dict[str, Any]) -> None:
     assert trace["pid"] == probe["pid"]
     assert trace["ops"] == probe["layer_counts"]
     assert trace["version"]
+
+
+def test_batch_invariant_mode_keeps_vllms_batch_invariant_kernel() -> None:
+    proc = run_in_kernel_env("-c", BATCH_INVARIANT_PROBE, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["layer_class"] == "FleetgateRMSNorm"
+    # On CUDA and ROCm, vLLM's RMSNorm runs rms_norm_batch_invariant (both forms); so must ours,
+    # and the Triton kernel must not run.
+    for platform in ("forward_cuda", "forward_hip"):
+        assert got[platform] == {"batch_invariant": 2, "kernel": {}}, (platform, got)
+    # On CPU vLLM runs forward_native: neither the batch-invariant kernel nor ours.
+    assert got["forward_cpu"] == {"batch_invariant": 0, "kernel": {}}, got
 
 
 def test_a_cpu_engine_without_the_interpreter_refuses_the_plugin() -> None:
