@@ -261,6 +261,8 @@ def fleetgate_proc(
     port = free_port()
     argv = [*python_prefix] if python_prefix else [str(VENV_BIN / "fleetgate")]
     argv += ["serve", "--host", HOST, "--port", str(port), "--workers", str(workers)]
+    if workers > 1:
+        argv.append("--no-metrics")  # several workers' /metrics would disagree (docs/gateway.md)
     for url in replicas:
         argv += ["--replica", url]
     argv += list(extra)

@@ -197,6 +197,10 @@ def create_app(
     )
     if isinstance(index, MirrorBlockIndex):  # reloads, rebuilds, readiness at /metrics
         gw.metrics.registry.register(MirrorCollector(index))
+    # This process's own load (queued or upstream), read at each scrape: the HPA's metric.
+    gw.metrics.gateway_inflight.set_function(lambda: gw.active_requests)
+    # A replica that leaves takes its gauges along (a frozen healthy=1 would outlive it).
+    registry.on_remove.append(gw.metrics.forget_replica)
     if config.policy_path is not None:
         with contextlib.suppress(OSError):
             gw.policy_mtime = os.stat(config.policy_path).st_mtime

@@ -67,6 +67,9 @@ class GatewayConfig:
     decision_log_size: int = 200
     #: OTLP/HTTP traces endpoint; None keeps tracing off.
     otlp_endpoint: str | None = None
+    #: False: ``/metrics`` answers 404 instead of this process's registry (``serve --workers N``
+    #: needs it: N processes behind one port would each answer with their own counters).
+    metrics_enabled: bool = True
     #: Poll the agents' Redis fleet store for registered replicas.
     use_fleet_store: bool = False
     #: Sliding window for hit rate and cost gauges.

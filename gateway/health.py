@@ -1,10 +1,12 @@
-"""``/health`` (the process answers), ``/ready`` (can serve every model), ``/metrics``."""
+"""``/health`` (the process answers), ``/ready`` (this gateway can serve), ``/metrics``."""
 
 from __future__ import annotations
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway import errors
+from gateway.errors import GatewayError
 from gateway.policy_view import Route
 from gateway.state import GATEWAY, GatewayState
 
@@ -20,13 +22,27 @@ def configured_models(gw: GatewayState) -> set[str]:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: 200 when every configured model has at least one healthy replica."""
+    """Readiness of this gateway, for a load balancer: 200 while it can serve (started, its
+    policy loaded, not draining or stopping), whatever the replicas' health.
+
+    ``models`` says, per configured model, whether a healthy replica serves it now (for people
+    and scripts: ``all_models_ready``). It does not decide readiness: one model's pool being down
+    must not take every gateway, and with them the healthy models, out of the Service; a request
+    for the model without a replica gets its own 503 (``no_healthy_replica``), which
+    FleetgateNoHealthyReplica alerts on.
+    """
     gw = request.app[GATEWAY]
     serving = gw.registry.ready_models()
     models = {m: serving.get(m, False) for m in configured_models(gw)}
-    is_ready = bool(models) and all(models.values()) and not (gw.draining or gw.stopping)
+    stopping = gw.draining or gw.stopping
+    is_ready = not stopping
     return web.json_response(
-        {"ready": is_ready, "draining": gw.draining or gw.stopping, "models": models},
+        {
+            "ready": is_ready,
+            "draining": stopping,
+            "all_models_ready": bool(models) and all(models.values()),
+            "models": models,
+        },
         status=200 if is_ready else 503,
     )
 
@@ -66,6 +82,14 @@ def _slos(route: Route) -> list[str]:
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus exposition of this gateway's registry."""
     gw = request.app[GATEWAY]
+    if not gw.config.metrics_enabled:
+        raise GatewayError(
+            404,
+            errors.NOT_FOUND,
+            "Metrics are off in this gateway (fleetgate serve --workers N --no-metrics): each "
+            "worker process would answer with its own counters. Run one worker per pod and "
+            "scale pods to have /metrics (docs/gateway.md).",
+        )
     refresh_gauges(gw)
     body = generate_latest(gw.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

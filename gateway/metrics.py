@@ -10,10 +10,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
 from prometheus_client.metrics import MetricWrapperBase
 
 from gateway import errors
+
+# No ``*_created`` series (prometheus_client exports one per labelled counter and histogram by
+# default): nothing reads them, and they double the series count. Process-wide, at import.
+disable_created_metrics()
 
 # TTFT spans sub-10 ms cache hits to multi-second cold prefills.
 _LATENCY_BUCKETS = (
@@ -40,6 +50,9 @@ _LENGTH_BUCKETS = (
 )
 # Routing decisions should take well under a millisecond; resolve that range finely.
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+# Gateway queue time: sub-millisecond when the gateway only routes, but it also holds requests in
+# flow control (waits up to max_queue_wait) and while a LoRA adapter loads (tens of seconds).
+_QUEUE_BUCKETS = (*_DECISION_BUCKETS, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Label values created at 0 for every route (``GatewayMetrics.precreate``): the errors a routed
 # request can end in (the no-healthy-replica alert reads one), the retry reasons of any fleet.
 _ROUTE_ERROR_CODES = (errors.NO_HEALTHY_REPLICA, errors.UPSTREAM_TIMEOUT, errors.UPSTREAM_ERROR)
@@ -67,6 +80,12 @@ class CachedLabels:
         if child is None:
             child = self._children[values] = self.metric.labels(*values)
         return child
+
+    def remove(self, *values: str) -> None:
+        """Drop a child from the metric and from the cache (a cached child left behind would
+        take the next ``labels()`` call's samples without ever being exported again)."""
+        self._children.pop(values, None)
+        self.metric.remove(*values)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.metric, name)
@@ -120,9 +139,9 @@ class GatewayMetrics:
         )
         self.queue_time = Histogram(
             "fleetgate_queue_time_seconds",
-            "Arrival to upstream request sent",
+            "Arrival to upstream request sent (routing, flow-control waits, adapter loads)",
             ["route"],
-            buckets=(*_DECISION_BUCKETS, 0.25, 1.0),
+            buckets=_QUEUE_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -264,9 +283,16 @@ class GatewayMetrics:
             "Keep-alive connections to replicas open now (idle or serving a request)",
             registry=r,
         )
+        self.gateway_inflight = Gauge(
+            "fleetgate_gateway_inflight_requests",
+            "Requests this gateway process holds now (queued in flow control or upstream): "
+            "its own load, what the gateway HPA scales on",
+            registry=r,
+        )
         self.replica_inflight = Gauge(
             "fleetgate_replica_inflight",
-            "Requests in flight as this gateway sees them",
+            "Requests in flight on the replica as this gateway sees them: with Redis, every "
+            "gateway's (the fleet view, the same on each gateway); without, this gateway's",
             ["replica"],
             registry=r,
         )
@@ -339,6 +365,12 @@ class GatewayMetrics:
         for name, metric in list(vars(self).items()):
             if isinstance(metric, MetricWrapperBase) and metric._labelnames:
                 setattr(self, name, CachedLabels(metric))
+
+    def forget_replica(self, replica_id: str) -> None:
+        """Drop the per-replica gauges of a replica that left the fleet (a frozen ``healthy=1``
+        or in-flight count would outlive it). Counters keep their series: they are history."""
+        for gauge in (self.replica_healthy, self.replica_inflight, self.replica_decode_itl):
+            gauge.remove(replica_id)
 
     def precreate(
         self, routes: Iterable[tuple[str, Iterable[str]]], models: Iterable[str], backend: str

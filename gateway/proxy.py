@@ -181,6 +181,9 @@ class UpstreamOutcome:
     replica_seconds: dict[str, float] = field(default_factory=dict)
     #: The request's LoRA adapter as held for the latest attempt; None without one.
     adapter_load: AdapterLoad | None = None
+    #: The stable error code of the gateway's own error answer (``GatewayError``), already
+    #: counted in ``fleetgate_errors_total``; None for an answer relayed from the replica.
+    error_code: str | None = None
 
     def tpot_ms(self, completion_tokens: int) -> float | None:
         """Mean time per output token after the first, as the upstream delivered them (ms);

@@ -40,14 +40,17 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
         ("Cost per 1M tokens", "currencyUSD", [
             ("{{route}}", "max by (route) (fleetgate_cost_per_1m_tokens_usd)"),
         ]),
-        ("Goodput (share of requests meeting TTFT and TPOT SLOs)", "percentunit", [
+        # Failed requests (5xx, timeouts) count as misses: goodput falls when requests fail.
+        ("Goodput (share of requests served within their TTFT and TPOT SLOs)", "percentunit", [
             ("{{route}}", _ratio('fleetgate_slo_requests_total{slo="all",outcome="met"}',
                                 'fleetgate_slo_requests_total{slo="all"}')),
         ]),
         ("TTFT p50 / p95 / p99", "s", _percentiles("fleetgate_ttft_seconds")),
         ("TPOT p50 / p95 / p99", "s", _percentiles("fleetgate_tpot_seconds")),
         ("ITL p50 / p95 / p99", "s", _percentiles("fleetgate_itl_seconds")),
-        ("Gateway queue time p50 / p95 / p99", "s", _percentiles("fleetgate_queue_time_seconds")),
+        # Arrival to upstream send: routing, flow-control waits and adapter loads (to 120 s).
+        ("Gateway queue time p50 / p95 / p99 (routing, flow control, adapter loads)", "s",
+         _percentiles("fleetgate_queue_time_seconds")),
         ("Requests by status", "reqps", [
             ("{{status}}", f"sum by (status) (rate(fleetgate_requests_total[{RATE}]))"),
         ]),
@@ -96,8 +99,13 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             ("{{pod}}", _ratio("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
                                by="pod")),
         ]),
-        ("In flight per replica (gateway view)", "short", [
-            ("{{replica}}", "sum by (replica) (fleetgate_replica_inflight)"),
+        # With Redis every gateway reports the whole fleet's count per replica: max, not sum.
+        ("In flight per replica (fleet view)", "short", [
+            ("{{replica}}", "max by (replica) (fleetgate_replica_inflight)"),
+        ]),
+        # Each gateway pod's own requests (queued or upstream): what the gateway HPA scales on.
+        ("In flight per gateway pod (HPA metric)", "short", [
+            ("{{pod}}", "sum by (pod) (fleetgate_gateway_inflight_requests)"),
         ]),
         ("Retries on a fallback per second", "short", [
             ("{{reason}}", f"sum by (reason) (rate(fleetgate_upstream_retries_total[{RATE}]))"),

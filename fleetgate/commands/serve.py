@@ -2,7 +2,7 @@
 
 With a policy file (routes, tenants, pools, prices)::
 
-    fleetgate serve --config policy.yaml --workers 4
+    fleetgate serve --config policy.yaml
 
 Quick start without one (any API key, or none, is the default tenant)::
 
@@ -60,7 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=16, help="vLLM --block-size")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=port, default=8000)
-    parser.add_argument("--workers", type=positive_int, default=1, help="processes (SO_REUSEPORT)")
+    parser.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="processes sharing the port (SO_REUSEPORT); more than 1 needs --no-metrics: "
+        "scale with more pods (one worker each) to keep /metrics (docs/gateway.md)",
+    )
+    parser.add_argument(
+        "--no-metrics",
+        action="store_true",
+        help="/metrics answers 404 (what --workers N > 1 requires: each worker process has its "
+        "own counters, and a scrape would reach one of them at random)",
+    )
     parser.add_argument(
         "--admin-key",
         default=os.environ.get("FLEETGATE_ADMIN_KEY"),
@@ -102,6 +114,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.workers > 1 and not args.no_metrics:
+        print(
+            f"fleetgate serve: --workers {args.workers} would serve a different worker's counters "
+            "at each /metrics scrape (each process has its own), which Prometheus reads as "
+            "counter resets. Run one worker per pod and scale pods (the shipped Deployment "
+            "does), or add --no-metrics to run workers without /metrics.",
+            file=sys.stderr,
+        )
+        return 2
     if args.policy:
         from routing.config import PolicyError, load_policy
 
@@ -122,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             admin_key=args.admin_key,
             otlp_endpoint=args.otlp_endpoint,
+            metrics_enabled=not args.no_metrics,
         )
     except ValueError as exc:
         print(f"fleetgate serve: {exc}", file=sys.stderr)

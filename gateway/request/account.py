@@ -13,9 +13,11 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from gateway import errors
 from gateway.cost import RouteWindow
 from gateway.layout import LayoutDiagnostics
 from gateway.metrics import GatewayMetrics
+from gateway.policy_view import Route
 from gateway.proxy import UpstreamOutcome
 from gateway.request.record import CachePrediction, DecisionRecord
 from gateway.request.route import PINNED_PROFILE, RouteDecision
@@ -114,6 +116,10 @@ def _account(
     # 499: nginx's "client closed request", the de-facto code for an abandoned request.
     status = 499 if outcome.client_gone else outcome.status
     m.requests.labels(route, model, replica, str(status)).inc()
+    if status >= 500 and outcome.error_code is None:
+        # The replica's own 5xx, relayed as it was (no fallback left), or a stream that broke
+        # off after its first bytes: errors too, though the gateway raised none of its own.
+        m.errors.labels(route, errors.UPSTREAM_ERROR).inc()
     end = outcome.finished_at or time.monotonic()
     m.e2e.labels(route, model).observe(end - arrived)
     for pool, seconds in replica_seconds.items():
@@ -155,7 +161,7 @@ def _account(
             cached or 0,
             completion_tokens,
         )
-        _slo(gw, routed, ttft_ms, outcome, completion_tokens)
+    _slo(gw, routed, ttft_ms, outcome, completion_tokens, status, streamed, end - arrived)
     prediction = _prediction(gw, routed, outcome, prompt_tokens, cached)
     gw.decisions.append(_record(routed, outcome, prediction, status, cached, ttft_ms))
     if outcome.replica is not None:
@@ -205,18 +211,56 @@ def _slo(
     ttft_ms: float | None,
     outcome: UpstreamOutcome,
     completion_tokens: int,
+    status: int,
+    streamed: bool,
+    elapsed_s: float,
 ) -> None:
+    """``fleetgate_slo_requests_total`` for one request (docs/metrics.md, *SLO accounting*).
+
+    ``slo="all"`` (goodput) counts every request that was routed and did not end in a client
+    error: met when it succeeded and met each SLO it could be checked against, missed when it
+    failed (5xx, timeout, broken stream) or missed one. ``ttft`` / ``tpot`` count where they can
+    be measured: a streamed request that failed before its first token missed its TTFT, and so
+    did one whose client left (499) before it, having waited longer than the SLO.
+    """
+    route = routed.route
+    failed = status >= 500
+    gone = outcome.client_gone
+    succeeded = status == 200 and not gone
     checks: dict[str, bool] = {}
-    if routed.route.ttft_slo_ms is not None and ttft_ms is not None:
-        checks["ttft"] = ttft_ms <= routed.route.ttft_slo_ms
-    tpot_ms = outcome.tpot_ms(completion_tokens)
-    if routed.route.tpot_slo_ms is not None and tpot_ms is not None:
-        checks["tpot"] = tpot_ms <= routed.route.tpot_slo_ms
-    if checks:
+    if route.ttft_slo_ms is not None:
+        if ttft_ms is not None:
+            checks["ttft"] = ttft_ms <= route.ttft_slo_ms
+        elif streamed and (failed or (gone and elapsed_s * 1000 > route.ttft_slo_ms)):
+            checks["ttft"] = False  # no first token: the client waited past the SLO, or for none
+    tpot_ms = outcome.tpot_ms(completion_tokens) if succeeded else None
+    if route.tpot_slo_ms is not None and tpot_ms is not None:
+        checks["tpot"] = tpot_ms <= route.tpot_slo_ms
+    if route.ttft_slo_ms is None and route.tpot_slo_ms is None:
+        return  # no objective to measure against (no `all` series either)
+    if failed:
+        met_all: bool | None = False
+    elif checks:
+        met_all = all(checks.values())
+    elif succeeded:
+        met_all = True  # nothing measurable (not streamed, one token): served is what counts
+    else:
+        met_all = None  # a client error (4xx), or a client that left early: not ours to count
+    if met_all is not None:
         # Per SLO (the TTFT burn-rate alerts read slo="ttft") and for both together (goodput).
-        checks["all"] = all(checks.values())
-        for slo, met in checks.items():
-            gw.metrics.slo_requests.labels(routed.route.name, slo, "met" if met else "missed").inc()
+        checks["all"] = met_all
+    for slo, met in checks.items():
+        gw.metrics.slo_requests.labels(route.name, slo, "met" if met else "missed").inc()
+
+
+def count_failed_before_forwarding(metrics: GatewayMetrics, route: Route, stream: bool) -> None:
+    """A routed request the gateway failed (5xx) before sending it anywhere (no healthy replica,
+    an adapter that cannot load): a miss for goodput, and for TTFT when it asked to stream."""
+    if route.ttft_slo_ms is None and route.tpot_slo_ms is None:
+        return
+    misses = ["all", "ttft"] if stream and route.ttft_slo_ms is not None else ["all"]
+    for slo in misses:
+        metrics.slo_requests.labels(route.name, slo, "missed").inc()
 
 
 def _prediction(

@@ -140,6 +140,7 @@ async def forward(
             response = await proxy.send(request, plan, recorder, gw.upstream_pool(), gw.registry)
         except GatewayError as err:
             outcome.status = err.status
+            outcome.error_code = err.code  # the handler counts it in fleetgate_errors_total
             raise
         except asyncio.CancelledError:
             outcome.client_gone = True  # aiohttp cancels the handler when the client leaves

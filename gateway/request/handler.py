@@ -13,7 +13,11 @@ from gateway import errors
 from gateway.errors import GatewayError
 from gateway.flow_control import flow_finished
 from gateway.proxy import UpstreamOutcome
-from gateway.request.account import account, completion_tokens_of
+from gateway.request.account import (
+    account,
+    completion_tokens_of,
+    count_failed_before_forwarding,
+)
 from gateway.request.forward import AttemptRecorder, forward, plan_forward
 from gateway.request.kinds import RequestKind
 from gateway.request.route import RequestLabels, RouteDecision, admit, repick, route
@@ -72,6 +76,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     arrived = time.monotonic()
     labels = RequestLabels()
     forwarded = False
+    stream = False
     gw.active_requests += 1
     try:
         with gw.tracer.start_as_current_span("fleetgate.request") as span:
@@ -81,6 +86,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             tenant = admit(request, gw.policy, gw.rate_limiter)
             body, raw = await read_body(request, gw.config.max_body_bytes)
             kind.validate(body)
+            stream = isinstance(body, Mapping) and body.get("stream") is True
             if kind.prepare is not None:
                 body = kind.prepare(body)
             # ADMISSION: an admission step (queueing, concurrency limits) is awaited here, with
@@ -142,9 +148,22 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
         if not forwarded:
             status = str(err.status)
             gw.metrics.requests.labels(labels.route, labels.model, "none", status).inc()
+            _count_slo_failure(gw, labels, err, stream)
         if kind.error_response is not None:
             return kind.error_response(err, request_id)
         return err.response(request_id)
     finally:
         gw.active_requests -= 1
         gw.request_ids.discard(request_id)
+
+
+def _count_slo_failure(
+    gw: GatewayState, labels: RequestLabels, err: GatewayError, stream: bool
+) -> None:
+    """A routed request the gateway failed before forwarding it counts against the route's
+    SLOs (goodput); client errors (4xx) do not, nor does a gateway going down (retry at once)."""
+    if err.status < 500 or err.code == errors.SHUTTING_DOWN:
+        return
+    route = next((r for r in gw.policy.routes if r.name == labels.route), None)
+    if route is not None:
+        count_failed_before_forwarding(gw.metrics, route, stream)

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+
+# No ``*_created`` series, as on the gateway (docs/metrics.md): process-wide, at import.
+disable_created_metrics()
 
 
 class AgentMetrics:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr
@@ -220,6 +221,15 @@ class Policy(StrictModel):
                 "(api_key_sha256) and no gateway.anonymous_tenant: every request is refused "
                 "with 401 (a policy that declares tenants never falls back to open access)"
             )
+        for i, model in enumerate(self.models):
+            spec = model.tokenizer
+            if spec.kind == "local" and spec.path is not None and not _has_tokenizer(spec.path):
+                found.append(
+                    f"models[{i}] ({model.name}): tokenizer path {spec.path} has no "
+                    "tokenizer.json on this machine. Fine if validation runs elsewhere, but the "
+                    "gateway that loads this policy refuses to start without it: mount the model "
+                    "files there, or use {kind: remote, url: <engine URL>}"
+                )
         return found
 
     def profiles_for_engine(
@@ -237,3 +247,8 @@ class Policy(StrictModel):
         from routing.config.engine_profiles import build_engine_profiles
 
         return build_engine_profiles(self, catalog, previous)
+
+
+def _has_tokenizer(path: str) -> bool:
+    """Whether a ``local`` tokenizer's directory holds the ``tokenizer.json`` it loads."""
+    return (Path(path) / "tokenizer.json").is_file()

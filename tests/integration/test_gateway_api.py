@@ -390,12 +390,15 @@ async def test_no_healthy_replica_is_503_and_not_ready() -> None:
             assert _error(await resp.read())["code"] == "no_healthy_replica"
 
 
-async def test_ready_is_503_without_replicas_and_health_is_200() -> None:
+async def test_ready_is_200_without_replicas_and_says_no_model_is_served() -> None:
+    """Readiness is the gateway's own (a load balancer's question), not the replicas'."""
     async with gateway([]) as url, aiohttp.ClientSession() as http:
         async with http.get(f"{url}/health") as resp:
             assert resp.status == 200
         async with http.get(f"{url}/ready") as resp:
-            assert resp.status == 503
+            assert resp.status == 200
+            body = await resp.json()
+            assert body["ready"] is True and body["all_models_ready"] is False
 
 
 async def test_unknown_path_is_enveloped_404() -> None:

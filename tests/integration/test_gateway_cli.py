@@ -90,6 +90,7 @@ async def test_fleetgate_serve_workers_share_the_port() -> None:
             str(port),
             "--workers",
             "2",
+            "--no-metrics",
         )
         try:
             url = f"http://127.0.0.1:{port}"
@@ -99,6 +100,10 @@ async def test_fleetgate_serve_workers_share_the_port() -> None:
                 text = await client.completions.create(model="base-model", prompt="hi")
                 assert text.choices[0].text == "a b c"
             await client.close()
+            # --no-metrics: no worker answers with its own share of the counters.
+            async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+                assert resp.status == 404
+                assert "--no-metrics" in (await resp.json())["error"]["message"]
         finally:
             assert await _stop(process) == 0
     assert len(upstream.received) == 4

@@ -20,6 +20,11 @@ from fleetgate.cli import main
         (["up", "--sim-speed", "0"], "must be a finite number > 0 (got 0)"),
         (["serve", "--replica", "10.0.0.5:8000"], "did you mean http://10.0.0.5:8000?"),
         (["serve", "--replica", "http://x", "--workers", "0"], "must be an integer >= 1"),
+        # N workers' /metrics would each answer with one process's counters (docs/gateway.md).
+        (
+            ["serve", "--replica", "http://x", "--workers", "2"],
+            "Run one worker per pod and scale pods",
+        ),
         (["sim", "--speed", "nan"], "must be a finite number > 0 (got nan)"),
         (["triage", "--timeout", "-1"], "must be a finite number > 0 (got -1)"),
         (["plan", "levers", "--model-params", "nan"], "must be a finite number > 0 (got nan)"),

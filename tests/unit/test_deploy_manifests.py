@@ -90,3 +90,57 @@ def test_every_shipped_policy_validates(policy_file: Path) -> None:
 
     policy = load_policy(policy_file)
     assert policy.routes, f"{policy_file} defines no route"
+
+
+def _gateway(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    deployment = next(
+        m for m in manifests
+        if m["kind"] == "Deployment" and m["metadata"]["name"].startswith("fleetgate-gateway")
+    )
+    (container,) = (
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "gateway"
+    )
+    return {"spec": deployment["spec"]["template"]["spec"], "container": container}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_gateway_pods_have_their_local_tokenizers(overlay: Path) -> None:
+    """A ``kind: local`` tokenizer path of the shipped policy is on a gateway volume (the gateway
+    refuses to start without its tokenizer.json: a crash-looping rollout otherwise)."""
+    from routing.config import parse_policy
+
+    manifests = render(overlay)
+    policy_map = next(
+        m for m in manifests
+        if m["kind"] == "ConfigMap" and m["metadata"]["name"].startswith("fleetgate-policy")
+    )
+    policy = parse_policy(policy_map["data"]["policy.yaml"])
+    gateway = _gateway(manifests)
+    mounts = [m["mountPath"].rstrip("/") for m in gateway["container"].get("volumeMounts", [])]
+    for model in policy.models:
+        if model.tokenizer.kind == "local":
+            path = str(model.tokenizer.path)
+            assert any(path == m or path.startswith(m + "/") for m in mounts), (
+                f"{overlay.name}: {model.name}'s tokenizer {path} is on no gateway mount {mounts}"
+            )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_gateway_runs_one_worker_and_scales_on_its_own_load(overlay: Path) -> None:
+    """One process per pod (several workers would each serve their own /metrics), and the HPA's
+    metric is each pod's own in-flight count, not the fleet-wide per-replica one."""
+    manifests = render(overlay)
+    args = _gateway(manifests)["container"]["args"]
+    workers = [a for a in args if a.startswith("--workers")]
+    assert workers in ([], ["--workers=1"]), args
+    adapter = next(
+        m for m in manifests
+        if m["kind"] == "ConfigMap"
+        and m["metadata"]["name"].startswith("fleetgate-prometheus-adapter-rules")
+    )
+    rules = yaml.safe_load(adapter["data"]["config.yaml"])["rules"]
+    hpa_rule = next(
+        r for r in rules if r["name"]["as"] == "fleetgate_gateway_inflight_requests"
+    )
+    assert "fleetgate_gateway_inflight_requests" in hpa_rule["metricsQuery"]
+    assert "fleetgate_replica_inflight" not in hpa_rule["seriesQuery"] + hpa_rule["metricsQuery"]

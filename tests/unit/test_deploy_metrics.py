@@ -15,8 +15,10 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from adapters_registry.metrics import AdapterMetrics
+from gateway.index_metrics import MirrorCollector
 from gateway.metrics import GatewayMetrics
 from replica.agent.metrics import AgentMetrics
+from routing.index.mirror import MirrorBlockIndex
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "fleetgate-dashboard.json"
@@ -49,11 +51,14 @@ def _family(sample_name: str) -> str:
 
 
 def exported_families() -> set[str]:
-    """Metric families registered by the gateway, the adapter registry and the agent."""
+    """Metric families registered by the gateway (its index mirror's too), the adapter registry
+    and the agent."""
     registry = CollectorRegistry()
     GatewayMetrics(registry)
     AdapterMetrics(registry)
     AgentMetrics("r0", registry)
+    # The gateway's index mirror (index.mode: mirror); never connects here.
+    registry.register(MirrorCollector(MirrorBlockIndex("redis://127.0.0.1:1/0")))
     return {metric.name for metric in registry.collect()} | VLLM_METRICS
 
 

@@ -19,7 +19,16 @@ BROKEN = EXAMPLES / "broken"
 def test_example_policy_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["policy", "validate", str(EXAMPLE)]) == 0
     out, err = capsys.readouterr()
-    assert err == ""
+    # The one warning it may give: its local tokenizer is on the gateway's disk, not this one's.
+    if not Path("/models/llama-3.1-8b-instruct/tokenizer.json").is_file():
+        assert err.splitlines() == [
+            f"{EXAMPLE}: warning: models[0] (meta-llama/Llama-3.1-8B-Instruct): tokenizer path "
+            "/models/llama-3.1-8b-instruct has no tokenizer.json on this machine. Fine if "
+            "validation runs elsewhere, but the gateway that loads this policy refuses to start "
+            "without it: mount the model files there, or use {kind: remote, url: <engine URL>}"
+        ]
+    else:
+        assert err == ""
     lines = out.splitlines()
     assert len(lines) == 1
     assert lines[0].startswith(f"{EXAMPLE}: OK: policy v1: 2 pools")
@@ -68,7 +77,9 @@ def test_every_broken_example_is_covered() -> None:
 def test_several_files_exit_1_if_any_is_invalid(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["policy", "validate", "-q", str(EXAMPLE), str(BROKEN / "wrong_type.yaml")]) == 1
     out, err = capsys.readouterr()
-    assert out == "" and "wrong_type.yaml:7:" in err and str(EXAMPLE) not in err
+    assert out == "" and "wrong_type.yaml:7:" in err
+    # The example is valid: at most a warning (its local tokenizer is not on this machine).
+    assert all(": warning: " in line for line in err.splitlines() if str(EXAMPLE) in line)
 
 
 def test_missing_file_is_an_error_naming_it(

@@ -1,0 +1,88 @@
+"""Units behind the observability review's fixes: queue-time buckets, gauges that can be removed
+and created again, and ``policy validate``'s warning about a local tokenizer that is not there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetgate.cli import main
+from gateway.metrics import GatewayMetrics
+from routing.config import parse_policy
+
+
+def test_queue_time_buckets_reach_past_a_minute_and_keep_the_fine_ones() -> None:
+    """Flow-control waits and adapter loads take seconds: an 8 s wait lands in a bucket of its
+    own, not in +Inf (where every quantile reads the top bucket, 1 s)."""
+    metrics = GatewayMetrics()
+    metrics.queue_time.labels("r").observe(8.0)
+
+    def bucket(le: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "fleetgate_queue_time_seconds_bucket", {"route": "r", "le": le}
+        )
+
+    assert bucket("5.0") == 0
+    assert bucket("10.0") == 1
+    for le in ("0.0001", "0.001", "0.1", "0.25", "1.0", "30.0", "60.0", "120.0"):
+        assert bucket(le) is not None, le
+
+
+def test_a_removed_gauge_child_is_exported_again_once_set() -> None:
+    """``CachedLabels.remove`` also forgets its cached child: otherwise the next ``labels()``
+    would return the orphan and its samples would never reach /metrics again."""
+    metrics = GatewayMetrics()
+    metrics.replica_decode_itl.labels("r0").set(0.02)
+    metrics.replica_decode_itl.remove("r0")
+    get = metrics.registry.get_sample_value
+    assert get("fleetgate_replica_decode_itl_seconds", {"replica": "r0"}) is None
+    metrics.replica_decode_itl.labels("r0").set(0.03)
+    assert get("fleetgate_replica_decode_itl_seconds", {"replica": "r0"}) == 0.03
+
+
+def test_forget_replica_drops_its_gauges_only() -> None:
+    metrics = GatewayMetrics()
+    for rid in ("r0", "r1"):
+        metrics.replica_healthy.labels(rid).set(1)
+        metrics.replica_inflight.labels(rid).set(3)
+        metrics.replica_decode_itl.labels(rid).set(0.01)
+    metrics.forget_replica("r1")
+    metrics.forget_replica("never-seen")  # no error
+    get = metrics.registry.get_sample_value
+    for name in ("fleetgate_replica_healthy", "fleetgate_replica_inflight"):
+        assert get(name, {"replica": "r1"}) is None
+        assert get(name, {"replica": "r0"}) is not None
+
+
+def _policy(tokenizer: dict[str, str]) -> str:
+    return yaml.safe_dump(
+        {
+            "version": 1,
+            "replica_pools": [{"name": "p", "replicas": ["http://127.0.0.1:9"]}],
+            "models": [{"name": "m", "tokenizer": tokenizer, "pools": ["p"]}],
+        }
+    )
+
+
+def test_a_local_tokenizer_missing_here_is_a_warning(tmp_path: Path) -> None:
+    missing = parse_policy(_policy({"kind": "local", "path": str(tmp_path / "nowhere")}))
+    (warning,) = missing.warnings()
+    assert "models[0] (m): tokenizer path" in warning and "no tokenizer.json" in warning
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    assert parse_policy(_policy({"kind": "local", "path": str(tmp_path / "tok")})).warnings() == []
+    remote = parse_policy(_policy({"kind": "remote", "url": "http://engine:8000"}))
+    assert remote.warnings() == []
+
+
+def test_validate_says_when_a_local_tokenizer_is_not_on_this_machine(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text(_policy({"kind": "local", "path": "/models/not-here"}))
+    assert main(["policy", "validate", str(path)]) == 0  # a warning: it may run elsewhere
+    out, err = capsys.readouterr()
+    assert "OK:" in out
+    assert f"{path}: warning: models[0] (m): tokenizer path /models/not-here" in err
