@@ -6,9 +6,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from adapters_registry.registry import RegistrySettings
+from routing.config.infra import GatewaySettings, IndexSettings
 from routing.index.factory import DEFAULT_INDEX_MODE
 from routing.index.redis_client import is_cluster_url
 from routing.policies.registry import DEFAULT_PROFILE
+
+_GATEWAY = GatewaySettings()
+_INDEX = IndexSettings()
 
 
 @dataclass
@@ -36,18 +40,20 @@ class GatewayConfig:
     #: Key for ``/admin/``; None disables the admin API.
     admin_key: str | None = None
     #: Largest request body accepted (bytes); larger gets 413.
-    max_body_bytes: int = 8 * 1024 * 1024
-    #: Seconds to wait for an upstream's response headers (and, streaming, its first byte).
-    upstream_timeout_s: float = 300.0
-    connect_timeout_s: float = 5.0
+    max_body_bytes: int = _GATEWAY.max_body_bytes
+    # The defaults below are the policy file's (``routing/config/infra.py``), so a gateway
+    # behaves the same with a policy file or without one.
+    #: Seconds to wait for an upstream's response headers (and, streaming, each next chunk).
+    upstream_timeout_s: float = _GATEWAY.upstream_timeout_s
+    connect_timeout_s: float = _GATEWAY.connect_timeout_s
     #: Speculative index entries (the gateway's own decisions) live this long unconfirmed.
-    speculative_ttl_s: float = 30.0
-    health_interval_s: float = 2.0
+    speculative_ttl_s: float = _INDEX.speculative_ttl_s
+    health_interval_s: float = _GATEWAY.health_check_interval_s
     #: Consecutive failures that open a replica's circuit, and how long it stays open.
     #: Bound on one block-index lookup; past it the decision degrades to load only.
-    index_timeout_s: float = 0.02
+    index_timeout_s: float = _INDEX.lookup_timeout_ms / 1000
     #: Retries on fallback replicas, only before the first byte reached the client.
-    max_retries: int = 2
+    max_retries: int = _GATEWAY.max_retries
     breaker_failures: int = 3
     breaker_cooldown_s: float = 10.0
     #: In-flight streams get this long to finish on shutdown.

@@ -332,6 +332,15 @@ class ReplicaRegistry:
         """Base models at least one replica (healthy or not) serves."""
         return {m for s in self._states.values() for m in s.models}
 
+    def never_listed_models(self) -> list[ReplicaState]:
+        """Replicas with no model known: neither configured nor read from their ``/v1/models``
+        (an engine not up yet, or at a wrong URL)."""
+        return [
+            s
+            for rid, s in self._states.items()
+            if not s.models and rid not in self._adapters_read_at
+        ]
+
     def max_model_len(self, model: str) -> int | None:
         """The longest context every replica of ``model`` accepts (the smallest they report), for
         ``/v1/models``; None until one has reported it."""
@@ -361,12 +370,16 @@ class ReplicaRegistry:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         # Health comes from /health alone: a slow /metrics or /v1/models scrape on a busy engine
         # says nothing about whether it can serve, and must not take it out of routing.
+        failure = ""
         try:
             async with session.get(f"{state.url}/health", timeout=timeout) as resp:
                 answered_ok = resp.status == 200
+                if not answered_ok:
+                    failure = f"/health answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.debug("health poll of %s failed: %s", state.replica_id, exc)
             answered_ok = False
+            failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if answered_ok:
             self._failed_polls[state.replica_id] = 0
         else:
@@ -442,10 +455,12 @@ class ReplicaRegistry:
         if current.healthy and not healthy:
             aborted = self.attempts.abort_unanswered(state.replica_id)
             log.warning(
-                "replica %s marked unhealthy (%d health polls missed); %d request(s) it held "
-                "unanswered go to a fallback",
+                "replica %s (%s) marked unhealthy (%d health polls missed, the last: %s); %d "
+                "request(s) it held unanswered go to a fallback",
                 state.replica_id,
+                state.url,
                 self._failed_polls[state.replica_id],
+                failure or "unknown",
                 aborted,
             )
 

@@ -79,7 +79,9 @@ def routing_profile(name: str) -> str:
 
 
 def replica_url(url: str) -> str:
-    """An engine's base URL: ``http://`` or ``https://`` and a host."""
+    """An engine's base URL: ``http://`` or ``https://`` and a host. A trailing ``/v1`` (an
+    OpenAI client's base URL, which is what ``fleetgate sim`` and vLLM print) is dropped: the
+    gateway adds the API's own path, and would otherwise call ``/v1/v1/...``."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
@@ -87,4 +89,9 @@ def replica_url(url: str) -> str:
         raise argparse.ArgumentTypeError(
             f"an engine URL is http(s)://HOST:PORT (got {url!r}; did you mean http://{url}?)"
         )
-    return url.rstrip("/")
+    return strip_api_suffix(url.rstrip("/"))
+
+
+def strip_api_suffix(url: str) -> str:
+    """``url`` without a trailing ``/v1``."""
+    return url[: -len("/v1")] if url.endswith("/v1") else url

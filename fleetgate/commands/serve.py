@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     replicas = tuple(
         ReplicaSpec(
             f"replica-{i}",
-            url.rstrip("/"),
+            url,  # replica_url normalised it
             models=frozenset(args.model),
             block_size=args.block_size,
         )

@@ -116,10 +116,11 @@ def fleet_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def describe(fleet: SimFleet) -> str:
-    """One line per replica: its OpenAI base URL and event endpoints."""
+    """One line per replica: its URL (the engine's root, as ``fleetgate serve --replica`` and a
+    policy's ``replicas`` take it; OpenAI clients add ``/v1``) and event endpoints."""
     lines = []
     for handle in fleet.replicas:
-        line = f"replica {handle.index}: {handle.url}/v1"
+        line = f"replica {handle.index}: {handle.url}"
         if handle.kv_events_endpoint:
             line += f"  kv-events {handle.kv_events_endpoint}"
         if handle.kv_replay_endpoint:

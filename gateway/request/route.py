@@ -262,6 +262,20 @@ def resolve_model(
     parent = replicas.served_adapters.get(model)
     if parent is not None:
         return parent, model
+    silent = replicas.never_listed_models()
+    if silent:
+        # Without a policy (or --model) the models come from the engines' /v1/models: while
+        # one has never answered, "unknown" may only mean "not heard from yet".
+        where = ", ".join(f"{r.replica_id} at {r.url}" for r in silent[:3])
+        raise GatewayError(
+            503,
+            errors.NO_HEALTHY_REPLICA,
+            f"The model `{model}` is not served by any replica that has answered so far, and "
+            f"{len(silent)} replica(s) have not listed their models yet ({where}); check that "
+            "they are up, and the URL (the engine's root, e.g. http://host:8000).",
+            "model",
+            headers={"Retry-After": "2"},
+        )
     raise model_not_found(model)
 
 

@@ -59,6 +59,14 @@ class ReplicaPool(StrictModel):
             raise ValueError("needs static 'replicas', 'discovery', or both")
         if len(set(self.replicas)) != len(self.replicas):
             raise ValueError("'replicas' lists the same URL twice")
+        for url in self.replicas:
+            root = url.rstrip("/")
+            if root.endswith("/v1"):
+                # The gateway adds /v1/chat/completions itself: it would call /v1/v1/...
+                raise ValueError(
+                    f"replica {url} ends in /v1: list the engine's root URL "
+                    f"({root[: -len('/v1')]}); the gateway adds the API path"
+                )
         if (
             self.max_loras is not None
             and self.max_cpu_loras is not None

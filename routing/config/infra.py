@@ -33,8 +33,10 @@ class IndexSettings(StrictModel):
     mode: Literal["lookup", "mirror"] = DEFAULT_INDEX_MODE  # type: ignore[assignment]
     key_prefix: KeyPrefix = "fleetgate:"
     #: Lifetime of entries the gateway inserts for its own routing decisions, until an engine
-    #: event confirms them. Short: a wrong guess should not steer traffic for long.
-    speculative_ttl_s: PositiveFloat = 10.0
+    #: event confirms them. Short: a wrong guess should not steer traffic for long; long enough
+    #: for a long prompt's prefill to end and its events to arrive (the simulator's and the
+    #: benchmarks' value, and ``fleetgate up``'s).
+    speculative_ttl_s: PositiveFloat = 30.0
     #: Upper bound on index entries (memory backend); ``None`` means unbounded.
     max_entries: PositiveInt | None = None
     #: Give up on an index lookup after this long and route on load alone.
@@ -64,8 +66,9 @@ class GatewaySettings(StrictModel):
     connect_timeout_s: PositiveFloat = 5.0
     #: Retries on another replica, only before the first byte reached the client.
     max_retries: NonNegativeInt = 2
-    #: Seconds between replica health checks.
-    health_check_interval_s: PositiveFloat = 5.0
+    #: Seconds between replica health checks (each also reads the engine's queue gauges, which
+    #: routing weighs: fresher is better).
+    health_check_interval_s: PositiveFloat = 2.0
     #: Tenant that requests without an API key act as; ``None`` refuses them (401).
     anonymous_tenant: Name | None = None
 

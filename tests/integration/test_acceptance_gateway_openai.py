@@ -175,7 +175,7 @@ def serve_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     at 1/100 of real time: a 20-token answer takes many times the 2 s upstream timeout); a
     steady sim at 1/10 of real time (first token well inside 2 s, a 60-token stream well past
     it); and a replica URL where nothing listens."""
-    sim_line = r"replica 0: (http://127\.0\.0\.1:\d+)/v1"
+    sim_line = r"replica 0: (http://127\.0\.0\.1:\d+)"
     fast = CliProcess(["sim", "--port", "0", "--speed", "1000"]).start()
     slow = CliProcess(["sim", "--port", "0", "--speed", "0.01", "--model", "slow-model"]).start()
     steady = CliProcess(["sim", "--port", "0", "--speed", "0.1", "--model", "steady-model"])

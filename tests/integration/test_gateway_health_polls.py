@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -11,7 +12,9 @@ from gateway.replicas import ReplicaRegistry
 from routing.types import ReplicaId
 
 
-async def test_one_missed_health_poll_does_not_mark_a_replica_unhealthy() -> None:
+async def test_one_missed_health_poll_does_not_mark_a_replica_unhealthy(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     answers = iter([200, 500, 200, 500, 500, 200])
 
     async def health(_: web.Request) -> web.Response:
@@ -31,6 +34,9 @@ async def test_one_missed_health_poll_does_not_mark_a_replica_unhealthy() -> Non
             seen.append(state.healthy)
     # 500 once: still healthy; 500 twice in a row: unhealthy; one good answer: healthy again.
     assert seen == [True, True, True, True, False, True]
+    # The warning says where the replica is and why it was marked down, not only that it was.
+    (warning,) = [r.getMessage() for r in caplog.records if "marked unhealthy" in r.getMessage()]
+    assert url in warning and "/health answered 500" in warning
 
 
 async def test_a_slow_metrics_scrape_does_not_mark_a_replica_unhealthy() -> None:
@@ -81,3 +87,25 @@ async def test_polls_turn_the_engines_itl_histogram_into_its_recent_time_between
         second = registry.get(ReplicaId("r0"))
         assert second is not None and second.running == 4
         assert second.decode_itl_ms is not None and abs(second.decode_itl_ms - 60.0) < 1e-6
+
+
+async def test_a_replica_never_heard_from_is_a_503_naming_it_not_an_unknown_model() -> None:
+    # `serve --replica URL` without --model: the models come from /v1/models. With the only
+    # replica at a wrong URL, "model not found" would send the user hunting for a typo.
+    from gateway.app import create_app
+    from gateway.config import GatewayConfig
+    from gateway.policy_view import GatewayPolicy
+    from tests.integration.test_gateway_support import serve
+    from tests.support.redis_server import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    spec = ReplicaSpec("replica-0", dead, models=frozenset())
+    app = create_app(GatewayConfig(health_interval_s=0.05), GatewayPolicy.default([spec]))
+    async with serve(app) as url, aiohttp.ClientSession() as http, http.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+    ) as resp:
+        assert resp.status == 503
+        error = (await resp.json())["error"]
+    assert error["code"] == "no_healthy_replica"
+    assert dead in error["message"] and "have not listed their models" in error["message"]

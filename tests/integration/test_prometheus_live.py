@@ -168,7 +168,7 @@ async def quick_start_stack() -> AsyncIterator[Stack]:
     sim = await _fleetgate("sim", "--replicas", "2", "--port", "0", "--model", MODEL)
     serve: Process | None = None
     try:
-        replicas = [(await sim.read_until(r"replica \d: (http://\S+)/v1")).group(1) for _ in "ab"]
+        replicas = [(await sim.read_until(r"replica \d: (http://\S+)")).group(1) for _ in "ab"]
         sim.keep_draining()
         serve = await _fleetgate(
             "serve", "--replica", replicas[0], "--replica", replicas[1], "--port", "0"

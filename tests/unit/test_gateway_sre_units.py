@@ -86,3 +86,22 @@ def test_validate_says_when_a_local_tokenizer_is_not_on_this_machine(
     out, err = capsys.readouterr()
     assert "OK:" in out
     assert f"{path}: warning: models[0] (m): tokenizer path /models/not-here" in err
+
+
+def test_a_gateway_without_a_policy_file_has_the_policy_files_defaults() -> None:
+    # `serve --replica` and a deployed policy used to differ (300 s vs 600 s upstream timeout,
+    # 30 s vs 10 s speculative entries, 2 s vs 5 s health polls).
+    from gateway.config import GatewayConfig
+    from routing.config.infra import GatewaySettings, IndexSettings
+
+    config, gateway, index = GatewayConfig(), GatewaySettings(), IndexSettings()
+    assert config.upstream_timeout_s == gateway.upstream_timeout_s
+    assert config.connect_timeout_s == gateway.connect_timeout_s
+    assert config.health_interval_s == gateway.health_check_interval_s
+    assert config.max_retries == gateway.max_retries
+    assert config.max_body_bytes == gateway.max_body_bytes
+    assert config.speculative_ttl_s == index.speculative_ttl_s
+    assert config.index_timeout_s == index.lookup_timeout_ms / 1000
+    applied = GatewayConfig()
+    applied.apply_policy(type("P", (), {"gateway": gateway, "index": index})(), startup=False)
+    assert applied == config
