@@ -15,7 +15,7 @@ from aiohttp import web
 
 from gateway import errors
 from gateway.admin_adapters import add_adapter_routes
-from gateway.auth import is_admin
+from gateway.auth import bearer_key, is_admin
 from gateway.errors import GatewayError
 from gateway.reload import reload_policy
 from gateway.state import GATEWAY
@@ -47,7 +47,13 @@ def _guard(handler: Handler) -> Handler:
                 403, errors.ADMIN_DISABLED, "The admin API is disabled: configure an admin key."
             ).response()
         if not is_admin(request, gw.config.admin_key, gw.policy):
-            return GatewayError(401, errors.INVALID_API_KEY, "Incorrect admin key.").response()
+            sent = bool(bearer_key(request))
+            message = (
+                "Incorrect admin key."
+                if sent
+                else "An admin key is required: send it as 'Authorization: Bearer <admin key>'."
+            )
+            return GatewayError(401, errors.INVALID_API_KEY, message).response()
         return await handler(request)
 
     return guarded

@@ -157,6 +157,10 @@ async def test_admin_api_requires_admin_key_and_reports(tmp_path: Path) -> None:
     async with policy_gateway(tmp_path, upstream) as (url, _), aiohttp.ClientSession() as http:
         async with http.get(f"{url}/admin/replicas", headers=auth("acme-key")) as resp:
             assert resp.status == 401
+            assert (await resp.json())["error"]["message"] == "Incorrect admin key."
+        async with http.get(f"{url}/admin/replicas") as resp:  # no key at all: say what to send
+            assert resp.status == 401
+            assert "Authorization: Bearer <admin key>" in (await resp.json())["error"]["message"]
         async with http.post(
             f"{url}/v1/chat/completions", json=chat(), headers=auth("acme-key")
         ) as resp:
