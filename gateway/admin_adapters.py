@@ -18,7 +18,7 @@ from aiohttp import web
 from adapters_registry import AdapterNotFound, AdapterRegistry, InvalidAdapter
 from gateway import errors
 from gateway.errors import GatewayError
-from gateway.request_body import parse_json_object
+from gateway.request_body import read_json
 from gateway.state import GATEWAY, GatewayState
 
 #: An aiohttp handler, as ``admin.py``'s guard takes and returns it (spelled out here: importing
@@ -94,8 +94,9 @@ async def add_adapter(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     try:
         registry = _registry(gw)
-        # The request body parser: invalid, non-object and too deeply nested bodies are a 400.
-        spec = parse_json_object(await request.read())
+        # The request body reader: compressed, oversized, invalid, non-object and too deeply
+        # nested bodies get the same answers as on the API.
+        spec = await read_json(request, gw.config.max_body_bytes)
     except GatewayError as err:
         return err.response()
     replace = request.query.get("replace", "").lower() in ("1", "true", "yes")

@@ -127,6 +127,20 @@ async def _read_decoded(request: web.Request, encoding: str, max_bytes: int) -> 
             data = decoder.unconsumed_tail
             if data:
                 await asyncio.sleep(0)  # a highly compressible body: let others run
+    # Input all read, output maybe not: a step that ended on the step limit inside the last
+    # match leaves bytes in the decoder (raw deflate has no trailer to push them out).
+    while decoder is not None and not decoder.eof:
+        try:
+            out = decoder.decompress(b"", _DECODE_STEP)
+        except zlib.error:
+            raise _not_encoded(encoding, "not a valid compressed stream") from None
+        if not out:
+            break
+        size += len(out)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(out)
+        await asyncio.sleep(0)
     if decoder is None or not decoder.eof:
         raise _not_encoded(encoding, "the compressed stream is truncated")
     return b"".join(chunks)

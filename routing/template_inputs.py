@@ -89,10 +89,14 @@ def openai_tools(tools: Any) -> list[ToolDict] | None:
         function = tool.get("function")
         if not isinstance(function, Mapping):
             raise ValueError(f"{path}.function: must be an object")
-        # vLLM copies the tool's defer_loading onto its function when the function has none.
+        # vLLM copies the tool's defer_loading onto its function when the function has none,
+        # and keeps it on the tool as well.
         defer = function.get("defer_loading")
         defer = tool.get("defer_loading") if defer is None else defer
-        out.append(_function_tool(function, f"{path}.function", function.get("parameters"), defer))
+        rendered = _function_tool(function, f"{path}.function", function.get("parameters"), defer)
+        if tool.get("defer_loading") is not None:
+            rendered["defer_loading"] = tool["defer_loading"]
+        out.append(rendered)
     return out
 
 
@@ -111,17 +115,39 @@ def anthropic_tools(tools: Any) -> list[ToolDict] | None:
     return out
 
 
+#: vLLM's shim for a Responses ``custom`` tool (free-form text in): one string parameter.
+_CUSTOM_TOOL_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "input": {"type": "string", "description": "The freeform text payload for this tool."}
+    },
+    "required": ["input"],
+    "additionalProperties": False,
+}
+
+
 def responses_tools(tools: Any) -> list[ToolDict] | None:
-    """A Responses request's function ``tools`` as vLLM renders them (built-in tools are not)."""
+    """A Responses request's tools as vLLM renders them (its ``get_function_tools``): function
+    tools; a ``namespace``'s functions as ``<namespace>__<name>``; a ``custom`` tool as a
+    function of one string ``input``. Built-in tools (web search, MCP, ...) are run by vLLM and
+    never rendered: a request with only those renders an empty list, not no tools."""
     if not tools:
         return None
-    out = [
-        _function_tool(tool, path, tool.get("parameters"))
-        # Web search, MCP ...: vLLM runs them; the template never sees them.
-        for path, tool in _objects(tools)
-        if tool.get("type") == "function"
-    ]
-    return out or None
+    out = []
+    for path, tool in _objects(tools):
+        kind = tool.get("type")
+        if kind == "function":
+            out.append(_function_tool(tool, path, tool.get("parameters")))
+        elif kind == "custom":
+            shim = {"name": tool.get("name"), "description": tool.get("description")}
+            out.append(_function_tool(shim, path, _CUSTOM_TOOL_PARAMETERS))
+        elif kind == "namespace":
+            for inner_path, inner in _objects(tool.get("tools") or []):
+                if inner.get("type") != "function":
+                    continue
+                flat = {**inner, "name": f"{tool.get('name')}__{inner.get('name')}"}
+                out.append(_function_tool(flat, f"{path}.{inner_path}", inner.get("parameters")))
+    return out
 
 
 def template_variables(

@@ -34,8 +34,9 @@ __all__ = ["TERMINAL_STATUSES", "BackgroundResponses", "is_background_start"]
 
 #: A Responses ``status`` after which the engine generates nothing more.
 TERMINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
-#: Called once with the finished response's ``usage`` (the Responses shape; None: unknown).
-Settle = Callable[[Mapping[str, Any] | None], None]
+#: Called once with the finished response's ``usage`` (the Responses shape; None: unknown) and
+#: its final ``status`` (None: unknown, the response was lost or given up on).
+Settle = Callable[[Mapping[str, Any] | None, str | None], None]
 
 
 def is_background_start(body: Mapping[str, Any], answer: Mapping[str, Any] | None) -> bool:
@@ -89,7 +90,7 @@ class BackgroundResponses:
                 len(self._watched),
                 response_id,
             )
-            _settle(settle, None, response_id)
+            _settle(settle, None, None, response_id)
             return
         self._watched[response_id] = _Watched(replica, settle, time.monotonic())
         if self._loop is None or self._loop.done():
@@ -114,12 +115,13 @@ class BackgroundResponses:
         async with limit:
             answer = await self._read(f"{url}/v1/responses/{response_id}")
         if answer == "gone":
-            self._finish(response_id, None, "its replica no longer knows it")
+            self._finish(response_id, None, None, "its replica no longer knows it")
         elif isinstance(answer, Mapping) and answer.get("status") in TERMINAL_STATUSES:
             usage = answer.get("usage")
-            self._finish(response_id, usage if isinstance(usage, Mapping) else None, None)
+            usage = usage if isinstance(usage, Mapping) else None
+            self._finish(response_id, usage, str(answer["status"]), None)
         elif time.monotonic() - watched.since > self.give_up_s:
-            self._finish(response_id, None, f"still running after {self.give_up_s:.0f} s")
+            self._finish(response_id, None, None, f"still running after {self.give_up_s:.0f} s")
 
     async def _read(self, url: str) -> Mapping[str, Any] | str | None:
         """The response's state; "gone" when the replica answers 404; None when unknown now."""
@@ -136,7 +138,13 @@ class BackgroundResponses:
             return None
         return answer if isinstance(answer, Mapping) else None
 
-    def _finish(self, response_id: str, usage: Mapping[str, Any] | None, why: str | None) -> None:
+    def _finish(
+        self,
+        response_id: str,
+        usage: Mapping[str, Any] | None,
+        status: str | None,
+        why: str | None,
+    ) -> None:
         watched = self._watched.pop(response_id, None)
         if watched is None:
             return
@@ -144,11 +152,13 @@ class BackgroundResponses:
             log.warning(
                 "background response %s is accounted without its usage: %s", response_id, why
             )
-        _settle(watched.settle, usage, response_id)
+        _settle(watched.settle, usage, status, response_id)
 
 
-def _settle(settle: Settle, usage: Mapping[str, Any] | None, response_id: str) -> None:
+def _settle(
+    settle: Settle, usage: Mapping[str, Any] | None, status: str | None, response_id: str
+) -> None:
     try:
-        settle(usage)
+        settle(usage, status)
     except Exception:  # accounting must never stop the watch of the others
         log.exception("settling background response %s failed", response_id)

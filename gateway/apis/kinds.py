@@ -85,7 +85,14 @@ def _background_response(
 ) -> str | None:
     """The id of a background response the engine is still generating (accounted when it
     ends, ``gateway/apis/background_responses.py``)."""
-    if outcome.status != 200 or not isinstance(answer, web.Response) or not answer.body:
+    if outcome.status != 200 or body.get("background") is not True:
+        return None
+    if not isinstance(answer, web.Response):
+        # Streamed: vLLM generates a background response in its own task, which a client
+        # hanging up does not stop (it may fetch the result later). A stream that ended
+        # without the final usage is watched until the response ends.
+        return str(body["request_id"]) if outcome.usage is None else None
+    if not answer.body:
         return None
     try:
         parsed = json.loads(bytes(answer.body))  # type: ignore[arg-type]

@@ -86,7 +86,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             tenant = admit(request, gw.policy, gw.rate_limiter)
             body, raw = await read_body(request, gw.config.max_body_bytes)
             kind.validate(body)
-            stream = isinstance(body, Mapping) and body.get("stream") is True
+            stream = kind.streams and isinstance(body, Mapping) and body.get("stream") is True
             if kind.prepare is not None:
                 body = kind.prepare(body)
             # ADMISSION: an admission step (queueing, concurrency limits) is awaited here, with
@@ -134,11 +134,16 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 later = kind.finishes_later(body, outcome, answer) if kind.finishes_later else None
                 if later is not None and outcome.replica is not None:
                     # A background response: accounted with its usage once it ends.
-                    gw.background_responses.watch(
-                        later,
-                        outcome.replica,
-                        lambda usage: settle(gw, kind, routed, outcome, arrived, False, usage),
-                    )
+                    def ended(usage: Mapping[str, Any] | None, status: str | None) -> None:
+                        if status is not None:
+                            # The engine finished it (the client may fetch it later): not
+                            # abandoned, whether or not the client left the stream.
+                            outcome.client_gone = False
+                        if status == "failed":  # the engine failed it: an upstream error
+                            outcome.status = 502
+                        settle(gw, kind, routed, outcome, arrived, False, usage)
+
+                    gw.background_responses.watch(later, outcome.replica, ended)
                 else:
                     # After the handler returns, aiohttp writes the response before the loop
                     # runs the accounting: it stays off the client's latency.

@@ -5,6 +5,7 @@ the replica that holds it, not from the first answer (which reports none)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -27,8 +28,9 @@ class BackgroundEngine:
     "in_progress" until ``done`` is set, then "completed" with its usage (or 404 when
     ``forget``: an engine that restarted)."""
 
-    def __init__(self, forget: bool = False) -> None:
+    def __init__(self, forget: bool = False, final_status: str = "completed") -> None:
         self.forget = forget
+        self.final_status = final_status
         self.done = False
         self.reads = 0
         self.release = asyncio.Event()
@@ -38,8 +40,20 @@ class BackgroundEngine:
         app.router.add_get("/v1/responses/{response_id}", self._retrieve)
         return app
 
-    async def _create(self, request: web.Request) -> web.Response:
+    async def _create(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        if body.get("stream"):
+            # Streamed background: the engine's task generates on whatever the client does.
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            created = {"id": body["request_id"], "object": "response", "status": "queued"}
+            await resp.write(
+                b"event: response.created\ndata: "
+                + json.dumps({"type": "response.created", "response": created}).encode()
+                + b"\n\n"
+            )
+            await self.release.wait()
+            return resp
         return web.json_response(
             {
                 "id": body["request_id"],
@@ -62,7 +76,7 @@ class BackgroundEngine:
             {
                 "id": request.match_info["response_id"],
                 "object": "response",
-                "status": "completed" if self.done else "in_progress",
+                "status": self.final_status if self.done else "in_progress",
                 "usage": USAGE if self.done else None,
             }
         )
@@ -155,3 +169,34 @@ async def test_a_streamed_retrieve_is_relayed_as_the_engine_sends_it() -> None:
                 engine.release.set()
                 rest = await resp.read()
             assert b"response.completed" in rest
+
+
+async def test_a_streamed_background_response_left_early_is_still_charged_when_it_ends() -> None:
+    # background + stream: vLLM generates in its own task; a client that hangs up after the
+    # first event does not stop it (and may fetch the result later), so it must still be charged.
+    engine = BackgroundEngine()
+    async with serve(engine.app()) as replica_url:
+        spec = ReplicaSpec("r0", replica_url, models=frozenset({MODEL}))
+        app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
+        async with serve(app, handler_cancellation=True) as url:
+            app[GATEWAY].background_responses.interval_s = 0.02
+            body = {"model": MODEL, "input": "hi", "background": True, "stream": True}
+            async with aiohttp.ClientSession() as http, http.post(
+                f"{url}/v1/responses", json=body
+            ) as resp:
+                assert b"response.created" in await resp.content.readuntil(b"\n\n")
+            # The client is gone; the engine's task goes on and ends later.
+            await wait_until(lambda: engine.reads >= 1, "the gateway to watch the response")
+            engine.done = True
+            engine.release.set()
+
+            async def charged() -> bool:
+                return _metric(await _metrics(url), "fleetgate_completion_tokens_total") == 12
+
+            await wait_until(charged, "the streamed background response to be charged")
+
+
+async def test_a_background_response_the_engine_failed_is_an_upstream_error() -> None:
+    _, _, ended = await _run(BackgroundEngine(final_status="failed"))
+    assert 'status="502"' in ended
+    assert _metric(ended, "fleetgate_requests_total") == 1

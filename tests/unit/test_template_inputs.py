@@ -80,6 +80,7 @@ def test_openai_tools_are_vllms_tool_dicts() -> None:
                 "strict": True,
                 "defer_loading": True,
             },
+            "defer_loading": True,  # vLLM keeps it on the tool too
         }
     ]
     assert openai_tools(None) is None
@@ -106,7 +107,17 @@ def test_anthropic_and_responses_tools_take_the_same_shape() -> None:
             {"type": "web_search"},  # a built-in tool: vLLM runs it, the template never sees it
         ]
     ) == expected
-    assert responses_tools([{"type": "web_search"}]) is None
+    # Only built-in tools: vLLM renders an empty list (templates test `tools is not none`).
+    assert responses_tools([{"type": "web_search"}]) == []
+    assert responses_tools([]) is None
+    # A custom tool is a function of one free-form string; a namespace's functions are flat.
+    (custom,) = responses_tools([{"type": "custom", "name": "apply_patch", "description": "d"}])
+    assert custom["function"]["name"] == "apply_patch"
+    assert custom["function"]["parameters"]["required"] == ["input"]
+    flat = responses_tools(
+        [{"type": "namespace", "name": "mcp", "tools": [{"type": "function", "name": "read"}]}]
+    )
+    assert flat is not None and flat[0]["function"]["name"] == "mcp__read"
     with pytest.raises(ValueError, match=r"tools\[0\]\.input_schema"):
         anthropic_tools([{"name": "f"}])
 
