@@ -176,17 +176,26 @@ def read_trace(path: str | Path, block_size: int | None = None) -> list[TraceRec
         return list(iter_trace(stream, str(path), block_size))
 
 
-def zero_outputs(path: str | Path) -> int:
-    """How many lines of ``path`` record ``output_length`` 0 (``read_trace`` replays them as 1),
-    for the note the commands print; 0 when the file cannot be scanned."""
+def zero_outputs(path: str | Path, limit: int | None = None) -> int:
+    """How many of the first ``limit`` requests (all: None) of ``path`` record ``output_length``
+    0 (``read_trace`` replays them as 1), for the note the commands print; 0 when the file
+    cannot be scanned."""
+    count = requests = 0
     try:
         with Path(path).open(encoding="utf-8-sig") as stream:
-            return sum(1 for line in stream if _ZERO_OUTPUT.search(line))
+            for line in stream:
+                if not line.strip():
+                    continue
+                if limit is not None and requests >= limit:
+                    break
+                requests += 1
+                count += bool(_ZERO_OUTPUT.search(line))
     except (OSError, UnicodeDecodeError):
         return 0
+    return count
 
 
-_ZERO_OUTPUT = re.compile(r'"output_length"\s*:\s*0\s*[,}]')
+_ZERO_OUTPUT = re.compile(r'"output_length"\s*:\s*-?0\s*[,}]')
 
 
 def write_trace(records: Iterable[TraceRecord], out: str | Path | TextIO) -> int:

@@ -28,7 +28,7 @@ def trace_notes(
 ) -> list[str]:
     """The notes for ``records`` (read from ``path``), each one line naming what to do."""
     notes = []
-    zeros = zero_outputs(path)
+    zeros = zero_outputs(path, len(records))
     if zeros:
         notes.append(
             f"note: {path}: {zeros} requests record output_length 0; replayed as 1 token, the "

@@ -147,7 +147,10 @@ def _simulate_in_workers(
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     parts: dict[tuple[int, int], SimulationReport] = {}
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    runs = len(batches) * len(policies)
+    # Workers ignore Ctrl-C: the parent alone stops the sweep, and stops it at once.
+    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_ignore_interrupts)
+    try:
         futures = {
             pool.submit(_simulate, batch, [policy], config, None, {}): (b, p)
             for b, batch in enumerate(batches)
@@ -157,8 +160,17 @@ def _simulate_in_workers(
             b, p = futures[future]
             parts[b, p] = future.result()
             if bar is not None:
-                bar.set_description(policies[p])
+                bar.set_description(f"{len(parts)}/{runs} runs")
                 bar.update(len(batches[b]))
+    except BaseException:
+        # A failed run or Ctrl-C: drop the runs not started and stop the ones running, rather
+        # than wait for every remaining replay (minutes on a large trace).
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        raise
+    pool.shutdown()
     reports = []
     for b in range(len(batches)):
         report = SimulationReport([], parts[b, 0].ceilings)
@@ -169,6 +181,12 @@ def _simulate_in_workers(
             report.wall_s[policy] = part.wall_s[policy]
         reports.append(report)
     return reports
+
+
+def _ignore_interrupts() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def mean_rate(requests: Sequence[TraceRequest]) -> float:

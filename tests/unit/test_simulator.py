@@ -86,6 +86,12 @@ def test_ceilings_leave_out_the_requests_the_engines_refuse() -> None:
     assert report.ceilings.pooled == pytest.approx(served)
 
 
+def test_a_run_failing_in_a_worker_fails_the_sweep() -> None:
+    records = _shared_prefix_trace(groups=2, per_group=2, gap_ms=50)
+    with pytest.raises(Exception, match="no-such-policy"):
+        simulate_sweep(records, [1.0, 2.0], ["round-robin", "no-such-policy"], _config(), jobs=2)
+
+
 def test_jobs_replay_in_worker_processes_with_the_same_results() -> None:
     records = _shared_prefix_trace(groups=4, per_group=5, gap_ms=50)
     config = _config(replicas=2)

@@ -140,6 +140,7 @@ def test_zero_outputs_are_replayed_as_one_token_and_counted(tmp_path: Path) -> N
     records = read_trace(path, 512)
     assert [r.output_length for r in records] == [1, 1, 10]
     assert zero_outputs(path) == 2
+    assert zero_outputs(path, limit=1) == 1  # only the requests replayed
 
 
 def test_a_byte_order_mark_is_skipped(tmp_path: Path) -> None:
