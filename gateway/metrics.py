@@ -43,10 +43,12 @@ _LATENCY_BUCKETS = (
     120.0,
 )
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2)
-# Request lengths in tokens: fine where --max-model-len is usually set (1k-16k), up to 128k.
+# Request lengths in tokens: fine where --max-model-len is usually set (1k-16k), then doubling
+# past 128k to 2M for long-context models. `fleetgate advise` reads the top non-empty bucket as
+# the longest request, so a length above the top bucket (+Inf) is unknown to it, not 128k.
 _LENGTH_BUCKETS = (
     16, 32, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576,
-    32768, 49152, 65536, 98304, 131072,
+    32768, 49152, 65536, 98304, 131072, 262144, 524288, 1048576, 2097152,
 )
 # Routing decisions should take well under a millisecond; resolve that range finely.
 _DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)

@@ -15,9 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-import yaml
 
 from fleetgate.commands._args import positive_float, positive_int
+from planning import yamlio
 from planning.advise import AdviceError, EngineFlags, PoolSnapshot, advise
 from planning.advise.live import Target, gateway_targets, overlay_flags, parse_target, read_live
 from planning.advise.render import to_json, to_text
@@ -208,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.save:
         try:
-            Path(args.save).write_text(yaml.safe_dump(to_mapping(pools), sort_keys=False))
+            # yamlio.dump quotes strings such as a pool or model named "7e9", which
+            # yamlio.load (what --input reads with) would otherwise take for numbers.
+            Path(args.save).write_text(yamlio.dump(to_mapping(pools), sort_keys=False))
         except OSError as exc:
             print(f"fleetgate advise: cannot write {args.save}: {exc.strerror}", file=sys.stderr)
             return 2

@@ -28,7 +28,8 @@ decision chart (levers are listed in this order):
                            chunked prefill or prefill/decode disaggregation
   2. KV cache limits     -> FP8 KV cache, then FP8/INT4 weights (vLLM --quantization fp8);
                            "limits": any preemption, or KV >= 90% while requests wait
-                           (waiting_mean >= 1): the definition `fleetgate advise` uses
+                           (waiting_mean >= 1) or the queue grows (waiting_growth_per_min > 0):
+                           the definition `fleetgate advise` uses
   3. TPOT p95 over SLO  -> weight quantization if --quality-headroom, else smaller max batch /
                            more replicas / speculative decoding
   4. > 3 fine-tuned variants -> LoRA adapters on one base model
@@ -40,6 +41,7 @@ decision chart (levers are listed in this order):
 input file (YAML or JSON), one route or a mapping of route -> these keys (all optional):
   ttft_p95_ms, ttft_slo_ms, tpot_p95_ms, tpot_slo_ms, shared_prefix_fraction (0..1),
   kv_cache_usage (0..1), preemptions_per_min, waiting_mean (requests waiting per replica),
+  waiting_growth_per_min (queue growth per replica, requests/min; may be negative),
   fine_tuned_variants, quality_headroom (bool), cache_busting_layout (bool), utilisation (0..1)
 
 examples:

@@ -64,6 +64,27 @@ def batch_defaults(hardware_name: str | None, memory_gb: float | None) -> dict[s
     return dict(OTHER_GPU_BATCH_DEFAULTS)
 
 
+def default_batched_tokens(
+    gpu_default: int,
+    max_model_len: int | None,
+    chunked_prefill: bool | None,
+    max_num_seqs: int | None,
+) -> int:
+    """vLLM's ``max_num_batched_tokens`` when the flag is not given, from the GPU's default.
+
+    As ``EngineArgs._set_default_max_num_seqs_and_batched_tokens_args`` (vllm/engine/arg_utils.py)
+    does: with chunked prefill off a whole prompt must fit one step, so the default is raised to
+    ``max(default, max_model_len)``; then it is capped at ``max_num_seqs × max_model_len``.
+    """
+    value = gpu_default
+    if max_model_len is not None:
+        if chunked_prefill is False:
+            value = max(value, max_model_len)
+        if max_num_seqs is not None:
+            value = min(value, max_num_seqs * max_model_len)
+    return value
+
+
 @dataclass(frozen=True)
 class EngineFlags:
     """One pool's engine flags (vLLM's names with ``_``), each with its source in ``sources``.
@@ -119,7 +140,8 @@ class EngineFlags:
         """Unknown flags filled with vLLM's defaults, marked ``assumed default``.
 
         The batch limits' defaults depend on the GPU (``batch_defaults``); without one named,
-        the smaller pair is assumed.
+        the smaller pair is assumed. An assumed ``max_num_batched_tokens`` follows vLLM's rule
+        (``default_batched_tokens``): at least ``max_model_len`` with chunked prefill off.
         """
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
         sources = dict(self.sources)
@@ -128,6 +150,13 @@ class EngineFlags:
             if values[name] is None and default is not None:
                 values[name] = default
                 sources[name] = "assumed default"
+        if self.max_num_batched_tokens is None:
+            values["max_num_batched_tokens"] = default_batched_tokens(
+                values["max_num_batched_tokens"],
+                values["max_model_len"],
+                values["enable_chunked_prefill"],
+                values["max_num_seqs"],
+            )
         if values["max_cpu_loras"] is None and values["max_loras"] is not None:
             values["max_cpu_loras"] = values["max_loras"]  # vLLM: defaults to max_loras
             sources["max_cpu_loras"] = "assumed default"

@@ -34,6 +34,19 @@ def _seconds(window: str) -> float:
     return sum(int(n) * units[u] for n, u in parts)
 
 
+def _overflow(name: str, w: str) -> str:
+    """PromQL: observations of histogram ``name`` above its top finite bucket, per pool.
+
+    ``histogram_quantile(1, ...)`` answers the top finite bound when the longest observation is
+    in ``+Inf``, which understates it; this tells the two apart whatever the buckets are (the
+    cumulative count of the top finite bucket is the largest finite one).
+    """
+    return (
+        f'sum by (pool) (increase({name}_bucket{{le="+Inf"}}[{w}])) - max by (pool) '
+        f'(sum by (pool, le) (increase({name}_bucket{{le!="+Inf"}}[{w}])))'
+    )
+
+
 def _queries(w: str, by: str) -> dict[str, str]:
     """Measurement field -> PromQL, per pool."""
     out = {}
@@ -45,15 +58,18 @@ def _queries(w: str, by: str) -> dict[str, str]:
         out[f"{kind}_max"] = (
             f"histogram_quantile(1, sum by (pool, le) (increase({name}_bucket[{w}])))"
         )
+        out[f"{kind}_overflow"] = _overflow(name, w)
         out[f"{kind}_mean"] = (
             f"sum by (pool) (increase({name}_sum[{w}])) / "
             f"sum by (pool) (increase({name}_count[{w}]))"
         )
     out["requests"] = f"sum by (pool) (increase({_LENGTH.format(kind='context')}_count[{w}]))"
-    # The longest prompt + requested output budget: the top non-empty bucket's upper bound.
+    # The longest prompt + requested output budget: the top non-empty bucket's upper bound
+    # (unknown when some budget is above the top bucket).
     out["requested_context_max"] = (
         f"histogram_quantile(1, sum by (pool, le) (increase({_BUDGET}_bucket[{w}])))"
     )
+    out["requested_overflow"] = _overflow(_BUDGET, w)
     out |= {
         "kv_usage": f"max by ({by}) (avg_over_time(vllm:kv_cache_usage_perc[{w}]))",
         "waiting_mean": f"avg by ({by}) (avg_over_time(vllm:num_requests_waiting[{w}]))",
@@ -130,7 +146,20 @@ def fetch_prometheus_pools(
     }
 
 
+#: Above this many observations in ``+Inf`` (``increase`` extrapolates, so not exactly 0 or 1),
+#: a histogram's longest is past its top bucket: unknown, as the live reader has it.
+_OVERFLOWED = 1e-6
+#: ``{kind}_max`` field -> the overflow figure that makes it unknown.
+_MAXIMA = {
+    "prompt_max": "prompt_overflow",
+    "output_max": "output_overflow",
+    "context_max": "context_overflow",
+    "requested_context_max": "requested_overflow",
+}
+
+
 def _measurements(v: dict[str, float], window_s: float) -> Measurements:
+    v = {k: x for k, x in v.items() if not (k in _MAXIMA and v.get(_MAXIMA[k], 0.0) > _OVERFLOWED)}
     timers = {}
     for name in ENGINE_TIMERS:
         cells = [v.get(f"timer:{name}:{q}") for q in (50, 95, 99)]

@@ -28,11 +28,20 @@ _KV_DTYPES = {
     "fp8_e4m3": "fp8",
     "fp8_e5m2": "fp8",
 }
-#: vLLM ``--quantization`` values -> weight dtype (None: unquantized 16-bit). The roofline knows
+#: vLLM ``--quantization`` values -> weight dtype (None, ``none``, ``bf16``, ``fp16``, ``auto``:
+#: unquantized 16-bit, sized as bf16: the same 2 bytes a weight). The roofline knows
 #: bf16, fp8 and int4 (0.5 bytes a weight, scales ignored); 4-bit float formats (MXFP4, NVFP4)
 #: weigh the same, so they size as ``int4``.
 _WEIGHT_DTYPES = {
     None: "bf16",
+    # Unquantized 16-bit weights, as people (and advise itself: "--quantization none") write it.
+    "none": "bf16",
+    "auto": "bf16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "bf16",
+    "float16": "bf16",
+    "half": "bf16",
     "fp8": "fp8",
     "fbgemm_fp8": "fp8",
     "ptpc_fp8": "fp8",

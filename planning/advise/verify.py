@@ -139,19 +139,30 @@ def _preset(pool: PoolSnapshot) -> tuple[str, dict[str, Any]]:
     )
 
 
+def _engine(pool: PoolSnapshot, name: str, preset: str, overrides: dict) -> EngineConfig:
+    """The simulated engine for these flags; a combination it refuses is bad input."""
+    try:
+        return EngineConfig.from_profile(preset, **overrides)
+    except (ValueError, KeyError) as exc:
+        raise AdviceError(f"pool {pool.pool}: {name} flags: {exc}") from exc
+
+
 def _configs(pool: PoolSnapshot, advice: Sequence[Advice]) -> tuple[dict, dict, str]:
     preset, base = _preset(pool)
     today = flags_with_defaults(pool)
+    # The advised flags on top of what was given, then vLLM's defaults: an assumed default
+    # that depends on a changed flag (max_num_batched_tokens on max_model_len) moves with it.
+    advised = flags_with_defaults(replace(pool, flags=advised_flags(pool.flags, advice)))
     now = {**base, **engine_overrides(today)}
-    new = {**base, **engine_overrides(advised_flags(today, advice))}
+    new = {**base, **engine_overrides(advised)}
     reported = today.num_gpu_blocks
     if reported:
         # Start where the real engine is; move by the simulator's ratio for the change.
         # (From memory, not from a preset's pinned block count, which would make it 1.)
         free = {"num_gpu_blocks_override": None}
         ratio = (
-            EngineConfig.from_profile(preset, **new, **free).num_gpu_blocks
-            / EngineConfig.from_profile(preset, **now, **free).num_gpu_blocks
+            _engine(pool, "advised", preset, {**new, **free}).num_gpu_blocks
+            / _engine(pool, "today", preset, {**now, **free}).num_gpu_blocks
         )
         now["num_gpu_blocks_override"] = reported
         new["num_gpu_blocks_override"] = max(1, int(reported * ratio))
@@ -172,16 +183,16 @@ def verify(
     policy = default_policy()
     rows = []
     for name, overrides in (("today", now), ("advised", new)):
-        config = SimulationConfig(
-            replicas=pool.replicas,
-            profile=preset,
-            engine_overrides=overrides,
-            slo_ttft_ms=slo_ttft_ms,
-            slo_tpot_ms=slo_tpot_ms,
-            seed=seed,
-            trace_block_size=TRACE_BLOCK,
-        )
         try:
+            config = SimulationConfig(
+                replicas=pool.replicas,
+                profile=preset,
+                engine_overrides=overrides,
+                slo_ttft_ms=slo_ttft_ms,
+                slo_tpot_ms=slo_tpot_ms,
+                seed=seed,
+                trace_block_size=TRACE_BLOCK,
+            )
             report = simulate(prepare_requests(records, seed=seed), [policy], config)
         except ValueError as exc:
             raise AdviceError(f"pool {pool.pool}: {name} flags: {exc}") from exc

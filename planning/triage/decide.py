@@ -134,10 +134,11 @@ def unchecked(metrics: RouteMetrics) -> list[str]:
         (metrics.kv_cache_usage or 0) >= KV_PINNED
         and not metrics.preemptions_per_min
         and metrics.waiting_mean is None
+        and metrics.waiting_growth_per_min is None
     ):
         missing.append(
-            "KV pressure at this usage (needs waiting_mean: a full cache limits only while "
-            "requests wait)"
+            "KV pressure at this usage (needs waiting_mean or waiting_growth_per_min: a full "
+            "cache limits only while requests wait or the queue grows)"
         )
     if metrics.tpot_p95_ms is None or metrics.tpot_slo_ms is None:
         missing.append("TPOT (needs tpot_p95_ms and tpot_slo_ms)")
@@ -219,12 +220,15 @@ def _queueing(metrics: RouteMetrics) -> Lever:
 
 def _kv_pressure(metrics: RouteMetrics) -> str | None:
     """The reason when the KV cache limits (advise's definition, ``planning.kv_pressure``)."""
-    if not kv_pinned(metrics.kv_cache_usage, metrics.preemptions_per_min, metrics.waiting_mean):
-        return None
-    figures = pressure_reasons(
-        metrics.kv_cache_usage, metrics.preemptions_per_min, metrics.waiting_mean
+    figures = (
+        metrics.kv_cache_usage,
+        metrics.preemptions_per_min,
+        metrics.waiting_mean,
+        metrics.waiting_growth_per_min,
     )
-    return f"the KV cache limits ({figures})"
+    if not kv_pinned(*figures):
+        return None
+    return f"the KV cache limits ({pressure_reasons(*figures)})"
 
 
 def _headroom(metrics: RouteMetrics) -> Lever:

@@ -84,6 +84,10 @@ class RouteMetrics:
     #: Requests waiting per replica, on average (``vllm:num_requests_waiting``): with KV usage it
     #: tells a full cache that limits from one doing its job (``planning.kv_pressure``).
     waiting_mean: float | None = None
+    #: Growth of the waiting queue per replica, requests per minute (the slope of
+    #: ``vllm:num_requests_waiting``): a growing queue at 90%+ KV usage also means the cache
+    #: limits, as in advise.
+    waiting_growth_per_min: float | None = None
     #: Fine-tuned model variants served behind this route (full models or adapters).
     fine_tuned_variants: int | None = None
     #: True when the owner says the model can afford some quality loss (quantization).
@@ -96,6 +100,7 @@ class RouteMetrics:
     def __post_init__(self) -> None:
         for name in ("ttft_p95_ms", "tpot_p95_ms", "preemptions_per_min", "waiting_mean"):
             _check_number(name, getattr(self, name), low=0.0)
+        _check_number("waiting_growth_per_min", self.waiting_growth_per_min, low=-math.inf)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             _check_number(name, getattr(self, name), low=0.0, exclusive=True)
         for name in ("shared_prefix_fraction", "kv_cache_usage", "utilisation"):
@@ -155,6 +160,8 @@ def _check_number(
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise MetricsError(f"{name}: must be a number (got {value!r})")
+    if math.isinf(low) and math.isinf(value):
+        raise MetricsError(f"{name}: must be a finite number (got {value!r})")
     too_low = value <= low if exclusive else value < low
     too_high = high is not None and value > high
     if too_low or too_high:

@@ -36,6 +36,8 @@ FLEET_QUERIES: dict[str, str] = {
     "kv_cache_usage": "max(avg_over_time(vllm:kv_cache_usage_perc[{w}]))",
     "preemptions_per_min": "60 * sum(rate(vllm:num_preemptions_total[{w}]))",
     "waiting_mean": "avg(avg_over_time(vllm:num_requests_waiting[{w}]))",
+    # Queue growth per replica per minute, as `fleetgate advise --prometheus` reads it.
+    "waiting_growth_per_min": "60 * avg(deriv(vllm:num_requests_waiting[{w}]))",
     # Replica-seconds attributed to requests per second of wall time, per healthy replica.
     "utilisation": (
         "sum(rate(fleetgate_replica_seconds_total[{w}])) / "

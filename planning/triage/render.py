@@ -36,6 +36,8 @@ def describe(metrics: RouteMetrics) -> str:
         parts.append(f"{metrics.preemptions_per_min:g} preemptions/min")
     if metrics.waiting_mean is not None:
         parts.append(f"{metrics.waiting_mean:.1f} waiting")
+    if metrics.waiting_growth_per_min is not None:
+        parts.append(f"queue {metrics.waiting_growth_per_min:+.1f}/min")
     if metrics.fine_tuned_variants is not None:
         parts.append(f"fine-tuned variants {metrics.fine_tuned_variants}")
     if metrics.utilisation is not None:

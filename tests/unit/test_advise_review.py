@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from gateway.metrics import GatewayMetrics
 from planning.advise import Advice, EngineFlags, Measurements, PoolSnapshot, advise, changes
@@ -85,7 +86,7 @@ def test_prometheus_reads_the_longest_requested_context() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         promql = request.url.params["query"]
         series = []
-        if "fleetgate_request_budget_tokens_bucket" in promql:
+        if "fleetgate_request_budget_tokens_bucket" in promql and 'le!="+Inf"' not in promql:
             assert promql.startswith("histogram_quantile(1, sum by (pool, le)")
             series = [{"metric": {"pool": "chat"}, "value": [0, "6144"]}]
         elif promql == "vllm:cache_config_info":
@@ -219,3 +220,176 @@ def test_snapshot_reads_exponent_numbers(tmp_path: Path) -> None:
     (pool,) = load_snapshot(path).values()
     assert pool.flags.max_model_len == 8000
     assert pool.measured.context_p99 == 1500
+
+
+# ------------------------------------------- diff-rest review 2: chunked prefill off, --verify
+
+
+def _nochunk_l4(**flags: object) -> PoolSnapshot:
+    # The review's nochunk-l4.yaml: an L4 pool at --max-model-len 4096, chunked prefill off and
+    # --max-num-batched-tokens not given (vLLM then runs with max(2048, 4096) = 4096).
+    pool = load_snapshot(Path("docs/advise/rag-pool.yaml"))["rag"]
+    given = {
+        "max_model_len": 4096,
+        "enable_chunked_prefill": False,
+        "sources": {**pool.flags.sources, "enable_chunked_prefill": "given"},
+        **flags,
+    }
+    measured = replace(pool.measured, context_max=4096.0, requested_context_max=4096.0)
+    return replace(pool, hardware="l4", flags=replace(pool.flags, **given), measured=measured)
+
+
+def test_chunked_prefill_off_assumes_batched_tokens_of_at_least_max_model_len() -> None:
+    # vLLM's rule (EngineArgs._set_default_max_num_seqs_and_batched_tokens_args, 0.32).
+    off = EngineFlags(max_model_len=4096, enable_chunked_prefill=False).with_defaults("l4", 24)
+    assert off.max_num_batched_tokens == 4096
+    assert off.source("max_num_batched_tokens") == "assumed default"
+    short = EngineFlags(max_model_len=1024, enable_chunked_prefill=False).with_defaults("l4", 24)
+    assert short.max_num_batched_tokens == 2048  # max(default, max_model_len)
+    on = EngineFlags(max_model_len=4096).with_defaults("l4", 24)
+    assert on.max_num_batched_tokens == 2048
+    given = EngineFlags(
+        max_model_len=4096, enable_chunked_prefill=False, max_num_batched_tokens=3000
+    ).with_defaults("l4", 24)
+    assert given.max_num_batched_tokens == 3000  # a given value is the engine's, never raised
+
+
+def test_verify_with_chunked_prefill_off_simulates_what_vllm_runs() -> None:
+    pool = _nochunk_l4()
+    rows = advise(pool)
+    assert changes(rows)["--enable-chunked-prefill"] is True
+    now, new, _preset = _configs(pool, rows)  # raised ValueError: 2048 < 4096
+    assert now["max_num_batched_tokens"] == 4096 and now["enable_chunked_prefill"] is False
+    # The advised flags turn chunked prefill on: vLLM's default for them is the GPU's again.
+    assert new["max_num_batched_tokens"] == 2048 and new["enable_chunked_prefill"] is True
+
+
+def test_verify_flags_the_simulator_refuses_are_one_line_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fleetgate.cli import main
+
+    # A *given* batch cap below --max-model-len with chunked prefill off: vLLM refuses it too.
+    pool = _nochunk_l4(max_num_batched_tokens=2048)
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(to_mapping({"rag": pool})))
+    assert main(["advise", "--input", str(path), "--verify", "--requests", "20"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("fleetgate advise: error: pool rag: ")
+    assert "max_num_batched_tokens (2048) must be >= max_model_len (4096)" in err
+
+
+# ----------------------------------- diff-rest review 3: budgets past 131072 and the +Inf bucket
+
+
+@pytest.mark.parametrize(
+    ("budget", "longest"), [(200_000, 262144.0), (1_000_000, 1048576.0), (3_000_000, None)]
+)
+def test_live_reader_sees_long_budgets_and_reads_inf_as_unknown(
+    budget: int, longest: float | None
+) -> None:
+    from prometheus_client import generate_latest
+
+    metrics = GatewayMetrics()
+    for name in ("prompt", "output", "context"):
+        getattr(metrics, f"request_{name}_tokens").labels("chat", "gpu").observe(100)
+    metrics.request_budget_tokens.labels("chat", "gpu").observe(4096)
+    metrics.request_budget_tokens.labels("chat", "gpu").observe(budget)
+    lengths = _lengths(parse_gateway(generate_latest(metrics.registry).decode()), "gpu", None)
+    assert lengths is not None
+    # Before: the buckets stopped at 131072, so 200k was in +Inf (unknown) even below 2M.
+    assert measurements([Sample(0.0, [])], lengths).requested_context_max == longest
+
+
+def test_length_buckets_reach_past_a_million_tokens() -> None:
+    from gateway.metrics import _LENGTH_BUCKETS
+
+    assert _LENGTH_BUCKETS[-1] >= 1_048_576 and 262144 in _LENGTH_BUCKETS
+    assert list(_LENGTH_BUCKETS) == sorted(set(_LENGTH_BUCKETS))
+    metrics = GatewayMetrics()
+    for name in ("prompt", "output", "context", "budget"):
+        getattr(metrics, f"request_{name}_tokens").labels("chat", "gpu").observe(200_000)
+        value = metrics.registry.get_sample_value(
+            f"fleetgate_request_{name}_tokens_bucket",
+            {"route": "chat", "pool": "gpu", "le": "262144.0"},
+        )
+        assert value == 1, name
+
+
+def _prometheus_with_overflow(overflow: dict[str, str]):
+    def handler(request: httpx.Request) -> httpx.Response:
+        promql = request.url.params["query"]
+        series = []
+        for kind, count in overflow.items():
+            if f'fleetgate_request_{kind}_tokens_bucket{{le!="+Inf"}}' in promql:
+                assert promql.startswith(
+                    f'sum by (pool) (increase(fleetgate_request_{kind}_tokens_bucket{{le="+Inf"}}'
+                )
+                series = [{"metric": {"pool": "chat"}, "value": [0, count]}]
+                break
+        else:
+            if "histogram_quantile(1, " in promql and "_tokens_bucket" in promql:
+                # What Prometheus answers for a rank in +Inf: the top finite bound.
+                series = [{"metric": {"pool": "chat"}, "value": [0, "131072"]}]
+            elif "histogram_quantile(0.99, " in promql and "_tokens_bucket" in promql:
+                series = [{"metric": {"pool": "chat"}, "value": [0, "3000"]}]
+            elif promql == "vllm:cache_config_info":
+                series = [{"metric": {"pool": "chat"}, "value": [0, "1"]}]
+        return httpx.Response(200, json={"status": "success", "data": {"result": series}})
+
+    return handler
+
+
+def test_prometheus_reads_a_budget_over_the_top_bucket_as_unknown() -> None:
+    handler = _prometheus_with_overflow(
+        {"budget": "1.1", "context": "1.1", "prompt": "0", "output": "0"}
+    )
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        pools = fetch_prometheus_pools("http://prom:9090", client, window="10m")
+    measured = pools["chat"].measured
+    assert measured.requested_context_max is None  # was 131072: below requests served
+    # context_max falls back to the separate histograms' bound (longest prompt + output).
+    assert measured.context_max == 131072 * 2
+    flags = replace(pools["chat"].flags, max_model_len=262144, block_size=16)
+    row = _row(advise(replace(pools["chat"], flags=flags)), "--max-model-len")
+    assert "≤ 131,072" not in row.evidence
+    if row.kind == "change":
+        assert "max_tokens were not measured" in row.evidence
+
+
+def test_prometheus_keeps_the_longest_when_nothing_is_over_the_top_bucket() -> None:
+    handler = _prometheus_with_overflow(
+        {"budget": "0", "context": "0", "prompt": "0", "output": "0"}
+    )
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        pools = fetch_prometheus_pools("http://prom:9090", client, window="10m")
+    assert pools["chat"].measured.requested_context_max == 131072
+    assert pools["chat"].measured.context_max == 131072
+
+
+# ----------------------------------------- diff-rest review 5: unquantized spelled out
+
+
+@pytest.mark.parametrize(
+    "method", ["none", "None", "NONE", "auto", "bf16", "bfloat16", "fp16", "float16"]
+)
+def test_unquantized_names_are_16_bit_weights(method: str) -> None:
+    assert weight_dtype_of(method) == "bf16"
+    # The review's q-none.yaml: KV pinned with an FP8 cache already -> FP8 weights, and TP sized.
+    pool = load_snapshot(Path("docs/advise/rag-pool.yaml"))["rag"]
+    flags = replace(pool.flags, quantization=method, kv_cache_dtype="fp8")
+    rows = advise(replace(pool, flags=flags))
+    assert _row(rows, "--quantization").kind == "change"
+    assert _row(rows, "--quantization").advised == "fp8"
+    assert _row(rows, "--tensor-parallel-size").kind != "not checked"
+
+
+def test_advise_output_for_an_unquantized_pool_reads_back_as_unquantized() -> None:
+    # advise prints an unquantized pool as "--quantization none"; copied into --flags, the same.
+    pool = load_snapshot(Path("docs/advise/rag-pool.yaml"))["rag"]
+    pool = replace(pool, flags=replace(pool.flags, kv_cache_dtype="fp8"))
+    printed = _row(advise(pool), "--quantization")
+    assert printed.current is None and printed.advised == "fp8"
+    copied = replace(pool, flags=replace(pool.flags, quantization="none"))
+    assert _row(advise(copied), "--quantization").advised == printed.advised

@@ -207,3 +207,53 @@ def test_kv_rule_is_advises_definition() -> None:
             kv_cache_usage=kv, preemptions_per_min=preempt, waiting_mean=waiting
         )
         assert fired == kv_pinned(pool), (kv, preempt, waiting)
+
+
+def test_a_growing_queue_is_kv_pressure_as_in_advise() -> None:
+    # The diff-rest review's repro: KV 95%, 0.5 waiting, the queue growing 3/min. advise calls
+    # that pinned (FP8 KV); triage said "within SLO" because it had no growth input.
+    from planning.advise import Measurements, PoolSnapshot
+    from planning.advise.memory import kv_pinned
+    from planning.advise.model import EngineFlags
+
+    for kv, waiting, growth in [
+        (0.95, 0.5, 3.0),
+        (0.95, 0.5, -1.0),
+        (0.95, 0.5, None),
+        (0.8, 0, 5),
+    ]:
+        pool = PoolSnapshot(
+            "p",
+            EngineFlags(),
+            Measurements(
+                kv_usage=kv,
+                preemptions_per_min=0,
+                waiting_mean=waiting,
+                waiting_growth_per_min=growth,
+            ),
+        )
+        fired = "kv-quantization" in _categories(
+            kv_cache_usage=kv,
+            preemptions_per_min=0.0,
+            waiting_mean=waiting,
+            waiting_growth_per_min=growth,
+        )
+        assert fired == kv_pinned(pool), (kv, waiting, growth)
+    (lever, *_) = triage(
+        RouteMetrics(kv_cache_usage=0.95, waiting_mean=0.5, waiting_growth_per_min=3.0)
+    )
+    assert lever.category == "kv-quantization" and "queue +3.0/min" in lever.why
+
+
+def test_queue_growth_alone_makes_high_kv_usage_checkable() -> None:
+    missing = decide.unchecked(RouteMetrics(kv_cache_usage=0.95, waiting_growth_per_min=0.0))
+    assert not any("KV pressure" in item for item in missing)
+    assert any(
+        "KV pressure" in item for item in decide.unchecked(RouteMetrics(kv_cache_usage=0.95))
+    )
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), "3", True])
+def test_queue_growth_must_be_a_finite_number(bad: object) -> None:
+    with pytest.raises(ValueError, match="waiting_growth_per_min"):
+        RouteMetrics(waiting_growth_per_min=bad)  # type: ignore[arg-type]

@@ -157,3 +157,22 @@ def test_unreadable_advice_snapshot_is_exit_2(tmp_path, capsys) -> None:
     path.write_text(json.dumps(RAG))
     code, _, err = _run(capsys, "--input", str(path), "--advice", str(tmp_path / "missing.json"))
     assert code == 2 and "--advice" in err
+
+
+def test_input_file_queue_growth_fires_the_kv_lever_advise_agrees_with(tmp_path, capsys) -> None:
+    # The review's tri.yaml plus the growth advise saw: triage and advise now agree (FP8 KV).
+    route = {
+        "kv_cache_usage": 0.95,
+        "preemptions_per_min": 0,
+        "waiting_mean": 0.5,
+        "waiting_growth_per_min": 3,
+        "ttft_p95_ms": 500,
+        "ttft_slo_ms": 1000,
+    }
+    path = tmp_path / "tri.yaml"
+    path.write_text(yaml.safe_dump(route))
+    code, out, _ = _run(capsys, "--input", str(path), "--json")
+    assert code == 0
+    assert json.loads(out)[0]["lever"] == "kv-quantization"
+    code, out, _ = _run(capsys, "--input", str(path))
+    assert "queue +3.0/min" in out

@@ -160,3 +160,28 @@ def test_a_histogram_with_only_its_inf_bucket_has_no_quantile() -> None:
     inf = float("inf")
     assert histogram_quantile(0.95, [(inf, 10.0)]) is None
     assert histogram_quantile(0.95, [(0.1, 0.0), (inf, 10.0)]) == 0.1  # above the top bound
+
+
+def test_prometheus_reads_queue_growth_as_advise_does() -> None:
+    from planning.advise.prometheus_source import _queries
+
+    advise_growth = _queries("30m", "pool")["waiting_growth_per_min"]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        promql = request.url.params["query"]
+        if "fleetgate_ttft_seconds_bucket" in promql:
+            return httpx.Response(200, json=_vector(({"route": "rag"}, "500")))
+        if "deriv(vllm:num_requests_waiting[30m])" in promql:
+            # The same figure as advise's query, over the fleet instead of by pool.
+            assert promql == advise_growth.replace(" by (pool) ", "")
+            return httpx.Response(200, json=_vector(({}, "3")))
+        if "vllm:num_requests_waiting" in promql:
+            return httpx.Response(200, json=_vector(({}, "0.5")))
+        if "vllm:kv_cache_usage_perc" in promql:
+            return httpx.Response(200, json=_vector(({}, "0.95")))
+        return httpx.Response(200, json=_vector())
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        routes = fetch_prometheus_metrics("http://prom:9090", client, window="30m")
+    assert routes["rag"].waiting_growth_per_min == 3.0
+    assert routes["rag"].waiting_mean == 0.5
