@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
@@ -76,9 +77,14 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         if field is None:
             continue
         try:
-            values[field] = values.get(field, 0.0) + float(line.rsplit(" ", 1)[1])
+            value = float(line.rsplit(" ", 1)[1])
         except (ValueError, IndexError):
             continue
+        # Gauges and counters here are never negative or infinite: a NaN, an Inf or a negative
+        # sample is a scrape glitch, not a figure to route on (the field keeps its last value).
+        if not math.isfinite(value) or value < 0:
+            continue
+        values[field] = values.get(field, 0.0) + value
     return values
 
 
@@ -442,9 +448,9 @@ class ReplicaRegistry:
                 updates["running_adapters"] = lora.running
                 updates["waiting_adapters"] = lora.waiting
             if gauges:
-                updates["running"] = int(gauges.get("running", 0))
-                updates["waiting"] = int(gauges.get("waiting", 0))
-                updates["kv_usage"] = float(gauges.get("kv_usage", 0.0))
+                updates["running"] = int(gauges.get("running", current.running))
+                updates["waiting"] = int(gauges.get("waiting", current.waiting))
+                updates["kv_usage"] = float(gauges.get("kv_usage", current.kv_usage))
                 updates["metrics_read_at"] = metrics_asked_at
                 if "itl_count" in gauges:
                     itl = self._itl.setdefault(state.replica_id, RecentItl())

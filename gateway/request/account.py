@@ -166,8 +166,22 @@ def _account(
     gw.decisions.append(_record(routed, outcome, prediction, status, cached, ttft_ms))
     if outcome.replica is not None:
         gw.engine.observe_complete(
-            routed.routing_request, outcome.replica, ttft_ms if streamed else None, cached, ok
+            routed.routing_request,
+            outcome.replica,
+            _decided_ttft_ms(routed, outcome) if streamed else None,
+            cached,
+            ok,
         )
+
+
+def _decided_ttft_ms(routed: RouteDecision, outcome: UpstreamOutcome) -> float | None:
+    """The TTFT routing predicted, as it happened: from the decision that sent the request (a
+    request flow control held is decided again at its release) to its first token. The client's
+    TTFT also counts the wait before that decision, which no replica choice changes: learned as
+    prefill time, it would make every replica look slower the longer the gateway queue is."""
+    if outcome.ttft_s is None or outcome.sent_at is None:
+        return None
+    return max(0.0, outcome.sent_at + outcome.ttft_s - routed.decided_at) * 1000.0
 
 
 def _record(

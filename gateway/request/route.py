@@ -115,6 +115,9 @@ class RouteDecision:
     last_resort: bool
     #: Wall-clock time of the decision, for the decision log.
     routed_at: float
+    #: Monotonic time of the decision (a held request's is its release): the TTFT routing
+    #: predicted runs from here, so calibration measures from here too, not from arrival.
+    decided_at: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def uncached_tokens(self) -> int:
@@ -227,7 +230,11 @@ async def repick(
         return routed  # only its replica holds what it continues (a stored response)
     decision, last_resort = await _pick_replica(gw, routed.routing_request, routed.route, only)
     return dataclasses.replace(
-        routed, decision=decision, last_resort=last_resort, routed_at=time.time()
+        routed,
+        decision=decision,
+        last_resort=last_resort,
+        routed_at=time.time(),
+        decided_at=time.monotonic(),
     )
 
 

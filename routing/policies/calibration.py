@@ -36,6 +36,12 @@ __all__ = ["SpeedCalibration"]
 _MIN_REPLICAS_FOR_SPREAD = 3
 #: A deviation must exceed about sqrt(3) standard errors of its own estimate to count at all.
 _SIGNIFICANCE = 3.0
+#: The furthest a learned speed may move from the configured one, either way. Beyond 10x the
+#: configuration is wrong, not the replica; and without a bound, TTFTs that read as instant (a
+#: clock glitch, answers served from somewhere else) push the speed towards infinity, prefill
+#: then costs nothing, and later observations are all filtered out as queue: it never comes back.
+MAX_FACTOR = 10.0
+_MAX_LOG = math.log(MAX_FACTOR)
 
 
 @dataclass
@@ -97,6 +103,7 @@ class SpeedCalibration:
         if fit is None or fit.pool != pool:
             start = self._pool_log.get(pool, 0.0)
             fit = self._fits[replica] = _ReplicaFit(pool, start)
+        log_ratio = max(-_MAX_LOG, min(_MAX_LOG, log_ratio))
         clipped = fit.log_factor + max(-self._clip, min(self._clip, log_ratio - fit.log_factor))
         innovation = clipped - fit.log_factor
         fit.log_factor += alpha * innovation

@@ -222,7 +222,7 @@ class ExpectedTtftScorer(Plugin):
         #: Cost differences well below this many ms barely change the score (tie-friendly).
         cost_floor_ms: float = Field(default=10.0, gt=0.0)
         #: Predictions kept for requests awaiting completion (oldest dropped first).
-        max_pending: int = Field(default=4096, ge=1)
+        max_pending: int = Field(default=65536, ge=1)
         #: Drain this gateway's dispatched prefill work at the prefill speed as time passes.
         drain_backlog: bool = True
         #: ms of cost per ms of prefill sent to the replica recently (its prefill duty cycle,
@@ -469,9 +469,7 @@ class ExpectedTtftScorer(Plugin):
         if not raw:
             return {}, terms
         floor = self.params.cost_floor_ms
-        costs = {rid: values[_COST] + floor for rid, values in raw.items()}
-        best = min(costs.values())
-        return {rid: best / cost for rid, cost in costs.items()}, terms
+        return relative_scores({rid: values[_COST] + floor for rid, values in raw.items()}), terms
 
     def _remember(self, request_id: str, pending: _Pending) -> None:
         self._pending[request_id] = pending
@@ -550,9 +548,14 @@ class ExpectedTtftScorer(Plugin):
 
         if replica in pending.cold_load_is_ours and request.adapter:
             # The adapter had to be loaded: attribute what prefill does not explain to the load.
-            observed = max(0.0, residual_ms - prefill_then_ms)
-            old = self.adapter_cold_load_estimate_ms(request.adapter)
-            self._cold_load_ms[request.adapter] = old + p.calibration_alpha * (observed - old)
+            # In log space, at most ``max_calibration_step``-fold per observation: one TTFT
+            # blown up by something else (a stall, a restart) cannot make the adapter look
+            # minutes long to load, and then, avoided on every cold replica, never be corrected.
+            observed = max(1.0, residual_ms - prefill_then_ms)
+            old = max(1.0, self.adapter_cold_load_estimate_ms(request.adapter))
+            bound = math.log(p.max_calibration_step)
+            step = min(bound, max(-bound, math.log(observed) - math.log(old)))
+            self._cold_load_ms[request.adapter] = old * math.exp(p.calibration_alpha * step)
             return
         if uncached < p.min_calibration_tokens or replica not in self._configured:
             return
@@ -575,6 +578,17 @@ class ExpectedTtftScorer(Plugin):
         bound = math.log(p.max_calibration_step)
         step = min(bound, max(-bound, math.log(observed_ms) - current))
         self._slot_wait_log = current + p.calibration_alpha * step
+
+
+def relative_scores(costs: dict[ReplicaId, float]) -> dict[ReplicaId, float]:
+    """``best / cost`` per replica (1 for the cheapest). A cost that is not a number (a broken
+    figure somewhere upstream) scores 0 rather than making every score NaN; with no finite cost
+    at all, the infinite ones tie at 1."""
+    finite = [cost for cost in costs.values() if math.isfinite(cost)]
+    if not finite:
+        return {rid: 1.0 if cost == math.inf else 0.0 for rid, cost in costs.items()}
+    best = min(finite)
+    return {rid: best / cost if cost == cost else 0.0 for rid, cost in costs.items()}
 
 
 #: Near-equal costs within 1% count as ties. ``max-score``'s default 5% is ~10 ms on a 200 ms

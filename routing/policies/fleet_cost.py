@@ -105,7 +105,12 @@ from routing.gone_keys import refuse_gone_keys
 from routing.policies.base import PluginKind, PluginParams
 from routing.policies.cache_fill import CacheFill
 from routing.policies.expected_ttft import TERM_NAMES as TTFT_TERM_NAMES
-from routing.policies.expected_ttft import ExpectedTtftScorer, LazyTerms, _Pending
+from routing.policies.expected_ttft import (
+    ExpectedTtftScorer,
+    LazyTerms,
+    _Pending,
+    relative_scores,
+)
 from routing.policies.max_score import MaxScorePicker
 from routing.policies.placements import Placements
 from routing.state import ReplicaState
@@ -692,8 +697,7 @@ class FleetCostScorer(ExpectedTtftScorer):
         self._remember(request.request_id, _Pending(terms, cold_ours))
         floor = p.cost_floor_ms
         costs = {rid: values[_FLEET_COST] + floor for rid, values in raw.items()}
-        best = min(costs.values())
-        return {rid: best / cost for rid, cost in costs.items()}, terms
+        return relative_scores(costs), terms
 
 
 #: As in expected-ttft: near-equal costs within 1% count as ties.

@@ -219,3 +219,10 @@ vllm:inter_token_latency_seconds_sum{model_name="m"} 1.5
 vllm:inter_token_latency_seconds_count{model_name="m"} 30
 """
     assert parse_vllm_metrics(itl) == {"itl_sum_s": 1.5, "itl_count": 30.0}
+    # A scrape glitch (NaN, Inf, a negative gauge) is not a figure: the field is left out, so
+    # the replica keeps its last reading (int(NaN) used to raise and freeze the replica's state).
+    glitch = """vllm:num_requests_running{model_name="m"} NaN
+vllm:num_requests_waiting{model_name="m"} +Inf
+vllm:kv_cache_usage_perc{model_name="m"} -0.5
+"""
+    assert parse_vllm_metrics(glitch) == {}

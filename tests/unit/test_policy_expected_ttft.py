@@ -231,10 +231,22 @@ def test_cold_adapter_requests_calibrate_the_adapter_load_time() -> None:
     scorer = at_now(ExpectedTtftScorer.Params(calibration_alpha=0.5))
     request = req(request_id="ad", adapter="ad")
     scorer.score_with_terms(request, [rep("a")])
-    # 200 ms prefill + 1300 ms observed load; the estimate moves half-way from 500 to 1300.
+    # 200 ms prefill + 1300 ms observed load; the estimate moves half-way from 500 to 1300, in
+    # log space (to their geometric mean).
     scorer.on_request_complete(request, ReplicaId("a"), 1_500.0, 0, True)
-    assert scorer.adapter_cold_load_estimate_ms("ad") == pytest.approx(900.0)
+    assert scorer.adapter_cold_load_estimate_ms("ad") == pytest.approx((500.0 * 1300.0) ** 0.5)
     assert scorer.calibrated_speed(ReplicaId("a")) is None
+
+
+def test_one_absurd_adapter_load_moves_the_estimate_by_a_bounded_step() -> None:
+    # A 10-minute TTFT (a stall, a restart) used to pull the estimate to two minutes; every
+    # later request then avoided cold replicas, so nothing ever corrected it.
+    params = ExpectedTtftScorer.Params(calibration_alpha=1.0, max_calibration_step=4.0)
+    scorer = at_now(params)
+    request = req(request_id="ad", adapter="ad")
+    scorer.score_with_terms(request, [rep("a")])
+    scorer.on_request_complete(request, ReplicaId("a"), 600_000.0, 0, True)
+    assert scorer.adapter_cold_load_estimate_ms("ad") == pytest.approx(500.0 * 4.0)
 
 
 async def test_engine_forwards_outcomes_to_the_scorer() -> None:
@@ -539,3 +551,26 @@ def test_many_waits_in_flight_move_the_estimate_to_what_they_waited_not_beyond()
     for request in requests:  # each waited 1.5 x 3 s for its slot, then prefilled 200 ms
         scorer.on_request_complete(request, ReplicaId("a"), 4_700.0, 0, True)
     assert scorer.adapter_slot_wait_estimate_ms == pytest.approx(3_000.0, rel=0.01)
+
+
+def test_learned_speed_stays_within_ten_times_the_configured() -> None:
+    # TTFTs that read as instant (sixty 0 ms answers) pushed the speed towards infinity: prefill
+    # then cost nothing and every later observation was filtered out as queue time.
+    from routing.policies.calibration import MAX_FACTOR, SpeedCalibration
+
+    calibration = SpeedCalibration(alpha=0.5, max_step=4.0)
+    for _ in range(60):
+        calibration.observe(ReplicaId("a"), "p", 1e12)
+    assert calibration.factor(ReplicaId("a")) == pytest.approx(MAX_FACTOR, rel=1e-3)
+    for _ in range(60):
+        calibration.observe(ReplicaId("a"), "p", 1e-12)
+    assert calibration.factor(ReplicaId("a")) == pytest.approx(1 / MAX_FACTOR, rel=1e-3)
+
+
+def test_a_cost_that_is_not_a_number_scores_zero_and_leaves_the_others_alone() -> None:
+    from routing.policies.expected_ttft import relative_scores
+
+    a, b, c = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+    assert relative_scores({a: math.nan, b: 100.0, c: 200.0}) == {a: 0.0, b: 1.0, c: 0.5}
+    assert relative_scores({a: math.inf, b: math.inf}) == {a: 1.0, b: 1.0}
+    assert relative_scores({a: math.inf, b: 50.0}) == {a: 0.0, b: 1.0}

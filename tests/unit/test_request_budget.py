@@ -7,6 +7,7 @@ the request goes on to generate.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from types import SimpleNamespace
 
@@ -117,3 +118,27 @@ def test_request_without_a_budget_is_not_observed() -> None:
     account(gw, _routed(None), _served(), arrived=0.0, streamed=False)
     assert _sample(gw, "fleetgate_request_context_tokens_count") == 1
     assert _sample(gw, "fleetgate_request_budget_tokens_count") is None
+
+
+def test_calibration_sees_the_ttft_from_the_decision_not_from_arrival() -> None:
+    # Flow control held the request 2 s, then routed it again; the engine answered its first
+    # token 0.4 s after that decision. Routing predicted the 0.4 s: it must learn 0.4 s, not the
+    # client's 2.4 s (which made every replica look slower the longer the gateway queue was).
+    seen: list[float | None] = []
+
+    class Engine:
+        def observe_complete(self, request: object, replica: object, ttft_ms: float | None,
+                             cached: object, ok: bool) -> None:
+            seen.append(ttft_ms)
+
+    gw = _deps()
+    gw.engine = Engine()
+    routed = dataclasses.replace(_routed(None), decided_at=102.0)
+    outcome = dataclasses.replace(_served(), sent_at=102.05, ttft_s=0.35, finished_at=103.0)
+    account(gw, routed, outcome, arrived=100.0, streamed=True)
+    assert seen == [pytest.approx(400.0)]
+    # The client's TTFT, from arrival, is what the metrics and SLOs see.
+    ttft = gw.metrics.registry.get_sample_value(
+        "fleetgate_ttft_seconds_sum", {"route": "chat", "model": "m"}
+    )
+    assert ttft == pytest.approx(2.4)
