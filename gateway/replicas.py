@@ -142,6 +142,10 @@ class ReplicaRegistry:
         self.attempts = AttemptsInFlight()
         #: Each replica's recent inter-token latency, from its engine's ITL histogram.
         self._itl: dict[ReplicaId, RecentItl] = {}
+        #: Discovered replicas whose registration expired but which still answer (warned once).
+        self._orphans: set[ReplicaId] = set()
+        #: When each replica last passed a health poll (``clock`` time).
+        self._answered_at: dict[ReplicaId, float] = {}
         #: Each replica's ``max_model_len`` per base model, from its ``/v1/models``.
         self._max_model_len: dict[ReplicaId, dict[str, int]] = {}
 
@@ -207,11 +211,18 @@ class ReplicaRegistry:
             )
         )
 
-    def sync_discovered(self, states: Iterable[ReplicaState]) -> None:
-        """Take the agents' view of registered replicas; forget those whose registration expired.
+    def sync_discovered(
+        self, states: Iterable[ReplicaState], departed: Iterable[ReplicaId] = ()
+    ) -> None:
+        """Take the agents' view of registered replicas; forget those that left.
 
         An agent scrapes its engine several times a second, so its figures (queue, KV usage,
-        adapters, epoch) replace ours; only the gateway's own in-flight counts are kept.
+        adapters, epoch) replace ours; only the gateway's own in-flight counts are kept. A
+        replica missing from ``states`` past ``discovery_grace_s`` is forgotten if it was
+        removed on purpose (``departed``) or no longer answers its health polls. One that still
+        answers is kept (with a warning): its heartbeat expired because its agent is down or
+        Redis refuses writes (full), and dropping every such replica would refuse all traffic
+        while the engines serve.
         """
         seen = set()
         for state in states:
@@ -234,13 +245,45 @@ class ReplicaRegistry:
             # The agent read the adapters with its metrics: its time goes with its list.
             self._adapters_read_at[state.replica_id] = state.metrics_read_at
         now = self._clock()
+        gone = set(departed)
         for rid in self._discovered - seen:
             since = self._missing_since.setdefault(rid, now)
-            if now - since >= self.discovery_grace_s:
+            if now - since < self.discovery_grace_s:
+                seen.add(rid)  # still known: within the grace period
+            elif rid in gone or not self._answering(rid):
+                log.warning(
+                    "replica %s left the fleet (%s): no longer routed to",
+                    rid,
+                    "removed by its agent" if rid in gone else "registration expired, "
+                    "and it no longer answers its health polls",
+                )
+                self._orphans.discard(rid)
                 self.remove(rid)
             else:
-                seen.add(rid)  # still known: within the grace period
+                if rid not in self._orphans:
+                    log.warning(
+                        "replica %s: its registration expired %.0f s ago but it still answers "
+                        "its health polls; still routed to (is its agent down, or Redis refusing "
+                        "writes?)",
+                        rid,
+                        now - since,
+                    )
+                    self._orphans.add(rid)
+                seen.add(rid)
+        self._orphans &= seen - {s.replica_id for s in states}
         self._discovered = seen
+
+    def _answering(self, replica: ReplicaId) -> bool:
+        """The replica passed its latest health poll, one made after its registration went
+        missing (a replica this gateway never polled does not count)."""
+        state = self._states.get(replica)
+        missing_since = self._missing_since.get(replica, math.inf)
+        return (
+            state is not None
+            and state.healthy
+            and self._failed_polls.get(replica, 0) == 0
+            and self._answered_at.get(replica, -math.inf) >= missing_since
+        )
 
     def remove(self, replica: ReplicaId) -> None:
         """Forget a replica (and tell ``on_remove``)."""
@@ -255,6 +298,8 @@ class ReplicaRegistry:
         self._missing_since.pop(replica, None)
         self._itl.pop(replica, None)
         self._max_model_len.pop(replica, None)
+        self._answered_at.pop(replica, None)
+        self._orphans.discard(replica)
 
     # ------------------------------------------------------------------ reading
 
@@ -388,6 +433,7 @@ class ReplicaRegistry:
             failure = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if answered_ok:
             self._failed_polls[state.replica_id] = 0
+            self._answered_at[state.replica_id] = self._clock()
         else:
             self._failed_polls[state.replica_id] = self._failed_polls.get(state.replica_id, 0) + 1
         # One missed poll (a CPU stall, a GC pause) is not an outage: it takes

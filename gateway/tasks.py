@@ -32,10 +32,11 @@ async def merge_fleet_store(gw: GatewayState) -> None:
     """Take in the replicas agents registered (Redis or in-memory fleet store)."""
     try:
         states = await gw.fleet_store.list_replicas()
+        departed = await gw.fleet_store.departed()
     except Exception as exc:  # Redis down: keep the replicas we know
         log.warning("fleet store unavailable: %s", exc)
         return
-    gw.registry.sync_discovered(states)
+    gw.registry.sync_discovered(states, departed)
 
 
 async def inflight_loop(gw: GatewayState, interval_s: float = 0.25) -> None:

@@ -62,6 +62,10 @@ def state_from_json(raw: str | bytes) -> ReplicaState:
     return ReplicaState(**kwargs)
 
 
+#: How long a deliberate removal is remembered, for gateways to tell it from an expired heartbeat.
+DEPARTED_TTL_S = 3600.0
+
+
 def _check_ttl(ttl_s: float) -> None:
     if not ttl_s > 0:
         raise ValueError(f"ttl_s must be > 0 (got {ttl_s!r})")
@@ -87,6 +91,12 @@ class FleetStore(Protocol):
         """Forget a replica now (clean shutdown) instead of waiting for its TTL."""
         ...
 
+    async def departed(self) -> set[ReplicaId]:
+        """Replicas removed on purpose (``remove``) in the last ``DEPARTED_TTL_S``: gateways drop
+        them at once, while one whose heartbeat merely expired is kept as long as it answers
+        (its agent may be down, or Redis refusing writes)."""
+        ...
+
     async def close(self) -> None:
         """Release connections."""
         ...
@@ -98,6 +108,7 @@ class MemoryFleetStore:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._states: dict[ReplicaId, tuple[float, str]] = {}
+        self._departed: dict[ReplicaId, float] = {}
 
     async def register(self, state: ReplicaState, ttl_s: float) -> None:
         await self.publish(state, ttl_s)
@@ -115,6 +126,11 @@ class MemoryFleetStore:
 
     async def remove(self, replica_id: ReplicaId) -> None:
         self._states.pop(replica_id, None)
+        self._departed[replica_id] = self._clock() + DEPARTED_TTL_S
+
+    async def departed(self) -> set[ReplicaId]:
+        now = self._clock()
+        return {rid for rid, until in self._departed.items() if until > now}
 
     async def close(self) -> None:
         return None
@@ -172,9 +188,21 @@ class RedisFleetStore:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.delete(self._key(replica_id))
                 pipe.srem(self._set_key, replica_id)
+                pipe.set(self._departed_key(replica_id), "1", ex=int(DEPARTED_TTL_S))
                 await pipe.execute()
         except Exception as exc:
             raise FleetStoreUnavailable(f"fleet store remove failed: {exc}") from exc
+
+    def _departed_key(self, replica_id: str) -> str:
+        return f"{self._prefix}replica-departed:{replica_id}"
+
+    async def departed(self) -> set[ReplicaId]:
+        try:
+            keys = [k async for k in self._redis.scan_iter(match=self._departed_key("*"))]
+        except Exception as exc:
+            raise FleetStoreUnavailable(f"fleet store read failed: {exc}") from exc
+        cut = len(self._departed_key(""))
+        return {ReplicaId((k.decode() if isinstance(k, bytes) else k)[cut:]) for k in keys}
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -146,3 +146,22 @@ async def test_a_bounded_client_retries_once_on_a_connection_the_server_closed(
     finally:
         await client.aclose()
         await admin.aclose()
+
+
+async def test_the_redis_fleet_store_remembers_a_removal_not_an_expiry(redis_url: str) -> None:
+    import uuid
+
+    from replica.fleet_store import RedisFleetStore
+    from routing.state import ReplicaState
+    from routing.types import ReplicaId
+
+    store = RedisFleetStore(redis_url, key_prefix=f"fg-test-{uuid.uuid4().hex[:8]}:")
+    try:
+        await store.publish(ReplicaState(replica_id=ReplicaId("a"), url="http://a"), ttl_s=60)
+        await store.publish(ReplicaState(replica_id=ReplicaId("b"), url="http://b"), ttl_s=0.05)
+        await store.remove(ReplicaId("a"))
+        await asyncio.sleep(0.2)  # b's heartbeat expires
+        assert await store.list_replicas() == []
+        assert await store.departed() == {ReplicaId("a")}
+    finally:
+        await store.close()

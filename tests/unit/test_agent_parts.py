@@ -221,6 +221,8 @@ async def test_memory_fleet_store_expires_without_heartbeat() -> None:
     assert [s.replica_id for s in await store.list_replicas()] == ["b"]
     await store.remove(ReplicaId("b"))
     assert await store.list_replicas() == []
+    # A removal is remembered (gateways drop it at once); an expiry is not.
+    assert await store.departed() == {ReplicaId("b")}
     with pytest.raises(ValueError, match="ttl_s"):
         await store.publish(_state("a"), ttl_s=0)
 

@@ -147,6 +147,29 @@ def test_a_replica_missing_from_one_listing_is_kept_for_the_grace_period() -> No
     assert registry.get(R0) is not None
 
 
+async def test_an_expired_registration_of_a_replica_that_still_answers_keeps_it_routed() -> None:
+    # Agents that cannot write to Redis (full, noeviction) let every registration expire: the
+    # gateway dropped every healthy replica and answered 503 to all traffic. A replica its own
+    # health polls still reach is kept; one removed on purpose, or that stops answering, is not.
+    now = [100.0]
+    registry = ReplicaRegistry(discovery_grace_s=15.0, clock=lambda: now[0])
+    r1 = ReplicaId("r1")
+    registry.sync_discovered([ReplicaState(replica_id=R0, url="http://r0"),
+                              ReplicaState(replica_id=r1, url="http://r1")])
+    ok = {"/health": (200, ""), "/v1/models": (200, _models()), "/metrics": (200, METRICS)}
+    registry.sync_discovered([])  # both registrations expired
+    now[0] += 16.0
+    await registry.poll_once(_Session(ok))  # type: ignore[arg-type]
+    registry.sync_discovered([])
+    assert {s.replica_id for s in registry.routable()} == {R0, r1}
+    registry.sync_discovered([], departed={r1})  # r1's agent removed it on purpose
+    assert [s.replica_id for s in registry.routable()] == [R0]
+    down = {"/health": (503, ""), "/v1/models": (503, ""), "/metrics": (503, "")}
+    await registry.poll_once(_Session(down))  # type: ignore[arg-type]
+    registry.sync_discovered([])  # r0 stops answering too: gone
+    assert registry.get(R0) is None
+
+
 class _Registry:
     """``AdapterRegistry.serving`` that raises ``error`` on entry (or yields a result)."""
 
