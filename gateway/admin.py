@@ -118,7 +118,10 @@ async def reload(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     result = reload_policy(gw)
     if result.ok:
-        return _json({"reloaded": True, "summary": result.summary})
+        body = {"reloaded": True, "summary": result.summary}
+        if result.restart_needed:
+            body["restart_needed"] = result.restart_needed
+        return _json(body)
     error = GatewayError(400, errors.POLICY_INVALID, "Policy refused; the running policy stays.")
     body = error.envelope()
     body["error"]["details"] = result.errors  # type: ignore[assignment]

@@ -261,7 +261,8 @@ def _lifecycle(
                 async with asyncio.timeout(INDEX_START_WAIT_S):
                     await start_index()
             except (IndexUnavailable, TimeoutError) as exc:
-                log.warning("block index not ready at startup (%s); routing on load alone", exc)
+                why = str(exc) or type(exc).__name__
+                log.warning("block index not ready at startup (%s); routing on load alone", why)
         # One poll before serving, so /ready and routing know the replicas from the start.
         if gw.fleet_store is not None:
             await merge_fleet_store(gw)

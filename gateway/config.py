@@ -101,6 +101,28 @@ class GatewayConfig:
         """Where the block index lives: its own Redis (a Cluster) or ``redis_url``."""
         return self.index_redis_url or self.redis_url
 
+    def needs_restart(self, policy: Any) -> list[str]:
+        """The ``index:`` settings of ``policy`` that differ from the running ones and that only a
+        restart applies (the index backend, its Redis and keys); a reload keeps the running ones."""
+        index = getattr(policy, "index", None)
+        if index is None:
+            return []
+        running = {
+            "index.backend": "redis" if (self.index_redis_url or self.redis_url) else "memory",
+            "index.mode": self.index_mode,
+            "index.key_prefix": self.index_key_prefix or "fleetgate:",
+        }
+        wanted = {"index.backend": index.backend, "index.mode": index.mode,
+                  "index.key_prefix": index.key_prefix}
+        if index.backend == "redis":
+            running["index.redis_url"] = self.index_url
+            wanted["index.redis_url"] = index.redis_url
+        return [
+            f"{name}: {wanted[name]!s} (running: {running[name]!s})"
+            for name in wanted
+            if running.get(name) is not None and wanted[name] != running[name]
+        ]
+
     def apply_policy(self, policy: Any, startup: bool = False) -> None:
         """Take the policy's ``gateway:`` and ``index:`` settings over the process defaults.
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections import defaultdict, deque
@@ -22,6 +23,9 @@ from typing import Protocol
 from routing.types import ReplicaId
 
 log = logging.getLogger(__name__)
+
+#: The least time between two "in-flight sync failed" warnings (the sync runs 4 times a second).
+_WARN_EVERY_S = 30.0
 
 Counts = dict[ReplicaId, tuple[int, int]]
 
@@ -184,6 +188,7 @@ class RedisInflight(MemoryInflight):
         self._others_awaiting: dict[ReplicaId, int] = {}
         #: When a sync last read the other gateways' counts (monotonic seconds).
         self._synced_at = time.monotonic()
+        self._warned_at = -math.inf
 
     def count(self, replica: ReplicaId) -> tuple[int, int]:
         n, t = super().count(replica)
@@ -247,7 +252,10 @@ class RedisInflight(MemoryInflight):
                 # error: swallowed here, the sync loop would outlive a shutdown that cancelled it
                 # (seen: a gateway's loop teardown waiting on it until the test timed out).
                 raise asyncio.CancelledError from exc
-            log.warning("in-flight sync through Redis failed: %s", exc)
+            now = time.monotonic()
+            if now - self._warned_at >= _WARN_EVERY_S:  # 4 syncs a second: say it once a while
+                self._warned_at = now
+                log.warning("in-flight sync through Redis failed: %s", exc)
             if self._others and time.monotonic() - self._synced_at > self._ttl_s:
                 # The other gateways' counts expire in Redis after ``ttl_s``; kept here through a
                 # long outage they would keep steering traffic away from replicas long since

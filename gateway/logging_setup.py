@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from aiohttp.http_exceptions import HttpProcessingError
+
+#: Every fleetgate process logs in this format (agents and gateways alike).
+LOG_FORMAT = "%(asctime)s.%(msecs)03dZ %(levelname)s %(name)s: %(message)s"
+LOG_DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"
 
 #: Libraries that log one line per HTTP call at INFO: useful when debugging, noise otherwise.
 _CHATTY_LOGGERS = ("httpx", "httpcore", "aiohttp.access")
 
 
 def configure_logging(level: str | int = logging.INFO) -> None:
-    """Log to stderr as ``LEVEL logger: message``, keeping per-request library chatter quiet."""
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    """Log to stderr as ``TIME LEVEL logger: message`` (UTC, ms: lines of gateways and agents
+    line up in an incident), keeping per-request library chatter quiet."""
+    logging.basicConfig(level=level, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
+    logging.Formatter.converter = time.gmtime
     quiet_level = logging.DEBUG if logging.getLogger().level <= logging.DEBUG else logging.WARNING
     for name in _CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(quiet_level)

@@ -26,6 +26,8 @@ class ReloadResult:
     ok: bool
     errors: list[str] = field(default_factory=list)
     summary: str | None = None
+    #: Settings of an applied file that take effect only on a restart (the running ones stay).
+    restart_needed: list[str] = field(default_factory=list)
 
 
 def reload_policy(gw: GatewayState) -> ReloadResult:
@@ -48,6 +50,7 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
         return _refused(gw, [str(e) for e in exc.errors], path)
     except (OSError, ValueError, TypeError) as exc:  # InvalidAdapter is a ValueError
         return _refused(gw, [f"{path}: {exc}"], path)
+    kept = gw.config.needs_restart(policy)
     gw.engine.replace_profiles(profiles)
     gw.config.apply_policy(policy)
     gw.max_retries = gw.config.max_retries
@@ -63,7 +66,15 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     log.info("policy reloaded from %s: %s", path, summary)
     for warning in getattr(policy, "warnings", list)():
         log.warning("policy %s: %s", path, warning)
-    return ReloadResult(True, [], summary)
+    if kept:
+        # Everything else of the file is in force; these need the process to start again.
+        log.warning(
+            "policy %s: reloaded, but these settings apply only on a restart (the running ones "
+            "are kept): %s",
+            path,
+            "; ".join(kept),
+        )
+    return ReloadResult(True, [], summary, kept)
 
 
 def _refused(gw: GatewayState, problems: list[str], path: str) -> ReloadResult:

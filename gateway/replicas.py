@@ -504,6 +504,10 @@ class ReplicaRegistry:
                         metrics_asked_at, gauges.get("itl_sum_s", 0.0), gauges["itl_count"]
                     )
         self._put(replace(current, **updates))
+        if healthy and not current.healthy and answered_ok:
+            log.warning(
+                "replica %s (%s) answers its health polls again", state.replica_id, state.url
+            )
         if current.healthy and not healthy:
             aborted = self.attempts.abort_unanswered(state.replica_id)
             log.warning(

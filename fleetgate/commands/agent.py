@@ -19,6 +19,7 @@ import logging
 import signal
 
 from fleetgate.commands._args import cannot_start, positive_float, positive_int
+from gateway.logging_setup import configure_logging
 from replica.agent import AgentConfig, ReplicaAgent
 
 
@@ -159,10 +160,7 @@ async def _serve(config: AgentConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the agent until SIGINT/SIGTERM."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    configure_logging(args.log_level.upper())  # the gateways' format: their lines line up
     try:
         asyncio.run(_serve(agent_config_from_args(args)))
     except (OSError, ValueError) as exc:  # a port in use, a URL or setting that cannot work

@@ -347,11 +347,13 @@ class MirrorBlockIndex:
         client = self._writer.client
         generation = await self._read_generation()
         keys = self.layout.all_events_keys()
-        pipe = client.pipeline(transaction=False)
-        for shard, key in enumerate(keys):
-            pipe.xrevrange(key, count=1)
-            pipe.smembers(self.layout.replicas_key(shard))
-        replies = await pipe.execute()
+        # A context: a pipeline whose execute fails (Redis going down) is still released,
+        # instead of being reported later as an unclosed client at ERROR.
+        async with client.pipeline(transaction=False) as pipe:
+            for shard, key in enumerate(keys):
+                pipe.xrevrange(key, count=1)
+                pipe.smembers(self.layout.replicas_key(shard))
+            replies = await pipe.execute()
         seconds, micros = await client.time()  # not pipelined: a Cluster pipeline refuses it
         server_ms = seconds * 1000 + micros // 1000
         # Stream ids are the server's ms: the tail ages guesses by them, on this offset.
@@ -403,10 +405,10 @@ class MirrorBlockIndex:
                     *(self._snapshot(keys=[k.state, k.blocks], client=client) for k in keys)
                 )
             )
-        pipe = client.pipeline(transaction=False)
-        for k in keys:
-            await self._snapshot(keys=[k.state, k.blocks], client=pipe)
-        return list(await pipe.execute())
+        async with client.pipeline(transaction=False) as pipe:
+            for k in keys:
+                await self._snapshot(keys=[k.state, k.blocks], client=pipe)
+            return list(await pipe.execute())
 
     async def _tail(self) -> None:
         """Apply stream events until an error or a lost generation (then rebuild)."""

@@ -105,3 +105,23 @@ def test_a_gateway_without_a_policy_file_has_the_policy_files_defaults() -> None
     applied = GatewayConfig()
     applied.apply_policy(type("P", (), {"gateway": gateway, "index": index})(), startup=False)
     assert applied == config
+
+
+def test_a_reload_names_the_index_settings_that_need_a_restart() -> None:
+    # A reload pointing the index at another Redis said "reloaded" and went on with the old one.
+    from types import SimpleNamespace
+
+    from gateway.config import GatewayConfig
+    from routing.config.infra import IndexSettings
+
+    config = GatewayConfig(redis_url="redis://old:6379/0", index_mode="mirror")
+    same = SimpleNamespace(
+        index=IndexSettings(backend="redis", redis_url="redis://old:6379/0", mode="mirror")
+    )
+    assert config.needs_restart(same) == []
+    moved = SimpleNamespace(
+        index=IndexSettings(backend="redis", redis_url="redis://new:6379/0", mode="mirror")
+    )
+    (what,) = config.needs_restart(moved)
+    assert what.startswith("index.redis_url: redis://new:6379/0") and "redis://old" in what
+    assert GatewayConfig().needs_restart(SimpleNamespace(index=IndexSettings())) == []
