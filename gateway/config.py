@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,25 +103,21 @@ class GatewayConfig:
         return self.index_redis_url or self.redis_url
 
     def needs_restart(self, policy: Any) -> list[str]:
-        """The ``index:`` settings of ``policy`` that differ from the running ones and that only a
-        restart applies (the index backend, its Redis and keys); a reload keeps the running ones."""
-        index = getattr(policy, "index", None)
-        if index is None:
+        """Where ``policy`` would put the index (backend, Redis, mode, keys) if the gateway
+        started with it now, where that differs from the running index; a reload keeps the
+        running one. Worked out as start-up does (the command line's ``--redis`` wins over the
+        file), so reloading the file the gateway started with names nothing."""
+        base = self.__dict__.get("_before_policy")
+        if base is None:
             return []
-        running = {
-            "index.backend": "redis" if (self.index_redis_url or self.redis_url) else "memory",
-            "index.mode": self.index_mode,
-            "index.key_prefix": self.index_key_prefix or "fleetgate:",
-        }
-        wanted = {"index.backend": index.backend, "index.mode": index.mode,
-                  "index.key_prefix": index.key_prefix}
-        if index.backend == "redis":
-            running["index.redis_url"] = self.index_url
-            wanted["index.redis_url"] = index.redis_url
+        trial = dataclasses.replace(base)
+        trial.apply_policy(policy, startup=True)
+        names = ("index_url", "index_mode", "index_key_prefix")
         return [
-            f"{name}: {wanted[name]!s} (running: {running[name]!s})"
-            for name in wanted
-            if running.get(name) is not None and wanted[name] != running[name]
+            f"index {name.removeprefix('index_') if name != 'index_url' else 'redis url'}: "
+            f"{getattr(trial, name)} (running: {getattr(self, name)})"
+            for name in names
+            if getattr(trial, name) != getattr(self, name)
         ]
 
     def apply_policy(self, policy: Any, startup: bool = False) -> None:
@@ -129,6 +126,9 @@ class GatewayConfig:
         On a reload (``startup=False``) only settings that can change live are taken; the index
         backend and its Redis URL need a restart.
         """
+        if startup:
+            # What the command line gave, before the file: a reload's restart check starts here.
+            self.__dict__.setdefault("_before_policy", dataclasses.replace(self))
         settings = getattr(policy, "gateway", None)
         if settings is not None:
             self.max_body_bytes = settings.max_body_bytes

@@ -19,7 +19,9 @@ def configure_logging(level: str | int = logging.INFO) -> None:
     """Log to stderr as ``TIME LEVEL logger: message`` (UTC, ms: lines of gateways and agents
     line up in an incident), keeping per-request library chatter quiet."""
     logging.basicConfig(level=level, format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
-    logging.Formatter.converter = time.gmtime
+    for handler in logging.getLogger().handlers:  # UTC on fleetgate's handler, not on every one
+        if handler.formatter is not None and handler.formatter._fmt == LOG_FORMAT:
+            handler.formatter.converter = time.gmtime
     quiet_level = logging.DEBUG if logging.getLogger().level <= logging.DEBUG else logging.WARNING
     for name in _CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(quiet_level)

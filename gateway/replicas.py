@@ -81,11 +81,17 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         except (ValueError, IndexError):
             continue
         # Gauges and counters here are never negative or infinite: a NaN, an Inf or a negative
-        # sample is a scrape glitch, not a figure to route on (the field keeps its last value).
+        # sample is a scrape glitch, not a figure to route on. It makes its field NaN (the sum
+        # with the other label sets too), which the poll treats as unread (``_finite``).
         if not math.isfinite(value) or value < 0:
-            continue
+            value = math.nan
         values[field] = values.get(field, 0.0) + value
     return values
+
+
+def _finite(gauges: Mapping[str, float], name: str) -> bool:
+    value = gauges.get(name)
+    return value is not None and math.isfinite(value)
 
 
 class ReplicaRegistry:
@@ -144,6 +150,9 @@ class ReplicaRegistry:
         self._itl: dict[ReplicaId, RecentItl] = {}
         #: Discovered replicas whose registration expired but which still answer (warned once).
         self._orphans: set[ReplicaId] = set()
+        #: How long such a replica is kept at most: a removal its agent could not write (Redis
+        #: refusing writes) must not keep it routed for ever.
+        self.orphan_max_s = 3600.0
         #: When each replica last passed a health poll (``clock`` time).
         self._answered_at: dict[ReplicaId, float] = {}
         #: Each replica's ``max_model_len`` per base model, from its ``/v1/models``.
@@ -278,11 +287,13 @@ class ReplicaRegistry:
         missing (a replica this gateway never polled does not count)."""
         state = self._states.get(replica)
         missing_since = self._missing_since.get(replica, math.inf)
+        # Healthy as routing sees it (one missed poll is not an outage: it takes
+        # ``unhealthy_after_polls`` in a row), and heard from since the registration went.
         return (
             state is not None
             and state.healthy
-            and self._failed_polls.get(replica, 0) == 0
             and self._answered_at.get(replica, -math.inf) >= missing_since
+            and self._clock() - missing_since < self.orphan_max_s
         )
 
     def remove(self, replica: ReplicaId) -> None:
@@ -494,11 +505,28 @@ class ReplicaRegistry:
                 updates["running_adapters"] = lora.running
                 updates["waiting_adapters"] = lora.waiting
             if gauges:
-                updates["running"] = int(gauges.get("running", current.running))
-                updates["waiting"] = int(gauges.get("waiting", current.waiting))
-                updates["kv_usage"] = float(gauges.get("kv_usage", current.kv_usage))
-                updates["metrics_read_at"] = metrics_asked_at
-                if "itl_count" in gauges:
+                glitched = [
+                    name
+                    for name in ("running", "waiting", "kv_usage")
+                    if name in gauges and not _finite(gauges, name)
+                ]
+                if _finite(gauges, "running"):
+                    updates["running"] = int(gauges["running"])
+                elif "running" not in gauges:
+                    updates["running"] = 0
+                if _finite(gauges, "waiting"):
+                    updates["waiting"] = int(gauges["waiting"])
+                elif "waiting" not in gauges:
+                    updates["waiting"] = 0
+                if _finite(gauges, "kv_usage"):
+                    updates["kv_usage"] = float(gauges["kv_usage"])
+                elif "kv_usage" not in gauges:
+                    updates["kv_usage"] = 0.0
+                if not glitched:
+                    # A glitched gauge keeps its last value; the reading is not fresh then, so
+                    # the staleness penalty still applies to it.
+                    updates["metrics_read_at"] = metrics_asked_at
+                if _finite(gauges, "itl_count") and _finite(gauges, "itl_sum_s"):
                     itl = self._itl.setdefault(state.replica_id, RecentItl())
                     updates["decode_itl_ms"] = itl.observe(
                         metrics_asked_at, gauges.get("itl_sum_s", 0.0), gauges["itl_count"]

@@ -18,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.config import GatewayConfig
+from gateway.logging_setup import configure_logging
 from gateway.reload import reload_policy
 from gateway.state import GATEWAY
 
@@ -117,6 +118,11 @@ def _worker(
     reuse_port: bool,
     on_ready: Callable[[str], Awaitable[None]] | None = None,
 ) -> None:
+    if reuse_port:
+        # A spawned worker starts with no logging set up: ``serve``'s format and level, or its
+        # lines come out bare and its INFO lines not at all.
+        configure_logging()
+
     async def main() -> None:
         app = factory(config)
         signals = StopSignals(app)

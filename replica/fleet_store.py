@@ -112,6 +112,7 @@ class MemoryFleetStore:
 
     async def register(self, state: ReplicaState, ttl_s: float) -> None:
         await self.publish(state, ttl_s)
+        self._departed.pop(state.replica_id, None)
 
     async def publish(self, state: ReplicaState, ttl_s: float) -> None:
         _check_ttl(ttl_s)
@@ -151,12 +152,17 @@ class RedisFleetStore:
         self._redis = client or bounded_client(url, socket_timeout_s)
         self._prefix = key_prefix
         self._set_key = f"{key_prefix}replicas"
+        self._departed_key = f"{key_prefix}replicas-departed"
 
     def _key(self, replica_id: str) -> str:
         return f"{self._prefix}replica:{replica_id}"
 
     async def register(self, state: ReplicaState, ttl_s: float) -> None:
         await self.publish(state, ttl_s)
+        try:  # back in the fleet: an earlier clean stop no longer marks it as gone
+            await self._redis.zrem(self._departed_key, state.replica_id)
+        except Exception as exc:
+            raise FleetStoreUnavailable(f"fleet store write failed: {exc}") from exc
 
     async def publish(self, state: ReplicaState, ttl_s: float) -> None:
         _check_ttl(ttl_s)
@@ -188,21 +194,22 @@ class RedisFleetStore:
             async with self._redis.pipeline(transaction=True) as pipe:
                 pipe.delete(self._key(replica_id))
                 pipe.srem(self._set_key, replica_id)
-                pipe.set(self._departed_key(replica_id), "1", ex=int(DEPARTED_TTL_S))
+                # One sorted set, scored by when the mark expires: read in one round trip
+                # whatever else the Redis holds (a SCAN over a shared keyspace took seconds).
+                pipe.zadd(self._departed_key, {replica_id: time.time() + DEPARTED_TTL_S})
                 await pipe.execute()
         except Exception as exc:
             raise FleetStoreUnavailable(f"fleet store remove failed: {exc}") from exc
 
-    def _departed_key(self, replica_id: str) -> str:
-        return f"{self._prefix}replica-departed:{replica_id}"
-
     async def departed(self) -> set[ReplicaId]:
         try:
-            keys = [k async for k in self._redis.scan_iter(match=self._departed_key("*"))]
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.zremrangebyscore(self._departed_key, "-inf", time.time())
+                pipe.zrange(self._departed_key, 0, -1)
+                _, members = await pipe.execute()
         except Exception as exc:
             raise FleetStoreUnavailable(f"fleet store read failed: {exc}") from exc
-        cut = len(self._departed_key(""))
-        return {ReplicaId((k.decode() if isinstance(k, bytes) else k)[cut:]) for k in keys}
+        return {ReplicaId(m.decode() if isinstance(m, bytes) else m) for m in members}
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -94,4 +94,4 @@ def replica_url(url: str) -> str:
 
 def strip_api_suffix(url: str) -> str:
     """``url`` without a trailing ``/v1``."""
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return url[: -len("/v1")] if url.lower().endswith("/v1") else url

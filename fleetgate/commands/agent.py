@@ -18,7 +18,7 @@ import contextlib
 import logging
 import signal
 
-from fleetgate.commands._args import cannot_start, positive_float, positive_int
+from fleetgate.commands._args import cannot_start, positive_float, positive_int, replica_url
 from gateway.logging_setup import configure_logging
 from replica.agent import AgentConfig, ReplicaAgent
 
@@ -29,11 +29,15 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     group.add_argument("--replica-id", required=True, help="stable replica id, e.g. pool-a/r0")
     group.add_argument(
         "--engine-url",
+        type=replica_url,
         required=engine_url_required,
-        help="the engine's HTTP base URL as the agent reaches it",
+        help="the engine's HTTP base URL as the agent reaches it (its root; a trailing /v1 is "
+        "dropped)",
     )
     group.add_argument(
-        "--advertise-url", help="URL gateways use for the engine (default: --engine-url)"
+        "--advertise-url",
+        type=replica_url,
+        help="URL gateways use for the engine (default: --engine-url)",
     )
     group.add_argument("--pool", default="default", help="replica pool name (default: default)")
     group.add_argument(

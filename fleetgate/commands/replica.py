@@ -31,6 +31,7 @@ import httpx
 
 from fleetgate.commands._args import cannot_start
 from fleetgate.commands.agent import add_agent_arguments, agent_config_from_args
+from gateway.logging_setup import configure_logging
 from replica.agent import ReplicaAgent
 from replica.kv_events import subscriber_endpoint_for
 from replica.launcher import (
@@ -195,10 +196,7 @@ async def _supervise(args: argparse.Namespace, view: EngineView) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fleetgate replica``."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per scrape otherwise
+    configure_logging(args.log_level.upper())  # the gateways' and agents' format
     vllm_args = list(args.vllm_args)
     if vllm_args and vllm_args[0] == "--":
         vllm_args = vllm_args[1:]

@@ -179,7 +179,9 @@ def _decided_ttft_ms(routed: RouteDecision, outcome: UpstreamOutcome) -> float |
     request flow control held is decided again at its release) to its first token. The client's
     TTFT also counts the wait before that decision, which no replica choice changes: learned as
     prefill time, it would make every replica look slower the longer the gateway queue is."""
-    if outcome.ttft_s is None or outcome.sent_at is None:
+    if outcome.ttft_s is None or outcome.sent_at is None or outcome.attempts > 1:
+        # A retry's fallback was predicted at the first decision; the failed attempt's time is
+        # not its prefill, so it teaches nothing (before: the fallback learned it as slowness).
         return None
     return max(0.0, outcome.sent_at + outcome.ttft_s - routed.decided_at) * 1000.0
 

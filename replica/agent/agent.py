@@ -16,7 +16,6 @@ Three background loops, all started by ``start`` and cancelled and awaited by ``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -172,8 +171,17 @@ class ReplicaAgent:
         if self.subscriber is not None:
             self.subscriber.close()
         if deregister:
-            with contextlib.suppress(FleetStoreUnavailable):
+            try:
                 await self.fleet.remove(self.replica)
+            except FleetStoreUnavailable as exc:
+                # Gateways keep routing to an engine that still answers until they hear it left
+                # (or an hour passes): say so, the operator may need to stop the engine too.
+                logger.warning(
+                    "could not remove replica %s from the fleet store (%s): gateways keep "
+                    "routing to it while its engine answers, for up to an hour",
+                    self.replica,
+                    exc,
+                )
             await self._retire_on_leaving()
         await self.scraper.close()
         if self.kernel_reader is not None:

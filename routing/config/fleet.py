@@ -61,7 +61,7 @@ class ReplicaPool(StrictModel):
             raise ValueError("'replicas' lists the same URL twice")
         for url in self.replicas:
             root = url.rstrip("/")
-            if root.endswith("/v1"):
+            if root.lower().endswith("/v1"):
                 # The gateway adds /v1/chat/completions itself: it would call /v1/v1/...
                 raise ValueError(
                     f"replica {url} ends in /v1: list the engine's root URL "

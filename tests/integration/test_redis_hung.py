@@ -163,5 +163,8 @@ async def test_the_redis_fleet_store_remembers_a_removal_not_an_expiry(redis_url
         await asyncio.sleep(0.2)  # b's heartbeat expires
         assert await store.list_replicas() == []
         assert await store.departed() == {ReplicaId("a")}
+        # Back in the fleet: an earlier clean stop no longer marks it as gone.
+        await store.register(ReplicaState(replica_id=ReplicaId("a"), url="http://a"), ttl_s=60)
+        assert await store.departed() == set()
     finally:
         await store.close()

@@ -162,11 +162,36 @@ async def test_an_expired_registration_of_a_replica_that_still_answers_keeps_it_
     await registry.poll_once(_Session(ok))  # type: ignore[arg-type]
     registry.sync_discovered([])
     assert {s.replica_id for s in registry.routable()} == {R0, r1}
+    # One slow health poll is not an outage (it takes two in a row): the replicas stay.
+    slow = {"/health": (503, ""), "/v1/models": (503, ""), "/metrics": (503, "")}
+    await registry.poll_once(_Session(slow))  # type: ignore[arg-type]
+    registry.sync_discovered([])
+    await registry.poll_once(_Session(ok))  # type: ignore[arg-type]
+    registry.sync_discovered([])
+    assert {s.replica_id for s in registry.routable()} == {R0, r1}
     registry.sync_discovered([], departed={r1})  # r1's agent removed it on purpose
     assert [s.replica_id for s in registry.routable()] == [R0]
     down = {"/health": (503, ""), "/v1/models": (503, ""), "/metrics": (503, "")}
     await registry.poll_once(_Session(down))  # type: ignore[arg-type]
+    await registry.poll_once(_Session(down))  # type: ignore[arg-type]
     registry.sync_discovered([])  # r0 stops answering too: gone
+    assert registry.get(R0) is None
+
+
+async def test_a_replica_kept_without_registration_is_kept_an_hour_at_most() -> None:
+    # A removal its agent could not write (Redis refusing writes) must not keep it for ever.
+    now = [100.0]
+    registry = ReplicaRegistry(discovery_grace_s=15.0, clock=lambda: now[0])
+    registry.sync_discovered([ReplicaState(replica_id=R0, url="http://r0")])
+    ok = {"/health": (200, ""), "/v1/models": (200, _models()), "/metrics": (200, METRICS)}
+    registry.sync_discovered([])
+    now[0] += 3599.0
+    await registry.poll_once(_Session(ok))  # type: ignore[arg-type]
+    registry.sync_discovered([])
+    assert registry.get(R0) is not None
+    now[0] += 2.0
+    await registry.poll_once(_Session(ok))  # type: ignore[arg-type]
+    registry.sync_discovered([])
     assert registry.get(R0) is None
 
 

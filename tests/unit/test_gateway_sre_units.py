@@ -108,20 +108,27 @@ def test_a_gateway_without_a_policy_file_has_the_policy_files_defaults() -> None
 
 
 def test_a_reload_names_the_index_settings_that_need_a_restart() -> None:
-    # A reload pointing the index at another Redis said "reloaded" and went on with the old one.
+    # A reload pointing the index at another Redis said "reloaded" and went on with the old one;
+    # reloading the file the gateway started with must name nothing (--redis wins at start-up).
     from types import SimpleNamespace
 
     from gateway.config import GatewayConfig
     from routing.config.infra import IndexSettings
 
-    config = GatewayConfig(redis_url="redis://old:6379/0", index_mode="mirror")
-    same = SimpleNamespace(
+    started = SimpleNamespace(
         index=IndexSettings(backend="redis", redis_url="redis://old:6379/0", mode="mirror")
     )
-    assert config.needs_restart(same) == []
+    config = GatewayConfig()
+    config.apply_policy(started, startup=True)
+    assert config.needs_restart(started) == []
     moved = SimpleNamespace(
         index=IndexSettings(backend="redis", redis_url="redis://new:6379/0", mode="mirror")
     )
     (what,) = config.needs_restart(moved)
-    assert what.startswith("index.redis_url: redis://new:6379/0") and "redis://old" in what
-    assert GatewayConfig().needs_restart(SimpleNamespace(index=IndexSettings())) == []
+    assert "redis://new:6379/0" in what and "running: redis://old:6379/0" in what
+    # --redis on the command line and a policy without an index section: nothing to restart.
+    cli = GatewayConfig(redis_url="redis://cli:6379/0")
+    plain = SimpleNamespace(index=IndexSettings())
+    cli.apply_policy(plain, startup=True)
+    assert cli.needs_restart(plain) == []
+    assert GatewayConfig().needs_restart(plain) == []  # started without a policy file

@@ -4,6 +4,7 @@ prediction outcomes, request validation, policy view."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -219,10 +220,13 @@ vllm:inter_token_latency_seconds_sum{model_name="m"} 1.5
 vllm:inter_token_latency_seconds_count{model_name="m"} 30
 """
     assert parse_vllm_metrics(itl) == {"itl_sum_s": 1.5, "itl_count": 30.0}
-    # A scrape glitch (NaN, Inf, a negative gauge) is not a figure: the field is left out, so
-    # the replica keeps its last reading (int(NaN) used to raise and freeze the replica's state).
+    # A scrape glitch (NaN, Inf, a negative gauge) is not a figure: the field reads NaN, and the
+    # poll keeps the replica's last reading (int(NaN) used to raise and freeze its state).
     glitch = """vllm:num_requests_running{model_name="m"} NaN
-vllm:num_requests_waiting{model_name="m"} +Inf
+vllm:num_requests_waiting{engine="0"} 3
+vllm:num_requests_waiting{engine="1"} +Inf
 vllm:kv_cache_usage_perc{model_name="m"} -0.5
 """
-    assert parse_vllm_metrics(glitch) == {}
+    parsed = parse_vllm_metrics(glitch)
+    assert set(parsed) == {"running", "waiting", "kv_usage"}
+    assert all(math.isnan(v) for v in parsed.values())

@@ -142,3 +142,7 @@ def test_calibration_sees_the_ttft_from_the_decision_not_from_arrival() -> None:
         "fleetgate_ttft_seconds_sum", {"route": "chat", "model": "m"}
     )
     assert ttft == pytest.approx(2.4)
+    # Served by a fallback after a failed attempt: the failed attempt's time is not the
+    # fallback's prefill, so nothing is learned.
+    account(gw, routed, dataclasses.replace(outcome, attempts=2), arrived=100.0, streamed=True)
+    assert seen[-1] is None
