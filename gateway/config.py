@@ -16,6 +16,14 @@ _GATEWAY = GatewaySettings()
 _INDEX = IndexSettings()
 
 
+#: Index settings only a restart applies, and how a reload's warning names them.
+_RESTART_ONLY = {
+    "index_url": "index redis url",
+    "index_mode": "index mode",
+    "index_key_prefix": "index key prefix",
+}
+
+
 @dataclass
 class GatewayConfig:
     """Settings that shape the process; routing policy lives in the policy file instead."""
@@ -77,6 +85,11 @@ class GatewayConfig:
     #: False: ``/metrics`` answers 404 instead of this process's registry (``serve --workers N``
     #: needs it: N processes behind one port would each answer with their own counters).
     metrics_enabled: bool = True
+    #: The settings as the command line gave them, before the policy file's (set at start-up):
+    #: a reload's restart check (``needs_restart``) works out start-up again from here.
+    before_policy: GatewayConfig | None = dataclasses.field(
+        default=None, init=False, repr=False, compare=False
+    )
     #: Poll the agents' Redis fleet store for registered replicas.
     use_fleet_store: bool = False
     #: Sliding window for hit rate and cost gauges.
@@ -107,16 +120,13 @@ class GatewayConfig:
         started with it now, where that differs from the running index; a reload keeps the
         running one. Worked out as start-up does (the command line's ``--redis`` wins over the
         file), so reloading the file the gateway started with names nothing."""
-        base = self.__dict__.get("_before_policy")
-        if base is None:
+        if self.before_policy is None:
             return []
-        trial = dataclasses.replace(base)
+        trial = dataclasses.replace(self.before_policy)
         trial.apply_policy(policy, startup=True)
-        names = ("index_url", "index_mode", "index_key_prefix")
         return [
-            f"index {name.removeprefix('index_') if name != 'index_url' else 'redis url'}: "
-            f"{getattr(trial, name)} (running: {getattr(self, name)})"
-            for name in names
+            f"{label}: {getattr(trial, name)} (running: {getattr(self, name)})"
+            for name, label in _RESTART_ONLY.items()
             if getattr(trial, name) != getattr(self, name)
         ]
 
@@ -126,9 +136,8 @@ class GatewayConfig:
         On a reload (``startup=False``) only settings that can change live are taken; the index
         backend and its Redis URL need a restart.
         """
-        if startup:
-            # What the command line gave, before the file: a reload's restart check starts here.
-            self.__dict__.setdefault("_before_policy", dataclasses.replace(self))
+        if startup and self.before_policy is None:
+            self.before_policy = dataclasses.replace(self)
         settings = getattr(policy, "gateway", None)
         if settings is not None:
             self.max_body_bytes = settings.max_body_bytes

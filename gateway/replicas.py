@@ -89,6 +89,14 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
     return values
 
 
+#: The engine figures a poll copies into the state, and their types.
+_QUEUE_GAUGES: dict[str, type[int] | type[float]] = {
+    "running": int,
+    "waiting": int,
+    "kv_usage": float,
+}
+
+
 def _finite(gauges: Mapping[str, float], name: str) -> bool:
     value = gauges.get(name)
     return value is not None and math.isfinite(value)
@@ -255,6 +263,7 @@ class ReplicaRegistry:
             self._adapters_read_at[state.replica_id] = state.metrics_read_at
         now = self._clock()
         gone = set(departed)
+        self._orphans -= seen  # registered again: a later expiry is worth a warning again
         for rid in self._discovered - seen:
             since = self._missing_since.setdefault(rid, now)
             if now - since < self.discovery_grace_s:
@@ -266,7 +275,6 @@ class ReplicaRegistry:
                     "removed by its agent" if rid in gone else "registration expired, "
                     "and it no longer answers its health polls",
                 )
-                self._orphans.discard(rid)
                 self.remove(rid)
             else:
                 if rid not in self._orphans:
@@ -279,7 +287,6 @@ class ReplicaRegistry:
                     )
                     self._orphans.add(rid)
                 seen.add(rid)
-        self._orphans &= seen - {s.replica_id for s in states}
         self._discovered = seen
 
     def _answering(self, replica: ReplicaId) -> bool:
@@ -505,23 +512,14 @@ class ReplicaRegistry:
                 updates["running_adapters"] = lora.running
                 updates["waiting_adapters"] = lora.waiting
             if gauges:
-                glitched = [
-                    name
-                    for name in ("running", "waiting", "kv_usage")
-                    if name in gauges and not _finite(gauges, name)
-                ]
-                if _finite(gauges, "running"):
-                    updates["running"] = int(gauges["running"])
-                elif "running" not in gauges:
-                    updates["running"] = 0
-                if _finite(gauges, "waiting"):
-                    updates["waiting"] = int(gauges["waiting"])
-                elif "waiting" not in gauges:
-                    updates["waiting"] = 0
-                if _finite(gauges, "kv_usage"):
-                    updates["kv_usage"] = float(gauges["kv_usage"])
-                elif "kv_usage" not in gauges:
-                    updates["kv_usage"] = 0.0
+                glitched = False
+                for name, kind in _QUEUE_GAUGES.items():
+                    if _finite(gauges, name):
+                        updates[name] = kind(gauges[name])
+                    elif name in gauges:
+                        glitched = True  # keeps its last value
+                    else:
+                        updates[name] = kind(0)  # not exported: none
                 if not glitched:
                     # A glitched gauge keeps its last value; the reading is not fresh then, so
                     # the staleness penalty still applies to it.

@@ -30,18 +30,11 @@ __all__ = [
 
 ToolDict = dict[str, Any]
 
-#: Override values that leave the default in place (vLLM's ``merge_kwargs``).
-_UNSET = (None, "auto")
-
-
 def _merge(defaults: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's ``merge_kwargs``: an override of ``None`` or ``"auto"`` leaves the default."""
     merged = dict(defaults)
-    merged.update({k: v for k, v in overrides.items() if not _is_unset(v)})
+    merged.update({k: v for k, v in overrides.items() if not (v is None or v == "auto")})
     return merged
-
-
-def _is_unset(value: Any) -> bool:
-    return any(value is unset or (isinstance(value, str) and value == unset) for unset in _UNSET)
 
 
 def _function_tool(
