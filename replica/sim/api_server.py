@@ -259,10 +259,16 @@ async def create_message(request: web.Request) -> web.StreamResponse:
                                       _cached(replica, stream))
                 return web.json_response(shapes.full(text, "max_tokens", use))
             response = await _open_sse(request)
-            for event in shapes.start_events(anthropic_usage(stream.prompt_tokens, 0, None)):
-                await response.write(event)
+            # vLLM converts its chat stream, whose first event comes with the first token:
+            # message_start goes out then, not before prefill (see ``server._generate``).
+            starting = True
             try:
                 while tokens := await stream.next_tokens():
+                    if starting:
+                        starting = False
+                        usage_now = anthropic_usage(stream.prompt_tokens, 0, None)
+                        for event in shapes.start_events(usage_now):
+                            await response.write(event)
                     await response.write(shapes.delta_event(decode(tokens)))
             except RequestAborted:
                 await response.write(sse_event("error", anthropic_error(

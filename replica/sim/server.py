@@ -288,10 +288,15 @@ async def _generate(
                      "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        if isinstance(shapes, ChatShapes):
-            await response.write(sse(shapes.role_chunk()))
+        # vLLM writes the chat role chunk on its generator's first output, i.e. with the first
+        # token: sent before prefill, it would read as the first token to the gateway (its TTFT,
+        # its prefill backlog and its prefill-speed calibration would all be wrong on sims).
+        role_pending = isinstance(shapes, ChatShapes)
         try:
             while tokens := await stream.next_tokens():
+                if role_pending:
+                    role_pending = False
+                    await response.write(sse(shapes.role_chunk()))
                 finish = "length" if stream.finished and not stream.pending else None
                 await response.write(sse(shapes.chunk(decode(tokens), finish)))
         except RequestAborted:

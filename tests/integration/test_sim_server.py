@@ -257,3 +257,40 @@ async def test_hf_tokenizer_directory_matches_the_gateway_tokenizer(tmp_path: Pa
             answer = await resp.json()
     assert answer["usage"]["prompt_tokens"] == len(gateway_side.token_ids or [])
     assert answer["usage"]["completion_tokens"] == 3
+
+
+
+@pytest.mark.parametrize(
+    ("path", "opening"),
+    [("/v1/chat/completions", "chat.completion.chunk"), ("/v1/messages", "message_start")],
+)
+async def test_stream_opens_with_the_first_token_not_before_prefill(
+    http: aiohttp.ClientSession, path: str, opening: str
+) -> None:
+    """vLLM writes the chat role chunk (and, converting that stream, Anthropic's message_start)
+    with the first token. A gateway reads the first event as the first token (TTFT, prefill
+    backlog, prefill-speed calibration), so a sim that sent it before prefill taught the gateway
+    a prefill speed many times the real one."""
+    async with start_sim_fleet(1, profile="tiny", speed=0.05, kv_events=None) as slow:
+        body = {
+            "model": "sim-model",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 2,
+            "stream": True,
+        }
+        async with http.post(slow.urls[0] + path, json=body) as resp:
+            assert resp.status == 200
+            first = await resp.content.readuntil(b"\n\n")
+            # Read the engine's counter the moment the first event arrives: the token that
+            # event stands for must already have been generated.
+            async with http.get(slow.urls[0] + "/metrics") as page:
+                metrics = await page.text()
+            rest = await resp.read()
+    generated = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:generation_tokens_total")
+    ]
+    assert generated and generated[0] >= 1, "the stream opened before any token"
+    assert opening in first.decode()
+    assert rest.decode().strip()
