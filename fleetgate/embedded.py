@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from aiohttp import web
 from gateway.adapters import AdapterSetup
 from gateway.app import create_app
 from gateway.config import GatewayConfig
-from gateway.policy_view import GatewayPolicy
+from gateway.policy_view import GatewayPolicy, PoolSpeeds
 from gateway.server import start_site
 from gateway.sim_tokenizer import SimPromptTokenizer
 from routing.config import parse_policy
@@ -143,14 +144,26 @@ async def embedded_stack(
         await _wait_registered(fleet_store, replicas)
         config = GatewayConfig(default_profile=profile, admin_key=admin_key, health_interval_s=0.5)
         setup = None
+        engine = fleet.replicas[0].replica.engine_config
         if adapters > 0:
-            engine = fleet.replicas[0].replica.engine_config
             setup = demo_adapter_setup(
                 model, fleet.urls, adapters, engine.max_loras, engine.max_cpu_loras
             )
+        policy = dataclasses.replace(
+            GatewayPolicy.default(profile=profile, usd_per_hour=_price(fleet, usd_per_hour)),
+            # What an operator would write in the policy's pools for these engines, and what
+            # the simulator starts routing from: the default 30 ms decode step is a 70B's, and
+            # made the short-decode charge fire at twice the simulator's rate on an 8B.
+            pool_speeds={
+                "default": PoolSpeeds(
+                    prefill_tokens_per_s=engine.configured_prefill_tokens_per_s,
+                    decode_step_ms=engine.configured_decode_step_ms,
+                )
+            },
+        )
         app = create_app(
             config,
-            GatewayPolicy.default(profile=profile, usd_per_hour=_price(fleet, usd_per_hour)),
+            policy,
             index=index,
             tokenizer=SimPromptTokenizer(),
             fleet_store=fleet_store,

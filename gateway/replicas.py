@@ -66,6 +66,32 @@ def parse_lora_info(text: str) -> LoraInfo | None:
     return latest_lora_info(samples)
 
 
+#: vLLM's info gauge of its cache configuration: labels ``block_size`` and ``num_gpu_blocks``.
+CACHE_CONFIG_METRIC = "vllm:cache_config_info"
+
+
+def parse_kv_capacity_tokens(text: str) -> int | None:
+    """The engine's KV cache size in tokens (``num_gpu_blocks`` x ``block_size`` of
+    ``vllm:cache_config_info``, summed over its engine cores), or None where it does not say.
+
+    fleet-cost's eviction charge and its stickiness while the holder has TTFT slack need the
+    capacity (``routing/policies/cache_fill.py``); a replica agent reads it from the same gauge,
+    and a replica listed statically had none without this."""
+    prefix = CACHE_CONFIG_METRIC + "{"
+    total = 0
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        labels = _label_pairs(line)
+        try:
+            blocks, size = int(labels["num_gpu_blocks"]), int(labels["block_size"])
+        except (KeyError, ValueError):
+            continue  # "None" before the engine has profiled its memory
+        if blocks > 0 and size > 0:
+            total += blocks * size
+    return total or None
+
+
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """Sum each of the gauges in ``_GAUGES`` across label sets (one engine, possibly DP ranks)."""
     values: dict[str, float] = {}
@@ -257,6 +283,13 @@ class ReplicaRegistry:
                         state,
                         inflight_requests=old.inflight_requests,
                         inflight_prefill_tokens=old.inflight_prefill_tokens,
+                        # The gateway's own reading (agents do not send one): dropping it left
+                        # flow control without the engine's decode pace until the next poll.
+                        decode_itl_ms=(
+                            state.decode_itl_ms
+                            if state.decode_itl_ms is not None
+                            else old.decode_itl_ms
+                        ),
                     )
                 )
             # The agent read the adapters with its metrics: its time goes with its list.
@@ -464,6 +497,7 @@ class ReplicaRegistry:
         models_read_at = 0.0
         gauges: dict[str, float] = {}
         lora: LoraInfo | None = None
+        capacity_tokens: int | None = None
         if answered_ok:
             try:
                 async with session.get(f"{state.url}/v1/models", timeout=timeout) as resp:
@@ -478,6 +512,7 @@ class ReplicaRegistry:
                         text = await resp.text()
                         gauges = parse_vllm_metrics(text)
                         lora = parse_lora_info(text)
+                        capacity_tokens = parse_kv_capacity_tokens(text)
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 log.debug("metrics/models read of %s failed: %s", state.replica_id, exc)
         current = self._states.get(state.replica_id)
@@ -506,6 +541,9 @@ class ReplicaRegistry:
                 updates["loaded_adapters"] = frozenset(adapters)
                 self._max_model_len[state.replica_id] = limits
                 self._adapters_read_at[state.replica_id] = models_read_at
+            if capacity_tokens is not None:
+                # In the state's own blocks: the index may hash in another block size.
+                updates["kv_capacity_blocks"] = capacity_tokens // max(1, current.block_size)
             if lora is not None:
                 if lora.max_loras is not None:
                     updates["max_loras"] = lora.max_loras

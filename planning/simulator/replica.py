@@ -27,8 +27,6 @@ class SimulatedReplica:
         self.replica_id = ReplicaId(f"sim-{index}")
         self.engine = EngineModel(config, seed=seed)
         self.epoch = Epoch(1)
-        roofline = config.roofline()
-        budget = config.max_num_batched_tokens
         self.state = ReplicaState(
             replica_id=self.replica_id,
             url=f"sim://{index}",
@@ -40,10 +38,9 @@ class SimulatedReplica:
             inflight_unprefilled=0,
             max_loras=config.max_loras,
             max_cpu_loras=config.max_cpu_loras,
-            # What an operator would configure: the roofline's speed for a full prefill chunk
-            # and an empty-context decode step. expected-ttft calibrates from there.
-            prefill_tokens_per_s=budget / roofline.prefill_s(budget),
-            decode_step_ms=roofline.decode_s(0) * 1000.0,
+            # What an operator would configure; expected-ttft calibrates from there.
+            prefill_tokens_per_s=config.configured_prefill_tokens_per_s,
+            decode_step_ms=config.configured_decode_step_ms,
         )
         self._stats_interval_s = stats_interval_s
         self._itl = RecentItl()

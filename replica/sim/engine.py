@@ -267,6 +267,18 @@ class EngineConfig:
         return self.max_model_len if self.max_model_len is not None else self.model.max_model_len
 
     @property
+    def configured_prefill_tokens_per_s(self) -> float:
+        """The prefill speed an operator would configure for this engine: the roofline's for a
+        full prefill chunk (routing calibrates from there)."""
+        budget = self.max_num_batched_tokens
+        return budget / self.roofline().prefill_s(budget)
+
+    @property
+    def configured_decode_step_ms(self) -> float:
+        """The decode step an operator would configure: the roofline's, empty context."""
+        return self.roofline().decode_s(0) * 1000.0
+
+    @property
     def replica_price_per_hour(self) -> float:
         """USD per hour of this replica."""
         if self.price_per_hour is not None:

@@ -109,3 +109,64 @@ async def test_a_replica_never_heard_from_is_a_503_naming_it_not_an_unknown_mode
         error = (await resp.json())["error"]
     assert error["code"] == "no_healthy_replica"
     assert dead in error["message"] and "have not listed their models" in error["message"]
+
+
+async def test_polls_read_the_engines_kv_cache_capacity_for_a_static_replica() -> None:
+    # fleet-cost's eviction charge and its slack stickiness need each cache's size: a replica
+    # listed statically (no agent) had none, and both were off for it.
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            text='vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0\n'
+            'vllm:cache_config_info{block_size="16",engine="2",num_gpu_blocks="None"} 1.0\n'
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        registry = ReplicaRegistry()
+        url = str(server.make_url("")).rstrip("/")
+        registry.set_static([ReplicaSpec(replica_id="r0", url=url, models=frozenset({"m"}))])
+        before = registry.get(ReplicaId("r0"))
+        assert before is not None and before.kv_capacity_blocks is None
+        await registry.poll_once(session, timeout_s=2.0)
+        state = registry.get(ReplicaId("r0"))
+    assert state is not None
+    # Two profiled engine cores of 1,000 16-token blocks; the unprofiled one says nothing.
+    assert state.kv_capacity_blocks * state.block_size == 2 * 1000 * 16
+
+
+async def test_an_agents_report_keeps_the_itl_this_gateway_read() -> None:
+    from routing.state import ReplicaState
+
+    readings = iter([(2.0, 100), (8.0, 200)])
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def metrics(_: web.Request) -> web.Response:
+        total_s, count = next(readings)
+        return web.Response(
+            text=f'vllm:inter_token_latency_seconds_sum{{model_name="m"}} {total_s}\n'
+            f'vllm:inter_token_latency_seconds_count{{model_name="m"}} {count}\n'
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        registry = ReplicaRegistry()
+        url = str(server.make_url("")).rstrip("/")
+        reported = ReplicaState(replica_id=ReplicaId("r0"), url=url, models=frozenset({"m"}))
+        registry.sync_discovered([reported])
+        await registry.poll_once(session, timeout_s=2.0)
+        await registry.poll_once(session, timeout_s=2.0)
+        polled = registry.get(ReplicaId("r0"))
+        assert polled is not None and polled.decode_itl_ms is not None
+        registry.sync_discovered([reported])  # the agent's next report: no ITL of its own
+        merged = registry.get(ReplicaId("r0"))
+    assert merged is not None and merged.decode_itl_ms == polled.decode_itl_ms

@@ -7,6 +7,7 @@ import aiohttp
 import pytest
 
 from fleetgate.embedded import embedded_stack
+from replica.sim.engine import EngineConfig
 
 SYSTEM_PROMPTS = [
     " ".join(f"{topic} policy clause {i}." for i in range(60))
@@ -80,3 +81,22 @@ async def test_cache_busting_layout_is_detected(unique_first: bool, flagged: flo
     assert _metric(metrics, "fleetgate_cache_busting_layout", route="default") == flagged
     repeat = _metric(metrics, "fleetgate_prefix_repeat_fraction", route="default")
     assert (repeat < 0.1) if unique_first else (repeat > 0.5)
+
+
+async def test_the_embedded_gateway_starts_from_its_engines_speeds() -> None:
+    # As the simulator does: the pools' configured speeds are the sim profile's roofline, not
+    # the policy defaults (a 30 ms decode step, a 70B's, charged short decodes at twice the
+    # simulator's rate on an 8B).
+    async with (
+        embedded_stack(2, sim_speed=200.0, admin_key="k") as stack,
+        aiohttp.ClientSession() as http,
+        http.get(f"{stack.url}/admin/replicas", headers={"Authorization": "Bearer k"}) as resp,
+    ):
+        assert resp.status == 200
+        replicas = (await resp.json())["replicas"]
+    profile = EngineConfig.from_profile("h100-llama3-8b")
+    assert len(replicas) == 2
+    for replica in replicas:
+        assert replica["decode_step_ms"] == profile.configured_decode_step_ms
+        assert replica["prefill_tokens_per_s"] == profile.configured_prefill_tokens_per_s
+        assert replica["kv_capacity_blocks"] == profile.num_gpu_blocks
