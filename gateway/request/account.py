@@ -8,6 +8,7 @@ route phase's ``RouteDecision`` and the forward phase's ``UpstreamOutcome``; nev
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from gateway.layout import LayoutDiagnostics
 from gateway.metrics import GatewayMetrics
 from gateway.policy_view import Route
 from gateway.proxy import UpstreamOutcome
+from gateway.replicas import ReplicaRegistry
 from gateway.request.record import CachePrediction, DecisionRecord
 from gateway.request.route import PINNED_PROFILE, RouteDecision
 from gateway.routing_glue import Router
@@ -47,6 +49,8 @@ class AccountDeps(Protocol):
     def speculative(self) -> SpeculativeWriter: ...
     @property
     def speculative_target(self) -> SpeculativeTarget: ...
+    @property
+    def registry(self) -> ReplicaRegistry: ...
 
 
 def _int(value: Any) -> int:
@@ -168,7 +172,9 @@ def _account(
         gw.engine.observe_complete(
             routed.routing_request,
             outcome.replica,
-            _decided_ttft_ms(routed, outcome) if streamed else None,
+            _decided_ttft_ms(routed, outcome)
+            if streamed
+            else _unstreamed_ttft_ms(gw, routed, outcome, completion_tokens),
             cached,
             ok,
         )
@@ -184,6 +190,40 @@ def _decided_ttft_ms(routed: RouteDecision, outcome: UpstreamOutcome) -> float |
         # not its prefill, so it teaches nothing (before: the fallback learned it as slowness).
         return None
     return max(0.0, outcome.sent_at + outcome.ttft_s - routed.decided_at) * 1000.0
+
+
+#: A non-streamed answer calibrates only while its estimated decode is at most this share of its
+#: time: past it, the error of the decode estimate would swamp the prefill it is meant to measure.
+UNSTREAMED_MAX_DECODE_SHARE = 0.5
+
+
+def _unstreamed_ttft_ms(
+    gw: AccountDeps, routed: RouteDecision, outcome: UpstreamOutcome, completion_tokens: int
+) -> float | None:
+    """A non-streamed answer's TTFT, estimated for calibration: its time from the decision
+    less its decode, at the engine's recent inter-token latency (exact for a one-token answer).
+
+    The gateway sees no first token when the client does not stream. Without this, a fleet of
+    non-streaming clients (batch jobs, agents' tool calls) never calibrated its prefill speed:
+    it stayed at the configured figure, 2-3x off on an H100 at the 10,000 tokens/s default.
+    None where it cannot tell: a retried request (as ``_decided_ttft_ms``), an engine without
+    a recent inter-token latency, or a long answer whose decode would be most of its time.
+    """
+    if outcome.sent_at is None or outcome.finished_at is None or outcome.attempts > 1:
+        return None
+    if outcome.replica is None or completion_tokens < 1:
+        return None
+    total_ms = max(0.0, outcome.finished_at - routed.decided_at) * 1000.0
+    if completion_tokens == 1:
+        return total_ms
+    state = gw.registry.get(outcome.replica)
+    itl_ms = state.decode_itl_ms if state is not None else None
+    if itl_ms is None or not math.isfinite(itl_ms):
+        return None
+    decode_ms = (completion_tokens - 1) * itl_ms
+    if decode_ms > UNSTREAMED_MAX_DECODE_SHARE * total_ms:
+        return None
+    return total_ms - decode_ms
 
 
 def _record(

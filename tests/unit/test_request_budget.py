@@ -57,6 +57,7 @@ def _deps() -> SimpleNamespace:
         decisions=deque(),
         speculative=None,
         speculative_target=None,
+        registry=SimpleNamespace(get=lambda _: None),
     )
 
 
@@ -146,3 +147,36 @@ def test_calibration_sees_the_ttft_from_the_decision_not_from_arrival() -> None:
     # fallback's prefill, so nothing is learned.
     account(gw, routed, dataclasses.replace(outcome, attempts=2), arrived=100.0, streamed=True)
     assert seen[-1] is None
+
+
+def test_a_non_streamed_answer_calibrates_from_its_time_less_its_decode() -> None:
+    # Without a first token to see, a fleet of non-streaming clients never calibrated: the
+    # estimate is the time from the decision less the decode at the engine's recent ITL.
+    seen: list[float | None] = []
+
+    class Engine:
+        def observe_complete(self, request: object, replica: object, ttft_ms: float | None,
+                             cached: object, ok: bool) -> None:
+            seen.append(ttft_ms)
+
+    gw = _deps()
+    gw.engine = Engine()
+    itl: dict[str, float | None] = {"ms": 2.0}
+    gw.registry = SimpleNamespace(get=lambda _: SimpleNamespace(decode_itl_ms=itl["ms"]))
+    routed = dataclasses.replace(_routed(None), decided_at=100.0)
+    # 180 tokens in 1.0 s: 179 gaps of 2 ms are 358 ms of decode, the rest (642 ms) its TTFT.
+    outcome = dataclasses.replace(_served(), sent_at=100.01, finished_at=101.0)
+    account(gw, routed, outcome, arrived=99.0, streamed=False)
+    assert seen == [pytest.approx(1000.0 - 179 * 2.0)]
+    # One token: its time is its TTFT, whatever the ITL.
+    one = dataclasses.replace(outcome, usage={"prompt_tokens": 1400, "completion_tokens": 1})
+    itl["ms"] = None
+    account(gw, routed, one, arrived=99.0, streamed=False)
+    assert seen[-1] == pytest.approx(1000.0)
+    # No recent ITL, a decode over half the time (4 ms x 179), or a retried request: nothing.
+    account(gw, routed, outcome, arrived=99.0, streamed=False)
+    itl["ms"] = 4.0
+    account(gw, routed, outcome, arrived=99.0, streamed=False)
+    itl["ms"] = 2.0
+    account(gw, routed, dataclasses.replace(outcome, attempts=2), arrived=99.0, streamed=False)
+    assert seen[-3:] == [None, None, None]
