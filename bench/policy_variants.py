@@ -48,7 +48,9 @@ class PolicyVariant:
             if not mine:
                 return plugin
             used.update(mine)
-            params = params_cls(**{**plugin.params.model_dump(), **mine})
+            # Only what was set, so the fields left at their defaults stay unset (fleet-cost derives
+            # some of those from the request's SLOs).
+            params = params_cls(**{**plugin.params.model_dump(exclude_unset=True), **mine})
             return type(plugin)(params, name=plugin.name)
 
         profile = Profile(

@@ -80,6 +80,9 @@ class Route:
     match: RouteMatcher | None = None
     ttft_slo_ms: float | None = DEFAULT_TTFT_SLO_MS
     tpot_slo_ms: float | None = DEFAULT_TPOT_SLO_MS
+    #: The route declares its ``slo`` (the figures above are then its own, not the defaults the
+    #: metrics measure against): routing follows only declared objectives.
+    slo_declared: bool = False
 
     def matches(self, path: str, model: str, tenant: str, headers: Mapping[str, str]) -> bool:
         """True if this route takes the request."""
@@ -257,6 +260,7 @@ def from_policy(policy: Policy) -> GatewayPolicy:
                 match=None if match is None or _get(match, "is_catch_all", False) else match,
                 ttft_slo_ms=ttft_slo,
                 tpot_slo_ms=tpot_slo,
+                slo_declared=slo is not None,
             )
         )
     adapters = {}

@@ -190,6 +190,11 @@ class RoutingRequest:
     chain: Sequence[BlockHash] = ()
     block_size: int = 16
     max_output_tokens: int | None = None
+    #: The latency objectives the request is held to, where its tenant or route declares them
+    #: (None: undeclared). Policies whose thresholds derive from the SLOs (fleet-cost's overflow
+    #: and short-decode protection) follow them instead of their 2,000 / 50 ms defaults.
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
     #: Filled by the engine from the index: longest cached prefix per replica, in blocks.
     #: ``None`` means the index was unavailable and routing is load-only (degraded).
     prefix_matches: dict[ReplicaId, int] | None = None

@@ -192,6 +192,7 @@ async def route(
         chain=chain,
         block_size=block_size,
         max_output_tokens=output_budget(body),
+        **declared_slos(policy, tenant.name, matched_route),
     )
     if pinned is not None:
         decision, last_resort = pinned_decision(pinned), False
@@ -209,6 +210,20 @@ async def route(
         last_resort,
         time.time(),
     )
+
+
+def declared_slos(policy: GatewayPolicy, tenant: str, route: Route) -> dict[str, float | None]:
+    """The request's TTFT and TPOT objectives as its tenant (flow control's ``ttft_slo_ms`` /
+    ``tpot_slo_ms``) or else its route (``slo``) declares them; None where neither does. The
+    defaults the metrics measure an undeclared route against are not objectives routing
+    should bend to (a 100 ms TPOT default would halve fleet-cost's short-decode protection)."""
+    spec = policy.source.tenant(tenant) if policy.source is not None else None
+    ttft = spec.ttft_slo_ms if spec is not None else None
+    tpot = spec.tpot_slo_ms if spec is not None else None
+    if route.slo_declared:
+        ttft = ttft if ttft is not None else route.ttft_slo_ms
+        tpot = tpot if tpot is not None else route.tpot_slo_ms
+    return {"ttft_slo_ms": ttft, "tpot_slo_ms": tpot}
 
 
 def output_budget(body: Body) -> int | None:

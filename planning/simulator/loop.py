@@ -302,6 +302,9 @@ class _Simulation:
             chain=prompt.chain,
             block_size=self.config.trace_block_size,
             max_output_tokens=record.output_length,
+            # The objectives goodput is measured against, declared as a route's ``slo`` would be.
+            ttft_slo_ms=self.config.slo_ttft_ms,
+            tpot_slo_ms=self.config.slo_tpot_ms,
             seed=self._seed_rng.getrandbits(63),
         )
         waiting = _Waiting(request, routing_request, prompt, self._class_of(request))

@@ -146,6 +146,10 @@ _SPEED = TTFT_TERM_NAMES.index("prefill_tokens_per_s")
 _SAVABLE = TERM_NAMES.index("savable_inflight")
 _OVERFLOW = TERM_NAMES.index("overflow")
 _FLEET_COST = TERM_NAMES.index("fleet_cost_ms")
+#: A request whose expected TTFT is past this multiple of its TTFT SLO everywhere is overflow
+#: (where its SLO is declared; ``overflow_ttft_ms`` otherwise): a prediction just past the SLO
+#: is often wrong, and the request could still make it.
+OVERFLOW_SLO_MULTIPLE = 1.25
 #: Share of an overflow request's prefill kept as its cost where no savable request would wait
 #: it out: between two such replicas, the one holding more of its prefix wins.
 OVERFLOW_PREFILL_SHARE = 0.1
@@ -384,8 +388,8 @@ class FleetCostScorer(ExpectedTtftScorer):
         self._late: Placements[None] = Placements(self.params.max_pending)
         #: Every request in flight, by replica: its decode weight (``decode_weight_of``).
         self._decode_weights: Placements[float] = Placements(self.params.max_pending)
-        #: Short decodes in flight, by replica: their ``max_tokens``.
-        self._fragile: Placements[int] = Placements(self.params.max_pending)
+        #: Short decodes in flight, by replica: their ``max_tokens`` and the TPOT they must keep.
+        self._fragile: Placements[tuple[int, float]] = Placements(self.params.max_pending)
         #: Prefix-cache blocks written per replica (for ``eviction_ms``).
         self._fill = CacheFill()
 
@@ -427,9 +431,36 @@ class FleetCostScorer(ExpectedTtftScorer):
         """What one decode of ``request`` weighs in the decode charge (see ``decode_slo_ratio``)."""
         p = self.params
         tokens = request.max_output_tokens
-        if p.decode_slo_ratio is None or tokens is None or tokens <= 0:
+        ratio = p.decode_slo_ratio
+        if ratio is None or tokens is None or tokens <= 0:
             return p.decode_weight
-        return min(p.decode_weight_max, p.decode_slo_ratio / tokens)
+        if (
+            request.ttft_slo_ms is not None
+            and request.tpot_slo_ms is not None
+            and "decode_slo_ratio" not in p.model_fields_set
+        ):
+            ratio = request.ttft_slo_ms / request.tpot_slo_ms
+        return min(p.decode_weight_max, ratio / tokens)
+
+    def overflow_limit_ms(self, request: RoutingRequest) -> float | None:
+        """The expected TTFT past which ``request`` is late wherever it goes: ``overflow_ttft_ms``
+        as set, else 1.25 x the TTFT SLO the request declares, else the default (1.25 x 2 s)."""
+        p = self.params
+        if (
+            p.overflow_ttft_ms is None
+            or request.ttft_slo_ms is None
+            or "overflow_ttft_ms" in p.model_fields_set
+        ):
+            return p.overflow_ttft_ms
+        return OVERFLOW_SLO_MULTIPLE * request.ttft_slo_ms
+
+    def fragile_tpot_of(self, request: RoutingRequest) -> float:
+        """The TPOT a short decode of ``request`` must keep: ``fragile_tpot_ms`` as set, else the
+        TPOT SLO the request declares, else the default (50 ms)."""
+        p = self.params
+        if request.tpot_slo_ms is None or "fragile_tpot_ms" in p.model_fields_set:
+            return p.fragile_tpot_ms
+        return request.tpot_slo_ms
 
     def savable_running(self, replica: ReplicaState) -> int:
         """Running decodes on ``replica`` that can still make their SLOs.
@@ -451,7 +482,7 @@ class FleetCostScorer(ExpectedTtftScorer):
         ``overflow_ttft_ms``) and by its decode weight."""
         pending = self._pending.get(request.request_id)
         chosen = pending.terms.get(replica) if pending is not None else None
-        limit = self.params.overflow_ttft_ms
+        limit = self.overflow_limit_ms(request)
         if request.overflow or (
             chosen is not None and limit is not None and chosen["expected_ttft_ms"] > limit
         ):
@@ -470,7 +501,8 @@ class FleetCostScorer(ExpectedTtftScorer):
         p = self.params
         tokens = request.max_output_tokens
         if p.fragile_loss_ms > 0 and tokens is not None and 2 <= tokens <= p.fragile_max_tokens:
-            self._fragile.place(request.request_id, replica, tokens)
+            budget = (tokens, self.fragile_tpot_of(request))
+            self._fragile.place(request.request_id, replica, budget)
 
     def fragile_stalled(self, replica: ReplicaState, prefill_ms: float) -> int:
         """Short decodes in flight on ``replica`` that a prefill of ``prefill_ms`` would push
@@ -478,8 +510,10 @@ class FleetCostScorer(ExpectedTtftScorer):
         budgets = self._fragile.on(replica.replica_id)
         if not budgets or prefill_ms <= 0:
             return 0
-        slack = max(1.0, self.params.fragile_tpot_ms - replica.decode_step_ms)
-        return sum(1 for tokens in budgets if prefill_ms > (tokens - 1) * slack)
+        step = replica.decode_step_ms
+        return sum(
+            1 for tokens, tpot in budgets if prefill_ms > (tokens - 1) * max(1.0, tpot - step)
+        )
 
     def on_request_complete(
         self,
@@ -683,10 +717,11 @@ class FleetCostScorer(ExpectedTtftScorer):
                 0.0,
                 total,
             )
+        overflow_ms = self.overflow_limit_ms(request)
         lost = (
-            p.overflow_ttft_ms is not None
+            overflow_ms is not None
             and len(raw) > 1
-            and min(values[_EXPECTED] for values in raw.values()) > p.overflow_ttft_ms
+            and min(values[_EXPECTED] for values in raw.values()) > overflow_ms
             and self._overflow_share.share(elapsed_now) < p.overflow_max_share
         )
         self._overflow_share.add(elapsed_now, lost)

@@ -880,3 +880,47 @@ def test_decodes_that_are_late_already_are_not_charged(
     assert s._late.count(ReplicaId("mixed")) == 0
     assert s._late.count(ReplicaId("idle")) == 0
     assert len(s._decode_weights) == 1  # late[0], in flight on "idle"
+
+
+# --------------------------------------------------------------------------- declared SLOs
+
+
+def test_thresholds_follow_the_slo_a_request_declares_unless_set_in_the_policy() -> None:
+    # A route with an 800 ms / 20 ms SLO got overflow only past 2.5 s and short-decode protection
+    # at 50 ms: the thresholds were the 2,000 / 50 ms defaults whatever the route promised.
+    s = scorer()
+    undeclared = req(max_output_tokens=10)
+    declared = req(max_output_tokens=10, ttft_slo_ms=800.0, tpot_slo_ms=20.0)
+    assert s.overflow_limit_ms(undeclared) == 2500.0
+    assert s.overflow_limit_ms(declared) == pytest.approx(1000.0)  # 1.25 x its SLO
+    assert s.fragile_tpot_of(undeclared) == 50.0
+    assert s.fragile_tpot_of(declared) == 20.0
+    assert s.decode_weight_of(undeclared) == 1.0  # 40 / 10, capped at the whole stall
+    assert s.decode_weight_of(req(max_output_tokens=400)) == pytest.approx(40.0 / 400)
+    assert s.decode_weight_of(
+        req(max_output_tokens=400, ttft_slo_ms=800.0, tpot_slo_ms=20.0)
+    ) == pytest.approx(40.0 / 400)  # 800 / 20 is 40 too
+    assert s.decode_weight_of(
+        req(max_output_tokens=400, ttft_slo_ms=1000.0, tpot_slo_ms=100.0)
+    ) == pytest.approx(10.0 / 400)
+    # Set in the policy, a threshold is the operator's, whatever the request declares.
+    pinned = scorer(overflow_ttft_ms=3000.0, fragile_tpot_ms=60.0, decode_slo_ratio=30.0)
+    assert pinned.overflow_limit_ms(declared) == 3000.0
+    assert pinned.fragile_tpot_of(declared) == 60.0
+    assert pinned.decode_weight_of(
+        req(max_output_tokens=400, ttft_slo_ms=1000.0, tpot_slo_ms=100.0)
+    ) == pytest.approx(30.0 / 400)
+    assert scorer(overflow_ttft_ms=None).overflow_limit_ms(declared) is None
+
+
+def test_a_short_decode_is_protected_at_the_tpot_its_request_declared() -> None:
+    # A 3-token answer shares a prefill's stall over its 2 decode steps: with 30 ms decode steps
+    # it has 2 x (50 - 30) = 40 ms of slack at the default TPOT, 2 x (80 - 30) = 100 ms at 80.
+    s = scorer()
+    strict = req(request_id="strict", max_output_tokens=3)
+    loose = req(request_id="loose", max_output_tokens=3, ttft_slo_ms=2000.0, tpot_slo_ms=80.0)
+    for request in (strict, loose):
+        s.on_request_start(request, ReplicaId(request.request_id))
+    assert s.fragile_stalled(rep("strict"), 60.0) == 1
+    assert s.fragile_stalled(rep("loose"), 60.0) == 0
+    assert s.fragile_stalled(rep("loose"), 120.0) == 1
