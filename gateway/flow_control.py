@@ -4,9 +4,10 @@ The request path routes first (the estimate flow control judges by is that decis
 ``FlowGate.admit``: admitted requests go on at once; refused ones get 429 with ``Retry-After``;
 queued ones wait on a future. One pump task (started in the app's cleanup context) judges the
 queue's head again on a fresh routing decision whenever a request finishes, and every
-``PUMP_INTERVAL_S`` while anything waits, and refuses those whose wait ran out. A client that
-disconnects while queued cancels its handler, and the cancellation takes it out of the queue at
-once: it never reaches an engine.
+``PUMP_INTERVAL_S`` while anything waits, and refuses those whose wait ran out. It releases one
+request at a time: the next is judged once the one before is in flight (``RELEASE_WAIT_S``). A
+client that disconnects while queued cancels its handler, and the cancellation takes it out of
+the queue at once: it never reaches an engine.
 
 Token budgets are checked before flow control (a tenant over its budget is refused whatever the
 load) and reserved at once; a request flow control then refuses gives its tokens back.
@@ -65,6 +66,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds between judgements of the queue's head while requests wait (besides completions).
 PUMP_INTERVAL_S = 0.02
+#: After releasing a queued request, the pump waits this long at most for its handler to send it
+#: (its in-flight count is then on the books) before judging the next one; see ``forwarding``.
+RELEASE_WAIT_S = 0.25
 #: Admitted requests remembered until they finish (their TPOT moves the inter-token bound);
 #: past this many, the oldest are forgotten (a request whose finish never came).
 MAX_TRACKED_ADMITTED = 65536
@@ -221,6 +225,8 @@ class FlowGate:
         # Budget windows are wall-clock minutes, so that every gateway agrees on them.
         self.budgets = TokenBudgets(self.budget_store, wall_clock, key_prefix)
         self._waiters: dict[str, _Waiter] = {}
+        #: Released requests the pump waits on until their handler has sent them (``_sent``).
+        self._releasing: dict[str, asyncio.Event] = {}
         #: Requests admitted with a TPOT SLO and not yet finished -> that SLO: their outcomes
         #: move the inter-token bound (``FlowController.observe_finished``).
         self._admitted: OrderedDict[str, float] = OrderedDict()
@@ -494,7 +500,12 @@ class FlowGate:
                 verdict = flow.judge_head(self._estimate(routed), pool)
                 if verdict.decision is Decision.QUEUE:
                     break
-                self._answer(head.request_id, verdict, routed)
+                if self._answer(head.request_id, verdict, routed) and (
+                    verdict.decision is Decision.ADMIT
+                ):
+                    # The next head is judged on a fleet that counts this one: released on the
+                    # same reading, one freed slot let the whole queue into the engines.
+                    await self._sent(head.request_id)
 
     def _read_settings(self, policy: Policy | None) -> None:
         """The controller's settings from ``policy``, read again only when it changed."""
@@ -530,10 +541,31 @@ class FlowGate:
     def _estimate(self, routed: Routed) -> FleetEstimate:
         return estimate_from_decision(routed.decision, self.replica_states())
 
-    def _answer(self, request_id: str, verdict: Verdict, routed: Routed | None) -> None:
+    def _answer(self, request_id: str, verdict: Verdict, routed: Routed | None) -> bool:
+        """Tell a waiter its verdict; False when it is gone (nothing to wait for)."""
         waiter = self._waiters.get(request_id)
-        if waiter is not None and not waiter.answer.done():
-            waiter.answer.set_result((verdict, routed if routed is not None else waiter.routed))
+        if waiter is None or waiter.answer.done():
+            return False
+        waiter.answer.set_result((verdict, routed if routed is not None else waiter.routed))
+        return True
+
+    async def _sent(self, request_id: str) -> None:
+        """Wait (at most ``RELEASE_WAIT_S``) until the released request's handler has sent it
+        to its replica, or given up on it (``forwarding``)."""
+        event = self._releasing[request_id] = asyncio.Event()
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), RELEASE_WAIT_S)
+        finally:
+            self._releasing.pop(request_id, None)
+
+    def forwarding(self, request_id: str) -> None:
+        """The request's handler has sent it to a replica (counted in flight there), or will
+        not: the pump may judge the next queued request. Called for every request; a no-op for
+        those the pump is not waiting on."""
+        event = self._releasing.get(request_id)
+        if event is not None:
+            event.set()
 
     # ------------------------------------------------------------------ metrics
 

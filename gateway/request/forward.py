@@ -176,6 +176,9 @@ class AttemptRecorder:
         #: Told which replica answers, before its answer reaches the client (the Responses API
         #: remembers where a response is stored: a fallback's answer is stored there).
         self.on_answer: Callable[[ReplicaId], Awaitable[None]] | None = None
+        #: Told when the first attempt is on the books as in flight (flow control's pump waits
+        #: for it before judging the next queued request).
+        self.on_started: Callable[[], None] | None = None
 
     async def answering(self, replica: ReplicaId) -> None:
         """A replica answered 200: tell ``on_answer`` before anything is relayed."""
@@ -228,6 +231,8 @@ class AttemptRecorder:
         self._sent_at[replica] = time.time()
         gw.meter.start(replica, self.key)
         gw.engine.observe_start(self.routed.routing_request, replica)
+        if self.on_started is not None:
+            self.on_started()
 
     def first_byte(self, replica: ReplicaId) -> None:
         tokens = self._unprefilled.pop(replica, 0)

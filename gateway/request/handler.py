@@ -119,6 +119,9 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 else None,
             )
             recorder = AttemptRecorder(gw, routed, arrived)
+            if gw.flow is not None:
+                flow = gw.flow
+                recorder.on_started = lambda: flow.forwarding(request_id)
             forwarded = True  # from here on, accounting records the request
             if kind.served_by is not None:
                 served_by = kind.served_by
@@ -160,6 +163,8 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     finally:
         gw.active_requests -= 1
         gw.request_ids.discard(request_id)
+        if gw.flow is not None:  # released from the queue but never sent: the pump goes on
+            gw.flow.forwarding(request_id)
 
 
 def _count_slo_failure(

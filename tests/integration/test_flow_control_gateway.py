@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -540,3 +541,80 @@ async def test_a_standard_request_that_would_wait_on_a_calm_fleet_goes_to_a_repl
             await held
         await wait_until(lambda: _queued(fleet.app) == 0, "it left the queue with its client")
         assert (fleet.slow.attempts, fleet.roomy.attempts) == (0, 0)
+
+
+class _HeldUpstream:
+    """An engine that reports nothing running and holds each answer until it is released one by
+    one; it records how many answers were in progress when each request arrived."""
+
+    def __init__(self) -> None:
+        self.release: dict[str, asyncio.Event] = {}
+        self.arrived: list[tuple[str, int]] = []
+        self.in_progress = 0
+
+    def app(self) -> web.Application:
+        async def complete(request: web.Request) -> web.Response:
+            tag = str((await request.json())["prompt"]).split()[-1]
+            self.arrived.append((tag, self.in_progress))
+            self.in_progress += 1
+            try:
+                await self.release.setdefault(tag, asyncio.Event()).wait()
+            finally:
+                self.in_progress -= 1
+            return web.json_response(
+                {
+                    "id": "cmpl-held",
+                    "object": "text_completion",
+                    "model": "base-model",
+                    "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+                }
+            )
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response(
+                {"object": "list", "data": [{"id": "base-model", "max_model_len": 4096}]}
+            )
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+        app = web.Application()
+        app.router.add_get("/health", lambda _: web.Response())
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/v1/completions", complete)
+        return app
+
+
+async def test_one_freed_slot_releases_one_queued_request_not_the_whole_queue(
+    tmp_path: Path,
+) -> None:
+    # The pump judged every queued request on the same reading of the fleet: the first one
+    # released was not in flight yet when the next was judged, so one finished request let the
+    # whole queue into the engine (and past it, priorities and weights stopped mattering).
+    upstream = _HeldUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(_policy(upstream_url))
+        app = create_app(GatewayConfig(policy_path=str(path)))
+        async with (
+            serve(app, handler_cancellation=True) as url,
+            aiohttp.ClientSession() as http,
+        ):
+            first = asyncio.create_task(_post(http, url, "a", "first"))
+            await wait_until(lambda: len(upstream.arrived) == 1, "the first request is sent")
+            queued = [asyncio.create_task(_post(http, url, "a", f"q{i}")) for i in range(4)]
+            await wait_until(lambda: _queued(app) == 4, "the burst is queued")
+            order = ["first", "q0", "q1", "q2", "q3"]
+            for done, following in itertools.pairwise(order):
+                upstream.release.setdefault(done, asyncio.Event()).set()
+                await wait_until(
+                    lambda following=following: any(t == following for t, _ in upstream.arrived),
+                    f"{following} is released once {done} has ended",
+                )
+            upstream.release.setdefault("q3", asyncio.Event()).set()
+            results = await asyncio.gather(first, *queued)
+    assert [status for status, _, _ in results] == [200] * 5
+    # Each one reached the engine alone: none while another was still being answered.
+    assert upstream.arrived == [(tag, 0) for tag in order]
