@@ -1,9 +1,10 @@
-"""Flow control on vs off, 1x-4x of saturation: per-class goodput, shedding, gateway queue waits.
+"""Flow control on vs off, 0.5x-4x of saturation: per-class goodput, shedding, gateway queue waits.
 
 Usage::
 
     python -m bench.flow_control                      # the committed page and PNGs
     python -m bench.flow_control --requests 600 --workloads rag,agent --out /tmp/fc.md
+    python -m bench.flow_control --workloads none --trace FILE   # a recorded trace only
 
 Each subject (the generated workloads at their saturation rate, ``bench.routing_quality``'s
 table, and a Mooncake-conversation-shaped trace) is replayed at each load through the default
@@ -24,11 +25,12 @@ TTFT SLO) no flow control and no routing can win back, so it bounds every figure
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -75,8 +77,15 @@ class Check:
     subject: str
     scale: float
     name: str
-    passed: bool
+    #: None: no request of the class the criterion is about, at this point; nothing to judge,
+    #: so it counts neither as passed nor as failed.
+    passed: bool | None
     detail: str
+
+    @property
+    def verdict(self) -> str:
+        """PASS, FAIL or n/a."""
+        return "n/a" if self.passed is None else "PASS" if self.passed else "FAIL"
 
 
 def mooncake_like_trace(requests: int, seed: int = 0) -> list[TraceRecord]:
@@ -116,6 +125,23 @@ def mooncake_like_trace(requests: int, seed: int = 0) -> list[TraceRecord]:
         tick += 1
     records.sort(key=lambda r: r.timestamp)
     return records
+
+
+def workload_names(text: str) -> list[str]:
+    """``--workloads``: generated subjects, comma-separated; ``none`` or empty for none (only the
+    ``--trace`` files). An unknown name is refused: a typo would otherwise replay nothing and
+    report every check passed."""
+    known = [w.shape for w in WORKLOADS] + [MOONCAKE_LIKE]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if names == ["none"]:
+        return []
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown subject {', '.join(map(repr, unknown))} (valid: {', '.join(known)}; "
+            "none: only the --trace files)"
+        )
+    return names
 
 
 def subjects(names: Sequence[str], requests: int) -> dict[str, tuple[list[TraceRecord], float]]:
@@ -181,15 +207,22 @@ def check(point: Point, alone: PolicySummary | None = None) -> list[Check]:
     on, off = point.on, point.off
     checks = []
 
-    def add(name: str, passed: bool, detail: str) -> None:
+    def add(name: str, passed: bool | None, detail: str) -> None:
         checks.append(Check(point.subject, point.scale, name, passed, detail))
 
+    # A class with no request at a point has no goodput (NaN): its check reads n/a.
     critical = _class(on, "critical")
-    ceiling = "" if alone is None else f" (served alone: {_pct(_class(alone, 'critical'))})"
-    add("critical >= 95%", critical >= CRITICAL_TARGET, f"{critical:.1%}{ceiling}")
+    if math.isnan(critical):
+        add("critical >= 95%", None, "no critical request")
+    else:
+        ceiling = "" if alone is None else f" (served alone: {_pct(_class(alone, 'critical'))})"
+        add("critical >= 95%", critical >= CRITICAL_TARGET, f"{critical:.1%}{ceiling}")
     if point.scale >= 2.0:
         mine, theirs = _class(on, "standard"), _class(off, "standard")
-        add("standard on > off", mine > theirs, f"{mine:.1%} vs {theirs:.1%}")
+        if math.isnan(mine) or math.isnan(theirs):
+            add("standard on > off", None, "no standard request")
+        else:
+            add("standard on > off", mine > theirs, f"{mine:.1%} vs {theirs:.1%}")
     goodput_on, goodput_off = on.goodput or 0.0, off.goodput or 0.0
     add("overall on >= off", goodput_on >= goodput_off, f"{goodput_on:.1%} vs {goodput_off:.1%}")
     if point.scale <= 1.0:
@@ -246,10 +279,10 @@ def alone_table(alone: dict[str, PolicySummary]) -> str:
 
 
 def checks_table(checks: Sequence[Check]) -> str:
-    """Every check, PASS or FAIL."""
+    """Every check, PASS, FAIL or n/a."""
     lines = ["| subject | load | criterion | result | figures |", "|---|---|---|---|---|"]
     for c in checks:
-        verdict = "PASS" if c.passed else "**FAIL**"
+        verdict = "**FAIL**" if c.passed is False else c.verdict
         lines.append(f"| {c.subject} | {c.scale:g}× | {c.name} | {verdict} | {c.detail} |")
     return "\n".join(lines)
 
@@ -315,7 +348,8 @@ def render_page(
 ) -> str:
     """The markdown page; ``trace_sizes``: the ``--trace`` subjects and requests replayed;
     ``alone``: each subject served one request at a time."""
-    failed = [c for c in checks if not c.passed]
+    failed = [c for c in checks if c.passed is False]
+    judged = [c for c in checks if c.passed is not None]
     real = ""
     if trace_sizes:
         named = ", ".join(f"`{name}` ({n:,} requests)" for name, n in trace_sizes.items())
@@ -324,7 +358,8 @@ def render_page(
             "being the trace's own rate."
         )
     lines = [
-        "# Flow control: goodput by class with and without it, 1×–4× of saturation",
+        "# Flow control: goodput by class with and without it, "
+        f"{_span(p.scale for p in points)} of saturation",
         "",
         f"Command: `{command}` ({elapsed_s:.0f} s on this machine's 2 shared cores).",
         "",
@@ -355,7 +390,8 @@ def render_page(
         "rate."
         + real,
         "",
-        f"**Checks: {len(checks) - len(failed)} of {len(checks)} pass.**",
+        f"**Checks: {len(judged) - len(failed)} of {len(judged)} pass"
+        f"{_not_judged(len(checks) - len(judged))}.**",
         "",
         "## Points",
         "",
@@ -386,6 +422,19 @@ def render_page(
         rel = path.relative_to(page.parent) if path.is_relative_to(page.parent) else path
         lines += [f"![{path.stem}]({rel})", ""]
     return "\n".join(lines)
+
+
+def _span(scales: Iterable[float]) -> str:
+    """``0.5×–4×``: the loads a page replayed."""
+    ordered = sorted(set(scales))
+    if len(ordered) < 2:
+        return "".join(f"{x:g}×" for x in ordered)
+    return f"{ordered[0]:g}×–{ordered[-1]:g}×"
+
+
+def _not_judged(count: int) -> str:
+    """What a checks count says of the checks read n/a (none: nothing)."""
+    return f" ({count} n/a: no request of their class)" if count else ""
 
 
 def _optional_bounds(settings: FlowControlSettings) -> str:
@@ -453,7 +502,13 @@ def _optional_share(text: str) -> float | None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.flow_control", description=__doc__)
     names = [w.shape for w in WORKLOADS] + [MOONCAKE_LIKE]
-    parser.add_argument("--workloads", default=",".join(names), help="subjects to replay")
+    parser.add_argument(
+        "--workloads",
+        type=workload_names,
+        default=names,
+        help="generated subjects to replay, comma-separated; none: only the --trace files "
+        f"(default: all: {','.join(names)})",
+    )
     parser.add_argument("--scales", default=",".join(f"{x:g}" for x in DEFAULT_SCALES))
     parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
     parser.add_argument("--classes", default=DEFAULT_MIX)
@@ -615,7 +670,12 @@ class Replay:
 
     @property
     def passed(self) -> int:
-        return sum(c.passed for c in self.checks)
+        return sum(c.passed is True for c in self.checks)
+
+    @property
+    def judged(self) -> int:
+        """Checks that had something to judge (not n/a)."""
+        return sum(c.passed is not None for c in self.checks)
 
 
 def replay(
@@ -647,7 +707,7 @@ def replay(
         for c in check(point, alone_futures[subject].result()):
             checks.append(c)
             print(
-                f"{label}{'PASS' if c.passed else 'FAIL'}  {subject:17} {scale:g}x  "
+                f"{label}{c.verdict:4}  {subject:17} {scale:g}x  "
                 f"{c.name:32} {c.detail}",
                 flush=True,
             )
@@ -660,6 +720,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.arrival_spread_ms < 0:
         parser.error(f"--arrival-spread-ms must be >= 0 (got {args.arrival_spread_ms})")
+    if not args.workloads and not args.trace:
+        parser.error("nothing to replay: --workloads none and no --trace")
     seeds: list[int] = args.seed
     try:
         recorded = trace_subjects(args.trace, args.trace_requests)
@@ -688,7 +750,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         steer_when_calm=args.steer_when_calm,
     )
     scales = [float(x) for x in args.scales.split(",")]
-    generated = subjects([n.strip() for n in args.workloads.split(",") if n.strip()], args.requests)
+    generated = subjects(args.workloads, args.requests)
     replays: list[Replay] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for seed in seeds:
@@ -699,7 +761,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in replays:
         print(
             f"{'seed ' + str(r.seed) + ': ' if len(seeds) > 1 else ''}"
-            f"{r.passed} of {len(r.checks)} checks pass; overall goodput with flow control "
+            f"{r.passed} of {r.judged} checks pass{_not_judged(len(r.checks) - r.judged)}; "
+            "overall goodput with flow control "
             f"{r.mean_goodput(True):.2%}, without {r.mean_goodput(False):.2%} "
             f"(mean of {len(r.points)} points)"
         )
@@ -711,7 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"without {sum(r.mean_goodput(False) for r in replays) / n:.2%}"
         )
     print(f"({elapsed:.0f} s)")
-    failed = sum(len(r.checks) - r.passed for r in replays)
+    failed = sum(r.judged - r.passed for r in replays)
     if len(seeds) > 1:
         print("several seeds: no page written (a page shows one seed)", file=sys.stderr)
     elif not args.no_page:

@@ -420,8 +420,9 @@ def render(rows: Sequence[Row], args: argparse.Namespace, command: str, redis_no
         + (
             ", every candidate scored (`--no-prune`)."
             if args.no_prune
-            else f"; past {Pruning().above} candidates the engine scores only those holding the "
-            f"prefix plus the {Pruning().least_loaded} least loaded (routing/prune.py)."
+            else f"; past {Pruning().above} candidates the engine scores only the "
+            f"{Pruning().least_loaded} least loaded of each prefix-depth / adapter group "
+            "(routing/prune.py)."
         ),
         "Prompt hashing is reported separately (it happens once per request whatever the policy),",
         "and so is *registry*: the gateway's own work before each decision, bringing its in-flight",

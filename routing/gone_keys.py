@@ -1,7 +1,9 @@
 """Refusing configuration keys that are gone, with what to do instead.
 
 Models are strict, so a removed or renamed key is refused anyway; pydantic's own message ("extra
-inputs are not permitted") does not say what replaced it. ``refuse_gone_keys`` does.
+inputs are not permitted") does not say what replaced it. ``refuse_gone_keys`` does, and
+``gone_keys`` hands the same messages to a caller that reports unknown keys itself before the
+model sees them (the policy checks), so that the hint still reaches whoever runs an old policy.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import model_validator
+from pydantic import BaseModel, model_validator
 
-__all__ = ["refuse_gone_keys"]
+__all__ = ["gone_keys", "refuse_gone_keys"]
+
+#: Where ``refuse_gone_keys`` leaves its mapping on the validator, for ``gone_keys`` to find.
+_GONE = "_fleetgate_gone_keys"
 
 
 def refuse_gone_keys(gone: Mapping[str, str]) -> Any:
@@ -25,4 +30,14 @@ def refuse_gone_keys(gone: Mapping[str, str]) -> Any:
                     raise ValueError(message)
         return data
 
+    setattr(check, _GONE, dict(gone))
     return model_validator(mode="before")(classmethod(check))
+
+
+def gone_keys(model: type[BaseModel]) -> dict[str, str]:
+    """Every key ``model`` (its bases included) refuses through ``refuse_gone_keys``, with its
+    message."""
+    found: dict[str, str] = {}
+    for validator in model.__pydantic_decorators__.model_validators.values():
+        found.update(getattr(validator.func, _GONE, {}))
+    return found

@@ -47,11 +47,12 @@ _RNG = np.random.default_rng()
 
 @dataclass(frozen=True)
 class Pruning:
-    """When to prune, and how many cache-miss replicas to keep."""
+    """When to prune, and how many replicas of each group to keep."""
 
     #: Prune only when more candidates than this survive the filters (small fleets: never).
     above: int = 64
-    #: Replicas kept besides those holding the prefix or adapter: the least loaded ones.
+    #: Replicas kept of each prefix-depth / adapter group: its least loaded ones (holders too,
+    #: so a prefix held by ninety replicas is costed on this many).
     least_loaded: int = 16
 
     def __post_init__(self) -> None:

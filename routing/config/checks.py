@@ -26,6 +26,7 @@ from routing.config.errors import (
     issues_from_validation,
 )
 from routing.config.policy import Policy
+from routing.gone_keys import gone_keys
 
 #: Section name -> names of entries that failed structural validation (see module docstring).
 InvalidNames = Mapping[str, set[str]]
@@ -106,10 +107,14 @@ class _Checker:
                 continue
             allowed = {f.alias or n for n, f in model.model_fields.items()}
             unknown = sorted(set(plugin.parameters) - allowed)
+            # A removed key gets the model's own hint (what replaced it): the model never sees
+            # the unknown keys, which are left out of the validation below.
+            gone = gone_keys(model)
             for key in unknown:
                 # Checked here too, whatever the Params model's own config says: a typo'd
                 # parameter silently left at its default is the classic policy bug.
-                self.add((*loc, key), f"unknown parameter (allowed: {', '.join(sorted(allowed))})")
+                unknown_reason = f"unknown parameter (allowed: {', '.join(sorted(allowed))})"
+                self.add((*loc, key), gone.get(key, unknown_reason))
             known = {k: v for k, v in plugin.parameters.items() if k in allowed}
             try:
                 params = model.model_validate(known)

@@ -55,8 +55,9 @@ routing chose by.
   plus its predicted TTFT is over it): serving it late would only make the next ones late too.
 * The queue holds at most ``max_queue_length``; a full queue makes room for a higher class by
   refusing its newest lowest-class entry, else refuses the newcomer.
-* Refusals carry ``retry_after_s``: the predicted time for the least-loaded replica's queue to
-  drain under the saturation bound, plus the wait of what is queued (at least 1 s).
+* Refusals carry ``retry_after_s``: the predicted drain of the shortest engine queue, longer in
+  proportion to how full the gateway queue is (a full one doubles it), in whole seconds, at
+  least 1.
 """
 
 from __future__ import annotations

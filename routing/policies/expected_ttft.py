@@ -11,9 +11,9 @@ For every candidate replica the scorer estimates, in milliseconds::
 
 adds ``decode_interference_ms`` (the replica's recent prefill duty cycle, which its running
 decodes pay in TPOT) to get the cost, and scores ``(best + floor) / (cost + floor)`` (1.0 for the
-cheapest). The ``max-score`` picker then takes the best under a bounded-load guard with random
-tie-breaks among near-equal costs, so a hot shared prefix spreads over several replicas instead of
-piling onto the one that cached it.
+cheapest). The ``max-score`` picker then takes the best under a bounded-load guard, with
+near-equal costs (within 1% in the built-in profile) taken in turns, least recently chosen first,
+so a hot shared prefix spreads over several replicas instead of piling onto the one that cached it.
 
 The queue is the prefill work this gateway sent to the replica, drained at the prefill speed as
 time passes (``backlog.py``) and capped by the gateway's in-flight counter. Prefill speed starts

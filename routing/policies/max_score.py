@@ -36,7 +36,8 @@ from routing.types import ReplicaId
 
 
 class MaxScorePicker(ExplainingPicker):
-    """Best weighted score among replicas under the load bound; ties broken at random."""
+    """Best weighted score among replicas under the load bound; ties taken in turns (least
+    recently chosen first) by default, or drawn at random."""
 
     type_name: ClassVar[str] = "max-score"
     kind: ClassVar[PluginKind] = "picker"

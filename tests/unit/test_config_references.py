@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
+import yaml
 
-from routing.config import DEFAULT_PROFILE
-from tests.unit.test_config_fixtures import BASE, errors_of, mutate, parse, sha
+from routing.config import DEFAULT_PROFILE, PolicyError, parse_policy
+from routing.policies.fleet_cost import FleetCostScorer
+from tests.unit.test_config_fixtures import BASE, FAKE_CATALOG, errors_of, mutate, parse, sha
 
 # (path to change, new value, exact error expected after "<string>:LINE: ")
 CASES: list[tuple[str, Any, str]] = [
@@ -211,3 +214,19 @@ def test_a_profile_may_name_a_plugin_type_directly() -> None:
 def test_validated_plugin_params_are_kept_by_instance_name() -> None:
     params = parse(BASE).plugin_params("s")
     assert params is not None and params.alpha == 0.5  # type: ignore[attr-defined]
+
+
+def test_a_gone_parameter_gets_its_own_message_not_unknown_parameter() -> None:
+    # The migration hint of a removed key (routing/gone_keys.py) is written for whoever runs an
+    # old policy through `fleetgate policy validate` or `serve`: the generic "unknown parameter"
+    # must not stand in for it.
+    catalog = replace(FAKE_CATALOG, plugins={**FAKE_CATALOG.plugins, "fleet-cost": FleetCostScorer})
+    doc = mutate(
+        "plugins[1]", {"type": "fleet-cost", "name": "s", "parameters": {"evict_threshold": 0.9}}
+    )
+    with pytest.raises(PolicyError) as info:
+        parse_policy(yaml.safe_dump(doc, sort_keys=False), catalog=catalog)
+    [error] = info.value.errors
+    path, reason = error.split(": ", 1)[1].split(": ", 1)
+    assert path == "plugins[1].parameters.evict_threshold"
+    assert reason.startswith("evict_threshold is gone: eviction_ms now counts the blocks"), reason

@@ -142,3 +142,49 @@ def test_seeds_that_are_not_distinct_integers_are_a_usage_error(
         flow_control._parser().parse_args(["--seed", seeds])
     assert exited.value.code == 2
     assert "--seed" in capsys.readouterr().err
+
+
+def test_an_unknown_workload_is_a_usage_error_naming_the_valid_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A typo once replayed nothing and reported "0 of 0 checks pass" with exit status 0.
+    with pytest.raises(SystemExit) as exited:
+        flow_control.main(["--workloads", "rag,agnet"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown subject 'agnet'" in err
+    assert "valid: rag, rag-cache-buster, multi-turn, agent, b2b-lora, mooncake-like" in err
+
+
+@pytest.mark.parametrize("workloads", ["none", "", "rag,agent"])
+def test_none_or_known_workloads_are_accepted(workloads: str) -> None:
+    args = flow_control._parser().parse_args(["--workloads", workloads])
+    assert args.workloads == ([] if workloads in ("none", "") else ["rag", "agent"])
+
+
+def test_nothing_to_replay_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        flow_control.main(["--workloads", "none"])
+    assert exited.value.code == 2
+    assert "nothing to replay" in capsys.readouterr().err
+
+
+def test_a_check_over_no_request_of_its_class_reads_na_not_fail() -> None:
+    # 10 requests, all standard: no critical goodput to judge (it was "FAIL nan%").
+    trace = _records([(i * 200, 1000, 20) for i in range(10)])
+    settings = flow_control.FlowControlSettings()
+    point = flow_control.run_point("t", trace, 2.0, "standard=1", settings)
+    checks = {c.name: c for c in flow_control.check(point)}
+    critical = checks["critical >= 95%"]
+    assert critical.passed is None and critical.verdict == "n/a"
+    assert critical.detail == "no critical request"
+    assert checks["standard on > off"].passed is not None
+    table = flow_control.checks_table(list(checks.values()))
+    assert "| t | 2× | critical >= 95% | n/a | no critical request |" in table
+    page = flow_control.render_page(
+        [point], list(checks.values()), "cmd", settings, 10, [], Path("fc.md"), 1.0
+    )
+    assert page.startswith("# Flow control: goodput by class with and without it, 2× of")
+    judged = len(checks) - 1
+    passed = sum(c.passed is True for c in checks.values())
+    assert f"**Checks: {passed} of {judged} pass (1 n/a: no request of their class).**" in page

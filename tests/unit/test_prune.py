@@ -1,6 +1,6 @@
 """Candidate pruning (routing/prune.py): past ``above`` candidates the engine scores only the
-replicas holding the prefix or adapter and the ``least_loaded`` lightest others, and where the
-cache-miss replicas' figures rise with their load, it decides what scoring everyone decides."""
+``least_loaded`` lightest replicas of each prefix-depth / adapter group, and where a group's
+figures rise with its members' load, it decides what scoring everyone decides."""
 
 from __future__ import annotations
 
