@@ -21,8 +21,10 @@ For every candidate replica the scorer computes, in milliseconds::
   (the work the fleet would not do if the request went to the best-matched replica).
   ``duplicate_weight`` grows with **fleet congestion**: ``duplicate_base + duplicate_per_queued
   ×`` the fleet's mean number of requests queued per replica (engine gauges, or the gateway's
-  in-flight requests not yet running, whichever is larger). On an idle fleet it is 0 and the
-  policy is ``expected-ttft``: a shorter queue may beat a cache hit (balance wins TTFT). Once
+  in-flight requests not yet running, whichever is larger) beyond ``duplicate_free_depth``,
+  capped at ``max_duplicate_weight``. On an idle fleet it is 0 (but where a busy holder still
+  answers within the fleet's usual TTFT and the copy would overflow a full cache:
+  ``slack_duplicate_weight``), and a shorter queue may beat a cache hit (balance wins TTFT). Once
   requests queue everywhere, duplicated work is what everyone waits for and affinity wins —
   "sticky until saturated", with the threshold set by the fleet's own queue depth rather than a
   tuned constant.
@@ -70,9 +72,10 @@ For every candidate replica the scorer computes, in milliseconds::
   points at every load (docs/policies/fleet-cost.md). Requests without ``max_tokens`` are never
   counted.
 
-**Overflow.** A request whose expected TTFT is past ``overflow_ttft_ms`` (1.25 × the TTFT SLO) on
-every replica is late wherever it goes, so its own TTFT stops counting; what its prefill costs
-others still does. It goes where that prefill stalls the fewest requests that can still make
+**Overflow.** A request whose expected TTFT is past ``overflow_ttft_ms`` (1.25 × the TTFT SLO: the
+one its tenant or route declares, else 2 s; ``overflow_limit_ms``) on every replica is late wherever
+it goes, so its own TTFT stops counting; what its prefill costs others still does. It goes where
+that prefill stalls the fewest requests that can still make
 their SLOs: those in flight there that were not themselves sent as overflow. Past saturation
 the late requests gather on one replica, whose queue grows, and the others keep theirs short
 enough to meet the SLO; its picker lets it past the load bound (``RoutingRequest.overflow``).
@@ -86,8 +89,9 @@ and 10 s at 7.5%; docs/policies/fleet-cost.md, *Overflow*).
 Scores are ``(best + floor) / (cost + floor)`` as in ``expected-ttft``, picked by ``max-score``
 with its bounded-load guard (a hot prefix's holder over ``1.25 × mean + 2`` requests is passed
 over, so the prefix is replicated onto the next-cheapest replica instead of piling up there) and
-random tie-breaks among costs within 1%. Prefill speed, the backlog drain and adapter load times
-are calibrated online exactly as in ``expected-ttft`` (this scorer extends it).
+near-equal costs (within 1%) taken in turns, least recently chosen first. Prefill speed, the
+backlog drain and adapter load times are calibrated online exactly as in ``expected-ttft`` (this
+scorer extends it).
 """
 
 from __future__ import annotations
