@@ -285,8 +285,7 @@ class FlowGate:
         prompt_tokens = routed.routing_request.prompt_tokens
         check = await self.budgets.admit(tenant, flow.budget, prompt_tokens)
         if not check.admitted:
-            self._count(tenant, flow.request_class, Decision.SHED, "token_budget")
-            if not check.can_fit:
+            if not check.can_fit:  # a 400 (fix the request), not a shed: counted as the 400 alone
                 raise GatewayError(
                     400,
                     errors.INVALID_REQUEST,
@@ -297,6 +296,7 @@ class FlowGate:
                     "token_budget.prompt_tokens_per_minute.",
                     "messages",
                 )
+            self._count(tenant, flow.request_class, Decision.SHED, "token_budget")
             raise _too_many(
                 f"Token budget exceeded: this tenant's {check.exhausted} tokens per minute "
                 "are spent.",
@@ -348,6 +348,8 @@ class FlowGate:
             self.controller.cancel(request_id)
             self._waiters.pop(request_id, None)
             self._queue_gauges()
+            if not answer.done() or answer.cancelled():
+                self._abandoned(request)
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
         if self.metrics is not None:
             self.metrics.flow_queue_wait.labels(request.request_class.value).observe(
@@ -576,6 +578,18 @@ class FlowGate:
             self.metrics.flow_decisions.labels(
                 tenant, request_class.value, decision.value, reason
             ).inc()
+
+    def _abandoned(self, request: FlowRequest) -> None:
+        """A queued client went away: counted, with its wait, so that queued = admitted + shed +
+        abandoned (else it looks like a leak)."""
+        if self.metrics is None:
+            return
+        self.metrics.flow_decisions.labels(
+            request.tenant, request.request_class.value, "abandoned", "client_gone"
+        ).inc()
+        self.metrics.flow_queue_wait.labels(request.request_class.value).observe(
+            max(0.0, self.controller.now() - request.arrival_s)
+        )
 
     def _bound_gauge(self) -> None:
         fraction = self.controller.itl_fraction

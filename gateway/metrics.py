@@ -338,7 +338,7 @@ class GatewayMetrics:
         )
         self.flow_queue_wait = Histogram(
             "fleetgate_flow_queue_wait_seconds",
-            "Time requests spent in the flow-control queue (admitted or refused)",
+            "Time requests spent in the flow-control queue (admitted, refused or abandoned)",
             ["request_class"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -352,7 +352,8 @@ class GatewayMetrics:
         )
         self.flow_decisions = Counter(
             "fleetgate_flow_decisions",
-            "Flow-control decisions: admitted, queued or shed, by reason",
+            "Flow-control decisions: admitted, queued, shed or abandoned (a queued client that "
+            "went away), by reason",
             ["tenant", "request_class", "decision", "reason"],
             registry=r,
         )

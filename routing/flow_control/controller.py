@@ -56,14 +56,16 @@ routing chose by.
 * The queue holds at most ``max_queue_length``; a full queue makes room for a higher class by
   refusing its newest lowest-class entry, else refuses the newcomer.
 * Refusals carry ``retry_after_s``: the predicted drain of the shortest engine queue, longer in
-  proportion to how full the gateway queue is (a full one doubles it), in whole seconds, at
-  least 1.
+  proportion to how full the gateway queue is (a full one doubles it), and at least the time the
+  gateway queue takes to empty at the pace it has been releasing requests; in whole seconds, 1
+  to 60.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,6 +77,7 @@ from routing.types import ReplicaId
 
 __all__ = [
     "ITL_BOUND_STEP",
+    "MAX_RETRY_AFTER_S",
     "Decision",
     "FlowControlSettings",
     "FlowController",
@@ -215,6 +218,11 @@ class FlowControlSettings:
 #: row take it from 0.8 to 0.6, and at a 97% target about 32 met bring one step back.
 ITL_BOUND_STEP = 0.02
 
+#: Releases from the queue whose pace ``retry_after_s`` reads ...
+RELEASE_HISTORY = 32
+#: ... and the longest hint it gives (clients honour no more: the openai client's cap is 60 s).
+MAX_RETRY_AFTER_S = 60.0
+
 _ADMIT_IDLE = Verdict(Decision.ADMIT, "not_saturated")
 _ADMIT_CRITICAL = Verdict(Decision.ADMIT, "critical")
 _ADMIT_OFF = Verdict(Decision.ADMIT, "flow_control_off")
@@ -235,6 +243,8 @@ class FlowController:
         self._evicted: list[tuple[FlowRequest, Verdict]] = []
         #: Latest known shortest queue wait, for Retry-After on refusals without an estimate.
         self._last_min_wait_ms = 0.0
+        #: When the latest requests left the queue admitted (the pace ``retry_after_s`` reads).
+        self._releases: deque[float] = deque(maxlen=RELEASE_HISTORY)
         #: How far TPOT misses have lowered the inter-token bound from where it starts
         #: (negative: met TPOTs have raised it).
         self._itl_lowered = 0.0
@@ -378,11 +388,13 @@ class FlowController:
             estimate.min_queue_wait_ms is None or not self._saturated(estimate, request)
         ):
             self.queue.pop_head(pool)
+            self._releases.append(self._clock())
             return self._admitted(
                 request, estimate, Verdict(Decision.ADMIT, "capacity_freed", waited_s=waited)
             )
         if not protecting and self._within_slo(request, estimate, waited):
             self.queue.pop_head(pool)
+            self._releases.append(self._clock())
             return self._admitted(
                 request,
                 estimate,
@@ -576,9 +588,24 @@ class FlowController:
         return Verdict(Decision.SHED, reason.value, self.retry_after_s(), waited_s)
 
     def retry_after_s(self) -> float:
-        """Predicted time until a retry would be admitted (whole seconds, at least 1): the
-        predicted drain of the shortest engine queue, longer in proportion to how full the
-        gateway queue is (a full one doubles it)."""
-        fill = len(self.queue) / max(1, self.settings.max_queue_length)
+        """Predicted time until a retry would be admitted (whole seconds, 1 to
+        ``MAX_RETRY_AFTER_S``): the predicted drain of the shortest engine queue, longer in
+        proportion to how full the gateway queue is (a full one doubles it), and at least the
+        time the gateway queue takes to empty at the pace it has been releasing requests. While
+        the gateway holds the work the engines' queues stay short: read alone, they said 1 s to
+        clients that waited 20 s, and the openai client's retries came back at once, twice."""
+        queued = len(self.queue)
+        fill = queued / max(1, self.settings.max_queue_length)
         drain_ms = self._last_min_wait_ms * (1.0 + min(1.0, fill))
-        return max(1.0, math.ceil(drain_ms / 1000.0))
+        pace = self._release_rate()
+        if queued and pace:
+            drain_ms = max(drain_ms, queued / pace * 1000.0)
+        return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(drain_ms / 1000.0)))
+
+    def _release_rate(self) -> float | None:
+        """Requests released from the queue per second, over the latest ones and up to now (so
+        a queue that stopped moving reads as slow); None: too few."""
+        if len(self._releases) < 2:
+            return None
+        span = self._clock() - self._releases[0]
+        return (len(self._releases) - 1) / span if span > 0 else None

@@ -210,6 +210,12 @@ async def test_a_queued_client_that_disconnects_never_reaches_the_engine(tmp_pat
         with pytest.raises(asyncio.CancelledError):
             await gone
         await wait_until(lambda: _queued(app) == 0, "the disconnected request left the queue")
+        # Counted, so that queued = admitted + shed + abandoned.
+        metrics = await (await http.get(f"{url}/metrics")).text()
+        assert (
+            'fleetgate_flow_decisions_total{decision="abandoned",reason="client_gone",'
+            'request_class="standard",tenant="b"} 1.0' in metrics
+        )
         stays = asyncio.create_task(_post(http, url, "a", "a-stays"))
         await wait_until(lambda: _queued(app) == 1, "the next request is queued")
         upstream.header_gate.set()
@@ -250,6 +256,26 @@ async def test_token_budgets_hold_across_two_gateways_sharing_redis(
         assert admitted == 100 // per_request, (admitted, per_request)
         assert statuses[admitted:] == [429] * (40 - admitted)
         assert upstream.attempts == admitted
+        # A prompt over the whole minute's budget is the client's to fix: a 400, not a shed
+        # (counted as one, it fed the "fleet saturated" alert).
+        async with http.post(
+            f"{served[0][0]}/v1/completions",
+            json={"model": "base-model", "prompt": "word " * 200, "max_tokens": 3},
+            headers={"Authorization": "Bearer metered"},
+        ) as resp:
+            assert resp.status == 400
+            assert "whole prompt budget" in (await resp.json())["error"]["message"]
+        sheds = 0.0
+        for url, _ in served:
+            metrics = await (await http.get(f"{url}/metrics")).text()
+            sheds += sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith("fleetgate_flow_decisions_total{")
+                and 'decision="shed"' in line
+                and 'reason="token_budget"' in line
+            )
+        assert sheds == 40 - admitted
 
 
 def _prompt_tokens(tag: str) -> int:

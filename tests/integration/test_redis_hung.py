@@ -18,7 +18,7 @@ from adapters_registry.placement import PlacementUnavailable
 from adapters_registry.placement_redis import RedisPlacementStore
 from gateway.inflight import RedisInflight
 from gateway.response_affinity import RedisResponseAffinity
-from gateway.token_budgets import RedisBudgetStore
+from gateway.token_budgets import OUTAGE_S, RedisBudgetStore
 from replica.agent.ingest import INDEX_DOWN_ERRORS
 from replica.fleet_store import FleetStoreUnavailable, RedisFleetStore
 from routing.contracts import IndexUnavailable
@@ -65,6 +65,41 @@ async def test_token_budgets_are_not_enforced_rather_than_waited_for(frozen_redi
         assert await asyncio.wait_for(store.used("k"), GUARD_S) == 0
     finally:
         await store.close()
+
+
+async def test_token_budgets_leave_a_hung_redis_alone_for_a_while(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Each budgeted request waited out two timeouts on a hung Redis (about 2 s added to its
+    # TTFT, on every gateway) and logged it; after one failure the store now skips Redis.
+    received: list[bytes] = []
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(4096):
+            received.append(data)
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    now = [0.0]
+    store = RedisBudgetStore(f"redis://127.0.0.1:{port}/0", clock=lambda: now[0])
+    try:
+        assert await asyncio.wait_for(store.reserve("k", 10, 100, 60), GUARD_S) is True
+        sent = len(received)
+        assert sent > 0  # the first call did ask
+        for _ in range(5):  # within the outage: answered at once, Redis not asked
+            assert await asyncio.wait_for(store.reserve("k", 10, 100, 60), GUARD_S) is True
+            assert await asyncio.wait_for(store.used("k"), GUARD_S) == 0
+            await asyncio.wait_for(store.add("k", 5, 60), GUARD_S)
+        assert len(received) == sent
+        failures = [r for r in caplog.records if "token budget" in r.getMessage()]
+        assert len(failures) == 1 and "not enforced for the next 5 s" in failures[0].getMessage()
+        now[0] = OUTAGE_S + 0.1  # the outage window is over: Redis is asked again
+        assert await asyncio.wait_for(store.used("k"), GUARD_S) == 0
+        assert len(received) > sent
+    finally:
+        await store.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_response_affinity_answers_unknown(frozen_redis: str) -> None:

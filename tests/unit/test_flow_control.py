@@ -251,6 +251,28 @@ def test_critical_is_never_held_and_sheddable_over_its_slo_is_refused_with_a_ret
     assert fits.decision is Decision.QUEUE
 
 
+def test_the_retry_hint_counts_the_gateway_queue_at_the_pace_it_drains() -> None:
+    # The engines' queues stay short while the gateway holds the work: read alone, they said
+    # 1 s to clients that then waited 20 s.
+    clock = FakeClock()
+    flow = _controller(clock, max_queue_wait_ms=600_000.0)
+    short = _fleet(200.0, ttft_ms=1500.0, backlog=5)  # saturated, engine queues 200 ms deep
+    for i in range(12):
+        assert flow.admit(_request(f"q{i}", at=clock.now), short).decision is Decision.QUEUE
+    assert flow.admit(_request("x", SHEDDABLE, slo_ms=1000.0), short).retry_after_s == 1.0
+    # Two released a second, for 2 s: 8 still queued will take 4 s.
+    for _ in range(4):
+        clock.now += 0.5
+        assert flow.judge_head(IDLE).decision is Decision.ADMIT
+    late = flow.admit(_request("y", SHEDDABLE, slo_ms=1000.0), short)
+    assert late.decision is Decision.SHED
+    assert late.retry_after_s == 4.0
+    # Never past what clients honour.
+    clock.now += 1_000.0
+    assert flow.judge_head(IDLE).decision is Decision.ADMIT
+    assert flow.admit(_request("z", SHEDDABLE, slo_ms=1000.0), short).retry_after_s == 60.0
+
+
 def test_strict_priority_between_classes_then_fifo_inside_a_tenant() -> None:
     flow = _controller(FakeClock())
     for rid, cls in (("x1", SHEDDABLE), ("s1", STANDARD), ("x2", SHEDDABLE), ("s2", STANDARD)):
