@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -56,17 +57,39 @@ def tune_gc() -> None:
     gc.set_threshold(20_000, gen1, gen2)
 
 
+def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A bound, listening TCP socket for ``host:port`` (0: any free port); raises ``OSError``
+    (``EADDRINUSE`` for a port in use)."""
+    family, _, _, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    return socket.create_server(
+        address[:2], family=family, backlog=128, reuse_port=reuse_port
+    )
+
+
 async def start_site(
     app: web.Application, host: str, port: int, drain_timeout_s: float, reuse_port: bool = False
 ) -> tuple[web.AppRunner, str]:
-    """Start serving ``app``; returns the runner and the URL it listens on."""
+    """Start serving ``app``; returns the runner and the URL it listens on.
+
+    The port is bound before the app starts: a port in use (or a wrong host) fails at once, with
+    nothing started. Bound after the app's background tasks (health polls, the Redis index
+    mirror) had started, the error went unseen on uvloop: cancelled, those tasks did not end,
+    and the process hung, deaf to SIGTERM."""
+    sock = listening_socket(host, port, reuse_port)
     # handler_cancellation: a client disconnect cancels its handler, which aborts the upstream.
     runner = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None
     )
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
-    await site.start()
+    try:
+        await runner.setup()
+        site = web.SockSite(runner, sock)
+        await site.start()
+    except BaseException:
+        sock.close()
+        await runner.cleanup()
+        raise
     bound_host, bound_port = runner.addresses[0][:2]
     shown = "127.0.0.1" if bound_host in ("0.0.0.0", "::") else bound_host
     if ":" in shown:  # an IPv6 address: a URL takes it in brackets
@@ -103,8 +126,12 @@ class StopSignals:
         try:
             await self.stopped.wait()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                self._loop.remove_signal_handler(sig)
+            self.remove()
+
+    def remove(self) -> None:
+        """Restore default signal handling (a stop signal stops the process again)."""
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self._loop.remove_signal_handler(sig)
 
 
 AppFactory = Callable[[GatewayConfig], web.Application]
@@ -126,7 +153,11 @@ def _worker(
     async def main() -> None:
         app = factory(config)
         signals = StopSignals(app)
-        runner, url = await start_site(app, host, port, config.drain_timeout_s, reuse_port)
+        try:
+            runner, url = await start_site(app, host, port, config.drain_timeout_s, reuse_port)
+        except BaseException:
+            signals.remove()  # else SIGTERM would only set an event nobody waits for
+            raise
         tune_gc()
         if on_ready is not None:
             await on_ready(url)

@@ -67,6 +67,25 @@ def test_a_port_in_use_is_one_line_that_says_so(
     assert "Traceback" not in err
 
 
+def test_a_gateway_with_redis_on_a_port_in_use_says_so_and_exits(redis_url: str) -> None:
+    # Bound after its background tasks (the Redis index mirror among them) had started, the
+    # error never showed on uvloop: the process hung, deaf to SIGTERM. The subprocess's timeout
+    # only stops a hang; nothing here asserts how long it took.
+    import subprocess
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "fleetgate.cli", "serve", "--replica", "http://127.0.0.1:9",
+             "--model", "m", "--host", "127.0.0.1", "--port", str(port), "--redis", redis_url],
+            capture_output=True, text=True, timeout=120, check=False,
+        )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in done.stderr
+
+
 def _ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6) as probe:
