@@ -225,8 +225,10 @@ class FlowGate:
         # Budget windows are wall-clock minutes, so that every gateway agrees on them.
         self.budgets = TokenBudgets(self.budget_store, wall_clock, key_prefix)
         self._waiters: dict[str, _Waiter] = {}
-        #: Released requests the pump waits on until their handler has sent them (``_sent``).
+        #: Released requests the pump waits on until their handler has sent them (``_sent``),
+        #: and how many times it gave up waiting.
         self._releasing: dict[str, asyncio.Event] = {}
+        self.release_timeouts = 0
         #: Requests admitted with a TPOT SLO and not yet finished -> that SLO: their outcomes
         #: move the inter-token bound (``FlowController.observe_finished``).
         self._admitted: OrderedDict[str, float] = OrderedDict()
@@ -341,15 +343,26 @@ class FlowGate:
         self._waiters[request_id] = _Waiter(routed, repick, answer)
         self._queue_gauges()
         self._wake.set()
+        # How it left the queue, where no verdict says so: so that queued = admitted + shed +
+        # abandoned + failed, whatever happens to it.
+        left: tuple[str, str] | None = ("abandoned", "client_gone")
         try:
             verdict, routed = await answer
+            left = None
+        except GatewayError as err:  # routed again and failed, or the gateway shutting down
+            left = ("failed", err.code)
+            raise
+        except Exception:
+            left = ("failed", errors.INTERNAL_ERROR)
+            raise
         finally:
-            # Cancelled (the client went away): out of the queue now, before anything else runs.
+            # Cancelled (the client went away, even as it was released): out of the queue now,
+            # before anything else runs.
             self.controller.cancel(request_id)
             self._waiters.pop(request_id, None)
             self._queue_gauges()
-            if not answer.done() or answer.cancelled():
-                self._abandoned(request)
+            if left is not None:
+                self._left_queue(request, *left)
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
         if self.metrics is not None:
             self.metrics.flow_queue_wait.labels(request.request_class.value).observe(
@@ -556,8 +569,9 @@ class FlowGate:
         to its replica, or given up on it (``forwarding``)."""
         event = self._releasing[request_id] = asyncio.Event()
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), RELEASE_WAIT_S)
+            await asyncio.wait_for(event.wait(), RELEASE_WAIT_S)
+        except TimeoutError:
+            self.release_timeouts += 1  # its handler is slow to send it (an adapter load)
         finally:
             self._releasing.pop(request_id, None)
 
@@ -579,13 +593,15 @@ class FlowGate:
                 tenant, request_class.value, decision.value, reason
             ).inc()
 
-    def _abandoned(self, request: FlowRequest) -> None:
-        """A queued client went away: counted, with its wait, so that queued = admitted + shed +
-        abandoned (else it looks like a leak)."""
+    def _left_queue(self, request: FlowRequest, decision: str, reason: str) -> None:
+        """A queued request left without a verdict: its client went away (``abandoned``), or
+        routing it again failed or the gateway stopped (``failed``, with the error's code).
+        Counted, with its wait, so that queued = admitted + shed + abandoned + failed (else it
+        looks like a leak)."""
         if self.metrics is None:
             return
         self.metrics.flow_decisions.labels(
-            request.tenant, request.request_class.value, "abandoned", "client_gone"
+            request.tenant, request.request_class.value, decision, reason
         ).inc()
         self.metrics.flow_queue_wait.labels(request.request_class.value).observe(
             max(0.0, self.controller.now() - request.arrival_s)

@@ -352,8 +352,8 @@ class GatewayMetrics:
         )
         self.flow_decisions = Counter(
             "fleetgate_flow_decisions",
-            "Flow-control decisions: admitted, queued, shed or abandoned (a queued client that "
-            "went away), by reason",
+            "Flow-control decisions: admitted, queued, shed, abandoned (a queued client that "
+            "went away) or failed (routing it again failed; the gateway stopped), by reason",
             ["tenant", "request_class", "decision", "reason"],
             registry=r,
         )

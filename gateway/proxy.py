@@ -184,6 +184,9 @@ class UpstreamOutcome:
     #: The stable error code of the gateway's own error answer (``GatewayError``), already
     #: counted in ``fleetgate_errors_total``; None for an answer relayed from the replica.
     error_code: str | None = None
+    #: Settled when a watcher saw it end (a background Response): ``finished_at`` is that poll's
+    #: time, not the engine's, so it times nothing.
+    settled_later: bool = False
 
     def tpot_ms(self, completion_tokens: int) -> float | None:
         """Mean time per output token after the first, as the upstream delivered them (ms);

@@ -206,12 +206,13 @@ def _unstreamed_ttft_ms(
     The gateway sees no first token when the client does not stream. Without this, a fleet of
     non-streaming clients (batch jobs, agents' tool calls) never calibrated its prefill speed:
     it stayed at the configured figure, 2-3x off on an H100 at the 10,000 tokens/s default.
-    None where it cannot tell: a retried request (as ``_decided_ttft_ms``), an engine without
-    a recent inter-token latency, or a long answer whose decode would be most of its time.
+    None where it cannot tell: a retried request (as ``_decided_ttft_ms``), a background
+    Response (settled when a 1 s poll saw it end), an engine without a recent inter-token
+    latency, or a long answer whose decode would be most of its time.
     """
     if outcome.sent_at is None or outcome.finished_at is None or outcome.attempts > 1:
         return None
-    if outcome.replica is None or completion_tokens < 1:
+    if outcome.settled_later or outcome.replica is None or completion_tokens < 1:
         return None
     total_ms = max(0.0, outcome.finished_at - routed.decided_at) * 1000.0
     if completion_tokens == 1:

@@ -144,6 +144,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                             outcome.client_gone = False
                         if status == "failed":  # the engine failed it: an upstream error
                             outcome.status = 502
+                        outcome.settled_later = True
                         settle(gw, kind, routed, outcome, arrived, False, usage)
 
                     gw.background_responses.watch(later, outcome.replica, ended)

@@ -291,6 +291,10 @@ class FlowController:
             self._evicted.append(
                 (victim.request, self._refusal(ShedReason.QUEUE_FULL, self._waited(victim)))
             )
+        if not self.queue:
+            # A new spell of saturation: the pace the last one drained at says nothing of this
+            # one (kept, an hour-old burst made the first hints 60 s).
+            self._releases.clear()
         self.queue.push(request, estimate.predicted_ttft_ms)
         self._last_hold_s[request.pool] = self._clock()
         return Verdict(Decision.QUEUE, _PROTECTING if protecting else "saturated")

@@ -644,3 +644,5 @@ async def test_one_freed_slot_releases_one_queued_request_not_the_whole_queue(
     assert [status for status, _, _ in results] == [200] * 5
     # Each one reached the engine alone: none while another was still being answered.
     assert upstream.arrived == [(tag, 0) for tag in order]
+    # Each handler told the pump when it sent its request: the pump never waited out its bound.
+    assert app[GATEWAY].flow.release_timeouts == 0

@@ -271,6 +271,12 @@ def test_the_retry_hint_counts_the_gateway_queue_at_the_pace_it_drains() -> None
     clock.now += 1_000.0
     assert flow.judge_head(IDLE).decision is Decision.ADMIT
     assert flow.admit(_request("z", SHEDDABLE, slo_ms=1000.0), short).retry_after_s == 60.0
+    # The queue empties; an hour later a new spell starts: the old pace is not its pace.
+    while flow.head() is not None:
+        flow.judge_head(IDLE)
+    clock.now += 3_600.0
+    assert flow.admit(_request("again", at=clock.now), short).decision is Decision.QUEUE
+    assert flow.admit(_request("w", SHEDDABLE, slo_ms=1000.0), short).retry_after_s == 1.0
 
 
 def test_strict_priority_between_classes_then_fifo_inside_a_tenant() -> None:

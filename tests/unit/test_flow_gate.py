@@ -13,6 +13,7 @@ import pytest
 
 from gateway.errors import GatewayError
 from gateway.flow_control import FlowGate
+from gateway.metrics import GatewayMetrics
 from routing.config import Policy
 from routing.config.loader import parse_policy
 from routing.contracts import ReplicaExplanation, RoutingDecision, RoutingRequest
@@ -108,7 +109,10 @@ class _Gate:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.states = _states(model_a_waiting=5)  # model-a saturated
-        self.gate = FlowGate(replica_states=lambda: self.states, policy=lambda: self.policy)
+        self.metrics = GatewayMetrics()
+        self.gate = FlowGate(
+            self.metrics, replica_states=lambda: self.states, policy=lambda: self.policy
+        )
         self.pump: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> _Gate:
@@ -168,6 +172,34 @@ async def test_a_queued_request_that_cannot_be_routed_again_gets_a_503_and_the_r
                 await first
     assert info.value.status == 503
     assert "routed again" in info.value.message
+    # It left the queue without a verdict: counted, so that queued = admitted + shed + ... .
+    failed = fleet.metrics.registry.get_sample_value(
+        "fleetgate_flow_decisions_total",
+        {"tenant": "t", "request_class": "standard", "decision": "failed",
+         "reason": info.value.code},
+    )
+    assert failed == 1.0
+
+
+async def test_a_client_that_leaves_as_its_request_is_released_is_counted_as_abandoned() -> None:
+    async with _Gate(_policy()) as fleet:
+        leaving = fleet.admit(_routed("a-1", "model-a", ["a1", "a2"]))
+        await fleet.queued(1)
+        fleet.free_model_a()
+        async with asyncio.timeout(PATIENCE_S):  # released: its answer is set ...
+            while fleet.gate.controller.head() is not None:
+                await asyncio.sleep(0)
+        leaving.cancel()  # ... and its client is gone before its handler runs again
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+    counts = {
+        decision: fleet.metrics.registry.get_sample_value(
+            "fleetgate_flow_decisions_total",
+            {"tenant": "t", "request_class": "standard", "decision": decision, "reason": reason},
+        )
+        for decision, reason in (("abandoned", "client_gone"), ("admit", "capacity_freed"))
+    }
+    assert counts == {"abandoned": 1.0, "admit": None}
 
 
 async def test_a_reload_that_turns_flow_control_off_lets_queued_requests_go() -> None:

@@ -179,4 +179,6 @@ def test_a_non_streamed_answer_calibrates_from_its_time_less_its_decode() -> Non
     account(gw, routed, outcome, arrived=99.0, streamed=False)
     itl["ms"] = 2.0
     account(gw, routed, dataclasses.replace(outcome, attempts=2), arrived=99.0, streamed=False)
-    assert seen[-3:] == [None, None, None]
+    # A background Response, settled when the watcher's poll saw it end: its time is the poll's.
+    account(gw, routed, dataclasses.replace(one, settled_later=True), arrived=99.0, streamed=False)
+    assert seen[-4:] == [None, None, None, None]
