@@ -57,15 +57,36 @@ def tune_gc() -> None:
     gc.set_threshold(20_000, gen1, gen2)
 
 
-def listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A bound, listening TCP socket for ``host:port`` (0: any free port); raises ``OSError``
-    (``EADDRINUSE`` for a port in use)."""
-    family, _, _, _, address = socket.getaddrinfo(
-        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    return socket.create_server(
-        address[:2], family=family, backlog=128, reuse_port=reuse_port
-    )
+def listening_sockets(host: str, port: int, reuse_port: bool = False) -> list[socket.socket]:
+    """Bound, listening TCP sockets for every address ``host`` resolves to, as asyncio's
+    ``create_server`` binds them (``""``: every interface, IPv4 and IPv6; ``localhost``: both
+    loopbacks); port 0 picks one free port for all. Raises ``OSError`` (``EADDRINUSE`` for a port
+    in use), with nothing left open."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    bound: set[tuple[int, str]] = set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address[0]) in bound:
+                continue
+            bound.add((family, address[0]))
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                # As asyncio: each family on its own socket, so "" can take both.
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # the port the first one was given
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(128)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 async def start_site(
@@ -77,17 +98,18 @@ async def start_site(
     nothing started. Bound after the app's background tasks (health polls, the Redis index
     mirror) had started, the error went unseen on uvloop: cancelled, those tasks did not end,
     and the process hung, deaf to SIGTERM."""
-    sock = listening_socket(host, port, reuse_port)
+    sockets = listening_sockets(host, port, reuse_port)
     # handler_cancellation: a client disconnect cancels its handler, which aborts the upstream.
     runner = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None
     )
     try:
         await runner.setup()
-        site = web.SockSite(runner, sock)
-        await site.start()
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
     except BaseException:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         await runner.cleanup()
         raise
     bound_host, bound_port = runner.addresses[0][:2]

@@ -106,3 +106,25 @@ async def test_a_gateway_on_an_ipv6_address_shows_a_url_that_can_be_pasted() -> 
         assert url.startswith("http://[::1]:")
     finally:
         await runner.cleanup()
+
+
+def test_the_gateway_listens_on_every_address_its_host_names() -> None:
+    # Bound before the app starts (a port in use fails at once), on each address as asyncio's
+    # create_server binds them: "" is every interface, IPv4 and IPv6, on one port.
+    import errno
+
+    from gateway.server import listening_sockets
+
+    sockets = listening_sockets("", 0)
+    try:
+        names = [s.getsockname() for s in sockets]
+        assert {name[1] for name in names} == {names[0][1]}  # one port for all
+        assert "0.0.0.0" in {name[0] for name in names}
+        if _ipv6_loopback():
+            assert "::" in {name[0] for name in names}
+        with pytest.raises(OSError) as taken:
+            listening_sockets("127.0.0.1", names[0][1])
+        assert taken.value.errno == errno.EADDRINUSE
+    finally:
+        for sock in sockets:
+            sock.close()
