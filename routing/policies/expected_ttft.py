@@ -520,6 +520,16 @@ class ExpectedTtftScorer(Plugin):
     ) -> None:
         """Move the replica's prefill speed (or the adapter's load time) toward the observation."""
         self._adapters_in_flight.forget(request.request_id)
+        sent = self._sent_adapters.get(replica)
+        if (
+            sent
+            and request.adapter in sent
+            and request.adapter not in self._adapters_in_flight.on(replica)
+        ):
+            # Its last request there has ended, so its slot is free: kept until the engine's
+            # next figures, it charged a slot wait on an idle replica (up to a health interval
+            # live; the simulator reads fresh figures and never showed it).
+            del sent[request.adapter]
         pending = self._pending.pop(request.request_id, None)
         if not ok or ttft_ms is None or not math.isfinite(ttft_ms) or pending is None:
             return

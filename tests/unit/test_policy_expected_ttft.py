@@ -471,6 +471,25 @@ def test_an_adapter_sent_since_the_engine_was_read_holds_a_slot() -> None:
     assert scorer.estimate(req(adapter="q"), fresh).adapter_slot_wait_ms == 0.0
 
 
+def test_an_adapter_whose_last_request_ended_holds_no_slot_until_the_next_reading() -> None:
+    # Kept until the engine's next figures (a health interval live), a finished request's slot
+    # charged a wait on an idle replica and sent its adapter to a cold one instead.
+    clock = [NOW]
+    scorer = ExpectedTtftScorer(clock=lambda: clock[0])
+    read = rep(max_loras=1, metrics_read_at=NOW)
+    first, second = req(request_id="first", adapter="p"), req(request_id="second", adapter="p")
+    for request in (first, second):
+        scorer.score_with_terms(request, [read])
+    clock[0] = NOW + 0.1
+    scorer.on_request_start(first, ReplicaId("a"))
+    scorer.on_request_start(second, ReplicaId("a"))
+    scorer.on_request_complete(first, ReplicaId("a"), None, None, True)
+    # One of p's requests is still running there: p still holds the slot.
+    assert scorer.estimate(req(adapter="q"), read).adapter_slot_wait_ms == 1_000.0
+    scorer.on_request_complete(second, ReplicaId("a"), None, None, True)
+    assert scorer.estimate(req(adapter="q"), read).adapter_slot_wait_ms == 0.0
+
+
 def test_a_request_that_waited_for_a_slot_calibrates_the_wait_not_the_speed() -> None:
     scorer = at_now()
     held = rep(max_loras=1, running_adapters=frozenset({"x"}))
