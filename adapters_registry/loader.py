@@ -129,6 +129,10 @@ class AdapterLoader:
         self._sharers: dict[tuple[ReplicaId, str], int] = {}
         #: Times a load found another gateway's lock held and waited for it.
         self.lock_contentions = 0
+        #: One load at a time per replica from this gateway, from the room it makes to the
+        #: adapter marked resident: loads of different adapters read the same placement, each
+        #: saw room, and a replica ended with six adapters resident against a limit of four.
+        self._replica_locks: dict[ReplicaId, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ public API
 
@@ -268,6 +272,16 @@ class AdapterLoader:
         # Double-checked: the gateway that held the lock before us may have just loaded it.
         if (await self._status(rid, name)).resident:
             return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
+        async with self._replica_locks.setdefault(rid, asyncio.Lock()):
+            return await self._load_with_room(replica, entry, last_resort, started, owner)
+
+    async def _load_with_room(
+        self, replica: ReplicaState, entry: Adapter, last_resort: bool, started: float,
+        owner: str,
+    ) -> LoadResult:
+        """Make room and load, this gateway's only load on the replica (``_replica_locks``):
+        the placement read here counts every load it made before."""
+        rid, name = replica.replica_id, entry.name
         placement = await self._snapshot(rid)
         loads = self._guard.loads_in_window(placement.recent_loads, self._clock())
         if loads >= self._guard.settings.max_loads and not last_resort:

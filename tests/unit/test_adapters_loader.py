@@ -200,3 +200,22 @@ async def test_a_rebalancing_unload_leaves_an_adapter_a_request_is_using(
         assert engine.loaded == {"a"}
     assert await reg.loader.unload(state, "a", reason="prewarm", if_idle=True)
     assert engine.loaded == set()
+
+
+async def test_concurrent_loads_of_different_adapters_keep_the_replica_within_its_limit(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    # Each load read the placement before the others had loaded, saw room and loaded: six
+    # adapters resident against a limit of four, and none ever evicted.
+    reg, engine, _ = setup
+    state = full(2)
+    engine.gate = asyncio.Event()
+    tasks = [asyncio.create_task(reg.ensure_loaded(state, name)) for name in ("a", "b", "c")]
+    for _ in range(200):  # every load as far as it gets before the engine answers
+        await asyncio.sleep(0)
+    assert engine.calls == [("load", "a")]  # the others wait their turn on the replica
+    engine.gate.set()
+    await asyncio.gather(*tasks)
+    assert len(engine.loaded) == 2 and "c" in engine.loaded
+    assert reg.view.get(state.replica_id).resident == engine.loaded
+    assert len([call for call in engine.calls if call[0] == "unload"]) == 1
