@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from adapters_registry.errors import AdapterNotFound, InvalidAdapter
-from adapters_registry.metrics import private_adapter_label
+from adapters_registry.metrics import label_key, private_adapter_label
 from adapters_registry.paths import StorageRoots, normalise_source
 from routing.config import Adapter, Policy
 from routing.config.errors import issues_from_validation
@@ -43,6 +43,7 @@ class AdapterCatalog:
         self._policy = policy
         self._runtime: dict[str, Adapter] = {}
         self._labels: dict[str, str] = {}
+        self._label_key = self._label_key_of(policy)
         self._check_policy(policy)
 
     # ------------------------------------------------------------------ policy and reloads
@@ -62,6 +63,7 @@ class AdapterCatalog:
         self._check_policy(policy, roots)
         self._policy = policy
         self._roots = roots
+        self._label_key = self._label_key_of(policy)
         dropped = []
         for name, adapter in list(self._runtime.items()):
             if (
@@ -122,6 +124,10 @@ class AdapterCatalog:
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.find(name) is not None
 
+    @staticmethod
+    def _label_key_of(policy: Policy) -> bytes:
+        return label_key(digest for tenant in policy.tenants for digest in tenant.api_key_sha256)
+
     def metrics_label(self, name: str) -> str:
         """The ``adapter`` label of ``name`` on ``/metrics``: its name if public, else an opaque
         ``private-<hex>`` (``adapters_registry.metrics.private_adapter_label``). An adapter no
@@ -130,8 +136,8 @@ class AdapterCatalog:
         if adapter is not None and adapter.public:
             return name
         if adapter is None:
-            return self._labels.get(name) or private_adapter_label(name, "")
-        label = private_adapter_label(name, adapter.source)
+            return self._labels.get(name) or private_adapter_label(name, "", self._label_key)
+        label = private_adapter_label(name, adapter.source, self._label_key)
         if self._labels.get(name) != label:
             if len(self._labels) > 4096:  # names come from the policy and the admin API
                 self._labels.clear()

@@ -6,14 +6,19 @@ unknown names are refused before anything is counted) and ``replica`` holds repl
 ``/metrics`` is served on the port tenants call, so a *private* adapter (not ``public``) is
 labelled with an opaque ``private-<12 hex>`` instead of its name (``private_adapter_label``): a
 tenant must not learn other tenants' adapter names, or watch their traffic, from it. Public
-adapters keep their name. ``GET /admin/adapters`` maps each label back to its adapter.
+adapters keep their name. ``GET /admin/adapters`` maps each label back to its adapter. The hash
+is keyed with a secret of the deployment (``label_key``): unkeyed, a guessed name and a source
+following the documented ``/adapters/<tenant>/<name>`` layout confirmed a label, and its
+request counter then showed that adapter's traffic.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable
+import hmac
+import os
+from collections.abc import Callable, Iterable
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -21,12 +26,28 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 COLD_START_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-def private_adapter_label(name: str, source: str) -> str:
-    """The ``adapter`` label of a private adapter: ``private-`` and 12 hex digits of a hash of
-    its name and source. Stable across gateways and restarts; a name alone cannot be confirmed
-    from it without the adapter's source (which tenants never see), and new weights under the
-    same name start a new series."""
-    digest = hashlib.sha256(f"fleetgate/adapter-label/v1/{name}/{source}".encode()).hexdigest()
+#: Environment variable holding the key of private adapters' labels (any string), set alike on
+#: every gateway of a deployment; without it the key is derived from the policy's API key hashes.
+LABEL_KEY_ENV = "FLEETGATE_ADAPTER_LABEL_KEY"
+
+
+def label_key(key_hashes: Iterable[str]) -> bytes:
+    """The key of private adapters' labels: ``$FLEETGATE_ADAPTER_LABEL_KEY``, else every
+    tenant's API key hashes (in the policy file, never shown to tenants: each knows at most its
+    own). Alike on every gateway sharing the policy; rotating a key changes the labels."""
+    explicit = os.environ.get(LABEL_KEY_ENV)
+    if explicit:
+        return explicit.encode()
+    return "\n".join(sorted(key_hashes)).encode()
+
+
+def private_adapter_label(name: str, source: str, key: bytes = b"") -> str:
+    """The ``adapter`` label of a private adapter: ``private-`` and 12 hex digits of an HMAC of
+    its name and source under ``key`` (``label_key``). Stable across gateways and restarts;
+    without the key no guess of a name (and source) can be confirmed from it, and new weights
+    under the same name start a new series."""
+    message = f"fleetgate/adapter-label/v2/{name}/{source}".encode()
+    digest = hmac.new(key, message, hashlib.sha256).hexdigest()
     return f"private-{digest[:12]}"
 
 

@@ -13,6 +13,7 @@ import yaml
 
 from adapters_registry.catalog import AdapterCatalog
 from adapters_registry.errors import InvalidAdapter
+from adapters_registry.metrics import LABEL_KEY_ENV, label_key, private_adapter_label
 from fleetgate.cli import main
 from gateway.layout import LayoutDiagnostics
 from gateway.policy_view import GatewayPolicy, from_policy
@@ -148,6 +149,29 @@ def test_private_adapters_get_an_opaque_stable_metrics_label() -> None:
     assert catalog.metrics_label("pub") == "pub"
     other = make_policy([adapter("a", source="/adapters/acme/a-v2")])
     assert AdapterCatalog(other).metrics_label("a") != label  # new weights, new series
+
+
+def test_a_guessed_private_adapter_name_cannot_be_confirmed_from_its_label(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Unkeyed, the label was a hash of name and source: a guess following the documented
+    # /adapters/<tenant>/<name> layout confirmed it, and its counter showed its traffic.
+    monkeypatch.delenv(LABEL_KEY_ENV, raising=False)
+    doc = make_policy([adapter("a")]).model_dump(mode="json", exclude_defaults=True)
+    for tenant in doc["tenants"]:
+        tenant["api_key_sha256"] = [sha(f"sk-{tenant['name']}")]
+    policy = parse(doc)
+    label = AdapterCatalog(policy).metrics_label("a")
+    source = policy.adapter("a").source
+    assert label != private_adapter_label("a", source)  # the guess, without the key
+    # Keyed with the tenants' API key hashes (alike on every gateway sharing the policy), or
+    # with the deployment's own key.
+    keys = [d for t in policy.tenants for d in t.api_key_sha256]
+    assert keys and label == private_adapter_label("a", source, label_key(keys))
+    monkeypatch.setenv(LABEL_KEY_ENV, "deployment secret")
+    assert AdapterCatalog(policy).metrics_label("a") == private_adapter_label(
+        "a", source, b"deployment secret"
+    )
 
 
 # ----------------------------------------------------------------- 8: layout per cache domain
