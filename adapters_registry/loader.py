@@ -37,6 +37,7 @@ from adapters_registry.errors import (
     NoAdapterSlot,
     ThrashGuardTripped,
 )
+from adapters_registry.load_failures import LoadFailures
 from adapters_registry.metrics import AdapterMetrics
 from adapters_registry.paths import engine_path
 from adapters_registry.placement import (
@@ -109,6 +110,7 @@ class AdapterLoader:
         metrics: AdapterMetrics,
         load_times: LoadTimeModel,
         guard: ThrashGuard,
+        failures: LoadFailures | None = None,
         settings: LoaderSettings | None = None,
         gateway_id: str | None = None,
         clock: Callable[[], float] = time.time,
@@ -121,6 +123,7 @@ class AdapterLoader:
         self._metrics = metrics
         self._load_times = load_times
         self._guard = guard
+        self._failures = failures if failures is not None else LoadFailures()
         self.settings = settings or LoaderSettings()
         self._gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self._clock = clock
@@ -294,7 +297,9 @@ class AdapterLoader:
             reply = await self._engine.load(replica.url, rid, name, engine_path(entry.source))
         except AdapterLoadFailed:
             self._metrics.load(name, rid, ok=False)
+            self._failures.failed(rid)
             raise
+        self._failures.succeeded(rid)
         load_s = time.monotonic() - t0
         now = self._clock()
         await self._quiet(self._store.mark_resident(rid, name, now))

@@ -34,6 +34,7 @@ from adapters_registry.cold_start import (
 )
 from adapters_registry.engine_api import LoraEngineApi
 from adapters_registry.errors import AdapterError
+from adapters_registry.load_failures import LoadFailures, LoadFailureSettings
 from adapters_registry.loader import AdapterLoader, LoaderSettings, LoadResult
 from adapters_registry.metrics import AdapterMetrics
 from adapters_registry.paths import StorageRoots
@@ -75,6 +76,7 @@ class RegistrySettings:
     thrash: ThrashSettings = field(default_factory=ThrashSettings)
     prewarm: PrewarmSettings = field(default_factory=PrewarmSettings)
     storage_roots: StorageRoots = field(default_factory=StorageRoots)
+    load_failures: LoadFailureSettings = field(default_factory=LoadFailureSettings)
 
     def __post_init__(self) -> None:
         if self.sync_grace_s < 0:
@@ -107,6 +109,8 @@ class AdapterRegistry:
         self.metrics.label_of = self.catalog.metrics_label
         self.load_times = LoadTimeModel(self.settings.cold_start)
         self.guard = ThrashGuard(self.settings.thrash)
+        #: Replicas whose loads fail, avoided for cold loads a while (``load_failures.py``).
+        self.failures = LoadFailures(self.settings.load_failures, clock)
         self.traffic = TrafficWindow(self.settings.prewarm)
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self._clock = clock
@@ -119,6 +123,7 @@ class AdapterRegistry:
             metrics=self.metrics,
             load_times=self.load_times,
             guard=self.guard,
+            failures=self.failures,
             settings=self.settings.loader,
             gateway_id=self.gateway_id,
             clock=clock,
@@ -188,14 +193,21 @@ class AdapterRegistry:
             replica.replica_id,
         )
         size_mb = entry.size_mb if entry is not None else None
+        gpu_slots = self.capacity(replica).gpu
         cost = cold_load_estimate_ms(
-            adapter, size_mb, placement, self.capacity(replica).gpu,
-            self.load_times, self.guard, self._clock(),
+            adapter, size_mb, placement, gpu_slots, self.load_times, self.guard, self._clock(),
         )
         only_host = adapter in replica.cpu_cached_adapters - replica.loaded_adapters
         if cost == 0.0 and only_host:
             # The engine says host cache, not a GPU slot: it pays the copy.
             return self.load_times.host_copy_ms(size_mb)
+        if (
+            placement.tier(adapter, gpu_slots) not in ("gpu", "host")
+            and self.failures.avoided(replica.replica_id)
+        ):
+            # Its loads have been failing: a load there is a timeout or an error, then a
+            # fallback (a last resort still goes there).
+            return max(cost, self.failures.settings.penalty_ms)
         return cost
 
     def estimates_for(
@@ -311,8 +323,8 @@ class AdapterRegistry:
         ]
         slots = []
         for state in states:
-            if not state.healthy:
-                continue
+            if not state.healthy or self.failures.avoided(state.replica_id):
+                continue  # pre-warming a replica whose loads fail would only fail again
             view = self.view.get(state.replica_id)
             resident = view.resident if view is not None else state.loaded_adapters
             busy = frozenset(view.inflight) if view is not None else frozenset()

@@ -219,3 +219,33 @@ async def test_concurrent_loads_of_different_adapters_keep_the_replica_within_it
     assert len(engine.loaded) == 2 and "c" in engine.loaded
     assert reg.view.get(state.replica_id).resident == engine.loaded
     assert len([call for call in engine.calls if call[0] == "unload"]) == 1
+
+
+async def test_a_replica_whose_loads_fail_is_priced_out_of_cold_loads_for_a_while(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    # Its health checks pass, so nothing else kept new adapters away: each one routed there cold
+    # paid a failed load (or, hung, the whole load timeout) before its fallback.
+    reg, engine, clock = setup
+    state = full(4)
+    healthy = replica("r1", max_loras=1, max_cpu_loras=4)
+    normal = reg.cold_load_ms(state, "b")
+    engine.fail_with = AdapterLoadFailed("a", "r0", "storage not mounted", 500)
+    with pytest.raises(AdapterLoadFailed):
+        await reg.ensure_loaded(state, "a")
+    penalty = reg.settings.load_failures.penalty_ms
+    assert reg.cold_load_ms(state, "b") == penalty  # another adapter, the same replica
+    assert reg.cold_load_ms(healthy, "b") == normal  # other replicas are not affected
+    for _ in range(50):  # traffic that asks for "b" on both replicas
+        reg.record_request("b")
+    assert {step.replica for step in reg.plan([state, healthy]).steps} == {"r1"}
+    # The avoidance ends, and doubles with each failure in a row; a load that works ends it.
+    clock.now += reg.settings.load_failures.base_s + 1
+    assert reg.cold_load_ms(state, "b") == normal
+    with pytest.raises(AdapterLoadFailed):
+        await reg.ensure_loaded(state, "a")
+    clock.now += reg.settings.load_failures.base_s + 1
+    assert reg.cold_load_ms(state, "b") == penalty  # 20 s this time
+    engine.fail_with = None
+    assert (await reg.ensure_loaded(state, "a", last_resort=True)).loaded_now
+    assert reg.cold_load_ms(state, "b") == normal

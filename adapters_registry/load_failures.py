@@ -1,0 +1,67 @@
+"""Replicas whose adapter loads fail, priced out of cold loads for a while.
+
+A replica whose loads fail (a missing storage mount, bad object-store credentials, a stuck
+loader) still passes its health checks, so nothing else takes it out of a cold load's way: every
+new adapter routed there cold paid a failed load (or, hung, the whole load timeout) before its
+fallback. After a failure this gateway charges that replica ``penalty_ms`` for any adapter it
+would have to load, for ``base_s`` doubling with each failure in a row up to ``max_s``; a load
+that succeeds there ends it. Requests still go there as a last resort, and adapters already
+resident there are unaffected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from routing.types import ReplicaId
+
+__all__ = ["LoadFailureSettings", "LoadFailures"]
+
+
+@dataclass(frozen=True)
+class LoadFailureSettings:
+    """How long a replica whose loads fail is avoided, and what a cold load there costs then."""
+
+    base_s: float = 10.0
+    max_s: float = 300.0
+    #: About a load timeout: what a load there may cost the request (then its fallback).
+    penalty_ms: float = 60_000.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.base_s <= self.max_s):
+            raise ValueError(f"need 0 < base_s <= max_s (got {self.base_s}, {self.max_s})")
+        if self.penalty_ms < 0:
+            raise ValueError(f"penalty_ms: must be >= 0 (got {self.penalty_ms})")
+
+
+class LoadFailures:
+    """Failed loads in a row per replica, and until when each is avoided."""
+
+    def __init__(
+        self,
+        settings: LoadFailureSettings | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings or LoadFailureSettings()
+        self._clock = clock
+        self._in_a_row: dict[ReplicaId, int] = {}
+        self._until: dict[ReplicaId, float] = {}
+
+    def failed(self, replica: ReplicaId) -> None:
+        """A load on ``replica`` failed (refused, errored or timed out)."""
+        count = self._in_a_row.get(replica, 0) + 1
+        self._in_a_row[replica] = count
+        s = self.settings
+        self._until[replica] = self._clock() + min(s.max_s, s.base_s * 2 ** (count - 1))
+
+    def succeeded(self, replica: ReplicaId) -> None:
+        """A load on ``replica`` worked: it is not avoided any more."""
+        self._in_a_row.pop(replica, None)
+        self._until.pop(replica, None)
+
+    def avoided(self, replica: ReplicaId) -> bool:
+        """True while a cold load on ``replica`` is priced out."""
+        until = self._until.get(replica)
+        return until is not None and self._clock() < until
