@@ -39,9 +39,10 @@ def _check_name(value: str) -> str:
 
 def _check_model_name(value: str) -> str:
     if not _MODEL_NAME.match(value) or "//" in value or ".." in value:
+        shown = value if len(value) <= 80 else f"{value[:40]}...{value[-20:]} ({len(value)} chars)"
         raise ValueError(
-            f"must be a model name like 'org/model-7b' (letters, digits, '.', '_', '-', ':', "
-            f"'/') (got {value!r})"
+            "must be a model name like 'org/model-7b': 1-200 letters, digits, '.', '_', '-', "
+            f"':' or '/', starting with a letter or digit, without '//' or '..' (got {shown!r})"
         )
     return value
 

@@ -114,6 +114,8 @@ CASES: list[tuple[str, Any, str]] = [
     ),
     ("models[0].pools", [], "models[0].pools: must not be empty"),
     ("models[0].name", "a b", "models[0].name: must be a model name like 'org/model-7b'"),
+    # Too long: the limit is in the message (it read as a bad character), the name cut short.
+    ("models[0].name", "m" * 300, "1-200 letters, digits, '.', '_', '-', ':' or '/'"),
     (
         "tenants[0].api_key_sha256",
         ["sk-live-123"],
