@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import aiohttp
 import pytest
 from aiohttp import web
@@ -10,6 +12,36 @@ from aiohttp.test_utils import TestServer
 from gateway.policy_view import ReplicaSpec
 from gateway.replicas import ReplicaRegistry
 from routing.types import ReplicaId
+
+
+def _engine(metrics_text: Callable[[], str]) -> web.Application:
+    """An engine that is healthy and answers /metrics with ``metrics_text()``."""
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=metrics_text())
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def _itl_readings() -> Callable[[], str]:
+    """The engine's ITL histogram read twice: 100 tokens, then 100 more at 60 ms each."""
+    readings = iter([(2.0, 100), (8.0, 200)])
+
+    def text() -> str:
+        total_s, count = next(readings)
+        return (
+            f"vllm:num_requests_running 4\n"
+            f'vllm:inter_token_latency_seconds_sum{{model_name="m"}} {total_s}\n'
+            f'vllm:inter_token_latency_seconds_count{{model_name="m"}} {count}\n'
+        )
+
+    return text
 
 
 async def test_one_missed_health_poll_does_not_mark_a_replica_unhealthy(
@@ -60,22 +92,7 @@ async def test_a_slow_metrics_scrape_does_not_mark_a_replica_unhealthy() -> None
 
 
 async def test_polls_turn_the_engines_itl_histogram_into_its_recent_time_between_tokens() -> None:
-    readings = iter([(2.0, 100), (8.0, 200)])  # then 100 tokens at 60 ms each
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def metrics(_: web.Request) -> web.Response:
-        total_s, count = next(readings)
-        return web.Response(
-            text=f"vllm:num_requests_running 4\n"
-            f'vllm:inter_token_latency_seconds_sum{{model_name="m"}} {total_s}\n'
-            f'vllm:inter_token_latency_seconds_count{{model_name="m"}} {count}\n'
-        )
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app = _engine(_itl_readings())
     async with TestServer(app) as server, aiohttp.ClientSession() as session:
         registry = ReplicaRegistry()
         url = str(server.make_url("")).rstrip("/")
@@ -114,19 +131,11 @@ async def test_a_replica_never_heard_from_is_a_503_naming_it_not_an_unknown_mode
 async def test_polls_read_the_engines_kv_cache_capacity_for_a_static_replica() -> None:
     # fleet-cost's eviction charge and its slack stickiness need each cache's size: a replica
     # listed statically (no agent) had none, and both were off for it.
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(
-            text='vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
-            'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0\n'
-            'vllm:cache_config_info{block_size="16",engine="2",num_gpu_blocks="None"} 1.0\n'
-        )
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app = _engine(
+        lambda: 'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="2",num_gpu_blocks="None"} 1.0\n'
+    )
     async with TestServer(app) as server, aiohttp.ClientSession() as session:
         registry = ReplicaRegistry()
         url = str(server.make_url("")).rstrip("/")
@@ -143,21 +152,7 @@ async def test_polls_read_the_engines_kv_cache_capacity_for_a_static_replica() -
 async def test_an_agents_report_keeps_the_itl_this_gateway_read() -> None:
     from routing.state import ReplicaState
 
-    readings = iter([(2.0, 100), (8.0, 200)])
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def metrics(_: web.Request) -> web.Response:
-        total_s, count = next(readings)
-        return web.Response(
-            text=f'vllm:inter_token_latency_seconds_sum{{model_name="m"}} {total_s}\n'
-            f'vllm:inter_token_latency_seconds_count{{model_name="m"}} {count}\n'
-        )
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
+    app = _engine(_itl_readings())
     async with TestServer(app) as server, aiohttp.ClientSession() as session:
         registry = ReplicaRegistry()
         url = str(server.make_url("")).rstrip("/")
