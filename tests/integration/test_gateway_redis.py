@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import aiohttp
@@ -63,15 +64,43 @@ async def test_requests_awaiting_their_first_token_are_shared_between_gateways(
         await second.sync()
         await first.sync()
         assert first.awaiting_prefill(replica) == 1
-        # An older gateway's key: [requests, tokens] only.
-        await first._redis.set(first.key_prefix + "old-gateway", json.dumps({replica: [3, 30]}))
+        # An older gateway's figures: [requests, tokens] only.
+        old = {"until": time.time() + 60, "counts": {replica: [3, 30]}}
+        await first._redis.hset(first.key, "old-gateway", json.dumps(old))
         await second.sync()
         assert second.counts()[replica] == (6, 130)
         assert second.awaiting_prefill(replica) == 1 + 3
     finally:
-        await first._redis.delete(first.key_prefix + "old-gateway")
+        await first._redis.hdel(first.key, "old-gateway")
         await first.close()
         await second.close()
+
+
+async def test_a_gateway_that_stopped_without_saying_so_is_forgotten_and_nothing_is_scanned(
+    redis_url: str,
+) -> None:
+    """Counts live in one hash per fleet: a sync is two commands whatever else the Redis holds
+    (a SCAN of the whole keyspace took 0.6 s beside 300,000 keys); a gateway killed before it
+    could remove its field counts until its figures' time runs out, then leaves the hash."""
+    reader = RedisInflight(redis_url)
+    dead = {"until": time.time() - 1, "counts": {"pool/0": [5, 500, 5]}}
+    commands: list[str] = []
+    original = reader._redis.execute_command
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        commands.append(str(args[0]).upper())
+        return await original(*args, **kwargs)
+
+    try:
+        await reader._redis.hset(reader.key, "killed", json.dumps(dead))
+        reader._redis.execute_command = counted  # type: ignore[method-assign]
+        await reader.sync()
+        assert reader.counts().get(ReplicaId("pool/0"), (0, 0)) == (0, 0)
+        assert "SCAN" not in commands and len(commands) <= 4, commands
+        assert not await reader._redis.hexists(reader.key, "killed")
+    finally:
+        reader._redis.execute_command = original  # type: ignore[method-assign]
+        await reader.close()
 
 
 async def test_inflight_counts_stay_within_their_fleet(redis_url: str) -> None:
@@ -132,7 +161,7 @@ async def test_the_sync_loop_ends_when_cancelled_even_if_redis_turns_it_into_an_
         except asyncio.CancelledError:
             raise ConnectionError("Connection closed by server.") from None
 
-    inflight._redis.set = set_until_cancelled  # type: ignore[method-assign]
+    inflight._redis.hset = set_until_cancelled  # type: ignore[method-assign]
 
     gw = SimpleNamespace(inflight=inflight)  # the one field the loop reads
     task = asyncio.create_task(inflight_loop(gw))  # type: ignore[arg-type]
