@@ -17,6 +17,7 @@ from gateway import errors
 from gateway.admin_adapters import add_adapter_routes
 from gateway.auth import bearer_key, is_admin
 from gateway.errors import GatewayError
+from gateway.policy_view import policy_digest
 from gateway.reload import reload_policy
 from gateway.state import GATEWAY
 
@@ -99,6 +100,9 @@ async def policy(request: web.Request) -> web.Response:
     return _json(
         {
             "path": gw.config.policy_path,
+            # Compare across pods: a reload reaches each pod on its own (SIGHUP, its file poll,
+            # or this API through a Service, which reaches one pod).
+            "digest": policy_digest(source),
             "summary": source.summary() if hasattr(source, "summary") else "policy-less defaults",
             "routes": [
                 {"name": r.name, "profile": r.profile, "ttft_slo_ms": r.ttft_slo_ms}

@@ -36,7 +36,7 @@ from gateway.inflight import InflightTracker, MemoryInflight, RedisInflight
 from gateway.layout import LayoutDiagnostics
 from gateway.logging_setup import HTTP_SERVER_LOG
 from gateway.metrics import GatewayMetrics
-from gateway.policy_view import GatewayPolicy, from_policy
+from gateway.policy_view import GatewayPolicy, from_policy, policy_digest
 from gateway.replicas import ReplicaRegistry
 from gateway.request_body import request_id_of
 from gateway.response_affinity import build_response_affinity
@@ -204,6 +204,7 @@ def create_app(
     if config.policy_path is not None:
         with contextlib.suppress(OSError):
             gw.policy_mtime = os.stat(config.policy_path).st_mtime
+    gw.metrics.set_policy(policy_digest(gw.policy.source))
 
     app = web.Application(middlewares=[envelope_errors], handler_args=HANDLER_ARGS)
     app[GATEWAY] = gw

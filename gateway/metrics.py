@@ -329,6 +329,13 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.policy_info = Gauge(
+            "fleetgate_policy_info",
+            "1, labelled with the digest of the policy this gateway runs (pods whose digests "
+            "differ run different policies: a reload that reached some pods only)",
+            ["digest"],
+            registry=r,
+        )
         # Flow control (docs/flow-control.md): tenants are policy names, classes a fixed set.
         self.flow_queue_length = Gauge(
             "fleetgate_flow_queue_length",
@@ -368,6 +375,11 @@ class GatewayMetrics:
         for name, metric in list(vars(self).items()):
             if isinstance(metric, MetricWrapperBase) and metric._labelnames:
                 setattr(self, name, CachedLabels(metric))
+
+    def set_policy(self, digest: str) -> None:
+        """This gateway now runs the policy with ``digest`` (the series of the last one goes)."""
+        self.policy_info.clear()
+        self.policy_info.labels(digest).set(1)
 
     def forget_replica(self, replica_id: str) -> None:
         """Drop the per-replica gauges of a replica that left the fleet (a frozen ``healthy=1``

@@ -227,6 +227,14 @@ def _salt(tenant: Any) -> str | None:
     return str(salt) if salt is not None else _get(tenant, "cache_salt")
 
 
+def policy_digest(policy: Policy | None) -> str:
+    """16 hex digits of the SHA-256 of the policy as validated (formatting and comments aside):
+    equal on pods that run the same policy. ``defaults`` without a policy file."""
+    if policy is None:
+        return "defaults"
+    return hashlib.sha256(policy.model_dump_json().encode()).hexdigest()[:16]
+
+
 def from_policy(policy: Policy) -> GatewayPolicy:
     """Read a loaded ``routing.config.Policy`` into the gateway's view."""
     tenants: dict[str, Tenant] = {}

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from gateway.background import run_in_background
-from gateway.policy_view import from_policy
+from gateway.policy_view import from_policy, policy_digest
 from gateway.routing_glue import build_profiles
 from gateway.state import GatewayState
 
@@ -62,6 +62,7 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     if stale and gw.adapters is not None:
         _unload_in_background(gw, stale)
     gw.metrics.policy_reloads.labels("ok").inc()
+    gw.metrics.set_policy(policy_digest(policy))
     summary = policy.summary() if hasattr(policy, "summary") else None
     log.info("policy reloaded from %s: %s", path, summary)
     for warning in getattr(policy, "warnings", list)():

@@ -190,6 +190,8 @@ async def test_reload_refuses_invalid_file_and_keeps_running_policy(tmp_path: Pa
     upstream = FakeUpstream()
     async with policy_gateway(tmp_path, upstream) as (url, path), aiohttp.ClientSession() as http:
         admin = auth("admin-key")
+        async with http.get(f"{url}/admin/policy", headers=admin) as resp:
+            digest_before = (await resp.json())["digest"]
         good = path.read_text()
         path.write_text(good.replace("version: 1", "version: 1\nbogus_key: 3"))
         async with http.post(f"{url}/admin/policy/reload", headers=admin) as resp:
@@ -210,7 +212,13 @@ async def test_reload_refuses_invalid_file_and_keeps_running_policy(tmp_path: Pa
             (latest,) = (await resp.json())["decisions"]
         async with http.get(f"{url}/metrics") as resp:
             metrics = await resp.text()
+        async with http.get(f"{url}/admin/policy", headers=admin) as resp:
+            digest_after = (await resp.json())["digest"]
     assert refused["error"]["code"] == "policy_invalid"
+    # Which policy each pod runs, comparable across pods (a reload reaches each on its own).
+    assert len(digest_before) == 16 and digest_after != digest_before
+    assert f'fleetgate_policy_info{{digest="{digest_after}"}} 1.0' in metrics
+    assert digest_before not in metrics  # the old policy's series went with it
     assert any("bogus_key" in line for line in refused["error"]["details"])
     assert latest["profile"] == "round-robin"
     assert 'fleetgate_policy_reloads_total{outcome="rejected"} 1.0' in metrics
