@@ -27,7 +27,7 @@ from gateway.apis.anthropic import error_response as anthropic_error_response
 from gateway.apis.endpoints import add_api_routes
 from gateway.background import run_in_background
 from gateway.config import GatewayConfig
-from gateway.cost import RouteWindow
+from gateway.cost import ReplicaTimeMeter, RouteWindow
 from gateway.dashboard import add_dashboard_routes
 from gateway.errors import GatewayError
 from gateway.flow_control import build_flow_gate
@@ -178,6 +178,8 @@ def create_app(
         or build_prompt_tokenizer(config.tokenizer_dir, config.remote_tokenizer_url, view),
         metrics=GatewayMetrics(),
         inflight=inflight,
+        # Replica time is shared with the other gateways' requests there too.
+        meter=ReplicaTimeMeter(others=inflight.others_in_flight),
         tracer=build_tracer(config.otlp_endpoint),
         # One request in 16 past a route's first 200: the detector reads ~500 recent observations.
         layout=LayoutDiagnostics(sample_every=16, full_requests=200),

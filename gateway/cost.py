@@ -2,10 +2,14 @@
 
 Cost attribution (documented in docs/cost.md): while ``n`` requests are in flight on a replica,
 each is charged ``dt / n`` seconds of that replica's time (processor sharing), so the seconds
-charged on a replica add up to the time it was busy. A pool's whole bill over the window — busy
-*and* idle replica time, ``price_per_hour / 3600 x replicas x window`` — is split among routes in
-proportion to the busy seconds they were charged on that pool. A route's cost per 1M tokens is its
-share of the bill divided by its tokens (prompt + completion) in the window, times 10^6.
+charged on a replica add up to the time it was busy. ``n`` counts the other gateways' requests
+there too (shared through Redis): counted alone, each of N gateways charged its requests the whole
+stretch, and the fleet's replica-seconds summed to N times its busy time. A pool's whole bill
+over the window — busy *and* idle replica time, ``price_per_hour / 3600 x replicas x window`` —
+is split among routes in proportion to the busy seconds they were charged on that pool (this
+pod's: with several pods, the fleet-wide figure comes from the counters, docs/cost.md). A
+route's cost per 1M tokens is its share of the bill divided by its tokens (prompt + completion)
+in the window, times 10^6.
 """
 
 from __future__ import annotations
@@ -25,23 +29,32 @@ class _Busy:
     last: float
     #: request key -> replica seconds charged so far
     charged: dict[int, float] = field(default_factory=dict)
+    #: Other gateways' requests on the replica since ``last`` (as read then).
+    others: int = 0
 
 
 class ReplicaTimeMeter:
     """Charges each in-flight request its share of its replica's time."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        others: Callable[[ReplicaId], int] = lambda _replica: 0,
+    ) -> None:
+        """``others``: the other gateways' requests in flight on a replica (they share it)."""
         self._clock = clock
+        self._others = others
         self._replicas: dict[ReplicaId, _Busy] = {}
 
     def _advance(self, replica: ReplicaId) -> _Busy:
         now = self._clock()
         busy = self._replicas.setdefault(replica, _Busy(now))
         if busy.charged:
-            share = (now - busy.last) / len(busy.charged)
+            share = (now - busy.last) / (len(busy.charged) + busy.others)
             for key in busy.charged:
                 busy.charged[key] += share
         busy.last = now
+        busy.others = max(0, self._others(replica))
         return busy
 
     def start(self, replica: ReplicaId, key: int) -> None:

@@ -60,6 +60,10 @@ def refresh_gauges(gw: GatewayState) -> None:
         pools[state.pool] = pools.get(state.pool, 0) + 1
     for route, usd in gw.window.cost_per_1m(gw.policy.pool_usd_per_hour, pools).items():
         m.cost_per_1m.labels(route).set(usd)
+    for pool, replicas in pools.items():
+        price = gw.policy.pool_usd_per_hour.get(pool)
+        if price is not None:
+            m.pool_bill.labels(pool).set(price * replicas)
     for report in gw.layout.reports():
         m.prefix_repeat_fraction.labels(report.route).set(report.prefix_repeat_fraction)
         m.cache_busting_layout.labels(report.route).set(1 if report.cache_busting_layout else 0)

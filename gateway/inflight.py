@@ -66,6 +66,10 @@ class InflightTracker(Protocol):
 
     def ended_since(self, replica: ReplicaId, read_at: float) -> int: ...
 
+    def others_in_flight(self, replica: ReplicaId) -> int:
+        """Requests other gateways have in flight on ``replica`` (0 alone), as last synced."""
+        ...
+
     async def sync(self) -> None: ...
 
     async def close(self) -> None: ...
@@ -153,6 +157,9 @@ class MemoryInflight:
                 count += 1
         return count
 
+    def others_in_flight(self, replica: ReplicaId) -> int:
+        return 0
+
     async def sync(self) -> None:
         return None
 
@@ -205,6 +212,9 @@ class RedisInflight(MemoryInflight):
 
     def awaiting_prefill(self, replica: ReplicaId) -> int:
         return super().awaiting_prefill(replica) + self._others_awaiting.get(replica, 0)
+
+    def others_in_flight(self, replica: ReplicaId) -> int:
+        return self._others.get(replica, (0, 0))[0]
 
     def counts(self) -> Counts:
         own = super().counts()

@@ -211,8 +211,16 @@ class GatewayMetrics:
         )
         self.cost_per_1m = Gauge(
             "fleetgate_cost_per_1m_tokens_usd",
-            "USD per 1M tokens over a sliding window",
+            "USD per 1M tokens over a sliding window, as this gateway pod's traffic sees the "
+            "pool bill (several pods: compute it fleet-wide from the counters, docs/cost.md)",
             ["route"],
+            registry=r,
+        )
+        self.pool_bill = Gauge(
+            "fleetgate_pool_bill_usd_per_hour",
+            "What a pool's replicas cost per hour (price x replicas): the fleet-wide cost per "
+            "1M tokens splits it by fleetgate_replica_seconds_total (docs/cost.md)",
+            ["pool"],
             registry=r,
         )
         self.predicted_cached = Counter(

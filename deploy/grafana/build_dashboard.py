@@ -31,14 +31,29 @@ def _ratio(num: str, den: str, by: str = "route") -> str:
     return f"sum by ({by}) (rate({num}[{RATE}])) / sum by ({by}) (rate({den}[{RATE}]))"
 
 
+#: USD per 1M tokens per route, fleet-wide: each pool's bill (per second) split among routes by
+#: the replica-seconds they were charged there (summed over pods), over the route's tokens.
+_FLEET_COST_PER_1M = (
+    "sum by (route) ("
+    f"sum by (route, pool) (rate(fleetgate_replica_seconds_total[{RATE}]))"
+    f" / on (pool) group_left () sum by (pool) (rate(fleetgate_replica_seconds_total[{RATE}]))"
+    " * on (pool) group_left () max by (pool) (fleetgate_pool_bill_usd_per_hour) / 3600"
+    ") / ("
+    f"sum by (route) (rate(fleetgate_prompt_tokens_total[{RATE}]))"
+    f" + sum by (route) (rate(fleetgate_completion_tokens_total[{RATE}]))"
+    ") * 1e6"
+)
+
 #: (row title, [(panel title, unit, [(legend, expr)])])
 ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
     ("Routes", [
         ("Prefix hit rate (cached / prompt tokens)", "percentunit", [
             ("{{route}}", _ratio("fleetgate_cached_tokens_total", "fleetgate_prompt_tokens_total")),
         ]),
+        # Fleet-wide, from counters every pod adds to: each pod's own gauge charges the whole
+        # pool bill to its own traffic, N times the truth with N pods (docs/cost.md).
         ("Cost per 1M tokens", "currencyUSD", [
-            ("{{route}}", "max by (route) (fleetgate_cost_per_1m_tokens_usd)"),
+            ("{{route}}", _FLEET_COST_PER_1M),
         ]),
         # Failed requests (5xx, timeouts) count as misses: goodput falls when requests fail.
         ("Goodput (share of requests served within their TTFT and TPOT SLOs)", "percentunit", [

@@ -60,6 +60,21 @@ def test_replica_time_is_shared_between_concurrent_requests() -> None:
     assert meter.finish(r, 2) == pytest.approx(3.0)
 
 
+def test_replica_time_is_shared_with_other_gateways_requests_there() -> None:
+    # Counted alone, each of two gateways charged its request the whole stretch: the fleet's
+    # replica-seconds summed to twice the replica's busy time.
+    clock = Clock()
+    others = {ReplicaId("r0"): 1}  # another gateway's request runs there the whole time
+    meter = ReplicaTimeMeter(clock, others=lambda replica: others.get(replica, 0))
+    r = ReplicaId("r0")
+    meter.start(r, 1)
+    clock.now = 4.0
+    others[r] = 0  # theirs ends; ours runs alone for 2 s more
+    meter.start(r, 2)  # the next event reads the new count
+    clock.now = 6.0
+    assert meter.finish(r, 1) == pytest.approx(4.0 / 2 + 2.0 / 2)
+
+
 def test_cost_splits_pool_bill_by_busy_share() -> None:
     clock = Clock()
     window = RouteWindow(window_s=3600, clock=clock)
