@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -48,6 +48,7 @@ from gateway.upstream_client import UpstreamPool
 from routing.config import Policy
 from routing.contracts import BlockIndex, IndexUnavailable, PromptTokenizer
 from routing.index.mirror import MirrorBlockIndex
+from routing.state import ReplicaState
 from routing.types import ReplicaId
 
 if TYPE_CHECKING:
@@ -190,11 +191,18 @@ def create_app(
         # Shared through Redis when the gateway runs with Redis: a follow-up may reach any gateway.
         response_affinity=build_response_affinity(config.redis_url),
     )
+    def fresh_states() -> Iterable[ReplicaState]:
+        # With this gateway's in-flight counts as of now: an arrival admitted while another was
+        # between its routing decision and its send (a budget check in Redis, steering) was
+        # judged without it, and a burst of them overfilled the engines.
+        registry.refresh_inflight(inflight)
+        return registry.all()
+
     gw.flow = build_flow_gate(
         config.redis_url,
         config.index_key_prefix,
         gw.metrics,
-        registry.all,
+        fresh_states,
         policy=lambda: gw.policy.source,
     )
     if isinstance(index, MirrorBlockIndex):  # reloads, rebuilds, readiness at /metrics

@@ -646,3 +646,30 @@ async def test_one_freed_slot_releases_one_queued_request_not_the_whole_queue(
     assert upstream.arrived == [(tag, 0) for tag in order]
     # Each handler told the pump when it sent its request: the pump never waited out its bound.
     assert app[GATEWAY].flow.release_timeouts == 0
+
+
+async def test_arrivals_checking_their_budget_at_once_are_judged_on_each_other(
+    tmp_path: Path, redis_url: str
+) -> None:
+    # Each arrival was judged on the replica figures of its own routing decision: one admitted
+    # while another awaited its budget check in Redis was not in them, and a burst of such
+    # arrivals overfilled the engines past the saturation bound.
+    upstream = _HeldUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(_policy(upstream_url))
+        app = create_app(GatewayConfig(policy_path=str(path), redis_url=redis_url))
+        async with (
+            serve(app, handler_cancellation=True) as url,
+            aiohttp.ClientSession() as http,
+        ):
+            burst = [asyncio.create_task(_post(http, url, "metered", f"m{i}")) for i in range(4)]
+            await wait_until(
+                lambda: len(upstream.arrived) + _queued(app) == 4, "every arrival is judged"
+            )
+            # The replica is full at one request waiting: one goes, the others queue.
+            assert len(upstream.arrived) == 1 and _queued(app) == 3
+            for tag in ("m0", "m1", "m2", "m3"):
+                upstream.release.setdefault(tag, asyncio.Event()).set()
+            results = await asyncio.gather(*burst)
+    assert sorted(status for status, _, _ in results) == [200] * 4
