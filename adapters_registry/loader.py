@@ -276,6 +276,15 @@ class AdapterLoader:
         if (await self._status(rid, name)).resident:
             return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
         async with self._replica_locks.setdefault(rid, asyncio.Lock()):
+            # Waited for this gateway's other loads there: look again before loading.
+            if (await self._status(rid, name)).resident:
+                return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
+            if self._failures.avoided(rid) and not last_resort:
+                # The load before this one failed (a hung loader, a missing mount): fall back now
+                # rather than wait out another load timeout in line behind it.
+                raise AdapterLoadFailed(
+                    name, rid, "adapter loads on this replica have been failing; not tried yet"
+                )
             return await self._load_with_room(replica, entry, last_resort, started, owner)
 
     async def _load_with_room(
@@ -295,9 +304,12 @@ class AdapterLoader:
         t0 = time.monotonic()
         try:
             reply = await self._engine.load(replica.url, rid, name, engine_path(entry.source))
-        except AdapterLoadFailed:
+        except AdapterLoadFailed as exc:
             self._metrics.load(name, rid, ok=False)
-            self._failures.failed(rid)
+            if exc.status is None or exc.status >= 500:
+                # The replica's fault (no answer, an error): a 4xx is the adapter's (bad weights,
+                # a rank over the engine's limit), and other adapters load there fine.
+                self._failures.failed(rid)
             raise
         self._failures.succeeded(rid)
         load_s = time.monotonic() - t0

@@ -230,6 +230,12 @@ async def test_a_replica_whose_loads_fail_is_priced_out_of_cold_loads_for_a_whil
     state = full(4)
     healthy = replica("r1", max_loras=1, max_cpu_loras=4)
     normal = reg.cold_load_ms(state, "b")
+    # The adapter's own fault (a 4xx: bad weights, a rank over the engine's limit) is not the
+    # replica's: other adapters load there fine.
+    engine.fail_with = AdapterLoadFailed("a", "r0", "rank 64 over --max-lora-rank 16", 400)
+    with pytest.raises(AdapterLoadFailed):
+        await reg.ensure_loaded(state, "a")
+    assert reg.cold_load_ms(state, "b") == normal
     engine.fail_with = AdapterLoadFailed("a", "r0", "storage not mounted", 500)
     with pytest.raises(AdapterLoadFailed):
         await reg.ensure_loaded(state, "a")
@@ -249,3 +255,25 @@ async def test_a_replica_whose_loads_fail_is_priced_out_of_cold_loads_for_a_whil
     engine.fail_with = None
     assert (await reg.ensure_loaded(state, "a", last_resort=True)).loaded_now
     assert reg.cold_load_ms(state, "b") == normal
+
+
+async def test_loads_queued_behind_one_that_failed_fall_back_at_once(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    # Loads on one replica go one at a time: behind a hung one, each waited out its own load
+    # timeout in line (the fourth request 4 x 60 s) and then hung too.
+    reg, engine, _ = setup
+    state = full(4)
+    engine.gate = asyncio.Event()
+    engine.fail_with = AdapterLoadFailed("a", "r0", "no answer within 60s")
+    tasks = [asyncio.create_task(reg.ensure_loaded(state, name)) for name in ("a", "b", "c")]
+    for _ in range(200):
+        await asyncio.sleep(0)
+    engine.gate.set()
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(o, AdapterLoadFailed) for o in outcomes)
+    assert engine.calls == [("load", "a")]  # b and c never reached the hung engine
+    assert "have been failing" in str(outcomes[1])
+    # A last resort still goes there.
+    engine.fail_with = None
+    assert (await reg.ensure_loaded(state, "b", last_resort=True)).loaded_now
