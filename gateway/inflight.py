@@ -2,9 +2,9 @@
 waiting for their first token.
 
 One gateway counts in memory. Several gateways share counts through Redis: each publishes its own
-counts under its own key with a short TTL (so a crashed gateway's counts vanish by themselves) and
-reads the sum of all gateways' keys. Publishing is periodic, never on the request path, so Redis
-being slow or down costs a little freshness and no latency.
+counts in a field of one hash per fleet and reads the sum of everyone's (``RedisInflight``; a
+crashed gateway's field is dropped once it stops changing). Publishing is periodic, never on the
+request path, so Redis being slow or down costs a little freshness and no latency.
 """
 
 from __future__ import annotations
@@ -171,10 +171,15 @@ class RedisInflight(MemoryInflight):
     """Local counts plus the other gateways' counts, shared through Redis.
 
     One Redis hash per fleet (``fleetgate:inflight:<fleet>``), one field per gateway: its counts
-    and the wall time they are good until (``ttl_s`` on). A sync writes its field and reads the
-    hash: two commands, whatever else the Redis holds. The counts were one key per gateway, found
-    by a SCAN of the whole keyspace four times a second: 0.6 s per sync beside 300,000 keys (a
-    lookup-mode index, stored responses), seconds with a million, and so stale figures.
+    and a sequence number that each sync moves on. A sync writes its field and reads the hash in
+    one round trip, whatever else the Redis holds. A field whose sequence has not moved for
+    ``ttl_s`` (on the reader's own clock: no two machines' clocks are compared) is a gateway that
+    stopped without removing it, and is dropped; so is a field that cannot be read (one such
+    field must not stop every gateway's sync). The whole hash expires ``ttl_s`` after the last
+    write. The counts were one key per gateway, found by a SCAN of the whole keyspace four times
+    a second: 0.6 s per sync beside 300,000 keys (a lookup-mode index, stored responses), seconds
+    with a million, and so stale figures. Gateways of builds before it keep those keys: during an
+    upgrade from one, old and new gateways do not see each other's counts.
     """
 
     KEY_PREFIX = "fleetgate:inflight:"
@@ -198,6 +203,10 @@ class RedisInflight(MemoryInflight):
         self._ttl_s = ttl_s
         self.gateway_id = gateway_id or uuid.uuid4().hex
         self._others: Counts = {}
+        #: Each sync's number, written with our counts (readers see it move).
+        self._seq = 0
+        #: Other gateways' fields: (their last sequence number, when we saw it move, monotonic).
+        self._seen: dict[str, tuple[object, float]] = {}
         #: The other gateways' requests awaiting their first token, per replica (a gateway that
         #: does not publish them counts all its requests).
         self._others_awaiting: dict[ReplicaId, int] = {}
@@ -231,32 +240,47 @@ class RedisInflight(MemoryInflight):
                 rid: (n, t, self._awaiting.get(rid, 0))  # our own, not the merged count
                 for rid, (n, t) in super().counts().items()
             }
-            now = time.time()
-            entry = {"until": now + self._ttl_s, "counts": published}
-            await self._redis.hset(self.key, self.gateway_id, json.dumps(entry))
-            # The whole hash goes when no gateway has written for a while (all stopped).
-            await self._redis.pexpire(self.key, int(self._ttl_s * 1000))
-            fields = await self._redis.hgetall(self.key)
+            self._seq += 1
+            entry = json.dumps({"seq": self._seq, "counts": published})
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hset(self.key, self.gateway_id, entry)
+                # The whole hash goes when no gateway has written for a while (all stopped).
+                pipe.pexpire(self.key, int(self._ttl_s * 1000))
+                pipe.hgetall(self.key)
+                *_, fields = await pipe.execute()
+            now = time.monotonic()
             others: dict[ReplicaId, tuple[int, int]] = {}
             others_awaiting: dict[ReplicaId, int] = {}
-            expired = []
+            gone = []
+            seen: dict[str, tuple[object, float]] = {}
             for field_name, raw in fields.items():
                 name = field_name.decode() if isinstance(field_name, bytes) else field_name
                 if name == self.gateway_id:
                     continue
-                other = json.loads(raw)
-                if other["until"] < now:
-                    expired.append(name)  # a gateway that stopped without saying so
+                try:
+                    other = json.loads(raw)
+                    figures_by_replica = {
+                        ReplicaId(rid): (int(f[0]), int(f[1]), int(f[2]) if len(f) > 2 else None)
+                        for rid, f in other["counts"].items()
+                    }
+                    seq = other["seq"]
+                except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+                    gone.append(name)  # unreadable: dropped, never a reason to stop syncing
                     continue
-                for rid, figures in other["counts"].items():
-                    n, t = int(figures[0]), int(figures[1])
-                    # [requests, tokens] from a gateway that does not count the third: all of
-                    # its requests may be waiting.
-                    awaiting = int(figures[2]) if len(figures) > 2 else n
-                    replica = ReplicaId(rid)
+                last_seq, moved_at = self._seen.get(name, (None, now))
+                if seq != last_seq:
+                    moved_at = now
+                elif now - moved_at > self._ttl_s:
+                    gone.append(name)  # a gateway that stopped without removing its field
+                    continue
+                seen[name] = (seq, moved_at)
+                for replica, (n, t, awaiting) in figures_by_replica.items():
                     on, ot = others.get(replica, (0, 0))
                     others[replica] = (on + n, ot + t)
-                    others_awaiting[replica] = others_awaiting.get(replica, 0) + awaiting
+                    # [requests, tokens] only: all of its requests may be waiting.
+                    waiting = n if awaiting is None else awaiting
+                    others_awaiting[replica] = others_awaiting.get(replica, 0) + waiting
+            self._seen = seen
             # Where the other gateways' counts moved, readers must look again.
             previous, previous_awaiting = self._others, self._others_awaiting
             moved = previous.keys() | others.keys()
@@ -269,8 +293,8 @@ class RedisInflight(MemoryInflight):
             self._others = others
             self._others_awaiting = others_awaiting
             self._synced_at = time.monotonic()
-            if expired:
-                await self._redis.hdel(self.key, *expired)
+            if gone:
+                await self._redis.hdel(self.key, *gone)
         except Exception as exc:  # redis errors, bad JSON from a foreign field
             task = asyncio.current_task()
             if task is not None and task.cancelling():
@@ -291,7 +315,8 @@ class RedisInflight(MemoryInflight):
                 self._others_awaiting = {}
 
     async def close(self) -> None:
-        # Shutting down: a failed delete is harmless, the key expires by itself.
+        # Shutting down: a failed delete is harmless, the other gateways drop the field once it
+        # stops changing (and the hash expires when none is left).
         with contextlib.suppress(Exception):
             await self._redis.hdel(self.key, self.gateway_id)
         await self._redis.aclose()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import aiohttp
 import pytest
@@ -64,8 +64,8 @@ async def test_requests_awaiting_their_first_token_are_shared_between_gateways(
         await second.sync()
         await first.sync()
         assert first.awaiting_prefill(replica) == 1
-        # An older gateway's figures: [requests, tokens] only.
-        old = {"until": time.time() + 60, "counts": {replica: [3, 30]}}
+        # A gateway that publishes [requests, tokens] only.
+        old = {"seq": 1, "counts": {replica: [3, 30]}}
         await first._redis.hset(first.key, "old-gateway", json.dumps(old))
         await second.sync()
         assert second.counts()[replica] == (6, 130)
@@ -79,11 +79,15 @@ async def test_requests_awaiting_their_first_token_are_shared_between_gateways(
 async def test_a_gateway_that_stopped_without_saying_so_is_forgotten_and_nothing_is_scanned(
     redis_url: str,
 ) -> None:
-    """Counts live in one hash per fleet: a sync is two commands whatever else the Redis holds
-    (a SCAN of the whole keyspace took 0.6 s beside 300,000 keys); a gateway killed before it
-    could remove its field counts until its figures' time runs out, then leaves the hash."""
-    reader = RedisInflight(redis_url)
-    dead = {"until": time.time() - 1, "counts": {"pool/0": [5, 500, 5]}}
+    """Counts live in one hash per fleet: a sync is one round trip whatever else the Redis holds
+    (a SCAN of the whole keyspace took 0.6 s beside 300,000 keys). A gateway killed before it
+    could remove its field counts until its field has not changed for ``ttl_s`` on the reader's
+    clock (no two machines' clocks are compared), then leaves the hash; a field nobody can read
+    is dropped rather than stopping everyone's sync."""
+    clock = [1_000.0]
+    reader = RedisInflight(redis_url, ttl_s=5.0)
+    replica = ReplicaId("pool/0")
+    killed = {"seq": 7, "counts": {replica: [5, 500, 5]}}
     commands: list[str] = []
     original = reader._redis.execute_command
 
@@ -92,11 +96,20 @@ async def test_a_gateway_that_stopped_without_saying_so_is_forgotten_and_nothing
         return await original(*args, **kwargs)
 
     try:
-        await reader._redis.hset(reader.key, "killed", json.dumps(dead))
+        await reader._redis.hset(reader.key, "killed", json.dumps(killed))
+        await reader._redis.hset(reader.key, "garbled", "{not json")
         reader._redis.execute_command = counted  # type: ignore[method-assign]
-        await reader.sync()
-        assert reader.counts().get(ReplicaId("pool/0"), (0, 0)) == (0, 0)
-        assert "SCAN" not in commands and len(commands) <= 4, commands
+        with patch("gateway.inflight.time.monotonic", lambda: clock[0]):
+            await reader.sync()
+            assert reader.counts()[replica] == (5, 500)  # alive as far as it can tell
+            assert "SCAN" not in commands, commands
+            assert not await reader._redis.hexists(reader.key, "garbled")
+            clock[0] += 4.0
+            await reader.sync()
+            assert reader.counts()[replica] == (5, 500)
+            clock[0] += 2.0  # unchanged for 6 s: gone
+            await reader.sync()
+            assert reader.counts().get(replica, (0, 0)) == (0, 0)
         assert not await reader._redis.hexists(reader.key, "killed")
     finally:
         reader._redis.execute_command = original  # type: ignore[method-assign]
@@ -161,7 +174,19 @@ async def test_the_sync_loop_ends_when_cancelled_even_if_redis_turns_it_into_an_
         except asyncio.CancelledError:
             raise ConnectionError("Connection closed by server.") from None
 
-    inflight._redis.hset = set_until_cancelled  # type: ignore[method-assign]
+    class Pipeline:  # what the sync's one round trip goes through
+        async def __aenter__(self) -> Pipeline:
+            return self
+
+        async def __aexit__(self, *_exc: object) -> None:
+            return None
+
+        def __getattr__(self, _command: str) -> object:
+            return lambda *args, **kwargs: None
+
+        execute = staticmethod(set_until_cancelled)
+
+    inflight._redis.pipeline = lambda **_kwargs: Pipeline()  # type: ignore[method-assign]
 
     gw = SimpleNamespace(inflight=inflight)  # the one field the loop reads
     task = asyncio.create_task(inflight_loop(gw))  # type: ignore[arg-type]
