@@ -57,6 +57,14 @@ class ReplicaTimeMeter:
         busy.others = max(0, self._others(replica))
         return busy
 
+    def refresh(self) -> None:
+        """Charge the time so far on every replica this gateway has requests on, and read the
+        other gateways' counts there again: called after each sync of those counts, so a long
+        request is not charged its whole stretch at the share read when it started."""
+        for replica, busy in self._replicas.items():
+            if busy.charged:
+                self._advance(replica)
+
     def start(self, replica: ReplicaId, key: int) -> None:
         """Request ``key`` starts occupying ``replica``."""
         self._advance(replica).charged[key] = 0.0

@@ -60,6 +60,7 @@ def refresh_gauges(gw: GatewayState) -> None:
         pools[state.pool] = pools.get(state.pool, 0) + 1
     for route, usd in gw.window.cost_per_1m(gw.policy.pool_usd_per_hour, pools).items():
         m.cost_per_1m.labels(route).set(usd)
+    m.pool_bill.clear()  # a pool gone, or its price, takes its series along
     for pool, replicas in pools.items():
         price = gw.policy.pool_usd_per_hour.get(pool)
         if price is not None:

@@ -43,6 +43,7 @@ async def inflight_loop(gw: GatewayState, interval_s: float = 0.25) -> None:
     """Share in-flight counts with the other gateways (a no-op for the memory tracker)."""
     while True:
         await gw.inflight.sync()
+        gw.meter.refresh()  # replica time is shared at the counts just read
         await asyncio.sleep(interval_s)
 
 

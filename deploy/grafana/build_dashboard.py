@@ -36,7 +36,9 @@ def _ratio(num: str, den: str, by: str = "route") -> str:
 _FLEET_COST_PER_1M = (
     "sum by (route) ("
     f"sum by (route, pool) (rate(fleetgate_replica_seconds_total[{RATE}]))"
-    f" / on (pool) group_left () sum by (pool) (rate(fleetgate_replica_seconds_total[{RATE}]))"
+    # A pool idle over the whole range divides 0 by 0: left out, not NaN for every route.
+    " / on (pool) group_left ()"
+    f" (sum by (pool) (rate(fleetgate_replica_seconds_total[{RATE}])) > 0)"
     " * on (pool) group_left () max by (pool) (fleetgate_pool_bill_usd_per_hour) / 3600"
     ") / ("
     f"sum by (route) (rate(fleetgate_prompt_tokens_total[{RATE}]))"

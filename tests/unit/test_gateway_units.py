@@ -69,10 +69,10 @@ def test_replica_time_is_shared_with_other_gateways_requests_there() -> None:
     r = ReplicaId("r0")
     meter.start(r, 1)
     clock.now = 4.0
-    others[r] = 0  # theirs ends; ours runs alone for 2 s more
-    meter.start(r, 2)  # the next event reads the new count
+    others[r] = 0  # theirs has ended: the next sync says so, and the meter reads it again
+    meter.refresh()
     clock.now = 6.0
-    assert meter.finish(r, 1) == pytest.approx(4.0 / 2 + 2.0 / 2)
+    assert meter.finish(r, 1) == pytest.approx(4.0 / 2 + 2.0)
 
 
 def test_cost_splits_pool_bill_by_busy_share() -> None:
