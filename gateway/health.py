@@ -52,7 +52,8 @@ def refresh_gauges(gw: GatewayState) -> None:
     m = gw.metrics
     # At each scrape, not once at start: a policy reload may add routes.
     routes = [(r.name, _slos(r)) for r in gw.policy.routes]
-    m.precreate(routes, configured_models(gw), gw.index_backend)
+    pool_names = {state.pool for state in gw.registry.all()}
+    m.precreate(routes, configured_models(gw), gw.index_backend, pool_names)
     for route, rate in gw.window.hit_rates().items():
         m.prefix_hit_rate.labels(route).set(rate)
     pools: dict[str, int] = {}

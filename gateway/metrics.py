@@ -89,6 +89,12 @@ class CachedLabels:
         self._children.pop(values, None)
         self.metric.remove(*values)
 
+    def clear(self) -> None:
+        """Drop every child, from the metric and from the cache (as ``remove``: cleared from the
+        metric alone, the next ``labels()`` handed back a child no longer exported)."""
+        self._children.clear()
+        self.metric.clear()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.metric, name)
 
@@ -396,7 +402,11 @@ class GatewayMetrics:
             gauge.remove(replica_id)
 
     def precreate(
-        self, routes: Iterable[tuple[str, Iterable[str]]], models: Iterable[str], backend: str
+        self,
+        routes: Iterable[tuple[str, Iterable[str]]],
+        models: Iterable[str],
+        backend: str,
+        pools: Iterable[str] = (),
     ) -> None:
         """Create, at 0, the label sets that dashboards and alerts select, before any event.
 
@@ -405,11 +415,16 @@ class GatewayMetrics:
         Prometheus extrapolates each series' rate on its own, so a cached-tokens series born at a
         different value than its prompt-tokens series can make their ratio exceed 1. ``routes``:
         each route's name and the SLOs it is measured against (``ttft``, ``tpot``); ``models``:
-        the base models known now. Idempotent (cached).
+        the base models known now; ``pools``: the replica pools (the fleet-wide cost per 1M
+        tokens is a rate of replica seconds: born at its first request's charge, a series showed
+        no increase at all when one scrape saw the whole burst). Idempotent (cached).
         """
         self.index_errors.labels(backend)
         models = list(models)
+        pools = list(pools)
         for route, slos in routes:
+            for pool in pools:
+                self.replica_seconds.labels(route, pool)
             for model in models:
                 for tokens in (self.prompt_tokens, self.cached_tokens, self.completion_tokens):
                     tokens.labels(route, model)

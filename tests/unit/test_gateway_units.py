@@ -245,3 +245,20 @@ vllm:kv_cache_usage_perc{model_name="m"} -0.5
     parsed = parse_vllm_metrics(glitch)
     assert set(parsed) == {"running", "waiting", "kv_usage"}
     assert all(math.isnan(v) for v in parsed.values())
+
+
+def test_a_cleared_labelled_gauge_exports_what_is_set_after() -> None:
+    # Cleared on the metric alone, the cache handed back a detached child: the pool bill and the
+    # policy digest vanished from /metrics after their second refresh.
+    from prometheus_client import generate_latest
+
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    for _ in range(3):
+        metrics.pool_bill.clear()
+        metrics.pool_bill.labels("default").set(6.0)
+        metrics.set_policy("abc")
+    text = generate_latest(metrics.registry).decode()
+    assert 'fleetgate_pool_bill_usd_per_hour{pool="default"} 6.0' in text
+    assert 'fleetgate_policy_info{digest="abc"} 1.0' in text
