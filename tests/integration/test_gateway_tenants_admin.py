@@ -197,6 +197,8 @@ async def test_reload_refuses_invalid_file_and_keeps_running_policy(tmp_path: Pa
         async with http.post(f"{url}/admin/policy/reload", headers=admin) as resp:
             assert resp.status == 400
             refused = await resp.json()
+        async with http.get(f"{url}/admin/policy", headers=admin) as resp:
+            assert (await resp.json())["digest"] == digest_before  # a refused file: no change
         async with http.post(
             f"{url}/v1/chat/completions", json=chat(), headers=auth("acme-key")
         ) as resp:
