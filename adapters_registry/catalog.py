@@ -10,13 +10,14 @@ source stays inside its owners' storage roots.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pydantic import ValidationError
 
 from adapters_registry.errors import AdapterNotFound, InvalidAdapter
-from adapters_registry.metrics import label_key, private_adapter_label
+from adapters_registry.metrics import LABEL_KEY_ENV, label_key, private_adapter_label
 from adapters_registry.paths import StorageRoots, normalise_source
 from routing.config import Adapter, Policy
 from routing.config.errors import issues_from_validation
@@ -126,7 +127,20 @@ class AdapterCatalog:
 
     @staticmethod
     def _label_key_of(policy: Policy) -> bytes:
-        return label_key(digest for tenant in policy.tenants for digest in tenant.api_key_sha256)
+        """The key of private adapters' labels: every tenant's and the admin's API key hashes
+        (unless ``FLEETGATE_ADAPTER_LABEL_KEY`` is set). Where one tenant holds every one of
+        them, it knows the key and could confirm another tenant's adapter names: said once."""
+        holders = [t.api_key_sha256 for t in policy.tenants if t.api_key_sha256]
+        admin = list(policy.admin.api_key_sha256)
+        private = any(not a.public for a in policy.adapters)
+        if private and not admin and len(holders) < 2 and not os.environ.get(LABEL_KEY_ENV):
+            log.warning(
+                "private adapters' metric labels are keyed with API key hashes that one tenant "
+                "holds alone: it could confirm another tenant's adapter names on /metrics. Set "
+                "%s on every gateway (any secret string), or an admin key in the policy",
+                LABEL_KEY_ENV,
+            )
+        return label_key([*(d for keys in holders for d in keys), *admin])
 
     def metrics_label(self, name: str) -> str:
         """The ``adapter`` label of ``name`` on ``/metrics``: its name if public, else an opaque

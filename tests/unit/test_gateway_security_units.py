@@ -174,6 +174,22 @@ def test_a_guessed_private_adapter_name_cannot_be_confirmed_from_its_label(
     )
 
 
+def test_a_label_key_one_tenant_holds_alone_is_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Only globex has a key (acme is served as the anonymous tenant): derived from globex's key
+    # hash alone, the label key let globex confirm acme's adapter names.
+    monkeypatch.delenv(LABEL_KEY_ENV, raising=False)
+    doc = make_policy([adapter("a")]).model_dump(mode="json", exclude_defaults=True)
+    doc["tenants"][1]["api_key_sha256"] = [sha("sk-globex")]
+    AdapterCatalog(parse(doc))
+    assert any(LABEL_KEY_ENV in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    doc["admin"] = {"api_key_sha256": [sha("sk-admin")]}  # a secret no tenant holds
+    AdapterCatalog(parse(doc))
+    assert not any(LABEL_KEY_ENV in r.getMessage() for r in caplog.records)
+
+
 # ----------------------------------------------------------------- 8: layout per cache domain
 
 
