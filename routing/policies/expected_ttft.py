@@ -486,7 +486,10 @@ class ExpectedTtftScorer(Plugin):
         the prefill work is then recomputed from the request's own prefix matches.
         """
         if request.adapter:
+            before = self._adapters_in_flight.where(request.request_id)
             self._adapters_in_flight.place(request.request_id, replica, request.adapter)
+            if before is not None and before != replica:  # a retry left that replica
+                self._release_slot(before, request.adapter)
         pending = self._pending.get(request.request_id)
         chosen = pending.terms.get(replica) if pending is not None else None
         if pending is not None and chosen is not None:
@@ -510,6 +513,15 @@ class ExpectedTtftScorer(Plugin):
         self._backlog.add(replica, uncached, now)
         self._recent.add(replica, prefill_ms, now)
 
+    def _release_slot(self, replica: ReplicaId, adapter: str) -> None:
+        """``adapter``'s requests there have ended (or moved away): its slot is free once none
+        of them is left. Kept until the engine's next figures, it charged a slot wait on an
+        idle replica (up to a health interval live; the simulator reads fresh figures and never
+        showed it)."""
+        sent = self._sent_adapters.get(replica)
+        if sent and adapter in sent and adapter not in self._adapters_in_flight.on(replica):
+            del sent[adapter]
+
     def on_request_complete(
         self,
         request: RoutingRequest,
@@ -520,16 +532,8 @@ class ExpectedTtftScorer(Plugin):
     ) -> None:
         """Move the replica's prefill speed (or the adapter's load time) toward the observation."""
         self._adapters_in_flight.forget(request.request_id)
-        sent = self._sent_adapters.get(replica)
-        if (
-            sent
-            and request.adapter in sent
-            and request.adapter not in self._adapters_in_flight.on(replica)
-        ):
-            # Its last request there has ended, so its slot is free: kept until the engine's
-            # next figures, it charged a slot wait on an idle replica (up to a health interval
-            # live; the simulator reads fresh figures and never showed it).
-            del sent[request.adapter]
+        if request.adapter:
+            self._release_slot(replica, request.adapter)
         pending = self._pending.pop(request.request_id, None)
         if not ok or ttft_ms is None or not math.isfinite(ttft_ms) or pending is None:
             return

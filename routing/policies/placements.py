@@ -38,6 +38,11 @@ class Placements(Generic[V]):
         while len(self._at) > self.limit:
             self.forget(next(iter(self._at)))
 
+    def where(self, request_id: str) -> ReplicaId | None:
+        """The replica ``request_id`` runs on, if placed."""
+        where = self._at.get(request_id)
+        return where[0] if where is not None else None
+
     def forget(self, request_id: str) -> None:
         """``request_id`` finished (or was never placed: nothing happens)."""
         where = self._at.pop(request_id, None)

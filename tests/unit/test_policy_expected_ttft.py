@@ -488,6 +488,13 @@ def test_an_adapter_whose_last_request_ended_holds_no_slot_until_the_next_readin
     assert scorer.estimate(req(adapter="q"), read).adapter_slot_wait_ms == 1_000.0
     scorer.on_request_complete(second, ReplicaId("a"), None, None, True)
     assert scorer.estimate(req(adapter="q"), read).adapter_slot_wait_ms == 0.0
+    # A request retried on another replica leaves its slot on the first one as well.
+    third = req(request_id="third", adapter="p")
+    scorer.score_with_terms(third, [read, rep("b", max_loras=1, metrics_read_at=NOW)])
+    scorer.on_request_start(third, ReplicaId("a"))
+    assert scorer.estimate(req(adapter="q"), read).adapter_slot_wait_ms == 1_000.0
+    scorer.on_request_start(third, ReplicaId("b"))  # a failed: the gateway retries on b
+    assert scorer.estimate(req(adapter="q"), read).adapter_slot_wait_ms == 0.0
 
 
 def test_a_request_that_waited_for_a_slot_calibrates_the_wait_not_the_speed() -> None:
