@@ -76,6 +76,12 @@ class AdapterLoadFailed(AdapterError):
         )
 
 
+class ReplicaLoadsFailing(AdapterLoadFailed):
+    """Not tried: this replica's adapter loads have been failing (``load_failures.py``). The
+    request falls back at once; a last resort tries anyway."""
+
+
+
 class AdapterUnloadFailed(AdapterError):
     """The engine refused an unload; ``engine_message`` says why."""
 

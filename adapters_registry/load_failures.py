@@ -3,10 +3,12 @@
 A replica whose loads fail (a missing storage mount, bad object-store credentials, a stuck
 loader) still passes its health checks, so nothing else takes it out of a cold load's way: every
 new adapter routed there cold paid a failed load (or, hung, the whole load timeout) before its
-fallback. After a failure this gateway charges that replica ``penalty_ms`` for any adapter it
-would have to load, for ``base_s`` doubling with each failure in a row up to ``max_s``; a load
-that succeeds there ends it. Requests still go there as a last resort, and adapters already
-resident there are unaffected.
+fallback. After a failure that is the replica's (no answer, a 5xx), or failures of two different
+adapters there within ``window_s`` (vLLM answers 400 or 404 for a missing mount as for one bad
+adapter: one adapter failing is its own fault, two are the replica's), this gateway charges that
+replica ``penalty_ms`` for any adapter it would have to load, for ``base_s`` doubling with each
+failure in a row up to ``max_s``; a load that succeeds there ends it. Requests still go there as
+a last resort, and adapters already resident there are unaffected.
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ class LoadFailureSettings:
     max_s: float = 300.0
     #: About a load timeout: what a load there may cost the request (then its fallback).
     penalty_ms: float = 60_000.0
+    #: Failures of different adapters within this many seconds count as the replica's.
+    window_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.window_s <= 0:
+            raise ValueError(f"window_s: must be > 0 (got {self.window_s})")
         if not (0 < self.base_s <= self.max_s):
             raise ValueError(f"need 0 < base_s <= max_s (got {self.base_s}, {self.max_s})")
         if self.penalty_ms < 0:
@@ -48,9 +54,19 @@ class LoadFailures:
         self._clock = clock
         self._in_a_row: dict[ReplicaId, int] = {}
         self._until: dict[ReplicaId, float] = {}
+        #: Per replica, the adapters whose loads failed there lately, and when.
+        self._adapters: dict[ReplicaId, dict[str, float]] = {}
 
-    def failed(self, replica: ReplicaId) -> None:
-        """A load on ``replica`` failed (refused, errored or timed out)."""
+    def failed(self, replica: ReplicaId, adapter: str, replica_fault: bool) -> None:
+        """A load of ``adapter`` on ``replica`` failed; ``replica_fault``: no answer or a 5xx."""
+        now = self._clock()
+        recent = self._adapters.setdefault(replica, {})
+        recent[adapter] = now
+        for name, at in list(recent.items()):
+            if now - at > self.settings.window_s:
+                del recent[name]
+        if not replica_fault and len(recent) < 2:
+            return  # one adapter failing: its own fault so far
         count = self._in_a_row.get(replica, 0) + 1
         self._in_a_row[replica] = count
         s = self.settings
@@ -60,6 +76,7 @@ class LoadFailures:
         """A load on ``replica`` worked: it is not avoided any more."""
         self._in_a_row.pop(replica, None)
         self._until.pop(replica, None)
+        self._adapters.pop(replica, None)
 
     def avoided(self, replica: ReplicaId) -> bool:
         """True while a cold load on ``replica`` is priced out."""

@@ -35,6 +35,7 @@ from adapters_registry.errors import (
     AdapterLoadFailed,
     AdapterUnloadFailed,
     NoAdapterSlot,
+    ReplicaLoadsFailing,
     ThrashGuardTripped,
 )
 from adapters_registry.load_failures import LoadFailures
@@ -161,7 +162,7 @@ class AdapterLoader:
         if task is not None:
             try:
                 return await self._share(key, task, started)
-            except ThrashGuardTripped:
+            except (ThrashGuardTripped, ReplicaLoadsFailing):
                 if not last_resort:
                     raise
                 # The shared attempt was not a last resort; this caller's is.
@@ -282,7 +283,7 @@ class AdapterLoader:
             if self._failures.avoided(rid) and not last_resort:
                 # The load before this one failed (a hung loader, a missing mount): fall back now
                 # rather than wait out another load timeout in line behind it.
-                raise AdapterLoadFailed(
+                raise ReplicaLoadsFailing(
                     name, rid, "adapter loads on this replica have been failing; not tried yet"
                 )
             return await self._load_with_room(replica, entry, last_resort, started, owner)
@@ -306,10 +307,7 @@ class AdapterLoader:
             reply = await self._engine.load(replica.url, rid, name, engine_path(entry.source))
         except AdapterLoadFailed as exc:
             self._metrics.load(name, rid, ok=False)
-            if exc.status is None or exc.status >= 500:
-                # The replica's fault (no answer, an error): a 4xx is the adapter's (bad weights,
-                # a rank over the engine's limit), and other adapters load there fine.
-                self._failures.failed(rid)
+            self._failures.failed(rid, name, replica_fault=exc.status is None or exc.status >= 500)
             raise
         self._failures.succeeded(rid)
         load_s = time.monotonic() - t0

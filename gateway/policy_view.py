@@ -228,13 +228,13 @@ def _salt(tenant: Any) -> str | None:
 
 
 def policy_digest(policy: Policy | None) -> str:
-    """16 hex digits of the SHA-256 of the policy as validated, defaults left out (formatting and
-    comments aside): equal on pods that run the same policy, whatever their fleetgate version (a
-    release that adds a defaulted setting must not set a canary apart). ``defaults`` without a
-    policy file."""
+    """16 hex digits of the SHA-256 of what the policy file sets, as validated (formatting and
+    comments aside, and nothing the file leaves to defaults): equal on pods that run the same
+    file, whatever their fleetgate version (a release that adds or changes a default must not
+    set a canary apart). ``defaults`` without a policy file."""
     if policy is None:
         return "defaults"
-    return hashlib.sha256(policy.model_dump_json(exclude_defaults=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(policy.model_dump_json(exclude_unset=True).encode()).hexdigest()[:16]
 
 
 def from_policy(policy: Policy) -> GatewayPolicy:

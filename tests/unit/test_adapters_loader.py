@@ -230,11 +230,19 @@ async def test_a_replica_whose_loads_fail_is_priced_out_of_cold_loads_for_a_whil
     state = full(4)
     healthy = replica("r1", max_loras=1, max_cpu_loras=4)
     normal = reg.cold_load_ms(state, "b")
-    # The adapter's own fault (a 4xx: bad weights, a rank over the engine's limit) is not the
-    # replica's: other adapters load there fine.
+    # One adapter refused (a 4xx: bad weights, a rank over the engine's limit) is its own
+    # fault: other adapters load there fine. A second adapter refused there is the replica's
+    # (vLLM answers 400 or 404 for a missing mount too).
     engine.fail_with = AdapterLoadFailed("a", "r0", "rank 64 over --max-lora-rank 16", 400)
     with pytest.raises(AdapterLoadFailed):
         await reg.ensure_loaded(state, "a")
+    assert reg.cold_load_ms(state, "b") == normal
+    engine.fail_with = AdapterLoadFailed("c", "r0", "No adapter found for /adapters/acme/c", 404)
+    with pytest.raises(AdapterLoadFailed):
+        await reg.ensure_loaded(state, "c")
+    assert reg.cold_load_ms(state, "b") == reg.settings.load_failures.penalty_ms
+    engine.fail_with = None
+    assert (await reg.ensure_loaded(state, "e", last_resort=True)).loaded_now  # ends it
     assert reg.cold_load_ms(state, "b") == normal
     engine.fail_with = AdapterLoadFailed("a", "r0", "storage not mounted", 500)
     with pytest.raises(AdapterLoadFailed):
@@ -274,6 +282,12 @@ async def test_loads_queued_behind_one_that_failed_fall_back_at_once(
     assert all(isinstance(o, AdapterLoadFailed) for o in outcomes)
     assert engine.calls == [("load", "a")]  # b and c never reached the hung engine
     assert "have been failing" in str(outcomes[1])
-    # A last resort still goes there.
+    # A last resort still goes there, also when it joins a load that failed early.
     engine.fail_with = None
-    assert (await reg.ensure_loaded(state, "b", last_resort=True)).loaded_now
+    engine.gate = asyncio.Event()
+    first = asyncio.create_task(reg.ensure_loaded(state, "d"))  # not a last resort
+    last = asyncio.create_task(reg.ensure_loaded(state, "d", last_resort=True))
+    with pytest.raises(AdapterLoadFailed):
+        await first
+    engine.gate.set()
+    assert (await last).loaded_now
