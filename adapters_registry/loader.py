@@ -273,11 +273,9 @@ class AdapterLoader:
         owner: str,
     ) -> LoadResult:
         rid, name = replica.replica_id, entry.name
-        # Double-checked: the gateway that held the lock before us may have just loaded it.
-        if (await self._status(rid, name)).resident:
-            return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
         async with self._replica_locks.setdefault(rid, asyncio.Lock()):
-            # Waited for this gateway's other loads there: look again before loading.
+            # Double-checked, once both locks are held: the gateway that held the adapter's lock
+            # before us, or this gateway's loads we waited behind, may have just loaded it.
             if (await self._status(rid, name)).resident:
                 return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
             if self._failures.avoided(rid) and not last_resort:

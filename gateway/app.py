@@ -180,7 +180,9 @@ def create_app(
         metrics=GatewayMetrics(),
         inflight=inflight,
         # Replica time is shared with the other gateways' requests there too.
-        meter=ReplicaTimeMeter(others=inflight.others_in_flight),
+        meter=ReplicaTimeMeter(others=inflight.others_in_flight)
+        if isinstance(inflight, RedisInflight)
+        else ReplicaTimeMeter(),
         tracer=build_tracer(config.otlp_endpoint),
         # One request in 16 past a route's first 200: the detector reads ~500 recent observations.
         layout=LayoutDiagnostics(sample_every=16, full_requests=200),

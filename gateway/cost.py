@@ -33,17 +33,23 @@ class _Busy:
     others: int = 0
 
 
+def _no_others(_replica: ReplicaId) -> int:
+    return 0
+
+
 class ReplicaTimeMeter:
     """Charges each in-flight request its share of its replica's time."""
 
     def __init__(
         self,
         clock: Callable[[], float] = time.monotonic,
-        others: Callable[[ReplicaId], int] = lambda _replica: 0,
+        others: Callable[[ReplicaId], int] = _no_others,
     ) -> None:
         """``others``: the other gateways' requests in flight on a replica (they share it)."""
         self._clock = clock
         self._others = others
+        #: The replicas' time is shared with other gateways (``others`` given).
+        self._shared = others is not _no_others
         self._replicas: dict[ReplicaId, _Busy] = {}
 
     def _advance(self, replica: ReplicaId) -> _Busy:
@@ -61,6 +67,8 @@ class ReplicaTimeMeter:
         """Charge the time so far on every replica this gateway has requests on, and read the
         other gateways' counts there again: called after each sync of those counts, so a long
         request is not charged its whole stretch at the share read when it started."""
+        if not self._shared:
+            return  # alone: the counts read at this gateway's own events are exact
         for replica, busy in self._replicas.items():
             if busy.charged:
                 self._advance(replica)

@@ -52,13 +52,12 @@ def refresh_gauges(gw: GatewayState) -> None:
     m = gw.metrics
     # At each scrape, not once at start: a policy reload may add routes.
     routes = [(r.name, _slos(r)) for r in gw.policy.routes]
-    pool_names = {state.pool for state in gw.registry.all()}
-    m.precreate(routes, configured_models(gw), gw.index_backend, pool_names)
-    for route, rate in gw.window.hit_rates().items():
-        m.prefix_hit_rate.labels(route).set(rate)
-    pools: dict[str, int] = {}
+    pools: dict[str, int] = {}  # pool -> replicas
     for state in gw.registry.all():
         pools[state.pool] = pools.get(state.pool, 0) + 1
+    m.precreate(routes, configured_models(gw), gw.index_backend, pools)
+    for route, rate in gw.window.hit_rates().items():
+        m.prefix_hit_rate.labels(route).set(rate)
     for route, usd in gw.window.cost_per_1m(gw.policy.pool_usd_per_hour, pools).items():
         m.cost_per_1m.labels(route).set(usd)
     m.pool_bill.clear()  # a pool gone, or its price, takes its series along

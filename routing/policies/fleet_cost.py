@@ -435,36 +435,34 @@ class FleetCostScorer(ExpectedTtftScorer):
         """What one decode of ``request`` weighs in the decode charge (see ``decode_slo_ratio``)."""
         p = self.params
         tokens = request.max_output_tokens
-        ratio = p.decode_slo_ratio
-        if ratio is None or tokens is None or tokens <= 0:
+        if p.decode_slo_ratio is None or tokens is None or tokens <= 0:
             return p.decode_weight
-        if (
-            request.ttft_slo_ms is not None
-            and request.tpot_slo_ms is not None
-            and "decode_slo_ratio" not in p.model_fields_set
-        ):
-            ratio = request.ttft_slo_ms / request.tpot_slo_ms
-        return min(p.decode_weight_max, ratio / tokens)
+        declared = None
+        if request.ttft_slo_ms is not None and request.tpot_slo_ms is not None:
+            declared = request.ttft_slo_ms / request.tpot_slo_ms
+        return min(p.decode_weight_max, self._unless_set("decode_slo_ratio", declared) / tokens)
+
+    def _unless_set(self, name: str, declared: float | None) -> float:
+        """Parameter ``name`` where the policy sets it, else what the request's declared SLOs
+        make of it (``declared``), else its default."""
+        p = self.params
+        if declared is None or name in p.model_fields_set:
+            return getattr(p, name)
+        return declared
 
     def overflow_limit_ms(self, request: RoutingRequest) -> float | None:
         """The expected TTFT past which ``request`` is late wherever it goes: ``overflow_ttft_ms``
         as set, else 1.25 x the TTFT SLO the request declares, else the default (1.25 x 2 s)."""
-        p = self.params
-        if (
-            p.overflow_ttft_ms is None
-            or request.ttft_slo_ms is None
-            or "overflow_ttft_ms" in p.model_fields_set
-        ):
-            return p.overflow_ttft_ms
-        return OVERFLOW_SLO_MULTIPLE * request.ttft_slo_ms
+        if self.params.overflow_ttft_ms is None:
+            return None  # off
+        slo = request.ttft_slo_ms
+        declared = None if slo is None else OVERFLOW_SLO_MULTIPLE * slo
+        return self._unless_set("overflow_ttft_ms", declared)
 
     def fragile_tpot_of(self, request: RoutingRequest) -> float:
         """The TPOT a short decode of ``request`` must keep: ``fragile_tpot_ms`` as set, else the
         TPOT SLO the request declares, else the default (50 ms)."""
-        p = self.params
-        if request.tpot_slo_ms is None or "fragile_tpot_ms" in p.model_fields_set:
-            return p.fragile_tpot_ms
-        return request.tpot_slo_ms
+        return self._unless_set("fragile_tpot_ms", request.tpot_slo_ms)
 
     def savable_running(self, replica: ReplicaState) -> int:
         """Running decodes on ``replica`` that can still make their SLOs.

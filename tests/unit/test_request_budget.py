@@ -121,10 +121,8 @@ def test_request_without_a_budget_is_not_observed() -> None:
     assert _sample(gw, "fleetgate_request_budget_tokens_count") is None
 
 
-def test_calibration_sees_the_ttft_from_the_decision_not_from_arrival() -> None:
-    # Flow control held the request 2 s, then routed it again; the engine answered its first
-    # token 0.4 s after that decision. Routing predicted the 0.4 s: it must learn 0.4 s, not the
-    # client's 2.4 s (which made every replica look slower the longer the gateway queue was).
+def _calibrated(gw: SimpleNamespace) -> list[float | None]:
+    """The TTFTs ``gw``'s routing engine is given to calibrate with, as they come."""
     seen: list[float | None] = []
 
     class Engine:
@@ -132,8 +130,16 @@ def test_calibration_sees_the_ttft_from_the_decision_not_from_arrival() -> None:
                              cached: object, ok: bool) -> None:
             seen.append(ttft_ms)
 
-    gw = _deps()
     gw.engine = Engine()
+    return seen
+
+
+def test_calibration_sees_the_ttft_from_the_decision_not_from_arrival() -> None:
+    # Flow control held the request 2 s, then routed it again; the engine answered its first
+    # token 0.4 s after that decision. Routing predicted the 0.4 s: it must learn 0.4 s, not the
+    # client's 2.4 s (which made every replica look slower the longer the gateway queue was).
+    gw = _deps()
+    seen = _calibrated(gw)
     routed = dataclasses.replace(_routed(None), decided_at=102.0)
     outcome = dataclasses.replace(_served(), sent_at=102.05, ttft_s=0.35, finished_at=103.0)
     account(gw, routed, outcome, arrived=100.0, streamed=True)
@@ -152,15 +158,8 @@ def test_calibration_sees_the_ttft_from_the_decision_not_from_arrival() -> None:
 def test_a_non_streamed_answer_calibrates_from_its_time_less_its_decode() -> None:
     # Without a first token to see, a fleet of non-streaming clients never calibrated: the
     # estimate is the time from the decision less the decode at the engine's recent ITL.
-    seen: list[float | None] = []
-
-    class Engine:
-        def observe_complete(self, request: object, replica: object, ttft_ms: float | None,
-                             cached: object, ok: bool) -> None:
-            seen.append(ttft_ms)
-
     gw = _deps()
-    gw.engine = Engine()
+    seen = _calibrated(gw)
     itl: dict[str, float | None] = {"ms": 2.0}
     gw.registry = SimpleNamespace(get=lambda _: SimpleNamespace(decode_itl_ms=itl["ms"]))
     routed = dataclasses.replace(_routed(None), decided_at=100.0)
