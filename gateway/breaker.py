@@ -18,6 +18,12 @@ class CircuitBreaker:
 
     The probe's outcome closes it again or re-opens it for another cooldown. ``clock`` is
     injectable so tests step time explicitly instead of sleeping.
+
+    A health poll that answers (``health_ok``) closes it only when every failure since the last
+    success was the replica being unreachable: a restarted engine is back once its ``/health``
+    answers. A replica whose requests time out or fail with a 5xx while ``/health`` still answers
+    (a wedged engine behind a live HTTP server) is not cleared by its polls: only a request that
+    succeeds, the probe after the cooldown, closes the circuit.
     """
 
     def __init__(
@@ -34,6 +40,8 @@ class CircuitBreaker:
         self.cooldown_s = cooldown_s
         self._clock = clock
         self._failures = 0
+        #: False once a failure since the last success was more than "unreachable".
+        self._health_can_clear = True
         self._opened_at: float | None = None
         self._probe_in_flight = False
 
@@ -59,17 +67,25 @@ class CircuitBreaker:
             self._probe_in_flight = True
 
     def success(self) -> None:
-        """The replica answered: close the circuit."""
+        """A request succeeded: close the circuit."""
         self._failures = 0
+        self._health_can_clear = True
         was_open = self._opened_at is not None
         self._opened_at = None
         self._probe_in_flight = False
         if was_open and self._on_trip is not None:
             self._on_trip(False)
 
-    def failure(self) -> None:
-        """The replica failed (connect error, timeout, 5xx health): count, maybe open."""
+    def health_ok(self) -> None:
+        """The replica's ``/health`` answered: clears failures that were only unreachability."""
+        if self._health_can_clear:
+            self.success()
+
+    def failure(self, unreachable: bool = False) -> None:
+        """A request failed (``unreachable``: it never got through, a connect error or a replica
+        the health loop took down): count, maybe open."""
         self._failures += 1
+        self._health_can_clear = self._health_can_clear and unreachable
         self._probe_in_flight = False
         if self._opened_at is not None or self._failures >= self.failure_threshold:
             opens = self._opened_at is None

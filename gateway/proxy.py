@@ -541,7 +541,7 @@ async def send(
             except _RETRYABLE as exc:
                 if outcome.responded:
                     raise  # bytes reached the client: the request is never replayed elsewhere
-                breaker.failure()
+                breaker.failure(unreachable=isinstance(exc, UpstreamConnectError))
                 if isinstance(exc, UpstreamConnectError):
                     retry_reason = "connect_failed"  # it never saw the request
                     log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)
@@ -553,6 +553,10 @@ async def send(
                 continue
             except TimeoutError:
                 breaker.failure()
+                log.warning(
+                    "replica %s did not answer request %s within %s s (upstream_timeout_s)",
+                    replica_id, request_id, read_timeout_s,
+                )
                 raise GatewayError(
                     504, errors.UPSTREAM_TIMEOUT, "The upstream replica did not answer in time."
                 ) from None
@@ -563,7 +567,7 @@ async def send(
                 task = asyncio.current_task()
                 if not attempt.aborted or outcome.responded or task is None or task.uncancel():
                     raise
-                breaker.failure()
+                breaker.failure(unreachable=True)
                 retry_reason = "replica_down"
                 log.warning("replica %s marked down holding the request; retrying", replica_id)
                 continue

@@ -520,7 +520,7 @@ class ReplicaRegistry:
             return
         updates: dict[str, Any] = {"healthy": healthy}
         if answered_ok:
-            self._breakers[state.replica_id].success()
+            self._breakers[state.replica_id].health_ok()
             # Only an answered /v1/models says which adapters are loaded: a failed read keeps
             # the last list (and its read time) instead of claiming, freshly, that there are none.
             if isinstance(models_body, dict):

@@ -132,3 +132,36 @@ async def test_a_replica_that_dies_holding_a_request_leaves_nothing_counted_in_f
 
         await wait_until(nothing_in_flight, "no request counted in flight on either replica")
     assert status == 200, body
+
+
+async def test_a_wedged_replica_answering_health_polls_stays_out_once_its_breaker_opens() -> None:
+    # An engine stuck in a kernel or a deadlocked scheduler behind an HTTP server that still
+    # answers /health: each request sent there times out. Its health polls must not close the
+    # circuit those timeouts opened, or it keeps half the traffic, every request of it failing.
+    wedged = FakeUpstream(header_gate=asyncio.Event())  # never set: POSTs are never answered
+    well = FakeUpstream()
+    async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
+        wedged_url = await stack.enter_async_context(serve(wedged.app()))
+        well_url = await stack.enter_async_context(serve(well.app()))
+        specs = [
+            ReplicaSpec("wedged", wedged_url, models=frozenset(wedged.models)),
+            ReplicaSpec("well", well_url, models=frozenset(well.models)),
+        ]
+        cfg = GatewayConfig(
+            health_interval_s=0.05, admin_key="adm", upstream_timeout_s=0.3,
+            breaker_failures=2, breaker_cooldown_s=600,
+        )
+        url = await stack.enter_async_context(
+            serve(create_app(cfg, GatewayPolicy.default(specs)), handler_cancellation=True)
+        )
+        statuses = []
+        for i in range(12):
+            body = {**CHAT, "messages": [{"role": "user", "content": f"question {i}"}]}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                statuses.append(resp.status)
+        async with http.get(f"{url}/admin/replicas", headers=ADMIN) as resp:
+            circuits = {r["replica_id"]: r["circuit"] for r in (await resp.json())["replicas"]}
+
+    assert wedged.attempts == 2, statuses  # the breaker's threshold, then never again
+    assert statuses.count(504) == 2 and statuses.count(200) == 10, statuses
+    assert circuits == {"wedged": "open", "well": "closed"}

@@ -28,6 +28,31 @@ class Clock:
         return self.now
 
 
+def test_a_health_poll_clears_unreachability_but_not_failed_requests() -> None:
+    clock = Clock()
+    restarted = CircuitBreaker(failure_threshold=2, cooldown_s=10, clock=clock)
+    restarted.failure(unreachable=True)
+    restarted.failure(unreachable=True)
+    assert restarted.state is BreakerState.OPEN
+    restarted.health_ok()  # it answers again: back at once, no cooldown
+    assert restarted.state is BreakerState.CLOSED
+
+    wedged = CircuitBreaker(failure_threshold=2, cooldown_s=10, clock=clock)
+    wedged.failure()  # a timeout: /health answering says nothing about requests
+    wedged.health_ok()
+    wedged.failure(unreachable=True)
+    assert wedged.state is BreakerState.OPEN  # the poll between did not reset the count
+    wedged.health_ok()
+    assert wedged.state is BreakerState.OPEN
+    clock.now += 10
+    wedged.begin()
+    wedged.success()  # only a request that succeeds closes it
+    assert wedged.state is BreakerState.CLOSED
+    wedged.failure(unreachable=True)
+    wedged.health_ok()
+    assert wedged.state is BreakerState.CLOSED and wedged.allows()
+
+
 def test_breaker_opens_after_threshold_and_probes_once_after_cooldown() -> None:
     clock = Clock()
     breaker = CircuitBreaker(failure_threshold=2, cooldown_s=10, clock=clock)
