@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 from aiohttp import web
@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 # Failures before the response headers: the replica streamed nothing (safe to retry elsewhere).
 # UpstreamConnectError and UpstreamDisconnected are ConnectionErrors.
 _RETRYABLE = (ConnectionError,)
+#: The last event of a complete OpenAI chat or completions stream.
+STREAM_DONE: Final = b"data: [DONE]"
+#: An error event the engine sent in a stream (the OpenAI envelope as data; Anthropic's and the
+#: Responses API's ``error`` event): it ends the stream as well as the last event does.
+_ERROR_EVENT_STARTS: Final = (b'data: {"error"', b"event: error")
 #: Answers that say the replica, not the request, failed: retried on a fallback while one is
 #: left. All but 503 (overloaded, or shutting down: busy, not broken) also count against the
 #: replica's circuit breaker.
@@ -113,6 +118,9 @@ class ForwardPlan:
     #: The event that tells the client its started stream failed (``RequestKind.stream_error``);
     #: None: the OpenAI envelope as one ``data:`` event.
     stream_error: Callable[[GatewayError], bytes] | None = None
+    #: Bytes any of which mark the event that ends a complete stream
+    #: (``RequestKind.stream_end_marker``): a stream that ends without one was cut short.
+    stream_end_marker: tuple[bytes, ...] = (STREAM_DONE,)
 
 
 class ReplicaDirectory(Protocol):
@@ -301,6 +309,10 @@ class UpstreamDiedBeforeFirstEvent(ConnectionError):
     """The replica answered 200 but failed before its first SSE event: still safe to retry."""
 
 
+class UpstreamStreamCut(Exception):
+    """The replica's stream ended (cleanly, as HTTP goes) before the event that ends it."""
+
+
 class UpstreamDiedBeforeAnswer(ConnectionError):
     """The replica's (non-streamed) answer broke off: nothing reached the client, so retry."""
 
@@ -330,6 +342,7 @@ async def _relay_stream(
     hooks: AttemptHooks,
     first_token_marker: tuple[bytes, ...] | None = None,
     stream_error: Callable[[GatewayError], bytes] | None = None,
+    end_marker: tuple[bytes, ...] = (STREAM_DONE,),
 ) -> web.StreamResponse:
     relay = SseRelay(hide_usage_chunk)
     first = await _first_events(resp, relay)  # raises before any byte reached the client
@@ -338,6 +351,10 @@ async def _relay_stream(
     out.headers["Cache-Control"] = "no-cache"
     out.headers["X-Request-Id"] = request_id
     last: float | None = None
+    ended = False  # the stream's own last event (or an error event of the engine's) was relayed
+
+    def ends(event: bytes) -> bool:
+        return event.startswith(_ERROR_EVENT_STARTS) or any(m in event for m in end_marker)
 
     async def upstream_events() -> AsyncIterator[list[bytes]]:
         if first:
@@ -358,6 +375,7 @@ async def _relay_stream(
                 and not any(marker in event for event in events for marker in first_token_marker)
             ):
                 for event in events:  # before any output (response.created): not yet TTFT
+                    ended = ended or ends(event)
                     await out.write(event)
                 continue
             if last is None:
@@ -368,13 +386,22 @@ async def _relay_stream(
                 outcome.gaps_s.append(now - last)
             last = now
             for event in events:
+                ended = ended or ends(event)
                 await out.write(event)
         tail = relay.flush()
-        if tail:
-            await out.write(tail)
-    except (UpstreamPayloadError, TimeoutError) as exc:
+        if tail and (ended or ends(tail)):
+            await out.write(tail)  # the last event, its blank line lost on the way
+        elif not ended:
+            # The body ended properly but the stream did not (an ingress's idle timeout, an
+            # engine going down gracefully): a client would take the partial answer as whole.
+            raise UpstreamStreamCut(f"ended without its last event ({len(tail)} bytes left over)")
+    except (UpstreamPayloadError, TimeoutError, UpstreamStreamCut) as exc:
         # Bytes already reached the client: no retry. Tell it in-band, then end the stream.
-        log.warning("upstream %s failed mid-stream: %s", outcome.replica, type(exc).__name__)
+        log.warning(
+            "upstream %s failed mid-stream on request %s: %s",
+            outcome.replica, request_id, f"{type(exc).__name__}: {exc}" if str(exc)
+            else type(exc).__name__,
+        )
         outcome.status = 502
         error = GatewayError(502, errors.UPSTREAM_ERROR, "upstream failed mid-stream")
         if stream_error is not None:
@@ -532,6 +559,7 @@ async def send(
                         result = await _relay_stream(
                             request, resp, outcome, request_id, plan.hide_usage_chunk, hooks,
                             plan.first_token_marker, plan.stream_error,
+                            plan.stream_end_marker,
                         )
                     else:
                         result = await _relay_body(resp, outcome, request_id, not_found)

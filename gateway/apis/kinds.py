@@ -18,7 +18,7 @@ from gateway.apis import anthropic, responses, usage
 from gateway.apis.background_responses import is_background_start
 from gateway.errors import bad_request
 from gateway.policy_view import Tenant
-from gateway.proxy import UpstreamOutcome
+from gateway.proxy import STREAM_DONE, UpstreamOutcome
 from gateway.request.kinds import Body, RequestKind
 from gateway.request_body import validate_common
 from gateway.state import GatewayState
@@ -124,6 +124,10 @@ RESPONSES = RequestKind(
         b'"response.function_call_arguments.delta"',
         b'"response.refusal.delta"',
     ),
+    # The Responses stream ends with the response's final state (vLLM sends no [DONE]).
+    stream_end_marker=(
+        b"response.completed", b"response.incomplete", b"response.failed", STREAM_DONE,
+    ),
 )
 
 
@@ -139,6 +143,7 @@ MESSAGES = RequestKind(
     usage=usage.from_anthropic,
     error_response=anthropic.error_response,
     stream_error=anthropic.stream_error_event,
+    stream_end_marker=(b"event: message_stop", STREAM_DONE),
 )
 
 
