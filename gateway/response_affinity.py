@@ -7,8 +7,14 @@ tenant that asked, and routes follow-ups (and ``GET /v1/responses/{id}``) there.
 
 One gateway keeps the map in memory; gateways sharing Redis keep it there, so a follow-up may
 reach any of them. Entries expire after ``ttl_s`` (a day by default: a stored response outlives
-no engine restart anyway). A Redis failure is logged and treated as "not known": the caller then
-answers a clear error rather than guessing a replica.
+no engine restart anyway).
+
+With Redis, each gateway also keeps what it recorded itself in memory (an entry never changes:
+a response id is made once), so it finds its own responses without asking Redis, and through a
+Redis outage. What it could not write during an outage is written once Redis answers again, so
+other gateways find those responses too. A response this gateway does not know, while Redis
+cannot be read, raises ``ResponseAffinityUnavailable``: the client is told to retry (a 503),
+not that the response does not exist.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ class ResponseHome:
 
     replica: ReplicaId
     tenant: str
+
+
+class ResponseAffinityUnavailable(Exception):
+    """The shared map cannot be read and this gateway did not record the response itself."""
 
 
 class ResponseAffinity(Protocol):
@@ -82,30 +92,47 @@ class MemoryResponseAffinity:
 
 
 class RedisResponseAffinity:
-    """The map in Redis (``<prefix>response:<id>`` -> JSON, with a TTL), shared by gateways."""
+    """The map in Redis (``<prefix>response:<id>`` -> JSON, with a TTL), shared by gateways, and
+    this gateway's own entries in memory as well (see the module's docstring)."""
 
     def __init__(
-        self, redis_url: str, key_prefix: str = "fleetgate:", ttl_s: float = DEFAULT_TTL_S
+        self,
+        redis_url: str,
+        key_prefix: str = "fleetgate:",
+        ttl_s: float = DEFAULT_TTL_S,
+        capacity: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         from routing.redis_clients import bounded_client
 
         self._redis = bounded_client(redis_url, 0.5)
         self._prefix = f"{key_prefix}response:"
-        self._ttl_ms = int(ttl_s * 1000)
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._own = MemoryResponseAffinity(ttl_s, capacity, clock)
+        #: Recorded while Redis failed, oldest first: (when, home), written once it answers.
+        self._unwritten: OrderedDict[str, tuple[float, ResponseHome]] = OrderedDict()
+        self._capacity = capacity
+        #: In an outage: its failures are logged once, not once per request.
+        self._failing = False
 
     async def remember(self, response_id: str, home: ResponseHome) -> None:
-        value = json.dumps({"replica": home.replica, "tenant": home.tenant})
-        try:
-            await self._redis.set(self._prefix + response_id, value, px=self._ttl_ms)
-        except Exception as exc:  # the follow-up will get a clear error; serving goes on
-            log.warning("response affinity: cannot record %s in Redis: %s", response_id, exc)
+        await self._own.remember(response_id, home)
+        self._unwritten[response_id] = (self._clock(), home)
+        while len(self._unwritten) > self._capacity:
+            self._unwritten.popitem(last=False)
+        await self._write_unwritten()
 
     async def home_of(self, response_id: str) -> ResponseHome | None:
+        own = await self._own.home_of(response_id)
+        if own is not None:
+            return own
         try:
             raw = await self._redis.get(self._prefix + response_id)
         except Exception as exc:
-            log.warning("response affinity: cannot read %s from Redis: %s", response_id, exc)
-            return None
+            self._failed(exc)
+            raise ResponseAffinityUnavailable(str(exc) or type(exc).__name__) from exc
+        await self._write_unwritten()  # Redis answers: what the outage kept back goes out
         if raw is None:
             return None
         try:
@@ -114,6 +141,42 @@ class RedisResponseAffinity:
         except (ValueError, KeyError, TypeError):
             log.warning("response affinity: malformed entry for %s", response_id)
             return None
+
+    async def _write_unwritten(self) -> None:
+        """Write every entry not yet in Redis (one, normally), each with what is left of its
+        TTL; keep them for the next try if Redis fails."""
+        if not self._unwritten:
+            return
+        now = self._clock()
+        entries = list(self._unwritten.items())
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for response_id, (at, home) in entries:
+                    left_ms = int((self._ttl_s - (now - at)) * 1000)
+                    if left_ms > 0:
+                        value = json.dumps({"replica": home.replica, "tenant": home.tenant})
+                        pipe.set(self._prefix + response_id, value, px=left_ms)
+                await pipe.execute()
+        except Exception as exc:  # kept: this gateway still finds them, others once written
+            self._failed(exc)
+            return
+        for response_id, _ in entries:
+            self._unwritten.pop(response_id, None)
+        if self._failing:
+            self._failing = False
+            log.warning(
+                "response affinity: Redis answers again; wrote %d responses recorded during "
+                "the outage", len(entries),
+            )
+
+    def _failed(self, exc: BaseException) -> None:
+        if not self._failing:
+            self._failing = True
+            log.warning(
+                "response affinity: Redis failed (%s): this gateway's responses are kept in its "
+                "memory and written once Redis answers; follow-ups of other gateways' responses "
+                "get 503 until then", exc,
+            )
 
     async def close(self) -> None:
         await self._redis.aclose()

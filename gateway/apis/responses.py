@@ -21,7 +21,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from gateway.errors import GatewayError, bad_request
-from gateway.response_affinity import ResponseAffinity, ResponseHome
+from gateway.response_affinity import (
+    ResponseAffinity,
+    ResponseAffinityUnavailable,
+    ResponseHome,
+)
 from gateway.state import GatewayState
 from routing.api_messages import responses_messages
 from routing.contracts import PromptTokenizer, TokenizedPrompt
@@ -31,6 +35,7 @@ from routing.types import ReplicaId
 #: Stable error codes of this API (also ``fleetgate_errors_total`` labels).
 RESPONSE_NOT_FOUND = "response_not_found"
 RESPONSE_REPLICA_GONE = "response_replica_gone"
+RESPONSE_LOOKUP_UNAVAILABLE = "response_lookup_unavailable"
 
 
 def new_response_id() -> str:
@@ -68,27 +73,40 @@ async def prompt(tokenizer: PromptTokenizer, model: str, body: Mapping[str, Any]
     return await tokenizer.tokenize_chat(model, responses_messages(body), **variables)
 
 
-def not_found(response_id: str) -> GatewayError:
+def not_found(response_id: str, param: str | None = "previous_response_id") -> GatewayError:
     return GatewayError(
-        404, RESPONSE_NOT_FOUND, f"Response with id '{response_id}' not found.",
-        "previous_response_id",
+        404, RESPONSE_NOT_FOUND, f"Response with id '{response_id}' not found.", param,
     )
 
 
 async def home_replica(
-    gw: GatewayState, affinity: ResponseAffinity, tenant: str, response_id: str
+    gw: GatewayState,
+    affinity: ResponseAffinity,
+    tenant: str,
+    response_id: str,
+    param: str | None = "previous_response_id",
 ) -> ReplicaId:
-    """The replica that stored ``response_id``; 404 if unknown, another tenant's, or gone."""
-    home = await affinity.home_of(response_id)
+    """The replica that stored ``response_id``; 404 if unknown, another tenant's, or gone (the
+    error's ``param`` is ``param``: None for ``/v1/responses/{id}``, where no field named it);
+    503 if the shared store cannot be read."""
+    try:
+        home = await affinity.home_of(response_id)
+    except ResponseAffinityUnavailable:
+        raise GatewayError(
+            503, RESPONSE_LOOKUP_UNAVAILABLE,
+            f"Cannot look up which replica stored response '{response_id}' right now (the "
+            "gateways' shared store is unreachable); retry shortly.",
+            headers={"Retry-After": "1"},
+        ) from None
     if home is None or home.tenant != tenant:  # never reveal another tenant's response
-        raise not_found(response_id)
+        raise not_found(response_id, param)
     if gw.registry.get(home.replica) is None:
         raise GatewayError(
             404, RESPONSE_REPLICA_GONE,
             f"Response with id '{response_id}' was stored by replica {home.replica}, which has "
             "left the fleet; vLLM keeps stored responses in the engine's memory, so it is gone. "
             "Send the whole conversation as `input` instead of `previous_response_id`.",
-            "previous_response_id",
+            param,
         )
     return home.replica
 

@@ -43,7 +43,7 @@ async def relay_to_home(request: web.Request, upstream_suffix: str = "") -> web.
     try:
         tenant = authenticate(request, gw.policy)
         replica_id = await responses.home_replica(
-            gw, gw.response_affinity, tenant.name, response_id
+            gw, gw.response_affinity, tenant.name, response_id, param=None
         )
         replica = gw.registry.get(replica_id)
         assert replica is not None  # home_replica checked it

@@ -18,6 +18,7 @@ from gateway.response_affinity import RedisResponseAffinity, ResponseHome
 from replica.sim.fleet import SimFleet, start_sim_fleet
 from routing.types import ReplicaId
 from tests.integration.test_gateway_support import serve
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -91,3 +92,57 @@ async def test_follow_up_through_the_other_gateway_lands_on_the_same_replica(
     for c in range(4):
         assert logs[1][f"b-{c}"]["served_by"] == logs[0][f"a-{c}"]["served_by"]
         assert logs[1][f"b-{c}"]["profile"] == "pinned"
+
+
+async def test_responses_survive_a_redis_outage(redis_server: RedisServer, fleet: SimFleet) -> None:
+    # With Redis down, a follow-up of a response this gateway served still finds its replica
+    # (the gateway keeps its own entries); one it cannot know is a retryable 503, not a 404
+    # saying the response does not exist; and what it recorded during the outage reaches the
+    # other gateway once Redis answers again.
+    specs = [
+        ReplicaSpec(f"sim/{i}", url, models=frozenset({"sim-model"}))
+        for i, url in enumerate(fleet.urls)
+    ]
+
+    def gateway() -> web.Application:
+        config = GatewayConfig(
+            redis_url=redis_server.url, admin_key=ADMIN_KEY, health_interval_s=3600
+        )
+        return create_app(config, GatewayPolicy.default(specs))
+
+    async with serve(gateway()) as url_a, serve(gateway()) as url_b:
+        a, b = (
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0)
+            for url in (url_a, url_b)
+        )
+        try:
+            redis_server.stop()
+            first = await a.responses.create(
+                model="sim-model", input="a conversation begins", max_output_tokens=2
+            )
+            follow = await a.responses.create(
+                model="sim-model", input="go on", previous_response_id=first.id,
+                max_output_tokens=2,
+            )
+            assert follow.previous_response_id == first.id
+            with pytest.raises(openai.APIStatusError) as refused:
+                await b.responses.create(
+                    model="sim-model", input="go on", previous_response_id=first.id,
+                    max_output_tokens=2,
+                )
+            assert refused.value.status_code == 503
+            assert refused.value.response.headers["Retry-After"] == "1"
+            assert refused.value.body["code"] == "response_lookup_unavailable"
+
+            redis_server.start()  # same port, empty
+            # Gateway A's next Responses request writes what the outage kept back.
+            await a.responses.create(model="sim-model", input="another", max_output_tokens=2)
+            via_b = await b.responses.create(
+                model="sim-model", input="go on", previous_response_id=first.id,
+                max_output_tokens=2,
+            )
+            assert via_b.previous_response_id == first.id
+            assert (await b.responses.retrieve(first.id)).id == first.id
+        finally:
+            await a.close()
+            await b.close()

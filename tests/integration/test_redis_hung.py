@@ -17,7 +17,11 @@ from redis.exceptions import RedisClusterException
 from adapters_registry.placement import PlacementUnavailable
 from adapters_registry.placement_redis import RedisPlacementStore
 from gateway.inflight import RedisInflight
-from gateway.response_affinity import RedisResponseAffinity
+from gateway.response_affinity import (
+    RedisResponseAffinity,
+    ResponseAffinityUnavailable,
+    ResponseHome,
+)
 from gateway.token_budgets import OUTAGE_S, RedisBudgetStore
 from replica.agent.ingest import INDEX_DOWN_ERRORS
 from replica.fleet_store import FleetStoreUnavailable, RedisFleetStore
@@ -102,10 +106,16 @@ async def test_token_budgets_leave_a_hung_redis_alone_for_a_while(
         await server.wait_closed()
 
 
-async def test_response_affinity_answers_unknown(frozen_redis: str) -> None:
+async def test_response_affinity_keeps_its_own_and_says_it_cannot_tell_the_rest(
+    frozen_redis: str,
+) -> None:
     affinity = RedisResponseAffinity(frozen_redis)
+    home = ResponseHome(ReplicaId("r0"), "acme")
     try:
-        assert await asyncio.wait_for(affinity.home_of("resp_1"), GUARD_S) is None
+        await asyncio.wait_for(affinity.remember("resp_mine", home), GUARD_S)
+        assert await asyncio.wait_for(affinity.home_of("resp_mine"), GUARD_S) == home
+        with pytest.raises(ResponseAffinityUnavailable):
+            await asyncio.wait_for(affinity.home_of("resp_1"), GUARD_S)
     finally:
         await affinity.close()
 
