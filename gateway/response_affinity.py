@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 #: How long a response's replica is remembered.
 DEFAULT_TTL_S = 24 * 3600.0
+#: After a failed Redis call, how long Redis is left alone: a hung Redis would otherwise cost
+#: every Responses request the client's timeout.
+OUTAGE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +118,9 @@ class RedisResponseAffinity:
         self._capacity = capacity
         #: In an outage: its failures are logged once, not once per request.
         self._failing = False
+        #: After a failure, Redis is left alone this long (``OUTAGE_S``).
+        self.outage_s = OUTAGE_S
+        self._skip_until = float("-inf")
 
     async def remember(self, response_id: str, home: ResponseHome) -> None:
         await self._own.remember(response_id, home)
@@ -127,6 +133,8 @@ class RedisResponseAffinity:
         own = await self._own.home_of(response_id)
         if own is not None:
             return own
+        if self._clock() < self._skip_until:
+            raise ResponseAffinityUnavailable(f"Redis failed less than {self.outage_s:g} s ago")
         try:
             raw = await self._redis.get(self._prefix + response_id)
         except Exception as exc:
@@ -145,9 +153,9 @@ class RedisResponseAffinity:
     async def _write_unwritten(self) -> None:
         """Write every entry not yet in Redis (one, normally), each with what is left of its
         TTL; keep them for the next try if Redis fails."""
-        if not self._unwritten:
-            return
         now = self._clock()
+        if not self._unwritten or now < self._skip_until:
+            return
         entries = list(self._unwritten.items())
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -170,6 +178,7 @@ class RedisResponseAffinity:
             )
 
     def _failed(self, exc: BaseException) -> None:
+        self._skip_until = self._clock() + self.outage_s
         if not self._failing:
             self._failing = True
             log.warning(

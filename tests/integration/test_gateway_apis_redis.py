@@ -3,6 +3,7 @@ lands on the replica that stored the previous response (two simulated replicas, 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
@@ -15,6 +16,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
 from gateway.response_affinity import RedisResponseAffinity, ResponseHome
+from gateway.state import GATEWAY
 from replica.sim.fleet import SimFleet, start_sim_fleet
 from routing.types import ReplicaId
 from tests.integration.test_gateway_support import serve
@@ -108,7 +110,11 @@ async def test_responses_survive_a_redis_outage(redis_server: RedisServer, fleet
         config = GatewayConfig(
             redis_url=redis_server.url, admin_key=ADMIN_KEY, health_interval_s=3600
         )
-        return create_app(config, GatewayPolicy.default(specs))
+        app = create_app(config, GatewayPolicy.default(specs))
+        # Redis is left alone for a while after a failure; short here, so that the test
+        # need not wait the default 5 s after the restart.
+        app[GATEWAY].response_affinity.outage_s = 0.1
+        return app
 
     async with serve(gateway()) as url_a, serve(gateway()) as url_b:
         a, b = (
@@ -135,6 +141,7 @@ async def test_responses_survive_a_redis_outage(redis_server: RedisServer, fleet
             assert refused.value.body["code"] == "response_lookup_unavailable"
 
             redis_server.start()  # same port, empty
+            await asyncio.sleep(0.2)  # past both gateways' outage_s
             # Gateway A's next Responses request writes what the outage kept back.
             await a.responses.create(model="sim-model", input="another", max_output_tokens=2)
             via_b = await b.responses.create(
