@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING
 
 from fleetgate.commands._args import non_negative_int, positive_float, positive_int
 from fleetgate.extras import PLAN, missing_extra, progress_available
+from planning.simulator.policy_file import (
+    PolicyFileError,
+    file_profile_factories,
+    policy_file_profiles,
+)
 from traces.format import DEFAULT_BLOCK_SIZE, TraceFormatError, TraceRecord, read_trace
 from traces.notes import trace_notes
 from traces.spread import spread_arrivals
@@ -121,9 +126,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policies",
-        default=default_policies(),
+        default=None,
         metavar="A,B,…",
-        help="comma-separated built-in routing policies to compare (default: all but random)",
+        help="comma-separated routing policies to compare: built-in profiles, and with --config "
+        "the profiles its file defines (default: all built-in but random, and every profile "
+        "the --config file defines)",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="POLICY.yaml",
+        help="a routing-policy file (as `fleetgate serve --config` takes): its `profiles:` "
+        "can be replayed by name, with their plugins' parameters, to rehearse a policy before "
+        "shipping it; its routes, tenants and flow_control are not read (set SLOs and flow "
+        "control with the flags below)",
     )
     parser.add_argument(
         "--rate-scale",
@@ -237,12 +252,23 @@ def run(args: argparse.Namespace) -> int:
     from planning.simulator.report import render_json
     from routing.policies.registry import BUILTIN_PROFILES
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in BUILTIN_PROFILES]
+    file_profiles: tuple[str, ...] = ()
+    if args.config:
+        try:
+            file_profiles = policy_file_profiles(args.config)
+        except PolicyFileError as exc:
+            return _fail(str(exc))
+    known = [*BUILTIN_PROFILES, *file_profiles]
+    names = args.policies if args.policies is not None else default_policies()
+    if args.policies is None and file_profiles:
+        names += "," + ",".join(file_profiles)
+    policies = [p.strip() for p in names.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in known]
     if unknown or not policies:
+        hint = "" if args.config else " (a profile of a policy file: add --config FILE)"
         return _fail(
             f"unknown policy {unknown[0] if unknown else '(none)'}; choose from: "
-            + ", ".join(BUILTIN_PROFILES)
+            + ", ".join(known) + hint
         )
     twice = sorted({p for p in policies if policies.count(p) > 1})
     if twice:
@@ -346,6 +372,7 @@ def _sweep(
         adapters=adapters,
         progress=progress,
         jobs=args.jobs,
+        profile_factories=file_profile_factories(args.config, policies) if args.config else None,
     )
 
 

@@ -105,12 +105,14 @@ def simulate_sweep(
     adapters: AdapterMix | None = None,
     progress: bool = False,
     jobs: int = 1,
+    profile_factories: Mapping[str, Callable[[], Profile]] | None = None,
 ) -> list[SweepPoint]:
     """``simulate`` at each of ``rate_scales`` (in the order given), one progress bar for all.
 
     The same records are replayed at each scale (arrivals divided by it), so the points differ
     only in load. ``jobs`` > 1 replays the (scale, policy) runs in that many worker processes:
-    each run is independent (a fresh fleet) and deterministic, so the results are the same.
+    each run is independent (a fresh fleet) and deterministic, so the results are the same
+    (``profile_factories`` must then pickle: ``planning.simulator.policy_file``'s do).
     """
     if not rate_scales:
         raise ValueError("rate_scales: name at least one rate scale")
@@ -123,10 +125,11 @@ def simulate_sweep(
     total = sum(len(batch) for batch in batches) * len(policies)
     bar = _progress_bar(total) if progress else None
     try:
+        factories = profile_factories or {}
         if jobs > 1:
-            reports = _simulate_in_workers(batches, policies, config, bar, jobs)
+            reports = _simulate_in_workers(batches, policies, config, bar, jobs, factories)
         else:
-            reports = [_simulate(batch, policies, config, bar, {}) for batch in batches]
+            reports = [_simulate(batch, policies, config, bar, factories) for batch in batches]
     finally:
         if bar is not None:
             bar.close()
@@ -142,6 +145,7 @@ def _simulate_in_workers(
     config: SimulationConfig,
     bar: tqdm | None,
     jobs: int,
+    factories: Mapping[str, Callable[[], Profile]],
 ) -> list[SimulationReport]:
     """One report per batch, each (batch, policy) run in a worker process, merged in order."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -152,7 +156,9 @@ def _simulate_in_workers(
     pool = ProcessPoolExecutor(max_workers=jobs, initializer=_ignore_interrupts)
     try:
         futures = {
-            pool.submit(_simulate, batch, [policy], config, None, {}): (b, p)
+            pool.submit(_simulate, batch, [policy], config, None, {
+                name: factory for name, factory in factories.items() if name == policy
+            }): (b, p)
             for b, batch in enumerate(batches)
             for p, policy in enumerate(policies)
         }

@@ -306,3 +306,48 @@ def test_results_with_stale_engine_figures_never_depend_on_the_machines_clock(
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 3600.0 * next(leaps))
     assert rows() == steady
+
+
+POLICY_WITH_A_PROFILE = """\
+version: 1
+replica_pools:
+  - {name: pool, replicas: ["http://a1"]}
+models:
+  - {name: model, pools: [pool]}
+profiles:
+  - name: least-loaded-copy        # the built-in least-loaded, defined in the file
+    picker: least-loaded
+"""
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_cli_replays_the_profiles_a_policy_file_defines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], jobs: str
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace(_shared_prefix_trace(groups=3, per_group=4, gap_ms=50), trace)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY_WITH_A_PROFILE)
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2",
+            "--config", str(policy), "--json", "--no-progress", "--jobs", jobs]
+    assert main([*argv, "--policies", "least-loaded,least-loaded-copy"]) == 0
+    rows = {row["policy"]: row for row in json.loads(capsys.readouterr().out)}
+    builtin, copy = rows["least-loaded"], rows["least-loaded-copy"]
+    assert {**copy, "policy": "least-loaded"} == builtin  # the same pipeline, the same replay
+    # Without --policies, the file's profiles join the built-in ones.
+    assert main(argv) == 0
+    assert "least-loaded-copy" in {row["policy"] for row in json.loads(capsys.readouterr().out)}
+
+
+def test_cli_names_the_flag_for_a_policy_file_profile_and_lists_a_bad_files_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    write_trace([_record(0, [1])], trace)
+    assert main(["simulate", "--trace", str(trace), "--policies", "mine"]) == 2
+    assert "add --config FILE" in capsys.readouterr().err
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("version: 1\nprofiles: [{name: mine}]\n")
+    assert main(["simulate", "--trace", str(trace), "--config", str(policy)]) == 2
+    err = capsys.readouterr().err
+    assert f"{policy} is invalid" in err and "replica_pools: required key is missing" in err
