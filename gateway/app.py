@@ -216,7 +216,7 @@ def create_app(
     if config.policy_path is not None:
         with contextlib.suppress(OSError):
             gw.policy_mtime = os.stat(config.policy_path).st_mtime
-    gw.metrics.set_policy(policy_digest(gw.policy.source))
+    gw.metrics.set_policy(policy_digest(gw.policy.source), gw.policy.routes)
 
     app = web.Application(middlewares=[envelope_errors], handler_args=HANDLER_ARGS)
     app[GATEWAY] = gw

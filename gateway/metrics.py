@@ -8,7 +8,7 @@ base models the replicas serve, status codes, stable error codes.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,6 +20,9 @@ from prometheus_client import (
 from prometheus_client.metrics import MetricWrapperBase
 
 from gateway import errors
+
+if TYPE_CHECKING:
+    from gateway.policy_view import Route
 
 # No ``*_created`` series (prometheus_client exports one per labelled counter and histogram by
 # default): nothing reads them, and they double the series count. Process-wide, at import.
@@ -350,6 +353,14 @@ class GatewayMetrics:
             ["digest"],
             registry=r,
         )
+        self.route_slo = Gauge(
+            "fleetgate_route_slo_seconds",
+            "The p95 objectives each route declares in the policy (slo=ttft|tpot): what "
+            "`fleetgate triage` checks the route's latency against. Absent for a route that "
+            "declares none (its fleetgate_slo_requests_total counts against the defaults)",
+            ["route", "slo"],
+            registry=r,
+        )
         # Flow control (docs/flow-control.md): tenants are policy names, classes a fixed set.
         self.flow_queue_length = Gauge(
             "fleetgate_flow_queue_length",
@@ -390,10 +401,18 @@ class GatewayMetrics:
             if isinstance(metric, MetricWrapperBase) and metric._labelnames:
                 setattr(self, name, CachedLabels(metric))
 
-    def set_policy(self, digest: str) -> None:
-        """This gateway now runs the policy with ``digest`` (the series of the last one goes)."""
+    def set_policy(self, digest: str, routes: Iterable[Route] = ()) -> None:
+        """This gateway now runs the policy with ``digest`` and ``routes`` (the series of the
+        last one go)."""
         self.policy_info.clear()
         self.policy_info.labels(digest).set(1)
+        self.route_slo.clear()
+        for route in routes:
+            if not route.slo_declared:
+                continue
+            for slo, ms in (("ttft", route.ttft_slo_ms), ("tpot", route.tpot_slo_ms)):
+                if ms is not None:
+                    self.route_slo.labels(route.name, slo).set(ms / 1000.0)
 
     def forget_replica(self, replica_id: str) -> None:
         """Drop the per-replica gauges of a replica that left the fleet (a frozen ``healthy=1``

@@ -62,7 +62,7 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     if stale and gw.adapters is not None:
         _unload_in_background(gw, stale)
     gw.metrics.policy_reloads.labels("ok").inc()
-    gw.metrics.set_policy(policy_digest(policy))
+    gw.metrics.set_policy(policy_digest(policy), view.routes)
     summary = policy.summary() if hasattr(policy, "summary") else None
     log.info("policy reloaded from %s: %s", path, summary)
     for warning in getattr(policy, "warnings", list)():

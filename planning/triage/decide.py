@@ -123,11 +123,20 @@ def triage(metrics: RouteMetrics) -> list[Lever]:
     return levers
 
 
+#: How to give triage a route's SLO, in a message about the one it lacks.
+_NO_SLO = (
+    "declare the route's `slo` in the policy (the gateway then exports it), or pass "
+    "--{slo}-slo-ms (`{slo}_slo_ms` in an --input file)"
+)
+
+
 def unchecked(metrics: RouteMetrics) -> list[str]:
     """Rules that could not be evaluated because their inputs are unknown."""
     missing = []
-    if metrics.ttft_p95_ms is None or metrics.ttft_slo_ms is None:
-        missing.append("TTFT (needs ttft_p95_ms and ttft_slo_ms)")
+    if metrics.ttft_p95_ms is None:
+        missing.append("TTFT (needs ttft_p95_ms)")
+    elif metrics.ttft_slo_ms is None:
+        missing.append(f"TTFT (no SLO to check it against: {_NO_SLO.format(slo='ttft')})")
     if metrics.kv_cache_usage is None and metrics.preemptions_per_min is None:
         missing.append("KV pressure (needs kv_cache_usage or preemptions_per_min)")
     elif (
@@ -140,8 +149,10 @@ def unchecked(metrics: RouteMetrics) -> list[str]:
             "KV pressure at this usage (needs waiting_mean or waiting_growth_per_min: a full "
             "cache limits only while requests wait or the queue grows)"
         )
-    if metrics.tpot_p95_ms is None or metrics.tpot_slo_ms is None:
-        missing.append("TPOT (needs tpot_p95_ms and tpot_slo_ms)")
+    if metrics.tpot_p95_ms is None:
+        missing.append("TPOT (needs tpot_p95_ms)")
+    elif metrics.tpot_slo_ms is None:
+        missing.append(f"TPOT (no SLO to check it against: {_NO_SLO.format(slo='tpot')})")
     if metrics.fine_tuned_variants is None:
         missing.append("fine-tunes (needs fine_tuned_variants)")
     return missing

@@ -1,8 +1,9 @@
 """Triage input from a running gateway's ``/metrics`` (one scrape, Prometheus text format).
 
 What one scrape can tell, per route: TTFT and TPOT p95 (from the lifetime histograms), the
-prefix-repeat fraction, the cache-busting flag, and how many distinct models the route sent
-traffic to. KV usage, preemptions and utilisation need engine metrics or rates over time: use
+SLOs the route declares (``fleetgate_route_slo_seconds``), the prefix-repeat fraction, the
+cache-busting flag, and how many distinct models the route sent traffic to. KV usage,
+preemptions and utilisation need engine metrics or rates over time: use
 ``--prometheus`` for those, or fill them in with ``--input``.
 """
 
@@ -36,6 +37,7 @@ def parse_gateway_metrics(text: str) -> dict[str, RouteMetrics]:
     repeat: dict[str, float] = {}
     busting: dict[str, bool] = {}
     models: dict[str, set[str]] = defaultdict(set)
+    slos: dict[str, dict[str, float]] = defaultdict(dict)
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as exc:
@@ -55,13 +57,17 @@ def parse_gateway_metrics(text: str) -> dict[str, RouteMetrics]:
                 busting[route] = sample.value >= 1
             elif sample.name == "fleetgate_requests_total" and sample.value > 0:
                 models[route].add(sample.labels.get("model", ""))
+            elif sample.name == "fleetgate_route_slo_seconds" and sample.value > 0:
+                slos[route][sample.labels.get("slo", "")] = sample.value * 1000.0
     routes = sorted(set(ttft) | set(tpot) | set(repeat) | set(busting) | set(models))
     result = {}
     for route in routes:
         try:
             result[route] = RouteMetrics(
                 ttft_p95_ms=_p95_ms(ttft.get(route)),
+                ttft_slo_ms=slos[route].get("ttft"),
                 tpot_p95_ms=_p95_ms(tpot.get(route)),
+                tpot_slo_ms=slos[route].get("tpot"),
                 shared_prefix_fraction=repeat.get(route),
                 cache_busting_layout=busting.get(route),
                 # Distinct models behind one route: fine-tunes deployed as full models.

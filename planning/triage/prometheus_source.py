@@ -23,6 +23,9 @@ ROUTE_QUERIES: dict[str, str] = {
         "1000 * histogram_quantile(0.95, sum by (route, le) "
         "(rate(fleetgate_tpot_seconds_bucket[{w}])))"
     ),
+    # What each route declares in the policy (absent where it declares none).
+    "ttft_slo_ms": 'max by (route) (1000 * fleetgate_route_slo_seconds{{slo="ttft"}})',
+    "tpot_slo_ms": 'max by (route) (1000 * fleetgate_route_slo_seconds{{slo="tpot"}})',
     "shared_prefix_fraction": (
         "max by (route) (avg_over_time(fleetgate_prefix_repeat_fraction[{w}]))"
     ),
@@ -44,6 +47,8 @@ FLEET_QUERIES: dict[str, str] = {
         "count(count by (replica) (fleetgate_replica_healthy == 1))"
     ),
 }
+
+_SLO_FIELDS = frozenset({"ttft_slo_ms", "tpot_slo_ms"})
 
 _CONVERT: dict[str, Callable[[float], object]] = {
     "cache_busting_layout": lambda value: value >= 1,
@@ -83,6 +88,8 @@ def fetch_prometheus_metrics(
             route = labels.get("route")
             if route is not None:
                 per_route.setdefault(route, {})[field] = _CONVERT.get(field, float)(value)
+    # A route that declares SLOs but saw no traffic in the window has nothing to triage.
+    per_route = {route: v for route, v in per_route.items() if set(v) - _SLO_FIELDS}
     fleet: dict[str, object] = {}
     for field, template in FLEET_QUERIES.items():
         results = query(client, base_url, template.format(w=window))

@@ -203,7 +203,10 @@ async def test_reload_refuses_invalid_file_and_keeps_running_policy(tmp_path: Pa
             f"{url}/v1/chat/completions", json=chat(), headers=auth("acme-key")
         ) as resp:
             assert resp.status == 200  # still routing with the old policy
-        path.write_text(good.replace("profile: least-loaded", "profile: round-robin"))
+        path.write_text(good.replace(
+            "profile: least-loaded",
+            "profile: round-robin\n    slo: {ttft_p95_ms: 800, tpot_p95_ms: 40}",
+        ))
         async with http.post(f"{url}/admin/policy/reload", headers=admin) as resp:
             assert resp.status == 200
         async with http.post(
@@ -220,6 +223,14 @@ async def test_reload_refuses_invalid_file_and_keeps_running_policy(tmp_path: Pa
     # Which policy each pod runs, comparable across pods (a reload reaches each on its own).
     assert len(digest_before) == 16 and digest_after != digest_before
     assert f'fleetgate_policy_info{{digest="{digest_after}"}} 1.0' in metrics
+    # The reloaded route's declared objectives, for `fleetgate triage` to check against (the
+    # implicit default route declares none).
+    slos = sorted(line for line in metrics.splitlines()
+                  if line.startswith("fleetgate_route_slo_seconds{"))
+    assert slos == [
+        'fleetgate_route_slo_seconds{route="acme-route",slo="tpot"} 0.04',
+        'fleetgate_route_slo_seconds{route="acme-route",slo="ttft"} 0.8',
+    ]
     assert digest_before not in metrics  # the old policy's series went with it
     assert any("bogus_key" in line for line in refused["error"]["details"])
     assert latest["profile"] == "round-robin"

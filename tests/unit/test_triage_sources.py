@@ -47,6 +47,8 @@ def _gateway_exposition() -> str:
     )
     repeat = Gauge("fleetgate_prefix_repeat_fraction", "", ["route"], registry=registry)
     busting = Gauge("fleetgate_cache_busting_layout", "", ["route"], registry=registry)
+    slo = Gauge("fleetgate_route_slo_seconds", "", ["route", "slo"], registry=registry)
+    slo.labels("rag", "ttft").set(2.0)  # rag declares a TTFT objective only
     # rag: 90 fast + 10 slow first tokens, split over two models (summed by route).
     for i in range(90):
         ttft.labels("rag", "llama" if i % 2 else "qwen").observe(0.2)
@@ -72,6 +74,7 @@ def test_gateway_metrics_per_route() -> None:
     assert rag.shared_prefix_fraction == 0.7
     assert rag.cache_busting_layout is False
     assert rag.fine_tuned_variants == 2
+    assert (rag.ttft_slo_ms, rag.tpot_slo_ms) == (2000.0, None)
     chat = routes["chat"]
     assert chat.cache_busting_layout is True
     assert chat.ttft_p95_ms is None and chat.fine_tuned_variants is None
@@ -108,6 +111,10 @@ def _vector(*series: tuple[dict, str]) -> dict:
 
 
 PROMETHEUS_ANSWERS = {
+    'fleetgate_route_slo_seconds{slo="ttft"}': _vector(
+        ({"route": "rag"}, "2000"), ({"route": "declared-but-idle"}, "800")
+    ),
+    'fleetgate_route_slo_seconds{slo="tpot"}': _vector(),
     "fleetgate_ttft_seconds_bucket": _vector(
         ({"route": "rag"}, "2400"), ({"route": "idle"}, "NaN")
     ),
@@ -125,7 +132,7 @@ PROMETHEUS_ANSWERS = {
 def _prometheus(request: httpx.Request) -> httpx.Response:
     assert request.url.path == "/api/v1/query"
     promql = request.url.params["query"]
-    assert "[30m]" in promql
+    assert "[30m]" in promql or "fleetgate_route_slo_seconds" in promql  # a gauge: no window
     for needle, answer in PROMETHEUS_ANSWERS.items():
         if needle in promql:
             return httpx.Response(200, json=answer)
@@ -135,8 +142,10 @@ def _prometheus(request: httpx.Request) -> httpx.Response:
 def test_prometheus_per_route_and_fleet_signals() -> None:
     with httpx.Client(transport=httpx.MockTransport(_prometheus)) as client:
         routes = fetch_prometheus_metrics("http://prom:9090", client, window="30m")
-    assert set(routes) == {"rag"}  # "idle" had only a NaN percentile
+    # "idle" had only a NaN percentile; "declared-but-idle" only its declared SLO.
+    assert set(routes) == {"rag"}
     rag = routes["rag"]
+    assert (rag.ttft_slo_ms, rag.tpot_slo_ms) == (2000.0, None)
     assert (rag.ttft_p95_ms, rag.tpot_p95_ms, rag.shared_prefix_fraction) == (2400, 38.5, 0.7)
     assert rag.cache_busting_layout is False
     assert rag.fine_tuned_variants == 1
