@@ -16,6 +16,7 @@ import argparse
 import functools
 import os
 import sys
+from pathlib import Path
 
 from aiohttp import web
 
@@ -50,7 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --redis and no --config: lookup asks Redis per request, mirror keeps an "
         "in-process copy fed by Redis streams (agents must match; default: mirror)",
     )
-    parser.add_argument("--tokenizer", help="tokenizer directory (default: text blocks)")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a Hugging Face tokenizer directory (holding tokenizer.json) for every model; "
+        "with --config it replaces each model's `tokenizer:` of the file (default: the file's, "
+        "else text blocks)",
+    )
     parser.add_argument(
         "--profile",
         type=routing_profile,
@@ -123,7 +130,34 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.tokenizer and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        print(
+            f"fleetgate serve: --tokenizer {args.tokenizer}: no tokenizer.json there (give a "
+            "Hugging Face tokenizer directory, e.g. the model's own)",
+            file=sys.stderr,
+        )
+        return 2
     if args.policy:
+        ignored = [
+            flag for flag, given in (
+                ("--replica", args.replica), ("--model", args.model),
+                ("--profile", args.profile != DEFAULT_PROFILE),
+                ("--usd-per-hour", args.usd_per_hour is not None),
+                ("--index-mode", args.index_mode),
+            ) if given
+        ]
+        if ignored:
+            print(
+                f"fleetgate serve: warning: {', '.join(ignored)} ignored with --config (the "
+                "policy file sets replicas, models, profiles, prices and the index)",
+                file=sys.stderr,
+            )
+        if args.tokenizer:
+            print(
+                f"fleetgate serve: warning: --tokenizer {args.tokenizer} replaces the tokenizer "
+                f"of every model in {args.policy}",
+                file=sys.stderr,
+            )
         from routing.config import PolicyError, load_policy
 
         try:

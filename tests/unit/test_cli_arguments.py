@@ -38,6 +38,15 @@ from fleetgate.cli import main
             "fleetgate replica run: need 0 < --backoff-min (0) <= --backoff-max (60)",
         ),
         (["serve"], "fleetgate serve: give --config FILE"),
+        (
+            ["serve", "--replica", "http://x", "--tokenizer", "/nonexistent"],
+            "--tokenizer /nonexistent: no tokenizer.json there",
+        ),
+        # A flag --config makes moot is said to be ignored before the file's errors.
+        (
+            ["serve", "--config", "/nonexistent.yaml", "--replica", "http://x"],
+            "warning: --replica ignored with --config",
+        ),
         (["sim", "--port", "65535", "--replicas", "2"], "65535 + 1 is past 65535"),
     ],
 )
