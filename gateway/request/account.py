@@ -12,6 +12,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
 from gateway import errors
@@ -225,6 +226,15 @@ def _unstreamed_ttft_ms(
     if decode_ms > UNSTREAMED_MAX_DECODE_SHARE * total_ms:
         return None
     return total_ms - decode_ms
+
+
+def record_refusal(gw: AccountDeps, routed: RouteDecision, status: int, code: str) -> None:
+    """A request routed, then answered by the gateway itself (shed, over its token budget,
+    ...): in the decision log too, so that a client's "my request got a 429" can be looked up
+    by its request id."""
+    gw.decisions.append(
+        replace(_record(routed, UpstreamOutcome(), None, status, None, None), error=code)
+    )
 
 
 def _record(

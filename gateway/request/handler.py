@@ -17,6 +17,7 @@ from gateway.request.account import (
     account,
     completion_tokens_of,
     count_failed_before_forwarding,
+    record_refusal,
 )
 from gateway.request.forward import AttemptRecorder, forward, plan_forward
 from gateway.request.kinds import RequestKind
@@ -77,6 +78,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     labels = RequestLabels()
     forwarded = False
     stream = False
+    routed: RouteDecision | None = None
     gw.active_requests += 1
     try:
         with gw.tracer.start_as_current_span("fleetgate.request") as span:
@@ -158,6 +160,8 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             status = str(err.status)
             gw.metrics.requests.labels(labels.route, labels.model, "none", status).inc()
             _count_slo_failure(gw, labels, err, stream)
+            if routed is not None:
+                record_refusal(gw, routed, err.status, err.code)
         if kind.error_response is not None:
             return kind.error_response(err, request_id)
         return err.response(request_id)

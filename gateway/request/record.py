@@ -62,6 +62,9 @@ class DecisionRecord:
     served_by: ReplicaId | None
     cached_tokens: int | None
     ttft_ms: float | None
+    #: The gateway's error ``code`` for a request it answered itself after routing it (flow
+    #: control shed it, a token budget refused it, ...): never sent, so ``served_by`` is None.
+    error: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The log entry's JSON object (explanations rendered too)."""
@@ -103,4 +106,6 @@ class DecisionRecord:
         out["served_by"] = self.served_by
         out["cached_tokens"] = self.cached_tokens
         out["ttft_ms"] = self.ttft_ms
+        if self.error is not None:
+            out["error"] = self.error
         return out

@@ -276,6 +276,18 @@ async def test_token_budgets_hold_across_two_gateways_sharing_redis(
                 and 'reason="token_budget"' in line
             )
         assert sheds == 40 - admitted
+        # Each refusal is in the decision log, never sent: a client's "my request got a 429"
+        # can be looked up by its request id.
+        refused = [
+            record for _, app in served
+            for record in app[GATEWAY].decisions  # type: ignore[index]
+            if record.status == 429
+        ]
+        assert len(refused) == 40 - admitted
+        assert {(r.error, r.served_by, r.tenant) for r in refused} == {
+            ("rate_limit_exceeded", None, "metered")
+        }
+        assert refused[0].as_json()["error"] == "rate_limit_exceeded"
 
 
 def _prompt_tokens(tag: str) -> int:
