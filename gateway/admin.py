@@ -118,8 +118,16 @@ async def policy(request: web.Request) -> web.Response:
 
 
 async def reload(request: web.Request) -> web.Response:
-    """``POST /admin/policy/reload``: 200 with a summary, or 400 with every error."""
+    """``POST /admin/policy/reload``: 200 with a summary, or 400 with every error (409 on a
+    gateway started without a policy file: there is nothing to reload)."""
     gw = request.app[GATEWAY]
+    if gw.config.policy_path is None:
+        error = GatewayError(
+            409, errors.NO_POLICY_FILE,
+            "This gateway runs without a policy file (started without --config): there is "
+            "nothing to reload. Start it with --config POLICY.yaml to reload policies live.",
+        )
+        return _json(error.envelope(), status=409)
     result = reload_policy(gw)
     if result.ok:
         body = {"reloaded": True, "summary": result.summary}
@@ -148,7 +156,11 @@ async def decisions(request: web.Request) -> web.Response:
     try:
         n = max(1, min(int(request.query.get("n", "20")), len(gw.decisions) or 1))
     except ValueError:
-        n = 20
+        error = GatewayError(
+            400, errors.INVALID_REQUEST,
+            f"`n` must be a whole number of decisions (got {request.query['n']!r}).", "n",
+        )
+        return _json(error.envelope(), status=400)
     # Explanations are materialised only here, on read (``DecisionRecord.as_json``).
     recent = [record.as_json() for record in list(gw.decisions)[-n:][::-1]]
     return _json({"decisions": recent})

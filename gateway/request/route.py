@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -400,9 +401,7 @@ async def _route_last_resort(
     """
     replicas = gw.registry.last_resort(request.model)
     if not replicas:
-        raise GatewayError(
-            503, errors.NO_HEALTHY_REPLICA, str(cause), headers={"Retry-After": "1"}
-        ) from None
+        raise _no_replica(request, cause)
     log.warning(
         "no healthy replica serves %s; last resort among %d that missed health polls",
         request.model,
@@ -413,9 +412,27 @@ async def _route_last_resort(
     try:
         return await gw.engine.route(request, replicas, matched_route.profile)
     except NoReplicaAvailable as exc:  # e.g. a filter of the profile left none of them
-        raise GatewayError(
-            503, errors.NO_HEALTHY_REPLICA, str(exc), headers={"Retry-After": "1"}
-        ) from None
+        raise _no_replica(request, exc) from None
+
+
+#: When the detail of the last "no replica" answer was logged: once per 10 s, not per request.
+_no_replica_logged_at = -math.inf
+
+
+def _no_replica(request: RoutingRequest, cause: NoReplicaAvailable) -> GatewayError:
+    """503 for a request no replica can take. The client hears which model; the routing
+    detail (profile, filters, counts) is the operator's, in the log."""
+    global _no_replica_logged_at
+    now = time.monotonic()
+    if now - _no_replica_logged_at >= 10.0:
+        _no_replica_logged_at = now
+        log.warning("answering 503 to request %s: %s", request.request_id, cause)
+    return GatewayError(
+        503,
+        errors.NO_HEALTHY_REPLICA,
+        f"No healthy replica serves model {request.model!r} right now; retry shortly.",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _decision_metrics(

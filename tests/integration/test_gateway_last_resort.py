@@ -115,5 +115,8 @@ async def test_last_resort_replicas_that_refuse_requests_end_in_503() -> None:
         async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
             assert resp.status == 503
             assert resp.headers["Retry-After"] == "1"
+            # Which model, not the routing internals (profile, filters): those are logged.
+            message = (await resp.json())["error"]["message"]
+    assert message == "No healthy replica serves model 'base-model' right now; retry shortly."
     assert statuses == [(503, "no_healthy_replica")] * 4
     assert sum(u.attempts for u in upstreams) == attempts_when_open  # circuits open: none tried

@@ -266,3 +266,19 @@ async def test_policy_file_change_is_picked_up_without_a_signal(tmp_path: Path) 
                 if profiles[0] == "round-robin":
                     break
                 await asyncio.sleep(0.05)
+
+
+async def test_admin_calls_that_cannot_apply_say_why() -> None:
+    # A reload on a gateway without a policy file refused nothing (it said "Policy refused");
+    # a decision count that is not a number was read as the default.
+    async with (
+        serve(create_app(GatewayConfig(admin_key="adm"))) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(f"{url}/admin/policy/reload", headers=auth("adm")) as resp:
+            assert resp.status == 409
+            error = (await resp.json())["error"]
+            assert error["code"] == "no_policy_file" and "--config" in error["message"]
+        async with http.get(f"{url}/admin/decisions?n=abc", headers=auth("adm")) as resp:
+            assert resp.status == 400
+            assert (await resp.json())["error"]["param"] == "n"

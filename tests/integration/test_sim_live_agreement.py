@@ -103,14 +103,14 @@ async def _warm_up(session: aiohttp.ClientSession, url: str) -> None:
 
 
 #: What the gateway answers while it believes no replica healthy (see ``_live``).
-NO_HEALTHY_REPLICA = "no replica can serve model"
+NO_HEALTHY_REPLICA = "No healthy replica serves model"
 
 
 async def _live(policy: str, records: list[TraceRecord]) -> tuple[CacheCounters, dict[str, object]]:
     """Replay ``records`` through ``fleetgate up --sim 2 --profile POLICY``; summed counters.
 
-    One rerun on a fresh stack is allowed, and only when every failed request was a 503 "no
-    replica can serve model": on a CPU-starved machine ``fleetgate up``'s health poll (three
+    One rerun on a fresh stack is allowed, and only when every failed request was a 503 "No
+    healthy replica serves model": on a CPU-starved machine ``fleetgate up``'s health poll (three
     GETs per replica under a 0.5 s total timeout, every 0.5 s) can time out and mark both
     replicas unhealthy for a poll interval. Any other failure, or a second flap, fails the test.
     """
