@@ -454,9 +454,33 @@ async def _relay_body(
     outcome.ttft_s = None
     if resp.status == 200:
         outcome.usage = body_usage(body)
+    elif resp.status >= 400 and not _is_json_object(body):
+        # An ingress or sidecar in front of the engine answered (an HTML 502 page, a plain
+        # "upstream connect error"): clients parse errors as the envelope, so wrap it in one.
+        retry_after = {k: v for k, v in resp.headers if k.lower() == "retry-after"}
+        return GatewayError(
+            resp.status, errors.UPSTREAM_ERROR,
+            f"The replica answered {resp.status} with a body that is not JSON: "
+            f"{_snippet(body)}",
+            headers=retry_after,
+        ).response(request_id)
     headers = {k: v for k, v in resp.headers if k.lower() not in _DROP_HEADERS}
     headers["X-Request-Id"] = request_id
     return web.Response(status=resp.status, body=body, headers=headers)
+
+
+def _is_json_object(body: bytes) -> bool:
+    try:
+        return isinstance(json.loads(body), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _snippet(body: bytes, limit: int = 200) -> str:
+    """The start of a body as one printable line (tags and whitespace runs kept as they are)."""
+    text = body[: limit * 4].decode("utf-8", errors="replace")
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return text[:limit] + ("..." if len(text) > limit else "") if text else "(empty)"
 
 
 async def send(
