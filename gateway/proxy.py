@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
@@ -37,6 +37,7 @@ from gateway.attempts import AttemptsInFlight
 from gateway.breaker import CircuitBreaker
 from gateway.errors import GatewayError
 from gateway.request.record import AdapterLoad
+from gateway.stream_end import CHAT_STREAM_END, StreamEnd
 from gateway.upstream_client import (
     UpstreamConnectError,
     UpstreamPayloadError,
@@ -51,11 +52,7 @@ log = logging.getLogger(__name__)
 # Failures before the response headers: the replica streamed nothing (safe to retry elsewhere).
 # UpstreamConnectError and UpstreamDisconnected are ConnectionErrors.
 _RETRYABLE = (ConnectionError,)
-#: The last event of a complete OpenAI chat or completions stream.
-STREAM_DONE: Final = b"data: [DONE]"
-#: An error event the engine sent in a stream (the OpenAI envelope as data; Anthropic's and the
-#: Responses API's ``error`` event): it ends the stream as well as the last event does.
-_ERROR_EVENT_STARTS: Final = (b'data: {"error"', b"event: error")
+
 #: Answers that say the replica, not the request, failed: retried on a fallback while one is
 #: left. All but 503 (overloaded, or shutting down: busy, not broken) also count against the
 #: replica's circuit breaker.
@@ -118,9 +115,8 @@ class ForwardPlan:
     #: The event that tells the client its started stream failed (``RequestKind.stream_error``);
     #: None: the OpenAI envelope as one ``data:`` event.
     stream_error: Callable[[GatewayError], bytes] | None = None
-    #: Bytes any of which mark the event that ends a complete stream
-    #: (``RequestKind.stream_end_marker``): a stream that ends without one was cut short.
-    stream_end_marker: tuple[bytes, ...] = (STREAM_DONE,)
+    #: How a complete stream ends (``RequestKind.stream_end``): one that ends otherwise was cut.
+    stream_end: StreamEnd = CHAT_STREAM_END
 
 
 class ReplicaDirectory(Protocol):
@@ -342,19 +338,28 @@ async def _relay_stream(
     hooks: AttemptHooks,
     first_token_marker: tuple[bytes, ...] | None = None,
     stream_error: Callable[[GatewayError], bytes] | None = None,
-    end_marker: tuple[bytes, ...] = (STREAM_DONE,),
+    end: StreamEnd = CHAT_STREAM_END,
+    answered: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
     relay = SseRelay(hide_usage_chunk)
     first = await _first_events(resp, relay)  # raises before any byte reached the client
+    if not first:  # ended (cleanly) without a single event: nothing reached the client yet
+        raise UpstreamDiedBeforeFirstEvent("the stream ended before its first event")
+    if answered is not None:
+        answered()  # an event, not just the headers (vLLM sends those before it works)
     out = web.StreamResponse(status=resp.status)
     out.content_type = "text/event-stream"
     out.headers["Cache-Control"] = "no-cache"
     out.headers["X-Request-Id"] = request_id
     last: float | None = None
     ended = False  # the stream's own last event (or an error event of the engine's) was relayed
+    engine_failed = False  # ... an error event of the engine's
 
     def ends(event: bytes) -> bool:
-        return event.startswith(_ERROR_EVENT_STARTS) or any(m in event for m in end_marker)
+        nonlocal engine_failed
+        seen = end.classify(event)
+        engine_failed = engine_failed or seen == "error"
+        return seen is not None
 
     async def upstream_events() -> AsyncIterator[list[bytes]]:
         if first:
@@ -423,6 +428,9 @@ async def _relay_stream(
         resp.close()
         raise
     outcome.usage = relay.usage
+    if engine_failed:  # relayed as it came; an engine failure all the same
+        log.info("replica %s failed request %s in its stream", outcome.replica, request_id)
+        outcome.status = 502
     try:
         await out.write_eof()
     except ConnectionError:
@@ -550,8 +558,10 @@ async def send(
                     outcome.status = resp.status
                     if resp.status in _BROKEN:
                         breaker.failure()
-                    else:
+                    elif resp.status != 200:
                         breaker.success()  # a 503 is busy or draining, not broken
+                    # A 200 counts once its first event or its body came: vLLM sends a
+                    # stream's headers before it works, so a wedged engine answers them too.
                     if resp.status in _SERVER_ERRORS and can_retry():
                         # The engine failed the request before answering it (vLLM's 500 once
                         # its engine core died, an overloaded or draining one's 503, a proxy's
@@ -583,11 +593,13 @@ async def send(
                         result = await _relay_stream(
                             request, resp, outcome, request_id, plan.hide_usage_chunk, hooks,
                             plan.first_token_marker, plan.stream_error,
-                            plan.stream_end_marker,
+                            plan.stream_end, breaker.success,
                         )
                     else:
                         result = await _relay_body(resp, outcome, request_id, not_found)
                         hooks.first_byte(replica_id)
+                        if resp.status == 200:
+                            breaker.success()
                     outcome.finished_at = time.monotonic()
                     return result
             except _RETRYABLE as exc:

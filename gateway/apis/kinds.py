@@ -18,10 +18,11 @@ from gateway.apis import anthropic, responses, usage
 from gateway.apis.background_responses import is_background_start
 from gateway.errors import bad_request
 from gateway.policy_view import Tenant
-from gateway.proxy import STREAM_DONE, UpstreamOutcome
+from gateway.proxy import UpstreamOutcome
 from gateway.request.kinds import Body, RequestKind
 from gateway.request_body import validate_common
 from gateway.state import GatewayState
+from gateway.stream_end import stream_end
 from routing.contracts import PromptTokenizer, TokenizedPrompt
 from routing.types import ReplicaId
 
@@ -125,9 +126,7 @@ RESPONSES = RequestKind(
         b'"response.refusal.delta"',
     ),
     # The Responses stream ends with the response's final state (vLLM sends no [DONE]).
-    stream_end_marker=(
-        b"response.completed", b"response.incomplete", b"response.failed", STREAM_DONE,
-    ),
+    stream_end=stream_end("response.completed", "response.incomplete", "response.failed"),
 )
 
 
@@ -143,7 +142,7 @@ MESSAGES = RequestKind(
     usage=usage.from_anthropic,
     error_response=anthropic.error_response,
     stream_error=anthropic.stream_error_event,
-    stream_end_marker=(b"event: message_stop", STREAM_DONE),
+    stream_end=stream_end("message_stop"),
 )
 
 

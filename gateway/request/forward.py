@@ -119,7 +119,7 @@ def plan_forward(
         read_timeout_s=read_timeout_s,
         first_token_marker=kind.first_token_marker,
         stream_error=kind.stream_error,
-        stream_end_marker=kind.stream_end_marker,
+        stream_end=kind.stream_end,
     )
 
 

@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway.proxy import STREAM_DONE
 from gateway.request_body import validate_chat, validate_common, validate_completion
+from gateway.stream_end import CHAT_STREAM_END, StreamEnd
 from routing.contracts import PromptTokenizer, TokenizedPrompt
 from routing.template_inputs import chat_template_variables
 
@@ -83,9 +83,9 @@ class RequestKind:
     #: such one (Responses' ``response.created``) do not end the time to first token. None: any
     #: event.
     first_token_marker: tuple[bytes, ...] | None = None
-    #: Bytes any of which mark the event that ends a complete stream: one that ends without it
-    #: was cut short and gets the in-band error. Chat's and completions' ``data: [DONE]``.
-    stream_end_marker: tuple[bytes, ...] = (STREAM_DONE,)
+    #: How a complete stream ends (``gateway/stream_end.py``): one that ends otherwise was cut
+    #: short and gets the in-band error. Chat's and completions' ``data: [DONE]``.
+    stream_end: StreamEnd = CHAT_STREAM_END
     finishes_later: FinishesLaterOf | None = None
 
 

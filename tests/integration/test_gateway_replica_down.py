@@ -134,11 +134,17 @@ async def test_a_replica_that_dies_holding_a_request_leaves_nothing_counted_in_f
     assert status == 200, body
 
 
-async def test_a_wedged_replica_answering_health_polls_stays_out_once_its_breaker_opens() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_wedged_replica_answering_health_polls_stays_out_once_its_breaker_opens(
+    stream: bool,
+) -> None:
     # An engine stuck in a kernel or a deadlocked scheduler behind an HTTP server that still
     # answers /health: each request sent there times out. Its health polls must not close the
     # circuit those timeouts opened, or it keeps half the traffic, every request of it failing.
-    wedged = FakeUpstream(header_gate=asyncio.Event())  # never set: POSTs are never answered
+    # Streamed, it still sends its 200 headers (vLLM does, before the engine works): those are
+    # no success either.
+    gate = asyncio.Event()  # never set
+    wedged = FakeUpstream(event_gate=gate) if stream else FakeUpstream(header_gate=gate)
     well = FakeUpstream()
     async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
         wedged_url = await stack.enter_async_context(serve(wedged.app()))
@@ -156,9 +162,11 @@ async def test_a_wedged_replica_answering_health_polls_stays_out_once_its_breake
         )
         statuses = []
         for i in range(12):
-            body = {**CHAT, "messages": [{"role": "user", "content": f"question {i}"}]}
+            body = {**CHAT, "messages": [{"role": "user", "content": f"question {i}"}],
+                    "stream": stream}
             async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
                 statuses.append(resp.status)
+                await resp.read()
         async with http.get(f"{url}/admin/replicas", headers=ADMIN) as resp:
             circuits = {r["replica_id"]: r["circuit"] for r in (await resp.json())["replicas"]}
 

@@ -34,7 +34,9 @@ def _event(name: str, payload: dict[str, object]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
 
 
-def scripted_replica(tail: bytes, finish: bool) -> web.Application:
+def scripted_replica(
+    tail: bytes, finish: bool, first_text: str = "one"
+) -> web.Application:
     """Streams two events on every API, then ``tail`` (a half event, or nothing), then the
     stream's own last event only if ``finish``, and ends the body properly."""
 
@@ -48,7 +50,7 @@ def scripted_replica(tail: bytes, finish: bool) -> web.Application:
         return resp
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await stream(request, [_chunk("one"), _chunk(" two")], b"data: [DONE]\n\n")
+        return await stream(request, [_chunk(first_text), _chunk(" two")], b"data: [DONE]\n\n")
 
     async def responses(request: web.Request) -> web.StreamResponse:
         rid = (await request.json())["request_id"]
@@ -82,8 +84,10 @@ def scripted_replica(tail: bytes, finish: bool) -> web.Application:
 
 
 @asynccontextmanager
-async def gateway(tail: bytes = b"", finish: bool = False) -> AsyncIterator[str]:
-    async with serve(scripted_replica(tail, finish)) as replica_url:
+async def gateway(
+    tail: bytes = b"", finish: bool = False, first_text: str = "one"
+) -> AsyncIterator[str]:
+    async with serve(scripted_replica(tail, finish, first_text)) as replica_url:
         spec = ReplicaSpec("r0", replica_url, models=frozenset({MODEL}))
         app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
         async with serve(app, handler_cancellation=True) as url:
@@ -99,9 +103,19 @@ async def _errors_counted(url: str) -> float:
     )
 
 
-@pytest.mark.parametrize("tail", [b"", b'data: {"id":"c1","choi'])
-async def test_a_chat_stream_cut_short_cleanly_raises_in_the_openai_client(tail: bytes) -> None:
-    async with gateway(tail) as url:
+@pytest.mark.parametrize(
+    ("tail", "first_text"),
+    [
+        (b"", "one"),
+        (b'data: {"id":"c1","choi', "one"),
+        # A model's own text that reads like the last event is inside a JSON string: no end.
+        (b"", "data: [DONE]"),
+    ],
+)
+async def test_a_chat_stream_cut_short_cleanly_raises_in_the_openai_client(
+    tail: bytes, first_text: str
+) -> None:
+    async with gateway(tail, first_text=first_text) as url:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0)
         stream = await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
@@ -111,7 +125,7 @@ async def test_a_chat_stream_cut_short_cleanly_raises_in_the_openai_client(tail:
             async for chunk in stream:
                 texts.append(chunk.choices[0].delta.content)
         await client.close()
-        assert texts == ["one", " two"]  # the half event never reached the client
+        assert texts == [first_text, " two"]  # the half event never reached the client
         assert await _errors_counted(url) == 1
 
 
@@ -155,3 +169,51 @@ async def test_a_messages_stream_cut_short_raises_in_the_anthropic_client() -> N
                 async for _ in stream:
                     pass
         await client.close()
+
+
+async def test_an_error_the_engine_streams_is_relayed_and_counted_as_a_failure() -> None:
+    # vLLM ends a chat stream it failed with the error as data, then [DONE]: the client gets
+    # the engine's own error, and the request counts as a 502, not as a 200 that met its SLO.
+    error = {"message": "EngineCore died", "type": "InternalServerError", "code": 500}
+    engine_error = f"data: {json.dumps({'error': error})}\n\n".encode()
+    async with gateway(engine_error + b"data: [DONE]\n\n") as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        with pytest.raises(openai.APIError, match="EngineCore died"):
+            async for _ in stream:
+                pass
+        await client.close()
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+    assert any(
+        line.startswith("fleetgate_requests_total{") and 'status="502"' in line
+        and line.endswith(" 1.0") for line in text.splitlines()
+    )
+
+
+async def test_a_stream_that_ends_before_its_first_event_goes_to_a_fallback() -> None:
+    async def empty(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write_eof()
+        return resp
+
+    async with (
+        serve(engine_app(MODEL, {"/v1/chat/completions": empty})) as empty_url,
+        serve(scripted_replica(b"", True)) as well_url,
+    ):
+        specs = [
+            ReplicaSpec("empty", empty_url, models=frozenset({MODEL})),
+            ReplicaSpec("well", well_url, models=frozenset({MODEL})),
+        ]
+        app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default(specs))
+        async with serve(app, handler_cancellation=True) as url:
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="any", max_retries=0)
+            for i in range(6):  # routing spreads ties: some go to the empty one first
+                stream = await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], stream=True
+                )
+                assert [c.choices[0].delta.content async for c in stream] == ["one", " two"]
+            await client.close()

@@ -40,6 +40,9 @@ class FakeUpstream:
     stream_gate: asyncio.Event | None = None
     #: When set, a response waits here before sending headers (upstream timeout tests).
     header_gate: asyncio.Event | None = None
+    #: When set, a streamed response sends its headers, then waits here before its first
+    #: event (as vLLM does: its 200 goes out before the engine works).
+    event_gate: asyncio.Event | None = None
     cached_tokens: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[CIMultiDict[str]] = field(default_factory=list)
@@ -143,6 +146,8 @@ class FakeUpstream:
         resp = web.StreamResponse()
         resp.content_type = "text/event-stream"
         await resp.prepare(request)
+        if self.event_gate is not None:
+            await self.event_gate.wait()
         try:
             for i, word in enumerate(["a", " b", " c"]):
                 delta = {"delta": {"content": word}} if chat else {"text": word}
