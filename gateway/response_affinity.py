@@ -19,6 +19,9 @@ not that the response does not exist.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
 import logging
 import time
@@ -36,6 +39,8 @@ DEFAULT_TTL_S = 24 * 3600.0
 #: After a failed Redis call, how long Redis is left alone: a hung Redis would otherwise cost
 #: every Responses request the client's timeout.
 OUTAGE_S = 5.0
+#: Entries written per round trip when an outage's backlog goes out.
+BACKLOG_BATCH = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +126,20 @@ class RedisResponseAffinity:
         #: After a failure, Redis is left alone this long (``OUTAGE_S``).
         self.outage_s = OUTAGE_S
         self._skip_until = float("-inf")
+        #: Writes the outage's backlog once Redis answers (``_write_backlog``).
+        self._writer: asyncio.Task[None] | None = None
 
     async def remember(self, response_id: str, home: ResponseHome) -> None:
         await self._own.remember(response_id, home)
-        self._unwritten[response_id] = (self._clock(), home)
-        while len(self._unwritten) > self._capacity:
-            self._unwritten.popitem(last=False)
-        await self._write_unwritten()
+        if self._failing:  # in an outage: kept for the backlog writer, Redis left alone
+            self._keep_unwritten(response_id, home)
+            return
+        value = json.dumps({"replica": home.replica, "tenant": home.tenant})
+        try:
+            await self._redis.set(self._prefix + response_id, value, px=int(self._ttl_s * 1000))
+        except Exception as exc:  # kept: this gateway still finds it, others once written
+            self._keep_unwritten(response_id, home)
+            self._failed(exc)
 
     async def home_of(self, response_id: str) -> ResponseHome | None:
         own = await self._own.home_of(response_id)
@@ -140,7 +152,6 @@ class RedisResponseAffinity:
         except Exception as exc:
             self._failed(exc)
             raise ResponseAffinityUnavailable(str(exc) or type(exc).__name__) from exc
-        await self._write_unwritten()  # Redis answers: what the outage kept back goes out
         if raw is None:
             return None
         try:
@@ -150,32 +161,10 @@ class RedisResponseAffinity:
             log.warning("response affinity: malformed entry for %s", response_id)
             return None
 
-    async def _write_unwritten(self) -> None:
-        """Write every entry not yet in Redis (one, normally), each with what is left of its
-        TTL; keep them for the next try if Redis fails."""
-        now = self._clock()
-        if not self._unwritten or now < self._skip_until:
-            return
-        entries = list(self._unwritten.items())
-        try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for response_id, (at, home) in entries:
-                    left_ms = int((self._ttl_s - (now - at)) * 1000)
-                    if left_ms > 0:
-                        value = json.dumps({"replica": home.replica, "tenant": home.tenant})
-                        pipe.set(self._prefix + response_id, value, px=left_ms)
-                await pipe.execute()
-        except Exception as exc:  # kept: this gateway still finds them, others once written
-            self._failed(exc)
-            return
-        for response_id, _ in entries:
-            self._unwritten.pop(response_id, None)
-        if self._failing:
-            self._failing = False
-            log.warning(
-                "response affinity: Redis answers again; wrote %d responses recorded during "
-                "the outage", len(entries),
-            )
+    def _keep_unwritten(self, response_id: str, home: ResponseHome) -> None:
+        self._unwritten[response_id] = (self._clock(), home)
+        while len(self._unwritten) > self._capacity:
+            self._unwritten.popitem(last=False)
 
     def _failed(self, exc: BaseException) -> None:
         self._skip_until = self._clock() + self.outage_s
@@ -186,8 +175,48 @@ class RedisResponseAffinity:
                 "memory and written once Redis answers; follow-ups of other gateways' responses "
                 "get 503 until then", exc,
             )
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.get_running_loop().create_task(self._write_backlog())
+
+    async def _write_backlog(self) -> None:
+        """Every ``outage_s``, try to write what the outage kept back, in batches (a long
+        outage's backlog must not stall the event loop in one pipeline); done once it is all
+        written, whether or not any request comes."""
+        while self._failing:
+            await asyncio.sleep(max(0.0, self._skip_until - self._clock()))
+            written = 0
+            try:
+                while self._unwritten:
+                    batch = list(itertools.islice(self._unwritten.items(), BACKLOG_BATCH))
+                    now = self._clock()
+                    async with self._redis.pipeline(transaction=False) as pipe:
+                        for response_id, (at, home) in batch:
+                            left_ms = int((self._ttl_s - (now - at)) * 1000)
+                            if left_ms > 0:
+                                value = json.dumps(
+                                    {"replica": home.replica, "tenant": home.tenant}
+                                )
+                                pipe.set(self._prefix + response_id, value, px=left_ms)
+                        await pipe.execute()
+                    for response_id, _ in batch:
+                        self._unwritten.pop(response_id, None)
+                    written += len(batch)
+            except Exception as exc:
+                self._skip_until = self._clock() + self.outage_s
+                log.debug("response affinity: backlog write failed: %s", exc)
+                continue
+            self._failing = False
+            self._skip_until = float("-inf")
+            log.warning(
+                "response affinity: Redis answers again; wrote %d responses recorded during "
+                "the outage", written,
+            )
 
     async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
         await self._redis.aclose()
 
 

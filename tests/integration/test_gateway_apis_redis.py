@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
+import redis.asyncio
 from aiohttp import web
 
 from gateway.app import create_app
@@ -20,6 +21,7 @@ from gateway.state import GATEWAY
 from replica.sim.fleet import SimFleet, start_sim_fleet
 from routing.types import ReplicaId
 from tests.integration.test_gateway_support import serve
+from tests.support.polling import wait_until
 from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -141,9 +143,16 @@ async def test_responses_survive_a_redis_outage(redis_server: RedisServer, fleet
             assert refused.value.body["code"] == "response_lookup_unavailable"
 
             redis_server.start()  # same port, empty
-            await asyncio.sleep(0.2)  # past both gateways' outage_s
-            # Gateway A's next Responses request writes what the outage kept back.
-            await a.responses.create(model="sim-model", input="another", max_output_tokens=2)
+            # Gateway A writes what the outage kept back on its own, with no request to do it.
+            store = redis.asyncio.Redis.from_url(redis_server.url)
+            try:
+                await wait_until(
+                    lambda: store.exists(f"fleetgate:response:{first.id}"),
+                    "gateway A wrote the response it recorded during the outage",
+                )
+            finally:
+                await store.aclose()
+            await asyncio.sleep(0.2)  # past gateway B's outage_s
             via_b = await b.responses.create(
                 model="sim-model", input="go on", previous_response_id=first.id,
                 max_output_tokens=2,
