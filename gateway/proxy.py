@@ -117,6 +117,9 @@ class ForwardPlan:
     stream_error: Callable[[GatewayError], bytes] | None = None
     #: How a complete stream ends (``RequestKind.stream_end``): one that ends otherwise was cut.
     stream_end: StreamEnd = CHAT_STREAM_END
+    #: The gateway's own error as this API's clients parse it (``RequestKind.error_response``);
+    #: None: the OpenAI envelope.
+    error_response: Callable[[GatewayError, str], web.Response] | None = None
 
 
 class ReplicaDirectory(Protocol):
@@ -452,7 +455,11 @@ async def _write_to_client(
 
 
 async def _relay_body(
-    resp: UpstreamResponse, outcome: UpstreamOutcome, request_id: str, read: bytes | None = None
+    resp: UpstreamResponse,
+    outcome: UpstreamOutcome,
+    request_id: str,
+    read: bytes | None = None,
+    error_response: Callable[[GatewayError, str], web.Response] | None = None,
 ) -> web.Response:
     """The upstream's whole answer as the client's (``read``: its body, read already)."""
     try:
@@ -466,12 +473,13 @@ async def _relay_body(
         # An ingress or sidecar in front of the engine answered (an HTML 502 page, a plain
         # "upstream connect error"): clients parse errors as the envelope, so wrap it in one.
         retry_after = {k: v for k, v in resp.headers if k.lower() == "retry-after"}
-        return GatewayError(
+        error = GatewayError(
             resp.status, errors.UPSTREAM_ERROR,
             f"The replica answered {resp.status} with a body that is not JSON: "
             f"{_snippet(body)}",
             headers=retry_after,
-        ).response(request_id)
+        )
+        return error_response(error, request_id) if error_response else error.response(request_id)
     headers = {k: v for k, v in resp.headers if k.lower() not in _DROP_HEADERS}
     headers["X-Request-Id"] = request_id
     return web.Response(status=resp.status, body=body, headers=headers)
@@ -596,7 +604,9 @@ async def send(
                             plan.stream_end, breaker.success,
                         )
                     else:
-                        result = await _relay_body(resp, outcome, request_id, not_found)
+                        result = await _relay_body(
+                            resp, outcome, request_id, not_found, plan.error_response
+                        )
                         hooks.first_byte(replica_id)
                         if resp.status == 200:
                             breaker.success()

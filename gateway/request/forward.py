@@ -120,6 +120,7 @@ def plan_forward(
         first_token_marker=kind.first_token_marker,
         stream_error=kind.stream_error,
         stream_end=kind.stream_end,
+        error_response=kind.error_response,
     )
 
 

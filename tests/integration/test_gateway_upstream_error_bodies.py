@@ -5,6 +5,7 @@ relayed as the engine sent them."""
 
 from __future__ import annotations
 
+import anthropic
 import openai
 import pytest
 from aiohttp import web
@@ -23,7 +24,7 @@ def replica(status: int, body: str, content_type: str) -> web.Application:
             status=status, text=body, content_type=content_type, headers={"Retry-After": "7"}
         )
 
-    return engine_app(MODEL, {"/v1/chat/completions": chat})
+    return engine_app(MODEL, {"/v1/chat/completions": chat, "/v1/messages": chat})
 
 
 async def _ask(status: int, body: str, content_type: str) -> openai.APIStatusError:
@@ -61,3 +62,22 @@ async def test_a_json_error_of_the_engine_is_relayed_as_it_is() -> None:
     error = await _ask(400, vllm_error, "application/json")
     assert error.status_code == 400
     assert error.body == {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}
+
+
+async def test_on_the_messages_api_it_is_in_anthropics_envelope() -> None:
+    async with serve(replica(502, "upstream connect error", "text/plain")) as replica_url:
+        spec = ReplicaSpec("r0", replica_url, models=frozenset({MODEL}))
+        app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
+        async with serve(app, handler_cancellation=True) as url:
+            client = anthropic.AsyncAnthropic(base_url=url, api_key="any", max_retries=0)
+            try:
+                with pytest.raises(anthropic.APIStatusError) as raised:
+                    await client.messages.create(
+                        model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "hi"}]
+                    )
+            finally:
+                await client.close()
+    assert raised.value.status_code == 502
+    assert raised.value.body["type"] == "error"
+    assert raised.value.body["error"]["message"].endswith("not JSON: upstream connect error")
+    assert raised.value.response.headers["X-Fleetgate-Error-Code"] == "upstream_error"
