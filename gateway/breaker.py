@@ -19,11 +19,13 @@ class CircuitBreaker:
     The probe's outcome closes it again or re-opens it for another cooldown. ``clock`` is
     injectable so tests step time explicitly instead of sleeping.
 
-    A health poll that answers (``health_ok``) closes it only when every failure since the last
-    success was the replica being unreachable: a restarted engine is back once its ``/health``
-    answers. A replica whose requests time out or fail with a 5xx while ``/health`` still answers
-    (a wedged engine behind a live HTTP server) is not cleared by its polls: only a request that
-    succeeds, the probe after the cooldown, closes the circuit.
+    A health poll that answers (``health_ok``) closes it early, unless a request timed out since
+    the last success: a restarted engine is back once its ``/health`` answers, but an engine
+    wedged behind a live HTTP server (it answers ``/health``, never a request) would otherwise be
+    reopened by every poll, and each request sent there waits out the whole timeout. Only a
+    request that succeeds, the probe after the cooldown, closes the circuit then. Other failures
+    (refused connections, dropped requests, 5xx answers) are quick and retried on a fallback: a
+    poll may clear those.
     """
 
     def __init__(
@@ -40,7 +42,7 @@ class CircuitBreaker:
         self.cooldown_s = cooldown_s
         self._clock = clock
         self._failures = 0
-        #: False once a failure since the last success was more than "unreachable".
+        #: False once a request timed out since the last success (see the class docstring).
         self._health_can_clear = True
         self._opened_at: float | None = None
         self._probe_in_flight = False
@@ -81,11 +83,11 @@ class CircuitBreaker:
         if self._health_can_clear:
             self.success()
 
-    def failure(self, unreachable: bool = False) -> None:
-        """A request failed (``unreachable``: it never got through, a connect error or a replica
-        the health loop took down): count, maybe open."""
+    def failure(self, timed_out: bool = False) -> None:
+        """A request failed (``timed_out``: the replica took it and never answered): count,
+        maybe open."""
         self._failures += 1
-        self._health_can_clear = self._health_can_clear and unreachable
+        self._health_can_clear = self._health_can_clear and not timed_out
         self._probe_in_flight = False
         if self._opened_at is not None or self._failures >= self.failure_threshold:
             opens = self._opened_at is None

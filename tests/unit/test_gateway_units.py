@@ -28,19 +28,19 @@ class Clock:
         return self.now
 
 
-def test_a_health_poll_clears_unreachability_but_not_failed_requests() -> None:
+def test_a_health_poll_clears_quick_failures_but_not_timeouts() -> None:
     clock = Clock()
     restarted = CircuitBreaker(failure_threshold=2, cooldown_s=10, clock=clock)
-    restarted.failure(unreachable=True)
-    restarted.failure(unreachable=True)
+    restarted.failure()  # refused, dropped, a 5xx: quick, and retried elsewhere
+    restarted.failure()
     assert restarted.state is BreakerState.OPEN
     restarted.health_ok()  # it answers again: back at once, no cooldown
     assert restarted.state is BreakerState.CLOSED
 
     wedged = CircuitBreaker(failure_threshold=2, cooldown_s=10, clock=clock)
-    wedged.failure()  # a timeout: /health answering says nothing about requests
+    wedged.failure(timed_out=True)  # /health answering says nothing about requests
     wedged.health_ok()
-    wedged.failure(unreachable=True)
+    wedged.failure()
     assert wedged.state is BreakerState.OPEN  # the poll between did not reset the count
     wedged.health_ok()
     assert wedged.state is BreakerState.OPEN
@@ -48,7 +48,7 @@ def test_a_health_poll_clears_unreachability_but_not_failed_requests() -> None:
     wedged.begin()
     wedged.success()  # only a request that succeeds closes it
     assert wedged.state is BreakerState.CLOSED
-    wedged.failure(unreachable=True)
+    wedged.failure()
     wedged.health_ok()
     assert wedged.state is BreakerState.CLOSED and wedged.allows()
 
