@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, fields, replace
+from itertools import islice
 from typing import Any, Literal
 
 import xxhash
@@ -621,7 +622,7 @@ class EngineModel:
             return []
         usable = (request.num_tokens - 1) // self._block_size
         self._extend_hashes(request, usable)
-        return self._kv.lookup(request.block_hashes[:usable])
+        return self._kv.lookup(islice(request.block_hashes, usable))
 
     def _cache_blocks(self, request: _Request, tokens: int) -> None:
         """Register the request's newly full blocks in the prefix cache, up to ``tokens``.

@@ -17,11 +17,17 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import takewhile
+from operator import is_not
 from typing import Literal
 
 import xxhash
+
+#: ``lookup``'s test of a cache answer: a block id, not a miss.
+_IS_BLOCK = partial(is_not, None)
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -130,17 +136,13 @@ class KVCache:
         """True if a block with this hash is in the prefix cache."""
         return block_hash in self._cached
 
-    def lookup(self, block_hashes: Sequence[int]) -> list[int]:
+    def lookup(self, block_hashes: Iterable[int]) -> list[int]:
         """Block ids of the longest cached prefix of ``block_hashes`` (nothing is claimed)."""
         if not self.enable_prefix_caching:
             return []
-        hits: list[int] = []
-        for block_hash in block_hashes:
-            block = self._cached.get(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
+        # The scheduler asks again for a waiting request at each step while the cache is too
+        # full to admit it: in C (map, takewhile), this loop was a sixth of a busy replay's time.
+        return list(takewhile(_IS_BLOCK, map(self._cached.get, block_hashes)))
 
     # ------------------------------------------------------------------ allocation
 
@@ -156,7 +158,9 @@ class KVCache:
             return True  # the common decode step: the last block still has room
         needed = -(-num_tokens // self.block_size) - held - len(prefix_blocks)
         # Hit blocks that sit in the free queue stop being free once claimed.
-        reclaimed = sum(1 for b in prefix_blocks if self._ref_count[b] == 0) if prefix_blocks else 0
+        reclaimed = (
+            list(map(self._ref_count.__getitem__, prefix_blocks)).count(0) if prefix_blocks else 0
+        )
         if needed > len(self._free) - reclaimed:
             return False
         if table is None:
