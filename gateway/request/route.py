@@ -401,7 +401,10 @@ async def _route_last_resort(
     """
     replicas = gw.registry.last_resort(request.model)
     if not replicas:
-        raise _no_replica(request, cause)
+        serving = any(
+            r.healthy and request.model in r.models for r in gw.registry.routable()
+        )
+        raise _no_replica(request, cause, excluded_by_policy=serving)
     log.warning(
         "no healthy replica serves %s; last resort among %d that missed health polls",
         request.model,
@@ -419,14 +422,25 @@ async def _route_last_resort(
 _no_replica_logged_at = -math.inf
 
 
-def _no_replica(request: RoutingRequest, cause: NoReplicaAvailable) -> GatewayError:
+def _no_replica(
+    request: RoutingRequest, cause: NoReplicaAvailable, excluded_by_policy: bool = False
+) -> GatewayError:
     """503 for a request no replica can take. The client hears which model; the routing
-    detail (profile, filters, counts) is the operator's, in the log."""
+    detail (profile, filters, counts) is the operator's, in the log. ``excluded_by_policy``:
+    healthy replicas serve the model, and the route's profile filtered every one out (a
+    requirement none meets): no ``Retry-After``, since retrying soon changes nothing."""
     global _no_replica_logged_at
     now = time.monotonic()
     if now - _no_replica_logged_at >= 10.0:
         _no_replica_logged_at = now
         log.warning("answering 503 to request %s: %s", request.request_id, cause)
+    if excluded_by_policy:
+        return GatewayError(
+            503,
+            errors.NO_HEALTHY_REPLICA,
+            f"No replica of model {request.model!r} meets what this request's route requires; "
+            "the gateway's log says which requirement.",
+        )
     return GatewayError(
         503,
         errors.NO_HEALTHY_REPLICA,

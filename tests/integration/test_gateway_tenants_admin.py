@@ -282,3 +282,38 @@ async def test_admin_calls_that_cannot_apply_say_why() -> None:
         async with http.get(f"{url}/admin/decisions?n=abc", headers=auth("adm")) as resp:
             assert resp.status == 400
             assert (await resp.json())["error"]["param"] == "n"
+
+
+async def test_a_route_whose_requirement_no_replica_meets_is_not_told_to_retry(
+    tmp_path: Path,
+) -> None:
+    # The replica is healthy; the route's profile requires a kernel plugin it does not run.
+    # Retrying soon changes nothing: no Retry-After, and a message that says it is the route's
+    # requirement (the detail is in the gateway's log, not in a tenant's answer).
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(f"""
+version: 1
+replica_pools:
+  - {{name: pool-a, replicas: [{upstream_url}]}}
+models:
+  - {{name: base-model, pools: [pool-a]}}
+plugins:
+  - {{type: requires-kernels, name: canary-kernel, parameters: {{kernels: [my.kernels]}}}}
+  - {{type: max-score, name: best}}
+profiles:
+  - {{name: canary, filters: [canary-kernel], scorers: [{{ref: load}}], picker: best}}
+routes:
+  - {{name: canary-route, profile: canary}}
+""")
+        app = create_app(GatewayConfig(policy_path=str(path)))
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/chat/completions", json=chat()) as resp:
+                status, headers, body = resp.status, resp.headers, await resp.json()
+    assert status == 503 and "Retry-After" not in headers
+    assert body["error"]["message"] == (
+        "No replica of model 'base-model' meets what this request's route requires; the "
+        "gateway's log says which requirement."
+    )
+    assert upstream.attempts == 0
