@@ -308,9 +308,12 @@ routes:
   - {{name: canary-route, profile: canary}}
 """)
         app = create_app(GatewayConfig(policy_path=str(path)))
-        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
-            async with http.post(f"{url}/v1/chat/completions", json=chat()) as resp:
-                status, headers, body = resp.status, resp.headers, await resp.json()
+        async with (
+            serve(app, handler_cancellation=True) as url,
+            aiohttp.ClientSession() as http,
+            http.post(f"{url}/v1/chat/completions", json=chat()) as resp,
+        ):
+            status, headers, body = resp.status, resp.headers, await resp.json()
     assert status == 503 and "Retry-After" not in headers
     assert body["error"]["message"] == (
         "No replica of model 'base-model' meets what this request's route requires; the "
