@@ -173,7 +173,9 @@ async def route(
     # speculatively, nor shown to the layout detector.
     if kind.prefix_routed and pinned is None:
         with gw.tracer.start_as_current_span("fleetgate.tokenize"):
-            prompt = await _prompt_or_degrade(gw.tokenizer, kind, base_model, body)
+            prompt = await _prompt_or_degrade(
+                gw.tokenizer, kind, base_model, body, tenant.cache_salt or ""
+            )
     else:
         prompt = _NO_PROMPT
     block_size = block_size_for(policy, gw.registry, base_model, gw.config.block_size)
@@ -303,13 +305,17 @@ def resolve_model(
 
 
 async def _prompt_or_degrade(
-    tokenizer: PromptTokenizer, kind: RequestKind, model: str, body: Body
+    tokenizer: PromptTokenizer, kind: RequestKind, model: str, body: Body, scope: str
 ) -> TokenizedPrompt:
-    """Tokenize; a malformed message is the client's 400, a tokenizer outage degrades to text."""
+    """Tokenize; a malformed message is the client's 400, a tokenizer outage degrades to text.
+    ``scope``: the tenant's cache salt, which a tokenizer's cache is keyed on
+    (``routing/tokenize/scope.py``)."""
     # Imported here, not at the top: ``routing.tokenize`` pulls in the tokenizer libraries
     # (~150 ms), which a gateway without a local or remote tokenizer never needs at start-up.
     from routing.tokenize import InvalidMessages, TextTokenizer
+    from routing.tokenize.scope import TOKENIZE_CACHE_SCOPE
 
+    TOKENIZE_CACHE_SCOPE.set(scope)  # this request's task only
     try:
         return await kind.prompt(tokenizer, model, body)
     except (InvalidMessages, ValueError, TypeError) as exc:

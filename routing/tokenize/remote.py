@@ -20,6 +20,7 @@ import xxhash
 from routing.contracts import TokenizedPrompt
 from routing.tokenize.errors import TokenizationError
 from routing.tokenize.messages import normalise_messages
+from routing.tokenize.scope import TOKENIZE_CACHE_SCOPE
 
 __all__ = ["RemoteTokenizer"]
 
@@ -75,7 +76,11 @@ class RemoteTokenizer:
             payload = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"tokenize request is not JSON-serialisable: {exc}") from exc
-        key = xxhash.xxh3_128_intdigest(payload.encode())
+        # Per tenant (``scope.py``): a hit or a shared in-flight call must not tell one tenant
+        # that another just sent the same prompt.
+        key = xxhash.xxh3_128_intdigest(
+            TOKENIZE_CACHE_SCOPE.get().encode() + b"\0" + payload.encode()
+        )
         cached = self._cache.get(key)
         if cached is not None:
             self._cache.move_to_end(key)

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from routing.tokenize import RemoteTokenizer, TokenizationError
+from routing.tokenize.scope import TOKENIZE_CACHE_SCOPE
 from tests.support.redis_server import free_port
 
 
@@ -135,6 +136,32 @@ async def test_identical_requests_in_flight_share_one_upstream_call(
     results = await asyncio.gather(first, second)
     assert results[0] == results[1]
     assert len(fake.bodies) == 1
+
+
+async def test_the_cache_and_shared_calls_are_per_tenant(
+    upstream: tuple[FakeTokenizeServer, str], remote: RemoteTokenizer
+) -> None:
+    # A hit (or a call joined in flight) for tenant B on the prompt tenant A just sent would
+    # let B time that A sent it: entries are keyed on the tenant's scope too.
+    fake, _ = upstream
+
+    async def as_tenant(scope: str) -> None:
+        TOKENIZE_CACHE_SCOPE.set(scope)  # its own task: the gateway sets it per request
+        await remote.tokenize_completion("m", "the same prompt")
+
+    await asyncio.create_task(as_tenant("salt-a"))
+    await asyncio.create_task(as_tenant("salt-b"))
+    await asyncio.create_task(as_tenant("salt-a"))
+    assert len(fake.bodies) == 2 and (remote.hits, remote.misses) == (1, 2)
+    fake.hold = True
+    first = asyncio.create_task(as_tenant("salt-c"))
+    await fake.arrived.wait()
+    fake.arrived.clear()
+    second = asyncio.create_task(as_tenant("salt-d"))
+    await fake.arrived.wait()  # not joined to the first: a call of its own
+    fake.release.set()
+    await asyncio.gather(first, second)
+    assert len(fake.bodies) == 4
 
 
 @pytest.mark.parametrize(
