@@ -39,6 +39,18 @@ def unique_id(request_id: str, in_flight: set[str]) -> str:
     return request_id
 
 
+def engine_request_id(request_id: str) -> str:
+    """The id an engine is sent for a request: the gateway's, with a random suffix.
+
+    vLLM takes the ``X-Request-Id`` header as its own request id and refuses one already
+    running. Client ids are unique only within one gateway (``unique_id``), and a tenant may
+    pick any: sent as they are, two gateways could hand an engine the same id, so one tenant
+    could learn that another's id is running, or fail its requests by reusing ids it can
+    predict. The suffix keeps the engine's logs searchable by the gateway's id.
+    """
+    return f"{request_id}~{uuid.uuid4().hex[:8]}"
+
+
 async def read_json(request: web.Request, max_bytes: int) -> dict[str, Any]:
     """The JSON object body; 413 past ``max_bytes`` (checked before and while reading), 400 else."""
     body, _raw = await read_body(request, max_bytes)

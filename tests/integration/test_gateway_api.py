@@ -71,7 +71,9 @@ async def test_chat_passthrough_keeps_client_fields_and_request_id() -> None:
     assert sent["temperature"] == 0.3 and sent["top_k"] == 7
     # The gateway owns cache_salt: the default tenant has none, so the client's is dropped.
     assert "cache_salt" not in sent
-    assert upstream.headers[0]["X-Request-Id"] == "req-42"
+    # The engine gets it with a suffix of its own: ids are unique per gateway only, and vLLM
+    # refuses one already running (gateway/request_body.py, engine_request_id).
+    assert upstream.headers[0]["X-Request-Id"].startswith("req-42~")
 
 
 async def test_request_id_generated_when_absent() -> None:
@@ -83,7 +85,7 @@ async def test_request_id_generated_when_absent() -> None:
     ):
         generated = resp.headers["X-Request-Id"]
     assert generated.startswith("fg-")
-    assert upstream.headers[0]["X-Request-Id"] == generated
+    assert upstream.headers[0]["X-Request-Id"].startswith(f"{generated}~")
 
 
 async def test_a_request_id_already_in_flight_is_suffixed_not_shared() -> None:
@@ -110,7 +112,34 @@ async def test_a_request_id_already_in_flight_is_suffixed_not_shared() -> None:
             assert third.headers["X-Request-Id"] == "same-id"
     assert ids[0] == "same-id"
     assert ids[1].startswith("same-id~") and ids[1] != ids[0]
-    assert [h["X-Request-Id"] for h in upstream.headers[:2]] == ids
+    assert [h["X-Request-Id"].rsplit("~", 1)[0] for h in upstream.headers[:2]] == ids
+
+
+async def test_two_gateways_never_hand_an_engine_the_same_request_id() -> None:
+    # Ids are unique per gateway only: a tenant reusing another's id through another gateway
+    # must neither be refused by the engine nor learn that the id is running.
+    upstream = FakeUpstream(header_gate=asyncio.Event())
+    headers = {"X-Request-Id": "job-42"}
+    async with serve(upstream.app()) as upstream_url, aiohttp.ClientSession() as http:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset({"base-model"}))
+        apps = [create_app(GatewayConfig(), GatewayPolicy.default([spec])) for _ in range(2)]
+        async with serve(apps[0]) as url_a, serve(apps[1]) as url_b:
+            sent = [
+                asyncio.create_task(
+                    http.post(f"{url}/v1/chat/completions", json=CHAT, headers=headers)
+                )
+                for url in (url_a, url_b)
+            ]
+            while len(upstream.headers) < 2:  # both at the engine at once
+                await asyncio.sleep(0.01)
+            upstream.header_gate.set()
+            answers = [await task for task in sent]
+            for answer in answers:
+                assert answer.status == 200
+                assert answer.headers["X-Request-Id"] == "job-42"  # nothing tells of the other
+                answer.release()
+    engine_ids = [h["X-Request-Id"] for h in upstream.headers]
+    assert len(set(engine_ids)) == 2 and all(i.startswith("job-42~") for i in engine_ids)
 
 
 async def test_openai_client_chat_completions_streaming_and_models() -> None:
