@@ -18,6 +18,7 @@ import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
@@ -32,7 +33,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policy_view import Tenant
 from gateway.proxy import ForwardPlan, UpstreamOutcome
 from gateway.replicas import ReplicaRegistry
-from gateway.request.kinds import RequestKind
+from gateway.request.kinds import Body, RequestKind
 from gateway.request.record import AdapterLoad
 from gateway.request.route import RouteDecision
 from gateway.routing_glue import Router
@@ -257,6 +258,18 @@ class AttemptRecorder:
 
 
 # --------------------------------------------------------------------------- the payload
+
+
+def with_client_salt(tenant: Tenant, body: Body, open_access: bool) -> Tenant:
+    """The tenant a request is served as, with the client's own ``cache_salt`` where the
+    gateway sets none: in open access (no tenants declared) a client may isolate its users
+    with vLLM's salt, as it could without the gateway. Routing hashes with it too, so a salted
+    prompt never looks cached where only the unsalted one is. Declared tenants always get
+    their own salt, whatever the client sends."""
+    salt = body.get("cache_salt")
+    if not open_access or tenant.cache_salt or not isinstance(salt, str) or not salt.strip():
+        return tenant
+    return replace(tenant, cache_salt=salt)
 
 
 def upstream_body(body: Mapping[str, Any], tenant: Tenant) -> tuple[dict[str, Any], bool]:

@@ -19,7 +19,7 @@ from gateway.request.account import (
     count_failed_before_forwarding,
     record_refusal,
 )
-from gateway.request.forward import AttemptRecorder, forward, plan_forward
+from gateway.request.forward import AttemptRecorder, forward, plan_forward, with_client_salt
 from gateway.request.kinds import RequestKind
 from gateway.request.route import RequestLabels, RouteDecision, admit, repick, route
 from gateway.request_body import read_body, request_id_of, unique_id
@@ -88,6 +88,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             tenant = admit(request, gw.policy, gw.rate_limiter)
             body, raw = await read_body(request, gw.config.max_body_bytes)
             kind.validate(body)
+            tenant = with_client_salt(tenant, body, gw.policy.open_access)
             stream = kind.streams and isinstance(body, Mapping) and body.get("stream") is True
             if kind.prepare is not None:
                 body = kind.prepare(body)

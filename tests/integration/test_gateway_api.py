@@ -69,11 +69,30 @@ async def test_chat_passthrough_keeps_client_fields_and_request_id() -> None:
     assert answer["choices"][0]["message"]["content"] == "a b c"
     sent = upstream.received[0]
     assert sent["temperature"] == 0.3 and sent["top_k"] == 7
-    # The gateway owns cache_salt: the default tenant has none, so the client's is dropped.
-    assert "cache_salt" not in sent
+    # Open access (no tenants): the gateway sets no salt, so the client's own goes to the
+    # engine, as it would without the gateway (a declared tenant's always replaces it).
+    assert sent["cache_salt"] == "client-chosen"
     # The engine gets it with a suffix of its own: ids are unique per gateway only, and vLLM
     # refuses one already running (gateway/request_body.py, engine_request_id).
     assert upstream.headers[0]["X-Request-Id"].startswith("req-42~")
+
+
+async def test_open_access_routes_a_client_salted_prompt_apart_from_the_unsalted_one() -> None:
+    # The client's salt seeds routing's block hashes too: the engine caches the salted prompt
+    # apart, so routing must not count the unsalted one's blocks as its cache.
+    upstream = FakeUpstream()
+    async with gateway([upstream], admin_key="adm") as url, aiohttp.ClientSession() as http:
+        admin = {"Authorization": "Bearer adm"}
+        long_chat = {**CHAT, "messages": [{"role": "user", "content": "a shared prompt " * 40}]}
+        for salt in (None, None, "mine"):
+            body = long_chat if salt is None else {**long_chat, "cache_salt": salt}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+        async with http.get(f"{url}/admin/decisions?n=3", headers=admin) as resp:
+            salted, unsalted, _ = (await resp.json())["decisions"]  # newest first
+    assert unsalted["explanations"]["r0"]["matched_blocks"] > 0  # the same unsalted prompt
+    assert salted["explanations"]["r0"]["matched_blocks"] == 0
+    assert [sent.get("cache_salt") for sent in upstream.received] == [None, None, "mine"]
 
 
 async def test_request_id_generated_when_absent() -> None:
