@@ -223,6 +223,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_get("/v1/models", openai_api.list_models)
+    app.router.add_get("/v1/models/{model:.+}", openai_api.retrieve_model)
     add_api_routes(app)  # Responses, Anthropic Messages, embeddings, tokenize (gateway/apis/)
     app.router.add_get("/health", health.health)
     app.router.add_get("/ready", health.ready)

@@ -8,7 +8,8 @@ from aiohttp import web
 
 from gateway.adapters import model_cards
 from gateway.auth import authenticate
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, model_not_found
+from gateway.policy_view import Tenant
 from gateway.request.handler import handle
 from gateway.request.kinds import CHAT, COMPLETION
 from gateway.request.route import UNROUTED
@@ -61,16 +62,34 @@ async def list_models(request: web.Request) -> web.Response:
     except GatewayError as err:
         gw.metrics.errors.labels(UNROUTED, err.code).inc()
         return err.response(request_id)
+    data = _tenant_cards(gw, tenant)
+    return web.json_response({"object": "list", "data": data}, headers={"X-Request-Id": request_id})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: one card of the list, or 404 ``model_not_found`` (the same
+    for a model that does not exist and for another tenant's adapter)."""
+    gw = request.app[GATEWAY]
+    request_id = request_id_of(request)
+    model = request.match_info["model"]
+    try:
+        tenant = authenticate(request, gw.policy)
+        card = next((c for c in _tenant_cards(gw, tenant) if c["id"] == model), None)
+        if card is None:
+            raise model_not_found(model)
+    except GatewayError as err:
+        gw.metrics.errors.labels(UNROUTED, err.code).inc()
+        return err.response(request_id)
+    return web.json_response(card, headers={"X-Request-Id": request_id})
+
+
+def _tenant_cards(gw: GatewayState, tenant: Tenant) -> list[dict[str, object]]:
     if gw.adapters is not None:  # the registry's catalog, runtime additions included
-        data = _cards(gw, list(model_cards(gw, tenant)))
-        return web.json_response(
-            {"object": "list", "data": data}, headers={"X-Request-Id": request_id}
-        )
+        return _cards(gw, list(model_cards(gw, tenant)))
     if gw.policy.source is not None:
         bases = sorted(gw.policy.known_models)
         adapters = sorted((a.name, a.base_model) for a in gw.policy.adapters_for(tenant))
     else:
         bases = sorted(gw.registry.base_models())
         adapters = sorted(gw.registry.served_adapters.items())
-    data = _cards(gw, [(m, None) for m in bases] + [(name, base) for name, base in adapters])
-    return web.json_response({"object": "list", "data": data}, headers={"X-Request-Id": request_id})
+    return _cards(gw, [(m, None) for m in bases] + [(name, base) for name, base in adapters])

@@ -260,11 +260,16 @@ async def test_up_chat_and_completions_streaming_and_not(up_url: str) -> None:
 async def test_up_lists_the_base_model_and_demo_adapters(up_url: str) -> None:
     async with client(up_url) as api:
         models = await api.models.list()
+        one = await api.models.retrieve("demo-lora-1")
+        with pytest.raises(openai.NotFoundError) as missing:
+            await api.models.retrieve("no-such-model")
     assert {m.id: getattr(m, "parent", None) for m in models.data} == {
         MODEL: None,
         "demo-lora-0": MODEL,
         "demo-lora-1": MODEL,
     }
+    assert (one.id, getattr(one, "parent", None)) == ("demo-lora-1", MODEL)
+    assert missing.value.body["code"] == "model_not_found"
 
 
 async def test_up_serves_a_demo_adapter(up_url: str) -> None:

@@ -123,6 +123,18 @@ async def test_other_tenants_adapter_looks_like_a_missing_model(tmp_path: Path) 
             assert resp.status == 200
         async with http.get(f"{url}/v1/models", headers=auth("globex-key")) as resp:
             globex_models = {m["id"]: m["parent"] for m in (await resp.json())["data"]}
+        cards = {}
+        for model, key in (("acme-lora", "globex-key"), ("no-such-lora", "globex-key"),
+                           ("acme-lora", "acme-key")):
+            async with http.get(f"{url}/v1/models/{model}", headers=auth(key)) as resp:
+                cards[model, key] = (resp.status, await resp.json())
+    # One card: the same 404 for another tenant's adapter as for none, the card for its owner.
+    assert cards["acme-lora", "globex-key"][0] == cards["no-such-lora", "globex-key"][0] == 404
+    assert cards["acme-lora", "globex-key"][1]["error"]["message"].replace("acme-lora", "X") == (
+        cards["no-such-lora", "globex-key"][1]["error"]["message"].replace("no-such-lora", "X")
+    )
+    assert cards["acme-lora", "acme-key"] == (200, {**cards["acme-lora", "acme-key"][1],
+                                                    "id": "acme-lora", "parent": "base-model"})
     status, error = answers["acme-lora"]
     assert status == 404 and error["code"] == "model_not_found"
     missing_status, missing = answers["no-such-lora"]
