@@ -19,13 +19,13 @@ class CircuitBreaker:
     The probe's outcome closes it again or re-opens it for another cooldown. ``clock`` is
     injectable so tests step time explicitly instead of sleeping.
 
-    A health poll that answers (``health_ok``) closes it early, unless a request timed out since
-    the last success: a restarted engine is back once its ``/health`` answers, but an engine
-    wedged behind a live HTTP server (it answers ``/health``, never a request) would otherwise be
-    reopened by every poll, and each request sent there waits out the whole timeout. Only a
-    request that succeeds, the probe after the cooldown, closes the circuit then. Other failures
-    (refused connections, dropped requests, 5xx answers) are quick and retried on a fallback: a
-    poll may clear those.
+    A health poll that answers (``health_ok``) closes it early, and resets the count, when every
+    failure since the last success was a connection refused or dropped (``health_clears``): an
+    engine that was killed is back once its ``/health`` answers. Not after a timeout or a 5xx
+    answer: an engine wedged behind a live HTTP server (it answers ``/health``, never a request,
+    or only with 500s) would otherwise be reopened by every poll and keep its share of traffic,
+    each request of it waiting out the timeout or failing. Only a request that succeeds, the
+    probe after the cooldown, closes the circuit then.
     """
 
     def __init__(
@@ -42,7 +42,7 @@ class CircuitBreaker:
         self.cooldown_s = cooldown_s
         self._clock = clock
         self._failures = 0
-        #: False once a request timed out since the last success (see the class docstring).
+        #: False once a failure since the last success was one a poll cannot clear.
         self._health_can_clear = True
         self._opened_at: float | None = None
         self._probe_in_flight = False
@@ -79,15 +79,17 @@ class CircuitBreaker:
             self._on_trip(False)
 
     def health_ok(self) -> None:
-        """The replica's ``/health`` answered: clears failures that were only unreachability."""
+        """The replica's ``/health`` answered: clears failures that were connections refused or
+        dropped (see the class docstring)."""
         if self._health_can_clear:
             self.success()
 
-    def failure(self, timed_out: bool = False) -> None:
-        """A request failed (``timed_out``: the replica took it and never answered): count,
-        maybe open."""
+    def failure(self, health_clears: bool = False) -> None:
+        """A request failed: count, maybe open. ``health_clears``: the connection was refused or
+        dropped (a killed engine), which an answering health poll clears; a timeout or a 5xx
+        answer (the engine took the request and failed it) it does not."""
         self._failures += 1
-        self._health_can_clear = self._health_can_clear and not timed_out
+        self._health_can_clear = self._health_can_clear and health_clears
         self._probe_in_flight = False
         if self._opened_at is not None or self._failures >= self.failure_threshold:
             opens = self._opened_at is None

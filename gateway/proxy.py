@@ -616,7 +616,7 @@ async def send(
             except _RETRYABLE as exc:
                 if outcome.responded:
                     raise  # bytes reached the client: the request is never replayed elsewhere
-                breaker.failure()
+                breaker.failure(health_clears=True)
                 if isinstance(exc, UpstreamConnectError):
                     retry_reason = "connect_failed"  # it never saw the request
                     log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)
@@ -627,7 +627,7 @@ async def send(
                     )
                 continue
             except TimeoutError:
-                breaker.failure(timed_out=True)
+                breaker.failure()
                 log.warning(
                     "replica %s did not answer request %s within %s s (upstream_timeout_s)",
                     replica_id, request_id, read_timeout_s,
@@ -642,7 +642,7 @@ async def send(
                 task = asyncio.current_task()
                 if not attempt.aborted or outcome.responded or task is None or task.uncancel():
                     raise
-                breaker.failure()
+                breaker.failure(health_clears=True)
                 retry_reason = "replica_down"
                 log.warning("replica %s marked down holding the request; retrying", replica_id)
                 continue

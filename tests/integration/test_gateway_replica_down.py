@@ -134,17 +134,22 @@ async def test_a_replica_that_dies_holding_a_request_leaves_nothing_counted_in_f
     assert status == 200, body
 
 
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mode", ["hangs", "hangs-streaming", "answers-500"])
 async def test_a_wedged_replica_answering_health_polls_stays_out_once_its_breaker_opens(
-    stream: bool,
+    mode: str,
 ) -> None:
     # An engine stuck in a kernel or a deadlocked scheduler behind an HTTP server that still
-    # answers /health: each request sent there times out. Its health polls must not close the
-    # circuit those timeouts opened, or it keeps half the traffic, every request of it failing.
-    # Streamed, it still sends its 200 headers (vLLM does, before the engine works): those are
-    # no success either.
+    # answers /health: each request sent there times out (or fails at once with a 500). Its
+    # health polls must not close the circuit those failures opened, or it keeps half the
+    # traffic, every request of it failing. Streamed, it still sends its 200 headers (vLLM does,
+    # before the engine works): those are no success either.
     gate = asyncio.Event()  # never set
-    wedged = FakeUpstream(event_gate=gate) if stream else FakeUpstream(header_gate=gate)
+    stream = mode == "hangs-streaming"
+    wedged = {
+        "hangs": FakeUpstream(header_gate=gate),
+        "hangs-streaming": FakeUpstream(event_gate=gate),
+        "answers-500": FakeUpstream(fail_status=500),
+    }[mode]
     well = FakeUpstream()
     async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
         wedged_url = await stack.enter_async_context(serve(wedged.app()))
@@ -167,9 +172,13 @@ async def test_a_wedged_replica_answering_health_polls_stays_out_once_its_breake
             async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
                 statuses.append(resp.status)
                 await resp.read()
+            await asyncio.sleep(0.15)  # health polls (every 50 ms) answer between requests
         async with http.get(f"{url}/admin/replicas", headers=ADMIN) as resp:
             circuits = {r["replica_id"]: r["circuit"] for r in (await resp.json())["replicas"]}
 
     assert wedged.attempts == 2, statuses  # the breaker's threshold, then never again
-    assert statuses.count(504) == 2 and statuses.count(200) == 10, statuses
+    if mode == "answers-500":  # each 500 was retried on the well replica
+        assert statuses == [200] * 12
+    else:
+        assert statuses.count(504) == 2 and statuses.count(200) == 10, statuses
     assert circuits == {"wedged": "open", "well": "closed"}

@@ -28,19 +28,19 @@ class Clock:
         return self.now
 
 
-def test_a_health_poll_clears_quick_failures_but_not_timeouts() -> None:
+def test_a_health_poll_clears_refused_and_dropped_connections_only() -> None:
     clock = Clock()
     restarted = CircuitBreaker(failure_threshold=2, cooldown_s=10, clock=clock)
-    restarted.failure()  # refused, dropped, a 5xx: quick, and retried elsewhere
-    restarted.failure()
+    restarted.failure(health_clears=True)  # refused or dropped: a killed engine
+    restarted.failure(health_clears=True)
     assert restarted.state is BreakerState.OPEN
     restarted.health_ok()  # it answers again: back at once, no cooldown
     assert restarted.state is BreakerState.CLOSED
 
     wedged = CircuitBreaker(failure_threshold=2, cooldown_s=10, clock=clock)
-    wedged.failure(timed_out=True)  # /health answering says nothing about requests
+    wedged.failure()  # a timeout or a 5xx: /health answering says nothing about requests
     wedged.health_ok()
-    wedged.failure()
+    wedged.failure(health_clears=True)
     assert wedged.state is BreakerState.OPEN  # the poll between did not reset the count
     wedged.health_ok()
     assert wedged.state is BreakerState.OPEN
@@ -48,7 +48,7 @@ def test_a_health_poll_clears_quick_failures_but_not_timeouts() -> None:
     wedged.begin()
     wedged.success()  # only a request that succeeds closes it
     assert wedged.state is BreakerState.CLOSED
-    wedged.failure()
+    wedged.failure(health_clears=True)
     wedged.health_ok()
     assert wedged.state is BreakerState.CLOSED and wedged.allows()
 
