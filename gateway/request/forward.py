@@ -27,7 +27,7 @@ from opentelemetry.trace import Tracer
 
 from gateway import adapters, proxy, speculative
 from gateway.cost import ReplicaTimeMeter
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, bad_request
 from gateway.inflight import InflightTracker
 from gateway.metrics import GatewayMetrics
 from gateway.policy_view import Tenant
@@ -267,8 +267,10 @@ def with_client_salt(tenant: Tenant, body: Body, open_access: bool) -> Tenant:
     prompt never looks cached where only the unsalted one is. Declared tenants always get
     their own salt, whatever the client sends."""
     salt = body.get("cache_salt")
-    if not open_access or tenant.cache_salt or not isinstance(salt, str) or not salt.strip():
+    if not open_access or tenant.cache_salt or salt is None:  # null: no salt, as for vLLM
         return tenant
+    if not isinstance(salt, str) or not salt:  # as vLLM itself refuses it
+        raise bad_request("`cache_salt` must be a non-empty string if given.", "cache_salt")
     return replace(tenant, cache_salt=salt)
 
 

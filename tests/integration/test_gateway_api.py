@@ -95,6 +95,19 @@ async def test_open_access_routes_a_client_salted_prompt_apart_from_the_unsalted
     assert [sent.get("cache_salt") for sent in upstream.received] == [None, None, "mine"]
 
 
+@pytest.mark.parametrize("salt", ["", 7, ["a"]])
+async def test_open_access_refuses_a_salt_vllm_would_refuse(salt: object) -> None:
+    upstream = FakeUpstream()
+    async with (
+        gateway([upstream]) as url,
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/v1/chat/completions", json={**CHAT, "cache_salt": salt}) as resp,
+    ):
+        assert resp.status == 400
+        assert (await resp.json())["error"]["param"] == "cache_salt"
+    assert upstream.attempts == 0
+
+
 async def test_request_id_generated_when_absent() -> None:
     upstream = FakeUpstream()
     async with (
