@@ -329,12 +329,16 @@ class TokenGate:
         next_tokens = stream.next_tokens
         calls = 0
 
+        # The engine's id is the gateway's with a suffix of its own (request_body.py,
+        # engine_request_id): the test names requests by the gateway's.
+        request_id = stream.request_id.rsplit("~", 1)[0]
+
         async def gated() -> list[int]:
             nonlocal calls
             calls += 1
-            hold_at = 2 if stream.request_id in self.after_first else 1
+            hold_at = 2 if request_id in self.after_first else 1
             if calls == hold_at and not self.release.is_set():
-                self.held.append(stream.request_id)
+                self.held.append(request_id)
                 self.changed.set()
                 await self.release.wait()
             return await next_tokens()
