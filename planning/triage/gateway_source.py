@@ -15,7 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from planning.triage.histogram import histogram_quantile
-from planning.triage.model import MetricsError, RouteMetrics, SourceError
+from planning.triage.model import UNROUTED, MetricsError, RouteMetrics, SourceError
 
 
 def fetch_gateway_metrics(url: str, client: httpx.Client) -> dict[str, RouteMetrics]:
@@ -45,7 +45,7 @@ def parse_gateway_metrics(text: str) -> dict[str, RouteMetrics]:
     for family in families:
         for sample in family.samples:
             route = sample.labels.get("route")
-            if route is None:
+            if route is None or route == UNROUTED:
                 continue
             if sample.name == "fleetgate_ttft_seconds_bucket":
                 ttft[route][float(sample.labels["le"])] += sample.value

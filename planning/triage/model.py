@@ -66,6 +66,11 @@ class Lever:
         return out
 
 
+#: The route label of requests refused before a route was known (bad key, malformed body):
+#: the gateway's ``gateway.request.route.UNROUTED``. Not a route: nothing to triage there.
+UNROUTED = "unrouted"
+
+
 @dataclass(frozen=True, slots=True)
 class RouteMetrics:
     """The signals triage reads for one route. ``None`` means unknown: rules needing it are skipped.

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import httpx
 
-from planning.triage.model import MetricsError, RouteMetrics, SourceError
+from planning.triage.model import UNROUTED, MetricsError, RouteMetrics, SourceError
 
 #: field -> PromQL, ``{w}`` is the window. Per-route queries aggregate ``by (route)``.
 ROUTE_QUERIES: dict[str, str] = {
@@ -86,7 +86,7 @@ def fetch_prometheus_metrics(
     for field, template in ROUTE_QUERIES.items():
         for labels, value in query(client, base_url, template.format(w=window)):
             route = labels.get("route")
-            if route is not None:
+            if route is not None and route != UNROUTED:
                 per_route.setdefault(route, {})[field] = _CONVERT.get(field, float)(value)
     # A route that declares SLOs but saw no traffic in the window has nothing to triage.
     per_route = {route: v for route, v in per_route.items() if set(v) - _SLO_FIELDS}

@@ -49,6 +49,8 @@ def _gateway_exposition() -> str:
     busting = Gauge("fleetgate_cache_busting_layout", "", ["route"], registry=registry)
     slo = Gauge("fleetgate_route_slo_seconds", "", ["route", "slo"], registry=registry)
     slo.labels("rag", "ttft").set(2.0)  # rag declares a TTFT objective only
+    # Refused before routing (a bad key): counted under "unrouted", which is not a route.
+    requests.labels("unrouted", "", "none", "401").inc(3)
     # rag: 90 fast + 10 slow first tokens, split over two models (summed by route).
     for i in range(90):
         ttft.labels("rag", "llama" if i % 2 else "qwen").observe(0.2)
@@ -111,6 +113,7 @@ def _vector(*series: tuple[dict, str]) -> dict:
 
 
 PROMETHEUS_ANSWERS = {
+    "fleetgate_requests_total": _vector(({"route": "rag"}, "1"), ({"route": "unrouted"}, "1")),
     'fleetgate_route_slo_seconds{slo="ttft"}': _vector(
         ({"route": "rag"}, "2000"), ({"route": "declared-but-idle"}, "800")
     ),
@@ -121,7 +124,6 @@ PROMETHEUS_ANSWERS = {
     "fleetgate_tpot_seconds_bucket": _vector(({"route": "rag"}, "38.5")),
     "fleetgate_prefix_repeat_fraction": _vector(({"route": "rag"}, "0.7")),
     "fleetgate_cache_busting_layout": _vector(({"route": "rag"}, "0")),
-    "fleetgate_requests_total": _vector(({"route": "rag"}, "1")),
     "vllm:kv_cache_usage_perc": _vector(({}, "0.93")),
     "vllm:num_preemptions_total": _vector(({}, "2")),
     "vllm:num_requests_waiting": _vector(({}, "3.5")),
