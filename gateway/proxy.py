@@ -366,8 +366,7 @@ async def _relay_stream(
         return seen is not None
 
     async def upstream_events() -> AsyncIterator[list[bytes]]:
-        if first:
-            yield first
+        yield first
         async for chunk in resp.iter_any():
             events = relay.feed(chunk)
             if events:

@@ -134,9 +134,10 @@ class RedisResponseAffinity:
         if self._failing:  # in an outage: kept for the backlog writer, Redis left alone
             self._keep_unwritten(response_id, home)
             return
-        value = json.dumps({"replica": home.replica, "tenant": home.tenant})
         try:
-            await self._redis.set(self._prefix + response_id, value, px=int(self._ttl_s * 1000))
+            await self._redis.set(
+                self._prefix + response_id, _encode(home), px=int(self._ttl_s * 1000)
+            )
         except Exception as exc:  # kept: this gateway still finds it, others once written
             self._keep_unwritten(response_id, home)
             self._failed(exc)
@@ -193,10 +194,7 @@ class RedisResponseAffinity:
                         for response_id, (at, home) in batch:
                             left_ms = int((self._ttl_s - (now - at)) * 1000)
                             if left_ms > 0:
-                                value = json.dumps(
-                                    {"replica": home.replica, "tenant": home.tenant}
-                                )
-                                pipe.set(self._prefix + response_id, value, px=left_ms)
+                                pipe.set(self._prefix + response_id, _encode(home), px=left_ms)
                         await pipe.execute()
                     for response_id, _ in batch:
                         self._unwritten.pop(response_id, None)
@@ -218,6 +216,11 @@ class RedisResponseAffinity:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
         await self._redis.aclose()
+
+
+def _encode(home: ResponseHome) -> str:
+    """A home as Redis keeps it (``home_of`` reads it back)."""
+    return json.dumps({"replica": home.replica, "tenant": home.tenant})
 
 
 def build_response_affinity(redis_url: str | None, key_prefix: str = "fleetgate:") -> (

@@ -19,8 +19,6 @@ from typing import Final
 
 _DONE: Final = (b"data: [DONE]", b"data:[DONE]")
 _ERROR_DATA: Final = (b'data: {"error"', b'data:{"error"')
-
-
 _Forms = tuple[tuple[bytes, ...], tuple[bytes, ...]]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +25,7 @@ from traces.spread import spread_arrivals
 
 if TYPE_CHECKING:
     from planning.simulator.api import SweepPoint
+    from routing.engine import Profile
 
 
 def default_policies() -> str:
@@ -302,7 +303,10 @@ def run(args: argparse.Namespace) -> int:
     for note in trace_notes(args.trace, records[: args.limit], args.arrival_spread_ms):
         print(note, file=sys.stderr)
     try:
-        points = _sweep(args, records, policies)
+        factories = file_profile_factories(
+            args.config, [p for p in policies if p in file_profiles]
+        )
+        points = _sweep(args, records, policies, factories)
     except ValueError as exc:
         return _fail(str(exc))
     print(render_json(points) if args.json else _tables(args, points))
@@ -319,9 +323,13 @@ def _fail(message: str) -> int:
 
 
 def _sweep(
-    args: argparse.Namespace, records: Sequence[TraceRecord], policies: list[str]
+    args: argparse.Namespace,
+    records: Sequence[TraceRecord],
+    policies: list[str],
+    factories: Mapping[str, Callable[[], Profile]],
 ) -> list[SweepPoint]:
-    """Every policy at every ``--rate-scale``; raises ValueError on a bad setting."""
+    """Every policy at every ``--rate-scale`` (``factories``: those of a ``--config`` file's
+    profiles); raises ValueError on a bad setting."""
     from planning.simulator import SimulationConfig, parse_adapter_spec
     from planning.simulator.api import simulate_sweep
     from planning.simulator.flow import parse_class_mix
@@ -372,7 +380,7 @@ def _sweep(
         adapters=adapters,
         progress=progress,
         jobs=args.jobs,
-        profile_factories=file_profile_factories(args.config, policies) if args.config else None,
+        profile_factories=factories,
     )
 
 

@@ -156,9 +156,10 @@ def _simulate_in_workers(
     pool = ProcessPoolExecutor(max_workers=jobs, initializer=_ignore_interrupts)
     try:
         futures = {
-            pool.submit(_simulate, batch, [policy], config, None, {
-                name: factory for name, factory in factories.items() if name == policy
-            }): (b, p)
+            pool.submit(
+                _simulate, batch, [policy], config, None,
+                {policy: factories[policy]} if policy in factories else {},
+            ): (b, p)
             for b, batch in enumerate(batches)
             for p, policy in enumerate(policies)
         }

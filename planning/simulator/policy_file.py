@@ -9,7 +9,7 @@ so it crosses into ``--jobs`` worker processes, which read the file themselves.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -35,12 +35,11 @@ def policy_file_profiles(path: str) -> tuple[str, ...]:
 
 
 def file_profile_factories(
-    path: str, names: Sequence[str]
+    path: str, names: Iterable[str]
 ) -> Mapping[str, Callable[[], Profile]]:
-    """A factory per name in ``names`` that ``path`` defines: each call builds the profile
-    afresh from the file."""
-    defined = set(policy_file_profiles(path))
-    return {name: partial(build_file_profile, path, name) for name in names if name in defined}
+    """A factory per name in ``names`` (profiles ``path`` defines, as ``policy_file_profiles``
+    listed them): each call builds the profile afresh from the file."""
+    return {name: partial(build_file_profile, path, name) for name in names}
 
 
 def build_file_profile(path: str, name: str) -> Profile:
