@@ -6,6 +6,7 @@ than 0"); this module turns them into ``routes[2].slo.ttft_p95_ms: must be > 0 (
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -155,6 +156,16 @@ def _reason(err: Any) -> tuple[str, bool]:
     return str(err.get("msg", "invalid value")).replace("Input should be", "must be"), True
 
 
+def _key_hint(key: str, allowed: Any) -> str:
+    """``; did you mean 'profile'? (allowed: ...)`` for an unknown ``key``: most are typos."""
+    if not allowed:
+        return ""
+    allowed = [str(k) for k in allowed]
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    guess = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{guess} (allowed: {', '.join(allowed)})"
+
+
 def issues_from_validation(
     exc: ValidationError, prefix: Loc = (), allowed_keys: Any = None
 ) -> list[PolicyIssue]:
@@ -171,8 +182,7 @@ def issues_from_validation(
             loc = loc[:-1]
         if err["type"] == "extra_forbidden":
             keys = allowed_keys(loc[:-1]) if allowed_keys else None
-            hint = f" (allowed: {', '.join(keys)})" if keys else ""
-            out.append(issue(loc, f"unknown key{hint}"))
+            out.append(issue(loc, f"unknown key{_key_hint(str(loc[-1]) if loc else '', keys)}"))
             continue
         reason, quote = _reason(err)
         if quote and "input" in err:
