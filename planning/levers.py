@@ -16,6 +16,7 @@ its one-time prefill is amortised over all requests and left out). GB are decima
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import sys
@@ -66,6 +67,9 @@ class LeverParams:
     fits_fraction: float = 0.9
 
     def __post_init__(self) -> None:
+        # Every problem at once, one per line: a user fixing a params file should not need one
+        # run per mistake.
+        problems: list[str] = []
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "fp8_tflops" and value is None:
@@ -79,15 +83,14 @@ class LeverParams:
                 or (value == 0 and not zero_ok)
             ):
                 bound = ">= 0" if zero_ok else "> 0"
-                raise ValueError(f"{f.name}: must be a finite number {bound} (got {value!r})")
-        if self.shared_prefix_tokens > self.prompt_tokens:
-            raise ValueError(
-                f"shared_prefix_tokens ({self.shared_prefix_tokens}) must be <= "
-                f"prompt_tokens ({self.prompt_tokens})"
-            )
-        for name in ("efficiency", "mfu", "fits_fraction"):
-            if getattr(self, name) > 1:
-                raise ValueError(f"{name}: must be in (0, 1] (got {getattr(self, name)})")
+                problems.append(f"{f.name}: must be a finite number {bound} (got {value!r})")
+            elif f.name in ("efficiency", "mfu", "fits_fraction") and value > 1:
+                problems.append(f"{f.name}: must be in (0, 1] (got {value})")
+        prompt, shared = self.prompt_tokens, self.shared_prefix_tokens
+        if not problems and shared > prompt:
+            problems.append(f"shared_prefix_tokens ({shared}) must be <= prompt_tokens ({prompt})")
+        if problems:
+            raise ValueError("\n".join(problems))
 
     def hardware(self) -> HardwareProfile:
         """The GPU as a hardware profile for the roofline."""
@@ -410,10 +413,20 @@ def params_from_args(args: argparse.Namespace) -> LeverParams:
     known = {f.name for f in fields(LeverParams)}
     unknown = sorted(set(from_file) - known)
     if unknown:
-        raise ValueError(f"--params {args.params}: {unknown[0]}: unknown parameter")
+        raise ValueError(
+            "\n".join(
+                f"--params {args.params}: {key}: unknown parameter{_did_you_mean(key, known)}"
+                for key in unknown
+            )
+        )
     flags = {field: getattr(args, field_attr(flag)) for flag, (field, _k, _t) in _FLAGS.items()}
     overrides = {**from_file, **{k: v for k, v in flags.items() if v is not None}}
     return replace(params, **overrides)
+
+
+def _did_you_mean(key: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def field_attr(flag: str) -> str:
@@ -427,7 +440,8 @@ def run(args: argparse.Namespace) -> int:
         params = params_from_args(args)
         rows = lever_table(params)
     except ValueError as exc:
-        print(f"fleetgate plan levers: error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():
+            print(f"fleetgate plan levers: error: {line}", file=sys.stderr)
         return 2
     problem = plot_path_problem(args.plot) if args.plot is not None else None
     if problem is not None:  # before printing: a failed run prints no table

@@ -24,6 +24,7 @@ from routing.config.errors import (
     describe_value,
     issue,
     issues_from_validation,
+    unknown_key_hint,
 )
 from routing.config.policy import Policy
 from routing.gone_keys import gone_keys
@@ -113,7 +114,8 @@ class _Checker:
             for key in unknown:
                 # Checked here too, whatever the Params model's own config says: a typo'd
                 # parameter silently left at its default is the classic policy bug.
-                unknown_reason = f"unknown parameter (allowed: {', '.join(sorted(allowed))})"
+                hint = unknown_key_hint(key, sorted(allowed)) if allowed else " (it takes none)"
+                unknown_reason = f"unknown parameter{hint}"
                 self.add((*loc, key), gone.get(key, unknown_reason))
             known = {k: v for k, v in plugin.parameters.items() if k in allowed}
             try:

@@ -156,7 +156,7 @@ def _reason(err: Any) -> tuple[str, bool]:
     return str(err.get("msg", "invalid value")).replace("Input should be", "must be"), True
 
 
-def _key_hint(key: str, allowed: Any) -> str:
+def unknown_key_hint(key: str, allowed: Any) -> str:
     """``; did you mean 'profile'? (allowed: ...)`` for an unknown ``key``: most are typos."""
     if not allowed:
         return ""
@@ -182,7 +182,8 @@ def issues_from_validation(
             loc = loc[:-1]
         if err["type"] == "extra_forbidden":
             keys = allowed_keys(loc[:-1]) if allowed_keys else None
-            out.append(issue(loc, f"unknown key{_key_hint(str(loc[-1]) if loc else '', keys)}"))
+            hint = unknown_key_hint(str(loc[-1]) if loc else "", keys)
+            out.append(issue(loc, f"unknown key{hint}"))
             continue
         reason, quote = _reason(err)
         if quote and "input" in err:

@@ -67,9 +67,13 @@ CASES: list[tuple[str, Any, str]] = [
     (
         "plugins[1].parameters",
         {"alhpa": 0.1},
-        "plugins[1].parameters.alhpa: unknown parameter (allowed: alpha)",
+        "plugins[1].parameters.alhpa: unknown parameter; did you mean 'alpha'? (allowed: alpha)",
     ),
-    ("plugins[0].parameters", {"x": 1}, "plugins[0].parameters.x: unknown parameter (allowed: )"),
+    (
+        "plugins[0].parameters",
+        {"x": 1},
+        "plugins[0].parameters.x: unknown parameter (it takes none)",
+    ),
     ("plugins[2].name", "f", "plugins[2].name: duplicate name 'f' (also plugins[0])"),
     (
         "models[0].pools",

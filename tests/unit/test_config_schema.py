@@ -22,9 +22,14 @@ CASES: list[tuple[str, Any, str]] = [
     (
         "routes[0].slo.ttf_p95_ms",
         5,
-        "routes[0].slo.ttf_p95_ms: unknown key; did you mean 'ttft_p95_ms'? (allowed: ttft_p95_ms, tpot_p95_ms)",
+        "routes[0].slo.ttf_p95_ms: unknown key; did you mean 'ttft_p95_ms'? "
+        "(allowed: ttft_p95_ms, tpot_p95_ms)",
     ),
-    ("routes[0].matc", {}, "routes[0].matc: unknown key; did you mean 'match'? (allowed: name, match, slo, profile)"),
+    (
+        "routes[0].matc",
+        {},
+        "routes[0].matc: unknown key; did you mean 'match'? (allowed: name, match, slo, profile)",
+    ),
     (
         "routes[0].match.path",
         "v1/chat",

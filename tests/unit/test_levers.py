@@ -287,3 +287,21 @@ def test_bad_plot_path_fails_before_printing(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert message in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_cli_reports_every_problem_of_a_params_file_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    params_file = tmp_path / "bad.yaml"
+    params_file.write_text("prompt_token: 5\nbogus: 1\n")
+    assert run(parse(["--params", str(params_file)])) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert err[0].endswith("bogus: unknown parameter")
+    assert err[1].endswith("prompt_token: unknown parameter (did you mean 'prompt_tokens'?)")
+
+    params_file.write_text("batch: 0\nmfu: 2\n")
+    assert run(parse(["--params", str(params_file)])) == 2
+    err = capsys.readouterr().err
+    assert "mfu: must be in (0, 1] (got 2)" in err
+    assert "batch: must be a finite number > 0 (got 0)" in err

@@ -40,7 +40,8 @@ def test_example_policy_is_valid(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (
             "unknown_key.yaml",
-            ":13: routes[0].slo.ttft_p59_ms: unknown key; did you mean 'ttft_p95_ms'? (allowed: ttft_p95_ms, tpot_p95_ms)",
+            ":13: routes[0].slo.ttft_p59_ms: unknown key; did you mean 'ttft_p95_ms'? "
+            "(allowed: ttft_p95_ms, tpot_p95_ms)",
         ),
         ("bad_reference.yaml", ":12: routes[0].profile: unknown profile 'rag-fast'"),
         ("negative_slo.yaml", ":14: routes[1].slo.ttft_p95_ms: must be > 0 (got -5)"),
