@@ -226,6 +226,8 @@ def create_app(
     app.router.add_get("/v1/models/{model:.+}", openai_api.retrieve_model)
     add_api_routes(app)  # Responses, Anthropic Messages, embeddings, tokenize (gateway/apis/)
     app.router.add_get("/health", health.health)
+    for method in ("GET", "POST"):  # vLLM's (SageMaker's) liveness path: the gateway's own
+        app.router.add_route(method, "/ping", health.health)
     app.router.add_get("/ready", health.ready)
     app.router.add_get("/metrics", health.metrics)
     add_admin_routes(app)

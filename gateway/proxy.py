@@ -39,6 +39,7 @@ from gateway.errors import GatewayError
 from gateway.request.record import AdapterLoad
 from gateway.request_body import engine_request_id
 from gateway.stream_end import CHAT_STREAM_END, StreamEnd
+from gateway.tracing import upstream_trace_headers
 from gateway.upstream_client import (
     UpstreamConnectError,
     UpstreamPayloadError,
@@ -516,7 +517,8 @@ async def send(
     # read_timeout_s bounds each wait for the replica (the first byte, then each next chunk),
     # never the whole response: a long stream that keeps producing is never cut.
     read_timeout_s = plan.read_timeout_s
-    headers = {"Content-Type": "application/json", "X-Request-Id": engine_request_id(request_id)}
+    headers = {"Content-Type": "application/json", "X-Request-Id": engine_request_id(request_id),
+               **upstream_trace_headers(request.headers)}
     max_attempts = plan.max_attempts
     tried = 0
     queue = list(plan.candidates)

@@ -281,9 +281,20 @@ def validate_chat(body: Mapping[str, Any]) -> None:
 
 
 def validate_completion(body: Mapping[str, Any]) -> None:
-    """``prompt``: a string, an array of strings, or token ids (one list or a batch of lists)."""
+    """``prompt``: a string, an array of strings, or token ids (one list or a batch of lists);
+    or none, as vLLM allows, with ``prompt_embeds`` (engines run with
+    ``--enable-prompt-embeds``), which the engine checks."""
+    if body.get("prompt") in (None, "") and has_prompt_embeds(body):
+        return
     if not _valid_prompt(body.get("prompt")):
         raise bad_request("`prompt` must be a string, an array of strings, or token ids.", "prompt")
+
+
+def has_prompt_embeds(body: Mapping[str, Any]) -> bool:
+    """Whether a completion request carries ``prompt_embeds`` (base64 tensors), as vLLM reads it:
+    present and not an empty list."""
+    embeds = body.get("prompt_embeds")
+    return embeds is not None and embeds != []
 
 
 def _valid_prompt(prompt: Any) -> bool:

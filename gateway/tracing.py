@@ -7,9 +7,11 @@ call per span and nothing leaves the process.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, Tracer
 from opentelemetry.trace.span import INVALID_SPAN_CONTEXT
 
@@ -81,4 +83,39 @@ def record_stage_spans(
         cursor = end
 
 
-__all__ = ["NullTracer", "build_tracer", "record_stage_spans", "trace"]
+#: W3C trace-context headers (https://www.w3.org/TR/trace-context/): what vLLM's own
+#: OpenTelemetry tracing (``--otlp-traces-endpoint``) reads to join a request's trace.
+TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def client_context(tracer: Tracer, headers: Mapping[str, str]) -> Context | None:
+    """The client's trace context (its ``traceparent``), for the gateway's request span to join;
+    None with tracing off."""
+    if isinstance(tracer, NullTracer) or "traceparent" not in headers:
+        return None
+    return propagate.extract(headers)
+
+
+def upstream_trace_headers(client_headers: Mapping[str, str]) -> dict[str, str]:
+    """The trace-context headers to send an engine: the gateway's current span (its
+    ``fleetgate.upstream``) as the parent with tracing on; with it off, the client's own
+    ``traceparent``/``tracestate`` as they came, so an engine's trace still joins the client's."""
+    carrier: dict[str, str] = {}
+    if trace.get_current_span().get_span_context().is_valid:
+        propagate.inject(carrier)
+        return carrier
+    for name in TRACE_HEADERS:
+        value = client_headers.get(name)
+        if value is not None:
+            carrier[name] = value
+    return carrier
+
+
+__all__ = [
+    "NullTracer",
+    "build_tracer",
+    "client_context",
+    "record_stage_spans",
+    "trace",
+    "upstream_trace_headers",
+]

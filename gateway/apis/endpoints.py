@@ -17,6 +17,7 @@ from gateway.apis.kinds import (
     EMBEDDINGS,
     MESSAGES,
     POOLING,
+    RENDER,
     RESPONSES,
     TOKENIZE,
 )
@@ -37,6 +38,8 @@ NOT_ROUTED_PATHS = (
     ("POST", "/generative_scoring"),
     ("POST", "/v1/systemone"),
     ("POST", "/cohere/v2/chat"),
+    ("POST", "/invocations"),  # SageMaker's one-path dispatch: call the API's own path instead
+    ("GET", "/tokenizer_info"),
 )
 
 
@@ -75,6 +78,11 @@ async def pooling(request: web.Request) -> web.StreamResponse:
     return await handle(request, POOLING[request.path])
 
 
+async def render(request: web.Request) -> web.StreamResponse:
+    """``…/render`` and ``…/derender`` of chat, completions, Messages and Responses."""
+    return await handle(request, RENDER[request.path])
+
+
 async def not_routed(request: web.Request) -> web.Response:
     """A vLLM endpoint the gateway does not route: 501, saying so."""
     message = (
@@ -87,6 +95,8 @@ async def not_routed(request: web.Request) -> web.Response:
 def add_api_routes(app: web.Application) -> None:
     """Mount every API beyond chat, completions and models."""
     app.router.add_post("/v1/responses", create_response)
+    for path in RENDER:  # before /v1/responses/{response_id}, which would take "render"
+        app.router.add_post(path, render)
     stored_responses.add_routes(app)
     app.router.add_post("/v1/messages", create_message)
     app.router.add_post("/v1/embeddings", embeddings)

@@ -149,8 +149,26 @@ MESSAGES = RequestKind(
 # --------------------------------------------------------------------------- pooling, tokenizer
 
 
+def _chat_messages(value: Any) -> bool:
+    """A conversation (a non-empty array of message objects) or a batch of them."""
+    if not isinstance(value, list) or not value:
+        return False
+    return all(isinstance(x, dict) for x in value) or all(
+        isinstance(x, list) and x and all(isinstance(m, dict) for m in x) for x in value
+    )
+
+
 def _validate_embeddings(body: Body) -> None:
+    """vLLM's forms: ``input`` as text, token ids or chat messages (one conversation or a
+    batch), or ``messages`` instead of ``input`` (multimodal embedding models)."""
     validate_common(body)
+    if "messages" in body and "input" not in body:
+        if _chat_messages(body["messages"]):
+            return
+        raise bad_request(
+            "`messages` must be a non-empty array of message objects (or a batch of them).",
+            "messages",
+        )
     value = body.get("input")
     if isinstance(value, str):
         return
@@ -158,10 +176,12 @@ def _validate_embeddings(body: Body) -> None:
         all(isinstance(x, str) for x in value)
         or all(isinstance(x, int) and not isinstance(x, bool) for x in value)
         or all(isinstance(x, list) for x in value)
+        or _chat_messages(value)
     ):
         return
     raise bad_request(
-        "`input` must be a string, an array of strings, token ids, or arrays of token ids.",
+        "`input` must be a string, an array of strings, token ids, arrays of token ids, or "
+        "chat messages (or give `messages` instead).",
         "input",
     )
 
@@ -216,6 +236,23 @@ def pooling_kind(path: str) -> RequestKind:
 POOLING_PATHS = ("/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
                  "/v2/rerank", "/v2/embed")
 POOLING = {path: pooling_kind(path) for path in POOLING_PATHS}
+
+
+def render_kind(path: str) -> RequestKind:
+    """vLLM's ``…/render`` and ``…/derender`` (a request's prompt as the engine would build it,
+    and back): routed by load to a replica of the model, body untouched; the Messages one
+    answers errors in Anthropic's envelope."""
+    return RequestKind(
+        f"render:{path}", path, _validate_model_only, _no_prompt,
+        prefix_routed=False, streams=False, payload=unchanged_payload,
+        error_response=anthropic.error_response if path.startswith("/v1/messages") else None,
+    )
+
+
+RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render", "/v1/messages/render",
+                "/v1/responses/render", "/v1/chat/completions/derender",
+                "/v1/completions/derender")
+RENDER = {path: render_kind(path) for path in RENDER_PATHS}
 
 
 def _validate_count_tokens(body: Body) -> None:

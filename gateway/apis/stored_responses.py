@@ -19,6 +19,7 @@ from gateway.auth import authenticate
 from gateway.errors import GatewayError
 from gateway.request_body import request_id_of
 from gateway.state import GATEWAY
+from gateway.tracing import upstream_trace_headers
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ async def relay_to_home(request: web.Request, upstream_suffix: str = "") -> web.
                 url,
                 params=request.query,
                 timeout=timeout,
-                headers={"X-Request-Id": request_id},
+                headers={"X-Request-Id": request_id, **upstream_trace_headers(request.headers)},
             ) as resp:
                 headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP}
                 headers["X-Request-Id"] = request_id

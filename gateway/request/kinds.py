@@ -12,7 +12,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gateway.request_body import validate_chat, validate_common, validate_completion
+from gateway.request_body import (
+    has_prompt_embeds,
+    validate_chat,
+    validate_common,
+    validate_completion,
+)
 from gateway.stream_end import CHAT_STREAM_END, StreamEnd
 from routing.contracts import PromptTokenizer, TokenizedPrompt
 from routing.template_inputs import chat_template_variables
@@ -105,7 +110,10 @@ async def _chat_prompt(tokenizer: PromptTokenizer, model: str, body: Body) -> To
 
 
 async def _completion_prompt(tokenizer: PromptTokenizer, model: str, body: Body) -> TokenizedPrompt:
-    prompt = body["prompt"]
+    prompt = body.get("prompt")
+    if prompt in (None, "") and has_prompt_embeds(body):
+        # Embeddings in, no text: nothing to hash, so it is routed by load.
+        return TokenizedPrompt(token_ids=[])
     if isinstance(prompt, str):
         return await tokenizer.tokenize_completion(model, prompt)
     if isinstance(prompt[0], str):  # a batch goes to one replica: route on its first prompt

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -320,10 +321,17 @@ async def _prompt_or_degrade(
         return await kind.prompt(tokenizer, model, body)
     except (InvalidMessages, ValueError, TypeError) as exc:
         message = f"Invalid prompt: {exc}"
-        raise GatewayError(400, errors.INVALID_REQUEST, message, "messages") from None
+        raise GatewayError(400, errors.INVALID_REQUEST, message, _faulty_field(exc, body)) from None
     except Exception as exc:  # remote tokenizer down: route on text blocks rather than fail
         log.warning("tokenizer failed (%s); routing on text blocks for this request", exc)
         return await kind.prompt(TextTokenizer(), model, body)
+
+
+def _faulty_field(exc: Exception, body: Body) -> str:
+    """The body field a tokenizer's error names first (``tools[0].function: ...``,
+    ``chat_template_kwargs: ...``), for the envelope's ``param``; ``messages`` by default."""
+    field = re.match(r"[A-Za-z_]+", str(exc))
+    return field[0] if field and field[0] in body else "messages"
 
 
 def prompt_units(prompt: TokenizedPrompt) -> int:

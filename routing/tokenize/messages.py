@@ -10,24 +10,48 @@ from routing.tokenize.errors import InvalidMessages
 __all__ = ["content_text", "normalise_messages"]
 
 
+#: vLLM's text part types (``TEXT_PART_TYPES`` of its chat utilities) and the key that holds
+#: each one's text. A part of any other type (image, audio, embeddings) is not text.
+TEXT_PART_KEYS: dict[str, str] = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+
+
 def content_text(content: Any, where: str) -> str | None:
     """Text of a message ``content``: a string, ``None``, or a list of parts.
 
     Text parts are joined with newlines, which is what vLLM does for templates that expect
-    string content; other parts (images, audio) are not text and are skipped here.
+    string content. As in vLLM, a part may be a plain string, and a text part whose text is
+    missing or null is skipped; other parts (images, audio, a part with no type but a media
+    URL) are not text and are skipped here, for the engine to judge.
     """
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, Sequence) and not isinstance(content, bytes | bytearray):
         texts: list[str] = []
         for position, part in enumerate(content):
-            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-                raise InvalidMessages(f"{where}.content[{position}] must be an object with a type")
-            if part["type"] == "text":
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise InvalidMessages(f"{where}.content[{position}].text must be a string")
-                texts.append(text)
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, Mapping):
+                raise InvalidMessages(
+                    f"{where}.content[{position}] must be a string or an object "
+                    f"(got {type(part).__name__})"
+                )
+            kind = part.get("type")
+            key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+            if key is None:
+                continue
+            text = part.get(key)
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise InvalidMessages(f"{where}.content[{position}].{key} must be a string")
+            texts.append(text)
         return "\n".join(texts)
     raise InvalidMessages(
         f"{where}.content must be a string, null or a list of parts (got {type(content).__name__})"

@@ -324,3 +324,55 @@ async def test_count_tokens_pooling_relay_and_unrouted_endpoints(stack: Embedded
             assert resp.status == 404  # engine control is not exposed to tenants
     rerank = (await _decisions(stack))["rerank-1"]
     assert rerank["served_by"] in ("sim/0", "sim/1") and rerank["status"] == 404
+
+
+async def test_request_forms_vllm_takes_are_routed_not_refused(stack: EmbeddedStack) -> None:
+    """Forms vLLM accepts that the gateway once refused with its own 400: chat-style embeddings,
+    completions from ``prompt_embeds`` alone, plain-string and null-text content parts, and
+    vLLM's render endpoints. Each must reach a replica (the simulated one answers what it can:
+    a generative sim has no render endpoints and no chat embeddings, so its own error comes
+    back, which shows the request was routed)."""
+    async with aiohttp.ClientSession() as http:
+
+        async def post(path: str, body: dict[str, Any], rid: str) -> tuple[int, dict[str, Any]]:
+            async with http.post(
+                f"{stack.url}{path}", json=body, headers={"X-Request-Id": rid}
+            ) as resp:
+                return resp.status, await resp.json()
+
+        user = {"role": "user", "content": "embed me"}
+        forms = {
+            "emb-messages": ("/v1/embeddings", {"model": stack.model, "messages": [user]}),
+            "emb-chat-input": ("/v1/embeddings", {"model": stack.model, "input": [user]}),
+            "embeds-only": ("/v1/completions", {"model": stack.model, "prompt_embeds": "AAAA",
+                                                "max_tokens": 1}),
+            "render-chat": ("/v1/chat/completions/render", {"model": stack.model,
+                                                            "messages": [user]}),
+            "render-responses": ("/v1/responses/render", {"model": stack.model, "input": "x"}),
+        }
+        for rid, (path, body) in forms.items():
+            await post(path, body, rid)  # routed: in the decision log below, served by a replica
+        parts = [{"type": "text", "text": None}, "Where does", {"type": "input_text",
+                                                                 "text": "the fox nap?"}]
+        status, answer = await post(
+            "/v1/chat/completions",
+            {"model": stack.model, "max_tokens": 2, "messages": [{"role": "user",
+                                                                  "content": parts}]},
+            "string-parts",
+        )
+        assert status == 200, answer
+        status, answer = await post(
+            "/v1/chat/completions",
+            {"model": stack.model, "messages": [user], "tools": "not a list"},
+            "bad-tools",
+        )
+        assert status == 400 and answer["error"]["param"] == "tools", answer
+        for method, path in (("POST", "/invocations"), ("GET", "/tokenizer_info")):
+            async with http.request(method, f"{stack.url}{path}") as resp:
+                assert resp.status == 501 and (await resp.json())["error"]["code"] == "not_routed"
+        for method in ("GET", "POST"):
+            async with http.request(method, f"{stack.url}/ping") as resp:
+                assert resp.status == 200
+    decisions = await _decisions(stack)
+    for rid in (*forms, "string-parts"):
+        assert decisions[rid]["served_by"] in ("sim/0", "sim/1"), (rid, decisions.get(rid))

@@ -107,3 +107,38 @@ async def test_request_spans_cover_every_stage() -> None:
         assert spans[name].parent is not None
         assert spans[name].parent.span_id == root.context.span_id
     assert spans["fleetgate.route"].attributes["fleetgate.replica"] == "r0"
+
+
+CLIENT_TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+async def test_trace_context_reaches_the_engine() -> None:
+    """The engine gets a W3C ``traceparent``, so vLLM's own spans join the request's trace: with
+    tracing on, the gateway's upstream span (in the client's trace when it sent one) is the
+    parent; with it off, the client's header goes through as it came."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        for tracing in (False, True):
+            app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
+            if tracing:
+                app[GATEWAY].tracer = provider.get_tracer("test")
+            async with serve(app) as url, aiohttp.ClientSession() as http:
+                for headers in ({}, {"traceparent": CLIENT_TRACE, "tracestate": "k=v"}):
+                    async with http.post(
+                        f"{url}/v1/completions", json=BODY, headers=headers
+                    ) as resp:
+                        assert resp.status == 200
+    sent = [(h.get("traceparent"), h.get("tracestate")) for h in upstream.headers]
+    assert sent[0] == (None, None)  # off, none sent: none invented
+    assert sent[1] == (CLIENT_TRACE, "k=v")  # off: the client's, untouched
+    upstream_spans = [s for s in exporter.get_finished_spans() if s.name == "fleetgate.upstream"]
+    for (traceparent, _), span in zip(sent[2:], upstream_spans, strict=True):
+        ctx = span.context
+        assert traceparent.startswith(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-")
+    # The second traced request joined the client's trace.
+    assert f"{upstream_spans[1].context.trace_id:032x}" == CLIENT_TRACE.split("-")[1]
+    assert f"{upstream_spans[0].context.trace_id:032x}" != CLIENT_TRACE.split("-")[1]

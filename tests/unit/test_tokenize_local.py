@@ -193,6 +193,22 @@ async def test_chat_without_a_template(tmp_path: Path, trained: Tokenizer) -> No
     assert completion.token_ids == trained.encode("fox").ids
 
 
+async def test_content_parts_read_as_vllm_reads_them(tmp_path: Path, trained: Tokenizer) -> None:
+    """vLLM takes plain-string parts and its other text part types, and skips a text part whose
+    text is missing or null: routing tokenizes them to the same prompt as the plain text."""
+    local = LocalTokenizer(write_model_dir(tmp_path, trained))
+    plain = await local.tokenize_chat("m", [{"role": "user", "content": "hello\nworld"}])
+    for parts in (
+        ["hello", "world"],
+        [{"type": "input_text", "text": "hello"}, {"type": "text"}, {"type": "output_text",
+                                                                      "text": "world"}],
+        [{"type": "text", "text": None}, "hello", {"type": "image_url", "image_url": {"url": "x"}},
+         {"image_url": "http://x"}, {"type": "refusal", "refusal": "world"}],
+    ):
+        prompt = await local.tokenize_chat("m", [{"role": "user", "content": parts}])
+        assert prompt.token_ids == plain.token_ids, parts
+
+
 @pytest.mark.parametrize(
     ("messages", "message"),
     [
@@ -200,8 +216,8 @@ async def test_chat_without_a_template(tmp_path: Path, trained: Tokenizer) -> No
         ("hello", "messages must be a list"),
         ([{"content": "x"}], r"messages\[0\]\.role must be a non-empty string"),
         ([{"role": "user", "content": 5}], r"messages\[0\]\.content must be a string"),
-        ([{"role": "user", "content": [{"text": "x"}]}], r"content\[0\] must be an object"),
-        ([{"role": "user", "content": [{"type": "text"}]}], r"content\[0\]\.text must be"),
+        ([{"role": "user", "content": [5]}], r"content\[0\] must be a string or an object"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"content\[0\]\.text must"),
         (["user: hi"], r"messages\[0\] must be an object"),
     ],
 )
