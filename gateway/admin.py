@@ -147,7 +147,11 @@ async def index_stats(request: web.Request) -> web.Response:
         stats = await gw.index.stats()
     except Exception as exc:  # Redis down: report it rather than fail the admin call
         return _json({"backend": gw.index_backend, "available": False, "error": str(exc)})
-    return _json({"available": True, **dataclasses.asdict(stats)})
+    # A mirror answers stats from its copy while Redis is away, but lookups are refused then
+    # (load-only routing): it is available to routing only while ready and connected.
+    extra = stats.extra or {}
+    available = bool(extra.get("ready", True)) and bool(extra.get("connected", True))
+    return _json({"available": available, **dataclasses.asdict(stats)})
 
 
 async def decisions(request: web.Request) -> web.Response:

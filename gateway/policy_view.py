@@ -304,10 +304,13 @@ def from_policy(policy: Policy) -> GatewayPolicy:
             float(_get(p, "prefill_tokens_per_s", 10_000.0)),
             float(_get(p, "decode_step_ms", 30.0)),
         )
-        for i, url in enumerate(_get(p, "replicas", None) or ()):
+        for i, entry in enumerate(_get(p, "replicas", None) or ()):
+            # A bare URL's id is its position; a named one's, its name (docs/policy.md).
+            name, url = (i, entry) if isinstance(entry, str) else (entry.name, entry.url)
+            name = i if name is None else name
             replicas.append(
                 ReplicaSpec(
-                    replica_id=f"{pool}/{i}",
+                    replica_id=f"{pool}/{name}",
                     url=str(url).rstrip("/"),
                     pool=pool,
                     models=frozenset(pool_models.get(pool, ())),

@@ -200,6 +200,19 @@ class ReplicaRegistry:
         for rid in self._static - set(wanted):
             self.remove(rid)
         for rid, spec in wanted.items():
+            old = self._states.get(rid) if rid in self._static else None
+            if old is not None and old.url != spec.url:
+                # Another engine under the same id: a bare URL's id is its position, so removing
+                # one renames those after it. Nothing learnt of the old engine holds for the new.
+                log.warning(
+                    "replica %s is now %s (was %s): a static replica listed as a bare URL is "
+                    "named by its position, so removing one renames the others, and the prefix "
+                    "index entries their agents record under these ids name the wrong engines "
+                    "until the agents are restarted with the new ids. Give static replicas "
+                    "names ({name, url}; docs/policy.md).",
+                    rid, spec.url, old.url,
+                )
+                self.remove(rid)
             self.upsert(
                 ReplicaState(
                     replica_id=rid,

@@ -72,7 +72,9 @@ def _build_index(config: AgentConfig) -> BlockIndex:
         return StreamIndexWriter(  # type: ignore[return-value]
             config.index_url, key_prefix=config.index_key_prefix, timeout_s=1.0
         )
-    return build_index(config.index_url, key_prefix=config.index_key_prefix, timeout_s=1.0)
+    return build_index(
+        config.index_url, mode=config.index_mode, key_prefix=config.index_key_prefix, timeout_s=1.0
+    )
 
 
 class ReplicaAgent:

@@ -7,7 +7,13 @@ docs/policy.md for the file format.
 
 from routing.config.catalog import PluginCatalog
 from routing.config.errors import PolicyError, PolicyIssue
-from routing.config.fleet import Discovery, ModelSpec, ReplicaPool, TokenizerSpec
+from routing.config.fleet import (
+    Discovery,
+    ModelSpec,
+    ReplicaPool,
+    StaticReplica,
+    TokenizerSpec,
+)
 from routing.config.infra import GatewaySettings, IndexSettings
 from routing.config.loader import load_policy, parse_policy
 from routing.config.plugins import PluginSpec, ProfileSpec, ScorerRef
@@ -46,6 +52,7 @@ __all__ = [
     "RouteMatch",
     "ScorerRef",
     "Slo",
+    "StaticReplica",
     "Tenant",
     "TokenizerSpec",
     "derive_cache_salt",

@@ -57,7 +57,7 @@ def _check_sha256(value: str) -> str:
     return value.lower()
 
 
-def _check_http_url(value: str) -> str:
+def check_http_url(value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"must be an http:// or https:// URL with a host (got {value!r})")
@@ -116,7 +116,7 @@ Name = Annotated[str, AfterValidator(_check_name)]
 #: Name of a base model or LoRA adapter as clients send it in ``model``.
 ModelName = Annotated[str, AfterValidator(_check_model_name)]
 Sha256Hex = Annotated[str, AfterValidator(_check_sha256)]
-HttpUrl = Annotated[str, AfterValidator(_check_http_url)]
+HttpUrl = Annotated[str, AfterValidator(check_http_url)]
 RedisUrl = Annotated[str, AfterValidator(_check_redis_url)]
 #: Where the block index lives: one Redis server or, in mirror mode, a Redis Cluster.
 IndexRedisUrl = Annotated[str, AfterValidator(_check_index_redis_url)]

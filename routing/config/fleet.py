@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_serializer, model_validator
 
 from routing.config.base import (
     HttpUrl,
@@ -17,6 +17,7 @@ from routing.config.base import (
     PositiveInt,
     RedisUrl,
     StrictModel,
+    check_http_url,
 )
 
 
@@ -27,6 +28,29 @@ class Discovery(StrictModel):
     key_prefix: KeyPrefix = "fleetgate:"
 
 
+class StaticReplica(StrictModel):
+    """A statically listed engine: a bare URL (id ``<pool>/<position>``) or ``{name, url}`` (id
+    ``<pool>/<name>`` wherever it stands in the list, so removing another renames nothing)."""
+
+    url: HttpUrl
+    name: Name | None = None
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler: Any) -> Any:
+        # Shown back (`fleetgate policy show`) the way it was written: a bare URL stays one.
+        return self.url if self.name is None else handler(self)
+
+
+def _static_replica(value: Any) -> Any:
+    """A bare URL is ``{url}``; anything but a string or a mapping gets a message saying both."""
+    if isinstance(value, str):
+        # Checked here, so that a bad bare URL's error names the entry, not a `url` key it lacks.
+        return {"url": check_http_url(value)}
+    if isinstance(value, dict):
+        return value
+    raise ValueError(f"must be a URL or a mapping {{name, url}} (got {value!r})")
+
+
 class ReplicaPool(StrictModel):
     """A group of identical vLLM engines (same GPU type, same flags).
 
@@ -35,8 +59,11 @@ class ReplicaPool(StrictModel):
     """
 
     name: Name
-    #: Base URLs of vLLM OpenAI servers, e.g. ``http://10.0.0.5:8000``.
-    replicas: list[HttpUrl] = Field(default_factory=list)
+    #: Base URLs of vLLM OpenAI servers, e.g. ``http://10.0.0.5:8000`` (id ``<pool>/<position>``),
+    #: or ``{name, url}`` (id ``<pool>/<name>``).
+    replicas: list[Annotated[StaticReplica, BeforeValidator(_static_replica)]] = Field(
+        default_factory=list
+    )
     discovery: Discovery | None = None
     #: USD per GPU-hour; may instead come from the top-level ``prices`` section.
     gpu_price_per_hour: PositiveFloat | None = None
@@ -57,9 +84,14 @@ class ReplicaPool(StrictModel):
     def _has_replicas(self) -> ReplicaPool:
         if not self.replicas and self.discovery is None:
             raise ValueError("needs static 'replicas', 'discovery', or both")
-        if len(set(self.replicas)) != len(self.replicas):
+        urls = self.replica_urls()
+        if len(set(urls)) != len(urls):
             raise ValueError("'replicas' lists the same URL twice")
-        for url in self.replicas:
+        ids = self.static_ids()
+        if len(set(ids)) != len(ids):
+            raise ValueError("'replicas' gives two replicas the same name (or a name that is "
+                             "another's position)")
+        for url in urls:
             root = url.rstrip("/")
             if root.lower().endswith("/v1"):
                 # The gateway adds /v1/chat/completions itself: it would call /v1/v1/...
@@ -77,6 +109,18 @@ class ReplicaPool(StrictModel):
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
         return self
+
+
+    def replica_urls(self) -> list[str]:
+        """The static replicas' URLs, in list order."""
+        return [r.url for r in self.replicas]
+
+    def static_ids(self) -> list[str]:
+        """The static replicas' ids, in list order: ``<pool>/<name>``, or ``<pool>/<position>``
+        for a bare URL."""
+        return [
+            f"{self.name}/{i if r.name is None else r.name}" for i, r in enumerate(self.replicas)
+        ]
 
 
 class TokenizerSpec(StrictModel):

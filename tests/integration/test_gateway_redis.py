@@ -17,6 +17,8 @@ from gateway.policy_view import GatewayPolicy, ReplicaSpec
 from gateway.tasks import inflight_loop
 from routing.types import ReplicaId
 from tests.integration.test_gateway_support import FakeUpstream, serve
+from tests.support.polling import wait_until
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -156,6 +158,42 @@ async def test_gateway_routes_with_the_redis_index(redis_url: str) -> None:
     # The second request found the first one's speculative entry in Redis.
     assert latest["explanations"]["r0"]["matched_blocks"] == latest["blocks"] > 0
     assert not latest["degraded"]
+
+
+async def test_admin_index_says_unavailable_while_a_mirror_cannot_reach_redis(
+    redis_server: RedisServer,
+) -> None:
+    """A mirror refuses lookups while Redis is away (decisions are load-only), so /admin/index
+    must not say ``available: true`` then, as it did (the live index review)."""
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(
+            GatewayConfig(redis_url=redis_server.url, admin_key="adm", health_interval_s=3600),
+            GatewayPolicy.default([spec]),
+        )
+        headers = {"Authorization": "Bearer adm"}
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+
+            async def available() -> bool:
+                async with http.get(f"{url}/admin/index", headers=headers) as resp:
+                    body = await resp.json()
+                assert body["backend"] == "mirror"
+                return bool(body["available"])
+
+            await wait_until(available, "the mirror to bootstrap")
+            redis_server.stop()
+
+            async def unavailable() -> bool:
+                return not await available()
+
+            await wait_until(unavailable, "/admin/index to report the outage")
+            body = {"model": "base-model", "prompt": "a long shared prompt " * 20}
+            async with http.post(f"{url}/v1/completions", json=body) as resp:
+                assert resp.status == 200  # served, on load alone
+            async with http.get(f"{url}/admin/decisions?n=1", headers=headers) as resp:
+                (latest,) = (await resp.json())["decisions"]
+            assert latest["degraded"]
 
 
 async def test_the_sync_loop_ends_when_cancelled_even_if_redis_turns_it_into_an_error(

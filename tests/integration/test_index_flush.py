@@ -51,13 +51,14 @@ async def test_agents_republish_and_gateways_rebuild_after_a_flush(
         gateway_index: RedisBlockIndex | MirrorBlockIndex
         if mode == "lookup":
             gateway_index = RedisBlockIndex(redis_server.url, key_prefix="flush", timeout_s=1.0)
-            agent_index = gateway_index
         else:
             gateway_index = MirrorBlockIndex(
                 redis_server.url, key_prefix="flush", timeout_s=1.0, check_interval_s=0.1
             )
             await gateway_index.start()
-            agent_index = None  # the agent builds its own stream writer from the config
+        # The agent builds its own index from the config, as `fleetgate agent --index-mode`
+        # does: in lookup mode it once wrote the mirror's layout, which no lookup gateway reads.
+        agent_index = None
         stack.push_async_callback(gateway_index.close)
         fleet = await stack.enter_async_context(
             start_sim_fleet(1, model=MODEL, speed=1000.0, block_size=BLOCK)
