@@ -64,12 +64,20 @@ class AdapterLoadFailed(AdapterError):
     """The engine refused or failed a load (or it timed out); ``engine_message`` says why."""
 
     def __init__(
-        self, adapter: str, replica: str, engine_message: str, status: int | None = None
+        self,
+        adapter: str,
+        replica: str,
+        engine_message: str,
+        status: int | None = None,
+        unreachable: bool = False,
     ) -> None:
         self.adapter = adapter
         self.replica = replica
         self.engine_message = engine_message
         self.status = status
+        #: The engine could not be reached at all (connection refused): the replica is down,
+        #: not the adapter broken.
+        self.unreachable = unreachable
         where = f"HTTP {status}: " if status is not None else ""
         super().__init__(
             f"loading adapter {adapter!r} on replica {replica!r} failed: {where}{engine_message}"

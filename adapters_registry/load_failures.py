@@ -56,10 +56,14 @@ class LoadFailures:
         self._until: dict[ReplicaId, float] = {}
         #: Per replica, the adapters whose loads failed there lately, and when.
         self._adapters: dict[ReplicaId, dict[str, float]] = {}
+        #: When each adapter's latest load failed, wherever (a load of it that works clears it).
+        self._adapter_failed_at: dict[str, float] = {}
 
     def failed(self, replica: ReplicaId, adapter: str, replica_fault: bool) -> None:
         """A load of ``adapter`` on ``replica`` failed; ``replica_fault``: no answer or a 5xx."""
         now = self._clock()
+        if not replica_fault:  # the engine refused this adapter: the adapter's fault, so far
+            self._adapter_failed_at[adapter] = now
         recent = self._adapters.setdefault(replica, {})
         recent[adapter] = now
         for name, at in list(recent.items()):
@@ -72,11 +76,20 @@ class LoadFailures:
         s = self.settings
         self._until[replica] = self._clock() + min(s.max_s, s.base_s * 2 ** (count - 1))
 
-    def succeeded(self, replica: ReplicaId) -> None:
-        """A load on ``replica`` worked: it is not avoided any more."""
+    def succeeded(self, replica: ReplicaId, adapter: str | None = None) -> None:
+        """A load (of ``adapter``) on ``replica`` worked: it is not avoided any more."""
+        if adapter is not None:
+            self._adapter_failed_at.pop(adapter, None)
         self._in_a_row.pop(replica, None)
         self._until.pop(replica, None)
         self._adapters.pop(replica, None)
+
+    def recently_failed(self, adapter: str) -> bool:
+        """True if an engine refused a load of ``adapter`` (a 4xx) within ``window_s`` and none
+        has worked since: its requests are failing, so pre-warming must not make room for it
+        (``registry.plan``)."""
+        at = self._adapter_failed_at.get(adapter)
+        return at is not None and self._clock() - at <= self.settings.window_s
 
     def avoided(self, replica: ReplicaId) -> bool:
         """True while a cold load on ``replica`` is priced out."""

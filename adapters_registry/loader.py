@@ -242,6 +242,10 @@ class AdapterLoader:
         if not task.cancelled():
             task.exception()  # retrieved here, so an unshared failure is not logged as lost
 
+    def loads_failing(self, replica: ReplicaId) -> bool:
+        """True while this replica's loads are avoided (``load_failures.py``)."""
+        return self._failures.avoided(replica)
+
     # ------------------------------------------------------------------ the load itself
 
     async def _load_or_wait(
@@ -307,7 +311,7 @@ class AdapterLoader:
             self._metrics.load(name, rid, ok=False)
             self._failures.failed(rid, name, replica_fault=exc.status is None or exc.status >= 500)
             raise
-        self._failures.succeeded(rid)
+        self._failures.succeeded(rid, name)
         load_s = time.monotonic() - t0
         now = self._clock()
         await self._quiet(self._store.mark_resident(rid, name, now))

@@ -219,11 +219,14 @@ def _victim(
     info: Mapping[str, AdapterDemand],
     keep: str,
 ) -> str | None:
+    # Only adapters of this plan's catalogue: another base model's (a replica serving two) and
+    # another gateway's runtime additions are not this plan's to judge.
     choices = [
         name for name in resident
         if name != keep
+        and name in info
         and name not in busy
-        and not (name in info and info[name].pinned)
+        and not info[name].pinned
         and holders[name] > desired.get(name, 0)
     ]
     if not choices:
@@ -260,6 +263,11 @@ async def reconcile(
         state = states.get(step.replica)
         if state is None or not state.healthy:
             report.failed.append((step, "replica unknown or unhealthy"))
+            continue
+        if step.evict is not None and loader.loads_failing(step.replica):
+            # Loads there started failing since the plan was made: the load would not even be
+            # tried, so evicting for it would only lose an adapter that works.
+            report.failed.append((step, "adapter loads on this replica have been failing"))
             continue
         try:
             if step.evict is not None:

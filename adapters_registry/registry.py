@@ -47,6 +47,7 @@ from adapters_registry.placement import (
 from adapters_registry.placement_memory import MemoryPlacementStore
 from adapters_registry.prewarm import (
     AdapterDemand,
+    PlanStep,
     PrewarmSettings,
     ReconcileReport,
     ReplicaSlots,
@@ -315,23 +316,53 @@ class AdapterRegistry:
     # ------------------------------------------------------------------ pre-warming
 
     def plan(self, states: Sequence[ReplicaState]) -> ReplicationPlan:
-        """The replication plan for the healthy ``states`` from recent traffic (no I/O)."""
+        """The replication plan for the healthy ``states`` from recent traffic (no I/O).
+
+        Planned per base model, among the replicas that serve it: an adapter loads only where
+        its base model runs (elsewhere vLLM would refuse it, or hold it in a slot no request can
+        use). A replica serving several models sees each model's plan after the previous ones'.
+        """
         counts = self.traffic.counts(self._clock())
-        demands = [
-            AdapterDemand(a.name, counts.get(a.name, 0), a.pinned, a.prewarm_replicas)
-            for a in self.catalog
+        demands: dict[str, list[AdapterDemand]] = {}
+        for a in self.catalog:
+            if self.failures.recently_failed(a.name):
+                # Its loads are failing (a broken source): the requests asking for it fail, so
+                # they must not make room for it by evicting adapters that work.
+                demand = AdapterDemand(a.name, 0, a.pinned, 0)
+            else:
+                demand = AdapterDemand(a.name, counts.get(a.name, 0), a.pinned, a.prewarm_replicas)
+            demands.setdefault(a.base_model, []).append(demand)
+        usable = [
+            s for s in states
+            # pre-warming a replica whose loads fail would only fail again
+            if s.healthy and not self.failures.avoided(s.replica_id)
         ]
-        slots = []
-        for state in states:
-            if not state.healthy or self.failures.avoided(state.replica_id):
-                continue  # pre-warming a replica whose loads fail would only fail again
+        resident: dict[ReplicaId, set[str]] = {}
+        for state in usable:
             view = self.view.get(state.replica_id)
-            resident = view.resident if view is not None else state.loaded_adapters
-            busy = frozenset(view.inflight) if view is not None else frozenset()
-            slots.append(ReplicaSlots(
-                state.replica_id, self.capacity(state).resident_limit, resident, busy,
-            ))
-        return plan_replication(demands, slots, self.settings.prewarm)
+            resident[state.replica_id] = set(
+                view.resident if view is not None else state.loaded_adapters
+            )
+        desired: dict[str, int] = {}
+        steps: list[PlanStep] = []
+        for model in sorted(demands):
+            slots = []
+            for state in usable:
+                if not state.serves(model):
+                    continue
+                view = self.view.get(state.replica_id)
+                busy = frozenset(view.inflight) if view is not None else frozenset()
+                slots.append(ReplicaSlots(
+                    state.replica_id, self.capacity(state).resident_limit,
+                    frozenset(resident[state.replica_id]), busy,
+                ))
+            part = plan_replication(demands[model], slots, self.settings.prewarm)
+            desired.update(part.desired)
+            steps.extend(part.steps)
+            for step in part.steps:
+                resident[step.replica].add(step.adapter)
+                resident[step.replica].discard(step.evict or "")
+        return ReplicationPlan(desired, steps)
 
     async def prewarm(self, states: Sequence[ReplicaState]) -> ReconcileReport:
         """Plan and carry out the plan."""

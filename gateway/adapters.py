@@ -214,7 +214,9 @@ async def hold_adapter(
         except AdapterLoadFailed as exc:
             # The engine's own message is for the SRE's log, never for the client.
             log.warning("%s", exc)
-            raise ReplicaUnsuitable("adapter_load_failed", _load_failed(adapter)) from exc
+            raise ReplicaUnsuitable(
+                "adapter_load_failed", _load_failed(adapter), unreachable=exc.unreachable
+            ) from exc
         except AdapterNotFound:
             raise model_not_found(adapter) from None  # removed from the catalog meanwhile
         yield result

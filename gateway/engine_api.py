@@ -39,7 +39,10 @@ class EngineLoraClient:
                 adapter, replica, f"no answer within {self.timeout_s:g}s"
             ) from None
         except aiohttp.ClientError as exc:
-            raise AdapterLoadFailed(adapter, replica, f"request failed: {exc}") from exc
+            unreachable = isinstance(exc, aiohttp.ClientConnectorError)
+            raise AdapterLoadFailed(
+                adapter, replica, f"request failed: {exc}", unreachable=unreachable
+            ) from exc
 
     async def unload(self, url: str, replica: str, adapter: str) -> EngineReply:
         """Unload ``adapter``; raises ``AdapterUnloadFailed`` with the engine's reason."""

@@ -80,10 +80,13 @@ class ReplicaUnsuitable(Exception):
     candidate is left.
     """
 
-    def __init__(self, reason: str, error: GatewayError) -> None:
+    def __init__(self, reason: str, error: GatewayError, unreachable: bool = False) -> None:
         super().__init__(error.message)
         self.reason = reason
         self.error = error
+        #: The replica could not be reached (connection refused): down, as a refused request
+        #: would say, so its circuit counts it and the answer is the fleet's, not ``error``.
+        self.unreachable = unreachable
 
 
 @dataclass(frozen=True, slots=True)
@@ -540,17 +543,22 @@ async def send(
         if not breaker.allows():
             continue
         last_resort = tried + 1 >= max_attempts or not _any_usable(replicas, queue)
+        if retry_reason is not None:  # the previous candidate failed before answering: a retry
+            hooks.retrying(retry_reason)
+            retry_reason = None
         async with contextlib.AsyncExitStack() as held:
             try:
                 await held.enter_async_context(hooks.prepare(replica, last_resort))
             except ReplicaUnsuitable as exc:
-                unsuitable = exc
-                hooks.retrying(exc.reason)
+                retry_reason = exc.reason  # counted if another candidate is tried
+                if exc.unreachable:
+                    breaker.failure(health_clears=True)
+                    retry_reason = "connect_failed"
+                    unsuitable = None  # down: the answer is the fleet's 503 below
+                else:
+                    unsuitable = exc
                 continue
             unsuitable = None
-            if retry_reason is not None:
-                hooks.retrying(retry_reason)
-                retry_reason = None
             tried += 1
             breaker.begin()
             outcome.replica = replica_id

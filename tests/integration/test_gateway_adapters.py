@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -430,3 +431,31 @@ async def test_a_replica_that_leaves_the_fleet_leaves_no_adapter_gauges_behind(
             return await slot_gauges() == {"pool-a/0"}
 
         await wait_until(forgotten, "the departed replica's adapter gauges to go")
+
+
+async def test_an_adapter_whose_only_replica_is_down_gets_the_fleets_503_and_opens_the_circuit(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """The live adapter review: the adapter got 502 ``adapter_load_failed`` (no Retry-After)
+    while its base model got 503 ``no_healthy_replica``, and a failed load never counted on the
+    replica's circuit, so every adapter request tried the dead engine again. Nothing refused the
+    load: the engine is down, and the answer is the same as for the base model."""
+    down = SimpleNamespace(urls=["http://127.0.0.1:9"])  # discard port: connection refused
+    async with adapter_gateway(tmp_path, down, [adapter("acme-lora")]) as (url, gw):  # type: ignore[arg-type]
+        for _ in range(6):
+            async with http.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "acme-lora", "messages": [{"role": "user", "content": "hi"}]},
+                headers=auth("acme"),
+            ) as resp:
+                body = await resp.json()
+                assert resp.status == 503, body
+                assert body["error"]["code"] == "no_healthy_replica"
+                assert resp.headers["Retry-After"] == "1"
+        failed = await metric(http, url, "fleetgate_adapter_loads_total", outcome="failed")
+        # The circuit opened after its failure threshold: later requests never tried a load.
+        assert 1 <= failed < 6
+        assert not gw.registry.breaker(gw.registry.all()[0].replica_id).allows()
+        # One replica: nothing was ever retried elsewhere (each failure was once counted as a
+        # retry all the same).
+        assert await metric(http, url, "fleetgate_upstream_retries_total") == 0

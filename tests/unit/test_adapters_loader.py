@@ -6,6 +6,7 @@ The HTTP side is covered against simulated vLLM replicas in tests/integration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -18,6 +19,7 @@ from adapters_registry.errors import (
     NoAdapterSlot,
     ThrashGuardTripped,
 )
+from adapters_registry.prewarm import reconcile
 from adapters_registry.registry import AdapterRegistry, RegistrySettings
 from adapters_registry.thrash import ThrashSettings
 from routing.state import ReplicaState
@@ -291,3 +293,52 @@ async def test_loads_queued_behind_one_that_failed_fall_back_at_once(
         await first
     engine.gate.set()
     assert (await last).loaded_now
+
+
+async def test_prewarm_loads_an_adapter_only_where_its_base_model_runs(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    """The live adapter review: a hot adapter of one model was pre-warmed onto the replicas of
+    another (vLLM refuses such a load, or it holds a slot no request can use), evicting that
+    model's own adapters."""
+    reg, _engine, _clock = setup
+    ours = replica("r0", max_loras=1, max_cpu_loras=2, loaded=("a", "c"))
+    theirs = dataclasses.replace(
+        replica("r1", max_loras=1, max_cpu_loras=2, loaded=("their-lora",)),
+        models=frozenset({"other-model"}),
+    )
+    for _ in range(50):
+        reg.record_request("b")
+    steps = reg.plan([ours, theirs]).steps
+    assert steps and {step.replica for step in steps} == {"r0"}
+    assert "their-lora" not in {step.evict for step in steps}
+
+
+async def test_a_broken_adapters_failing_requests_make_no_room_for_it(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    """The live adapter review: requests for an adapter whose loads the engine refuses still
+    counted as its traffic, so pre-warming evicted adapters in use to make room for it. Until a
+    load of it works, it gets no pre-warm demand; and a plan step whose replica started failing
+    loads evicts nothing."""
+    reg, engine, clock = setup
+    state = replica("r0", max_loras=1, max_cpu_loras=2, loaded=("a", "c"))
+    for _ in range(50):
+        reg.record_request("b")
+    assert [s.adapter for s in reg.plan([state]).steps] == ["b"]  # b is hot: it would go in
+    engine.fail_with = AdapterLoadFailed("b", "r0", "No adapter found for /adapters/acme/b", 400)
+    with pytest.raises(AdapterLoadFailed):
+        await reg.ensure_loaded(state, "b")
+    assert reg.plan([state]).steps == []  # failing: nothing evicted for it
+    clock.now += reg.settings.load_failures.window_s + 1
+    assert [s.adapter for s in reg.plan([state]).steps] == ["b"]  # tried again, later
+    engine.fail_with = None
+    # A plan made before the replica's loads started failing evicts nothing when carried out.
+    plan = reg.plan([state])
+    assert plan.steps[0].evict is not None
+    engine.fail_with = AdapterLoadFailed("x", "r0", "storage not mounted", 503)
+    with pytest.raises(AdapterLoadFailed):
+        await reg.ensure_loaded(state, "e")
+    calls = len(engine.calls)
+    report = await reconcile(plan, reg.loader, {state.replica_id: state})
+    assert not report.loaded and engine.calls[calls:] == []  # no unload, no load
