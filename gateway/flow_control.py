@@ -123,6 +123,8 @@ class TenantFlow:
     budget: TokenBudget | None
     #: The tenant's TPOT objective, else the route's (None: neither has one).
     tpot_slo_ms: float | None = None
+    #: The request carried the priority header, which its tenant may not set (so it was ignored).
+    header_ignored: bool = False
 
 
 def tenant_flow(
@@ -140,7 +142,13 @@ def tenant_flow(
     spec = policy.tenant(tenant) if policy is not None else None
     request_class = RequestClass(spec.priority) if spec is not None else RequestClass.STANDARD
     asked = headers.get(PRIORITY_HEADER)
-    if asked is not None and spec is not None and spec.allow_priority_header:
+    allowed = spec is not None and spec.allow_priority_header
+    if asked is not None and allowed:
+        getall = getattr(headers, "getall", None)
+        if getall is not None and len(getall(PRIORITY_HEADER)) > 1:
+            raise GatewayError(
+                400, errors.INVALID_REQUEST, f"{PRIORITY_HEADER}: send it once", PRIORITY_HEADER
+            )
         try:
             request_class = parse_request_class(asked)
         except ValueError as exc:
@@ -160,7 +168,9 @@ def tenant_flow(
             spec.token_budget.completion_tokens_per_minute,
         )
     weight = spec.weight if spec is not None else 1.0
-    return TenantFlow(request_class, slo, weight, budget, tpot)
+    return TenantFlow(
+        request_class, slo, weight, budget, tpot, header_ignored=asked is not None and not allowed
+    )
 
 
 def settings_of(policy: Policy | None) -> FlowControlSettings:
@@ -254,6 +264,8 @@ class FlowGate:
         flow = tenant_flow(
             policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
         )
+        if flow.header_ignored and self.metrics is not None:
+            self.metrics.flow_priority_header_ignored.labels(routed.tenant.name).inc()
         reserved_in = await self._reserve_budget(routed, flow)
         try:
             return cast(R, await self._admit(routed, flow, policy, repick))

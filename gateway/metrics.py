@@ -389,6 +389,13 @@ class GatewayMetrics:
             ["tenant", "request_class", "decision", "reason"],
             registry=r,
         )
+        self.flow_priority_header_ignored = Counter(
+            "fleetgate_flow_priority_header_ignored",
+            "Requests whose x-fleetgate-priority header was ignored: their tenant may not set "
+            "it (allow_priority_header), so they kept the tenant's class",
+            ["tenant"],
+            registry=r,
+        )
         self.flow_steered = Counter(
             "fleetgate_flow_steered",
             "Requests flow control moved off the replica routing chose, whose decodes ran too "

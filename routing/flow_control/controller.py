@@ -222,6 +222,8 @@ ITL_BOUND_STEP = 0.02
 RELEASE_HISTORY = 32
 #: ... and the longest hint it gives (clients honour no more: the openai client's cap is 60 s).
 MAX_RETRY_AFTER_S = 60.0
+#: Finishes older than this say nothing of the fleet's pace now (``_finish_rate``).
+FINISH_WINDOW_S = 10.0
 
 _ADMIT_IDLE = Verdict(Decision.ADMIT, "not_saturated")
 _ADMIT_CRITICAL = Verdict(Decision.ADMIT, "critical")
@@ -243,8 +245,12 @@ class FlowController:
         self._evicted: list[tuple[FlowRequest, Verdict]] = []
         #: Latest known shortest queue wait, for Retry-After on refusals without an estimate.
         self._last_min_wait_ms = 0.0
-        #: When the latest requests left the queue admitted (the pace ``retry_after_s`` reads).
+        #: When the latest requests left the queue, admitted or refused or gone (the pace a
+        #: request's place in it advances at, which ``retry_after_s`` reads).
         self._releases: deque[float] = deque(maxlen=RELEASE_HISTORY)
+        #: When the latest admitted requests finished: the pace the queue will drain at before
+        #: it has released any (a new spell of saturation).
+        self._finishes: deque[float] = deque(maxlen=RELEASE_HISTORY)
         #: How far TPOT misses have lowered the inter-token bound from where it starts
         #: (negative: met TPOTs have raised it).
         self._itl_lowered = 0.0
@@ -280,7 +286,8 @@ class FlowController:
         if (
             request.request_class is RequestClass.SHEDDABLE
             and estimate.predicted_ttft_ms is not None
-            and estimate.predicted_ttft_ms > request.ttft_slo_ms
+            and estimate.predicted_ttft_ms + self._gateway_wait_ms(self._overtaking(request))
+            > request.ttft_slo_ms
         ):
             return self._refusal(ShedReason.PREDICTED_TTFT_OVER_SLO, 0.0)
         if len(self.queue) >= settings.max_queue_length:
@@ -288,6 +295,7 @@ class FlowController:
             if victim is None:
                 return self._refusal(ShedReason.QUEUE_FULL, 0.0)
             self.queue.remove(victim.request.request_id)
+            self._releases.append(self._clock())
             self._evicted.append(
                 (victim.request, self._refusal(ShedReason.QUEUE_FULL, self._waited(victim)))
             )
@@ -407,6 +415,7 @@ class FlowController:
         reason = self._expired(entry)
         if reason is not None:
             self.queue.pop_head(pool)
+            self._releases.append(self._clock())
             return self._refusal(reason, waited)
         return Verdict(Decision.QUEUE, _PROTECTING if protecting else "saturated", waited_s=waited)
 
@@ -417,6 +426,7 @@ class FlowController:
             reason = self._expired(entry)
             if reason is not None:
                 self.queue.remove(entry.request.request_id)
+                self._releases.append(self._clock())
                 refused.append((entry.request, self._refusal(reason, self._waited(entry))))
         return refused
 
@@ -427,12 +437,16 @@ class FlowController:
 
     def request_finished(self, request_id: str) -> None:
         """An admitted request ended (served, failed or cancelled): its decode needs no
-        protection any more."""
+        protection any more, and the fleet's pace of finishing moves."""
         self.guard.finished(request_id)
+        self._finishes.append(self._clock())
 
     def cancel(self, request_id: str) -> bool:
         """The client went away: leave the queue at once. False if it was not queued."""
-        return self.queue.remove(request_id) is not None
+        if self.queue.remove(request_id) is None:
+            return False
+        self._releases.append(self._clock())
+        return True
 
     @property
     def itl_fraction(self) -> float | None:
@@ -601,14 +615,39 @@ class FlowController:
         queued = len(self.queue)
         fill = queued / max(1, self.settings.max_queue_length)
         drain_ms = self._last_min_wait_ms * (1.0 + min(1.0, fill))
-        pace = self._release_rate()
-        if queued and pace:
-            drain_ms = max(drain_ms, queued / pace * 1000.0)
+        drain_ms = max(drain_ms, self._gateway_wait_ms(queued))
         return min(MAX_RETRY_AFTER_S, max(1.0, math.ceil(drain_ms / 1000.0)))
 
+    def _overtaking(self, request: FlowRequest) -> int:
+        """Queued requests of a sheddable ``request``'s pool sure to leave before it: the
+        standard ones (strict priority; critical ones are never held). Other sheddable ones are
+        left out: fair queuing may put it before another tenant's, and they may be refused
+        rather than served."""
+        return self.queue.waiting_at_or_above(RequestClass.STANDARD, request.pool)
+
+    def _gateway_wait_ms(self, ahead: int) -> float:
+        """The least a request behind ``ahead`` queued ones waits in the gateway queue: they
+        leave at the pace requests have been leaving it (admitted, or refused once they could
+        no longer make their SLO), or, before any has (a burst that just began), at the pace the
+        fleet has been finishing them, each finish making room for one. A lower bound: a higher
+        class arriving later overtakes."""
+        if not ahead:
+            return 0.0
+        pace = self._release_rate() or self._finish_rate()
+        return ahead / pace * 1000.0 if pace else 0.0
+
+    def _finish_rate(self) -> float | None:
+        """Admitted requests finished per second over the latest ones of the last
+        ``FINISH_WINDOW_S``; None: too few."""
+        horizon = self._clock() - FINISH_WINDOW_S
+        recent = [t for t in self._finishes if t >= horizon]
+        if len(recent) < 2 or recent[-1] <= recent[0]:
+            return None
+        return (len(recent) - 1) / (recent[-1] - recent[0])
+
     def _release_rate(self) -> float | None:
-        """Requests released from the queue per second, over the latest ones and up to now (so
-        a queue that stopped moving reads as slow); None: too few."""
+        """Requests leaving the queue per second, over the latest ones and up to now (so a
+        queue that stopped moving reads as slow); None: too few."""
         if len(self._releases) < 2:
             return None
         span = self._clock() - self._releases[0]

@@ -26,6 +26,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
@@ -193,6 +194,21 @@ async def test_a_header_from_a_tenant_not_allowed_to_set_it_is_ignored_and_bad_v
         status, body, _ = await _post(http, url, "picky", "p", {"x-fleetgate-priority": "vip"})
         assert status == 400
         assert "critical, standard, sheddable" in body["error"]["message"]  # type: ignore[index]
+        twice = CIMultiDict(
+            [("Authorization", "Bearer picky"), ("x-fleetgate-priority", "critical"),
+             ("x-fleetgate-priority", "sheddable")]
+        )
+        # (Taken as critical, it would be admitted to the gated engine and wait there: bounded.)
+        async with http.post(
+            f"{url}/v1/completions", json=_completion("p2"), headers=twice,
+            timeout=aiohttp.ClientTimeout(total=10),
+        ) as r:
+            assert r.status == 400 and "send it once" in (await r.json())["error"]["message"]
+        # The ignored header is counted, so an SRE can see why a request kept its class.
+        async with http.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+        assert 'fleetgate_flow_priority_header_ignored_total{tenant="cheap"} 1.0' in metrics
+        assert 'fleetgate_flow_priority_header_ignored_total{tenant="picky"}' not in metrics
         upstream.header_gate.set()
         assert (await first)[0] == 200
 

@@ -279,6 +279,52 @@ def test_the_retry_hint_counts_the_gateway_queue_at_the_pace_it_drains() -> None
     assert flow.admit(_request("w", SHEDDABLE, slo_ms=1000.0), short).retry_after_s == 1.0
 
 
+def test_sheddable_behind_a_queue_it_cannot_outwait_is_refused_at_once() -> None:
+    """Its predicted TTFT counts the gateway queue ahead of it, not only the engines' (which
+    stay short while the gateway holds the work): refused on arrival, not after waiting out its
+    SLO in the queue. Before the queue has released anything, the fleet's pace of finishing
+    requests says how fast it will."""
+    clock = FakeClock()
+    flow = _controller(clock, max_queue_wait_ms=600_000.0)
+    short = _fleet(200.0, ttft_ms=1500.0, backlog=5)  # saturated, engine queues 200 ms deep
+    for i in range(12):
+        assert flow.admit(_request(f"q{i}", at=clock.now), short).decision is Decision.QUEUE
+    # No pace known yet: the queue's wait is unknown, so the engines' 1.5 s decides: it waits.
+    assert flow.admit(_request("early", SHEDDABLE, slo_ms=3000.0), short).decision is (
+        Decision.QUEUE
+    )
+    # The fleet finishes two requests a second (admitted before the burst).
+    for i in range(5):
+        clock.now += 0.5
+        flow.request_finished(f"done{i}")
+    late = flow.admit(_request("late", SHEDDABLE, slo_ms=3000.0), short)
+    assert late.decision is Decision.SHED
+    assert late.shed_reason is ShedReason.PREDICTED_TTFT_OVER_SLO
+    assert late.retry_after_s == 7.0  # 13 queued at 2 a second
+    # A roomier SLO still queues: 1.5 s + 13 / 2 s = 8 s.
+    assert flow.admit(_request("patient", SHEDDABLE, slo_ms=9000.0), short).decision is (
+        Decision.QUEUE
+    )
+    # Standard requests are never shed on arrival for it: they queue.
+    assert flow.admit(_request("std", at=clock.now), short).decision is Decision.QUEUE
+    # Finishes older than the window say nothing of now.
+    clock.now += 60.0
+    assert flow.admit(_request("later", SHEDDABLE, slo_ms=3000.0), short).decision is (
+        Decision.QUEUE
+    )
+    # Only the standard requests ahead count: queued sheddable ones from other tenants may go
+    # after it (fair queuing) or be refused rather than served.
+    flow = _controller(clock, max_queue_wait_ms=600_000.0)
+    for i in range(12):
+        flow.admit(_request(f"x{i}", SHEDDABLE, tenant=f"t{i}", slo_ms=60_000.0), short)
+    for i in range(5):
+        clock.now += 0.5
+        flow.request_finished(f"done{i}")
+    assert flow.admit(_request("mine", SHEDDABLE, slo_ms=3000.0), short).decision is (
+        Decision.QUEUE
+    )
+
+
 def test_strict_priority_between_classes_then_fifo_inside_a_tenant() -> None:
     flow = _controller(FakeClock())
     for rid, cls in (("x1", SHEDDABLE), ("s1", STANDARD), ("x2", SHEDDABLE), ("s2", STANDARD)):
