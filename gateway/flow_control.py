@@ -286,6 +286,8 @@ class FlowGate:
         flow = tenant_flow(
             policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
         )
+        if flow.header_ignored and self.metrics is not None:
+            self.metrics.flow_priority_header_ignored.labels(routed.tenant.name).inc()
         await self._reserve_budget(routed, flow)
         return routed
 

@@ -202,16 +202,21 @@ class ReplicaRegistry:
         for rid, spec in wanted.items():
             old = self._states.get(rid) if rid in self._static else None
             if old is not None and old.url != spec.url:
-                # Another engine under the same id: a bare URL's id is its position, so removing
-                # one renames those after it. Nothing learnt of the old engine holds for the new.
-                log.warning(
-                    "replica %s is now %s (was %s): a static replica listed as a bare URL is "
-                    "named by its position, so removing one renames the others, and the prefix "
-                    "index entries their agents record under these ids name the wrong engines "
-                    "until the agents are restarted with the new ids. Give static replicas "
-                    "names ({name, url}; docs/policy.md).",
-                    rid, spec.url, old.url,
-                )
+                # Another engine under the same id: nothing learnt of the old one holds for it.
+                if rid.rsplit("/", 1)[-1].isdigit():  # positional: removing one renames others
+                    log.warning(
+                        "replica %s is now %s (was %s): a static replica listed as a bare URL "
+                        "is named by its position, so removing one renames the others, and the "
+                        "prefix index entries their agents record under these ids name the "
+                        "wrong engines until the agents are restarted with the new ids. Give "
+                        "static replicas names ({name, url}; docs/policy.md).",
+                        rid, spec.url, old.url,
+                    )
+                else:
+                    log.warning(
+                        "replica %s moved to %s (was %s): its state starts afresh; restart the "
+                        "agent beside it if the engine changed.", rid, spec.url, old.url,
+                    )
                 self.remove(rid)
             self.upsert(
                 ReplicaState(

@@ -70,6 +70,7 @@ class LeverParams:
         # Every problem at once, one per line: a user fixing a params file should not need one
         # run per mistake.
         problems: list[str] = []
+        bad: set[str] = set()
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "fp8_tflops" and value is None:
@@ -84,10 +85,11 @@ class LeverParams:
             ):
                 bound = ">= 0" if zero_ok else "> 0"
                 problems.append(f"{f.name}: must be a finite number {bound} (got {value!r})")
+                bad.add(f.name)
             elif f.name in ("efficiency", "mfu", "fits_fraction") and value > 1:
                 problems.append(f"{f.name}: must be in (0, 1] (got {value})")
         prompt, shared = self.prompt_tokens, self.shared_prefix_tokens
-        if not problems and shared > prompt:
+        if not {"prompt_tokens", "shared_prefix_tokens"} & bad and shared > prompt:
             problems.append(f"shared_prefix_tokens ({shared}) must be <= prompt_tokens ({prompt})")
         if problems:
             raise ValueError("\n".join(problems))
@@ -411,17 +413,20 @@ def params_from_args(args: argparse.Namespace) -> LeverParams:
             head_dim=m.head_dim,
         )
     known = {f.name for f in fields(LeverParams)}
-    unknown = sorted(set(from_file) - known)
-    if unknown:
-        raise ValueError(
-            "\n".join(
-                f"--params {args.params}: {key}: unknown parameter{_did_you_mean(key, known)}"
-                for key in unknown
-            )
-        )
+    problems = [
+        f"--params {args.params}: {key}: unknown parameter{_did_you_mean(key, known)}"
+        for key in sorted(set(from_file) - known)
+    ]
     flags = {field: getattr(args, field_attr(flag)) for flag, (field, _k, _t) in _FLAGS.items()}
-    overrides = {**from_file, **{k: v for k, v in flags.items() if v is not None}}
-    return replace(params, **overrides)
+    overrides = {k: v for k, v in from_file.items() if k in known}
+    overrides.update({k: v for k, v in flags.items() if v is not None})
+    try:  # the values are checked too, so that one run lists every problem
+        params = replace(params, **overrides)
+    except ValueError as exc:
+        problems.extend(str(exc).splitlines())
+    if problems:
+        raise ValueError("\n".join(problems))
+    return params
 
 
 def _did_you_mean(key: str, known: set[str]) -> str:

@@ -293,15 +293,15 @@ def test_cli_reports_every_problem_of_a_params_file_at_once(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     params_file = tmp_path / "bad.yaml"
-    params_file.write_text("prompt_token: 5\nbogus: 1\n")
+    params_file.write_text("prompt_token: 5\nbogus: 1\nbatch: 0\nmfu: 2\n")
     assert run(parse(["--params", str(params_file)])) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2
+    assert len(err) == 4, err
     assert err[0].endswith("bogus: unknown parameter")
     assert err[1].endswith("prompt_token: unknown parameter (did you mean 'prompt_tokens'?)")
+    assert err[2].endswith("batch: must be a finite number > 0 (got 0)")
+    assert err[3].endswith("mfu: must be in (0, 1] (got 2)")
 
-    params_file.write_text("batch: 0\nmfu: 2\n")
+    params_file.write_text("batch: 0\nshared_prefix_tokens: 9000\n")  # with another problem
     assert run(parse(["--params", str(params_file)])) == 2
-    err = capsys.readouterr().err
-    assert "mfu: must be in (0, 1] (got 2)" in err
-    assert "batch: must be a finite number > 0 (got 0)" in err
+    assert "shared_prefix_tokens (9000) must be <= prompt_tokens" in capsys.readouterr().err

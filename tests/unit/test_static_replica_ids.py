@@ -83,3 +83,15 @@ def test_policy_show_writes_bare_urls_back_as_urls() -> None:
     policy = _policy("http://a:8000", '{name: east-1, url: "http://b:8000"}')
     dumped = policy.model_dump(mode="json")["replica_pools"][0]["replicas"]
     assert dumped == ["http://a:8000", {"url": "http://b:8000", "name": "east-1"}]
+
+
+def test_a_named_replica_that_moves_starts_afresh_without_blaming_positions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    registry = ReplicaRegistry()
+    registry.set_static(from_policy(_policy('{name: e1, url: "http://a:8000"}')).replicas)
+    with caplog.at_level(logging.WARNING, logger="gateway.replicas"):
+        registry.set_static(from_policy(_policy('{name: e1, url: "http://b:8000"}')).replicas)
+    state = registry.get(ReplicaId("p/e1"))
+    assert state is not None and state.url == "http://b:8000"
+    assert "moved to http://b:8000" in caplog.text and "position" not in caplog.text
