@@ -248,8 +248,9 @@ class FlowController:
         #: When the latest requests left the queue, admitted or refused or gone (the pace a
         #: request's place in it advances at, which ``retry_after_s`` reads).
         self._releases: deque[float] = deque(maxlen=RELEASE_HISTORY)
-        #: When the latest admitted requests finished: the pace the queue will drain at before
-        #: it has released any (a new spell of saturation).
+        #: When the latest admitted requests finished while the fleet was saturated (something
+        #: queued, or held lately): the pace the queue will drain at before it has released any
+        #: (a new spell of saturation).
         self._finishes: deque[float] = deque(maxlen=RELEASE_HISTORY)
         #: How far TPOT misses have lowered the inter-token bound from where it starts
         #: (negative: met TPOTs have raised it).
@@ -439,7 +440,11 @@ class FlowController:
         """An admitted request ended (served, failed or cancelled): its decode needs no
         protection any more, and the fleet's pace of finishing moves."""
         self.guard.finished(request_id)
-        self._finishes.append(self._clock())
+        now = self._clock()
+        if self.queue or any(now - at <= FINISH_WINDOW_S for at in self._last_hold_s.values()):
+            # Only while the fleet is saturated does its pace of finishing say how fast it can
+            # go: before that it says how little was asked of it.
+            self._finishes.append(now)
 
     def cancel(self, request_id: str) -> bool:
         """The client went away: leave the queue at once. False if it was not queued."""
@@ -637,8 +642,8 @@ class FlowController:
         return ahead / pace * 1000.0 if pace else 0.0
 
     def _finish_rate(self) -> float | None:
-        """Admitted requests finished per second over the latest ones of the last
-        ``FINISH_WINDOW_S``; None: too few."""
+        """Admitted requests finished per second, while saturated, over the latest ones of the
+        last ``FINISH_WINDOW_S``; None: too few."""
         horizon = self._clock() - FINISH_WINDOW_S
         recent = [t for t in self._finishes if t >= horizon]
         if len(recent) < 2 or recent[-1] <= recent[0]:

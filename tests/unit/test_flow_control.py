@@ -312,6 +312,17 @@ def test_sheddable_behind_a_queue_it_cannot_outwait_is_refused_at_once() -> None
     assert flow.admit(_request("later", SHEDDABLE, slo_ms=3000.0), short).decision is (
         Decision.QUEUE
     )
+    # Finishes before the fleet was saturated say how little was asked of it, not how fast it
+    # goes: a lull of three finishes 4 s apart, then a burst, sheds nothing on them.
+    flow = _controller(clock, max_queue_wait_ms=600_000.0)
+    for i in range(3):
+        clock.now += 4.0
+        flow.request_finished(f"lull{i}")
+    for i in range(2):
+        assert flow.admit(_request(f"b{i}", at=clock.now), short).decision is Decision.QUEUE
+    burst = flow.admit(_request("shed-me-not", SHEDDABLE, slo_ms=3000.0), short)
+    assert burst.decision is Decision.QUEUE
+    assert flow.retry_after_s() == 1.0
     # Only the standard requests ahead count: queued sheddable ones from other tenants may go
     # after it (fair queuing) or be refused rather than served.
     flow = _controller(clock, max_queue_wait_ms=600_000.0)
