@@ -78,10 +78,16 @@ async def test_index_outage_degrades_to_load_only_routing() -> None:
     assert index["available"] is False
 
 
-async def test_request_spans_cover_every_stage() -> None:
+def _recording_tracer() -> tuple[InMemorySpanExporter, TracerProvider]:
+    """A tracer provider whose finished spans the exporter keeps, for the test to read."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter, provider
+
+
+async def test_request_spans_cover_every_stage() -> None:
+    exporter, provider = _recording_tracer()
     upstream = FakeUpstream()
     async with serve(upstream.app()) as upstream_url:
         spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
@@ -116,9 +122,7 @@ async def test_trace_context_reaches_the_engine() -> None:
     """The engine gets a W3C ``traceparent``, so vLLM's own spans join the request's trace: with
     tracing on, the gateway's upstream span (in the client's trace when it sent one) is the
     parent; with it off, the client's header goes through as it came."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    exporter, provider = _recording_tracer()
     upstream = FakeUpstream()
     async with serve(upstream.app()) as upstream_url:
         spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
