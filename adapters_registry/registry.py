@@ -41,7 +41,6 @@ from adapters_registry.paths import StorageRoots
 from adapters_registry.placement import (
     PlacementStore,
     PlacementUnavailable,
-    ReplicaPlacement,
     SlotCapacity,
     capacity_of,
 )
@@ -352,7 +351,7 @@ class AdapterRegistry:
                 if not state.serves(model):
                     continue
                 view = self.view.get(state.replica_id)
-                busy = self._kept_for_others(view, counts)
+                busy = frozenset(view.inflight) if view is not None else frozenset()
                 slots.append(ReplicaSlots(
                     state.replica_id, self.capacity(state).resident_limit,
                     frozenset(resident[state.replica_id]), busy,
@@ -364,22 +363,6 @@ class AdapterRegistry:
                 resident[step.replica].add(step.adapter)
                 resident[step.replica].discard(step.evict or "")
         return ReplicationPlan(desired, steps)
-
-    def _kept_for_others(
-        self, view: ReplicaPlacement | None, counts: Mapping[str, int]
-    ) -> frozenset[str]:
-        """Resident adapters pre-warming must not evict there: those in use, and those another
-        gateway used within the traffic window that this one saw no request for. Each gateway
-        counts only its own traffic, so to it another's hot adapters look idle: evicting them,
-        two gateways undid each other's placements round after round."""
-        if view is None:
-            return frozenset()
-        since = self._clock() - self.settings.prewarm.window_s
-        others = {
-            name for name, entry in view.entries.items()
-            if entry.resident and entry.last_used >= since and not counts.get(name)
-        }
-        return frozenset(view.inflight) | others
 
     async def prewarm(self, states: Sequence[ReplicaState]) -> ReconcileReport:
         """Plan and carry out the plan."""

@@ -19,7 +19,6 @@ from adapters_registry.errors import (
     NoAdapterSlot,
     ThrashGuardTripped,
 )
-from adapters_registry.placement import ReplicaPlacement, Residency
 from adapters_registry.prewarm import reconcile
 from adapters_registry.registry import AdapterRegistry, RegistrySettings
 from adapters_registry.thrash import ThrashSettings
@@ -343,27 +342,3 @@ async def test_a_broken_adapters_failing_requests_make_no_room_for_it(
     calls = len(engine.calls)
     report = await reconcile(plan, reg.loader, {state.replica_id: state})
     assert not report.loaded and engine.calls[calls:] == []  # no unload, no load
-
-
-async def test_prewarm_keeps_an_adapter_another_gateway_uses(
-    setup: tuple[AdapterRegistry, FakeEngine, Clock],
-):
-    """The live adapter review: each gateway plans from its own traffic, so another gateway's
-    hot adapter looks idle here, and two gateways evicted each other's round after round. One
-    used lately (the shared placement's last use) that this gateway saw no request for stays."""
-    reg, _engine, clock = setup
-    state = replica("r0", max_loras=1, max_cpu_loras=2, loaded=("a", "c"))
-    for _ in range(50):
-        reg.record_request("b")
-    assert reg.plan([state]).steps[0].evict is not None  # no view: a or c would go
-    used_elsewhere = ReplicaPlacement(
-        state.replica_id,
-        {"a": Residency(True, changed_at=clock.now - 100, last_used=clock.now - 10),
-         "c": Residency(True, changed_at=clock.now - 100, last_used=clock.now - 20)},
-    )
-    reg.view.update(used_elsewhere)
-    assert reg.plan([state]).steps == []
-    clock.now += reg.settings.prewarm.window_s  # not used for a whole window: fair game again
-    for _ in range(50):
-        reg.record_request("b")
-    assert reg.plan([state]).steps[0].evict in ("a", "c")
