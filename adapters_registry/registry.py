@@ -338,24 +338,23 @@ class AdapterRegistry:
             if s.healthy and not self.failures.avoided(s.replica_id)
         ]
         resident: dict[ReplicaId, set[str]] = {}
+        busy: dict[ReplicaId, frozenset[str]] = {}
         for state in usable:
             view = self.view.get(state.replica_id)
             resident[state.replica_id] = set(
                 view.resident if view is not None else state.loaded_adapters
             )
+            busy[state.replica_id] = frozenset(view.inflight if view is not None else ())
         desired: dict[str, int] = {}
         steps: list[PlanStep] = []
         for model in sorted(demands):
-            slots = []
-            for state in usable:
-                if not state.serves(model):
-                    continue
-                view = self.view.get(state.replica_id)
-                busy = frozenset(view.inflight) if view is not None else frozenset()
-                slots.append(ReplicaSlots(
-                    state.replica_id, self.capacity(state).resident_limit,
-                    frozenset(resident[state.replica_id]), busy,
-                ))
+            slots = [
+                ReplicaSlots(
+                    s.replica_id, self.capacity(s).resident_limit,
+                    frozenset(resident[s.replica_id]), busy[s.replica_id],
+                )
+                for s in usable if s.serves(model)
+            ]
             part = plan_replication(demands[model], slots, self.settings.prewarm)
             desired.update(part.desired)
             steps.extend(part.steps)

@@ -260,12 +260,7 @@ class FlowGate:
         """Admit ``routed`` (maybe after a wait, maybe re-routed by ``repick``), or raise a 429.
         ``repick(routed)`` routes it again on the fleet as it is now, ``repick(routed, only)``
         among those replicas only."""
-        route = routed.route
-        flow = tenant_flow(
-            policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
-        )
-        if flow.header_ignored and self.metrics is not None:
-            self.metrics.flow_priority_header_ignored.labels(routed.tenant.name).inc()
+        flow = self._flow_of(routed, headers, policy)
         reserved_in = await self._reserve_budget(routed, flow)
         try:
             return cast(R, await self._admit(routed, flow, policy, repick))
@@ -282,14 +277,21 @@ class FlowGate:
     async def admit_pinned(self, routed: R, headers: Mapping[str, str], policy: Policy | None) -> R:
         """A request only one replica can serve (a stored conversation's follow-up): flow
         control cannot move or hold it usefully, but the tenant's token budget still holds."""
+        flow = self._flow_of(routed, headers, policy)
+        await self._reserve_budget(routed, flow)
+        return routed
+
+    def _flow_of(
+        self, routed: Routed, headers: Mapping[str, str], policy: Policy | None
+    ) -> TenantFlow:
+        """The request's ``tenant_flow``, counting a priority header its tenant may not set."""
         route = routed.route
         flow = tenant_flow(
             policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
         )
         if flow.header_ignored and self.metrics is not None:
             self.metrics.flow_priority_header_ignored.labels(routed.tenant.name).inc()
-        await self._reserve_budget(routed, flow)
-        return routed
+        return flow
 
     async def _reserve_budget(self, routed: Routed, flow: TenantFlow) -> int | None:
         """Check the tenant's budgets and reserve the prompt tokens; the window they were

@@ -550,13 +550,12 @@ async def send(
             try:
                 await held.enter_async_context(hooks.prepare(replica, last_resort))
             except ReplicaUnsuitable as exc:
-                retry_reason = exc.reason  # counted if another candidate is tried
-                if exc.unreachable:
+                # The reason is counted if another candidate is tried.
+                if exc.unreachable:  # down: counted on its circuit, the answer is the 503 below
                     breaker.failure(health_clears=True)
-                    retry_reason = "connect_failed"
-                    unsuitable = None  # down: the answer is the fleet's 503 below
+                    retry_reason, unsuitable = "connect_failed", None
                 else:
-                    unsuitable = exc
+                    retry_reason, unsuitable = exc.reason, exc
                 continue
             unsuitable = None
             tried += 1

@@ -284,17 +284,17 @@ def validate_completion(body: Mapping[str, Any]) -> None:
     """``prompt``: a string, an array of strings, or token ids (one list or a batch of lists);
     or none, as vLLM allows, with ``prompt_embeds`` (engines run with
     ``--enable-prompt-embeds``), which the engine checks."""
-    if body.get("prompt") in (None, "") and has_prompt_embeds(body):
+    if prompt_embeds_only(body):
         return
     if not _valid_prompt(body.get("prompt")):
         raise bad_request("`prompt` must be a string, an array of strings, or token ids.", "prompt")
 
 
-def has_prompt_embeds(body: Mapping[str, Any]) -> bool:
-    """Whether a completion request carries ``prompt_embeds`` (base64 tensors), as vLLM reads it:
-    present and not an empty list."""
+def prompt_embeds_only(body: Mapping[str, Any]) -> bool:
+    """Whether a completion request gives its prompt as ``prompt_embeds`` (base64 tensors) alone,
+    as vLLM reads it: no ``prompt`` (or an empty one), ``prompt_embeds`` not an empty list."""
     embeds = body.get("prompt_embeds")
-    return embeds is not None and embeds != []
+    return body.get("prompt") in (None, "") and embeds is not None and embeds != []
 
 
 def _valid_prompt(prompt: Any) -> bool:

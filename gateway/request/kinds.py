@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.request_body import (
-    has_prompt_embeds,
+    prompt_embeds_only,
     validate_chat,
     validate_common,
     validate_completion,
@@ -110,10 +110,9 @@ async def _chat_prompt(tokenizer: PromptTokenizer, model: str, body: Body) -> To
 
 
 async def _completion_prompt(tokenizer: PromptTokenizer, model: str, body: Body) -> TokenizedPrompt:
-    prompt = body.get("prompt")
-    if prompt in (None, "") and has_prompt_embeds(body):
-        # Embeddings in, no text: nothing to hash, so it is routed by load.
+    if prompt_embeds_only(body):  # embeddings in, no text: nothing to hash, routed by load
         return TokenizedPrompt(token_ids=[])
+    prompt = body["prompt"]
     if isinstance(prompt, str):
         return await tokenizer.tokenize_completion(model, prompt)
     if isinstance(prompt[0], str):  # a batch goes to one replica: route on its first prompt

@@ -110,7 +110,6 @@ class ReplicaPool(StrictModel):
             )
         return self
 
-
     def replica_urls(self) -> list[str]:
         """The static replicas' URLs, in list order."""
         return [r.url for r in self.replicas]

@@ -7,7 +7,7 @@ from typing import Any
 
 from routing.tokenize.errors import InvalidMessages
 
-__all__ = ["content_text", "normalise_messages"]
+__all__ = ["TEXT_PART_KEYS", "content_text", "normalise_messages", "text_parts"]
 
 
 #: vLLM's text part types (``TEXT_PART_TYPES`` of its chat utilities) and the key that holds
@@ -32,30 +32,40 @@ def content_text(content: Any, where: str) -> str | None:
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, Sequence) and not isinstance(content, bytes | bytearray):
-        texts: list[str] = []
-        for position, part in enumerate(content):
-            if isinstance(part, str):
-                texts.append(part)
-                continue
-            if not isinstance(part, Mapping):
+        return "\n".join(text_parts(content, where))
+    raise InvalidMessages(
+        f"{where}.content must be a string, null or a list of parts (got {type(content).__name__})"
+    )
+
+
+def text_parts(parts: Sequence[Any], where: str = "", strict: bool = True) -> list[str]:
+    """The texts of a list of content parts, as vLLM reads them: plain strings, and the text of
+    each text-typed part (``TEXT_PART_KEYS``) whose text is not null. ``strict``: a part that is
+    neither a string nor an object, or a text that is not a string, is ``InvalidMessages``
+    (naming it under ``where``); else it is skipped."""
+    texts: list[str] = []
+    for position, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, Mapping):
+            if strict:
                 raise InvalidMessages(
                     f"{where}.content[{position}] must be a string or an object "
                     f"(got {type(part).__name__})"
                 )
-            kind = part.get("type")
-            key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
-            if key is None:
-                continue
-            text = part.get(key)
-            if text is None:
-                continue
-            if not isinstance(text, str):
+            continue
+        kind = part.get("type")
+        key = TEXT_PART_KEYS.get(kind) if isinstance(kind, str) else None
+        text = part.get(key) if key is not None else None
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            if strict:
                 raise InvalidMessages(f"{where}.content[{position}].{key} must be a string")
-            texts.append(text)
-        return "\n".join(texts)
-    raise InvalidMessages(
-        f"{where}.content must be a string, null or a list of parts (got {type(content).__name__})"
-    )
+            continue
+        texts.append(text)
+    return texts
 
 
 def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ import xxhash
 
 from routing.tokenize.errors import TokenizationError
 from routing.tokenize.local import LocalTokenizer
-from routing.tokenize.messages import TEXT_PART_KEYS
+from routing.tokenize.messages import text_parts
 
 #: Words the simulated model "generates"; a fixed list so outputs are reproducible.
 FILLER_WORDS: tuple[str, ...] = (
@@ -71,17 +71,7 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        # vLLM's text parts: plain strings, and text-typed parts whose text is not null.
-        texts = []
-        for part in content:
-            if isinstance(part, str):
-                texts.append(part)
-            elif isinstance(part, Mapping) and isinstance(part.get("type"), str):
-                key = TEXT_PART_KEYS.get(part["type"])
-                text = part.get(key) if key else None
-                if isinstance(text, str):
-                    texts.append(text)
-        return "".join(texts)
+        return "".join(text_parts(content, strict=False))
     raise ValueError(f"message content must be a string or a list of parts (got {content!r})")
 
 
