@@ -38,7 +38,7 @@ from adapters_registry.errors import (
     ReplicaLoadsFailing,
     ThrashGuardTripped,
 )
-from adapters_registry.load_failures import LoadFailures
+from adapters_registry.load_failures import REPLICA, LoadFailures, party_of
 from adapters_registry.metrics import AdapterMetrics
 from adapters_registry.paths import engine_path
 from adapters_registry.placement import (
@@ -242,9 +242,11 @@ class AdapterLoader:
         if not task.cancelled():
             task.exception()  # retrieved here, so an unshared failure is not logged as lost
 
-    def loads_failing(self, replica: ReplicaId) -> bool:
-        """True while this replica's loads are avoided (``load_failures.py``)."""
-        return self._failures.avoided(replica)
+    def loads_failing(self, replica: ReplicaId, adapter: str | None = None) -> bool:
+        """True while this replica's loads (of ``adapter``'s party's adapters) are avoided
+        (``load_failures.py``)."""
+        party = party_of(self._catalog.find(adapter)) if adapter is not None else REPLICA
+        return self._failures.avoided(replica, party)
 
     # ------------------------------------------------------------------ the load itself
 
@@ -282,7 +284,7 @@ class AdapterLoader:
             # before us, or this gateway's loads we waited behind, may have just loaded it.
             if (await self._status(rid, name)).resident:
                 return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
-            if self._failures.avoided(rid) and not last_resort:
+            if self._failures.avoided(rid, party_of(entry)) and not last_resort:
                 # The load before this one failed (a hung loader, a missing mount): fall back now
                 # rather than wait out another load timeout in line behind it.
                 raise ReplicaLoadsFailing(
@@ -309,9 +311,12 @@ class AdapterLoader:
             reply = await self._engine.load(replica.url, rid, name, engine_path(entry.source))
         except AdapterLoadFailed as exc:
             self._metrics.load(name, rid, ok=False)
-            self._failures.failed(rid, name, replica_fault=exc.status is None or exc.status >= 500)
+            self._failures.failed(
+                rid, name, replica_fault=exc.status is None or exc.status >= 500,
+                party=party_of(entry),
+            )
             raise
-        self._failures.succeeded(rid, name)
+        self._failures.succeeded(rid, name, party_of(entry))
         load_s = time.monotonic() - t0
         now = self._clock()
         await self._quiet(self._store.mark_resident(rid, name, now))

@@ -264,7 +264,7 @@ async def reconcile(
         if state is None or not state.healthy:
             report.failed.append((step, "replica unknown or unhealthy"))
             continue
-        if step.evict is not None and loader.loads_failing(step.replica):
+        if step.evict is not None and loader.loads_failing(step.replica, step.adapter):
             # Loads there started failing since the plan was made: the load would not even be
             # tried, so evicting for it would only lose an adapter that works.
             report.failed.append((step, "adapter loads on this replica have been failing"))

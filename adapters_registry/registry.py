@@ -34,7 +34,7 @@ from adapters_registry.cold_start import (
 )
 from adapters_registry.engine_api import LoraEngineApi
 from adapters_registry.errors import AdapterError
-from adapters_registry.load_failures import LoadFailures, LoadFailureSettings
+from adapters_registry.load_failures import LoadFailures, LoadFailureSettings, party_of
 from adapters_registry.loader import AdapterLoader, LoaderSettings, LoadResult
 from adapters_registry.metrics import AdapterMetrics
 from adapters_registry.paths import StorageRoots
@@ -204,7 +204,7 @@ class AdapterRegistry:
             return self.load_times.host_copy_ms(size_mb)
         if (
             placement.tier(adapter, gpu_slots) not in ("gpu", "host")
-            and self.failures.avoided(replica.replica_id)
+            and self.failures.avoided(replica.replica_id, party_of(entry))
         ):
             # Its loads have been failing: a load there is a timeout or an error, then a
             # fallback (a last resort still goes there).

@@ -342,3 +342,48 @@ async def test_a_broken_adapters_failing_requests_make_no_room_for_it(
     calls = len(engine.calls)
     report = await reconcile(plan, reg.loader, {state.replica_id: state})
     assert not report.loaded and engine.calls[calls:] == []  # no unload, no load
+
+
+async def test_one_tenants_broken_adapters_do_not_slow_another_tenants_cold_loads():
+    """Two refused adapters of one tenant priced the replica out of every tenant's cold loads:
+    one tenant's broken uploads slowed the others' (each of their cold loads there then paid the
+    60 s penalty or fell back). They now price out that tenant's adapters only; refusals of two
+    tenants' adapters are the replica's, for everyone."""
+    clock = Clock()
+    engine = FakeEngine()
+    policy = make_policy(
+        [adapter("a"), adapter("c"), adapter("g", owners=["globex"], source="/adapters/globex/g"),
+         adapter("g2", owners=["globex"], source="/adapters/globex/g2"),
+         adapter("i", owners=["initech"], source="/adapters/initech/i"),
+         adapter("p", owners=[], public=True, source="/adapters/shared/p")]
+    )
+    reg = AdapterRegistry.in_memory(
+        policy, engine, metrics_registry=CollectorRegistry(), clock=clock,
+    )
+    try:
+        state = full(4)
+        penalty = reg.settings.load_failures.penalty_ms
+        normal = {name: reg.cold_load_ms(state, name) for name in ("g", "i", "p")}
+        for name in ("a", "c"):  # acme's two broken adapters
+            engine.fail_with = AdapterLoadFailed(name, "r0", f"No adapter found for {name}", 404)
+            with pytest.raises(AdapterLoadFailed):
+                await reg.ensure_loaded(state, name)
+        assert reg.cold_load_ms(state, "a") == penalty  # acme's loads there: priced out
+        assert {n: reg.cold_load_ms(state, n) for n in normal} == normal  # the others: not
+        assert not reg.loader.loads_failing(state.replica_id, "g")
+        assert reg.loader.loads_failing(state.replica_id, "c")
+        engine.fail_with = None
+        assert (await reg.ensure_loaded(state, "g")).loaded_now  # globex's load goes ahead
+        assert reg.cold_load_ms(state, "a") == penalty  # and says nothing of acme's adapters
+        # Refusals of two tenants' adapters within the window are the replica's (a missing mount).
+        engine.fail_with = AdapterLoadFailed("i", "r0", "No adapter found for i", 404)
+        with pytest.raises(AdapterLoadFailed):
+            await reg.ensure_loaded(state, "i")
+        assert reg.cold_load_ms(state, "p") == normal["p"]  # one refusal since the load worked
+        engine.fail_with = AdapterLoadFailed("p", "r0", "No adapter found for p", 404)
+        with pytest.raises(AdapterLoadFailed):
+            await reg.ensure_loaded(state, "p")
+        assert reg.loader.loads_failing(state.replica_id)
+        assert reg.cold_load_ms(state, "g2") == penalty  # every tenant's cold loads now
+    finally:
+        await reg.close()
