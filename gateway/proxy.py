@@ -119,7 +119,7 @@ class ForwardPlan:
     first_token_marker: tuple[bytes, ...] | None = None
     #: The event that tells the client its started stream failed (``RequestKind.stream_error``);
     #: None: the OpenAI envelope as one ``data:`` event.
-    stream_error: Callable[[GatewayError], bytes] | None = None
+    stream_error: Callable[[GatewayError, bytes], bytes] | None = None
     #: How a complete stream ends (``RequestKind.stream_end``): one that ends otherwise was cut.
     stream_end: StreamEnd = CHAT_STREAM_END
     #: The gateway's own error as this API's clients parse it (``RequestKind.error_response``);
@@ -345,12 +345,12 @@ async def _relay_stream(
     hide_usage_chunk: bool,
     hooks: AttemptHooks,
     first_token_marker: tuple[bytes, ...] | None = None,
-    stream_error: Callable[[GatewayError], bytes] | None = None,
+    stream_error: Callable[[GatewayError, bytes], bytes] | None = None,
     end: StreamEnd = CHAT_STREAM_END,
     answered: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
-    relay = SseRelay(hide_usage_chunk)
-    first = await _first_events(resp, relay)  # raises before any byte reached the client
+    sse = SseRelay(hide_usage_chunk)
+    first = await _first_events(resp, sse)  # raises before any byte reached the client
     if not first:  # ended (cleanly) without a single event: nothing reached the client yet
         raise UpstreamDiedBeforeFirstEvent("the stream ended before its first event")
     if answered is not None:
@@ -363,16 +363,24 @@ async def _relay_stream(
     ended = False  # the stream's own last event (or an error event of the engine's) was relayed
     engine_failed = False  # ... an error event of the engine's
 
+    last_event = b""  # the last event relayed (the in-band error numbers itself after it)
+
     def ends(event: bytes) -> bool:
         nonlocal engine_failed
         seen = end.classify(event)
         engine_failed = engine_failed or seen == "error"
         return seen is not None
 
+    async def relay(event: bytes) -> None:
+        nonlocal ended, last_event
+        ended = ended or ends(event)
+        await out.write(event)
+        last_event = event
+
     async def upstream_events() -> AsyncIterator[list[bytes]]:
         yield first
         async for chunk in resp.iter_any():
-            events = relay.feed(chunk)
+            events = sse.feed(chunk)
             if events:
                 yield events
 
@@ -387,8 +395,7 @@ async def _relay_stream(
                 and not any(marker in event for event in events for marker in first_token_marker)
             ):
                 for event in events:  # before any output (response.created): not yet TTFT
-                    ended = ended or ends(event)
-                    await out.write(event)
+                    await relay(event)
                 continue
             if last is None:
                 outcome.ttft_s = now - (outcome.sent_at or now)
@@ -398,9 +405,8 @@ async def _relay_stream(
                 outcome.gaps_s.append(now - last)
             last = now
             for event in events:
-                ended = ended or ends(event)
-                await out.write(event)
-        tail = relay.flush()
+                await relay(event)
+        tail = sse.flush()
         if tail and (ended or ends(tail)):
             await out.write(tail)  # the last event, its blank line lost on the way
         elif not ended:
@@ -417,7 +423,7 @@ async def _relay_stream(
         outcome.status = 502
         error = GatewayError(502, errors.UPSTREAM_ERROR, "upstream failed mid-stream")
         if stream_error is not None:
-            event = stream_error(error)
+            event = stream_error(error, last_event)
         else:
             event = b"data: " + json.dumps(error.envelope()).encode() + b"\n\n"
         if not await _write_to_client(out, event, outcome, resp):
@@ -434,7 +440,7 @@ async def _relay_stream(
         outcome.client_gone = True
         resp.close()
         raise
-    outcome.usage = relay.usage
+    outcome.usage = sse.usage
     if engine_failed:  # relayed as it came; an engine failure all the same
         log.info("replica %s failed request %s in its stream", outcome.replica, request_id)
         outcome.status = 502

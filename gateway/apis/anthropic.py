@@ -51,8 +51,9 @@ def error_response(err: GatewayError, request_id: str | None = None) -> web.Resp
                         content_type="application/json", headers=headers)
 
 
-def stream_error_event(err: GatewayError) -> bytes:
-    """The in-band error of a stream that already started, as Anthropic streams it."""
+def stream_error_event(err: GatewayError, last_event: bytes) -> bytes:
+    """The in-band error of a stream that already started, as Anthropic streams it (its events
+    carry no sequence number: ``last_event`` is not read)."""
     body = json.dumps(error_envelope(err.status, err.message))
     return f"event: error\ndata: {body}\n\n".encode()
 

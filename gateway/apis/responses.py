@@ -16,6 +16,7 @@ response's ``id``) so it knows the id before the answer, and records which repli
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -118,8 +119,20 @@ async def remember(
 
 
 
-def stream_error_event(err: GatewayError) -> bytes:
+#: An event's own sequence number: the last one on its data line (a model's text holding the
+#: same words is inside a JSON string, where its quotes are escaped, so it never reads as this).
+_SEQUENCE_NUMBER = re.compile(rb'"sequence_number":\s*(\d+)')
+
+
+def stream_error_event(err: GatewayError, last_event: bytes) -> bytes:
     """The in-band error of a Responses stream that already started, as the Responses API
-    streams one (an ``error`` event: type, code, message, param)."""
-    body = json.dumps({"type": "error", "code": err.code, "message": err.message, "param": None})
-    return f"event: error\ndata: {body}\n\n".encode()
+    streams one (an ``error`` event: type, code, message, param, and the sequence number after
+    ``last_event``'s, the last event relayed, so a client ordering events by it keeps this one
+    last; left out where the engine numbered none)."""
+    payload: dict[str, object] = {
+        "type": "error", "code": err.code, "message": err.message, "param": None,
+    }
+    numbers = _SEQUENCE_NUMBER.findall(last_event)
+    if numbers:
+        payload["sequence_number"] = int(numbers[-1]) + 1
+    return f"event: error\ndata: {json.dumps(payload)}\n\n".encode()

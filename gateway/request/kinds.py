@@ -48,8 +48,9 @@ ErrorOf = Callable[["GatewayError", str], "web.Response"]
 PinOf = Callable[["GatewayState", "Tenant", Body], Awaitable["ReplicaId | None"]]
 #: Told which replica is about to serve, or served, the request (before its answer is relayed).
 ServedBy = Callable[["GatewayState", "Tenant", Body, "ReplicaId"], Awaitable[None]]
-#: The in-band SSE event that tells a client its started stream failed, in this API's shape.
-StreamErrorOf = Callable[["GatewayError"], bytes]
+#: The in-band SSE event that tells a client its started stream failed, in this API's shape,
+#: given the last event relayed before it.
+StreamErrorOf = Callable[["GatewayError", bytes], bytes]
 #: (body, outcome, the answer relayed) -> the id of a response the engine goes on generating
 #: after it answered (a background Response), to account when it ends; None: it has ended.
 FinishesLaterOf = Callable[[Body, "UpstreamOutcome", "web.StreamResponse | None"], "str | None"]

@@ -1,6 +1,7 @@
 """A Responses stream whose replica dies after it started: the client gets the gateway's
-in-band error as the Responses API streams errors (an ``error`` event with type, code and
-message), which the ``openai`` client hands over as a ``ResponseErrorEvent``."""
+in-band error as the Responses API streams errors (an ``error`` event with type, code, message
+and the sequence number after the last event's), which the ``openai`` client hands over as a
+``ResponseErrorEvent``."""
 
 from __future__ import annotations
 
@@ -29,10 +30,13 @@ def dying_replica() -> web.Application:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         created = {"id": response_id, "object": "response", "status": "in_progress"}
-        await resp.write(_event({"type": "response.created", "response": created}))
         await resp.write(
-            _event({"type": "response.output_text.delta", "delta": "partial", "item_id": "m"})
+            _event({"type": "response.created", "response": created, "sequence_number": 0})
         )
+        # The model's own text naming a sequence number is not the event's.
+        text = 'a "sequence_number": 99'
+        await resp.write(_event({"type": "response.output_text.delta", "delta": text,
+                                 "item_id": "m", "sequence_number": 1}))
         assert request.transport is not None
         request.transport.close()  # the engine dies mid-answer
         return resp
@@ -56,3 +60,4 @@ async def test_mid_stream_failure_reaches_the_openai_client_as_a_responses_error
     ]
     assert events[-1].code == "upstream_error"
     assert "upstream failed mid-stream" in events[-1].message
+    assert [e.sequence_number for e in events] == [0, 1, 2]  # the error is numbered last
