@@ -205,6 +205,16 @@ class PlacementStore(Protocol):
         """Drop everything about a replica that left the fleet."""
         ...
 
+    async def add_traffic(self, counts: Mapping[tuple[int, str], int], window_s: float) -> None:
+        """Add requests per (wall-clock bucket, adapter) to the fleet's pre-warm traffic window
+        (``shared_traffic.py``); the window is ``window_s`` long."""
+        ...
+
+    async def traffic(self, oldest_slot: int) -> dict[tuple[int, str], int]:
+        """The fleet's requests per (bucket, adapter) from ``oldest_slot`` on (older ones may be
+        dropped)."""
+        ...
+
     async def close(self) -> None:
         """Release connections."""
         ...

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
 from adapters_registry.placement import (
@@ -28,6 +28,8 @@ class MemoryPlacementStore:
         # (replica, adapter) -> (owner, expiry on ``clock``)
         self._locks: dict[tuple[ReplicaId, str], tuple[str, float]] = {}
         self._loads: dict[ReplicaId, list[float]] = {}
+        # (wall-clock bucket, adapter) -> requests: the pre-warm traffic window
+        self._traffic: dict[tuple[int, str], int] = {}
 
     def _locked(self, key: tuple[ReplicaId, str]) -> bool:
         held = self._locks.get(key)
@@ -111,6 +113,15 @@ class MemoryPlacementStore:
         for table in (self._leases, self._locks):
             for key in [k for k in table if k[0] == replica]:
                 del table[key]
+
+    async def add_traffic(self, counts: Mapping[tuple[int, str], int], window_s: float) -> None:
+        for key, n in counts.items():
+            self._traffic[key] = self._traffic.get(key, 0) + n
+
+    async def traffic(self, oldest_slot: int) -> dict[tuple[int, str], int]:
+        for key in [key for key in self._traffic if key[0] < oldest_slot]:
+            del self._traffic[key]
+        return dict(self._traffic)
 
     async def close(self) -> None:
         return None

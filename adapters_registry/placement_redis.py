@@ -9,6 +9,8 @@ contain ``:`` and ``/`` but never ``|``):
   so a gateway that dies mid-request stops holding the adapter once its leases expire
 - ``{prefix}adapters:lock|{replica}|{adapter}`` — the load/unload lock (``SET NX PX``)
 - ``{prefix}adapters:loads|{replica}`` — sorted set of load times (the thrash guard's window)
+- ``{prefix}adapters:traffic`` — hash ``{bucket}|{adapter}`` -> requests, every gateway's
+  pre-warm traffic (``shared_traffic.py``); one key, so a Redis Cluster keeps it on one node
 
 Read-modify-write steps run as Lua scripts so two gateways cannot interleave them.
 """
@@ -19,7 +21,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
@@ -146,6 +148,9 @@ class RedisPlacementStore:
     def _loads(self, replica: ReplicaId) -> str:
         return f"{self._prefix}adapters:loads|{replica}"
 
+    def _traffic(self) -> str:
+        return f"{self._prefix}adapters:traffic"
+
     async def _call(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -265,6 +270,34 @@ class RedisPlacementStore:
             await self._redis.delete(*keys)
 
         await self._call("forget_replica", op)
+
+    async def add_traffic(self, counts: Mapping[tuple[int, str], int], window_s: float) -> None:
+        async def op() -> None:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for (slot, adapter), n in counts.items():
+                    pipe.hincrby(self._traffic(), f"{slot}|{adapter}", n)
+                # Gone once every gateway has stopped sending (two windows: none is cut short).
+                pipe.pexpire(self._traffic(), int(2_000 * window_s))
+                await pipe.execute()
+
+        await self._call("add_traffic", op)
+
+    async def traffic(self, oldest_slot: int) -> dict[tuple[int, str], int]:
+        async def op() -> dict[tuple[int, str], int]:
+            raw = await self._redis.hgetall(self._traffic())
+            counts: dict[tuple[int, str], int] = {}
+            stale: list[str] = []
+            for field, value in raw.items():
+                slot, _, adapter = _text(field).partition("|")
+                if int(slot) < oldest_slot:
+                    stale.append(_text(field))
+                else:
+                    counts[(int(slot), adapter)] = int(value)
+            if stale:  # out of the window: whichever gateway reads first drops them
+                await self._redis.hdel(self._traffic(), *stale)
+            return counts
+
+        return await self._call("traffic", op)
 
     async def close(self) -> None:
         if self._owns_client:

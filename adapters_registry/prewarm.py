@@ -65,15 +65,23 @@ class TrafficWindow:
         self._width = self.settings.window_s / self.settings.buckets
         self._buckets: dict[int, Counter[str]] = {}
 
+    def slot(self, now: float | None = None) -> int:
+        """The bucket ``now`` (wall clock) falls in: the same on every gateway of a fleet."""
+        return int((time.time() if now is None else now) // self._width)
+
+    def oldest_slot(self, now: float | None = None) -> int:
+        """The oldest bucket still inside the window ending at ``now``."""
+        return self.slot(now) - self.settings.buckets + 1
+
     def record(self, adapter: str, now: float | None = None, n: int = 1) -> None:
         """Count ``n`` requests for ``adapter`` at ``now`` (wall clock)."""
-        slot = int((time.time() if now is None else now) // self._width)
+        slot = self.slot(now)
         self._buckets.setdefault(slot, Counter())[adapter] += n
         self._expire(slot)
 
     def counts(self, now: float | None = None) -> dict[str, int]:
         """Requests per adapter within the window ending at ``now``."""
-        slot = int((time.time() if now is None else now) // self._width)
+        slot = self.slot(now)
         self._expire(slot)
         total: Counter[str] = Counter()
         for bucket in self._buckets.values():

@@ -52,10 +52,10 @@ from adapters_registry.prewarm import (
     ReconcileReport,
     ReplicaSlots,
     ReplicationPlan,
-    TrafficWindow,
     plan_replication,
     reconcile,
 )
+from adapters_registry.shared_traffic import SharedTraffic
 from adapters_registry.thrash import ThrashGuard, ThrashSettings
 from adapters_registry.view import PlacementView
 from routing.config import Adapter, Policy
@@ -112,7 +112,8 @@ class AdapterRegistry:
         self.guard = ThrashGuard(self.settings.thrash)
         #: Replicas whose loads fail, avoided for cold loads a while (``load_failures.py``).
         self.failures = LoadFailures(self.settings.load_failures, clock)
-        self.traffic = TrafficWindow(self.settings.prewarm)
+        #: Requests per adapter for pre-warming: this gateway's and, once read, the fleet's.
+        self.traffic = SharedTraffic(self.settings.prewarm)
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self._clock = clock
         self.loader = AdapterLoader(
@@ -364,7 +365,8 @@ class AdapterRegistry:
         return ReplicationPlan(desired, steps)
 
     async def prewarm(self, states: Sequence[ReplicaState]) -> ReconcileReport:
-        """Plan and carry out the plan."""
+        """Share traffic counts with the other gateways, plan, and carry out the plan."""
+        await self.traffic.sync(self.store, self._clock())
         plan = self.plan(states)
         return await reconcile(plan, self.loader, {s.replica_id: s for s in states})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from tests.integration.test_adapters_fixtures import (
     served_adapters,
 )
 from tests.support.redis_server import RedisServer
-from tests.unit.test_adapters_fixtures import adapter, make_policy, replica
+from tests.unit.test_adapters_fixtures import FakeEngine, adapter, make_policy, replica
 
 pytestmark = pytest.mark.redis
 
@@ -154,3 +155,42 @@ async def test_redis_outage_degrades_to_unlocked_loads(
         assert not (await reg.ensure_loaded(state(fleet), "a")).loaded_now
         await reg.close()
     assert loads == ["a"]
+
+
+async def test_gateways_plan_pre_warming_from_the_fleets_traffic(redis_server: RedisServer) -> None:
+    """The live adapter review: two gateways planned from their own traffic alone, so each saw
+    the other's hot adapter as idle and evicted it to replicate its own (39 loads, 31 unloads in
+    100 s with room for all). Each now adds its counts to the shared window and plans from the
+    fleet's; with Redis gone it plans from its own again."""
+    policy = make_policy([adapter(n) for n in "abcd"], max_loras=1, max_cpu_loras=2)
+    stores = [RedisPlacementStore.from_url(redis_server.url) for _ in range(2)]
+    regs = [
+        AdapterRegistry(policy, store, FakeEngine(), metrics_registry=CollectorRegistry())
+        for store in stores
+    ]
+    states = [
+        replica("r0", loaded=("a", "b"), max_loras=1, max_cpu_loras=2),
+        replica("r1", loaded=("b", "c"), max_loras=1, max_cpu_loras=2),
+    ]
+    try:
+        hot = {0: "a", 1: "b"}  # each gateway sees one tenant's traffic
+        for i, name in hot.items():
+            for _ in range(60):
+                regs[i].record_request(name)
+        # Alone, the first gateway replicates "a" onto r1 by evicting "b" (idle, as it sees it).
+        steps = regs[0].plan(states).steps
+        assert ("r1", "a", "b") in {(s.replica, s.adapter, s.evict) for s in steps}
+        for reg in (*regs, regs[0]):  # the first reads again after the second added its counts
+            await reg.traffic.sync(reg.store, time.time())
+        for i, reg in enumerate(regs):
+            assert reg.traffic.counts(time.time()) == {"a": 60, "b": 60}
+            other = hot[1 - i]
+            assert other not in {step.evict for step in reg.plan(states).steps}, i
+        regs[0].record_request("a")  # not yet sent: counted from this gateway's own
+        assert regs[0].traffic.counts(time.time()) == {"a": 61, "b": 60}
+        redis_server.stop()
+        await regs[0].traffic.sync(regs[0].store, time.time())
+        assert regs[0].traffic.counts(time.time()) == {"a": 61}  # its own, as before
+    finally:
+        for reg in regs:
+            await reg.close()

@@ -125,6 +125,17 @@ async def test_forget_replica(store: PlacementStore) -> None:
     assert (await store.snapshot(OTHER, 0)).resident == {"a"}
 
 
+async def test_traffic_adds_up_across_writers_and_drops_old_buckets(
+    store: PlacementStore,
+) -> None:
+    # Two gateways' pre-warm counts (adapter names with '|'-free ':' and '/' must work).
+    await store.add_traffic({(10, "org/lora:v1"): 3, (11, "b"): 1}, window_s=300)
+    await store.add_traffic({(11, "b"): 2, (12, "org/lora:v1"): 4}, window_s=300)
+    assert await store.traffic(10) == {(10, "org/lora:v1"): 3, (11, "b"): 3, (12, "org/lora:v1"): 4}
+    assert await store.traffic(11) == {(11, "b"): 3, (12, "org/lora:v1"): 4}
+    assert await store.traffic(10) == {(11, "b"): 3, (12, "org/lora:v1"): 4}  # dropped for good
+
+
 async def test_redis_lock_carries_an_expiry_and_prefixes_isolate(redis_url: str) -> None:
     client = Redis.from_url(redis_url, decode_responses=True)
     one = RedisPlacementStore(client, key_prefix="iso-1:")
