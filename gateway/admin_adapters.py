@@ -96,7 +96,7 @@ async def add_adapter(request: web.Request) -> web.Response:
         registry = _registry(gw)
         # The request body reader: compressed, oversized, invalid, non-object and too deeply
         # nested bodies get the same answers as on the API.
-        spec = await read_json(request, gw.config.max_body_bytes)
+        spec = await read_json(request, gw.config.max_body_bytes, gw.config.body_timeout_s)
     except GatewayError as err:
         return err.response()
     replace = request.query.get("replace", "").lower() in ("1", "true", "yes")

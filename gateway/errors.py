@@ -19,6 +19,7 @@ INVALID_API_KEY: Final = "invalid_api_key"
 MODEL_NOT_FOUND: Final = "model_not_found"
 NOT_FOUND: Final = "not_found"
 BODY_TOO_LARGE: Final = "request_too_large"
+BODY_TIMEOUT: Final = "request_timeout"
 RATE_LIMITED: Final = "rate_limit_exceeded"
 NO_HEALTHY_REPLICA: Final = "no_healthy_replica"
 UPSTREAM_TIMEOUT: Final = "upstream_timeout"
@@ -42,6 +43,7 @@ _TYPES: Final = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",

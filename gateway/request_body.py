@@ -51,9 +51,12 @@ def engine_request_id(request_id: str) -> str:
     return f"{request_id}~{uuid.uuid4().hex[:8]}"
 
 
-async def read_json(request: web.Request, max_bytes: int) -> dict[str, Any]:
-    """The JSON object body; 413 past ``max_bytes`` (checked before and while reading), 400 else."""
-    body, _raw = await read_body(request, max_bytes)
+async def read_json(
+    request: web.Request, max_bytes: int, timeout_s: float | None = None
+) -> dict[str, Any]:
+    """The JSON object body; 413 past ``max_bytes`` (checked before and while reading), 408 if
+    it takes longer than ``timeout_s`` to arrive, 400 else."""
+    body, _raw = await read_body(request, max_bytes, timeout_s)
     return body
 
 
@@ -65,8 +68,14 @@ _READ_CHUNK: Final = 64 * 1024
 _DECODE_STEP: Final = 1024 * 1024
 
 
-async def read_body(request: web.Request, max_bytes: int) -> tuple[dict[str, Any], bytes]:
+async def read_body(
+    request: web.Request, max_bytes: int, timeout_s: float | None = None
+) -> tuple[dict[str, Any], bytes]:
     """The JSON object body and the bytes it was parsed from (see ``read_json``).
+
+    The whole body must arrive within ``timeout_s`` (None: no bound) or the answer is 408 and
+    the connection closes: aiohttp's server bounds neither header nor body reads, so a client
+    that trickles its body would otherwise hold the connection and its handler indefinitely.
 
     A compressed body (``Content-Encoding: gzip`` or ``deflate``) is limited by its *decoded*
     size: it is decoded here, in bounded steps, and refused with 413 as soon as the decoded
@@ -89,15 +98,18 @@ async def read_body(request: web.Request, max_bytes: int) -> tuple[dict[str, Any
     if length is not None and length > max_bytes:
         raise _too_large(max_bytes)
     try:
-        if compressed:
-            raw = await _read_decoded(request, encoding, max_bytes)
-        elif length is not None and "Transfer-Encoding" not in request.headers:
-            # Known length within the limit: the HTTP parser stops at it, so read it in one go.
-            raw = await request.content.read()
-        else:
-            raw = await _read_limited(request, max_bytes)
+        async with asyncio.timeout(timeout_s):
+            if compressed:
+                raw = await _read_decoded(request, encoding, max_bytes)
+            elif length is not None and "Transfer-Encoding" not in request.headers:
+                # Known length within the limit: the HTTP parser stops at it: read it in one go.
+                raw = await request.content.read()
+            else:
+                raw = await _read_limited(request, max_bytes)
     except web.RequestPayloadError as exc:  # a body cut short or malformed on the wire
         raise bad_request(f"Request body could not be read: {_reason(exc)}") from None
+    except TimeoutError:
+        raise _too_slow(timeout_s) from None
     return parse_json_object(raw), raw
 
 
@@ -176,6 +188,15 @@ def _reason(exc: BaseException) -> str:
     if isinstance(cause, HttpProcessingError) and cause.message:
         return str(cause.message)
     return str(exc) or type(exc).__name__
+
+
+def _too_slow(timeout_s: float | None) -> GatewayError:
+    message = (
+        f"The request body did not arrive within {timeout_s:g} s of its headers; send it "
+        "whole without pauses (an operator can raise gateway.body_timeout_s for slow links)."
+    )
+    # aiohttp closes the connection after the answer (its body unread), within 10 s.
+    return GatewayError(408, errors.BODY_TIMEOUT, message)
 
 
 def _too_large(max_bytes: int) -> GatewayError:

@@ -88,7 +88,9 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
             if gw.draining:
                 raise errors.shutting_down()
             tenant = admit(request, gw.policy, gw.rate_limiter)
-            body, raw = await read_body(request, gw.config.max_body_bytes)
+            body, raw = await read_body(
+                request, gw.config.max_body_bytes, gw.config.body_timeout_s
+            )
             kind.validate(body)
             tenant = with_client_salt(tenant, body, gw.policy.open_access)
             stream = kind.streams and isinstance(body, Mapping) and body.get("stream") is True

@@ -61,6 +61,10 @@ class GatewaySettings(StrictModel):
 
     #: Larger request bodies are refused with 413 before any parsing.
     max_body_bytes: PositiveInt = 8 * 1024 * 1024
+    #: A request body must arrive within this many seconds of its headers, else 408 and the
+    #: connection closes: a client trickling its body (slowloris) must not hold a connection and
+    #: its handler for as long as it likes. 60 s passes 8 MiB at ~140 KB/s.
+    body_timeout_s: PositiveFloat = 60.0
     #: Whole upstream request, first byte to last (long generations need minutes).
     upstream_timeout_s: PositiveFloat = 600.0
     connect_timeout_s: PositiveFloat = 5.0

@@ -195,6 +195,55 @@ async def test_compressed_bodies_are_limited_by_their_decoded_size() -> None:
     assert headers["Accept-Encoding"] == "gzip, deflate"
 
 
+async def test_a_body_that_trickles_in_gets_408_and_the_connection_closes() -> None:
+    """A client that sends its headers and then its body slowly (or never) held a connection
+    and its handler as long as it liked (aiohttp's server bounds neither): a few thousand such
+    clients used up a pod's file descriptors. The body must now arrive within
+    ``body_timeout_s``; then the answer is 408 in the OpenAI envelope and the connection closes.
+    Nothing reaches an engine; a body that arrives in time in pieces is served."""
+    from gateway.policy_view import GatewayPolicy, ReplicaSpec
+
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        config = GatewayConfig(body_timeout_s=0.5)
+        app = create_app(config, GatewayPolicy.default([ReplicaSpec("r0", upstream_url)]))
+        async with serve(app) as url:
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            body = b'{"model": "base-model", "prompt": "hi"}'
+
+            async def send(pieces: list[bytes], pause_s: float) -> tuple[bytes, bytes]:
+                """The answer, and what followed it until the connection closed."""
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\n"
+                    # the client's keep-alive is refused: only the gateway's own close is tested
+                    + (b"Connection: close\r\n" if len(pieces) > 1 else b"")
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                )
+                for piece in pieces:
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(pause_s)
+                # Bounded, so a bug fails rather than hangs: aiohttp reads (and drops) what a
+                # client sends after an answer for up to 10 s before it closes the connection.
+                async with asyncio.timeout(30):
+                    answer = await reader.readuntil(b"\r\n\r\n")
+                    length = int(answer.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+                    payload = await reader.readexactly(length)
+                    rest = await reader.read()  # b"" once the connection closes
+                writer.close()
+                return answer + payload, rest
+
+            stalled, after = await send([body[:10]], 0)  # and then nothing more
+            assert stalled.startswith(b"HTTP/1.1 408 ")
+            assert b'"code": "request_timeout"' in stalled and b"body_timeout_s" in stalled
+            assert after == b""  # closed without a client's asking, not kept for another request
+            quick, _ = await send([body[:10], body[10:]], 0.05)  # in pieces, within the bound
+            assert quick.startswith(b"HTTP/1.1 200 ")
+    assert [b["prompt"] for b in upstream.received] == ["hi"]  # the stalled one reached nothing
+
+
 # ----------------------------------------------------------------- 4. oversized headers
 
 
