@@ -161,7 +161,12 @@ def unknown_key_hint(key: str, allowed: Any) -> str:
     if not allowed:
         return ""
     allowed = [str(k) for k in allowed]
-    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+    # A key that is a word of an allowed one ('pools' of 'replica_pools', 'keys' of
+    # 'api_key_sha256' singular or not) is a shortening, not a typo: spelling alone would
+    # suggest 'profiles' for 'pools'.
+    words = {k: set(k.split("_")) for k in allowed}
+    whole = [k for k in allowed if key in words[k] or key.rstrip("s") in words[k]]
+    close = whole[:1] or difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
     guess = f"; did you mean {close[0]!r}?" if close else ""
     return f"{guess} (allowed: {', '.join(allowed)})"
 

@@ -30,6 +30,11 @@ CASES: list[tuple[str, Any, str]] = [
         {},
         "routes[0].matc: unknown key; did you mean 'match'? (allowed: name, match, slo, profile)",
     ),
+    (  # a shortening of a key, not a typo: spelling alone suggested 'profiles'
+        "pools",
+        [],
+        "pools: unknown key; did you mean 'replica_pools'? (allowed: version, replica_pools,",
+    ),
     (
         "routes[0].match.path",
         "v1/chat",
