@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import textwrap
 from collections.abc import Sequence
 
 #: The order here is the order ``--help`` shows.
@@ -29,6 +30,28 @@ COMMANDS: dict[str, str] = {
     "bench": "Benchmarks: replay a trace against an OpenAI endpoint.",
     "kernels": "Check fleetgate's kernels against their references.",
 }
+
+
+#: Option names whose defaults ``--help`` never shows.
+_SECRET_WORDS = ("key", "secret", "token", "password")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written, and every option's default shown where its help does not say
+    it already (argparse's own ``ArgumentDefaultsHelpFormatter`` would repeat those). Never the
+    default of a secret (an admin key read from the environment would be printed)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text.lower()
+            or default in (None, False, [], argparse.SUPPRESS)
+            or not action.option_strings
+            or any(word in action.dest for word in _SECRET_WORDS)
+        ):
+            return action.help
+        return f"{text} (default: {default})".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,9 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=f"fleetgate {name}",
         description=purpose,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     module.add_arguments(parser)
+    if parser.epilog is None and "Examples::" in (module.__doc__ or ""):
+        # The command module's docstring examples, which its --help promised.
+        examples = textwrap.dedent(module.__doc__.split("Examples::", 1)[1]).strip("\n")
+        parser.epilog = "examples:\n" + textwrap.indent(examples, "  ")
     parsed = parser.parse_args(args[1:])
     try:
         return int(module.run(parsed) or 0)

@@ -8,6 +8,7 @@ import errno
 import logging
 import math
 import sys
+from collections.abc import Callable
 
 
 def port(text: str) -> int:
@@ -45,6 +46,104 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (NaN and infinity are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (got {text})")
+    return value
+
+
+def non_empty(text: str) -> str:
+    """A name that is not empty or blank (a model name clients will send)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+#: ``--log-level`` values (``logging``'s names), any case.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level(text: str) -> str:
+    """One of ``LOG_LEVELS``, any case."""
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown level {text!r}; choose from: {', '.join(LOG_LEVELS)}"
+        )
+    return text.upper()
+
+
+#: Schemes of a single Redis server's URL (a Cluster holds only the index, named in the policy
+#: file: docs/index.md).
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redis_url(url: str) -> str:
+    """A single Redis server's URL: ``redis://HOST:PORT/DB`` (or ``rediss://``, ``unix://``),
+    with a numeric port."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    hint = f"; did you mean redis://{url}/0?" if "://" not in url else ""
+    if parts.scheme not in REDIS_SCHEMES or (parts.scheme != "unix" and not parts.hostname):
+        raise argparse.ArgumentTypeError(
+            "a Redis URL is redis://HOST:PORT/DB, rediss://HOST:PORT/DB or unix://PATH "
+            f"(got {url!r}{hint})"
+        )
+    try:
+        parts.port  # noqa: B018 -- raises on a port that is not a number
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the port of {url!r} is not a number") from None
+    return url
+
+
+def zmq_endpoint(text: str) -> str:
+    """A ZeroMQ endpoint as vLLM's KV-event flags take it: ``tcp://HOST:PORT`` (connect),
+    ``tcp://*:PORT`` (bind), ``ipc://PATH`` or ``inproc://NAME``."""
+    scheme, sep, rest = text.partition("://")
+    if sep and scheme in ("ipc", "inproc") and rest:
+        return text
+    host, colon, number = rest.rpartition(":")
+    if scheme == "tcp" and sep and colon and host and number.isdigit():
+        return text
+    raise argparse.ArgumentTypeError(
+        f"a ZeroMQ endpoint is tcp://HOST:PORT (connect), tcp://*:PORT (bind) or ipc://PATH "
+        f"(got {text!r})"
+    )
+
+
+def http_url(what: str) -> Callable[[str], str]:
+    """An argparse type for an ``http(s)://HOST[:PORT]`` URL of ``what`` (``/`` dropped at
+    the end)."""
+
+    def check(url: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise argparse.ArgumentTypeError(
+                f"{what} is http(s)://HOST:PORT (got {url!r}; did you mean http://{url}?)"
+            )
+        return url.rstrip("/")
+
+    return check
+
+
+def promql_duration(text: str) -> str:
+    """A PromQL range such as ``10m``, ``1h30m`` or ``90s``."""
+    import re
+
+    if not re.fullmatch(r"(\d+(ms|[smhdwy]))+", text):
+        raise argparse.ArgumentTypeError(
+            f"a PromQL duration is a number and a unit, e.g. 10m, 1h, 90s (got {text!r})"
+        )
+    return text
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -52,11 +151,14 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
 
 
-def cannot_start(command: str, exc: Exception, where: str | None = None) -> int:
+def cannot_start(
+    command: str, exc: Exception, where: str | None = None, port_flag: str = "--port"
+) -> int:
     """Print why ``command`` could not start (a port in use, a bad setting) in one line on
-    stderr, instead of a traceback; returns the exit status 2."""
+    stderr, instead of a traceback; returns the exit status 2. ``port_flag``: the flag that
+    chooses the port, for the hint."""
     if isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE:
-        message = f"cannot listen on {where}: the port is in use (choose another with --port)"
+        message = f"cannot listen on {where}: the port is in use (choose another with {port_flag})"
     elif isinstance(exc, OSError) and where is not None:
         message = f"cannot listen on {where}: {exc.strerror or exc}"
     else:

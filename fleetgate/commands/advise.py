@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from fleetgate.commands._args import positive_float, positive_int
+from fleetgate.commands._args import http_url, positive_float, positive_int, promql_duration
 from planning import yamlio
 from planning.advise import AdviceError, EngineFlags, PoolSnapshot, advise
 from planning.advise.live import Target, gateway_targets, overlay_flags, parse_target, read_live
@@ -74,14 +74,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", metavar="FILE", help="a snapshot file (YAML or JSON)")
-    source.add_argument("--gateway", metavar="URL", help="a running fleetgate gateway")
+    source.add_argument(
+        "--gateway", type=http_url("a gateway's URL"), metavar="URL",
+        help="a running fleetgate gateway",
+    )
     source.add_argument(
         "--engine", metavar="[POOL=]URL", action="append", help="a vLLM engine (repeatable)"
     )
     source.add_argument(
-        "--prometheus", metavar="URL", help="a Prometheus scraping the gateway and engines"
+        "--prometheus", type=http_url("a Prometheus URL"), metavar="URL",
+        help="a Prometheus scraping the gateway and engines",
     )
-    parser.add_argument("--window", default="10m", help="--prometheus: PromQL range (default: 10m)")
+    parser.add_argument(
+        "--window", type=promql_duration, default="10m",
+        help="--prometheus: PromQL range (default: 10m)",
+    )
     parser.add_argument(
         "--pool-label",
         default="pool",
@@ -125,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     verify.add_argument("--trace", metavar="FILE", help="replay this trace instead")
     verify.add_argument(
-        "--requests", type=int, default=2000, help="synthetic trace size (default 2000)"
+        "--requests", type=positive_int, default=2000, help="synthetic trace size (default 2000)"
     )
     verify.add_argument("--rate", type=float, help="requests/s of the synthetic trace")
     verify.add_argument("--slo-ttft-ms", type=positive_float, default=2000.0, help="default 2000")

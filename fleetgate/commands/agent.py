@@ -18,7 +18,16 @@ import contextlib
 import logging
 import signal
 
-from fleetgate.commands._args import cannot_start, positive_float, positive_int, replica_url
+import zmq
+
+from fleetgate.commands._args import (
+    cannot_start,
+    log_level,
+    positive_float,
+    positive_int,
+    replica_url,
+    zmq_endpoint,
+)
 from gateway.logging_setup import configure_logging
 from replica.agent import AgentConfig, ReplicaAgent
 
@@ -45,11 +54,14 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     )
     group.add_argument(
         "--kv-events",
+        type=zmq_endpoint,
         help="subscriber endpoint of the engine's KV events: tcp://HOST:PORT connects to a "
         "binding engine, tcp://*:PORT binds for an engine that connects (default: none)",
     )
     group.add_argument("--kv-topic", default="kv", help="KV-event topic (default: kv)")
-    group.add_argument("--replay", help="the engine's replay endpoint, tcp://HOST:PORT")
+    group.add_argument(
+        "--replay", type=zmq_endpoint, help="the engine's replay endpoint, tcp://HOST:PORT"
+    )
     group.add_argument(
         "--index-url",
         default="memory",
@@ -67,12 +79,16 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
         default="fleetgate:",
         help="index key prefix; must equal the gateways' index.key_prefix (default: fleetgate:)",
     )
-    group.add_argument("--fleet-key-prefix", default="fleetgate:", help="fleet store key prefix")
+    group.add_argument(
+        "--fleet-key-prefix",
+        default="fleetgate:",
+        help="fleet store key prefix; must equal the gateways' (default: fleetgate:)",
+    )
     group.add_argument(
         "--scrape-interval",
         type=positive_float,
         default=0.25,
-        help="seconds between engine scrapes",
+        help="seconds between engine scrapes (default: 0.25)",
     )
     group.add_argument(
         "--heartbeat-ttl",
@@ -87,7 +103,9 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
         help="HOST:PORT for the agent's /metrics and /health; 'off' disables (default: "
         "127.0.0.1:9100)",
     )
-    group.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    group.add_argument(
+        "--log-level", type=log_level, default="INFO", help="logging level (default: INFO)"
+    )
 
 
 def _listen(value: str) -> tuple[str, int | None]:
@@ -167,6 +185,6 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level.upper())  # the gateways' format: their lines line up
     try:
         asyncio.run(_serve(agent_config_from_args(args)))
-    except (OSError, ValueError) as exc:  # a port in use, a URL or setting that cannot work
-        return cannot_start("agent", exc, str(args.listen))
+    except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a bad URL or setting
+        return cannot_start("agent", exc, str(args.listen), port_flag="--listen")
     return 0

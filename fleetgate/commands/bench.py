@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from fleetgate.commands._args import positive_float, positive_int
+from fleetgate.commands._args import http_url, positive_float, positive_int
 from fleetgate.extras import BENCH, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE
 
@@ -47,6 +47,7 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--url",
         required=True,
+        type=http_url("the endpoint's URL"),
         help="base URL of the endpoint (gateway or vLLM), with or without /v1",
     )
     parser.add_argument("--model", required=True, help="model name for lines without adapter")
@@ -75,6 +76,7 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, metavar="N", help="replay only the first N lines")
     parser.add_argument(
         "--metrics-url",
+        type=http_url("a /metrics URL"),
         action="append",
         default=[],
         metavar="URL",

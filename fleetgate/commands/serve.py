@@ -1,11 +1,11 @@
 """``fleetgate serve``: the production gateway.
 
-With a policy file (routes, tenants, pools, prices)::
+Examples::
 
+    # with a policy file (routes, tenants, pools, prices)
     fleetgate serve --config policy.yaml
-
-Quick start without one (any API key, or none, is the default tenant)::
-
+    # quick start without one: any API key, or none, is the default tenant, so keep it off
+    # untrusted networks (--host 127.0.0.1, or behind an ingress: docs/operations.md)
     fleetgate serve --replica http://10.0.0.5:8000 --replica http://10.0.0.6:8000 \\
         [--redis redis://redis:6379/0] [--tokenizer /models/llama] [--port 8000]
 """
@@ -20,7 +20,16 @@ from pathlib import Path
 
 from aiohttp import web
 
-from fleetgate.commands._args import cannot_start, port, positive_int, replica_url, routing_profile
+from fleetgate.commands._args import (
+    cannot_start,
+    non_empty,
+    non_negative_float,
+    port,
+    positive_int,
+    redis_url,
+    replica_url,
+    routing_profile,
+)
 from gateway.config import GatewayConfig
 from gateway.logging_setup import configure_logging
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
@@ -40,11 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
+        type=non_empty,
         action="append",
         default=[],
         help="model the --replica URLs serve (default: ask them)",
     )
-    parser.add_argument("--redis", help="Redis URL: shared index, in-flight counts, agents")
+    parser.add_argument(
+        "--redis",
+        type=redis_url,
+        metavar="URL",
+        help="Redis URL (redis://HOST:PORT/DB): shared index, in-flight counts, agents",
+    )
     parser.add_argument(
         "--index-mode",
         choices=("lookup", "mirror"),
@@ -64,9 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PROFILE,
         help=f"profile without --config (default: {DEFAULT_PROFILE})",
     )
-    parser.add_argument("--block-size", type=positive_int, default=16, help="vLLM --block-size")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=port, default=8000)
+    parser.add_argument(
+        "--block-size", type=positive_int, default=16, help="the replicas' vLLM --block-size"
+    )
+    parser.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on (default: 0.0.0.0, every interface, as a pod needs; "
+        "127.0.0.1 for this host only)",
+    )
+    parser.add_argument("--port", type=port, default=8000, help="port to listen on")
     parser.add_argument(
         "--workers",
         type=positive_int,
@@ -90,7 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
         help="OTLP/HTTP traces endpoint (tracing is off without one)",
     )
-    parser.add_argument("--usd-per-hour", type=float, help="replica price without --config")
+    parser.add_argument(
+        "--usd-per-hour",
+        type=non_negative_float,
+        help="price of a replica-hour for the cost metrics, without --config",
+    )
 
 
 def build_app(
@@ -196,10 +222,17 @@ def run(args: argparse.Namespace) -> int:
         where = f"http://{args.host}:{args.port}"
         print(f"fleetgate serve: {args.workers} workers listening on {where}", flush=True)
     try:
-        return serve_forever(factory, config, args.host, args.port, args.workers, _announce)
+        announce = functools.partial(_announce, every_interface=args.host in _WILDCARDS)
+        return serve_forever(factory, config, args.host, args.port, args.workers, announce)
     except OSError as exc:  # a port in use, an address this host does not have
         return cannot_start("serve", exc, f"{args.host}:{args.port}")
 
 
-async def _announce(url: str) -> None:
+#: ``--host`` values that listen on every interface.
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+async def _announce(url: str, every_interface: bool = False) -> None:
+    if every_interface:  # the URL below is this host's view of it
+        print("fleetgate serve: bound to every interface (--host 127.0.0.1: this host only)")
     print(f"fleetgate serve: listening on {url}", flush=True)

@@ -27,7 +27,15 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetgate.commands import sim_calibrate
-from fleetgate.commands._args import cannot_start, port, positive_float, positive_int
+from fleetgate.commands._args import (
+    cannot_start,
+    log_level,
+    non_empty,
+    port,
+    positive_float,
+    positive_int,
+    zmq_endpoint,
+)
 from gateway.logging_setup import configure_logging
 from replica.sim.fleet import SimFleet, start_sim_fleet
 
@@ -57,14 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine preset from replica/sim/profiles/presets.yaml, or a profile YAML file "
         "(e.g. from `fleetgate sim calibrate`) (default: h100-llama3-8b)",
     )
-    parser.add_argument("--model", default="sim-model", help="served model name")
+    parser.add_argument("--model", type=non_empty, default="sim-model", help="served model name")
     parser.add_argument(
         "--kv-events",
+        type=zmq_endpoint,
         help="KV-event endpoint of the first replica, vLLM's rule: tcp://*:Q binds (replica i "
         "on Q+i), tcp://HOST:Q connects to a subscriber that binds; default: off",
     )
     parser.add_argument(
         "--kv-replay",
+        type=zmq_endpoint,
         help="ROUTER replay endpoint of the first replica (replica i on port+i); default: off",
     )
     parser.add_argument("--kv-topic", default="kv", help="KV-event topic (default: kv)")
@@ -91,7 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="waiting requests beyond which a replica answers 503 (default 1024)",
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
+    parser.add_argument(
+        "--log-level", type=log_level, default="INFO", help="logging level (default: INFO)"
+    )
     sim_calibrate.add_arguments(parser)
 
 

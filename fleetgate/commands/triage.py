@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from fleetgate.commands._args import positive_float
+from fleetgate.commands._args import http_url, positive_float, promql_duration
 from planning.triage import MetricsError, RouteMetrics, triage
 from planning.triage.flags import annotate
 from planning.triage.gateway_source import fetch_gateway_metrics
@@ -67,13 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", metavar="FILE", help="YAML or JSON file of route metrics")
     source.add_argument(
-        "--gateway", metavar="URL", help="a running fleetgate gateway (scrapes URL/metrics)"
+        "--gateway", type=http_url("a gateway's URL"), metavar="URL",
+        help="a running fleetgate gateway (scrapes URL/metrics)",
     )
     source.add_argument(
-        "--prometheus", metavar="URL", help="a Prometheus server scraping gateways and engines"
+        "--prometheus", type=http_url("a Prometheus URL"), metavar="URL",
+        help="a Prometheus server scraping gateways and engines",
     )
     parser.add_argument(
-        "--window", default="10m", help="PromQL range for rates and percentiles (default: 10m)"
+        "--window", type=promql_duration, default="10m",
+        help="PromQL range for rates and percentiles (default: 10m)",
     )
     parser.add_argument(
         "--ttft-slo-ms", type=float, help="TTFT p95 SLO for routes whose input has none"

@@ -15,6 +15,8 @@ import sys
 
 from fleetgate.commands._args import (
     cannot_start,
+    non_empty,
+    non_negative_float,
     port,
     positive_float,
     positive_int,
@@ -33,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=port, default=8000, help="gateway port (0: any free)")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
-    parser.add_argument("--model", default="sim-model", help="model name the sims serve")
+    parser.add_argument(
+        "--model", type=non_empty, default="sim-model", help="model name the sims serve"
+    )
     parser.add_argument(
         "--profile",
         type=routing_profile,
@@ -48,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--usd-per-hour",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="price per replica-hour for the cost metric (default: the sim profile's, $3.00)",
     )
@@ -70,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def banner(stack: EmbeddedStack, admin_key: str) -> str:
     """What to print once the stack is up: URL, an example curl and an ``openai`` snippet."""
-    return f"""fleetgate is up: {stack.url}  ({len(stack.replica_urls)} simulated replicas)
+    count = len(stack.replica_urls)
+    replicas = f"{count} simulated replica{'s' if count != 1 else ''}"
+    return f"""fleetgate is up: {stack.url}  ({replicas})
 
   curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{stack.model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'

@@ -29,7 +29,32 @@ from fleetgate.cli import main
         (["triage", "--timeout", "-1"], "must be a finite number > 0 (got -1)"),
         (["plan", "levers", "--model-params", "nan"], "must be a finite number > 0 (got nan)"),
         (["plan", "levers", "--plot", "/nonexistent/levers.png"], "cannot write"),
-        (["sim", "--kv-events", "not-an-address", "--port", "0"], "fleetgate sim: Invalid"),
+        (
+            ["sim", "--kv-events", "not-an-address", "--port", "0"],
+            "argument --kv-events: a ZeroMQ endpoint is tcp://HOST:PORT",
+        ),
+        # The new user's review: each of these was a traceback, or accepted nonsense.
+        (
+            ["serve", "--replica", "http://x", "--redis", "localhost:6379"],
+            "did you mean redis://localhost:6379/0?",
+        ),
+        (
+            ["serve", "--replica", "http://x", "--redis", "redis://h:notaport/0"],
+            "the port of 'redis://h:notaport/0' is not a number",
+        ),
+        (
+            ["agent", "--replica-id", "p/r0", "--engine-url", "http://x", "--kv-events", "bogus"],
+            "argument --kv-events: a ZeroMQ endpoint",
+        ),
+        (["sim", "--log-level", "LOUD"], "unknown level 'LOUD'; choose from: DEBUG, INFO"),
+        (["up", "--usd-per-hour", "-3"], "must be a finite number >= 0 (got -3)"),
+        (["up", "--model", ""], "argument --model: must not be empty"),
+        (
+            ["bench", "replay", "--trace", "t.jsonl", "--url", "localhost:1", "--model", "m"],
+            "did you mean http://localhost:1?",
+        ),
+        (["triage", "--input", "x.yaml", "--window", "abc"], "a PromQL duration is a number"),
+        (["advise", "--input", "x.yaml", "--verify", "--requests", "0"], "must be an integer >= 1"),
         (
             [
                 *["replica", "run", "--replica-id", "p/r0", "--vllm-python", sys.executable],
@@ -137,3 +162,20 @@ def test_the_gateway_listens_on_every_address_its_host_names() -> None:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def test_help_shows_defaults_and_the_examples_it_promises_but_never_a_secret(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fleetgate --help` promised each command's examples; `up --help` (the README's first
+    command) showed neither them nor its defaults. An admin key from the environment is a
+    default too: it must never be printed."""
+    monkeypatch.setenv("FLEETGATE_ADMIN_KEY", "s3cret-admin-key")
+    for argv in (["up", "--help"], ["serve", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    out = capsys.readouterr().out
+    assert "simulated replicas (default: 2)" in out
+    assert "examples:\n  fleetgate up " in out and "examples:\n  # with a policy file" in out
+    assert "0.0.0.0, every interface" in " ".join(out.split())  # serve's --host: where it listens
+    assert "s3cret-admin-key" not in out
