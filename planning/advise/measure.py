@@ -113,13 +113,36 @@ def _ms(hist: Histogram | None, q: float) -> float | None:
     return None if value is None else value * 1000.0
 
 
+def in_first_bucket(hist: Histogram, q: float) -> float | None:
+    """The first bucket's bound when the ``q`` quantile falls in it, else None: all the
+    histogram says there is "at most this" (interpolating from 0 makes a figure up)."""
+    ordered = sorted(hist.buckets.items())
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    first_bound, first_count = ordered[0]
+    if first_bound == float("inf") or first_count < q * ordered[-1][1]:
+        return None
+    return first_bound
+
+
 def timers(readings: Sequence[EngineReading]) -> dict[str, Percentiles]:
-    """The four timers at p50/p95/p99 from the engines' histograms (lifetime)."""
+    """The four timers at p50/p95/p99 from the engines' histograms (lifetime); a quantile in
+    a histogram's first bucket is reported as that bucket's bound, marked ``at_most``."""
     out = {}
     for name, family in ENGINE_TIMERS.items():
         hist = _pool_histogram(readings, family)
-        if hist is not None and hist.buckets:
-            out[name] = Percentiles(_ms(hist, 0.5), _ms(hist, 0.95), _ms(hist, 0.99))
+        if hist is None or not hist.buckets:
+            continue
+        cells: dict[str, float | None] = {}
+        at_most = []
+        for field, q in (("p50_ms", 0.5), ("p95_ms", 0.95), ("p99_ms", 0.99)):
+            bound = in_first_bucket(hist, q)
+            if bound is not None:
+                cells[field] = bound * 1000.0
+                at_most.append(field)
+            else:
+                cells[field] = _ms(hist, q)
+        out[name] = Percentiles(**cells, at_most=tuple(at_most))
     return out
 
 

@@ -205,6 +205,18 @@ class Percentiles:
     p50_ms: float | None = None
     p95_ms: float | None = None
     p99_ms: float | None = None
+    #: Fields (``"p50_ms"`` ...) that are only upper bounds: the quantile fell in a histogram's
+    #: first bucket, whose bound is all the histogram says (vLLM's queue and prefill timers
+    #: start with 0-300 ms, where interpolating made up 150 ms on an idle fleet).
+    at_most: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "at_most", tuple(self.at_most))  # a list, read from a file
+        wrong = set(self.at_most) - {"p50_ms", "p95_ms", "p99_ms"}
+        if wrong:
+            raise AdviceError(
+                f"at_most: unknown field {sorted(wrong)[0]!r} (p50_ms, p95_ms, p99_ms)"
+            )
 
 
 #: The four timers every pool and route is watched on.

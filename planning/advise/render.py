@@ -7,7 +7,7 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from planning.advise.model import TIMERS, Advice, PoolSnapshot
+from planning.advise.model import TIMERS, Advice, Percentiles, PoolSnapshot
 
 
 def to_json(pools: Mapping[str, PoolSnapshot], results: Mapping[str, Sequence[Advice]]) -> str:
@@ -65,12 +65,19 @@ def timer_table(pool: PoolSnapshot) -> list[str]:
     if not timers:
         return []
     lines = [f"  {'timer (ms)':<12}{'p50':>8}{'p95':>8}{'p99':>8}"]
+    bounded = False
     for name in TIMERS:
-        p = timers.get(name)
-        cells = [p.p50_ms, p.p95_ms, p.p99_ms] if p else [None, None, None]
-        lines.append(
-            f"  {name:<12}" + "".join(f"{'-' if c is None else f'{c:.0f}':>8}" for c in cells)
-        )
+        p = timers.get(name) or Percentiles()
+        row = f"  {name:<12}"
+        for field in ("p50_ms", "p95_ms", "p99_ms"):
+            cell = getattr(p, field)
+            text = "-" if cell is None else f"{cell:.0f}"
+            if cell is not None and field in p.at_most:
+                text, bounded = f"<={text}", True
+            row += f"{text:>8}"
+        lines.append(row)
+    if bounded:
+        lines.append("  (<=N: in the histogram's first bucket, 0 to N ms; it says no more)")
     return lines
 
 

@@ -132,7 +132,11 @@ def to_mapping(pools: dict[str, PoolSnapshot]) -> dict[str, Any]:
             k: v for k, v in asdict(pool.measured).items() if v is not None and k != "timers"
         }
         timers = {
-            name: {k: v for k, v in asdict(p).items() if v is not None}
+            name: {
+                k: list(v) if isinstance(v, tuple) else v
+                for k, v in asdict(p).items()
+                if v is not None and v != ()
+            }
             for name, p in pool.measured.timers.items()
         }
         if timers:

@@ -15,7 +15,8 @@ from planning.advise.engine_metrics import (
     parse_engine_metrics,
 )
 from planning.advise.measure import Lengths, Sample, context_bounds, measurements
-from planning.advise.model import AdviceError, EngineFlags
+from planning.advise.model import AdviceError, EngineFlags, PoolSnapshot
+from planning.advise.render import timer_table
 from planning.advise.snapshot import parse_snapshot
 
 FIXTURES = Path(__file__).parent / "fixtures" / "advise"
@@ -83,6 +84,12 @@ def test_samples_give_queue_growth_preemption_onset_and_timers() -> None:
     assert m.kv_usage == pytest.approx(0.93)
     assert m.adapter_working_set == 3
     assert m.timers["prefill"].p50_ms == pytest.approx(100.0)
+    # Half the prefills are in the 0-100 ms bucket: p50 is "at most 100 ms", not a figure
+    # made up by interpolating from 0 (the review's idle fleet: queue p50 150 ms, TTFT 13 ms).
+    assert m.timers["prefill"].at_most == ("p50_ms",)
+    assert m.timers["prefill"].p95_ms == pytest.approx(910.0)  # interpolated in 0.1-1 s
+    table = "\n".join(timer_table(PoolSnapshot("p", EngineFlags(), m)))
+    assert "<=100" in table and "first bucket" in table
 
 
 def test_one_scrape_of_a_counter_at_zero_is_zero_per_minute() -> None:
