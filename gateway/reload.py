@@ -89,13 +89,28 @@ def _refused(gw: GatewayState, problems: list[str], path: str) -> ReloadResult:
 
 
 def policy_file_changed(gw: GatewayState) -> bool:
-    """True if the policy file's mtime differs from the one last loaded (or refused)."""
-    if gw.config.policy_path is None:
+    """True if the policy file's mtime differs from the one last loaded (or refused).
+
+    A file that cannot be read (deleted, a broken mount) is said once, and once again when it
+    is back: the running policy stays either way.
+    """
+    path = gw.config.policy_path
+    if path is None:
         return False
     try:
-        return os.stat(gw.config.policy_path).st_mtime != gw.policy_mtime
-    except OSError:
+        mtime = os.stat(path).st_mtime
+    except OSError as exc:
+        if not gw.policy_file_missing:
+            gw.policy_file_missing = True
+            log.warning(
+                "policy file %s cannot be read (%s); the running policy stays until it is back",
+                path, exc.strerror or exc,
+            )
         return False
+    if gw.policy_file_missing:
+        gw.policy_file_missing = False
+        log.warning("policy file %s can be read again", path)
+    return mtime != gw.policy_mtime
 
 
 def _unload_in_background(gw: GatewayState, names: list[str]) -> None:

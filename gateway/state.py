@@ -71,6 +71,8 @@ class GatewayState:
     max_retries: int = 2
     policy_errors: list[str] = field(default_factory=list)
     policy_mtime: float | None = None
+    #: The policy file could not be read at the last poll (said once: ``reload.py``).
+    policy_file_missing: bool = False
     #: The per-request speculative index write (``gateway/speculative.py``).
     speculative: SpeculativeWriter = field(default_factory=SpeculativeWriter)
     #: Short-lived tasks (index refreshes); awaited or cancelled on shutdown, never leaked.

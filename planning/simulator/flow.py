@@ -36,7 +36,8 @@ class ClassMix:
 
     def __post_init__(self) -> None:
         if any(not (0 <= s <= 1) for s in self.shares.values()):
-            raise ValueError(f"class shares must be in [0, 1] (got {dict(self.shares)})")
+            given = ", ".join(f"{c.value}={s:g}" for c, s in self.shares.items())
+            raise ValueError(f"class shares must be in [0, 1] (got {given})")
         total = sum(self.shares.values())
         if abs(total - 1.0) > 1e-6:
             raise ValueError(f"class shares must sum to 1 (got {total:g})")

@@ -280,6 +280,36 @@ async def test_policy_file_change_is_picked_up_without_a_signal(tmp_path: Path) 
                 await asyncio.sleep(0.05)
 
 
+async def test_a_policy_file_that_goes_away_is_said_once_and_its_return_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The new user's review: deleting the policy file of a running gateway (on Kubernetes, a
+    broken mount) was silent. The running policy stays; the poller says so once, and once when
+    the file is back."""
+    upstream = FakeUpstream()
+    caplog.set_level("WARNING", logger="gateway.reload")
+    async with (
+        policy_gateway(tmp_path, upstream, poll_s=0.02) as (url, path),
+        aiohttp.ClientSession() as http,
+    ):
+        text = path.read_text()
+
+        async def said(words: str) -> int:
+            async with asyncio.timeout(30):
+                while not any(words in r.getMessage() for r in caplog.records):
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.2)  # ten more polls: still said once
+            return sum(words in r.getMessage() for r in caplog.records)
+
+        path.unlink()
+        assert await said("cannot be read") == 1
+        chat_url = f"{url}/v1/chat/completions"
+        async with http.post(chat_url, json=chat(), headers=auth("acme-key")) as resp:
+            assert resp.status == 200  # still routing on the running policy
+        path.write_text(text)
+        assert await said("can be read again") == 1
+
+
 async def test_admin_calls_that_cannot_apply_say_why() -> None:
     # A reload on a gateway without a policy file refused nothing (it said "Policy refused");
     # a decision count that is not a number was read as the default.

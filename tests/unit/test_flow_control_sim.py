@@ -24,6 +24,8 @@ def test_class_mix_parses_and_refuses_bad_specs() -> None:
         ("urgent=1", "critical, standard, sheddable"),
         ("critical", "CLASS=SHARE"),
         ("critical=x,standard=1", "must be a number"),
+        # in the flag's own words, not the enum's repr
+        ("critical=2,standard=-1", r"must be in \[0, 1\] \(got critical=2, standard=-1\)"),
     ):
         with pytest.raises(ValueError, match=message):
             parse_class_mix(bad)

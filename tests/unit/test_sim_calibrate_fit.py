@@ -103,6 +103,10 @@ def test_profile_file_is_a_preset(tmp_path: Path) -> None:
     config = EngineConfig.from_profile(str(path))
     assert config.num_gpu_blocks == 64
     assert config.step_time == StepTimeModel(0.01, 0.0001, 0.001)
+    # Named otherwise (`sim calibrate --output cpu.profile`), it is still a file, not a preset.
+    other = tmp_path / "cpu.profile"
+    other.write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    assert EngineConfig.from_profile(str(other)).num_gpu_blocks == 64
 
 
 def test_profile_file_errors_name_the_file(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ unknown keys and bad values are errors that name the file, the entry and the fie
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Any
@@ -132,8 +133,9 @@ PROFILE_FILE_METADATA = ("calibration",)
 
 
 def is_profile_file(name: str) -> bool:
-    """Whether ``--profile NAME`` names a YAML file (``*.yaml``/``*.yml``) rather than a preset."""
-    return name.endswith((".yaml", ".yml"))
+    """Whether ``--profile NAME`` names a file rather than a preset: ``*.yaml``/``*.yml``, a
+    path (presets have no ``/``), or a file that exists (``calibrate --output cpu.profile``)."""
+    return name.endswith((".yaml", ".yml")) or "/" in name or os.path.isfile(name)
 
 
 def load_profile_file(path: str) -> dict[str, Any]:
