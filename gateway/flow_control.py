@@ -624,9 +624,13 @@ class FlowGate:
         )
 
     def _bound_gauge(self) -> None:
+        if self.metrics is None:
+            return
         fraction = self.controller.itl_fraction
-        if self.metrics is not None and fraction is not None:
+        if self.controller.settings.enabled and fraction is not None:
             self.metrics.flow_itl_bound.set(fraction)
+        else:  # off (or turned off by a reload): no bound is in force
+            self.metrics.flow_itl_bound.clear()
 
     def _queue_gauges(self) -> None:
         if self.metrics is None:

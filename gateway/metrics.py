@@ -17,12 +17,40 @@ from prometheus_client import (
     Histogram,
     disable_created_metrics,
 )
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 
 from gateway import errors
 
 if TYPE_CHECKING:
     from gateway.policy_view import Route
+
+class OptionalGauge:
+    """An unlabelled gauge with a sample only while it has a value (its HELP and TYPE always):
+    prometheus_client's own exports 0 from registration, which for a figure that is not known
+    yet (flow control off) reads as a real value, and one out of its range."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self.value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def clear(self) -> None:
+        self.value = None
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [GaugeMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self._name, self._documentation)
+        if self.value is not None:
+            family.add_metric([], self.value)
+        return [family]
+
 
 # No ``*_created`` series (prometheus_client exports one per labelled counter and histogram by
 # default): nothing reads them, and they double the series count. Process-wide, at import.
@@ -375,12 +403,12 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.flow_itl_bound = Gauge(
+        self.flow_itl_bound = OptionalGauge(
             "fleetgate_flow_itl_bound_ratio",
             "The inter-token bound flow control holds requests by, as a fraction of their TPOT "
             "SLO: starts at saturation_itl_fraction, lowered by each TPOT miss and raised by each "
-            "TPOT met (tpot_target)",
-            registry=r,
+            "TPOT met (tpot_target); absent while flow control is off",
+            r,
         )
         self.flow_decisions = Counter(
             "fleetgate_flow_decisions",

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.dashboard.engines import EngineSample, read_engines
-from gateway.dashboard.histograms import SampleWindow, Snapshot, histogram_quantile, snapshot
+from gateway.dashboard.histograms import (
+    SampleWindow,
+    Snapshot,
+    histogram_quantile,
+    in_first_bucket,
+    snapshot,
+)
 from gateway.health import refresh_gauges
 from gateway.state import GatewayState
 
@@ -47,6 +53,9 @@ class Percentiles:
     p95: float | None
     p99: float | None
     count: float
+    #: Quantiles (``"p50"`` ...) in the histogram's first bucket: the value is that bucket's
+    #: bound, an upper bound only (the page prints it as ``<=N``).
+    at_most: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -195,8 +204,11 @@ def _registry_snapshot(gw: GatewayState, now: float) -> Snapshot:
 def _percentiles(buckets: list[tuple[float, float]] | None) -> Percentiles:
     buckets = buckets or []
     values = {name: histogram_quantile(q, buckets) for name, q in QUANTILES}
+    at_most = tuple(name for name, q in QUANTILES if in_first_bucket(q, buckets))
+    for name in at_most:
+        values[name] = buckets[0][0]
     count = buckets[-1][1] if buckets else 0.0
-    return Percentiles(values["p50"], values["p95"], values["p99"], count)
+    return Percentiles(values["p50"], values["p95"], values["p99"], count, at_most)
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -89,6 +89,15 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
     return lower_bound
 
 
+def in_first_bucket(q: float, buckets: list[tuple[float, float]]) -> bool:
+    """True when the ``q`` quantile falls in the first (finite) bucket, from 0: all the
+    histogram says is "at most its bound" (vLLM's queue and prefill timers start with 0-0.3 s,
+    where interpolating puts every healthy fleet's p50 at 150 ms)."""
+    if not buckets or buckets[-1][1] <= 0 or math.isinf(buckets[0][0]):
+        return False
+    return buckets[0][1] >= q * buckets[-1][1]
+
+
 class SampleWindow:
     """Snapshots over the last ``window_s``: ``increase`` is latest minus the window's first.
 

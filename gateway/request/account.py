@@ -286,7 +286,9 @@ def _slo(
 
     ``slo="all"`` (goodput) counts every request that was routed and did not end in a client
     error: met when it succeeded and met each SLO it could be checked against, missed when it
-    failed (5xx, timeout, broken stream) or missed one. ``ttft`` / ``tpot`` count where they can
+    failed (5xx, timeout, broken stream) or missed one. A client that left (499) is a miss
+    when it had already missed an SLO, and otherwise not counted: it did not succeed, and it
+    is not the fleet's failure either. ``ttft`` / ``tpot`` count where they can
     be measured: a streamed request that failed before its first token missed its TTFT, and so
     did one whose client left (499) before it, having waited longer than the SLO.
     """
@@ -307,6 +309,9 @@ def _slo(
         return  # no objective to measure against (no `all` series either)
     if failed:
         met_all: bool | None = False
+    elif gone:
+        # Left after a first token in time was still "met" (the metrics review): not a success.
+        met_all = False if not all(checks.values()) else None
     elif checks:
         met_all = all(checks.values())
     elif succeeded:

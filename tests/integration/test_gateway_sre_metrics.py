@@ -127,6 +127,43 @@ async def test_the_gateways_own_503_is_counted_once_and_is_an_slo_miss() -> None
         assert _value(gw, slo, route="default", slo="all", outcome="met") == 0
 
 
+async def test_a_client_that_leaves_after_its_first_token_is_not_goodput() -> None:
+    """The metrics review: a stream the client closed after its first token (499) counted as
+    goodput met, though the request did not succeed. Its TTFT still counts; goodput does not
+    count it either way (the client left, the fleet did not fail)."""
+    upstream = FakeUpstream(stream_gate=asyncio.Event())  # first chunk, then waits
+    async with gateway([upstream]) as (url, gw), aiohttp.ClientSession() as http:
+        await _scrape(http, url)
+        async with http.post(
+            f"{url}/v1/chat/completions", json={**CHAT, "stream": True}
+        ) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the first token's event
+            resp.close()  # and the client goes
+        async with asyncio.timeout(10):  # the gateway sees the client go, then accounts
+            await upstream.client_gone.wait()
+            while _value(
+                gw, "fleetgate_requests_total",
+                route="default", model="base-model", replica="r0", status="499",
+            ) != 1:
+                await asyncio.sleep(0.01)
+        slo = "fleetgate_slo_requests_total"
+        assert _value(gw, slo, route="default", slo="ttft", outcome="met") == 1
+        assert _value(gw, slo, route="default", slo="all", outcome="met") == 0
+        assert _value(gw, slo, route="default", slo="all", outcome="missed") == 0
+
+
+async def test_no_flow_control_bound_is_exported_while_flow_control_is_off() -> None:
+    """The metrics review: with no flow control the bound gauge read 0 from start (out of its
+    0.5-1 range) and 0.8 after the first requests, and the dashboard drew both."""
+    async with gateway([FakeUpstream()]) as (url, _gw), aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200
+        text = await _scrape(http, url)
+    assert "# TYPE fleetgate_flow_itl_bound_ratio gauge" in text  # documented, described
+    assert "\nfleetgate_flow_itl_bound_ratio " not in text  # but no value
+
+
 async def test_client_errors_are_not_slo_misses() -> None:
     async with gateway([FakeUpstream()]) as (url, gw), aiohttp.ClientSession() as http:
         await _scrape(http, url)
