@@ -374,6 +374,8 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        for outcome in ("ok", "rejected"):  # born at 0: increase() sees the first reload
+            self.policy_reloads.labels(outcome)
         self.policy_info = Gauge(
             "fleetgate_policy_info",
             "1, labelled with the digest of the policy this gateway runs (pods whose digests "

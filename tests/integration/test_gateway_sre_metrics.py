@@ -162,6 +162,8 @@ async def test_no_flow_control_bound_is_exported_while_flow_control_is_off() -> 
         text = await _scrape(http, url)
     assert "# TYPE fleetgate_flow_itl_bound_ratio gauge" in text  # documented, described
     assert "\nfleetgate_flow_itl_bound_ratio " not in text  # but no value
+    # Born at 0, so increase() sees the first reload (the same review).
+    assert 'fleetgate_policy_reloads_total{outcome="ok"} 0.0' in text
 
 
 async def test_client_errors_are_not_slo_misses() -> None:
