@@ -113,6 +113,8 @@ async def policy(request: web.Request) -> web.Response:
             "adapters": [dataclasses.asdict(a) for a in view.adapters.values()],
             "pool_usd_per_hour": dict(view.pool_usd_per_hour),
             "last_reload_errors": gw.policy_errors,
+            # The summary is the file's; these of its settings are not in force until a restart.
+            "restart_needed": gw.restart_needed,
         }
     )
 

@@ -18,7 +18,7 @@ _INDEX = IndexSettings()
 
 #: Index settings only a restart applies, and how a reload's warning names them.
 _RESTART_ONLY = {
-    "index_url": "index redis url",
+    "index_url": "index backend (redis url)",
     "index_mode": "index mode",
     "index_key_prefix": "index key prefix",
 }
@@ -126,8 +126,10 @@ class GatewayConfig:
             return []
         trial = dataclasses.replace(self.before_policy)
         trial.apply_policy(policy, startup=True)
+        # No index URL is the in-memory index: said so, not "None".
         return [
-            f"{label}: {getattr(trial, name)} (running: {getattr(self, name)})"
+            f"{label}: {getattr(trial, name) or 'memory'} "
+            f"(running: {getattr(self, name) or 'memory'})"
             for name, label in _RESTART_ONLY.items()
             if getattr(trial, name) != getattr(self, name)
         ]

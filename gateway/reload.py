@@ -59,6 +59,7 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     gw.registry.set_pool_speeds(view.pool_speeds)
     gw.policy_mtime = mtime
     gw.policy_errors = []
+    gw.restart_needed = kept
     if stale and gw.adapters is not None:
         _unload_in_background(gw, stale)
     gw.metrics.policy_reloads.labels("ok").inc()

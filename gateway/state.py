@@ -71,6 +71,9 @@ class GatewayState:
     max_retries: int = 2
     policy_errors: list[str] = field(default_factory=list)
     policy_mtime: float | None = None
+    #: What the last reload could not apply without a restart (``GatewayConfig.needs_restart``):
+    #: the file's index settings differ from the running ones.
+    restart_needed: list[str] = field(default_factory=list)
     #: The policy file could not be read at the last poll (said once: ``reload.py``).
     policy_file_missing: bool = False
     #: The per-request speculative index write (``gateway/speculative.py``).

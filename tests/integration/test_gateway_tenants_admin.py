@@ -280,6 +280,25 @@ async def test_policy_file_change_is_picked_up_without_a_signal(tmp_path: Path) 
                 await asyncio.sleep(0.05)
 
 
+async def test_the_policy_view_says_which_settings_wait_for_a_restart(tmp_path: Path) -> None:
+    """The new user's review: after a reload that moved the index to Redis, /admin/policy's
+    summary said index=redis while the memory index ran, and only the POST's answer (none for a
+    file-watch reload) said a restart was needed."""
+    upstream = FakeUpstream()
+    async with policy_gateway(tmp_path, upstream) as (url, path), aiohttp.ClientSession() as http:
+        admin = auth("admin-key")
+        path.write_text(
+            path.read_text() + "index: {backend: redis, redis_url: 'redis://127.0.0.1:1/0'}\n"
+        )
+        async with http.post(f"{url}/admin/policy/reload", headers=admin) as resp:
+            assert resp.status == 200
+        async with http.get(f"{url}/admin/policy", headers=admin) as resp:
+            view = await resp.json()
+    assert view["restart_needed"] == [
+        "index backend (redis url): redis://127.0.0.1:1/0 (running: memory)"
+    ]
+
+
 async def test_a_policy_file_that_goes_away_is_said_once_and_its_return_too(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

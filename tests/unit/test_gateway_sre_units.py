@@ -132,3 +132,8 @@ def test_a_reload_names_the_index_settings_that_need_a_restart() -> None:
     cli.apply_policy(plain, startup=True)
     assert cli.needs_restart(plain) == []
     assert GatewayConfig().needs_restart(plain) == []  # started without a policy file
+    # Memory to Redis names both backends (it said "running: None").
+    memory = GatewayConfig()
+    memory.apply_policy(plain, startup=True)
+    (what,) = memory.needs_restart(moved)
+    assert what == "index backend (redis url): redis://new:6379/0 (running: memory)"
