@@ -425,11 +425,15 @@ def _plots(args: argparse.Namespace, points: list[SweepPoint]) -> list[Path]:
     """One run's plots; for a sweep, each scale's (prefixed ``scale-X-``) and the load plots."""
     from planning.simulator.report import write_load_plots, write_plots
 
+    trace = Path(args.trace).name
     if len(points) == 1:
-        return write_plots(points[0].report, args.plot)
+        return write_plots(points[0].report, args.plot, title=trace)
     written = []
     for point in points:
-        written += write_plots(point.report, args.plot, prefix=f"scale-{point.rate_scale:g}-")
+        written += write_plots(
+            point.report, args.plot, prefix=f"scale-{point.rate_scale:g}-",
+            title=f"{trace} at {point.rate_scale:g}x",
+        )
     written += write_load_plots(
         points, args.plot, title=Path(args.trace).name, slo_ttft_ms=args.slo_ttft_ms
     )

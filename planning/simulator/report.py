@@ -152,8 +152,11 @@ def render_json(points: Sequence[SweepPoint]) -> str:
     return json.dumps([row for p in points for row in json_rows(p.report, p.rate_scale)], indent=2)
 
 
-def write_plots(report: SimulationReport, directory: str | Path, prefix: str = "") -> list[Path]:
-    """TTFT CDF per policy, and hit-rate and goodput bars; returns the files written."""
+def write_plots(
+    report: SimulationReport, directory: str | Path, prefix: str = "", title: str = ""
+) -> list[Path]:
+    """TTFT CDF per policy, and hit-rate and goodput bars; returns the files written.
+    ``title`` (the trace, the load) heads every figure: the files of a sweep look alike."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never needs a display
@@ -171,7 +174,7 @@ def write_plots(report: SimulationReport, directory: str | Path, prefix: str = "
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms, log scale)")
     ax.set_ylabel("share of requests")
-    ax.set_title("TTFT CDF per policy")
+    ax.set_title(f"TTFT CDF per policy{': ' + title if title else ''}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize="small")
     path = out / f"{prefix}ttft_cdf.png"
@@ -181,6 +184,8 @@ def write_plots(report: SimulationReport, directory: str | Path, prefix: str = "
     written.append(path)
 
     fig, (hit_ax, good_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    if title:
+        fig.suptitle(title)
     rows = report.rows()
     names = [row.policy for row in rows]
     colors = ["tab:blue"] * len(report.summaries) + ["tab:gray"] * (
