@@ -232,9 +232,32 @@ def _cache_salt(body: Mapping[str, Any]) -> str | None:
     return salt
 
 
+#: Sampling fields vLLM's request models type as numbers: what pydantic cannot read as one (a
+#: word, a list) is its 400 (the sim samples nothing, but a client tested against it must meet
+#: the same refusal).
+_NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "seed")
+
+
 def _check_n(body: Mapping[str, Any]) -> None:
     if body.get("n", 1) not in (1, None):
         raise ApiError(400, "The simulated replica supports only n=1.", param="n")
+    for name in _NUMERIC_FIELDS:
+        value = body.get(name)
+        if value is None or isinstance(value, int | float) or _numeric_text(value):
+            continue
+        raise ApiError(400, f"Parameter '{name}' must be a number (got {value!r}).", param=name)
+
+
+def _numeric_text(value: Any) -> bool:
+    """A string pydantic reads as a number ("0.7")."""
+    if not isinstance(value, str):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _priority(body: Mapping[str, Any]) -> int:

@@ -294,3 +294,17 @@ async def test_stream_opens_with_the_first_token_not_before_prefill(
     assert generated and generated[0] >= 1, "the stream opened before any token"
     assert opening in first.decode()
     assert rest.decode().strip()
+
+
+async def test_a_sampling_field_that_is_no_number_is_a_400(client: openai.AsyncOpenAI) -> None:
+    """vLLM's request models type these as numbers; the sim answered 200 (the new user's
+    review). A number written as a string passes, as pydantic reads it."""
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(
+            model="sim-model", prompt="hi", max_tokens=1, extra_body={"temperature": "hot"}
+        )
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "temperature"
+    ok = await client.completions.create(
+        model="sim-model", prompt="hi", max_tokens=1, extra_body={"top_p": "0.9"}
+    )
+    assert ok.choices
