@@ -97,6 +97,11 @@ class LoaderSettings:
             )
 
 
+#: The name under which the store locks a whole replica's room (``_load_with_room``): no
+#: adapter's, as adapter names never hold ``|``.
+ROOM_LOCK = "|room"
+
+
 class AdapterLoader:
     """Loads and unloads adapters on replicas, keeping the placement store and view current."""
 
@@ -290,7 +295,29 @@ class AdapterLoader:
                 raise ReplicaLoadsFailing(
                     name, rid, "adapter loads on this replica have been failing; not tried yet"
                 )
-            return await self._load_with_room(replica, entry, last_resort, started, owner)
+            # And one load at a time on the replica across gateways: two gateways loading
+            # different adapters each read the same placement, saw room, and a replica with
+            # room for two held three, with nothing to bring it back (the pre-warm review).
+            await self._take_room(rid, name, owner)
+            try:
+                return await self._load_with_room(replica, entry, last_resort, started, owner)
+            finally:
+                await self._unlock(rid, ROOM_LOCK, owner)
+
+    async def _take_room(self, replica: ReplicaId, adapter: str, owner: str) -> None:
+        """Wait for the replica's room lock (``ROOM_LOCK``); ``AdapterLoadFailed`` past
+        ``wait_timeout_s``. Its holder never waits on a lock a waiter holds (victims are taken
+        with ``try_lock`` or skipped), so waiting cannot deadlock."""
+        deadline = time.monotonic() + self.settings.wait_timeout_s
+        while not await self._try_lock(replica, ROOM_LOCK, owner):
+            self.lock_contentions += 1
+            if time.monotonic() >= deadline:
+                waited = self.settings.wait_timeout_s
+                raise AdapterLoadFailed(
+                    adapter, replica,
+                    f"another gateway's load on this replica did not finish within {waited:g}s",
+                )
+            await asyncio.sleep(self.settings.poll_interval_s)
 
     async def _load_with_room(
         self, replica: ReplicaState, entry: Adapter, last_resort: bool, started: float,

@@ -19,6 +19,7 @@ from adapters_registry.errors import (
     NoAdapterSlot,
     ThrashGuardTripped,
 )
+from adapters_registry.placement_memory import MemoryPlacementStore
 from adapters_registry.prewarm import reconcile
 from adapters_registry.registry import AdapterRegistry, RegistrySettings
 from adapters_registry.thrash import ThrashSettings
@@ -387,3 +388,34 @@ async def test_one_tenants_broken_adapters_do_not_slow_another_tenants_cold_load
         assert reg.cold_load_ms(state, "g2") == penalty  # every tenant's cold loads now
     finally:
         await reg.close()
+
+
+async def test_two_gateways_loading_different_adapters_keep_the_replica_within_its_limit():
+    """The pre-warm review: each gateway serialised only its own loads on a replica, so two
+    gateways loading different adapters at once both saw room, and a replica with room for two
+    held three, with nothing to bring it back. One load at a time per replica, fleet-wide."""
+    clock = Clock()
+    engine = FakeEngine()
+    store = MemoryPlacementStore(clock)  # one shared store: what Redis is to two gateways
+    gateways = [
+        AdapterRegistry(POLICY, store, engine, metrics_registry=CollectorRegistry(), clock=clock)
+        for _ in range(2)
+    ]
+    state = full(2)
+    try:
+        await gateways[0].ensure_loaded(state, "a")
+        engine.gate = asyncio.Event()
+        tasks = [
+            asyncio.create_task(gateway.ensure_loaded(state, name))
+            for gateway, name in zip(gateways, ("b", "c"), strict=True)
+        ]
+        await until(lambda: ("load", "b") in engine.calls)
+        for _ in range(200):  # the other gateway as far as it gets meanwhile
+            await asyncio.sleep(0)
+        assert ("load", "c") not in engine.calls  # it waits for the replica's room
+        engine.gate.set()
+        await asyncio.gather(*tasks)
+        assert len(engine.loaded) == 2 and "c" in engine.loaded  # room made, limit kept
+    finally:
+        for gateway in gateways:
+            await gateway.close()
