@@ -113,6 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="OTLP/HTTP traces endpoint (tracing is off without one)",
     )
     parser.add_argument(
+        "--adapter-prewarm-interval",
+        type=non_negative_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds between LoRA pre-warming rounds (docs/adapters.md); 0 turns pre-warming "
+        "off (default: 30)",
+    )
+    parser.add_argument(
         "--usd-per-hour",
         type=non_negative_float,
         help="price of a replica-hour for the cost metrics, without --config",
@@ -204,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
             admin_key=args.admin_key,
             otlp_endpoint=args.otlp_endpoint,
             metrics_enabled=not args.no_metrics,
+            adapter_prewarm_interval_s=args.adapter_prewarm_interval or None,
         )
     except ValueError as exc:
         print(f"fleetgate serve: {exc}", file=sys.stderr)
