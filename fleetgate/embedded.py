@@ -169,7 +169,9 @@ async def embedded_stack(
             fleet_store=fleet_store,
             adapters=setup,
         )
-        runner, url = await start_site(app, host, port, config.drain_timeout_s)
+        runner, url = await start_site(
+            app, host, port, config.drain_timeout_s, idle_timeout_s=config.idle_timeout_s
+        )
         names = [a.name for a in setup.policy.adapters] if setup is not None else []
         try:
             yield EmbeddedStack(url, model, fleet.urls, app, names, agent_urls)

@@ -52,6 +52,8 @@ class GatewayConfig:
     max_body_bytes: int = _GATEWAY.max_body_bytes
     #: Seconds a request body may take to arrive after its headers; slower gets 408.
     body_timeout_s: float = _GATEWAY.body_timeout_s
+    #: Seconds a connection may go without completing request headers (read at start).
+    idle_timeout_s: float = _GATEWAY.idle_timeout_s
     # The defaults below are the policy file's (``routing/config/infra.py``), so a gateway
     # behaves the same with a policy file or without one.
     #: Seconds to wait for an upstream's response headers (and, streaming, each next chunk).
@@ -146,6 +148,7 @@ class GatewayConfig:
         if settings is not None:
             self.max_body_bytes = settings.max_body_bytes
             self.body_timeout_s = settings.body_timeout_s
+            self.idle_timeout_s = settings.idle_timeout_s
             self.upstream_timeout_s = settings.upstream_timeout_s
             self.connect_timeout_s = settings.connect_timeout_s
             self.health_interval_s = settings.health_check_interval_s

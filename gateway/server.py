@@ -90,7 +90,12 @@ def listening_sockets(host: str, port: int, reuse_port: bool = False) -> list[so
 
 
 async def start_site(
-    app: web.Application, host: str, port: int, drain_timeout_s: float, reuse_port: bool = False
+    app: web.Application,
+    host: str,
+    port: int,
+    drain_timeout_s: float,
+    reuse_port: bool = False,
+    idle_timeout_s: float = 75.0,
 ) -> tuple[web.AppRunner, str]:
     """Start serving ``app``; returns the runner and the URL it listens on.
 
@@ -100,8 +105,11 @@ async def start_site(
     and the process hung, deaf to SIGTERM."""
     sockets = listening_sockets(host, port, reuse_port)
     # handler_cancellation: a client disconnect cancels its handler, which aborts the upstream.
+    # keepalive_timeout also closes a connection that never completes its headers (nothing
+    # sent, or half of them: a slowloris), from aiohttp 3.10 on.
     runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None
+        app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None,
+        keepalive_timeout=idle_timeout_s,
     )
     try:
         await runner.setup()
@@ -176,7 +184,9 @@ def _worker(
         app = factory(config)
         signals = StopSignals(app)
         try:
-            runner, url = await start_site(app, host, port, config.drain_timeout_s, reuse_port)
+            runner, url = await start_site(
+                app, host, port, config.drain_timeout_s, reuse_port, config.idle_timeout_s
+            )
         except BaseException:
             signals.remove()  # else SIGTERM would only set an event nobody waits for
             raise

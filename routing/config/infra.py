@@ -65,6 +65,10 @@ class GatewaySettings(StrictModel):
     #: connection closes: a client trickling its body (slowloris) must not hold a connection and
     #: its handler for as long as it likes. 60 s passes 8 MiB at ~140 KB/s.
     body_timeout_s: PositiveFloat = 60.0
+    #: A connection that completes no request headers within this many seconds (sends nothing,
+    #: half its headers, or idles between keep-alive requests) is closed: aiohttp's keep-alive
+    #: timeout. Read at start (a reload does not change it).
+    idle_timeout_s: PositiveFloat = 75.0
     #: Whole upstream request, first byte to last (long generations need minutes).
     upstream_timeout_s: PositiveFloat = 600.0
     connect_timeout_s: PositiveFloat = 5.0

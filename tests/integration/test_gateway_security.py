@@ -244,6 +244,31 @@ async def test_a_body_that_trickles_in_gets_408_and_the_connection_closes() -> N
     assert [b["prompt"] for b in upstream.received] == ["hi"]  # the stalled one reached nothing
 
 
+async def test_a_connection_that_never_completes_its_headers_is_closed() -> None:
+    """A client that connects and sends nothing, or half its headers, held its connection as
+    long as it liked (a slowloris): ``gateway.idle_timeout_s`` closes it."""
+    from gateway.policy_view import GatewayPolicy, ReplicaSpec
+    from gateway.server import start_site
+
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        config = GatewayConfig(idle_timeout_s=0.5)
+        app = create_app(config, GatewayPolicy.default([ReplicaSpec("r0", upstream_url)]))
+        runner, url = await start_site(
+            app, "127.0.0.1", 0, drain_timeout_s=1, idle_timeout_s=config.idle_timeout_s
+        )
+        try:
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            for sent in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(sent)
+                async with asyncio.timeout(30):  # bounded: a bug fails instead of hanging
+                    assert await reader.read() == b""  # closed by the gateway, unanswered
+                writer.close()
+        finally:
+            await runner.cleanup()
+
+
 # ----------------------------------------------------------------- 4. oversized headers
 
 
