@@ -205,14 +205,17 @@ class PlacementStore(Protocol):
         """Drop everything about a replica that left the fleet."""
         ...
 
-    async def add_traffic(self, counts: Mapping[tuple[int, str], int], window_s: float) -> None:
-        """Add requests per (wall-clock bucket, adapter) to the fleet's pre-warm traffic window
-        (``shared_traffic.py``); the window is ``window_s`` long."""
+    async def put_traffic(
+        self, gateway: str, counts: Mapping[tuple[int, str], int], window_s: float
+    ) -> None:
+        """Set ``gateway``'s requests per (wall-clock bucket, adapter) in the fleet's pre-warm
+        traffic window (``shared_traffic.py``), ``window_s`` long: absolute counts, so writing
+        them again changes nothing."""
         ...
 
-    async def traffic(self, oldest_slot: int) -> dict[tuple[int, str], int]:
-        """The fleet's requests per (bucket, adapter) from ``oldest_slot`` on (older ones may be
-        dropped)."""
+    async def traffic(self, oldest_slot: int, besides: str) -> dict[tuple[int, str], int]:
+        """Every gateway's but ``besides``'s requests per (bucket, adapter), summed, from
+        ``oldest_slot`` on (older ones may be dropped)."""
         ...
 
     async def close(self) -> None:

@@ -28,8 +28,8 @@ class MemoryPlacementStore:
         # (replica, adapter) -> (owner, expiry on ``clock``)
         self._locks: dict[tuple[ReplicaId, str], tuple[str, float]] = {}
         self._loads: dict[ReplicaId, list[float]] = {}
-        # (wall-clock bucket, adapter) -> requests: the pre-warm traffic window
-        self._traffic: dict[tuple[int, str], int] = {}
+        # (wall-clock bucket, gateway, adapter) -> requests: the pre-warm traffic window
+        self._traffic: dict[tuple[int, str, str], int] = {}
 
     def _locked(self, key: tuple[ReplicaId, str]) -> bool:
         held = self._locks.get(key)
@@ -114,14 +114,20 @@ class MemoryPlacementStore:
             for key in [k for k in table if k[0] == replica]:
                 del table[key]
 
-    async def add_traffic(self, counts: Mapping[tuple[int, str], int], window_s: float) -> None:
-        for key, n in counts.items():
-            self._traffic[key] = self._traffic.get(key, 0) + n
+    async def put_traffic(
+        self, gateway: str, counts: Mapping[tuple[int, str], int], window_s: float
+    ) -> None:
+        for (slot, adapter), n in counts.items():
+            self._traffic[(slot, gateway, adapter)] = n
 
-    async def traffic(self, oldest_slot: int) -> dict[tuple[int, str], int]:
+    async def traffic(self, oldest_slot: int, besides: str) -> dict[tuple[int, str], int]:
         for key in [key for key in self._traffic if key[0] < oldest_slot]:
             del self._traffic[key]
-        return dict(self._traffic)
+        summed: dict[tuple[int, str], int] = {}
+        for (slot, gateway, adapter), n in self._traffic.items():
+            if gateway != besides:
+                summed[(slot, adapter)] = summed.get((slot, adapter), 0) + n
+        return summed
 
     async def close(self) -> None:
         return None

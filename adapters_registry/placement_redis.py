@@ -9,8 +9,9 @@ contain ``:`` and ``/`` but never ``|``):
   so a gateway that dies mid-request stops holding the adapter once its leases expire
 - ``{prefix}adapters:lock|{replica}|{adapter}`` — the load/unload lock (``SET NX PX``)
 - ``{prefix}adapters:loads|{replica}`` — sorted set of load times (the thrash guard's window)
-- ``{prefix}adapters:traffic`` — hash ``{bucket}|{adapter}`` -> requests, every gateway's
-  pre-warm traffic (``shared_traffic.py``); one key, so a Redis Cluster keeps it on one node
+- ``{prefix}adapters:traffic`` — hash ``{bucket}|{gateway}|{adapter}`` -> requests, each
+  gateway's pre-warm traffic (``shared_traffic.py``); one key, so a Redis Cluster keeps it on
+  one node
 
 Read-modify-write steps run as Lua scripts so two gateways cannot interleave them.
 """
@@ -271,28 +272,34 @@ class RedisPlacementStore:
 
         await self._call("forget_replica", op)
 
-    async def add_traffic(self, counts: Mapping[tuple[int, str], int], window_s: float) -> None:
+    async def put_traffic(
+        self, gateway: str, counts: Mapping[tuple[int, str], int], window_s: float
+    ) -> None:
         async def op() -> None:
             async with self._redis.pipeline(transaction=False) as pipe:
-                for (slot, adapter), n in counts.items():
-                    pipe.hincrby(self._traffic(), f"{slot}|{adapter}", n)
-                # Gone once every gateway has stopped sending (two windows: none is cut short).
+                if counts:
+                    fields = {
+                        f"{slot}|{gateway}|{adapter}": n for (slot, adapter), n in counts.items()
+                    }
+                    pipe.hset(self._traffic(), mapping=fields)
+                # Gone once every gateway has stopped writing (two windows: none is cut short).
                 pipe.pexpire(self._traffic(), int(2_000 * window_s))
                 await pipe.execute()
 
-        await self._call("add_traffic", op)
+        await self._call("put_traffic", op)
 
-    async def traffic(self, oldest_slot: int) -> dict[tuple[int, str], int]:
+    async def traffic(self, oldest_slot: int, besides: str) -> dict[tuple[int, str], int]:
         async def op() -> dict[tuple[int, str], int]:
             raw = await self._redis.hgetall(self._traffic())
             counts: dict[tuple[int, str], int] = {}
             stale: list[str] = []
             for field, value in raw.items():
-                slot, _, adapter = _text(field).partition("|")
+                name = _text(field)
+                slot, gateway, adapter = name.split("|", 2)
                 if int(slot) < oldest_slot:
-                    stale.append(_text(field))
-                else:
-                    counts[(int(slot), adapter)] = int(value)
+                    stale.append(name)
+                elif gateway != besides:
+                    counts[(int(slot), adapter)] = counts.get((int(slot), adapter), 0) + int(value)
             if stale:  # out of the window: whichever gateway reads first drops them
                 await self._redis.hdel(self._traffic(), *stale)
             return counts

@@ -88,6 +88,15 @@ class TrafficWindow:
             total.update(bucket)
         return dict(total)
 
+    def buckets(self, now: float | None = None) -> dict[tuple[int, str], int]:
+        """Requests per (bucket, adapter) within the window ending at ``now``."""
+        self._expire(self.slot(now))
+        return {
+            (slot, adapter): n
+            for slot, bucket in self._buckets.items()
+            for adapter, n in bucket.items()
+        }
+
     def _expire(self, current: int) -> None:
         oldest = current - self.settings.buckets + 1
         for slot in [s for s in self._buckets if s < oldest]:

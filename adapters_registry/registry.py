@@ -113,8 +113,8 @@ class AdapterRegistry:
         #: Replicas whose loads fail, avoided for cold loads a while (``load_failures.py``).
         self.failures = LoadFailures(self.settings.load_failures, clock)
         #: Requests per adapter for pre-warming: this gateway's and, once read, the fleet's.
-        self.traffic = SharedTraffic(self.settings.prewarm)
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
+        self.traffic = SharedTraffic(self.gateway_id, self.settings.prewarm)
         self._clock = clock
         self.loader = AdapterLoader(
             self.catalog,

@@ -3,12 +3,14 @@
 Each gateway used to plan pre-warming from the requests it saw itself. Behind a load balancer
 that spreads tenants unevenly (or one gateway per application), each saw the adapters the others
 served as idle, and its plan evicted them to make room for its own hot ones; the others' plans put
-them back. The live adapter review measured 39 loads and 31 unloads in 100 s on a fleet with room
-for every adapter. So each gateway adds its counts to the store's shared window (in buckets of
-the same wall-clock width on every gateway) each pre-warm round and plans from the fleet's sum.
+them back (docs/benchmarks/adapters-two-gateways.md). So each pre-warm round a gateway writes its
+own window to the store (per bucket of the same wall-clock width on every gateway, under its own
+id) and plans from its own counts plus the others' as last read.
 
-Until a round has read the shared window, or when the store cannot answer, the plan falls back to
-this gateway's own counts, as before: a Redis outage degrades pre-warming, never routing.
+Each gateway writes absolute counts, not increments: a write that timed out after Redis applied
+it is simply written again, never counted twice. Until a round has read the others' counts, or
+while the store cannot answer, the plan uses this gateway's counts alone, as before: a Redis
+outage degrades pre-warming, never routing.
 """
 
 from __future__ import annotations
@@ -25,47 +27,37 @@ __all__ = ["SharedTraffic"]
 
 
 class SharedTraffic:
-    """This gateway's traffic window, and the fleet's as of the last ``sync``."""
+    """This gateway's traffic window, and the other gateways' as of the last ``sync``."""
 
-    def __init__(self, settings: PrewarmSettings | None = None) -> None:
+    def __init__(self, gateway_id: str, settings: PrewarmSettings | None = None) -> None:
+        self.gateway_id = gateway_id
         self.own = TrafficWindow(settings)
-        #: Requests recorded since the last ``sync`` added them to the store: (bucket, adapter).
-        self._unsent: Counter[tuple[int, str]] = Counter()
-        #: The fleet's counts per (bucket, adapter) as the last ``sync`` read them, or None
-        #: (never read, or the store could not answer).
-        self._fleet: dict[tuple[int, str], int] | None = None
+        #: The other gateways' counts per (bucket, adapter) as the last ``sync`` read them, or
+        #: None (never read, or the store could not answer).
+        self._others: dict[tuple[int, str], int] | None = None
 
     def record(self, adapter: str, now: float) -> None:
         """Count one request for ``adapter`` at ``now`` (wall clock)."""
         self.own.record(adapter, now)
-        self._unsent[(self.own.slot(now), adapter)] += 1
 
     def counts(self, now: float) -> dict[str, int]:
-        """Requests per adapter within the window ending at ``now``: the fleet's as last read
-        plus this gateway's since; this gateway's alone until the fleet's could be read."""
-        if self._fleet is None:
-            return self.own.counts(now)
-        oldest = self.own.oldest_slot(now)
-        total: Counter[str] = Counter()
-        for table in (self._fleet, self._unsent):
-            for (slot, adapter), n in table.items():
+        """Requests per adapter within the window ending at ``now``: this gateway's, plus the
+        others' as last read (alone until they could be read)."""
+        total = Counter(self.own.counts(now))
+        if self._others is not None:
+            oldest = self.own.oldest_slot(now)
+            for (slot, adapter), n in self._others.items():
                 if slot >= oldest:
                     total[adapter] += n
         return dict(total)
 
     async def sync(self, store: PlacementStore, now: float) -> None:
-        """Add this gateway's new counts to the store's window and read the fleet's back."""
-        oldest = self.own.oldest_slot(now)
-        for key in [key for key in self._unsent if key[0] < oldest]:
-            del self._unsent[key]  # out of the window while the store was away
-        sent = Counter(self._unsent)
+        """Write this gateway's window to the store and read the other gateways' back."""
         try:
-            if sent:
-                await store.add_traffic(sent, self.own.settings.window_s)
-            # Only what was sent is taken off: requests recorded meanwhile wait for the next.
-            self._unsent.subtract(sent)
-            self._unsent = +self._unsent
-            self._fleet = await store.traffic(oldest)
+            await store.put_traffic(
+                self.gateway_id, self.own.buckets(now), self.own.settings.window_s
+            )
+            self._others = await store.traffic(self.own.oldest_slot(now), self.gateway_id)
         except PlacementUnavailable as exc:
             log.warning("pre-warm plans from this gateway's own traffic: %s", exc)
-            self._fleet = None
+            self._others = None

@@ -180,7 +180,9 @@ async def test_gateways_plan_pre_warming_from_the_fleets_traffic(redis_server: R
         # Alone, the first gateway replicates "a" onto r1 by evicting "b" (idle, as it sees it).
         steps = regs[0].plan(states).steps
         assert ("r1", "a", "b") in {(s.replica, s.adapter, s.evict) for s in steps}
-        for reg in (*regs, regs[0]):  # the first reads again after the second added its counts
+        # The first reads again after the second wrote; writing its window twice (as a retry
+        # after a timeout would) counts nothing twice.
+        for reg in (*regs, regs[0]):
             await reg.traffic.sync(reg.store, time.time())
         for i, reg in enumerate(regs):
             assert reg.traffic.counts(time.time()) == {"a": 60, "b": 60}

@@ -125,15 +125,24 @@ async def test_forget_replica(store: PlacementStore) -> None:
     assert (await store.snapshot(OTHER, 0)).resident == {"a"}
 
 
-async def test_traffic_adds_up_across_writers_and_drops_old_buckets(
+async def test_traffic_sums_the_other_writers_and_drops_old_buckets(
     store: PlacementStore,
 ) -> None:
-    # Two gateways' pre-warm counts (adapter names with '|'-free ':' and '/' must work).
-    await store.add_traffic({(10, "org/lora:v1"): 3, (11, "b"): 1}, window_s=300)
-    await store.add_traffic({(11, "b"): 2, (12, "org/lora:v1"): 4}, window_s=300)
-    assert await store.traffic(10) == {(10, "org/lora:v1"): 3, (11, "b"): 3, (12, "org/lora:v1"): 4}
-    assert await store.traffic(11) == {(11, "b"): 3, (12, "org/lora:v1"): 4}
-    assert await store.traffic(10) == {(11, "b"): 3, (12, "org/lora:v1"): 4}  # dropped for good
+    # Three gateways' pre-warm counts (adapter names with ':' and '/' must work).
+    await store.put_traffic("g1", {(10, "org/lora:v1"): 3, (11, "b"): 1}, window_s=300)
+    await store.put_traffic("g2", {(11, "b"): 2, (12, "org/lora:v1"): 4}, window_s=300)
+    await store.put_traffic("g3", {(12, "b"): 5}, window_s=300)
+    # Absolute counts: writing the same again (a retry after a timeout) counts nothing twice.
+    await store.put_traffic("g2", {(11, "b"): 2, (12, "org/lora:v1"): 4}, window_s=300)
+    assert await store.traffic(10, besides="g3") == {
+        (10, "org/lora:v1"): 3, (11, "b"): 3, (12, "org/lora:v1"): 4,
+    }
+    assert await store.traffic(11, besides="g1") == {
+        (11, "b"): 2, (12, "org/lora:v1"): 4, (12, "b"): 5,
+    }
+    assert await store.traffic(10, besides="g9") == {  # bucket 10 dropped for good
+        (11, "b"): 3, (12, "org/lora:v1"): 4, (12, "b"): 5,
+    }
 
 
 async def test_redis_lock_carries_an_expiry_and_prefixes_isolate(redis_url: str) -> None:
