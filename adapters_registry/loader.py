@@ -142,6 +142,8 @@ class AdapterLoader:
         #: adapter marked resident: loads of different adapters read the same placement, each
         #: saw room, and a replica ended with six adapters resident against a limit of four.
         self._replica_locks: dict[ReplicaId, asyncio.Lock] = {}
+        #: When this gateway last released each replica's room lock (``_take_room``).
+        self._room_released: dict[ReplicaId, float] = {}
 
     # ------------------------------------------------------------------ public API
 
@@ -300,14 +302,28 @@ class AdapterLoader:
             # room for two held three, with nothing to bring it back (the pre-warm review).
             await self._take_room(rid, name, owner)
             try:
+                # Checked again: another gateway may have loaded it while this one waited (its
+                # adapter lock can expire meanwhile); loading it again would evict for nothing.
+                if (await self._status(rid, name)).resident:
+                    return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
                 return await self._load_with_room(replica, entry, last_resort, started, owner)
             finally:
                 await self._unlock(rid, ROOM_LOCK, owner)
+                self._room_released[rid] = time.monotonic()
 
     async def _take_room(self, replica: ReplicaId, adapter: str, owner: str) -> None:
         """Wait for the replica's room lock (``ROOM_LOCK``); ``AdapterLoadFailed`` past
         ``wait_timeout_s``. Its holder never waits on a lock a waiter holds (victims are taken
-        with ``try_lock`` or skipped), so waiting cannot deadlock."""
+        with ``try_lock`` or skipped), so waiting cannot deadlock.
+
+        A gateway that has just released it waits two polls before taking it again: its next
+        load would otherwise take it at once, every time, while other gateways poll for it, and
+        one gateway's queue of loads could starve another's single one."""
+        released = self._room_released.get(replica)
+        if released is not None:
+            pause = released + 2 * self.settings.poll_interval_s - time.monotonic()
+            if pause > 0:
+                await asyncio.sleep(pause)
         deadline = time.monotonic() + self.settings.wait_timeout_s
         while not await self._try_lock(replica, ROOM_LOCK, owner):
             self.lock_contentions += 1
@@ -315,7 +331,7 @@ class AdapterLoader:
                 waited = self.settings.wait_timeout_s
                 raise AdapterLoadFailed(
                     adapter, replica,
-                    f"another gateway's load on this replica did not finish within {waited:g}s",
+                    f"other gateways held this replica's loads for {waited:g}s",
                 )
             await asyncio.sleep(self.settings.poll_interval_s)
 

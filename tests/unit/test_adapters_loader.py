@@ -409,13 +409,69 @@ async def test_two_gateways_loading_different_adapters_keep_the_replica_within_i
             asyncio.create_task(gateway.ensure_loaded(state, name))
             for gateway, name in zip(gateways, ("b", "c"), strict=True)
         ]
-        await until(lambda: ("load", "b") in engine.calls)
-        for _ in range(200):  # the other gateway as far as it gets meanwhile
-            await asyncio.sleep(0)
-        assert ("load", "c") not in engine.calls  # it waits for the replica's room
+        loads = lambda: [call for call in engine.calls if call[0] == "load"]  # noqa: E731
+        async with asyncio.timeout(10):  # one of the two gets the replica's room
+            while len(loads()) < 2:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # the other gateway as far as it gets meanwhile (its polls)
+        assert len(loads()) == 2  # it waits for the room, not loading beside the first
         engine.gate.set()
         await asyncio.gather(*tasks)
-        assert len(engine.loaded) == 2 and "c" in engine.loaded  # room made, limit kept
+        assert len(engine.loaded) == 2 and loads()[-1][1] in engine.loaded  # room made
+        assert [call[0] for call in engine.calls].count("unload") == 1
     finally:
         for gateway in gateways:
+            await gateway.close()
+
+
+async def _two_gateways(clock: Clock) -> tuple[FakeEngine, list[AdapterRegistry]]:
+    engine = FakeEngine()
+    store = MemoryPlacementStore(clock)  # one shared store: what Redis is to two gateways
+    return engine, [
+        AdapterRegistry(POLICY, store, engine, metrics_registry=CollectorRegistry(), clock=clock)
+        for _ in range(2)
+    ]
+
+
+async def test_a_load_that_waited_for_the_room_checks_again_whether_it_is_needed():
+    """The diff review: a load that waited for the replica's room while another gateway loaded
+    the same adapter loaded it again, evicting an adapter in use for nothing."""
+    clock = Clock()
+    engine, (first, second) = await _two_gateways(clock)
+    state = full(2)
+    try:
+        engine.gate = asyncio.Event()
+        holding = asyncio.create_task(first.ensure_loaded(state, "a"))  # holds the room
+        await until(lambda: ("load", "a") in engine.calls)
+        waiting = asyncio.create_task(second.ensure_loaded(state, "b"))
+        await until(lambda: second.loader.lock_contentions > 0)  # it waits for the room
+        await second.store.mark_resident(state.replica_id, "b", clock())  # loaded elsewhere
+        engine.gate.set()
+        await holding
+        assert (await waiting).loaded_now is False
+        assert ("load", "b") not in engine.calls and "unload" not in {c[0] for c in engine.calls}
+    finally:
+        for gateway in (first, second):
+            await gateway.close()
+
+
+async def test_a_gateway_with_loads_queued_lets_another_take_the_room_between_them():
+    """The diff review: the gateway holding a replica's room handed it straight to its own next
+    load while another gateway polled, so one gateway's queue of loads starved another's."""
+    clock = Clock()
+    engine, (busy, other) = await _two_gateways(clock)
+    state = full(4)
+    try:
+        engine.gate = asyncio.Event()
+        queued = [asyncio.create_task(busy.ensure_loaded(state, name)) for name in "abc"]
+        await until(lambda: ("load", "a") in engine.calls)
+        single = asyncio.create_task(other.ensure_loaded(state, "d"))
+        await until(lambda: other.loader.lock_contentions > 0)  # polling for the room
+        engine.gate.set()
+        async with asyncio.timeout(10):
+            await asyncio.gather(*queued, single)
+        order = [name for kind, name in engine.calls if kind == "load"]
+        assert order.index("d") < order.index("c"), order  # not after the whole queue
+    finally:
+        for gateway in (busy, other):
             await gateway.close()
