@@ -14,6 +14,8 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
+from fleetgate.commands._args import HelpFormatter
+
 #: The order here is the order ``--help`` shows.
 #: name -> one-line purpose; the command's module is ``fleetgate.commands.<name>``.
 COMMANDS: dict[str, str] = {
@@ -30,28 +32,6 @@ COMMANDS: dict[str, str] = {
     "bench": "Benchmarks: replay a trace against an OpenAI endpoint.",
     "kernels": "Check fleetgate's kernels against their references.",
 }
-
-
-#: Option names whose defaults ``--help`` never shows.
-_SECRET_WORDS = ("key", "secret", "token", "password")
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Examples kept as written, and every option's default shown where its help does not say
-    it already (argparse's own ``ArgumentDefaultsHelpFormatter`` would repeat those). Never the
-    default of a secret (an admin key read from the environment would be printed)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        default = action.default
-        if (
-            "default" in text.lower()
-            or default in (None, False, [], argparse.SUPPRESS)
-            or not action.option_strings
-            or any(word in action.dest for word in _SECRET_WORDS)
-        ):
-            return action.help
-        return f"{text} (default: {default})".lstrip()
 
 
 def build_parser() -> argparse.ArgumentParser:

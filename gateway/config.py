@@ -16,11 +16,12 @@ _GATEWAY = GatewaySettings()
 _INDEX = IndexSettings()
 
 
-#: Index settings only a restart applies, and how a reload's warning names them.
+#: Settings only a restart applies, and how a reload's warning names them.
 _RESTART_ONLY = {
     "index_url": "index backend (redis url)",
     "index_mode": "index mode",
     "index_key_prefix": "index key prefix",
+    "idle_timeout_s": "gateway idle_timeout_s",
 }
 
 
@@ -120,15 +121,15 @@ class GatewayConfig:
         return self.index_redis_url or self.redis_url
 
     def needs_restart(self, policy: Any) -> list[str]:
-        """Where ``policy`` would put the index (backend, Redis, mode, keys) if the gateway
-        started with it now, where that differs from the running index; a reload keeps the
-        running one. Worked out as start-up does (the command line's ``--redis`` wins over the
+        """Where ``policy`` would put the index (backend, Redis, mode, keys), and the listener's
+        idle timeout, if the gateway started with it now, where that differs from the running
+        ones; a reload keeps the running ones. Worked out as start-up does (the command line's ``--redis`` wins over the
         file), so reloading the file the gateway started with names nothing."""
         if self.before_policy is None:
             return []
         trial = dataclasses.replace(self.before_policy)
         trial.apply_policy(policy, startup=True)
-        # No index URL is the in-memory index: said so, not "None".
+        # No index URL is the in-memory index: said so, not "None" (no other setting is None).
         return [
             f"{label}: {getattr(trial, name) or 'memory'} "
             f"(running: {getattr(self, name) or 'memory'})"
@@ -148,7 +149,8 @@ class GatewayConfig:
         if settings is not None:
             self.max_body_bytes = settings.max_body_bytes
             self.body_timeout_s = settings.body_timeout_s
-            self.idle_timeout_s = settings.idle_timeout_s
+            if startup:  # the listener's, set once (``needs_restart`` names a change)
+                self.idle_timeout_s = settings.idle_timeout_s
             self.upstream_timeout_s = settings.upstream_timeout_s
             self.connect_timeout_s = settings.connect_timeout_s
             self.health_interval_s = settings.health_check_interval_s

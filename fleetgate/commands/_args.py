@@ -197,3 +197,28 @@ def replica_url(url: str) -> str:
 def strip_api_suffix(url: str) -> str:
     """``url`` without a trailing ``/v1``."""
     return url[: -len("/v1")] if url.lower().endswith("/v1") else url
+
+
+#: Option names whose defaults ``--help`` never shows.
+_SECRET_WORDS = ("key", "secret", "token", "password")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written, and every option's default shown where its help does not say
+    it already (argparse's own ``ArgumentDefaultsHelpFormatter`` would repeat those). Never the
+    default of a secret (an admin key read from the environment would be printed)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text.lower()
+            or default is None
+            or default is False  # a flag (store_true); a default of 0 is shown
+            or default is argparse.SUPPRESS
+            or default == []
+            or not action.option_strings
+            or any(word in action.dest for word in _SECRET_WORDS)
+        ):
+            return action.help
+        return f"{text} (default: {default})".lstrip()

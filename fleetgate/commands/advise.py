@@ -16,7 +16,13 @@ from pathlib import Path
 
 import httpx
 
-from fleetgate.commands._args import http_url, positive_float, positive_int, promql_duration
+from fleetgate.commands._args import (
+    HelpFormatter,
+    http_url,
+    positive_float,
+    positive_int,
+    promql_duration,
+)
 from planning import yamlio
 from planning.advise import AdviceError, EngineFlags, PoolSnapshot, advise
 from planning.advise.live import Target, gateway_targets, overlay_flags, parse_target, read_live
@@ -71,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "value of each capacity flag with its evidence."
     )
     parser.epilog = EPILOG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = HelpFormatter
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--input", metavar="FILE", help="a snapshot file (YAML or JSON)")
     source.add_argument(

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 
-from fleetgate.commands._args import http_url, positive_float, positive_int
+from fleetgate.commands._args import HelpFormatter, http_url, positive_float, positive_int
 from fleetgate.extras import BENCH, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE
 
@@ -42,7 +42,7 @@ examples:
 
 def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = REPLAY_EPILOG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = HelpFormatter
     parser.add_argument("--trace", required=True, metavar="FILE", help="JSONL trace to replay")
     parser.add_argument(
         "--url",
@@ -99,7 +99,7 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``fleetgate bench TOOL [options]``."""
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = HelpFormatter
     parser.epilog = "Run `fleetgate bench replay --help` for the replay options."
     tools = parser.add_subparsers(dest="tool", metavar="TOOL", required=True)
     replay = tools.add_parser(

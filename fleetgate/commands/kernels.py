@@ -19,6 +19,8 @@ import importlib.util
 import subprocess
 import sys
 
+from fleetgate.commands._args import HelpFormatter
+
 EPILOG = """\
 examples:
   fleetgate kernels check                 # the CI sweep (odd shapes, edge values, 3 dtypes)
@@ -34,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     check = sub.add_parser("check", help="compare each kernel with its reference; exit 1 on a "
                            "failure", epilog=EPILOG,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+                           formatter_class=HelpFormatter)
     check.add_argument("--full", action="store_true",
                        help="the full sweep (minutes under the interpreter)")
     check.add_argument("--json", action="store_true", help="print one JSON document")

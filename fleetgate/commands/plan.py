@@ -13,6 +13,7 @@ import argparse
 import importlib
 import sys
 
+from fleetgate.commands._args import HelpFormatter
 from fleetgate.extras import PLAN, missing_extra
 
 #: tool -> (module exposing add_arguments/run, one-line purpose), in ``--help`` order.
@@ -45,7 +46,7 @@ _NO_OPTIONS = "\x00"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``fleetgate plan TOOL [tool options]``; the tool's options are parsed by the tool."""
     parser.epilog = EPILOG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = HelpFormatter
     tools = parser.add_subparsers(dest="tool", metavar="TOOL", required=True)
     for name, (_module, purpose) in TOOLS.items():
         tool = tools.add_parser(name, help=purpose, add_help=False, prefix_chars=_NO_OPTIONS)
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     parser = argparse.ArgumentParser(
         prog=f"fleetgate plan {args.tool}",
         description=purpose,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     module.add_arguments(parser)
     parsed = parser.parse_args(args.tool_args)

@@ -17,6 +17,7 @@ import sys
 
 import yaml
 
+from fleetgate.commands._args import HelpFormatter
 from routing.config import PolicyError, load_policy
 
 EXAMPLES = """\
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Validate routing-policy YAML files: structure, plugin parameters and "
         "every cross-reference. Exit status 0 when all are valid, 1 otherwise.",
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     validate.add_argument("files", nargs="+", metavar="FILE", help="policy YAML file")
     validate.add_argument(
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Validate a policy and print it as the gateway will use it: every default "
         "filled in and each tenant's effective cache salt shown.",
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     show.add_argument("file", metavar="FILE", help="policy YAML file")
     show.add_argument("--format", choices=("yaml", "json"), default="yaml")
@@ -66,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Read one API key from standard input (not the command line, which shell "
         "history and process listings keep) and print its hex SHA-256 for api_key_sha256.",
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.set_defaults(_parser=parser)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from fleetgate.commands._args import cannot_start
+from fleetgate.commands._args import HelpFormatter, cannot_start
 from fleetgate.commands.agent import add_agent_arguments, agent_config_from_args
 from gateway.logging_setup import configure_logging
 from replica.agent import ReplicaAgent
@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     run_parser = sub.add_parser(
         "run", help="start and supervise a vLLM engine with its agent",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__,
+        formatter_class=HelpFormatter, epilog=__doc__,
     )
     add_agent_arguments(run_parser, engine_url_required=False)
     group = run_parser.add_argument_group("engine supervision")

@@ -235,8 +235,10 @@ def _cache_salt(body: Mapping[str, Any]) -> str | None:
 #: Sampling fields vLLM's request models type as numbers: what pydantic cannot read as one (a
 #: word, a list) is its 400 (the sim samples nothing, but a client tested against it must meet
 #: the same refusal).
-_NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "seed")
+_NUMERIC_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty")
+#: ... and as integers: a fraction there is refused too (a whole float, 5.0, is read as 5).
+_INTEGER_FIELDS = ("top_k", "seed")
 
 
 def _check_n(body: Mapping[str, Any]) -> None:
@@ -247,6 +249,26 @@ def _check_n(body: Mapping[str, Any]) -> None:
         if value is None or isinstance(value, int | float) or _numeric_text(value):
             continue
         raise ApiError(400, f"Parameter '{name}' must be a number (got {value!r}).", param=name)
+    for name in _INTEGER_FIELDS:
+        value = body.get(name)
+        if value is None or _whole_number(value):
+            continue
+        raise ApiError(400, f"Parameter '{name}' must be an integer (got {value!r}).", param=name)
+
+
+def _whole_number(value: Any) -> bool:
+    """An int, or what pydantic reads as one (5.0, "5")."""
+    if isinstance(value, int):
+        return True
+    if isinstance(value, float):
+        return value.is_integer()
+    if isinstance(value, str):
+        try:
+            int(value)
+        except ValueError:
+            return False
+        return True
+    return False
 
 
 def _numeric_text(value: Any) -> bool:

@@ -304,6 +304,11 @@ async def test_a_sampling_field_that_is_no_number_is_a_400(client: openai.AsyncO
             model="sim-model", prompt="hi", max_tokens=1, extra_body={"temperature": "hot"}
         )
     assert isinstance(info.value.body, dict) and info.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as info:  # an integer field
+        await client.completions.create(
+            model="sim-model", prompt="hi", max_tokens=1, extra_body={"top_k": 2.5}
+        )
+    assert isinstance(info.value.body, dict) and info.value.body["param"] == "top_k"
     ok = await client.completions.create(
         model="sim-model", prompt="hi", max_tokens=1, extra_body={"top_p": "0.9"}
     )

@@ -137,3 +137,10 @@ def test_a_reload_names_the_index_settings_that_need_a_restart() -> None:
     memory.apply_policy(plain, startup=True)
     (what,) = memory.needs_restart(moved)
     assert what == "index backend (redis url): redis://new:6379/0 (running: memory)"
+    # The listener's idle timeout is set once: a reload names a change, and keeps the running one.
+    from routing.config.infra import GatewaySettings
+
+    slower = SimpleNamespace(index=IndexSettings(), gateway=GatewaySettings(idle_timeout_s=30))
+    assert memory.needs_restart(slower) == ["gateway idle_timeout_s: 30.0 (running: 75.0)"]
+    memory.apply_policy(slower)
+    assert memory.idle_timeout_s == 75.0
