@@ -41,13 +41,25 @@ def authenticate(request: web.Request, policy: GatewayPolicy) -> Tenant:
     access, without declared tenants, takes any)."""
     tenant = policy.tenant_for_key(bearer_key(request))
     if tenant is None:
-        raise GatewayError(
-            401,
-            errors.INVALID_API_KEY,
-            "Incorrect or missing API key.",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise _unknown_key()
     return tenant
+
+
+def still_authorised(request: web.Request, policy: GatewayPolicy, tenant: Tenant) -> None:
+    """401, as for an unknown key, unless the request's key still names ``tenant`` under
+    ``policy``: a request that waited across a reload (flow control's queue) must not be served
+    for a key revoked, or moved to another tenant, meanwhile."""
+    if authenticate(request, policy).name != tenant.name:
+        raise _unknown_key()
+
+
+def _unknown_key() -> GatewayError:
+    return GatewayError(
+        401,
+        errors.INVALID_API_KEY,
+        "Incorrect or missing API key.",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 def is_admin(request: web.Request, admin_key: str | None, policy: GatewayPolicy) -> bool:

@@ -123,8 +123,9 @@ class GatewayConfig:
     def needs_restart(self, policy: Any) -> list[str]:
         """Where ``policy`` would put the index (backend, Redis, mode, keys), and the listener's
         idle timeout, if the gateway started with it now, where that differs from the running
-        ones; a reload keeps the running ones. Worked out as start-up does (the command line's ``--redis`` wins over the
-        file), so reloading the file the gateway started with names nothing."""
+        ones; a reload keeps the running ones. Worked out as start-up does (the command line's
+        ``--redis`` wins over the file), so reloading the file the gateway started with names
+        nothing."""
         if self.before_policy is None:
             return []
         trial = dataclasses.replace(self.before_policy)

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import errors
+from gateway.auth import still_authorised
 from gateway.errors import GatewayError
 from gateway.flow_control import flow_finished
 from gateway.proxy import UpstreamOutcome
@@ -103,17 +104,24 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 pinned = await kind.pinned_replica(gw, tenant, body)
             routed = await route(gw, request, tenant, kind, body, request_id, labels, pinned=pinned)
             span.set_attribute("fleetgate.route", routed.route.name)
-            if gw.flow is not None and pinned is None:
-                # Flow control judges by the routing estimate, so it runs on the decision: a
-                # queued request is routed again when its turn comes (docs/flow-control.md).
-                routed = await gw.flow.admit(
-                    routed,
-                    request.headers,
-                    gw.policy.source,
-                    lambda r, only=None: repick(gw, r, only),
-                )
-            elif gw.flow is not None:  # one replica can serve it: only its budget is checked
-                routed = await gw.flow.admit_pinned(routed, request.headers, gw.policy.source)
+            if gw.flow is not None:
+                admitted_under = gw.policy
+                if pinned is None:
+                    # Flow control judges by the routing estimate, so it runs on the decision:
+                    # a queued request is routed again when its turn comes (flow-control.md).
+                    routed = await gw.flow.admit(
+                        routed,
+                        request.headers,
+                        gw.policy.source,
+                        lambda r, only=None: repick(gw, r, only),
+                    )
+                else:  # one replica can serve it: only its budget is checked
+                    routed = await gw.flow.admit_pinned(routed, request.headers, gw.policy.source)
+                if gw.policy is not admitted_under:
+                    # Reloaded while it queued: a key revoked (or moved to another tenant)
+                    # meanwhile is refused here as it is for a new request (the reload review:
+                    # a revoked tenant's queued requests were served with its salt).
+                    still_authorised(request, gw.policy, tenant)
             plan = plan_forward(
                 routed,
                 kind,

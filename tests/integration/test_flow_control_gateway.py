@@ -30,6 +30,7 @@ from multidict import CIMultiDict
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
+from gateway.reload import reload_policy
 from gateway.state import GATEWAY
 from routing.flow_control import TokenBudgets
 from routing.hashing import CHARS_PER_TOKEN
@@ -241,6 +242,30 @@ async def test_a_queued_client_that_disconnects_never_reaches_the_engine(tmp_pat
             "request a-first",
             "request a-stays",
         ]
+
+
+async def test_a_key_revoked_while_its_request_queued_is_refused_when_released(
+    tmp_path: Path,
+) -> None:
+    """The reload review: requests queued by flow control were never checked against a reload
+    that removed their tenant; they were served with its salt, while its new requests got 401."""
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with _gateways(tmp_path, upstream) as [(url, app)], aiohttp.ClientSession() as http:
+        first = asyncio.create_task(_post(http, url, "a", "a-first"))
+        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
+        queued = asyncio.create_task(_post(http, url, "b", "b-queued"))
+        await wait_until(lambda: _queued(app) == 1, "b's request is queued")
+        path = tmp_path / "policy.yaml"
+        path.write_text(path.read_text().replace(f'{{name: b, api_key_sha256: [{_sha("b")}]',
+                                                 f'{{name: b, api_key_sha256: [{_sha("b2")}]'))
+        assert reload_policy(app[GATEWAY]).ok  # type: ignore[index]  # as SIGHUP does
+        upstream.header_gate.set()
+        status, body, _ = await queued
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert (await first)[0] == 200
+        assert [str(b["prompt"]) for b in upstream.received] == ["request a-first"]
+        assert (await _post(http, url, "b2", "b-rotated"))[0] == 200  # the new key works
 
 
 async def test_token_budgets_hold_across_two_gateways_sharing_redis(
