@@ -90,16 +90,20 @@ def _refused(gw: GatewayState, problems: list[str], path: str) -> ReloadResult:
 
 
 def policy_file_changed(gw: GatewayState) -> bool:
-    """True if the policy file's mtime differs from the one last loaded (or refused).
+    """True if the policy file's mtime differs from the one last loaded (or refused), and the
+    file has stayed as it is since the previous poll (its mtime and size).
 
-    A file that cannot be read (deleted, a broken mount) is said once, and once again when it
-    is back: the running policy stays either way.
+    A file written in place is read only once it settles: a poll that caught it half-written,
+    still valid YAML, applied the half (the reload review: two adapters unloaded fleet-wide, one
+    mid-stream, until the rest arrived). A file that cannot be read (deleted, a broken mount) is
+    said once, and once again when it is back: the running policy stays either way.
     """
     path = gw.config.policy_path
     if path is None:
         return False
     try:
-        mtime = os.stat(path).st_mtime
+        stat = os.stat(path)
+        mtime = stat.st_mtime
     except OSError as exc:
         if not gw.policy_file_missing:
             gw.policy_file_missing = True
@@ -111,7 +115,15 @@ def policy_file_changed(gw: GatewayState) -> bool:
     if gw.policy_file_missing:
         gw.policy_file_missing = False
         log.warning("policy file %s can be read again", path)
-    return mtime != gw.policy_mtime
+    if mtime == gw.policy_mtime:
+        gw.policy_settling = None
+        return False
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    if stamp != gw.policy_settling:  # changed since the last poll: perhaps still being written
+        gw.policy_settling = stamp
+        return False
+    gw.policy_settling = None
+    return True
 
 
 def _unload_in_background(gw: GatewayState, names: list[str]) -> None:

@@ -74,6 +74,8 @@ class GatewayState:
     #: What the last reload could not apply without a restart (``GatewayConfig.needs_restart``):
     #: the file's index settings differ from the running ones.
     restart_needed: list[str] = field(default_factory=list)
+    #: The changed policy file's (mtime_ns, size) at the last poll, read once it holds still.
+    policy_settling: tuple[int, int] | None = None
     #: The policy file could not be read at the last poll (said once: ``reload.py``).
     policy_file_missing: bool = False
     #: The per-request speculative index write (``gateway/speculative.py``).

@@ -144,3 +144,29 @@ def test_a_reload_names_the_index_settings_that_need_a_restart() -> None:
     assert memory.needs_restart(slower) == ["gateway idle_timeout_s: 30.0 (running: 75.0)"]
     memory.apply_policy(slower)
     assert memory.idle_timeout_s == 75.0
+
+
+def test_a_policy_file_is_read_once_it_holds_still_between_two_polls(tmp_path: Path) -> None:
+    """The reload review: a poll that caught a file half-written (still valid YAML) applied the
+    half. A change is reloaded at the first poll that finds the file as the previous one did."""
+    import os
+    from types import SimpleNamespace
+
+    from gateway.reload import policy_file_changed
+
+    path = tmp_path / "policy.yaml"
+    path.write_text("version: 1\n")
+    gw = SimpleNamespace(
+        config=SimpleNamespace(policy_path=str(path)),
+        policy_mtime=os.stat(path).st_mtime,
+        policy_file_missing=False,
+        policy_settling=None,
+    )
+    assert not policy_file_changed(gw)  # as loaded
+    path.write_text("version: 1\nroutes: []\n")  # half of it
+    os.utime(path, ns=(0, os.stat(path).st_mtime_ns + 10**9))
+    assert not policy_file_changed(gw)  # changed since the last poll: wait
+    path.write_text("version: 1\nroutes: []\ntenants: []\n")  # the rest arrives
+    os.utime(path, ns=(0, os.stat(path).st_mtime_ns + 2 * 10**9))
+    assert not policy_file_changed(gw)  # changed again: wait again
+    assert policy_file_changed(gw)  # held still for a poll: reload
