@@ -216,6 +216,10 @@ class AdapterLoader:
         finally:
             await self._quiet(self._store.end_use(replica, adapter, lease))
 
+    async def requests_on(self, replica: ReplicaId, adapter: str) -> int:
+        """Requests in flight on ``adapter`` there, from every gateway (0 if the store is down)."""
+        return (await self._snapshot(replica)).inflight.get(adapter, 0)
+
     def waiting(self, replica: ReplicaId, adapter: str) -> int:
         """Callers in this gateway waiting on an in-process load (0 when none runs)."""
         if (replica, adapter) not in self._tasks:

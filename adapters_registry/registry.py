@@ -299,20 +299,42 @@ class AdapterRegistry:
         return await self.unload_everywhere(name, states, reason="admin")
 
     async def unload_everywhere(
-        self, name: str, states: Iterable[ReplicaState], *, reason: str
+        self,
+        name: str,
+        states: Iterable[ReplicaState],
+        *,
+        reason: str,
+        wait_idle_s: float = 0.0,
     ) -> list[str]:
-        """Unload ``name`` from every replica that holds it; returns failures as messages."""
-        failures = []
+        """Unload ``name`` from every replica that holds it; returns failures as messages.
+
+        ``wait_idle_s``: on each replica, first wait (up to this long) for the requests using it
+        there to end; a reload that removed it unloaded it from under a stream (reload review).
+        """
+        holders = []
         for state in states:
             view = self.view.get(state.replica_id)
-            held = name in state.loaded_adapters or (view is not None and name in view.resident)
-            if not held:
-                continue
-            try:
-                await self.loader.unload(state, name, reason=reason)
-            except AdapterError as exc:
-                failures.append(str(exc))
-        return failures
+            if name in state.loaded_adapters or (view is not None and name in view.resident):
+                holders.append(state)
+        outcomes = await asyncio.gather(
+            *(self._unload_when_idle(state, name, reason, wait_idle_s) for state in holders)
+        )
+        return [failure for failure in outcomes if failure is not None]
+
+    async def _unload_when_idle(
+        self, state: ReplicaState, name: str, reason: str, wait_idle_s: float
+    ) -> str | None:
+        deadline = time.monotonic() + wait_idle_s
+        while (
+            time.monotonic() < deadline
+            and await self.loader.requests_on(state.replica_id, name) > 0
+        ):
+            await asyncio.sleep(10 * self.loader.settings.poll_interval_s)
+        try:
+            await self.loader.unload(state, name, reason=reason)
+        except AdapterError as exc:
+            return str(exc)
+        return None
 
     # ------------------------------------------------------------------ pre-warming
 

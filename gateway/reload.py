@@ -6,6 +6,7 @@ for the admin API and logged, and the running policy stays.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -126,19 +127,28 @@ def policy_file_changed(gw: GatewayState) -> bool:
     return True
 
 
+#: How long a reload's unload of a removed (or re-sourced) adapter waits, on each replica, for
+#: the requests using it there to end; then it goes anyway.
+UNLOAD_WAIT_IDLE_S = 300.0
+
+
 def _unload_in_background(gw: GatewayState, names: list[str]) -> None:
     """Unload adapters the reload removed or pointed at other weights, from every replica that
-    holds them (a tracked background task: the reload itself stays synchronous)."""
+    holds them, each once the requests using it there have ended (at most
+    ``UNLOAD_WAIT_IDLE_S``): a tracked background task, so the reload itself stays synchronous.
+    Until then a re-sourced adapter still answers with its old weights there."""
     registry = gw.adapters
     assert registry is not None
 
+    async def unload_one(name: str) -> None:
+        failures = await registry.unload_everywhere(
+            name, gw.registry.adapter_states(), reason="replaced", wait_idle_s=UNLOAD_WAIT_IDLE_S
+        )
+        for failure in failures:
+            log.warning("after the policy reload, unloading %s failed: %s", name, failure)
+
     async def unload() -> None:
-        for name in names:
-            failures = await registry.unload_everywhere(
-                name, gw.registry.adapter_states(), reason="replaced"
-            )
-            for failure in failures:
-                log.warning("after the policy reload, unloading %s failed: %s", name, failure)
+        await asyncio.gather(*(unload_one(name) for name in names))
 
     work = unload()
     try:

@@ -475,3 +475,22 @@ async def test_a_gateway_with_loads_queued_lets_another_take_the_room_between_th
     finally:
         for gateway in (busy, other):
             await gateway.close()
+
+
+async def test_unloading_everywhere_waits_for_the_requests_using_it(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+):
+    """The reload review: a reload that removed an adapter unloaded it 50 ms later, from under a
+    stream still using it. With ``wait_idle_s`` the unload waits for that request to end."""
+    reg, engine, _ = setup
+    state = full(4)
+    await reg.ensure_loaded(state, "a")
+    async with reg.serving(state, "a"):
+        unloading = asyncio.create_task(
+            reg.unload_everywhere("a", [state], reason="replaced", wait_idle_s=60)
+        )
+        await asyncio.sleep(0.3)  # several of its polls
+        assert ("unload", "a") not in engine.calls and not unloading.done()
+    async with asyncio.timeout(10):
+        assert await unloading == []
+    assert ("unload", "a") in engine.calls and "a" not in engine.loaded
