@@ -377,7 +377,7 @@ async def _within(deadline: float, what: str, step: Awaitable[Any]) -> None:
 
 
 async def _start_draining(app: web.Application) -> None:
-    """Refuse new requests; aiohttp lets in-flight ones finish up to its shutdown timeout."""
+    """Refuse new requests (``stop_serving`` already does, from its drain on)."""
     app[GATEWAY].draining = True
 
 

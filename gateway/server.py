@@ -57,6 +57,11 @@ def tune_gc() -> None:
     gc.set_threshold(20_000, gen1, gen2)
 
 
+#: Seconds aiohttp's own shutdown gets, after the drain, to close what is left (it may take
+#: twice this).
+FORCE_CLOSE_S = 0.5
+
+
 def listening_sockets(host: str, port: int, reuse_port: bool = False) -> list[socket.socket]:
     """Bound, listening TCP sockets for every address ``host`` resolves to, as asyncio's
     ``create_server`` binds them (``""``: every interface, IPv4 and IPv6; ``localhost``: both
@@ -106,10 +111,13 @@ async def start_site(
     sockets = listening_sockets(host, port, reuse_port)
     # handler_cancellation: a client disconnect cancels its handler, which aborts the upstream.
     # keepalive_timeout also closes a connection that never completes its headers (nothing
-    # sent, or half of them: a slowloris), from aiohttp 3.10 on.
+    # sent, or half of them: a slowloris), from aiohttp 3.10 on. The drain is stop_serving's:
+    # aiohttp's own shutdown waits its timeout twice for a streaming handler (a 30 s drain
+    # served streams for 62 s past SIGTERM, past the pod's grace period), so it only gets the
+    # last second to close what the drain left.
     runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None,
-        keepalive_timeout=idle_timeout_s,
+        app, handler_cancellation=True, access_log=None,
+        shutdown_timeout=min(drain_timeout_s, FORCE_CLOSE_S), keepalive_timeout=idle_timeout_s,
     )
     try:
         await runner.setup()
@@ -129,12 +137,26 @@ async def start_site(
 
 async def stop_serving(app: web.Application, runner: web.AppRunner) -> None:
     """Leave the load balancer's rotation, then stop: ``/ready`` 503 for ``stop_delay_s`` while
-    requests are still served, then the listener closes and in-flight requests drain."""
+    requests are still served, then the listener closes and in-flight requests get
+    ``drain_timeout_s`` to finish; what is left then is cut (its client sees the stream end)."""
     gw = app[GATEWAY]
     gw.stopping = True
     if gw.config.stop_delay_s > 0:
         log.info("stopping: /ready is 503; still serving for %.1f s", gw.config.stop_delay_s)
         await asyncio.sleep(gw.config.stop_delay_s)
+    for site in list(runner.sites):
+        await site.stop()  # no new connections; those open keep going
+    gw.draining = True  # a new request on an open keep-alive connection: 503 shutting_down
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + gw.config.drain_timeout_s
+    if gw.active_requests:
+        log.info("stopping: draining %d request(s), at most %g s",
+                 gw.active_requests, gw.config.drain_timeout_s)
+    while gw.active_requests and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+    if gw.active_requests:
+        log.warning("stopping: %d request(s) still running after the %g s drain are cut",
+                    gw.active_requests, gw.config.drain_timeout_s)
     await runner.cleanup()
 
 

@@ -25,6 +25,7 @@ from fleetgate.commands._args import (
     non_empty,
     non_negative_float,
     port,
+    positive_float,
     positive_int,
     redis_url,
     replica_url,
@@ -111,6 +112,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--otlp-endpoint",
         default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
         help="OTLP/HTTP traces endpoint (tracing is off without one)",
+    )
+    parser.add_argument(
+        "--stop-delay",
+        type=non_negative_float,
+        default=2.0,
+        metavar="SECONDS",
+        help="on SIGTERM, /ready answers 503 but requests are still accepted this long, for load "
+        "balancers to stop sending (a preStop sleep)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="then the listener closes and requests in flight get this long to finish; what is "
+        "left is cut. Size the pod's terminationGracePeriodSeconds above stop delay + drain + "
+        "11 s of clean-up",
     )
     parser.add_argument(
         "--adapter-prewarm-interval",
@@ -213,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
             otlp_endpoint=args.otlp_endpoint,
             metrics_enabled=not args.no_metrics,
             adapter_prewarm_interval_s=args.adapter_prewarm_interval or None,
+            stop_delay_s=args.stop_delay,
+            drain_timeout_s=args.drain_timeout,
         )
     except ValueError as exc:
         print(f"fleetgate serve: {exc}", file=sys.stderr)

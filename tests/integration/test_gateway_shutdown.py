@@ -171,3 +171,31 @@ async def test_a_request_reaching_a_draining_gateway_gets_a_503_that_says_retry(
                 assert resp.headers["Retry-After"] == "1"
                 assert (await resp.json())["error"]["code"] == "shutting_down"
     assert upstream.attempts == 0
+
+
+async def test_a_stream_still_running_when_the_drain_ends_is_cut_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The deploy review: aiohttp's shutdown waited its timeout twice for a streaming handler,
+    so a 30 s drain served streams for 62 s past SIGTERM, past the pod's 45 s grace period (a
+    SIGKILL mid-stream, no clean-up). The drain is the gateway's own now: a stream still
+    running when it ends is cut (its client sees the body end short), and the log says so."""
+    from gateway.server import start_site, stop_serving
+
+    caplog.set_level(logging.INFO, logger="gateway.server")
+    upstream = FakeUpstream(stream_gate=asyncio.Event())  # streams wait here after one chunk
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        config = GatewayConfig(health_interval_s=3600, stop_delay_s=0, drain_timeout_s=0.5)
+        app = create_app(config, GatewayPolicy.default([spec]))
+        runner, url = await start_site(app, "127.0.0.1", 0, drain_timeout_s=0.5)
+        body = {"model": "base-model", "prompt": "hello", "max_tokens": 2, "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/v1/completions", json=body) as resp:
+                await resp.content.readline()  # a stream running
+                async with asyncio.timeout(HANG_GUARD_S):
+                    await stop_serving(app, runner)
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await resp.content.read()
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("still running after the 0.5 s drain are cut" in m for m in messages), messages

@@ -48,6 +48,7 @@ from fleetgate.cli import main
         ),
         (["sim", "--log-level", "LOUD"], "unknown level 'LOUD'; choose from: DEBUG, INFO"),
         (["up", "--usd-per-hour", "-3"], "must be a finite number >= 0 (got -3)"),
+        (["serve", "--replica", "http://x", "--drain-timeout", "0"], "must be a finite number > 0"),
         (
             ["serve", "--replica", "http://x", "--adapter-prewarm-interval", "-1"],
             "argument --adapter-prewarm-interval: must be a finite number >= 0",
