@@ -11,6 +11,7 @@ from routing.config.infra import GatewaySettings, IndexSettings
 from routing.index.factory import DEFAULT_INDEX_MODE
 from routing.index.redis_client import is_cluster_url
 from routing.policies.registry import DEFAULT_PROFILE
+from routing.redis_clients import redacted
 
 _GATEWAY = GatewaySettings()
 _INDEX = IndexSettings()
@@ -110,9 +111,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if self.redis_url is not None and is_cluster_url(self.redis_url):
             raise ValueError(
-                f"--redis {self.redis_url}: a Redis Cluster holds the block index only. Give "
-                "--redis one Redis server (fleet store, in-flight counts, token budgets) and put "
-                "the Cluster under the policy's index.redis_url (docs/index.md, Redis Cluster)"
+                f"--redis {redacted(self.redis_url)}: a Redis Cluster holds the block index only. "
+                "Give --redis one Redis server (fleet store, in-flight counts, token budgets) and "
+                "put the Cluster under the policy's index.redis_url (docs/index.md, Redis Cluster)"
             )
 
     @property
@@ -130,10 +131,14 @@ class GatewayConfig:
             return []
         trial = dataclasses.replace(self.before_policy)
         trial.apply_policy(policy, startup=True)
-        # No index URL is the in-memory index: said so, not "None" (no other setting is None).
+        # No index URL is the in-memory index: said so, not "None" (no other setting is None);
+        # a password written in a URL is not repeated (this goes to the log and /admin/policy).
+        def shown(value: Any) -> str:
+            return redacted(value) if isinstance(value, str) else str(value or "memory")
+
         return [
-            f"{label}: {getattr(trial, name) or 'memory'} "
-            f"(running: {getattr(self, name) or 'memory'})"
+            f"{label}: {shown(getattr(trial, name) or 'memory')} "
+            f"(running: {shown(getattr(self, name) or 'memory')})"
             for name, label in _RESTART_ONLY.items()
             if getattr(trial, name) != getattr(self, name)
         ]

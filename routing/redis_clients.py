@@ -10,13 +10,53 @@ at most about two timeouts and the caller's own fallback takes over.
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-__all__ = ["bounded_client", "bounded_options"]
+__all__ = ["bounded_client", "bounded_options", "expand_env", "has_literal_password", "redacted"]
+
+#: ``${NAME}`` in a Redis URL: the value of that environment variable, read when connecting.
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(url: str) -> str:
+    """``url`` with every ``${NAME}`` replaced by that environment variable, so a password can
+    come from a Secret while the policy file (a ConfigMap, logs, ``/admin/policy``) shows only
+    the reference. ``ValueError`` naming the variable if one is not set."""
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in os.environ:
+            raise ValueError(
+                f"the Redis URL names ${{{name}}}, which is not set in this process's "
+                "environment (set it, e.g. from a Kubernetes Secret)"
+            )
+        return os.environ[name]
+
+    return _ENV_REFERENCE.sub(value, url)
+
+
+def redacted(url: str) -> str:
+    """``url`` with a written-out password replaced by ``***``, for logs and admin answers."""
+    if not has_literal_password(url):
+        return url
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
+
+
+def has_literal_password(url: str) -> bool:
+    """True if ``url`` carries a password written out (not a ``${NAME}`` reference)."""
+    from urllib.parse import urlsplit
+
+    password = urlsplit(url).password
+    return bool(password) and not _ENV_REFERENCE.fullmatch(password or "")
 
 
 def bounded_options(timeout_s: float) -> dict[str, Any]:
@@ -30,6 +70,6 @@ def bounded_options(timeout_s: float) -> dict[str, Any]:
 
 
 def bounded_client(url: str, timeout_s: float, **options: Any) -> Redis:
-    """A client for ``url`` with ``bounded_options(timeout_s)``; ``options`` go to
-    ``Redis.from_url``."""
-    return Redis.from_url(url, **bounded_options(timeout_s), **options)
+    """A client for ``url`` (``${NAME}`` expanded, ``expand_env``) with
+    ``bounded_options(timeout_s)``; ``options`` go to ``Redis.from_url``."""
+    return Redis.from_url(expand_env(url), **bounded_options(timeout_s), **options)

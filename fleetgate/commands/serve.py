@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         announce = functools.partial(_announce, every_interface=args.host in _WILDCARDS)
         return serve_forever(factory, config, args.host, args.port, args.workers, announce)
-    except OSError as exc:  # a port in use, an address this host does not have
+    except (OSError, ValueError) as exc:  # a port in use; a Redis URL naming an unset ${VAR}
         return cannot_start("serve", exc, f"{args.host}:{args.port}")
 
 

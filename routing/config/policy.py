@@ -17,6 +17,7 @@ from routing.config.infra import GatewaySettings, IndexSettings
 from routing.config.plugins import PluginSpec, ProfileSpec
 from routing.config.routes import Route
 from routing.config.tenancy import Adapter, AdapterStorage, AdminSettings, Tenant
+from routing.redis_clients import has_literal_password
 
 #: The route of requests that match no route in the policy.
 IMPLICIT_ROUTE = Route(name="default")
@@ -229,6 +230,17 @@ class Policy(StrictModel):
                     "tokenizer.json on this machine. Fine if validation runs elsewhere, but the "
                     "gateway that loads this policy refuses to start without it: mount the model "
                     "files there, or use {kind: remote, url: <engine URL>}"
+                )
+        urls = [(f"replica_pools[{i}].discovery.redis_url", pool.discovery.redis_url)
+                for i, pool in enumerate(self.replica_pools) if pool.discovery is not None]
+        if self.index.redis_url is not None:
+            urls.append(("index.redis_url", self.index.redis_url))
+        for where, url in urls:
+            if has_literal_password(url):
+                found.append(
+                    f"{where}: a password written in the file (a ConfigMap anyone with read "
+                    "access sees, and /admin/policy): write ${REDIS_PASSWORD} there and set "
+                    "REDIS_PASSWORD in the gateway's environment (e.g. from a Secret)"
                 )
         return found
 

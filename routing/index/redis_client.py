@@ -12,6 +12,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from routing.redis_clients import expand_env
+
 __all__ = ["CLUSTER_SCHEMES", "IndexRedis", "connect", "is_cluster_url"]
 
 #: Cluster URL scheme -> the scheme redis-py's Cluster client takes.
@@ -28,10 +30,12 @@ def is_cluster_url(url: str) -> bool:
 
 
 def connect(url: str, **options: Any) -> IndexRedis:
-    """A client for ``url``: a ``RedisCluster`` for a cluster URL, else a ``Redis``.
+    """A client for ``url`` (``${NAME}`` expanded from the environment): a ``RedisCluster`` for
+    a cluster URL, else a ``Redis``.
 
     ``options`` are client settings both take (timeouts, ``retry``).
     """
+    url = expand_env(url)
     if is_cluster_url(url):
         scheme, _, rest = url.partition("://")
         return aioredis.RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}", **options)

@@ -170,3 +170,35 @@ def test_a_policy_file_is_read_once_it_holds_still_between_two_polls(tmp_path: P
     os.utime(path, ns=(0, os.stat(path).st_mtime_ns + 2 * 10**9))
     assert not policy_file_changed(gw)  # changed again: wait again
     assert policy_file_changed(gw)  # held still for a poll: reload
+
+
+def test_a_redis_password_written_in_the_policy_is_warned_about_and_never_repeated() -> None:
+    """The deploy review: a Redis password could only be written into the policy file. It may
+    now be ``${VAR}`` (expanded on connecting); one written out is warned about, and the
+    restart notice (the log, /admin/policy) shows it as ***."""
+    from types import SimpleNamespace
+
+    from gateway.config import GatewayConfig
+    from routing.config.infra import IndexSettings
+
+    started = SimpleNamespace(index=IndexSettings())
+    config = GatewayConfig()
+    config.apply_policy(started, startup=True)
+    written = SimpleNamespace(
+        index=IndexSettings(backend="redis", redis_url="redis://:hunter2@redis:6379/0")
+    )
+    (notice,) = config.needs_restart(written)
+    assert "hunter2" not in notice and "redis://:***@redis:6379/0" in notice
+    policy = parse_policy(
+        yaml.safe_dump(
+            {
+                "version": 1,
+                "replica_pools": [{"name": "a", "discovery": {"redis_url": "redis://:pw@r:1/0"}}],
+                "models": [{"name": "m", "pools": ["a"]}],
+                "index": {"backend": "redis", "redis_url": "redis://:${REDIS_PASSWORD}@r:1/0"},
+            }
+        )
+    )
+    warnings = policy.warnings()
+    assert any(w.startswith("replica_pools[0].discovery.redis_url: a password") for w in warnings)
+    assert not any(w.startswith("index.redis_url") for w in warnings)  # a reference: fine
