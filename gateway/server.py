@@ -21,7 +21,7 @@ from aiohttp import web
 from gateway.config import GatewayConfig
 from gateway.logging_setup import configure_logging
 from gateway.reload import reload_policy
-from gateway.state import GATEWAY
+from gateway.state import GATEWAY, GatewayState
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +55,6 @@ def tune_gc() -> None:
     gc.freeze()
     _gen0, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(20_000, gen1, gen2)
-
-
-#: Seconds aiohttp's own shutdown gets, after the drain, to close what is left (it may take
-#: twice this).
-FORCE_CLOSE_S = 0.5
 
 
 def listening_sockets(host: str, port: int, reuse_port: bool = False) -> list[socket.socket]:
@@ -111,13 +106,13 @@ async def start_site(
     sockets = listening_sockets(host, port, reuse_port)
     # handler_cancellation: a client disconnect cancels its handler, which aborts the upstream.
     # keepalive_timeout also closes a connection that never completes its headers (nothing
-    # sent, or half of them: a slowloris), from aiohttp 3.10 on. The drain is stop_serving's:
-    # aiohttp's own shutdown waits its timeout twice for a streaming handler (a 30 s drain
-    # served streams for 62 s past SIGTERM, past the pod's grace period), so it only gets the
-    # last second to close what the drain left.
+    # sent, or half of them: a slowloris), from aiohttp 3.10 on. aiohttp's shutdown waits its
+    # timeout twice for a request still running (for it to end, then after failing its body,
+    # which a response being streamed or written does not notice): half the drain each, or a
+    # 30 s drain served streams 62 s past SIGTERM, past the pod's grace period.
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None,
-        shutdown_timeout=min(drain_timeout_s, FORCE_CLOSE_S), keepalive_timeout=idle_timeout_s,
+        shutdown_timeout=drain_timeout_s / 2, keepalive_timeout=idle_timeout_s,
     )
     try:
         await runner.setup()
@@ -147,17 +142,25 @@ async def stop_serving(app: web.Application, runner: web.AppRunner) -> None:
     for site in list(runner.sites):
         await site.stop()  # no new connections; those open keep going
     gw.draining = True  # a new request on an open keep-alive connection: 503 shutting_down
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + gw.config.drain_timeout_s
+    drain_s = gw.config.drain_timeout_s
     if gw.active_requests:
-        log.info("stopping: draining %d request(s), at most %g s",
-                 gw.active_requests, gw.config.drain_timeout_s)
-    while gw.active_requests and loop.time() < deadline:
-        await asyncio.sleep(0.1)
+        log.info("stopping: draining %d request(s), at most %g s", gw.active_requests, drain_s)
+    # Every request in flight (streams, responses still being written, whatever the route) gets
+    # the drain: aiohttp's shutdown, at half the drain twice (``start_site``). Said just before
+    # the end what it will cut.
+    cut = asyncio.get_running_loop().call_later(max(0.0, drain_s - 0.1), _say_cut, gw, drain_s)
+    try:
+        await runner.cleanup()
+    finally:
+        cut.cancel()
+
+
+def _say_cut(gw: GatewayState, drain_s: float) -> None:
     if gw.active_requests:
-        log.warning("stopping: %d request(s) still running after the %g s drain are cut",
-                    gw.active_requests, gw.config.drain_timeout_s)
-    await runner.cleanup()
+        log.warning(
+            "stopping: %d request(s) still running at the end of the %g s drain are cut",
+            gw.active_requests, drain_s,
+        )
 
 
 class StopSignals:

@@ -25,9 +25,11 @@ _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def expand_env(url: str) -> str:
-    """``url`` with every ``${NAME}`` replaced by that environment variable, so a password can
+    """``url`` with every ``${NAME}`` replaced by that environment variable, percent-encoded (a
+    generated password holds ``/``, ``+``, ``=``, which would break the URL), so a password can
     come from a Secret while the policy file (a ConfigMap, logs, ``/admin/policy``) shows only
     the reference. ``ValueError`` naming the variable if one is not set."""
+    from urllib.parse import quote
 
     def value(match: re.Match[str]) -> str:
         name = match.group(1)
@@ -36,7 +38,7 @@ def expand_env(url: str) -> str:
                 f"the Redis URL names ${{{name}}}, which is not set in this process's "
                 "environment (set it, e.g. from a Kubernetes Secret)"
             )
-        return os.environ[name]
+        return quote(os.environ[name], safe="")
 
     return _ENV_REFERENCE.sub(value, url)
 

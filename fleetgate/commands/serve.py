@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="then the listener closes and requests in flight get this long to finish; what is "
         "left is cut. Size the pod's terminationGracePeriodSeconds above stop delay + drain + "
-        "11 s of clean-up",
+        "10 s of clean-up",
     )
     parser.add_argument(
         "--adapter-prewarm-interval",

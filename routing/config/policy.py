@@ -239,8 +239,8 @@ class Policy(StrictModel):
             if has_literal_password(url):
                 found.append(
                     f"{where}: a password written in the file (a ConfigMap anyone with read "
-                    "access sees, and /admin/policy): write ${REDIS_PASSWORD} there and set "
-                    "REDIS_PASSWORD in the gateway's environment (e.g. from a Secret)"
+                    "access sees): write ${REDIS_PASSWORD} there and set REDIS_PASSWORD in the "
+                    "gateway's environment (e.g. from a Secret)"
                 )
         return found
 

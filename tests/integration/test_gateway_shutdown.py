@@ -198,4 +198,4 @@ async def test_a_stream_still_running_when_the_drain_ends_is_cut_and_logged(
                 with pytest.raises(aiohttp.ClientPayloadError):
                     await resp.content.read()
     messages = [record.getMessage() for record in caplog.records]
-    assert any("still running after the 0.5 s drain are cut" in m for m in messages), messages
+    assert any("still running at the end of the 0.5 s drain are cut" in m for m in messages), messages

@@ -15,11 +15,13 @@ from tests.support.redis_server import RedisServer
 async def test_redis_urls_take_their_password_from_the_environment(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # What `openssl rand -base64` makes: '/', '+' and '=' must not break the URL.
+    password = "Ab/cD+9x%41="
     admin = Redis.from_url(redis_server.url)
-    await admin.config_set("requirepass", "s3cret-pw")
+    await admin.config_set("requirepass", password)
     await admin.aclose()
     url = f"redis://:${{FG_TEST_REDIS_PASSWORD}}@127.0.0.1:{redis_server.port}/0"
-    monkeypatch.setenv("FG_TEST_REDIS_PASSWORD", "s3cret-pw")
+    monkeypatch.setenv("FG_TEST_REDIS_PASSWORD", password)
     for client in (bounded_client(url, 1.0), connect(url)):
         try:
             assert await client.ping()
