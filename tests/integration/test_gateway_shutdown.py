@@ -190,12 +190,15 @@ async def test_a_stream_still_running_when_the_drain_ends_is_cut_and_logged(
         app = create_app(config, GatewayPolicy.default([spec]))
         runner, url = await start_site(app, "127.0.0.1", 0, drain_timeout_s=0.5)
         body = {"model": "base-model", "prompt": "hello", "max_tokens": 2, "stream": True}
-        async with aiohttp.ClientSession() as http:
-            async with http.post(f"{url}/v1/completions", json=body) as resp:
-                await resp.content.readline()  # a stream running
-                async with asyncio.timeout(HANG_GUARD_S):
-                    await stop_serving(app, runner)
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    await resp.content.read()
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{url}/v1/completions", json=body) as resp,
+        ):
+            await resp.content.readline()  # a stream running
+            async with asyncio.timeout(HANG_GUARD_S):
+                await stop_serving(app, runner)
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.content.read()
     messages = [record.getMessage() for record in caplog.records]
-    assert any("still running at the end of the 0.5 s drain are cut" in m for m in messages), messages
+    cut = "still running at the end of the 0.5 s drain are cut"
+    assert any(cut in m for m in messages), messages
