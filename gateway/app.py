@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,7 @@ from gateway.layout import LayoutDiagnostics
 from gateway.logging_setup import HTTP_SERVER_LOG
 from gateway.metrics import GatewayMetrics
 from gateway.policy_view import GatewayPolicy, from_policy, policy_digest
+from gateway.reload import file_identity
 from gateway.replicas import ReplicaRegistry
 from gateway.request_body import request_id_of
 from gateway.response_affinity import build_response_affinity
@@ -215,7 +215,7 @@ def create_app(
     registry.on_remove.append(gw.metrics.forget_replica)
     if config.policy_path is not None:
         with contextlib.suppress(OSError):
-            gw.policy_mtime = os.stat(config.policy_path).st_mtime
+            gw.policy_file_seen = file_identity(config.policy_path)
     gw.metrics.set_policy(policy_digest(gw.policy.source), gw.policy.routes)
 
     app = web.Application(middlewares=[envelope_errors], handler_args=HANDLER_ARGS)

@@ -39,7 +39,7 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     if path is None:
         return ReloadResult(False, ["no policy file configured (running policy-less)"])
     try:
-        mtime = os.stat(path).st_mtime
+        seen = file_identity(path)
         policy = load_policy(path)
         view = from_policy(policy)
         profiles = build_profiles(view)
@@ -58,7 +58,7 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     gw.policy = view
     gw.registry.set_static(view.replicas)
     gw.registry.set_pool_speeds(view.pool_speeds)
-    gw.policy_mtime = mtime
+    gw.policy_file_seen = seen
     gw.policy_errors = []
     gw.restart_needed = kept
     if stale and gw.adapters is not None:
@@ -84,15 +84,23 @@ def _refused(gw: GatewayState, problems: list[str], path: str) -> ReloadResult:
     gw.policy_errors = problems
     # Remember the refused file's mtime so polling does not retry it every interval.
     with contextlib.suppress(OSError):
-        gw.policy_mtime = os.stat(path).st_mtime
+        gw.policy_file_seen = file_identity(path)
     gw.metrics.policy_reloads.labels("rejected").inc()
     log.error("policy reload refused, keeping the running policy:\n  %s", "\n  ".join(problems))
     return ReloadResult(False, problems)
 
 
+def file_identity(path: str) -> tuple[float, int]:
+    """A policy file's modification time and inode (following a symlink, as kubelet's swap of a
+    ConfigMap's ``..data`` is): a new file with the same time and size (``rsync -t``) is still
+    noticed. ``OSError`` if it cannot be read."""
+    stat = os.stat(path)
+    return stat.st_mtime, stat.st_ino
+
+
 def policy_file_changed(gw: GatewayState) -> bool:
-    """True if the policy file's mtime differs from the one last loaded (or refused), and the
-    file has stayed as it is since the previous poll (its mtime and size).
+    """True if the policy file's mtime or inode differs from the one last loaded (or refused),
+    and the file has stayed as it is since the previous poll (its mtime and size).
 
     A file written in place is read only once it settles: a poll that caught it half-written,
     still valid YAML, applied the half (the reload review: two adapters unloaded fleet-wide, one
@@ -104,7 +112,6 @@ def policy_file_changed(gw: GatewayState) -> bool:
         return False
     try:
         stat = os.stat(path)
-        mtime = stat.st_mtime
     except OSError as exc:
         if not gw.policy_file_missing:
             gw.policy_file_missing = True
@@ -116,10 +123,10 @@ def policy_file_changed(gw: GatewayState) -> bool:
     if gw.policy_file_missing:
         gw.policy_file_missing = False
         log.warning("policy file %s can be read again", path)
-    if mtime == gw.policy_mtime:
+    if (stat.st_mtime, stat.st_ino) == gw.policy_file_seen:
         gw.policy_settling = None
         return False
-    stamp = (stat.st_mtime_ns, stat.st_size)
+    stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
     if stamp != gw.policy_settling:  # changed since the last poll: perhaps still being written
         gw.policy_settling = stamp
         return False

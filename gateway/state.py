@@ -70,12 +70,13 @@ class GatewayState:
     #: Retries on fallbacks before the first byte (the policy's ``gateway.max_retries``).
     max_retries: int = 2
     policy_errors: list[str] = field(default_factory=list)
-    policy_mtime: float | None = None
+    #: The policy file last loaded or refused: (mtime, inode), ``reload.file_identity``.
+    policy_file_seen: tuple[float, int] | None = None
     #: What the last reload could not apply without a restart (``GatewayConfig.needs_restart``):
     #: the file's index settings differ from the running ones.
     restart_needed: list[str] = field(default_factory=list)
-    #: The changed policy file's (mtime_ns, size) at the last poll, read once it holds still.
-    policy_settling: tuple[int, int] | None = None
+    #: The changed policy file's (mtime_ns, size, inode) at the last poll, read once it holds still.
+    policy_settling: tuple[int, int, int] | None = None
     #: The policy file could not be read at the last poll (said once: ``reload.py``).
     policy_file_missing: bool = False
     #: The per-request speculative index write (``gateway/speculative.py``).

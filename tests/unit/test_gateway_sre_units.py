@@ -152,13 +152,13 @@ def test_a_policy_file_is_read_once_it_holds_still_between_two_polls(tmp_path: P
     import os
     from types import SimpleNamespace
 
-    from gateway.reload import policy_file_changed
+    from gateway.reload import file_identity, policy_file_changed
 
     path = tmp_path / "policy.yaml"
     path.write_text("version: 1\n")
     gw = SimpleNamespace(
         config=SimpleNamespace(policy_path=str(path)),
-        policy_mtime=os.stat(path).st_mtime,
+        policy_file_seen=file_identity(str(path)),
         policy_file_missing=False,
         policy_settling=None,
     )
@@ -170,6 +170,16 @@ def test_a_policy_file_is_read_once_it_holds_still_between_two_polls(tmp_path: P
     os.utime(path, ns=(0, os.stat(path).st_mtime_ns + 2 * 10**9))
     assert not policy_file_changed(gw)  # changed again: wait again
     assert policy_file_changed(gw)  # held still for a poll: reload
+    # A new file of the same size and time put in its place (rsync -t, the deploy review): its
+    # inode tells it apart.
+    gw.policy_file_seen = file_identity(str(path))
+    same = os.stat(path)
+    other = tmp_path / "other.yaml"
+    other.write_text(path.read_text().replace("tenants", "profiles"))
+    os.utime(other, ns=(same.st_atime_ns, same.st_mtime_ns))
+    os.replace(other, path)
+    assert not policy_file_changed(gw)  # seen once
+    assert policy_file_changed(gw)  # and reloaded
 
 
 def test_a_redis_password_written_in_the_policy_is_warned_about_and_never_repeated() -> None:
