@@ -211,13 +211,20 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         from routing.config import PolicyError, load_policy
+        from routing.redis_clients import expand_env
 
         try:
-            load_policy(args.policy)  # refuse to start on an invalid file, with every error
+            policy = load_policy(args.policy)  # refuse to start on an invalid file
         except PolicyError as exc:
             print(f"fleetgate serve: {args.policy} is invalid:", file=sys.stderr)
             for error in exc.errors:
                 print(f"  {error}", file=sys.stderr)
+            return 2
+        try:  # here, once, not in each --workers process
+            for url in policy.redis_urls().values():
+                expand_env(url)
+        except ValueError as exc:
+            print(f"fleetgate serve: {args.policy}: {exc}", file=sys.stderr)
             return 2
     try:
         config = GatewayConfig(

@@ -211,6 +211,17 @@ class Policy(StrictModel):
         ]
         return f"policy v{self.version}: " + ", ".join(parts)
 
+    def redis_urls(self) -> dict[str, str]:
+        """Every Redis URL the file names, by where (``index.redis_url``, ...)."""
+        urls = {
+            f"replica_pools[{i}].discovery.redis_url": pool.discovery.redis_url
+            for i, pool in enumerate(self.replica_pools)
+            if pool.discovery is not None
+        }
+        if self.index.redis_url is not None:
+            urls["index.redis_url"] = self.index.redis_url
+        return urls
+
     def warnings(self) -> list[str]:
         """Valid but probably unintended settings, for ``fleetgate policy validate`` and the
         gateway's log at every (re)load."""
@@ -231,11 +242,7 @@ class Policy(StrictModel):
                     "gateway that loads this policy refuses to start without it: mount the model "
                     "files there, or use {kind: remote, url: <engine URL>}"
                 )
-        urls = [(f"replica_pools[{i}].discovery.redis_url", pool.discovery.redis_url)
-                for i, pool in enumerate(self.replica_pools) if pool.discovery is not None]
-        if self.index.redis_url is not None:
-            urls.append(("index.redis_url", self.index.redis_url))
-        for where, url in urls:
+        for where, url in self.redis_urls().items():
             if has_literal_password(url):
                 found.append(
                     f"{where}: a password written in the file (a ConfigMap anyone with read "

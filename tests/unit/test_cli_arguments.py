@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import socket
 import sys
+from pathlib import Path
 
 import pytest
 
 from fleetgate.cli import main
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 @pytest.mark.parametrize(
@@ -49,6 +52,13 @@ from fleetgate.cli import main
         (["sim", "--log-level", "LOUD"], "unknown level 'LOUD'; choose from: DEBUG, INFO"),
         (["up", "--usd-per-hour", "-3"], "must be a finite number >= 0 (got -3)"),
         (["serve", "--replica", "http://x", "--drain-timeout", "0"], "must be a finite number > 0"),
+        # A policy naming an unset ${VAR}: one line before any worker starts (one traceback per
+        # worker before, the second diff review).
+        (
+            ["serve", "--config", str(FIXTURES / "unset-env-redis.yaml"), "--workers", "2",
+             "--no-metrics"],
+            "names ${FG_TEST_UNSET_PASSWORD}, which is not set",
+        ),
         (
             ["serve", "--replica", "http://x", "--adapter-prewarm-interval", "-1"],
             "argument --adapter-prewarm-interval: must be a finite number >= 0",
