@@ -45,11 +45,11 @@ def expand_env(url: str) -> str:
 
 def redacted(url: str) -> str:
     """``url`` with a written-out password replaced by ``***``, for logs and admin answers."""
-    if not has_literal_password(url):
-        return url
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
+    if not parts.password or _ENV_REFERENCE.fullmatch(parts.password):
+        return url
     return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from planning.advise.engine_metrics import ENGINE_LENGTHS, ENGINE_TIMERS, EngineReading, Histogram
 from planning.advise.model import Measurements, Percentiles
-from planning.triage.histogram import histogram_quantile
+from planning.triage.histogram import histogram_quantile, in_first_bucket
 
 #: Every request has one first token: the TTFT histogram's count is the engine's request count.
 TTFT = ENGINE_TIMERS["ttft"]
@@ -113,18 +113,6 @@ def _ms(hist: Histogram | None, q: float) -> float | None:
     return None if value is None else value * 1000.0
 
 
-def in_first_bucket(hist: Histogram, q: float) -> float | None:
-    """The first bucket's bound when the ``q`` quantile falls in it, else None: all the
-    histogram says there is "at most this" (interpolating from 0 makes a figure up)."""
-    ordered = sorted(hist.buckets.items())
-    if not ordered or ordered[-1][1] <= 0:
-        return None
-    first_bound, first_count = ordered[0]
-    if first_bound == float("inf") or first_count < q * ordered[-1][1]:
-        return None
-    return first_bound
-
-
 def timers(readings: Sequence[EngineReading]) -> dict[str, Percentiles]:
     """The four timers at p50/p95/p99 from the engines' histograms (lifetime); a quantile in
     a histogram's first bucket is reported as that bucket's bound, marked ``at_most``."""
@@ -133,12 +121,12 @@ def timers(readings: Sequence[EngineReading]) -> dict[str, Percentiles]:
         hist = _pool_histogram(readings, family)
         if hist is None or not hist.buckets:
             continue
+        buckets = sorted(hist.buckets.items())
         cells: dict[str, float | None] = {}
         at_most = []
         for field, q in (("p50_ms", 0.5), ("p95_ms", 0.95), ("p99_ms", 0.99)):
-            bound = in_first_bucket(hist, q)
-            if bound is not None:
-                cells[field] = bound * 1000.0
+            if in_first_bucket(q, buckets):
+                cells[field] = buckets[0][0] * 1000.0
                 at_most.append(field)
             else:
                 cells[field] = _ms(hist, q)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 def histogram_quantile(quantile: float, buckets: Iterable[tuple[float, float]]) -> float | None:
@@ -32,3 +32,14 @@ def histogram_quantile(quantile: float, buckets: Iterable[tuple[float, float]]) 
             )
         lower_bound, lower_count = upper_bound, count
     return lower_bound
+
+
+def in_first_bucket(quantile: float, buckets: Sequence[tuple[float, float]]) -> bool:
+    """True when the ``quantile`` falls in the first (finite) bucket of cumulative ``(le,
+    count)`` ``buckets`` sorted by le: all the histogram says is "at most its bound" (vLLM's
+    queue and prefill timers start with 0-0.3 s, where interpolating from 0 makes a figure up).
+    The gateway's page has the same rule (``gateway/dashboard/histograms.py``: serving code
+    imports no planning)."""
+    if not buckets or buckets[-1][1] <= 0 or math.isinf(buckets[0][0]):
+        return False
+    return buckets[0][1] >= quantile * buckets[-1][1]
