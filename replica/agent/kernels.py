@@ -32,8 +32,10 @@ class KernelReportReader:
                  timeout_s: float = 1.0, client: Any | None = None) -> None:
         import redis.asyncio as aioredis
 
+        from routing.redis_clients import expand_env
+
         self._redis = client or aioredis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            expand_env(url), socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
         self.key = PluginKeys(key_prefix, replica_id).kernels
         self._failing = False

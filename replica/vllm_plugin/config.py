@@ -105,6 +105,13 @@ class PluginConfig:
             raise PluginConfigError(
                 f"FLEETGATE_REDIS_URL={url!r} must be a redis://, rediss:// or unix:// URL"
             )
+        if url is not None:
+            from routing.redis_clients import expand_env
+
+            try:  # ${NAME} is expanded on connecting (redis_store.connect); refuse an unset one now
+                expand_env(url)
+            except ValueError as exc:
+                raise PluginConfigError(f"FLEETGATE_REDIS_URL: {exc}") from exc
         replica_id = (env.get("FLEETGATE_REPLICA_ID") or "").strip() or socket.gethostname()
         prefix = env.get("FLEETGATE_KEY_PREFIX", "fleetgate:")
         return cls(

@@ -20,13 +20,16 @@ __all__ = ["RedisStateStore", "connect"]
 
 
 def connect(url: str, timeout_s: float) -> Any:
-    """A ``redis.Redis`` client for ``url`` with ``timeout_s`` socket timeouts, no retries."""
+    """A ``redis.Redis`` client for ``url`` (``${NAME}`` expanded from the environment, so a
+    password can come from a Secret) with ``timeout_s`` socket timeouts, no retries."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    from routing.redis_clients import expand_env
+
     return redis.Redis.from_url(
-        url,
+        expand_env(url),
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),

@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
+from replica.agent.kernels import KernelReportReader
+from replica.vllm_plugin import redis_store
+from replica.vllm_plugin.config import PluginConfig, PluginConfigError
 from routing.index.redis_client import connect
 from routing.redis_clients import bounded_client
 from tests.support.redis_server import RedisServer
@@ -30,3 +33,36 @@ async def test_redis_urls_take_their_password_from_the_environment(
     monkeypatch.delenv("FG_TEST_REDIS_PASSWORD")
     with pytest.raises(ValueError, match=r"\$\{FG_TEST_REDIS_PASSWORD\}, which is not set"):
         bounded_client(url, 1.0)
+
+
+async def test_the_agents_kernel_reader_and_the_engine_plugin_take_it_too(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The agent's kernel-report reader and the engine plugin connected with the URL as written,
+    # so "${VAR}" was sent as the password (the deploy review's left-over).
+    password = "Zz/9+q="
+    admin = Redis.from_url(redis_server.url)
+    await admin.config_set("requirepass", password)
+    await admin.execute_command("AUTH", password)
+    await admin.hset("fg:replica:r0:kernels", "my.kernels", "1.2")
+    await admin.aclose()
+    url = f"redis://:${{FG_TEST_REDIS_PASSWORD}}@127.0.0.1:{redis_server.port}/0"
+    monkeypatch.setenv("FG_TEST_REDIS_PASSWORD", password)
+
+    reader = KernelReportReader(url, "fg:", "r0")
+    try:
+        assert await reader.read() == {"my.kernels": "1.2"}
+    finally:
+        await reader.close()
+
+    config = PluginConfig.from_env({"FLEETGATE_REDIS_URL": url, "FLEETGATE_REPLICA_ID": "r0"})
+    assert config.redis_url == url  # the reference is kept; the value is read on connecting
+    engine_side = redis_store.connect(config.redis_url, 1.0)
+    try:
+        assert engine_side.hget("fg:replica:r0:kernels", "my.kernels") == b"1.2"
+    finally:
+        engine_side.close()
+
+    monkeypatch.delenv("FG_TEST_REDIS_PASSWORD")
+    with pytest.raises(PluginConfigError, match=r"FLEETGATE_REDIS_URL: .*FG_TEST_REDIS_PASSWORD"):
+        PluginConfig.from_env({"FLEETGATE_REDIS_URL": url})
