@@ -43,7 +43,8 @@ class AdapterCatalog:
         self._roots = self._roots_of(policy)
         self._policy = policy
         self._runtime: dict[str, Adapter] = {}
-        self._labels: dict[str, str] = {}
+        #: Last label by name, and by (name, source): what ``metrics_label`` gave them.
+        self._labels: dict[str | tuple[str, str], str] = {}
         self._label_key = self._label_key_of(policy)
         self._check_policy(policy)
 
@@ -62,6 +63,8 @@ class AdapterCatalog:
         """
         roots = self._roots_of(policy)
         self._check_policy(policy, roots)
+        for adapter in self:  # remembered before the names or sources go (``metrics_label``)
+            self.metrics_label(adapter.name)
         self._policy = policy
         self._roots = roots
         self._label_key = self._label_key_of(policy)
@@ -142,20 +145,27 @@ class AdapterCatalog:
             )
         return label_key([*(d for keys in holders for d in keys), *admin])
 
-    def metrics_label(self, name: str) -> str:
+    def metrics_label(self, name: str, source: str | None = None) -> str:
         """The ``adapter`` label of ``name`` on ``/metrics``: its name if public, else an opaque
         ``private-<hex>`` (``adapters_registry.metrics.private_adapter_label``). An adapter no
-        longer in the catalog (unloaded after its removal) keeps its last label."""
+        longer in the catalog (unloaded after its removal), or its weights from ``source`` that
+        a reload replaced, keep the label they had, so loads and unloads of one set of weights
+        add up under one label (the LoRA-reload review found a removed public adapter's unloads
+        under a ``private-…`` label)."""
+        if source is not None:
+            known = self._labels.get((name, source))
+            if known is not None:
+                return known
         adapter = self.find(name)
-        if adapter is not None and adapter.public:
-            return name
         if adapter is None:
             return self._labels.get(name) or private_adapter_label(name, "", self._label_key)
-        label = private_adapter_label(name, adapter.source, self._label_key)
-        if self._labels.get(name) != label:
-            if len(self._labels) > 4096:  # names come from the policy and the admin API
+        label = name if adapter.public else private_adapter_label(
+            name, adapter.source, self._label_key
+        )
+        if self._labels.get(name) != label or (name, adapter.source) not in self._labels:
+            if len(self._labels) > 8192:  # names come from the policy and the admin API
                 self._labels.clear()
-            self._labels[name] = label
+            self._labels[name] = self._labels[(name, adapter.source)] = label
         return label
 
     def is_runtime(self, name: str) -> bool:

@@ -124,6 +124,24 @@ class NoAdapterSlot(AdapterError):
         )
 
 
+class OldWeightsInUse(NoAdapterSlot):
+    """The replica holds the adapter's previous weights (a reload changed its ``source``) and
+    requests admitted before the reload still use them: the new weights cannot be loaded there
+    until they end (vLLM holds one set of weights per name). The gateway tries another replica.
+    """
+
+    def __init__(self, adapter: str, replica: str, requests: int) -> None:
+        AdapterError.__init__(
+            self,
+            f"replica {replica!r} still serves {requests} request(s) with the previous weights "
+            f"of {adapter!r}; its new weights cannot be loaded there until they end",
+        )
+        self.adapter = adapter
+        self.replica = replica
+        self.capacity = 0
+        self.blocked = [adapter]
+
+
 class ThrashGuardTripped(AdapterError):
     """The replica loaded too many adapters recently; the gateway should try another replica."""
 

@@ -35,6 +35,7 @@ from adapters_registry.errors import (
     AdapterLoadFailed,
     AdapterUnloadFailed,
     NoAdapterSlot,
+    OldWeightsInUse,
     ReplicaLoadsFailing,
     ThrashGuardTripped,
 )
@@ -95,6 +96,18 @@ class LoaderSettings:
                 f"lock_ttl_s ({self.lock_ttl_s}) must be > load_timeout_s ({self.load_timeout_s}):"
                 " a lock that expires mid-load lets a second gateway load the same adapter"
             )
+
+
+#: ``AdapterUnloadFailed``'s reason when ``unload(if_idle=True)`` finds a request using it.
+IN_USE = "a request is using it"
+
+#: Between a lease's id and the ``source`` of the weights its request was admitted for.
+LEASE_SEP = "|"
+
+
+def lease_source(lease: str) -> str:
+    """The ``source`` a lease (``in_use``) was taken for; ``""`` for a lease without one."""
+    return lease.partition(LEASE_SEP)[2]
 
 
 #: The name under which the store locks a whole replica's room (``_load_with_room``): no
@@ -162,7 +175,7 @@ class AdapterLoader:
         task = self._tasks.get(key)
         if task is None:
             status = await self._status(replica.replica_id, adapter)
-            if status.resident and not status.busy:
+            if status.serves_weights(entry.source) and not status.busy:
                 await self._quiet(self._store.touch(replica.replica_id, adapter, self._clock()))
                 return LoadResult(cold_ms=0.0, loaded_now=False)
             task = self._tasks.get(key)  # another caller may have started one meanwhile
@@ -182,13 +195,21 @@ class AdapterLoader:
         return await asyncio.shield(task)
 
     async def unload(
-        self, replica: ReplicaState, adapter: str, *, reason: str = "admin", if_idle: bool = False
+        self,
+        replica: ReplicaState,
+        adapter: str,
+        *,
+        reason: str = "admin",
+        if_idle: bool = False,
+        keep_source: str | None = None,
     ) -> bool:
-        """Unload ``adapter`` from ``replica`` (admin removal, pre-warm rebalancing).
+        """Unload ``adapter`` from ``replica`` (admin removal, pre-warm rebalancing, a reload).
 
         Returns False if the engine did not have it. Waits for a load or unload in progress.
         Raises ``AdapterUnloadFailed``; with ``if_idle`` (a rebalancing that can wait) that too
-        when a request is using it, and nothing is unloaded.
+        when a request is using it, and nothing is unloaded. ``keep_source``: unload only other
+        weights than those (a reload's re-sourced adapter: a request may have loaded the new
+        ones meanwhile), and with ``if_idle`` count only the requests using other weights.
         """
         rid = replica.replica_id
         owner = self._owner()
@@ -200,25 +221,39 @@ class AdapterLoader:
         try:
             # With the lock held any new request waits for us, so this re-read is current (the
             # plan that chose it may have read a view seconds old).
-            if if_idle and (await self._snapshot(rid)).inflight.get(adapter, 0) > 0:
-                raise AdapterUnloadFailed(adapter, rid, "a request is using it")
+            if keep_source is not None and (await self._status(rid, adapter)).source == keep_source:
+                return False
+            if if_idle and await self.requests_on(rid, adapter, besides_source=keep_source) > 0:
+                raise AdapterUnloadFailed(adapter, rid, IN_USE)
             return await self._unload_locked(replica, adapter, reason)
         finally:
             await self._unlock(rid, adapter, owner)
 
     @contextlib.asynccontextmanager
     async def in_use(self, replica: ReplicaId, adapter: str) -> AsyncIterator[None]:
-        """Mark a request in flight on (replica, adapter) so no gateway evicts it meanwhile."""
-        lease = uuid.uuid4().hex
+        """Mark a request in flight on (replica, adapter) so no gateway evicts it meanwhile.
+
+        The lease names the weights the request was admitted for (the catalog's ``source`` now),
+        so a reload that re-sources the adapter can tell the requests still using the old
+        weights (``requests_on``) from those waiting for the new ones."""
+        entry = self._catalog.find(adapter)
+        lease = f"{uuid.uuid4().hex}{LEASE_SEP}{entry.source if entry is not None else ''}"
         await self._quiet(self._store.begin_use(replica, adapter, lease, self.settings.lease_ttl_s))
         try:
             yield
         finally:
             await self._quiet(self._store.end_use(replica, adapter, lease))
 
-    async def requests_on(self, replica: ReplicaId, adapter: str) -> int:
-        """Requests in flight on ``adapter`` there, from every gateway (0 if the store is down)."""
-        return (await self._snapshot(replica)).inflight.get(adapter, 0)
+    async def requests_on(
+        self, replica: ReplicaId, adapter: str, *, besides_source: str | None = None
+    ) -> int:
+        """Requests in flight on ``adapter`` there, from every gateway (0 if the store is down);
+        with ``besides_source``, only those admitted for other weights than those (the ones a
+        re-sourced adapter's old copy still serves)."""
+        if besides_source is None:
+            return (await self._snapshot(replica)).inflight.get(adapter, 0)
+        leases = await self._quiet(self._store.leases(replica, adapter)) or []
+        return sum(1 for lease in leases if lease_source(lease) != besides_source)
 
     def waiting(self, replica: ReplicaId, adapter: str) -> int:
         """Callers in this gateway waiting on an in-process load (0 when none runs)."""
@@ -276,7 +311,7 @@ class AdapterLoader:
             # Another gateway is loading (or unloading) it: wait for the outcome.
             self.lock_contentions += 1
             status = await self._status(rid, name)
-            if status.resident and not status.busy:
+            if status.serves_weights(entry.source) and not status.busy:
                 return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
             if time.monotonic() >= deadline:
                 waited = self.settings.wait_timeout_s
@@ -293,7 +328,7 @@ class AdapterLoader:
         async with self._replica_locks.setdefault(rid, asyncio.Lock()):
             # Double-checked, once both locks are held: the gateway that held the adapter's lock
             # before us, or this gateway's loads we waited behind, may have just loaded it.
-            if (await self._status(rid, name)).resident:
+            if (await self._status(rid, name)).serves_weights(entry.source):
                 return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
             if self._failures.avoided(rid, party_of(entry)) and not last_resort:
                 # The load before this one failed (a hung loader, a missing mount): fall back now
@@ -308,8 +343,11 @@ class AdapterLoader:
             try:
                 # Checked again: another gateway may have loaded it while this one waited (its
                 # adapter lock can expire meanwhile); loading it again would evict for nothing.
-                if (await self._status(rid, name)).resident:
+                status = await self._status(rid, name)
+                if status.serves_weights(entry.source):
                     return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
+                if status.resident:
+                    await self._drop_old_weights(replica, entry)
                 return await self._load_with_room(replica, entry, last_resort, started, owner)
             finally:
                 await self._unlock(rid, ROOM_LOCK, owner)
@@ -357,7 +395,7 @@ class AdapterLoader:
         try:
             reply = await self._engine.load(replica.url, rid, name, engine_path(entry.source))
         except AdapterLoadFailed as exc:
-            self._metrics.load(name, rid, ok=False)
+            self._metrics.load(name, rid, ok=False, source=entry.source)
             self._failures.failed(
                 rid, name, replica_fault=exc.status is None or exc.status >= 500,
                 party=party_of(entry),
@@ -366,13 +404,23 @@ class AdapterLoader:
         self._failures.succeeded(rid, name, party_of(entry))
         load_s = time.monotonic() - t0
         now = self._clock()
-        await self._quiet(self._store.mark_resident(rid, name, now))
+        await self._quiet(self._store.mark_resident(rid, name, now, entry.source))
         if reply.changed:
             await self._quiet(self._store.record_load(rid, now, self._guard.settings.window_s))
             self._load_times.observe(name, rid, load_s * 1000.0)
-            self._metrics.load(name, rid, ok=True, seconds=load_s)
+            self._metrics.load(name, rid, ok=True, seconds=load_s, source=entry.source)
         await self._refresh_view(rid)
         return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=reply.changed)
+
+    async def _drop_old_weights(self, replica: ReplicaState, entry: Adapter) -> None:
+        """Unload the weights a reload replaced (the adapter's lock is held): vLLM answers a
+        load of a loaded name "already loaded" and would go on serving the old ones under it,
+        to a new owner too. ``OldWeightsInUse`` while requests admitted for them still run."""
+        rid = replica.replica_id
+        using = await self.requests_on(rid, entry.name, besides_source=entry.source)
+        if using:
+            raise OldWeightsInUse(entry.name, rid, using)
+        await self._unload_locked(replica, entry.name, "replaced")
 
     async def _make_room(
         self, replica: ReplicaState, adapter: str, placement: ReplicaPlacement, owner: str
@@ -381,10 +429,20 @@ class AdapterLoader:
         excess = needs_room(placement, capacity)
         if excess == 0:
             return
+        if await self._evict(replica, placement, excess, {adapter}, owner) < excess:
+            blocked = sorted(placement.resident - {adapter})
+            raise NoAdapterSlot(adapter, replica.replica_id, capacity.resident_limit or 0, blocked)
+
+    async def _evict(
+        self, replica: ReplicaState, placement: ReplicaPlacement, count: int,
+        keep: set[str], owner: str,
+    ) -> int:
+        """Unload up to ``count`` idle, unpinned adapters, least recently used first, none in
+        ``keep``; returns how many went."""
         pinned = {a.name for a in self._catalog if a.pinned}
         evicted = 0
-        for victim in eviction_candidates(placement, pinned, keep={adapter}):
-            if evicted == excess:
+        for victim in eviction_candidates(placement, pinned, keep=keep):
+            if evicted == count:
                 break
             # The victim's own lock: two gateways making room never pick the same adapter, and
             # a victim that someone is loading right now is skipped.
@@ -401,16 +459,38 @@ class AdapterLoader:
                 log.warning("%s", exc)
             finally:
                 await self._unlock(replica.replica_id, victim, owner)
-        if evicted < excess:
-            blocked = sorted(placement.resident - {adapter})
-            raise NoAdapterSlot(adapter, replica.replica_id, capacity.resident_limit or 0, blocked)
+        return evicted
+
+    async def trim(self, replica: ReplicaState, placement: ReplicaPlacement) -> int:
+        """Unload idle adapters past the replica's resident limit (least recently used first),
+        e.g. after a reload lowered ``max_cpu_loras``: loads only ever made room for one more,
+        so a lowered limit was never reached (the LoRA-reload review: 3 resident against 1 for
+        as long as it watched). Skipped while a load holds the replica's room; returns how many
+        went."""
+        limit = self._capacity(replica).resident_limit
+        if limit is None or len(placement.resident) <= limit:
+            return 0
+        rid = replica.replica_id
+        loading = self._replica_locks.get(rid)
+        if loading is not None and loading.locked():
+            return 0  # this gateway is loading there (with the store down the room lock is moot)
+        owner = self._owner()
+        if not await self._try_lock(rid, ROOM_LOCK, owner):
+            return 0  # a load is making room there; the next round looks again
+        try:
+            placement = await self._snapshot(rid)  # current, with the room held
+            excess = len(placement.resident) - limit
+            return await self._evict(replica, placement, excess, set(), owner) if excess > 0 else 0
+        finally:
+            await self._unlock(rid, ROOM_LOCK, owner)
 
     async def _unload_locked(self, replica: ReplicaState, adapter: str, reason: str) -> bool:
         rid = replica.replica_id
+        weights = (await self._status(rid, adapter)).source  # for its metrics label
         reply = await self._engine.unload(replica.url, rid, adapter)
         await self._quiet(self._store.mark_unloaded(rid, adapter, self._clock()))
         if reply.changed:
-            self._metrics.unload(adapter, rid, reason)
+            self._metrics.unload(adapter, rid, reason, source=weights)
         await self._refresh_view(rid)
         return reply.changed
 

@@ -55,9 +55,10 @@ class AdapterMetrics:
     """Counters, gauges and the cold-start histogram, registered in ``registry``."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        #: Adapter name -> its ``adapter`` label; the registry sets the catalog's
-        #: (``AdapterCatalog.metrics_label``: private adapters get an opaque label).
-        self.label_of: Callable[[str], str] = lambda name: name
+        #: (Adapter name, source of the weights or None for the catalog's) -> its ``adapter``
+        #: label; the registry sets the catalog's (``AdapterCatalog.metrics_label``: private
+        #: adapters get an opaque label).
+        self.label_of: Callable[[str, str | None], str] = lambda name, source=None: name
         reg = REGISTRY if registry is None else registry
         self.requests = Counter(
             "fleetgate_adapter_requests_total", "Requests per catalogued adapter",
@@ -85,18 +86,26 @@ class AdapterMetrics:
 
     def request(self, adapter: str) -> None:
         """One request for ``adapter``."""
-        self.requests.labels(adapter=self.label_of(adapter)).inc()
+        self.requests.labels(adapter=self.label_of(adapter, None)).inc()
 
-    def load(self, adapter: str, replica: str, ok: bool, seconds: float | None = None) -> None:
-        """One load attempt; a successful one also observes its cold-start time."""
-        label = self.label_of(adapter)
+    def load(
+        self, adapter: str, replica: str, ok: bool, seconds: float | None = None,
+        source: str | None = None,
+    ) -> None:
+        """One load attempt (of the weights at ``source``, None: the catalog's); a successful
+        one also observes its cold-start time."""
+        label = self.label_of(adapter, source)
         self.loads.labels(adapter=label, replica=replica, outcome="ok" if ok else "failed").inc()
         if ok and seconds is not None:
             self.cold_start.labels(adapter=label).observe(seconds)
 
-    def unload(self, adapter: str, replica: str, reason: str) -> None:
-        """One unload (``lru``, ``admin`` or ``prewarm``)."""
-        self.unloads.labels(adapter=self.label_of(adapter), replica=replica, reason=reason).inc()
+    def unload(
+        self, adapter: str, replica: str, reason: str, source: str | None = None
+    ) -> None:
+        """One unload (``lru``, ``admin``, ``prewarm`` or ``replaced``) of the weights at
+        ``source`` (None: unknown, labelled as the catalog's)."""
+        label = self.label_of(adapter, source)
+        self.unloads.labels(adapter=label, replica=replica, reason=reason).inc()
 
     def set_slots_used(self, replica: str, used: int) -> None:
         """GPU LoRA slots in use on ``replica``."""

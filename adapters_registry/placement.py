@@ -32,6 +32,15 @@ class Residency:
     changed_at: float
     #: Wall-clock time a request last used it there (0: never through this fleet of gateways).
     last_used: float = 0.0
+    #: The ``source`` a gateway loaded it from (None: first seen in an engine report). vLLM
+    #: loads by name, so after a reload re-sources an adapter a replica may still hold the old
+    #: weights under the name: ``serves_weights`` tells them apart.
+    source: str | None = None
+
+    def serves_weights(self, source: str) -> bool:
+        """True if resident with the weights at ``source`` (or with weights no gateway recorded,
+        taken as the catalog's)."""
+        return self.resident and (self.source is None or self.source == source)
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,12 @@ class AdapterStatus:
 
     resident: bool
     busy: bool
+    #: The ``source`` it was loaded from, when a gateway recorded it (see ``Residency.source``).
+    source: str | None = None
+
+    def serves_weights(self, source: str) -> bool:
+        """True if resident with the weights at ``source`` (see ``Residency.serves_weights``)."""
+        return self.resident and (self.source is None or self.source == source)
 
 
 @dataclass(frozen=True)
@@ -163,8 +178,10 @@ class PlacementStore(Protocol):
         """Entries, in-flight counts and load times since ``loads_since`` of one replica."""
         ...
 
-    async def mark_resident(self, replica: ReplicaId, adapter: str, now: float) -> None:
-        """Record a completed load."""
+    async def mark_resident(
+        self, replica: ReplicaId, adapter: str, now: float, source: str | None = None
+    ) -> None:
+        """Record a completed load of the weights at ``source``."""
         ...
 
     async def mark_unloaded(self, replica: ReplicaId, adapter: str, now: float) -> None:
@@ -187,6 +204,10 @@ class PlacementStore(Protocol):
 
     async def end_use(self, replica: ReplicaId, adapter: str, lease: str) -> None:
         """The request ended."""
+        ...
+
+    async def leases(self, replica: ReplicaId, adapter: str) -> list[str]:
+        """The leases of the requests in flight on (replica, adapter), from every gateway."""
         ...
 
     async def try_lock(self, replica: ReplicaId, adapter: str, owner: str, ttl_s: float) -> bool:

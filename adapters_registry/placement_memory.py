@@ -52,7 +52,9 @@ class MemoryPlacementStore:
     async def status(self, replica: ReplicaId, adapter: str) -> AdapterStatus:
         entry = self._entries.get(replica, {}).get(adapter)
         return AdapterStatus(
-            resident=entry is not None and entry.resident, busy=self._locked((replica, adapter))
+            resident=entry is not None and entry.resident,
+            busy=self._locked((replica, adapter)),
+            source=entry.source if entry is not None else None,
         )
 
     async def snapshot(self, replica: ReplicaId, loads_since: float) -> ReplicaPlacement:
@@ -61,9 +63,11 @@ class MemoryPlacementStore:
         loads = tuple(t for t in self._loads.get(replica, []) if t >= loads_since)
         return ReplicaPlacement(replica, entries, inflight, loads)
 
-    async def mark_resident(self, replica: ReplicaId, adapter: str, now: float) -> None:
+    async def mark_resident(
+        self, replica: ReplicaId, adapter: str, now: float, source: str | None = None
+    ) -> None:
         # A fresh load counts as a use: it must not be the first thing the next load evicts.
-        self._entries.setdefault(replica, {})[adapter] = Residency(True, now, now)
+        self._entries.setdefault(replica, {})[adapter] = Residency(True, now, now, source)
 
     async def mark_unloaded(self, replica: ReplicaId, adapter: str, now: float) -> None:
         old = self._entries.setdefault(replica, {}).get(adapter)
@@ -88,6 +92,10 @@ class MemoryPlacementStore:
 
     async def end_use(self, replica: ReplicaId, adapter: str, lease: str) -> None:
         self._leases.get((replica, adapter), {}).pop(lease, None)
+
+    async def leases(self, replica: ReplicaId, adapter: str) -> list[str]:
+        self._inflight((replica, adapter))  # drops the expired ones
+        return sorted(self._leases.get((replica, adapter), {}))
 
     async def try_lock(self, replica: ReplicaId, adapter: str, owner: str, ttl_s: float) -> bool:
         key = (replica, adapter)

@@ -4,7 +4,8 @@ Keys (``prefix`` defaults to ``fleetgate:``; ``|`` separates names because adapt
 contain ``:`` and ``/`` but never ``|``):
 
 - ``{prefix}adapters:res|{replica}`` — hash adapter -> JSON
-  ``[resident 0/1, changed_at, last_used]``
+  ``[resident 0/1, changed_at, last_used, source]`` (``source`` as loaded, ``""`` when no gateway
+  recorded it; entries written before it existed have three elements)
 - ``{prefix}adapters:use|{replica}|{adapter}`` — sorted set of request leases, score = expiry,
   so a gateway that dies mid-request stops holding the adapter once its leases expire
 - ``{prefix}adapters:lock|{replica}|{adapter}`` — the load/unload lock (``SET NX PX``)
@@ -42,7 +43,8 @@ T = TypeVar("T")
 #: Bound of one placement-store call (a LoRA request and the registry's refresh wait on it).
 DEFAULT_TIMEOUT_S = 1.0
 
-# KEYS[1] hash; ARGV: adapter, resident (0/1), now. A load counts as a use; an unload keeps it.
+# KEYS[1] hash; ARGV: adapter, resident (0/1), now, source. A load counts as a use; an unload
+# keeps it.
 _MARK = """
 local old = redis.call('HGET', KEYS[1], ARGV[1])
 local now = tonumber(ARGV[3])
@@ -51,7 +53,7 @@ if ARGV[2] == '0' then
   last = 0
   if old then last = cjson.decode(old)[3] end
 end
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({tonumber(ARGV[2]), now, last}))
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({tonumber(ARGV[2]), now, last, ARGV[4]}))
 """
 
 # KEYS[1] hash; ARGV: adapter, now. Only resident entries are touched.
@@ -60,7 +62,7 @@ local old = redis.call('HGET', KEYS[1], ARGV[1])
 if not old then return 0 end
 local e = cjson.decode(old)
 if e[1] ~= 1 then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({1, e[2], tonumber(ARGV[2])}))
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({1, e[2], tonumber(ARGV[2]), e[4] or ''}))
 return 1
 """
 
@@ -99,6 +101,14 @@ return 0
 def _text(value: str | bytes) -> str:
     # Works with clients created with or without ``decode_responses``.
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _residency(raw: str | bytes) -> Residency:
+    """A ``res`` hash value: ``[resident, changed_at, last_used]`` and, since sources are
+    recorded, ``source`` (``""``: none recorded)."""
+    resident, changed_at, last_used, *rest = json.loads(raw)
+    source = rest[0] if rest and rest[0] else None
+    return Residency(resident == 1, float(changed_at), float(last_used), source)
 
 
 class RedisPlacementStore:
@@ -171,8 +181,12 @@ class RedisPlacementStore:
                 pipe.hget(self._res(replica), adapter)
                 pipe.exists(self.lock_key(replica, adapter))
                 raw, locked = await pipe.execute()
-            resident = raw is not None and json.loads(raw)[0] == 1
-            return AdapterStatus(resident=resident, busy=bool(locked))
+            entry = _residency(raw) if raw is not None else None
+            return AdapterStatus(
+                resident=entry is not None and entry.resident,
+                busy=bool(locked),
+                source=entry.source if entry is not None else None,
+            )
 
         return await self._call("status", op)
 
@@ -181,8 +195,7 @@ class RedisPlacementStore:
             raw: dict[str | bytes, str | bytes] = await self._redis.hgetall(self._res(replica))
             entries = {}
             for name, value in raw.items():
-                resident, changed_at, last_used = json.loads(value)
-                entries[_text(name)] = Residency(resident == 1, float(changed_at), float(last_used))
+                entries[_text(name)] = _residency(value)
             now = self._clock()
             async with self._redis.pipeline(transaction=False) as pipe:
                 for name in entries:
@@ -200,14 +213,15 @@ class RedisPlacementStore:
 
     # ------------------------------------------------------------------ writes
 
-    async def mark_resident(self, replica: ReplicaId, adapter: str, now: float) -> None:
-        await self._call(
-            "mark", lambda: self._mark(keys=[self._res(replica)], args=[adapter, 1, now])
-        )
+    async def mark_resident(
+        self, replica: ReplicaId, adapter: str, now: float, source: str | None = None
+    ) -> None:
+        args = [adapter, 1, now, source or ""]
+        await self._call("mark", lambda: self._mark(keys=[self._res(replica)], args=args))
 
     async def mark_unloaded(self, replica: ReplicaId, adapter: str, now: float) -> None:
         await self._call(
-            "mark", lambda: self._mark(keys=[self._res(replica)], args=[adapter, 0, now])
+            "mark", lambda: self._mark(keys=[self._res(replica)], args=[adapter, 0, now, ""])
         )
 
     async def touch(self, replica: ReplicaId, adapter: str, now: float) -> None:
@@ -236,6 +250,14 @@ class RedisPlacementStore:
 
     async def end_use(self, replica: ReplicaId, adapter: str, lease: str) -> None:
         await self._call("end_use", lambda: self._redis.zrem(self._use(replica, adapter), lease))
+
+    async def leases(self, replica: ReplicaId, adapter: str) -> list[str]:
+        now = self._clock()
+        raw = await self._call(
+            "leases",
+            lambda: self._redis.zrangebyscore(self._use(replica, adapter), f"({now}", "+inf"),
+        )
+        return sorted(_text(lease) for lease in raw)
 
     async def try_lock(self, replica: ReplicaId, adapter: str, owner: str, ttl_s: float) -> bool:
         px = max(1, int(ttl_s * 1000))

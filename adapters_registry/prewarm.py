@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from adapters_registry.errors import AdapterError
@@ -96,6 +96,16 @@ class TrafficWindow:
             for slot, bucket in self._buckets.items()
             for adapter, n in bucket.items()
         }
+
+    def forget(self, names: Collection[str]) -> list[tuple[int, str]]:
+        """Drop the counts of ``names`` (adapters no longer in the catalog); returns the
+        (bucket, adapter) pairs that had one."""
+        dropped = []
+        for slot, bucket in self._buckets.items():
+            for name in names:
+                if bucket.pop(name, None) is not None:
+                    dropped.append((slot, name))
+        return dropped
 
     def _expire(self, current: int) -> None:
         oldest = current - self.settings.buckets + 1

@@ -33,14 +33,15 @@ from adapters_registry.cold_start import (
     residency_now,
 )
 from adapters_registry.engine_api import LoraEngineApi
-from adapters_registry.errors import AdapterError
+from adapters_registry.errors import AdapterError, AdapterUnloadFailed
 from adapters_registry.load_failures import LoadFailures, LoadFailureSettings, party_of
-from adapters_registry.loader import AdapterLoader, LoaderSettings, LoadResult
+from adapters_registry.loader import IN_USE, AdapterLoader, LoaderSettings, LoadResult
 from adapters_registry.metrics import AdapterMetrics
 from adapters_registry.paths import StorageRoots
 from adapters_registry.placement import (
     PlacementStore,
     PlacementUnavailable,
+    ReplicaPlacement,
     SlotCapacity,
     capacity_of,
 )
@@ -150,6 +151,7 @@ class AdapterRegistry:
             a.name for a in self.catalog if a.name in before and before[a.name] != a.source
         ]
         gone = [name for name in before if name not in self.catalog]
+        self.traffic.forget(gone)
         return sorted({*dropped, *changed, *gone})
 
     def capacity(self, replica: ReplicaState) -> SlotCapacity:
@@ -194,6 +196,14 @@ class AdapterRegistry:
             self.settings.sync_grace_s,
             replica.replica_id,
         )
+        held = placement.entries.get(adapter)
+        if entry is not None and held is not None and not held.serves_weights(entry.source):
+            # The weights a reload replaced: serving the new ones there is a load (after the
+            # old ones are unloaded), never the resident copy.
+            others = {name: e for name, e in placement.entries.items() if name != adapter}
+            placement = ReplicaPlacement(
+                placement.replica, others, placement.inflight, placement.recent_loads
+            )
         size_mb = entry.size_mb if entry is not None else None
         gpu_slots = self.capacity(replica).gpu
         cost = cold_load_estimate_ms(
@@ -268,6 +278,8 @@ class AdapterRegistry:
                 log.warning("adapter placement refresh degraded: %s", exc)
                 return
             self.view.update(placement)
+            if state.healthy and await self.loader.trim(state, placement):
+                placement = self.view.get(rid) or placement  # re-read by each unload
             gpu = self.capacity(state).gpu
             used = len(placement.resident)
             self.metrics.set_slots_used(rid, used if gpu is None else min(used, gpu))
@@ -305,36 +317,61 @@ class AdapterRegistry:
         *,
         reason: str,
         wait_idle_s: float = 0.0,
+        only_replaced: bool = False,
     ) -> list[str]:
         """Unload ``name`` from every replica that holds it; returns failures as messages.
 
         ``wait_idle_s``: on each replica, first wait (up to this long) for the requests using it
         there to end; a reload that removed it unloaded it from under a stream (reload review).
+        ``only_replaced``: the adapter was re-sourced; unload only other weights than its
+        catalog ``source`` (a request may have loaded the new ones meanwhile) and wait only for
+        the requests admitted for those.
         """
-        holders = []
-        for state in states:
-            view = self.view.get(state.replica_id)
-            if name in state.loaded_adapters or (view is not None and name in view.resident):
-                holders.append(state)
+        current = self.catalog.find(name) if only_replaced else None
+        keep = current.source if current is not None else None
+        holders = [state for state in states if await self._may_hold(state, name)]
         outcomes = await asyncio.gather(
-            *(self._unload_when_idle(state, name, reason, wait_idle_s) for state in holders)
+            *(self._unload_when_idle(state, name, reason, wait_idle_s, keep) for state in holders)
         )
         return [failure for failure in outcomes if failure is not None]
 
+    async def _may_hold(self, state: ReplicaState, name: str) -> bool:
+        """True if ``state``'s replica holds ``name``, or a load of it is under way there (a load
+        begun before a reload finishes with the weights it began with: the live review found
+        such copies never unloaded, one name serving two sets of weights)."""
+        view = self.view.get(state.replica_id)
+        if name in state.loaded_adapters or (view is not None and name in view.resident):
+            return True
+        try:
+            return (await self.store.status(state.replica_id, name)).busy
+        except PlacementUnavailable:
+            return False
+
     async def _unload_when_idle(
-        self, state: ReplicaState, name: str, reason: str, wait_idle_s: float
+        self, state: ReplicaState, name: str, reason: str, wait_idle_s: float,
+        keep_source: str | None,
     ) -> str | None:
         deadline = time.monotonic() + wait_idle_s
-        while (
-            time.monotonic() < deadline
-            and await self.loader.requests_on(state.replica_id, name) > 0
-        ):
-            await asyncio.sleep(10 * self.loader.settings.poll_interval_s)
-        try:
-            await self.loader.unload(state, name, reason=reason)
-        except AdapterError as exc:
-            return str(exc)
-        return None
+        while True:
+            while (
+                time.monotonic() < deadline
+                and await self.loader.requests_on(
+                    state.replica_id, name, besides_source=keep_source
+                ) > 0
+            ):
+                await asyncio.sleep(10 * self.loader.settings.poll_interval_s)
+            waiting = time.monotonic() < deadline
+            try:
+                await self.loader.unload(
+                    state, name, reason=reason, if_idle=waiting, keep_source=keep_source
+                )
+            except AdapterUnloadFailed as exc:
+                if waiting and exc.engine_message == IN_USE:
+                    continue  # a request began (a load in progress finished) meanwhile
+                return str(exc)
+            except AdapterError as exc:
+                return str(exc)
+            return None
 
     # ------------------------------------------------------------------ pre-warming
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Collection
 
 from adapters_registry.placement import PlacementStore, PlacementUnavailable
 from adapters_registry.prewarm import PrewarmSettings, TrafficWindow
@@ -35,6 +36,8 @@ class SharedTraffic:
         #: The other gateways' counts per (bucket, adapter) as the last ``sync`` read them, or
         #: None (never read, or the store could not answer).
         self._others: dict[tuple[int, str], int] | None = None
+        #: Counts this gateway published for adapters it no longer has, to be written as 0.
+        self._retracted: set[tuple[int, str]] = set()
 
     def record(self, adapter: str, now: float) -> None:
         """Count one request for ``adapter`` at ``now`` (wall clock)."""
@@ -51,12 +54,22 @@ class SharedTraffic:
                     total[adapter] += n
         return dict(total)
 
+    def forget(self, names: Collection[str]) -> None:
+        """Stop counting ``names`` (a reload removed them), and retract what this gateway
+        published for them: a gateway still on the old policy would otherwise go on pre-warming
+        a removed adapter from this one's counts (the LoRA-reload review)."""
+        self._retracted.update(self.own.forget(names))
+        if self._others is not None:
+            self._others = {k: n for k, n in self._others.items() if k[1] not in names}
+
     async def sync(self, store: PlacementStore, now: float) -> None:
         """Write this gateway's window to the store and read the other gateways' back."""
+        oldest = self.own.oldest_slot(now)
+        self._retracted = {key for key in self._retracted if key[0] >= oldest}
+        counts = {**dict.fromkeys(self._retracted, 0), **self.own.buckets(now)}
         try:
-            await store.put_traffic(
-                self.gateway_id, self.own.buckets(now), self.own.settings.window_s
-            )
+            await store.put_traffic(self.gateway_id, counts, self.own.settings.window_s)
+            self._retracted.clear()
             self._others = await store.traffic(self.own.oldest_slot(now), self.gateway_id)
         except PlacementUnavailable as exc:
             log.warning("pre-warm plans from this gateway's own traffic: %s", exc)

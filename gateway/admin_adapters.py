@@ -110,7 +110,7 @@ async def add_adapter(request: web.Request) -> web.Response:
         # New weights under an old name: the replicas still holding the old ones drop them
         # before this answers, so the next request loads the new source.
         failures = await registry.unload_everywhere(
-            adapter.name, gw.registry.adapter_states(), reason="replaced"
+            adapter.name, gw.registry.adapter_states(), reason="replaced", only_replaced=True
         )
     return web.json_response(
         {"added": adapter.model_dump(mode="json"), "unload_failures": failures}, status=201

@@ -149,7 +149,8 @@ def _unload_in_background(gw: GatewayState, names: list[str]) -> None:
 
     async def unload_one(name: str) -> None:
         failures = await registry.unload_everywhere(
-            name, gw.registry.adapter_states(), reason="replaced", wait_idle_s=UNLOAD_WAIT_IDLE_S
+            name, gw.registry.adapter_states(), reason="replaced", wait_idle_s=UNLOAD_WAIT_IDLE_S,
+            only_replaced=True,
         )
         for failure in failures:
             log.warning("after the policy reload, unloading %s failed: %s", name, failure)

@@ -196,3 +196,33 @@ async def test_gateways_plan_pre_warming_from_the_fleets_traffic(redis_server: R
     finally:
         for reg in regs:
             await reg.close()
+
+
+async def test_a_gateway_retracts_its_traffic_for_an_adapter_a_reload_removed(
+    redis_server: RedisServer,
+) -> None:
+    """The LoRA-reload review: the gateway that had reloaded went on publishing its counts for
+    a removed adapter, and a gateway still on the old policy pre-warmed it onto more replicas."""
+    policy = make_policy([adapter(n) for n in "ab"], max_loras=1, max_cpu_loras=2)
+    stores = [RedisPlacementStore.from_url(redis_server.url) for _ in range(2)]
+    reloaded, lagging = (
+        AdapterRegistry(policy, store, FakeEngine(), metrics_registry=CollectorRegistry())
+        for store in stores
+    )
+    try:
+        for _ in range(30):
+            reloaded.record_request("a")
+        reloaded.record_request("b")
+        await reloaded.traffic.sync(reloaded.store, time.time())
+        await lagging.traffic.sync(lagging.store, time.time())
+        assert lagging.traffic.counts(time.time()) == {"a": 30, "b": 1}
+
+        assert reloaded.update_policy(make_policy([adapter("b")])) == ["a"]
+        assert reloaded.traffic.counts(time.time()) == {"b": 1}
+        await reloaded.traffic.sync(reloaded.store, time.time())
+        await lagging.traffic.sync(lagging.store, time.time())
+        assert lagging.traffic.counts(time.time()).get("a", 0) == 0
+        assert lagging.traffic.counts(time.time())["b"] == 1
+    finally:
+        await reloaded.close()
+        await lagging.close()

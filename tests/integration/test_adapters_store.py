@@ -78,6 +78,35 @@ async def test_sync_follows_the_pure_merge_rule(store: PlacementStore) -> None:
     assert (await store.snapshot(R, 0)).entries == merge_engine_report(before, engine, 100.0, 5.0)
 
 
+async def test_a_load_records_its_source_through_touch_and_engine_sync(
+    store: PlacementStore,
+) -> None:
+    # A reload may re-source an adapter; which weights each copy holds must survive every write.
+    await store.mark_resident(R, "a", 10.0, "/adapters/acme/a")
+    await store.mark_resident(R, "b", 10.0)  # no source recorded
+    await store.touch(R, "a", 20.0)
+    await store.sync_from_engine(R, {"a", "b", "seen"}, read_at=100.0, grace_s=5.0)
+    snap = await store.snapshot(R, 0)
+    assert snap.entries["a"] == Residency(True, 10.0, 20.0, "/adapters/acme/a")
+    assert snap.entries["b"].source is None and snap.entries["seen"].source is None
+    status = await store.status(R, "a")
+    assert status.source == "/adapters/acme/a"
+    assert status.serves_weights("/adapters/acme/a") and not status.serves_weights("/other")
+    await store.mark_unloaded(R, "a", 110.0)
+    assert (await store.status(R, "a")).source is None
+
+
+async def test_leases_are_listed_for_telling_old_weights_requests_apart(
+    store: PlacementStore, clock: Clock
+) -> None:
+    await store.begin_use(R, "a", "l1|/old", ttl_s=10)
+    await store.begin_use(R, "a", "l2|/new", ttl_s=100)
+    assert await store.leases(R, "a") == ["l1|/old", "l2|/new"]
+    clock.now += 10
+    assert await store.leases(R, "a") == ["l2|/new"]
+    assert await store.leases(OTHER, "a") == []
+
+
 async def test_leases_count_requests_in_flight_and_expire(
     store: PlacementStore, clock: Clock
 ) -> None:
@@ -168,3 +197,18 @@ async def test_redis_outage_raises_placement_unavailable(redis_server: RedisServ
     with pytest.raises(PlacementUnavailable, match="adapter placement store"):
         await store.status(R, "a")
     await store.close()
+
+
+async def test_redis_entries_written_before_sources_were_recorded_still_read(
+    redis_url: str,
+) -> None:
+    client = Redis.from_url(redis_url, decode_responses=True)
+    prefix = f"t-{uuid.uuid4().hex[:8]}:"
+    try:
+        await client.hset(f"{prefix}adapters:res|{R}", "a", "[1, 10.0, 20.0]")
+        s = RedisPlacementStore(client, key_prefix=prefix)
+        assert (await s.snapshot(R, 0)).entries == {"a": Residency(True, 10.0, 20.0)}
+        await s.touch(R, "a", 30.0)
+        assert (await s.status(R, "a")).serves_weights("/any")
+    finally:
+        await client.aclose()

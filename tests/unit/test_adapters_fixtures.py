@@ -25,6 +25,9 @@ class FakeEngine:
         self.calls: list[tuple[str, str]] = []
         self.gate: asyncio.Event | None = None
         self.fail_with: AdapterLoadFailed | None = None
+        #: Name -> the path its weights came from: a loaded name keeps its first path, as vLLM
+        #: answers a second load "already loaded".
+        self.paths: dict[str, str] = {}
 
     async def load(self, url: str, replica: str, adapter: str, path: str) -> EngineReply:
         self.calls.append(("load", adapter))
@@ -34,12 +37,15 @@ class FakeEngine:
             raise self.fail_with
         changed = adapter not in self.loaded
         self.loaded.add(adapter)
+        if changed:
+            self.paths[adapter] = path
         return EngineReply(changed=changed)
 
     async def unload(self, url: str, replica: str, adapter: str) -> EngineReply:
         self.calls.append(("unload", adapter))
         changed = adapter in self.loaded
         self.loaded.discard(adapter)
+        self.paths.pop(adapter, None)
         return EngineReply(changed=changed)
 
 

@@ -1,0 +1,186 @@
+"""A reload that gives an adapter name other weights (a new ``source``, perhaps a new owner).
+
+vLLM loads by name and answers a second load of a loaded name "already loaded", so a replica
+holding the old weights would go on serving them under the name. The live LoRA-reload review
+found two ways that happened: a load under way when the reload came finished with the old weights
+and was never unloaded, and requests admitted under the new policy (by the new owner, too) were
+served by the old copy while the old owner's streams ran. The registry records which source each
+copy was loaded from, and a request is served only by a copy of the weights it was admitted for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from adapters_registry.errors import OldWeightsInUse
+from adapters_registry.registry import AdapterRegistry
+from routing.config import Policy
+from routing.state import ReplicaState
+from tests.unit.test_adapters_fixtures import FakeEngine, adapter, make_policy, replica
+
+OLD = "/adapters/acme/shared"
+NEW = "/adapters/globex/shared"
+
+
+def policy(source: str, owners: list[str]) -> Policy:
+    return make_policy([adapter("shared", source=source, owners=owners)])
+
+
+@pytest.fixture
+async def reg_engine() -> AsyncIterator[tuple[AdapterRegistry, FakeEngine]]:
+    engine = FakeEngine()
+    reg = AdapterRegistry.in_memory(
+        policy(OLD, ["acme"]), engine, metrics_registry=CollectorRegistry()
+    )
+    yield reg, engine
+    await reg.close()
+
+
+def r0() -> ReplicaState:
+    return replica("r0", max_loras=1, max_cpu_loras=4)
+
+
+async def test_a_request_after_the_reload_is_never_served_by_the_old_weights(
+    reg_engine: tuple[AdapterRegistry, FakeEngine],
+) -> None:
+    reg, engine = reg_engine
+    old_stream = reg.serving(r0(), "shared")
+    await old_stream.__aenter__()  # acme's stream, admitted before the reload, still running
+    assert engine.paths == {"shared": OLD}
+
+    assert reg.update_policy(policy(NEW, ["globex"])) == ["shared"]
+    # To routing the old copy is a load away, not resident.
+    assert reg.cold_load_ms(r0(), "shared") > 0
+    # The new owner's request cannot load its weights there while acme's stream uses the old
+    # ones: it is told to try another replica (503 no_adapter_slot if none), not served them.
+    with pytest.raises(OldWeightsInUse):
+        async with reg.serving(r0(), "shared"):
+            pass
+    assert engine.paths == {"shared": OLD}
+
+    await old_stream.__aexit__(None, None, None)
+    async with reg.serving(r0(), "shared") as result:
+        assert result.loaded_now
+    assert engine.paths == {"shared": NEW}
+    assert engine.calls[-2:] == [("unload", "shared"), ("load", "shared")]
+    assert reg.cold_load_ms(r0(), "shared") == 0.0
+
+
+async def test_a_load_under_way_at_the_reload_is_unloaded_when_its_requests_end(
+    reg_engine: tuple[AdapterRegistry, FakeEngine],
+) -> None:
+    reg, engine = reg_engine
+    engine.gate = asyncio.Event()
+    old_request = asyncio.create_task(_serve_once(reg, r0()))
+    for _ in range(1000):  # until the engine call is under way
+        if engine.calls:
+            break
+        await asyncio.sleep(0)
+    assert engine.calls == [("load", "shared")] and not engine.loaded
+
+    # The reload: nothing lists the adapter as resident yet, but the load's lock is held.
+    assert reg.update_policy(policy(NEW, ["acme"])) == ["shared"]
+    unloading = asyncio.create_task(
+        reg.unload_everywhere("shared", [r0()], reason="replaced", wait_idle_s=60,
+                              only_replaced=True)
+    )
+    await asyncio.sleep(0.1)
+    assert not unloading.done()
+    engine.gate.set()  # the load finishes, with the weights it began with
+    async with asyncio.timeout(10):
+        await old_request  # served, as admitted, by the old weights
+        assert await unloading == []
+    assert "shared" not in engine.loaded and ("unload", "shared") in engine.calls
+
+
+async def test_the_reloads_unload_keeps_new_weights_a_request_loaded_meanwhile(
+    reg_engine: tuple[AdapterRegistry, FakeEngine],
+) -> None:
+    reg, engine = reg_engine
+    await reg.ensure_loaded(r0(), "shared")
+    reg.update_policy(policy(NEW, ["acme"]))
+    await reg.ensure_loaded(r0(), "shared")  # the old copy was idle: replaced at once
+    assert engine.paths == {"shared": NEW}
+    calls = len(engine.calls)
+    assert await reg.unload_everywhere(
+        "shared", [r0()], reason="replaced", only_replaced=True
+    ) == []
+    assert engine.paths == {"shared": NEW} and len(engine.calls) == calls
+
+
+async def _serve_once(reg: AdapterRegistry, state: ReplicaState) -> None:
+    async with reg.serving(state, "shared"):
+        await asyncio.sleep(0.05)
+
+
+def _counts(reg: AdapterRegistry, metric: str) -> dict[str, float]:
+    """Samples of ``metric`` summed by adapter label."""
+    out: dict[str, float] = {}
+    for family in getattr(reg.metrics, metric).collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                label = sample.labels["adapter"]
+                out[label] = out.get(label, 0.0) + sample.value
+    return out
+
+
+async def test_loads_and_unloads_of_one_set_of_weights_add_up_under_one_label(
+    reg_engine: tuple[AdapterRegistry, FakeEngine],
+) -> None:
+    reg, _ = reg_engine
+    await reg.ensure_loaded(r0(), "shared")
+    old_label = reg.catalog.metrics_label("shared")
+    assert old_label.startswith("private-")
+    reg.update_policy(policy(NEW, ["globex"]))
+    new_label = reg.catalog.metrics_label("shared")
+    await reg.ensure_loaded(r0(), "shared")  # drops the idle old weights, loads the new
+    assert new_label != old_label
+    assert _counts(reg, "loads") == {old_label: 1.0, new_label: 1.0}
+    assert _counts(reg, "unloads") == {old_label: 1.0}
+
+
+async def test_a_removed_public_adapter_keeps_its_name_as_label() -> None:
+    engine = FakeEngine()
+    reg = AdapterRegistry.in_memory(
+        make_policy([adapter("pub", owners=[], public=True)]), engine,
+        metrics_registry=CollectorRegistry(),
+    )
+    try:
+        await reg.ensure_loaded(r0(), "pub")
+        assert reg.update_policy(make_policy([])) == ["pub"]
+        assert await reg.unload_everywhere("pub", [r0()], reason="replaced") == []
+        assert _counts(reg, "loads") == {"pub": 1.0}
+        assert _counts(reg, "unloads") == {"pub": 1.0}
+    finally:
+        await reg.close()
+
+
+async def test_a_lowered_resident_limit_is_reached_by_unloading_idle_adapters() -> None:
+    """The LoRA-reload review: after a reload lowered ``max_cpu_loras`` from 3 to 1 a replica
+    kept 3 adapters for as long as it was watched (loads only make room for one more)."""
+    engine = FakeEngine()
+    names = ["a", "b", "c"]
+    reg = AdapterRegistry.in_memory(
+        make_policy([adapter(n) for n in names], max_loras=1, max_cpu_loras=3), engine,
+        metrics_registry=CollectorRegistry(),
+    )
+    state = replica("r0")  # the engine reports no slot counts: the pool's are used
+    try:
+        for name in names:
+            await reg.ensure_loaded(state, name)
+        await reg.refresh([state])
+        assert engine.loaded == set(names)  # within the limit: nothing goes
+        reg.update_policy(make_policy([adapter(n) for n in names], max_loras=1, max_cpu_loras=1))
+        async with reg.serving(state, "a"):  # in use, though least recently loaded: it stays
+            await reg.refresh([state])
+            assert engine.loaded == {"a"}
+            assert reg.view.get(state.replica_id).resident == {"a"}
+        assert _counts(reg, "unloads") == {
+            reg.catalog.metrics_label("b"): 1.0, reg.catalog.metrics_label("c"): 1.0
+        }
+    finally:
+        await reg.close()
