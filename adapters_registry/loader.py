@@ -147,6 +147,8 @@ class AdapterLoader:
         self._gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self._clock = clock
         self._tasks: dict[tuple[ReplicaId, str], asyncio.Task[LoadResult]] = {}
+        #: When each of those began (monotonic seconds).
+        self._task_started: dict[tuple[ReplicaId, str], float] = {}
         #: Callers currently waiting on each in-process load (diagnostics and tests).
         self._sharers: dict[tuple[ReplicaId, str], int] = {}
         #: Times a load found another gateway's lock held and waited for it.
@@ -189,6 +191,7 @@ class AdapterLoader:
                 return await self.ensure_loaded(replica, adapter, last_resort=True)
         task = asyncio.create_task(self._load_or_wait(replica, entry, last_resort, started))
         self._tasks[key] = task
+        self._task_started[key] = time.monotonic()
         task.add_done_callback(lambda t, key=key: self._load_done(key, t))
         # Shielded: a caller that gives up (client disconnect) must not abort the load that
         # other callers share, nor leave the cross-gateway lock to expire.
@@ -255,6 +258,12 @@ class AdapterLoader:
         leases = await self._quiet(self._store.leases(replica, adapter)) or []
         return sum(1 for lease in leases if lease_source(lease) != besides_source)
 
+    def loading_for_s(self, replica: ReplicaId, adapter: str) -> float | None:
+        """Seconds this gateway's load of ``adapter`` onto ``replica`` has been under way, or
+        None when none is."""
+        started = self._task_started.get((replica, adapter))
+        return None if started is None else time.monotonic() - started
+
     def waiting(self, replica: ReplicaId, adapter: str) -> int:
         """Callers in this gateway waiting on an in-process load (0 when none runs)."""
         if (replica, adapter) not in self._tasks:
@@ -285,6 +294,7 @@ class AdapterLoader:
     def _load_done(self, key: tuple[ReplicaId, str], task: asyncio.Task[LoadResult]) -> None:
         if self._tasks.get(key) is task:
             del self._tasks[key]
+            self._task_started.pop(key, None)
         if not task.cancelled():
             task.exception()  # retrieved here, so an unshared failure is not logged as lost
 

@@ -209,6 +209,14 @@ class AdapterRegistry:
         cost = cold_load_estimate_ms(
             adapter, size_mb, placement, gpu_slots, self.load_times, self.guard, self._clock(),
         )
+        loading_for_s = self.loader.loading_for_s(replica.replica_id, adapter)
+        if loading_for_s is not None and cost > 0.0:
+            # This gateway is loading it there already: a request sent there shares that load
+            # and waits only for what is left of it. Costed as a full load, simultaneous first
+            # requests each went to another replica and each loaded it (the LoRA-reload review).
+            remaining = self.load_times.load_ms(adapter, replica.replica_id, size_mb)
+            floor = self.load_times.settings.load_overhead_ms  # late, but not resident yet
+            return max(floor, remaining - loading_for_s * 1000.0)
         only_host = adapter in replica.cpu_cached_adapters - replica.loaded_adapters
         if cost == 0.0 and only_host:
             # The engine says host cache, not a GPU slot: it pays the copy.

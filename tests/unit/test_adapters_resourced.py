@@ -184,3 +184,25 @@ async def test_a_lowered_resident_limit_is_reached_by_unloading_idle_adapters() 
         }
     finally:
         await reg.close()
+
+
+async def test_a_load_under_way_makes_its_replica_the_cheap_one_for_the_next_request(
+    reg_engine: tuple[AdapterRegistry, FakeEngine],
+) -> None:
+    """Simultaneous first requests for a cold adapter each saw a full load everywhere, went to
+    different replicas and loaded it twice (the LoRA-reload review): the replica where this
+    gateway is loading it costs only what is left of that load."""
+    reg, engine = reg_engine
+    engine.gate = asyncio.Event()
+    r1 = replica("r1", max_loras=1, max_cpu_loras=4)
+    full_load = reg.cold_load_ms(r0(), "shared")
+    assert reg.cold_load_ms(r1, "shared") == full_load
+    first = asyncio.create_task(_serve_once(reg, r0()))
+    for _ in range(1000):
+        if engine.calls:
+            break
+        await asyncio.sleep(0)
+    assert 0 < reg.cold_load_ms(r0(), "shared") < full_load == reg.cold_load_ms(r1, "shared")
+    engine.gate.set()
+    await first
+    assert reg.cold_load_ms(r0(), "shared") == 0.0
