@@ -84,14 +84,24 @@ class CircuitBreaker:
         if self._health_can_clear:
             self.success()
 
-    def failure(self, health_clears: bool = False) -> None:
+    def failure(self, health_clears: bool = False, *, refused: bool = False) -> None:
         """A request failed: count, maybe open. ``health_clears``: the connection was refused or
         dropped (a killed engine), which an answering health poll clears; a timeout or a 5xx
-        answer (the engine took the request and failed it) it does not."""
+        answer (the engine took the request and failed it) it does not.
+
+        ``refused`` (the connection was refused: nothing listens there) opens the circuit at
+        once: the next requests would be refused too, and each would pay a retry until the
+        threshold or the next health poll. The poll that answers again closes it
+        (``health_ok``), as for any failure a poll clears.
+        """
         self._failures += 1
-        self._health_can_clear = self._health_can_clear and health_clears
+        self._health_can_clear = self._health_can_clear and (health_clears or refused)
         self._probe_in_flight = False
-        if self._opened_at is not None or self._failures >= self.failure_threshold:
+        if (
+            self._opened_at is not None
+            or refused
+            or self._failures >= self.failure_threshold
+        ):
             opens = self._opened_at is None
             self._opened_at = self._clock()
             if opens and self._on_trip is not None:

@@ -630,7 +630,8 @@ async def send(
             except _RETRYABLE as exc:
                 if outcome.responded:
                     raise  # bytes reached the client: the request is never replayed elsewhere
-                breaker.failure(health_clears=True)
+                refused = isinstance(exc, UpstreamConnectError) and exc.refused
+                breaker.failure(health_clears=True, refused=refused)
                 if isinstance(exc, UpstreamConnectError):
                     retry_reason = "connect_failed"  # it never saw the request
                     log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)

@@ -163,6 +163,11 @@ class ReplicaRegistry:
         #: mark it unhealthy.
         self._failed_polls: dict[ReplicaId, int] = {}
         self.unhealthy_after_polls = max(1, unhealthy_after_polls)
+        #: What each registered replica's agent last said of its engine's health. A replica is
+        #: healthy only while both say so, its agent and this gateway's polls: each sees
+        #: failures the other cannot (a hung engine the agent's probe missed; a network path
+        #: from here that is down while the engine answers its localhost agent).
+        self._registered_healthy: dict[ReplicaId, bool] = {}
         self._breakers: dict[ReplicaId, CircuitBreaker] = {}
         self._static: set[ReplicaId] = set()
         self._discovered: set[ReplicaId] = set()
@@ -278,7 +283,8 @@ class ReplicaRegistry:
         """Take the agents' view of registered replicas; forget those that left.
 
         An agent scrapes its engine several times a second, so its figures (queue, KV usage,
-        adapters, epoch) replace ours; only the gateway's own in-flight counts are kept. A
+        adapters, epoch) replace ours; only the gateway's own in-flight counts are kept, and
+        its health verdict is combined with ours (``_health_verdict``), not taken over. A
         replica missing from ``states`` past ``discovery_grace_s`` is forgotten if it was
         removed on purpose (``departed``) or no longer answers its health polls. One that still
         answers is kept (with a warning): its heartbeat expired because its agent is down or
@@ -291,14 +297,20 @@ class ReplicaRegistry:
                 continue  # listed statically: the policy file wins over a registration
             seen.add(state.replica_id)
             self._missing_since.pop(state.replica_id, None)
+            self._registered_healthy[state.replica_id] = state.healthy
             state = self._with_pool_speeds(state)
             old = self._states.get(state.replica_id)
             if old is None:
                 self.upsert(state)
             else:
+                # Replacing ours with the agent's undid this gateway's missed polls at every
+                # sync: a hung engine its agent still called up flapped between healthy and
+                # not, drawing requests in each healthy spell.
+                healthy = self._health_verdict(state.replica_id)
                 self._put(
                     replace(
                         state,
+                        healthy=healthy,
                         inflight_requests=old.inflight_requests,
                         inflight_prefill_tokens=old.inflight_prefill_tokens,
                         # The gateway's own reading (agents do not send one): dropping it left
@@ -310,6 +322,13 @@ class ReplicaRegistry:
                         ),
                     )
                 )
+                if old.healthy and not healthy:  # its agent says the engine is down
+                    self._marked_down(state, "its agent reports the engine down")
+                elif healthy and not old.healthy:
+                    log.warning(
+                        "replica %s (%s) healthy again (its agent reports the engine up)",
+                        state.replica_id, state.url,
+                    )
             # The agent read the adapters with its metrics: its time goes with its list.
             self._adapters_read_at[state.replica_id] = state.metrics_read_at
         now = self._clock()
@@ -340,6 +359,17 @@ class ReplicaRegistry:
                 seen.add(rid)
         self._discovered = seen
 
+    def _health_verdict(self, replica: ReplicaId) -> bool:
+        """Healthy unless this gateway missed ``unhealthy_after_polls`` polls in a row or the
+        agent's current registration says its engine is down (after a sync or a poll alike,
+        so neither undoes the other)."""
+        polls_ok = self._failed_polls.get(replica, 0) < self.unhealthy_after_polls
+        # An expired registration says nothing any more: the polls alone decide (an orphan).
+        registered_ok = (
+            replica in self._missing_since or self._registered_healthy.get(replica, True)
+        )
+        return polls_ok and registered_ok
+
     def _answering(self, replica: ReplicaId) -> bool:
         """The replica passed its latest health poll, one made after its registration went
         missing (a replica this gateway never polled does not count)."""
@@ -364,6 +394,7 @@ class ReplicaRegistry:
         self._tripped.discard(replica)
         self._adapters_read_at.pop(replica, None)
         self._failed_polls.pop(replica, None)
+        self._registered_healthy.pop(replica, None)
         self._missing_since.pop(replica, None)
         self._itl.pop(replica, None)
         self._max_model_len.pop(replica, None)
@@ -507,10 +538,9 @@ class ReplicaRegistry:
             self._failed_polls[state.replica_id] = self._failed_polls.get(state.replica_id, 0) + 1
         # One missed poll (a CPU stall, a GC pause) is not an outage: it takes
         # ``unhealthy_after_polls`` in a row. Request-path failures open the circuit breaker
-        # between polls, so a truly dead replica stops receiving traffic sooner than this.
-        healthy = answered_ok or (
-            state.healthy and self._failed_polls[state.replica_id] < self.unhealthy_after_polls
-        )
+        # between polls, so a truly dead replica stops receiving traffic sooner than this. A
+        # registered replica's agent must say its engine is up too.
+        healthy = self._health_verdict(state.replica_id)
         models_body: dict[str, Any] | None = None
         models_read_at = 0.0
         gauges: dict[str, float] = {}
@@ -591,16 +621,25 @@ class ReplicaRegistry:
                 "replica %s (%s) answers its health polls again", state.replica_id, state.url
             )
         if current.healthy and not healthy:
-            aborted = self.attempts.abort_unanswered(state.replica_id)
-            log.warning(
-                "replica %s (%s) marked unhealthy (%d health polls missed, the last: %s); %d "
-                "request(s) it held unanswered go to a fallback",
-                state.replica_id,
-                state.url,
-                self._failed_polls[state.replica_id],
-                failure or "unknown",
-                aborted,
+            self._marked_down(
+                current,
+                f"{self._failed_polls[state.replica_id]} health polls missed, the last: "
+                f"{failure or 'unknown'}",
             )
+
+    def _marked_down(self, state: ReplicaState, why: str) -> None:
+        """``state``'s replica was healthy and is not any more: the requests it holds
+        unanswered go to a fallback at once (a hung replica would hold them until their
+        timeout), and the log says why."""
+        aborted = self.attempts.abort_unanswered(state.replica_id)
+        log.warning(
+            "replica %s (%s) marked unhealthy (%s); %d request(s) it held unanswered go to a "
+            "fallback",
+            state.replica_id,
+            state.url,
+            why,
+            aborted,
+        )
 
     def set_inflight(
         self,

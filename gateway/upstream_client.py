@@ -67,7 +67,15 @@ class UpstreamError(Exception):
 
 
 class UpstreamConnectError(UpstreamError, ConnectionError):
-    """No connection could be made: the replica never saw the request."""
+    """No connection could be made: the replica never saw the request.
+
+    ``refused``: the host answered that nothing listens on the port (a killed or restarting
+    engine), as opposed to a connect timeout or an unreachable network, which say less.
+    """
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class UpstreamDisconnected(UpstreamError, ConnectionError):
@@ -473,7 +481,12 @@ class UpstreamPool:
                 f"connecting to {host}:{port} took longer than {self.connect_timeout_s:g} s"
             ) from None
         except OSError as exc:
-            raise UpstreamConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
+            # A host name with several addresses that all refuse raises a plain OSError
+            # ("Multiple exceptions") on Python 3.11: not taken as refused, the usual rules apply.
+            raise UpstreamConnectError(
+                f"cannot connect to {host}:{port}: {exc}",
+                refused=isinstance(exc, ConnectionRefusedError),
+            ) from exc
         self._open.add(conn)
         return conn
 

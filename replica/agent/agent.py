@@ -1,15 +1,18 @@
 """``ReplicaAgent``: the sidecar that keeps fleetgate's view of one vLLM engine true.
 
-Three background loops, all started by ``start`` and cancelled and awaited by ``stop``:
+Three background loops and a one-off task, all started by ``start`` (the catch-up task by the
+scrape loop) and cancelled and awaited by ``stop``:
 
 * **events** — reads the engine's ZMQ KV events, checks sequence numbers (a gap asks the replay
   socket, else retires the epoch; a backward jump is a new engine process) and hands batches to
-  the ``EventApplier``, which writes the block index. An agent that starts beside a running
-  engine first replays every earlier batch the engine still buffers, so the index learns what
-  the engine already holds (a restarted agent otherwise leaves it cold);
+  the ``EventApplier``, which writes the block index;
 * **scrape** — every ``scrape_interval_s`` probes ``/health``, reads ``/metrics`` and
   ``/v1/models``, publishes the ``ReplicaState`` to the fleet store with a TTL (the heartbeat) and
   heartbeats the index;
+* **catch-up** — whenever the stream position is unknown (agent start, engine restart) and the
+  engine answers ``/health``, replays every batch the engine still buffers, so the index learns
+  what the engine already holds without waiting for its next batch (an idle engine may send none
+  for a long time, and a replica that looks cold draws fewer requests to make it send one);
 * **resync** — after a Redis outage, re-records the engine's live blocks under a fresh epoch.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import httpx
@@ -115,6 +119,15 @@ class ReplicaAgent:
         #: Kernel plugins the engine reported loaded (module -> version), as last read.
         self.kernel_plugins: dict[str, str] = {}
         self.tracker = SequenceTracker()
+        #: Serialises the stream position (``tracker``) between live batches and the catch-up.
+        self._stream_lock = asyncio.Lock()
+        #: The stream position is unknown (start, engine restart): catch up once the engine
+        #: answers; the task doing it, while it runs.
+        self._catch_up_due = True
+        self._catch_up_task: asyncio.Task[None] | None = None
+        #: The last batch a catch-up applied: live batches up to it, received while the replay
+        #: ran, are the same batches again.
+        self._replayed_through: int | None = None
         self.subscriber: KVEventSubscriber | None = None
         self.snapshot: EngineSnapshot | None = None
         self.engine_up = False
@@ -160,6 +173,8 @@ class ReplicaAgent:
         # (a lost cancel would otherwise leave stop() waiting forever); cancel again until done.
         self._stopping = True
         pending = set(self._tasks)
+        if self._catch_up_task is not None:
+            pending.add(self._catch_up_task)
         while pending:
             for task in pending:
                 task.cancel()
@@ -230,6 +245,12 @@ class ReplicaAgent:
         Called by the supervisor (``fleetgate replica run``) when it restarts the engine, and by
         the agent itself on a backward sequence jump or a health outage.
         """
+        # A catch-up still replaying the old process must not record its blocks under the new
+        # epoch: cancelled here, before the epoch changes, and run again for the new process.
+        if self._catch_up_task is not None:
+            self._catch_up_task.cancel()
+        self._catch_up_due = True
+        self._replayed_through = None
         self.tracker.reset()
         # The health watch must not count this same restart again when the engine comes back.
         self._ever_up = False
@@ -254,6 +275,15 @@ class ReplicaAgent:
 
     async def handle_batch(self, seq: int, batch: EventBatch) -> None:
         """Apply one received batch, first repairing the stream if ``seq`` is not the next one."""
+        async with self._stream_lock:
+            await self._handle_batch(seq, batch)
+
+    async def _handle_batch(self, seq: int, batch: EventBatch) -> None:
+        through = self._replayed_through
+        if through is not None:
+            if seq <= through:
+                return  # the catch-up applied it already (the SUB socket queued it meanwhile)
+            self._replayed_through = None
         verdict = self.tracker.classify(seq)
         if verdict is SeqVerdict.RESTART:
             logger.info(
@@ -279,19 +309,50 @@ class ReplicaAgent:
         self.tracker.accept(seq)
         self.batches_applied += 1
 
-    async def _catch_up(self, first_seq: int) -> None:
-        """The first batch this agent sees is ``first_seq``: apply every earlier batch the replay
-        socket still buffers. The buffer is bounded (vLLM's holds the latest batches), so this
-        recovers what the engine stored recently, and blocks whose parent came before the buffer
-        are skipped as unkeyable; without a replay socket the index stays cold, as before."""
+    def _start_catch_up_if_due(self) -> None:
+        """The engine answers: if the stream position is unknown, replay its buffer now."""
+        subscriber = self.subscriber
+        if not self._catch_up_due or subscriber is None or subscriber.replay_endpoint is None:
+            return
+        if self._catch_up_task is not None and not self._catch_up_task.done():
+            return
+        self._catch_up_due = False
+        task = asyncio.create_task(self._catch_up_now(), name="agent-catch-up")
+        task.add_done_callback(self._catch_up_ended)
+        self._catch_up_task = task
+
+    def _catch_up_ended(self, task: asyncio.Task[None]) -> None:
+        # Not one of the loops ``wait`` watches (an engine restart cancels it): say so here.
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("replica %s: KV-event catch-up failed", self.replica,
+                         exc_info=task.exception())
+
+    async def _catch_up_now(self) -> None:
+        """Apply every batch the engine buffers, then expect the one after the last."""
+        async with self._stream_lock:
+            if self.tracker.expected is not None:
+                return  # a live batch came first and caught up from its own number
+            last = await self._catch_up(None)
+            if last is not None:
+                self.tracker.accept(last)
+                self._replayed_through = last
+
+    async def _catch_up(self, first_seq: int | None) -> int | None:
+        """Apply every batch the replay socket still buffers before ``first_seq`` (None: all of
+        them); returns the last one applied, None if none. The buffer is bounded (vLLM's holds
+        the latest batches), so this recovers what the engine stored recently, and blocks whose
+        parent came before the buffer are skipped as unkeyable; without a replay socket the
+        index stays cold, as before."""
         subscriber = self.subscriber
         if subscriber is None or subscriber.replay_endpoint is None:
-            return
+            return None
         # Asked again from where each partial answer stopped: a publisher whose socket drops
-        # what is over its high-water mark sends a long buffer a part at a time.
+        # what is over its high-water mark sends a long buffer a part at a time. Open-ended,
+        # it ends at an answer with nothing new (batches published meanwhile come in the next).
+        end = first_seq if first_seq is not None else math.inf
         earlier: list[tuple[int, EventBatch]] = []
         start = 0
-        while start < first_seq:
+        while start < end:
             try:
                 replayed = await subscriber.request_replay(
                     start, self.config.catch_up_timeout_s, partial=True
@@ -302,13 +363,13 @@ class ReplicaAgent:
                 )
                 self.metrics.replay(ok=False)
                 break
-            got = sorted((s, b) for s, b in replayed if start <= s < first_seq)
+            got = sorted((s, b) for s, b in replayed if start <= s < end)
             if not got:
                 break
             earlier += got
             start = got[-1][0] + 1
         if not earlier:
-            return
+            return None
         await self._model_known.wait()
         recorded = await self.applier.absorb([batch for _, batch in earlier])
         self.batches_applied += len(earlier)
@@ -317,6 +378,7 @@ class ReplicaAgent:
             "replica %s: caught up on %d earlier KV-event batches (%d..%d) the engine buffered: "
             "%d blocks live", self.replica, len(earlier), earlier[0][0], earlier[-1][0], recorded,
         )
+        return earlier[-1][0]
 
     async def _replay(self, start: int, stop: int) -> bool:
         """Fetch and apply batches ``start..stop-1`` from the replay socket; all or nothing."""
@@ -347,14 +409,7 @@ class ReplicaAgent:
         heartbeat_every = max(self.config.scrape_interval_s, self.config.heartbeat_ttl_s / 3)
         while not self._stopping:
             started = time.monotonic()
-            try:
-                # A busy engine can take seconds to answer; the fleet-store entry must not expire
-                # meanwhile (the gateway would drop a replica that is merely slow), so a scrape
-                # gets at most half the heartbeat TTL and the last figures are published again.
-                await asyncio.wait_for(self.scrape_once(), self.config.heartbeat_ttl_s / 2)
-            except TimeoutError:
-                logger.debug("replica %s: scrape slower than %.1fs; republishing last state",
-                             self.replica, self.config.heartbeat_ttl_s / 2)
+            await self.scrape_once()
             await self.publish_state()
             # No heartbeat for an engine that is down: its entries then stop matching once the
             # heartbeat expires, instead of drawing requests (last-resort routing included) to
@@ -373,8 +428,36 @@ class ReplicaAgent:
             )
 
     async def scrape_once(self) -> None:
-        """Probe health and read the engine's figures; detect a restart by a health outage."""
-        up = await self.scraper.healthy()
+        """Probe health, then read the engine's figures, in at most half the heartbeat TTL.
+
+        A busy engine can take seconds to answer; the fleet-store entry must not expire
+        meanwhile (the gateway would drop a replica that is merely slow), so the probe and the
+        reading together get at most ``heartbeat_ttl_s / 2``. A probe not answered within it
+        is a failed probe (a hung engine accepts connections and never answers: cancelling
+        the probe uncounted kept such an engine "up" for ever); figures not read within it
+        are published again as they were.
+        """
+        budget_s = self.config.heartbeat_ttl_s / 2
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(budget_s):
+                up = await self.scraper.healthy()
+        except TimeoutError:
+            up = False
+        await self._note_health(up)
+        if not up:
+            return
+        self._start_catch_up_if_due()
+        try:
+            await asyncio.wait_for(
+                self._read_figures(), max(0.0, budget_s - (time.monotonic() - started))
+            )
+        except TimeoutError:
+            logger.debug("replica %s: figures slower than %.1fs; republishing the last ones",
+                         self.replica, budget_s)
+
+    async def _note_health(self, up: bool) -> None:
+        """One probe's answer: log an outage, detect a restart by it, apply the miss rule."""
         now = time.monotonic()
         if not up and self._down_since is None:
             self._down_since = now
@@ -405,8 +488,9 @@ class ReplicaAgent:
         self._health_failures = 0 if up else self._health_failures + 1
         self.engine_up = up or (self.engine_up and self._health_failures < 2)
         self.metrics.engine_up(self.engine_up)
-        if not up:
-            return
+
+    async def _read_figures(self) -> None:
+        """Read ``/metrics``, ``/v1/models`` and the kernel report into the snapshot."""
         started = time.perf_counter()
         try:
             snapshot = await self.scraper.snapshot()

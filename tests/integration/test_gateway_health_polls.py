@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import aiohttp
@@ -165,3 +166,59 @@ async def test_an_agents_report_keeps_the_itl_this_gateway_read() -> None:
         registry.sync_discovered([reported])  # the agent's next report: no ITL of its own
         merged = registry.get(ReplicaId("r0"))
     assert merged is not None and merged.decode_itl_ms == polled.decode_itl_ms
+
+
+async def test_a_replica_is_healthy_only_while_both_its_agent_and_this_gateways_polls_say_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The live review's finding 1: a hung engine (it accepts, never answers) that its agent
+    # still called up flapped every sync, the agent's registration undoing this gateway's
+    # missed polls; the gateway drew requests into it in each healthy spell.
+    from dataclasses import replace
+
+    from routing.state import ReplicaState
+
+    answering = asyncio.Event()  # cleared: /health hangs
+
+    async def health(_: web.Request) -> web.Response:
+        await answering.wait()
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    r0 = ReplicaId("r0")
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        registry = ReplicaRegistry(unhealthy_after_polls=2)
+        url = str(server.make_url("")).rstrip("/")
+        up = ReplicaState(replica_id=r0, url=url, models=frozenset({"m"}), healthy=True)
+
+        def healthy() -> bool:
+            state = registry.get(r0)
+            assert state is not None
+            return state.healthy
+
+        registry.sync_discovered([up])
+        for _ in range(2):
+            await registry.poll_once(session, timeout_s=0.2)
+        assert not healthy()  # two missed polls
+        registry.sync_discovered([up])  # its agent still says up
+        assert not healthy()
+        await registry.poll_once(session, timeout_s=0.2)
+        assert not healthy()
+
+        answering.set()
+        await registry.poll_once(session, timeout_s=2.0)
+        assert healthy()  # one answered poll brings it back, as for a static replica
+
+        # The other way round: its agent says the engine is down, this gateway reaches it.
+        registry.sync_discovered([replace(up, healthy=False)])
+        assert not healthy()
+        # Marked down as by missed polls: logged, and what it holds goes to a fallback.
+        assert any(
+            "marked unhealthy (its agent reports the engine down)" in r.getMessage()
+            for r in caplog.records
+        )
+        await registry.poll_once(session, timeout_s=2.0)
+        assert not healthy()
+        registry.sync_discovered([up])
+        assert healthy()

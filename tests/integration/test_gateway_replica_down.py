@@ -4,21 +4,28 @@ A hung replica (it accepts, never answers) is found by the health loop after a f
 before this, the requests already sent to it waited for it as long as their clients did (the
 chaos bench's finding 4). Now the gateway aborts every attempt the replica holds whose answer has
 not started, and retries it on a fallback: nothing had reached the client.
+
+A replica that refuses a connection (its engine was killed) is out of routing at once, until a
+health poll it answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
+from gateway.state import GATEWAY
 from tests.integration.test_gateway_support import FakeUpstream, serve
 from tests.support.polling import wait_until
+from tests.support.redis_server import free_port
 
 CHAT = {"model": "base-model", "messages": [{"role": "user", "content": "hello there"}]}
 ADMIN = {"Authorization": "Bearer adm"}
@@ -182,3 +189,65 @@ async def test_a_wedged_replica_answering_health_polls_stays_out_once_its_breake
     else:
         assert statuses.count(504) == 2 and statuses.count(200) == 10, statuses
     assert circuits == {"wedged": "open", "well": "closed"}
+
+
+@asynccontextmanager
+async def _serve_on(app: web.Application, port: int) -> AsyncIterator[str]:
+    """``serve``, on a given port: a replica restarted where it was."""
+    runner = web.AppRunner(app, shutdown_timeout=5)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_replica_refusing_a_connection_is_out_at_once_and_back_at_its_next_answered_poll(
+) -> None:
+    # The live review's finding 3: after its engine was killed, a replica stayed every gateway's
+    # first choice until the breaker's threshold or two missed polls, each request paying a
+    # retry. A connection refused means nothing listens there: the next ones would be refused.
+    doomed, well = FakeUpstream(), FakeUpstream()
+    port = free_port()
+    async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
+        doomed_server = AsyncExitStack()
+        stack.push_async_callback(lambda: doomed_server.aclose())
+        doomed_url = await doomed_server.enter_async_context(_serve_on(doomed.app(), port))
+        well_url = await stack.enter_async_context(serve(well.app()))
+        specs = [
+            ReplicaSpec("doomed", doomed_url, models=frozenset(doomed.models)),
+            ReplicaSpec("well", well_url, models=frozenset(well.models)),
+        ]
+        cfg = GatewayConfig(health_interval_s=3600, admin_key="adm")  # no poll meanwhile
+        app = create_app(cfg, GatewayPolicy.default(specs, profile="round-robin"))
+        url = await stack.enter_async_context(serve(app, handler_cancellation=True))
+        registry = app[GATEWAY].registry
+
+        def routable() -> dict[str, bool]:
+            return {s.replica_id: s.healthy for s in registry.routable()}
+
+        assert routable() == {"doomed": True, "well": True}
+        await doomed_server.aclose()  # killed: its port refuses connections
+        statuses = []
+        for i in range(6):
+            body = {**CHAT, "messages": [{"role": "user", "content": f"question {i}"}]}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                statuses.append(resp.status)
+        refused = await _metric(
+            http, url, 'fleetgate_upstream_retries_total{reason="connect_failed"'
+        )
+        assert statuses == [200] * 6
+        assert refused == 1  # refused once, then out of routing
+        assert routable() == {"doomed": False, "well": True}
+
+        # Restarted where it was: the next health poll it answers brings it back.
+        doomed_server = AsyncExitStack()
+        await doomed_server.enter_async_context(_serve_on(doomed.app(), port))
+        await registry.poll_once(app[GATEWAY].http(), timeout_s=2.0)
+        assert routable() == {"doomed": True, "well": True}
+        for i in range(2):  # round-robin: one of the two goes to it
+            body = {**CHAT, "messages": [{"role": "user", "content": f"again {i}"}]}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+    assert len(doomed.received) == 1

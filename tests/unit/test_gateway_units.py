@@ -53,6 +53,21 @@ def test_a_health_poll_clears_refused_and_dropped_connections_only() -> None:
     assert wedged.state is BreakerState.CLOSED and wedged.allows()
 
 
+def test_a_refused_connection_opens_the_circuit_at_once_until_a_health_poll_answers() -> None:
+    clock = Clock()
+    killed = CircuitBreaker(failure_threshold=3, cooldown_s=10, clock=clock)
+    killed.failure(health_clears=True, refused=True)  # nothing listens: the next would fail too
+    assert killed.state is BreakerState.OPEN
+    killed.health_ok()  # restarted: back at the first poll it answers
+    assert killed.state is BreakerState.CLOSED
+
+    wedged = CircuitBreaker(failure_threshold=3, cooldown_s=10, clock=clock)
+    wedged.failure()  # timed out first: a poll that answers says nothing about requests
+    wedged.failure(health_clears=True, refused=True)
+    wedged.health_ok()
+    assert wedged.state is BreakerState.OPEN
+
+
 def test_breaker_opens_after_threshold_and_probes_once_after_cooldown() -> None:
     clock = Clock()
     breaker = CircuitBreaker(failure_threshold=2, cooldown_s=10, clock=clock)
