@@ -147,8 +147,9 @@ class AdapterLoader:
         self._gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self._clock = clock
         self._tasks: dict[tuple[ReplicaId, str], asyncio.Task[LoadResult]] = {}
-        #: When each of those began (monotonic seconds).
+        #: When each of those began (monotonic seconds), and the ``source`` it loads.
         self._task_started: dict[tuple[ReplicaId, str], float] = {}
+        self._task_source: dict[tuple[ReplicaId, str], str] = {}
         #: Callers currently waiting on each in-process load (diagnostics and tests).
         self._sharers: dict[tuple[ReplicaId, str], int] = {}
         #: Times a load found another gateway's lock held and waited for it.
@@ -174,13 +175,14 @@ class AdapterLoader:
         entry = self._catalog.get(adapter)
         started = time.monotonic()
         key = (replica.replica_id, adapter)
-        task = self._tasks.get(key)
+        task = await self._shareable(key, entry.source)
         if task is None:
             status = await self._status(replica.replica_id, adapter)
             if status.serves_weights(entry.source) and not status.busy:
                 await self._quiet(self._store.touch(replica.replica_id, adapter, self._clock()))
                 return LoadResult(cold_ms=0.0, loaded_now=False)
-            task = self._tasks.get(key)  # another caller may have started one meanwhile
+            # another caller may have started one meanwhile
+            task = await self._shareable(key, entry.source)
         if task is not None:
             try:
                 return await self._share(key, task, started)
@@ -192,6 +194,7 @@ class AdapterLoader:
         task = asyncio.create_task(self._load_or_wait(replica, entry, last_resort, started))
         self._tasks[key] = task
         self._task_started[key] = time.monotonic()
+        self._task_source[key] = entry.source
         task.add_done_callback(lambda t, key=key: self._load_done(key, t))
         # Shielded: a caller that gives up (client disconnect) must not abort the load that
         # other callers share, nor leave the cross-gateway lock to expire.
@@ -291,10 +294,24 @@ class AdapterLoader:
                 del self._sharers[key]
         return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
 
+    async def _shareable(
+        self, key: tuple[ReplicaId, str], source: str
+    ) -> asyncio.Task[LoadResult] | None:
+        """This gateway's load in progress of (replica, adapter) if it loads the weights at
+        ``source``, else None. A load of other weights (begun before a reload re-sourced the
+        adapter) is waited out first, never shared: sharing it served a request admitted after
+        the reload the old weights, the old owner's to a new owner (the LoRA-reload review)."""
+        while True:
+            task = self._tasks.get(key)
+            if task is None or task.done() or self._task_source.get(key) == source:
+                return task if task is not None and not task.done() else None
+            await asyncio.wait({task})  # its outcome is its own callers'
+
     def _load_done(self, key: tuple[ReplicaId, str], task: asyncio.Task[LoadResult]) -> None:
         if self._tasks.get(key) is task:
             del self._tasks[key]
             self._task_started.pop(key, None)
+            self._task_source.pop(key, None)
         if not task.cancelled():
             task.exception()  # retrieved here, so an unshared failure is not logged as lost
 
@@ -490,7 +507,12 @@ class AdapterLoader:
         try:
             placement = await self._snapshot(rid)  # current, with the room held
             excess = len(placement.resident) - limit
-            return await self._evict(replica, placement, excess, set(), owner) if excess > 0 else 0
+            # Only adapters a gateway can load again: one the engine was started with
+            # (``--lora-modules``) or someone else loaded is not this gateway's to remove.
+            foreign = {name for name in placement.resident if self._catalog.find(name) is None}
+            if excess <= 0:
+                return 0
+            return await self._evict(replica, placement, excess, foreign, owner)
         finally:
             await self._unlock(rid, ROOM_LOCK, owner)
 

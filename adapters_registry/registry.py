@@ -431,9 +431,13 @@ class AdapterRegistry:
                 resident[step.replica].discard(step.evict or "")
         return ReplicationPlan(desired, steps)
 
+    async def share_traffic(self) -> None:
+        """Write this gateway's pre-warm traffic to the store, and read the others' back."""
+        await self.traffic.sync(self.store, self._clock())
+
     async def prewarm(self, states: Sequence[ReplicaState]) -> ReconcileReport:
         """Share traffic counts with the other gateways, plan, and carry out the plan."""
-        await self.traffic.sync(self.store, self._clock())
+        await self.share_traffic()
         plan = self.plan(states)
         return await reconcile(plan, self.loader, {s.replica_id: s for s in states})
 

@@ -156,6 +156,9 @@ def _unload_in_background(gw: GatewayState, names: list[str]) -> None:
             log.warning("after the policy reload, unloading %s failed: %s", name, failure)
 
     async def unload() -> None:
+        # At once, not at the next pre-warm round (30 s): a gateway still on the old policy
+        # would pre-warm a removed adapter from the counts this one published for it.
+        await registry.share_traffic()
         await asyncio.gather(*(unload_one(name) for name in names))
 
     work = unload()

@@ -206,3 +206,50 @@ async def test_a_load_under_way_makes_its_replica_the_cheap_one_for_the_next_req
     engine.gate.set()
     await first
     assert reg.cold_load_ms(r0(), "shared") == 0.0
+
+
+async def test_a_request_after_the_reload_does_not_share_a_load_of_the_old_weights(
+    reg_engine: tuple[AdapterRegistry, FakeEngine],
+) -> None:
+    """The fix's live re-check: a request that came, on the same gateway, while the old weights
+    were still loading joined that load and was served them."""
+    reg, engine = reg_engine
+    engine.gate = asyncio.Event()
+    hold = asyncio.Event()
+
+    async def old_stream() -> None:
+        async with reg.serving(r0(), "shared"):
+            await hold.wait()
+
+    old = asyncio.create_task(old_stream())
+    for _ in range(1000):
+        if engine.calls:
+            break
+        await asyncio.sleep(0)
+    reg.update_policy(policy(NEW, ["globex"]))
+    new = asyncio.create_task(_serve_once(reg, r0()))
+    await asyncio.sleep(0.05)
+    engine.gate.set()  # the old weights' load ends; the old stream runs on
+    with pytest.raises(OldWeightsInUse):
+        await asyncio.wait_for(new, 10)
+    assert engine.paths == {"shared": OLD}
+    hold.set()
+    await old
+
+
+async def test_trimming_leaves_adapters_no_gateway_can_load_again() -> None:
+    engine = FakeEngine()
+    reg = AdapterRegistry.in_memory(
+        make_policy([adapter("a")], max_loras=1, max_cpu_loras=1), engine,
+        metrics_registry=CollectorRegistry(),
+    )
+    # The engine was started with a LoRA module of its own (vLLM --lora-modules).
+    state = replica("r0", loaded=("static",), read_at=reg._clock())
+    try:
+        await reg.ensure_loaded(state, "a")
+        await reg.refresh([state])
+        # Two resident against a limit of one: "a" goes, "static" stays.
+        assert reg.view.get(state.replica_id).resident == {"static"}
+        assert engine.calls == [("load", "a"), ("unload", "a")]
+    finally:
+        await reg.close()
