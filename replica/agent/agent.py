@@ -128,6 +128,9 @@ class ReplicaAgent:
         #: The last batch a catch-up applied: live batches up to it, received while the replay
         #: ran, are the same batches again.
         self._replayed_through: int | None = None
+        #: The first batch the SUB socket delivered from this engine process: an open-ended
+        #: catch-up stops there, and the live stream goes on from it.
+        self._first_live_seq: int | None = None
         self.subscriber: KVEventSubscriber | None = None
         self.snapshot: EngineSnapshot | None = None
         self.engine_up = False
@@ -251,6 +254,7 @@ class ReplicaAgent:
             self._catch_up_task.cancel()
         self._catch_up_due = True
         self._replayed_through = None
+        self._first_live_seq = None
         self.tracker.reset()
         # The health watch must not count this same restart again when the engine comes back.
         self._ever_up = False
@@ -275,6 +279,8 @@ class ReplicaAgent:
 
     async def handle_batch(self, seq: int, batch: EventBatch) -> None:
         """Apply one received batch, first repairing the stream if ``seq`` is not the next one."""
+        if self._first_live_seq is None:
+            self._first_live_seq = seq  # where a catch-up running now may stop (``_catch_up``)
         async with self._stream_lock:
             await self._handle_batch(seq, batch)
 
@@ -348,11 +354,13 @@ class ReplicaAgent:
             return None
         # Asked again from where each partial answer stopped: a publisher whose socket drops
         # what is over its high-water mark sends a long buffer a part at a time. Open-ended,
-        # it ends at an answer with nothing new (batches published meanwhile come in the next).
-        end = first_seq if first_seq is not None else math.inf
+        # it ends at an answer with nothing new or at the first batch the live stream
+        # delivered, whichever comes first: a busy engine publishes a batch per request, and a
+        # catch-up that chased them all held the stream (the live batches waiting on it) for
+        # as long as the traffic lasted (the real-vLLM e2e tier: no batch applied in 30 s).
         earlier: list[tuple[int, EventBatch]] = []
         start = 0
-        while start < end:
+        while start < (end := self._catch_up_end(first_seq)):
             try:
                 replayed = await subscriber.request_replay(
                     start, self.config.catch_up_timeout_s, partial=True
@@ -379,6 +387,12 @@ class ReplicaAgent:
             "%d blocks live", self.replica, len(earlier), earlier[0][0], earlier[-1][0], recorded,
         )
         return earlier[-1][0]
+
+    def _catch_up_end(self, first_seq: int | None) -> float:
+        """Where a catch-up stops: before ``first_seq``, else before the first live batch."""
+        if first_seq is not None:
+            return first_seq
+        return self._first_live_seq if self._first_live_seq is not None else math.inf
 
     async def _replay(self, start: int, stop: int) -> bool:
         """Fetch and apply batches ``start..stop-1`` from the replay socket; all or nothing."""

@@ -16,7 +16,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import aiohttp
@@ -25,9 +25,10 @@ import pytest
 from replica.agent import AgentConfig, ReplicaAgent
 from replica.agent.agent import RESTART_AFTER_DOWN_S
 from replica.fleet_store import MemoryFleetStore
+from replica.kv_events.codec import EventBatch
 from replica.sim.fleet import start_sim_fleet
 from routing.hashing import chain_seed, hash_token_blocks
-from routing.index import RedisBlockIndex
+from routing.index import MemoryBlockIndex, RedisBlockIndex
 from routing.types import ReplicaId
 from tests.support.polling import wait_until
 from tests.support.redis_server import free_port, free_port_block
@@ -215,3 +216,44 @@ async def test_an_agent_started_beside_an_idle_engine_learns_its_blocks_at_once(
         for reason in ("gap", "restart"):
             retired = agent.metrics.value("fleetgate_agent_epoch_retirements_total", reason=reason)
             assert retired == 0, reason
+
+
+class _EverBusyReplay:
+    """A replay socket on an engine that publishes faster than it is asked: every answer holds
+    one batch newer than the last (what the real-vLLM e2e tier showed, one request after
+    another). ``live`` is called at the third request, as the SUB socket's first delivery."""
+
+    replay_endpoint = "tcp://replay.invalid:1"
+
+    def __init__(self, live: Callable[[], None]) -> None:
+        self.asked: list[int] = []
+        self._live = live
+
+    async def request_replay(
+        self, start_seq: int, timeout_s: float = 5.0, *, partial: bool = False
+    ) -> list[tuple[int, EventBatch]]:
+        self.asked.append(start_seq)
+        if len(self.asked) == 3:
+            self._live()
+        await asyncio.sleep(0)
+        return [(start_seq, EventBatch(ts=0.0, events=[]))]
+
+
+async def test_a_catch_up_stops_at_the_first_live_batch() -> None:
+    agent = ReplicaAgent(
+        AgentConfig(replica_id=RID, engine_url="http://127.0.0.1:9", model=MODEL,
+                    listen_port=None),
+        index=MemoryBlockIndex(), fleet=MemoryFleetStore(),
+    )
+    agent._model_known.set()
+    await agent.applier.start()
+    live: list[asyncio.Task[None]] = []
+    replay = _EverBusyReplay(
+        lambda: live.append(asyncio.create_task(agent.handle_batch(2, EventBatch(0.0, []))))
+    )
+    agent.subscriber = replay  # type: ignore[assignment]
+    async with asyncio.timeout(10):  # it chased the engine for ever
+        await agent._catch_up_now()
+        await live[0]
+    assert replay.asked == [0, 1, 2]
+    assert agent.tracker.expected == 3 and agent.batches_applied == 3  # 0, 1 replayed; 2 live
