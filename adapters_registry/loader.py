@@ -101,6 +101,11 @@ class LoaderSettings:
 #: ``AdapterUnloadFailed``'s reason when ``unload(if_idle=True)`` finds a request using it.
 IN_USE = "a request is using it"
 
+#: The ``source`` recorded for a copy whose weights nobody recorded, once a reload changed the
+#: adapter's source: it may hold the old weights, so no request admitted after the reload is
+#: served by it (``Residency.serves_weights`` is False for any catalog source).
+UNKNOWN_WEIGHTS = "|unknown"
+
 #: Between a lease's id and the ``source`` of the weights its request was admitted for.
 LEASE_SEP = "|"
 
@@ -227,9 +232,14 @@ class AdapterLoader:
         try:
             # With the lock held any new request waits for us, so this re-read is current (the
             # plan that chose it may have read a view seconds old).
-            if keep_source is not None and (await self._status(rid, adapter)).source == keep_source:
-                return False
-            if if_idle and await self.requests_on(rid, adapter, besides_source=keep_source) > 0:
+            besides = None
+            if keep_source is not None:
+                held = (await self._status(rid, adapter)).source
+                if held == keep_source:
+                    return False
+                # Weights nobody recorded may be the new ones too: every request may use them.
+                besides = keep_source if held not in (None, UNKNOWN_WEIGHTS) else None
+            if if_idle and await self.requests_on(rid, adapter, besides_source=besides) > 0:
                 raise AdapterUnloadFailed(adapter, rid, IN_USE)
             return await self._unload_locked(replica, adapter, reason)
         finally:
@@ -261,11 +271,14 @@ class AdapterLoader:
         leases = await self._quiet(self._store.leases(replica, adapter)) or []
         return sum(1 for lease in leases if lease_source(lease) != besides_source)
 
-    def loading_for_s(self, replica: ReplicaId, adapter: str) -> float | None:
-        """Seconds this gateway's load of ``adapter`` onto ``replica`` has been under way, or
-        None when none is."""
-        started = self._task_started.get((replica, adapter))
-        return None if started is None else time.monotonic() - started
+    def loading_for_s(self, replica: ReplicaId, adapter: str, source: str) -> float | None:
+        """Seconds this gateway's load of ``adapter``'s weights at ``source`` onto ``replica``
+        has been under way, or None when none is (a load of other weights included)."""
+        key = (replica, adapter)
+        started = self._task_started.get(key)
+        if started is None or self._task_source.get(key) != source:
+            return None
+        return time.monotonic() - started
 
     def waiting(self, replica: ReplicaId, adapter: str) -> int:
         """Callers in this gateway waiting on an in-process load (0 when none runs)."""

@@ -23,6 +23,13 @@ from routing.types import ReplicaId
 Tier = Literal["gpu", "host"]
 
 
+def holds_weights(resident: bool, recorded: str | None, wanted: str) -> bool:
+    """A copy serves the weights at ``wanted`` if resident with them recorded, or with none
+    recorded (first seen in an engine report: taken as the catalog's until a reload changes
+    the source, which marks such copies as unknown weights, ``loader.UNKNOWN_WEIGHTS``)."""
+    return resident and (recorded is None or recorded == wanted)
+
+
 @dataclass(frozen=True)
 class Residency:
     """One adapter on one replica as the registry last knew it."""
@@ -38,9 +45,8 @@ class Residency:
     source: str | None = None
 
     def serves_weights(self, source: str) -> bool:
-        """True if resident with the weights at ``source`` (or with weights no gateway recorded,
-        taken as the catalog's)."""
-        return self.resident and (self.source is None or self.source == source)
+        """True if resident with the weights at ``source`` (see ``holds_weights``)."""
+        return holds_weights(self.resident, self.source, source)
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,8 @@ class AdapterStatus:
     source: str | None = None
 
     def serves_weights(self, source: str) -> bool:
-        """True if resident with the weights at ``source`` (see ``Residency.serves_weights``)."""
-        return self.resident and (self.source is None or self.source == source)
+        """True if resident with the weights at ``source`` (see ``holds_weights``)."""
+        return holds_weights(self.resident, self.source, source)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,12 @@
 Keys (``prefix`` defaults to ``fleetgate:``; ``|`` separates names because adapter names may
 contain ``:`` and ``/`` but never ``|``):
 
-- ``{prefix}adapters:res|{replica}`` — hash adapter -> JSON
-  ``[resident 0/1, changed_at, last_used, source]`` (``source`` as loaded, ``""`` when no gateway
-  recorded it; entries written before it existed have three elements)
+- ``{prefix}adapters:res|{replica}`` — hash adapter -> JSON ``[resident 0/1, changed_at,
+  last_used]``
+- ``{prefix}adapters:src|{replica}`` — hash adapter -> the ``source`` a gateway loaded it from,
+  while resident (absent: none recorded). A hash of its own, not a fourth element of the
+  ``res`` entry: gateways of the previous release read those entries as three elements, and
+  must go on doing so during a rolling upgrade
 - ``{prefix}adapters:use|{replica}|{adapter}`` — sorted set of request leases, score = expiry,
   so a gateway that dies mid-request stops holding the adapter once its leases expire
 - ``{prefix}adapters:lock|{replica}|{adapter}`` — the load/unload lock (``SET NX PX``)
@@ -43,8 +46,8 @@ T = TypeVar("T")
 #: Bound of one placement-store call (a LoRA request and the registry's refresh wait on it).
 DEFAULT_TIMEOUT_S = 1.0
 
-# KEYS[1] hash; ARGV: adapter, resident (0/1), now, source. A load counts as a use; an unload
-# keeps it.
+# KEYS[1] res hash, KEYS[2] src hash; ARGV: adapter, resident (0/1), now, source ('' for none).
+# A load counts as a use; an unload keeps it.
 _MARK = """
 local old = redis.call('HGET', KEYS[1], ARGV[1])
 local now = tonumber(ARGV[3])
@@ -53,7 +56,12 @@ if ARGV[2] == '0' then
   last = 0
   if old then last = cjson.decode(old)[3] end
 end
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({tonumber(ARGV[2]), now, last, ARGV[4]}))
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({tonumber(ARGV[2]), now, last}))
+if ARGV[2] == '1' and ARGV[4] ~= '' then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+else
+  redis.call('HDEL', KEYS[2], ARGV[1])
+end
 """
 
 # KEYS[1] hash; ARGV: adapter, now. Only resident entries are touched.
@@ -62,11 +70,13 @@ local old = redis.call('HGET', KEYS[1], ARGV[1])
 if not old then return 0 end
 local e = cjson.decode(old)
 if e[1] ~= 1 then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({1, e[2], tonumber(ARGV[2]), e[4] or ''}))
+redis.call('HSET', KEYS[1], ARGV[1], cjson.encode({1, e[2], tonumber(ARGV[2])}))
 return 1
 """
 
-# KEYS[1] hash; ARGV: cutoff, read_at, engine-resident adapters... (see merge_engine_report).
+# KEYS[1] res hash, KEYS[2] src hash; ARGV: cutoff, read_at, engine-resident adapters... (see
+# merge_engine_report). An entry the engine's report makes resident again, or drops, loses its
+# recorded source: which weights the engine holds is unknown then.
 _SYNC = """
 local cutoff = tonumber(ARGV[1])
 local read_at = tonumber(ARGV[2])
@@ -81,9 +91,13 @@ for i = 1, #all, 2 do
   if e[2] >= cutoff then
     -- newer than the report: keep what the gateways recorded
   elseif engine[name] then
-    if e[1] ~= 1 then redis.call('HSET', KEYS[1], name, cjson.encode({1, read_at, e[3]})) end
+    if e[1] ~= 1 then
+      redis.call('HSET', KEYS[1], name, cjson.encode({1, read_at, e[3]}))
+      redis.call('HDEL', KEYS[2], name)
+    end
   else
     redis.call('HDEL', KEYS[1], name)
+    redis.call('HDEL', KEYS[2], name)
   end
 end
 for name, _ in pairs(engine) do
@@ -103,12 +117,11 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _residency(raw: str | bytes) -> Residency:
-    """A ``res`` hash value: ``[resident, changed_at, last_used]`` and, since sources are
-    recorded, ``source`` (``""``: none recorded)."""
-    resident, changed_at, last_used, *rest = json.loads(raw)
-    source = rest[0] if rest and rest[0] else None
-    return Residency(resident == 1, float(changed_at), float(last_used), source)
+def _residency(raw: str | bytes, source: str | bytes | None) -> Residency:
+    """A ``res`` hash value (``[resident, changed_at, last_used]``) and its ``src`` value."""
+    resident, changed_at, last_used = json.loads(raw)[:3]
+    recorded = _text(source) if source and resident == 1 else None
+    return Residency(resident == 1, float(changed_at), float(last_used), recorded)
 
 
 class RedisPlacementStore:
@@ -149,6 +162,13 @@ class RedisPlacementStore:
     def _res(self, replica: ReplicaId) -> str:
         return f"{self._prefix}adapters:res|{replica}"
 
+    def _src(self, replica: ReplicaId) -> str:
+        return f"{self._prefix}adapters:src|{replica}"
+
+    def _res_src(self, replica: ReplicaId) -> list[str]:
+        """The two hashes a residency write updates together, in one script."""
+        return [self._res(replica), self._src(replica)]
+
     def _use(self, replica: ReplicaId, adapter: str) -> str:
         return f"{self._prefix}adapters:use|{replica}|{adapter}"
 
@@ -179,9 +199,10 @@ class RedisPlacementStore:
         async def op() -> AdapterStatus:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.hget(self._res(replica), adapter)
+                pipe.hget(self._src(replica), adapter)
                 pipe.exists(self.lock_key(replica, adapter))
-                raw, locked = await pipe.execute()
-            entry = _residency(raw) if raw is not None else None
+                raw, source, locked = await pipe.execute()
+            entry = _residency(raw, source) if raw is not None else None
             return AdapterStatus(
                 resident=entry is not None and entry.resident,
                 busy=bool(locked),
@@ -192,10 +213,14 @@ class RedisPlacementStore:
 
     async def snapshot(self, replica: ReplicaId, loads_since: float) -> ReplicaPlacement:
         async def op() -> ReplicaPlacement:
-            raw: dict[str | bytes, str | bytes] = await self._redis.hgetall(self._res(replica))
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hgetall(self._res(replica))
+                pipe.hgetall(self._src(replica))
+                raw, raw_sources = await pipe.execute()
+            sources = {_text(name): value for name, value in raw_sources.items()}
             entries = {}
             for name, value in raw.items():
-                entries[_text(name)] = _residency(value)
+                entries[_text(name)] = _residency(value, sources.get(_text(name)))
             now = self._clock()
             async with self._redis.pipeline(transaction=False) as pipe:
                 for name in entries:
@@ -217,11 +242,11 @@ class RedisPlacementStore:
         self, replica: ReplicaId, adapter: str, now: float, source: str | None = None
     ) -> None:
         args = [adapter, 1, now, source or ""]
-        await self._call("mark", lambda: self._mark(keys=[self._res(replica)], args=args))
+        await self._call("mark", lambda: self._mark(keys=self._res_src(replica), args=args))
 
     async def mark_unloaded(self, replica: ReplicaId, adapter: str, now: float) -> None:
         await self._call(
-            "mark", lambda: self._mark(keys=[self._res(replica)], args=[adapter, 0, now, ""])
+            "mark", lambda: self._mark(keys=self._res_src(replica), args=[adapter, 0, now, ""])
         )
 
     async def touch(self, replica: ReplicaId, adapter: str, now: float) -> None:
@@ -233,7 +258,7 @@ class RedisPlacementStore:
         self, replica: ReplicaId, engine_resident: Collection[str], read_at: float, grace_s: float
     ) -> None:
         args: list[Any] = [read_at - grace_s, read_at, *sorted(engine_resident)]
-        await self._call("sync", lambda: self._sync(keys=[self._res(replica)], args=args))
+        await self._call("sync", lambda: self._sync(keys=self._res_src(replica), args=args))
 
     async def begin_use(self, replica: ReplicaId, adapter: str, lease: str, ttl_s: float) -> None:
         key = self._use(replica, adapter)
@@ -287,7 +312,7 @@ class RedisPlacementStore:
 
     async def forget_replica(self, replica: ReplicaId) -> None:
         async def op() -> None:
-            keys = [self._res(replica), self._loads(replica)]
+            keys = [self._res(replica), self._src(replica), self._loads(replica)]
             for pattern in (self._use(replica, "*"), self.lock_key(replica, "*")):
                 keys += [k async for k in self._redis.scan_iter(match=pattern, count=500)]
             await self._redis.delete(*keys)

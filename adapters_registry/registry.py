@@ -35,7 +35,13 @@ from adapters_registry.cold_start import (
 from adapters_registry.engine_api import LoraEngineApi
 from adapters_registry.errors import AdapterError, AdapterUnloadFailed
 from adapters_registry.load_failures import LoadFailures, LoadFailureSettings, party_of
-from adapters_registry.loader import IN_USE, AdapterLoader, LoaderSettings, LoadResult
+from adapters_registry.loader import (
+    IN_USE,
+    UNKNOWN_WEIGHTS,
+    AdapterLoader,
+    LoaderSettings,
+    LoadResult,
+)
 from adapters_registry.metrics import AdapterMetrics
 from adapters_registry.paths import StorageRoots
 from adapters_registry.placement import (
@@ -117,6 +123,8 @@ class AdapterRegistry:
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self.traffic = SharedTraffic(self.gateway_id, self.settings.prewarm)
         self._clock = clock
+        #: Background trims to a lowered resident limit, per replica (``refresh``).
+        self._trims: dict[ReplicaId, asyncio.Task[int]] = {}
         self.loader = AdapterLoader(
             self.catalog,
             store,
@@ -209,7 +217,10 @@ class AdapterRegistry:
         cost = cold_load_estimate_ms(
             adapter, size_mb, placement, gpu_slots, self.load_times, self.guard, self._clock(),
         )
-        loading_for_s = self.loader.loading_for_s(replica.replica_id, adapter)
+        loading_for_s = (
+            self.loader.loading_for_s(replica.replica_id, adapter, entry.source)
+            if entry is not None else None
+        )
         if loading_for_s is not None and cost > 0.0:
             # This gateway is loading it there already: a request sent there shares that load
             # and waits only for what is left of it. Costed as a full load, simultaneous first
@@ -268,8 +279,13 @@ class AdapterRegistry:
 
     # ------------------------------------------------------------------ engine truth
 
-    async def refresh(self, states: Iterable[ReplicaState]) -> None:
-        """Fold the engines' reports into the store and re-read the view (periodic task)."""
+    async def refresh(self, states: Iterable[ReplicaState], *, trim: bool = True) -> None:
+        """Fold the engines' reports into the store and re-read the view (periodic task).
+
+        ``trim``: start unloading idle adapters past a replica's resident limit
+        (``AdapterLoader.trim``), in the background, one trim per replica at a time, so a
+        hung engine's unloads never hold up the refresh of the others. A read (the admin API)
+        passes False."""
         now = self._clock()
         for state in states:
             rid = state.replica_id
@@ -286,11 +302,25 @@ class AdapterRegistry:
                 log.warning("adapter placement refresh degraded: %s", exc)
                 return
             self.view.update(placement)
-            if state.healthy and await self.loader.trim(state, placement):
-                placement = self.view.get(rid) or placement  # re-read by each unload
+            if trim and state.healthy:
+                self._start_trim(state, placement)
             gpu = self.capacity(state).gpu
             used = len(placement.resident)
             self.metrics.set_slots_used(rid, used if gpu is None else min(used, gpu))
+
+    async def trims_finished(self) -> None:
+        """Wait for the trims ``refresh`` started (tests, and callers that must see their
+        effect)."""
+        await asyncio.gather(*self._trims.values(), return_exceptions=True)
+
+    def _start_trim(self, state: ReplicaState, placement: ReplicaPlacement) -> None:
+        limit = self.capacity(state).resident_limit
+        running = self._trims.get(state.replica_id)
+        if limit is None or len(placement.resident) <= limit or (running and not running.done()):
+            return
+        task = asyncio.create_task(self.loader.trim(state, placement), name="adapter-trim")
+        task.add_done_callback(_log_trim_failure)
+        self._trims[state.replica_id] = task
 
     async def forget_replica(self, replica: ReplicaId) -> None:
         """A replica left the fleet for good."""
@@ -343,6 +373,25 @@ class AdapterRegistry:
         )
         return [failure for failure in outcomes if failure is not None]
 
+    async def _suspect_unrecorded(
+        self, replica: ReplicaId, name: str, keep_source: str
+    ) -> str | None:
+        """A copy whose weights no gateway recorded (first seen in an engine report, written by
+        an earlier release, or recorded in a Redis since restarted) was taken to hold the
+        catalog's weights, after a re-source the new ones: the new owner was served the old.
+        It is marked ``UNKNOWN_WEIGHTS`` so no request admitted now uses it; returns the
+        source whose requests the unload need not wait for (None: it waits for all of them,
+        since a request admitted after the reload may be using it already)."""
+        try:
+            status = await self.store.status(replica, name)
+            if not status.resident or status.source is not None:
+                return keep_source
+            await self.store.mark_resident(replica, name, self._clock(), UNKNOWN_WEIGHTS)
+            self.view.update(await self.store.snapshot(replica, self.guard.since(self._clock())))
+        except PlacementUnavailable:
+            pass
+        return None
+
     async def _may_hold(self, state: ReplicaState, name: str) -> bool:
         """True if ``state``'s replica holds ``name``, or a load of it is under way there (a load
         begun before a reload finishes with the weights it began with: the live review found
@@ -360,11 +409,14 @@ class AdapterRegistry:
         keep_source: str | None,
     ) -> str | None:
         deadline = time.monotonic() + wait_idle_s
+        besides = keep_source
+        if keep_source is not None:
+            besides = await self._suspect_unrecorded(state.replica_id, name, keep_source)
         while True:
             while (
                 time.monotonic() < deadline
                 and await self.loader.requests_on(
-                    state.replica_id, name, besides_source=keep_source
+                    state.replica_id, name, besides_source=besides
                 ) > 0
             ):
                 await asyncio.sleep(10 * self.loader.settings.poll_interval_s)
@@ -464,6 +516,15 @@ class AdapterRegistry:
             await asyncio.sleep(refresh_interval_s)
 
     async def close(self) -> None:
-        """Cancel loads in progress and close the store."""
+        """Cancel loads and trims in progress and close the store."""
+        trims = [task for task in self._trims.values() if not task.done()]
+        for task in trims:
+            task.cancel()
+        await asyncio.gather(*trims, return_exceptions=True)
         await self.loader.close()
         await self.store.close()
+
+
+def _log_trim_failure(task: asyncio.Task[int]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("unloading adapters past a replica's limit failed: %s", task.exception())

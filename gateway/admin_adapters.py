@@ -51,7 +51,8 @@ async def list_adapters(request: web.Request) -> web.Response:
     except GatewayError as err:
         return err.response()
     states = gw.registry.adapter_states()
-    await registry.refresh(states)  # the engines' latest reports, not the last loop's
+    # The engines' latest reports, not the last loop's; a read unloads nothing.
+    await registry.refresh(states, trim=False)
     replicas = []
     where: dict[str, list[str]] = {}
     for state in states:

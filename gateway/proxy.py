@@ -630,8 +630,11 @@ async def send(
             except _RETRYABLE as exc:
                 if outcome.responded:
                     raise  # bytes reached the client: the request is never replayed elsewhere
+                # Refused opens the circuit at once only while another replica can take the
+                # traffic: a lone replica's open circuit answered 503 for up to a health-poll
+                # period after its engine was back (the diff review).
                 refused = isinstance(exc, UpstreamConnectError) and exc.refused
-                breaker.failure(health_clears=True, refused=refused)
+                breaker.failure(health_clears=True, refused=refused and not last_resort)
                 if isinstance(exc, UpstreamConnectError):
                     retry_reason = "connect_failed"  # it never saw the request
                     log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)

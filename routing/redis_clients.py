@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
@@ -24,21 +25,24 @@ __all__ = ["bounded_client", "bounded_options", "expand_env", "has_literal_passw
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-def expand_env(url: str) -> str:
-    """``url`` with every ``${NAME}`` replaced by that environment variable, percent-encoded (a
-    generated password holds ``/``, ``+``, ``=``, which would break the URL), so a password can
-    come from a Secret while the policy file (a ConfigMap, logs, ``/admin/policy``) shows only
-    the reference. ``ValueError`` naming the variable if one is not set."""
+def expand_env(url: str, env: Mapping[str, str] | None = None) -> str:
+    """``url`` with every ``${NAME}`` replaced by that environment variable (of ``env``,
+    default ``os.environ``), percent-encoded (a generated password holds ``/``, ``+``, ``=``,
+    which would break the URL), so a password can come from a Secret while the policy file (a
+    ConfigMap, logs, ``/admin/policy``) shows only the reference. ``ValueError`` naming the
+    variable if one is not set."""
     from urllib.parse import quote
+
+    environ = os.environ if env is None else env
 
     def value(match: re.Match[str]) -> str:
         name = match.group(1)
-        if name not in os.environ:
+        if name not in environ:
             raise ValueError(
                 f"the Redis URL names ${{{name}}}, which is not set in this process's "
                 "environment (set it, e.g. from a Kubernetes Secret)"
             )
-        return quote(os.environ[name], safe="")
+        return quote(environ[name], safe="")
 
     return _ENV_REFERENCE.sub(value, url)
 

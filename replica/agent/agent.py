@@ -287,8 +287,11 @@ class ReplicaAgent:
     async def _handle_batch(self, seq: int, batch: EventBatch) -> None:
         through = self._replayed_through
         if through is not None:
-            if seq <= through:
+            first_live = self._first_live_seq
+            if first_live is not None and first_live <= seq <= through:
                 return  # the catch-up applied it already (the SUB socket queued it meanwhile)
+            # Past the replay, or before the first live batch: a new engine process starting
+            # again from 0 (a fast restart), which the classification below must see.
             self._replayed_through = None
         verdict = self.tracker.classify(seq)
         if verdict is SeqVerdict.RESTART:

@@ -109,7 +109,7 @@ class PluginConfig:
             from routing.redis_clients import expand_env
 
             try:  # ${NAME} is expanded on connecting (redis_store.connect); refuse an unset one now
-                expand_env(url)
+                expand_env(url, env)
             except ValueError as exc:
                 raise PluginConfigError(f"FLEETGATE_REDIS_URL: {exc}") from exc
         replica_id = (env.get("FLEETGATE_REPLICA_ID") or "").strip() or socket.gethostname()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -199,16 +200,24 @@ async def test_redis_outage_raises_placement_unavailable(redis_server: RedisServ
     await store.close()
 
 
-async def test_redis_entries_written_before_sources_were_recorded_still_read(
-    redis_url: str,
-) -> None:
+async def test_redis_entries_stay_readable_by_the_previous_release(redis_url: str) -> None:
+    """A rolling upgrade: gateways of the previous release read ``res`` entries as exactly three
+    elements (a fourth made their snapshot raise). The source lives in a hash of its own."""
     client = Redis.from_url(redis_url, decode_responses=True)
     prefix = f"t-{uuid.uuid4().hex[:8]}:"
     try:
-        await client.hset(f"{prefix}adapters:res|{R}", "a", "[1, 10.0, 20.0]")
         s = RedisPlacementStore(client, key_prefix=prefix)
-        assert (await s.snapshot(R, 0)).entries == {"a": Residency(True, 10.0, 20.0)}
-        await s.touch(R, "a", 30.0)
-        assert (await s.status(R, "a")).serves_weights("/any")
+        await s.mark_resident(R, "a", 10.0, "/adapters/acme/a")
+        await s.touch(R, "a", 20.0)
+        resident, changed_at, last_used = json.loads(
+            await client.hget(f"{prefix}adapters:res|{R}", "a")
+        )
+        assert (resident, changed_at, last_used) == (1, 10.0, 20.0)
+        assert (await s.status(R, "a")).source == "/adapters/acme/a"
+        # What a previous-release gateway writes (no source): read back with none recorded.
+        await client.hset(f"{prefix}adapters:res|{R}", "b", "[1, 10.0, 20.0]")
+        assert (await s.snapshot(R, 0)).entries["b"] == Residency(True, 10.0, 20.0)
+        await s.mark_unloaded(R, "a", 30.0)
+        assert await client.hget(f"{prefix}adapters:src|{R}", "a") is None
     finally:
         await client.aclose()

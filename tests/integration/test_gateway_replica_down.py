@@ -251,3 +251,29 @@ async def test_a_replica_refusing_a_connection_is_out_at_once_and_back_at_its_ne
             async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
                 assert resp.status == 200
     assert len(doomed.received) == 1
+
+
+async def test_a_lone_replica_that_refused_is_tried_again_as_soon_as_it_is_back() -> None:
+    # The diff review: with no other replica, opening the circuit at once answered 503 for up
+    # to a health-poll period after the engine was back (200 at once before). A lone replica
+    # keeps the breaker's usual threshold.
+    lone = FakeUpstream()
+    port = free_port()
+    async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
+        server = AsyncExitStack()
+        stack.push_async_callback(lambda: server.aclose())
+        lone_url = await server.enter_async_context(_serve_on(lone.app(), port))
+        specs = [ReplicaSpec("lone", lone_url, models=frozenset(lone.models))]
+        cfg = GatewayConfig(health_interval_s=3600, admin_key="adm")  # no poll meanwhile
+        url = await stack.enter_async_context(
+            serve(create_app(cfg, GatewayPolicy.default(specs)), handler_cancellation=True)
+        )
+        await server.aclose()  # killed
+        body = {**CHAT, "messages": [{"role": "user", "content": "while down"}]}
+        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 503
+        server = AsyncExitStack()
+        await server.enter_async_context(_serve_on(lone.app(), port))  # back, before any poll
+        body = {**CHAT, "messages": [{"role": "user", "content": "back"}]}
+        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200

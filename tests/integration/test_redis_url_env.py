@@ -55,7 +55,10 @@ async def test_the_agents_kernel_reader_and_the_engine_plugin_take_it_too(
     finally:
         await reader.close()
 
-    config = PluginConfig.from_env({"FLEETGATE_REDIS_URL": url, "FLEETGATE_REPLICA_ID": "r0"})
+    config = PluginConfig.from_env(
+        {"FLEETGATE_REDIS_URL": url, "FLEETGATE_REPLICA_ID": "r0",
+         "FG_TEST_REDIS_PASSWORD": password}
+    )
     assert config.redis_url == url  # the reference is kept; the value is read on connecting
     engine_side = redis_store.connect(config.redis_url, 1.0)
     try:

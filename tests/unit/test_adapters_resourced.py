@@ -84,6 +84,9 @@ async def test_a_load_under_way_at_the_reload_is_unloaded_when_its_requests_end(
 
     # The reload: nothing lists the adapter as resident yet, but the load's lock is held.
     assert reg.update_policy(policy(NEW, ["acme"])) == ["shared"]
+    # The load under way is of the old weights: for the new ones the replica is a full load.
+    full_load = reg.load_times.load_ms("shared", r0().replica_id, None)
+    assert reg.cold_load_ms(r0(), "shared") == full_load
     unloading = asyncio.create_task(
         reg.unload_everywhere("shared", [r0()], reason="replaced", wait_idle_s=60,
                               only_replaced=True)
@@ -175,8 +178,13 @@ async def test_a_lowered_resident_limit_is_reached_by_unloading_idle_adapters() 
         await reg.refresh([state])
         assert engine.loaded == set(names)  # within the limit: nothing goes
         reg.update_policy(make_policy([adapter(n) for n in names], max_loras=1, max_cpu_loras=1))
+        await reg.refresh([state], trim=False)  # a read (GET /admin/adapters) unloads nothing
+        await reg.trims_finished()
+        assert engine.loaded == set(names)
         async with reg.serving(state, "a"):  # in use, though least recently loaded: it stays
             await reg.refresh([state])
+            await reg.trims_finished()
+            await reg.refresh([state], trim=False)
             assert engine.loaded == {"a"}
             assert reg.view.get(state.replica_id).resident == {"a"}
         assert _counts(reg, "unloads") == {
@@ -248,8 +256,45 @@ async def test_trimming_leaves_adapters_no_gateway_can_load_again() -> None:
     try:
         await reg.ensure_loaded(state, "a")
         await reg.refresh([state])
+        await reg.trims_finished()
+        await reg.refresh([state], trim=False)
         # Two resident against a limit of one: "a" goes, "static" stays.
         assert reg.view.get(state.replica_id).resident == {"static"}
         assert engine.calls == [("load", "a"), ("unload", "a")]
     finally:
         await reg.close()
+
+
+async def test_a_copy_whose_weights_nobody_recorded_is_not_served_after_a_re_source(
+    reg_engine: tuple[AdapterRegistry, FakeEngine],
+) -> None:
+    """The diff review: a copy first seen in an engine report (or written by the previous
+    release, or recorded in a Redis since restarted) counted as the catalog's weights, after a
+    re-source the new ones, and the new owner was served the old."""
+    reg, engine = reg_engine
+    engine.loaded.add("shared")
+    engine.paths["shared"] = OLD
+    seen = replica("r0", loaded=("shared",), read_at=reg._clock(), max_loras=1, max_cpu_loras=4)
+    await reg.refresh([seen])
+    assert (await reg.store.status(seen.replica_id, "shared")).source is None
+    old_stream = reg.serving(seen, "shared")
+    await old_stream.__aenter__()  # admitted before the reload, on the unrecorded copy
+
+    reg.update_policy(policy(NEW, ["globex"]))
+    unloading = asyncio.create_task(
+        reg.unload_everywhere("shared", [seen], reason="replaced", wait_idle_s=60,
+                              only_replaced=True)
+    )
+    for _ in range(1000):
+        if (await reg.store.status(seen.replica_id, "shared")).source is not None:
+            break
+        await asyncio.sleep(0)
+    with pytest.raises(OldWeightsInUse):
+        async with reg.serving(seen, "shared"):
+            pass
+    assert not unloading.done() and engine.paths == {"shared": OLD}
+    await old_stream.__aexit__(None, None, None)
+    async with asyncio.timeout(10):
+        assert await unloading == []
+    async with reg.serving(seen, "shared"):
+        assert engine.paths == {"shared": NEW}
