@@ -239,7 +239,8 @@ class _EverBusyReplay:
         return [(start_seq, EventBatch(ts=0.0, events=[]))]
 
 
-async def test_a_catch_up_stops_at_the_first_live_batch() -> None:
+async def _caught_up_beside_a_busy_engine() -> tuple[ReplicaAgent, _EverBusyReplay]:
+    """An agent whose catch-up ran against ``_EverBusyReplay``, batch 2 arriving live meanwhile."""
     agent = ReplicaAgent(
         AgentConfig(replica_id=RID, engine_url="http://127.0.0.1:9", model=MODEL,
                     listen_port=None),
@@ -255,28 +256,20 @@ async def test_a_catch_up_stops_at_the_first_live_batch() -> None:
     async with asyncio.timeout(10):  # it chased the engine for ever
         await agent._catch_up_now()
         await live[0]
+    return agent, replay
+
+
+async def test_a_catch_up_stops_at_the_first_live_batch() -> None:
+    agent, replay = await _caught_up_beside_a_busy_engine()
     assert replay.asked == [0, 1, 2]
-    assert agent.tracker.expected == 3 and agent.batches_applied == 3  # 0, 1 replayed; 2 live
+    # 0..2 replayed; 2 also came live and was skipped as replayed.
+    assert agent.tracker.expected == 3 and agent.batches_applied == 3
 
 
 async def test_a_fast_restart_after_a_catch_up_is_not_taken_for_replayed_batches() -> None:
     """The diff review: after a catch-up had replayed batches 0..n, a new engine process's
     batches 0.. were dropped as batches the replay had applied, and no new epoch began."""
-    agent = ReplicaAgent(
-        AgentConfig(replica_id=RID, engine_url="http://127.0.0.1:9", model=MODEL,
-                    listen_port=None),
-        index=MemoryBlockIndex(), fleet=MemoryFleetStore(),
-    )
-    agent._model_known.set()
-    await agent.applier.start()
-    live: list[asyncio.Task[None]] = []
-    replay = _EverBusyReplay(
-        lambda: live.append(asyncio.create_task(agent.handle_batch(2, EventBatch(0.0, []))))
-    )
-    agent.subscriber = replay  # type: ignore[assignment]
-    async with asyncio.timeout(10):
-        await agent._catch_up_now()
-        await live[0]
+    agent, _ = await _caught_up_beside_a_busy_engine()
     agent.subscriber = None  # the new process's catch-up is not this test's subject
     await agent.handle_batch(0, EventBatch(0.0, []))  # the engine restarted: it starts again
     assert agent.metrics.value("fleetgate_agent_epoch_retirements_total", reason="restart") == 1
