@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -47,6 +47,7 @@ from adapters_registry.placement import (
     PlacementStore,
     PlacementUnavailable,
     ReplicaPlacement,
+    Residency,
     SlotCapacity,
     eviction_candidates,
     needs_room,
@@ -155,6 +156,8 @@ class AdapterLoader:
         #: When each of those began (monotonic seconds), and the ``source`` it loads.
         self._task_started: dict[tuple[ReplicaId, str], float] = {}
         self._task_source: dict[tuple[ReplicaId, str], str] = {}
+        #: Adapters a reload re-sourced: unrecorded copies of them are not trusted (``serves``).
+        self._distrusted: set[str] = set()
         #: Callers currently waiting on each in-process load (diagnostics and tests).
         self._sharers: dict[tuple[ReplicaId, str], int] = {}
         #: Times a load found another gateway's lock held and waited for it.
@@ -183,7 +186,7 @@ class AdapterLoader:
         task = await self._shareable(key, entry.source)
         if task is None:
             status = await self._status(replica.replica_id, adapter)
-            if status.serves_weights(entry.source) and not status.busy:
+            if self.serves(status, entry) and not status.busy:
                 await self._quiet(self._store.touch(replica.replica_id, adapter, self._clock()))
                 return LoadResult(cold_ms=0.0, loaded_now=False)
             # another caller may have started one meanwhile
@@ -271,6 +274,19 @@ class AdapterLoader:
         leases = await self._quiet(self._store.leases(replica, adapter)) or []
         return sum(1 for lease in leases if lease_source(lease) != besides_source)
 
+    def distrust_unrecorded(self, names: Iterable[str]) -> None:
+        """A reload re-sourced ``names``: a copy of one whose weights nobody recorded may hold
+        the old ones, and is served to no request from now on (``serves``). At once, in the
+        reload: the store's mark (``UNKNOWN_WEIGHTS``) comes from a background task, and a
+        request admitted meanwhile was served the old weights (the mends review)."""
+        self._distrusted.update(names)
+
+    def serves(self, held: AdapterStatus | Residency, entry: Adapter) -> bool:
+        """True if ``held`` (a read of one replica's copy) has ``entry``'s weights."""
+        if held.resident and held.source is None and entry.name in self._distrusted:
+            return False
+        return held.serves_weights(entry.source)
+
     def loading_for_s(self, replica: ReplicaId, adapter: str, source: str) -> float | None:
         """Seconds this gateway's load of ``adapter``'s weights at ``source`` onto ``replica``
         has been under way, or None when none is (a load of other weights included)."""
@@ -351,7 +367,7 @@ class AdapterLoader:
             # Another gateway is loading (or unloading) it: wait for the outcome.
             self.lock_contentions += 1
             status = await self._status(rid, name)
-            if status.serves_weights(entry.source) and not status.busy:
+            if self.serves(status, entry) and not status.busy:
                 return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
             if time.monotonic() >= deadline:
                 waited = self.settings.wait_timeout_s
@@ -368,7 +384,7 @@ class AdapterLoader:
         async with self._replica_locks.setdefault(rid, asyncio.Lock()):
             # Double-checked, once both locks are held: the gateway that held the adapter's lock
             # before us, or this gateway's loads we waited behind, may have just loaded it.
-            if (await self._status(rid, name)).serves_weights(entry.source):
+            if self.serves(await self._status(rid, name), entry):
                 return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
             if self._failures.avoided(rid, party_of(entry)) and not last_resort:
                 # The load before this one failed (a hung loader, a missing mount): fall back now
@@ -384,7 +400,7 @@ class AdapterLoader:
                 # Checked again: another gateway may have loaded it while this one waited (its
                 # adapter lock can expire meanwhile); loading it again would evict for nothing.
                 status = await self._status(rid, name)
-                if status.serves_weights(entry.source):
+                if self.serves(status, entry):
                     return LoadResult(cold_ms=_elapsed_ms(started), loaded_now=False)
                 if status.resident:
                     await self._drop_old_weights(replica, entry)

@@ -101,7 +101,10 @@ for i = 1, #all, 2 do
   end
 end
 for name, _ in pairs(engine) do
-  if not seen[name] then redis.call('HSET', KEYS[1], name, cjson.encode({1, read_at, 0})) end
+  if not seen[name] then
+    redis.call('HSET', KEYS[1], name, cjson.encode({1, read_at, 0}))
+    redis.call('HDEL', KEYS[2], name)
+  end
 end
 """
 

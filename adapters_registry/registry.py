@@ -160,6 +160,7 @@ class AdapterRegistry:
         ]
         gone = [name for name in before if name not in self.catalog]
         self.traffic.forget(gone)
+        self.loader.distrust_unrecorded(changed)
         return sorted({*dropped, *changed, *gone})
 
     def capacity(self, replica: ReplicaState) -> SlotCapacity:
@@ -205,7 +206,7 @@ class AdapterRegistry:
             replica.replica_id,
         )
         held = placement.entries.get(adapter)
-        if entry is not None and held is not None and not held.serves_weights(entry.source):
+        if entry is not None and held is not None and not self.loader.serves(held, entry):
             # The weights a reload replaced: serving the new ones there is a load (after the
             # old ones are unloaded), never the resident copy.
             others = {name: e for name, e in placement.entries.items() if name != adapter}
@@ -324,6 +325,9 @@ class AdapterRegistry:
 
     async def forget_replica(self, replica: ReplicaId) -> None:
         """A replica left the fleet for good."""
+        trim = self._trims.pop(replica, None)
+        if trim is not None:
+            trim.cancel()
         self.view.forget(replica)
         self.metrics.forget_replica(replica)
         with contextlib.suppress(PlacementUnavailable):
@@ -384,6 +388,8 @@ class AdapterRegistry:
         since a request admitted after the reload may be using it already)."""
         try:
             status = await self.store.status(replica, name)
+            if status.source == UNKNOWN_WEIGHTS:  # marked already (another gateway, a reload)
+                return None
             if not status.resident or status.source is not None:
                 return keep_source
             await self.store.mark_resident(replica, name, self._clock(), UNKNOWN_WEIGHTS)
@@ -427,7 +433,9 @@ class AdapterRegistry:
                 )
             except AdapterUnloadFailed as exc:
                 if waiting and exc.engine_message == IN_USE:
-                    continue  # a request began (a load in progress finished) meanwhile
+                    # A request began (a load in progress finished) meanwhile: wait again.
+                    await asyncio.sleep(10 * self.loader.settings.poll_interval_s)
+                    continue
                 return str(exc)
             except AdapterError as exc:
                 return str(exc)

@@ -128,6 +128,9 @@ class ReplicaAgent:
         #: The last batch a catch-up applied: live batches up to it, received while the replay
         #: ran, are the same batches again.
         self._replayed_through: int | None = None
+        #: The wall-clock stamp of each batch that catch-up replayed: a live batch of the same
+        #: number and stamp is one of them again; another stamp is a new engine process's.
+        self._replayed_ts: dict[int, float] = {}
         #: The first batch the SUB socket delivered from this engine process: an open-ended
         #: catch-up stops there, and the live stream goes on from it.
         self._first_live_seq: int | None = None
@@ -254,6 +257,7 @@ class ReplicaAgent:
             self._catch_up_task.cancel()
         self._catch_up_due = True
         self._replayed_through = None
+        self._replayed_ts = {}
         self._first_live_seq = None
         self.tracker.reset()
         # The health watch must not count this same restart again when the engine comes back.
@@ -287,12 +291,12 @@ class ReplicaAgent:
     async def _handle_batch(self, seq: int, batch: EventBatch) -> None:
         through = self._replayed_through
         if through is not None:
-            first_live = self._first_live_seq
-            if first_live is not None and first_live <= seq <= through:
+            if seq <= through and self._replayed_ts.get(seq) == batch.ts:
                 return  # the catch-up applied it already (the SUB socket queued it meanwhile)
-            # Past the replay, or before the first live batch: a new engine process starting
+            # Past the replay, or a batch the replay never had: a new engine process starting
             # again from 0 (a fast restart), which the classification below must see.
             self._replayed_through = None
+            self._replayed_ts = {}
         verdict = self.tracker.classify(seq)
         if verdict is SeqVerdict.RESTART:
             logger.info(
@@ -382,6 +386,8 @@ class ReplicaAgent:
         if not earlier:
             return None
         await self._model_known.wait()
+        if first_seq is None:  # an open-ended catch-up: live copies of these may follow
+            self._replayed_ts = {seq: batch.ts for seq, batch in earlier}
         recorded = await self.applier.absorb([batch for _, batch in earlier])
         self.batches_applied += len(earlier)
         self.metrics.replay(ok=True)

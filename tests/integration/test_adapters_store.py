@@ -221,3 +221,17 @@ async def test_redis_entries_stay_readable_by_the_previous_release(redis_url: st
         assert await client.hget(f"{prefix}adapters:src|{R}", "a") is None
     finally:
         await client.aclose()
+
+
+async def test_redis_an_engine_reported_copy_drops_a_stale_recorded_source(redis_url: str) -> None:
+    """The mends review: a ``src`` value left behind (a previous-release gateway unloaded the
+    adapter without clearing it) was read as the source of a copy the engine reported later."""
+    client = Redis.from_url(redis_url, decode_responses=True)
+    prefix = f"t-{uuid.uuid4().hex[:8]}:"
+    try:
+        s = RedisPlacementStore(client, key_prefix=prefix)
+        await client.hset(f"{prefix}adapters:src|{R}", "a", "/adapters/old/a")
+        await s.sync_from_engine(R, {"a"}, read_at=100.0, grace_s=5.0)
+        assert (await s.status(R, "a")).source is None
+    finally:
+        await client.aclose()

@@ -236,7 +236,7 @@ class _EverBusyReplay:
         if len(self.asked) == 3:
             self._live()
         await asyncio.sleep(0)
-        return [(start_seq, EventBatch(ts=0.0, events=[]))]
+        return [(start_seq, EventBatch(ts=float(start_seq), events=[]))]
 
 
 async def _caught_up_beside_a_busy_engine() -> tuple[ReplicaAgent, _EverBusyReplay]:
@@ -250,7 +250,7 @@ async def _caught_up_beside_a_busy_engine() -> tuple[ReplicaAgent, _EverBusyRepl
     await agent.applier.start()
     live: list[asyncio.Task[None]] = []
     replay = _EverBusyReplay(
-        lambda: live.append(asyncio.create_task(agent.handle_batch(2, EventBatch(0.0, []))))
+        lambda: live.append(asyncio.create_task(agent.handle_batch(2, EventBatch(2.0, []))))
     )
     agent.subscriber = replay  # type: ignore[assignment]
     async with asyncio.timeout(10):  # it chased the engine for ever
@@ -271,6 +271,35 @@ async def test_a_fast_restart_after_a_catch_up_is_not_taken_for_replayed_batches
     batches 0.. were dropped as batches the replay had applied, and no new epoch began."""
     agent, _ = await _caught_up_beside_a_busy_engine()
     agent.subscriber = None  # the new process's catch-up is not this test's subject
-    await agent.handle_batch(0, EventBatch(0.0, []))  # the engine restarted: it starts again
+    await agent.handle_batch(0, EventBatch(100.0, []))  # the engine restarted: it starts again
     assert agent.metrics.value("fleetgate_agent_epoch_retirements_total", reason="restart") == 1
     assert agent.tracker.expected == 1
+
+
+class _IdleReplay:
+    """The replay socket of an idle engine that buffered batches 0..2 (stamped 0.0..2.0)."""
+
+    replay_endpoint = "tcp://replay.invalid:1"
+
+    async def request_replay(
+        self, start_seq: int, timeout_s: float = 5.0, *, partial: bool = False
+    ) -> list[tuple[int, EventBatch]]:
+        return [(seq, EventBatch(ts=float(seq), events=[])) for seq in range(start_seq, 3)]
+
+
+async def test_a_fast_restart_after_an_idle_engines_catch_up_starts_a_new_epoch() -> None:
+    """The mends review: with nothing live during the catch-up, the new process's first batch
+    (number 0) was taken for batch 0 of the replay and dropped."""
+    agent = ReplicaAgent(
+        AgentConfig(replica_id=RID, engine_url="http://127.0.0.1:9", model=MODEL,
+                    listen_port=None),
+        index=MemoryBlockIndex(), fleet=MemoryFleetStore(),
+    )
+    agent._model_known.set()
+    await agent.applier.start()
+    agent.subscriber = _IdleReplay()  # type: ignore[assignment]
+    await agent._catch_up_now()
+    assert agent.tracker.expected == 3
+    agent.subscriber = None
+    await agent.handle_batch(0, EventBatch(50.0, []))  # a new process, stamped later
+    assert agent.metrics.value("fleetgate_agent_epoch_retirements_total", reason="restart") == 1
