@@ -239,8 +239,8 @@ class _EverBusyReplay:
         return [(start_seq, EventBatch(ts=float(start_seq), events=[]))]
 
 
-async def _caught_up_beside_a_busy_engine() -> tuple[ReplicaAgent, _EverBusyReplay]:
-    """An agent whose catch-up ran against ``_EverBusyReplay``, batch 2 arriving live meanwhile."""
+async def _agent_without_an_engine() -> ReplicaAgent:
+    """An agent whose stream the test drives itself (its replay socket, its batches)."""
     agent = ReplicaAgent(
         AgentConfig(replica_id=RID, engine_url="http://127.0.0.1:9", model=MODEL,
                     listen_port=None),
@@ -248,6 +248,12 @@ async def _caught_up_beside_a_busy_engine() -> tuple[ReplicaAgent, _EverBusyRepl
     )
     agent._model_known.set()
     await agent.applier.start()
+    return agent
+
+
+async def _caught_up_beside_a_busy_engine() -> tuple[ReplicaAgent, _EverBusyReplay]:
+    """An agent whose catch-up ran against ``_EverBusyReplay``, batch 2 arriving live meanwhile."""
+    agent = await _agent_without_an_engine()
     live: list[asyncio.Task[None]] = []
     replay = _EverBusyReplay(
         lambda: live.append(asyncio.create_task(agent.handle_batch(2, EventBatch(2.0, []))))
@@ -290,13 +296,7 @@ class _IdleReplay:
 async def test_a_fast_restart_after_an_idle_engines_catch_up_starts_a_new_epoch() -> None:
     """The mends review: with nothing live during the catch-up, the new process's first batch
     (number 0) was taken for batch 0 of the replay and dropped."""
-    agent = ReplicaAgent(
-        AgentConfig(replica_id=RID, engine_url="http://127.0.0.1:9", model=MODEL,
-                    listen_port=None),
-        index=MemoryBlockIndex(), fleet=MemoryFleetStore(),
-    )
-    agent._model_known.set()
-    await agent.applier.start()
+    agent = await _agent_without_an_engine()
     agent.subscriber = _IdleReplay()  # type: ignore[assignment]
     await agent._catch_up_now()
     assert agent.tracker.expected == 3
