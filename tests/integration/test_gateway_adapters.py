@@ -459,3 +459,32 @@ async def test_an_adapter_whose_only_replica_is_down_gets_the_fleets_503_and_ope
         # One replica: nothing was ever retried elsewhere (each failure was once counted as a
         # retry all the same).
         assert await metric(http, url, "fleetgate_upstream_retries_total") == 0
+
+
+async def test_a_reload_that_removes_an_adapter_withdraws_its_traffic_at_once(
+    tmp_path: Path, fleet: SimFleet, http: aiohttp.ClientSession
+) -> None:
+    """The LoRA-reload re-check: the counts a gateway had published for a removed adapter were
+    withdrawn only at its next pre-warm round (30 s), and a gateway still on the old policy
+    pre-warmed the adapter from them meanwhile."""
+    catalog = [adapter("acme-lora"), adapter("gone")]
+    async with adapter_gateway(tmp_path, fleet, catalog) as (url, gw):
+        registry = gw.adapters
+        assert registry is not None
+        for _ in range(3):
+            assert (await post_chat(http, url, "acme", "gone"))[0] == 200
+        await registry.share_traffic()  # a pre-warm round publishes the counts
+
+        async def published() -> int:  # as another gateway reads them
+            counts = await registry.store.traffic(0, besides="another-gateway")
+            return sum(n for (_, name), n in counts.items() if name == "gone")
+
+        assert await published() == 3
+        (tmp_path / "gateway.yaml").write_text(policy_yaml(fleet.urls, [adapter("acme-lora")]))
+        async with http.post(f"{url}/admin/policy/reload", headers=ADMIN) as resp:
+            assert resp.status == 200, await resp.text()
+
+        async def withdrawn() -> bool:
+            return await published() == 0
+
+        await wait_until(withdrawn, "the removed adapter's counts are withdrawn")
