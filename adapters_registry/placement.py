@@ -194,6 +194,13 @@ class PlacementStore(Protocol):
         """Record a completed unload (a tombstone, until the engine's report agrees)."""
         ...
 
+    async def record_source_if_unknown(
+        self, replica: ReplicaId, adapter: str, source: str
+    ) -> bool:
+        """Record ``source`` for a resident copy with none recorded, in one step (its times and
+        eviction order unchanged); False if it is not resident or has a source already."""
+        ...
+
     async def touch(self, replica: ReplicaId, adapter: str, now: float) -> None:
         """Record a use of a resident adapter (moves it to the back of the eviction order)."""
         ...

@@ -74,6 +74,16 @@ class MemoryPlacementStore:
         last_used = 0.0 if old is None else old.last_used
         self._entries[replica][adapter] = Residency(False, now, last_used)
 
+    async def record_source_if_unknown(
+        self, replica: ReplicaId, adapter: str, source: str
+    ) -> bool:
+        entries = self._entries.get(replica, {})
+        old = entries.get(adapter)
+        if old is None or not old.resident or old.source is not None:
+            return False
+        entries[adapter] = replace(old, source=source)
+        return True
+
     async def touch(self, replica: ReplicaId, adapter: str, now: float) -> None:
         entries = self._entries.get(replica, {})
         old = entries.get(adapter)

@@ -108,6 +108,16 @@ for name, _ in pairs(engine) do
 end
 """
 
+# KEYS[1] res hash, KEYS[2] src hash; ARGV: adapter, source. Records a source for a resident
+# copy that has none, leaving its entry (times, eviction order) as it is.
+_SOURCE_IF_UNKNOWN = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw or cjson.decode(raw)[1] ~= 1 then return 0 end
+if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+return 1
+"""
+
 # KEYS[1] lock; ARGV[1] owner. Delete only our own lock, never one that expired and was retaken.
 _UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -151,6 +161,7 @@ class RedisPlacementStore:
         self._touch = redis.register_script(_TOUCH)
         self._sync = redis.register_script(_SYNC)
         self._unlock = redis.register_script(_UNLOCK)
+        self._source_if_unknown = redis.register_script(_SOURCE_IF_UNKNOWN)
 
     @classmethod
     def from_url(
@@ -251,6 +262,15 @@ class RedisPlacementStore:
         await self._call(
             "mark", lambda: self._mark(keys=self._res_src(replica), args=[adapter, 0, now, ""])
         )
+
+    async def record_source_if_unknown(
+        self, replica: ReplicaId, adapter: str, source: str
+    ) -> bool:
+        recorded = await self._call(
+            "source",
+            lambda: self._source_if_unknown(keys=self._res_src(replica), args=[adapter, source]),
+        )
+        return bool(recorded)
 
     async def touch(self, replica: ReplicaId, adapter: str, now: float) -> None:
         await self._call(

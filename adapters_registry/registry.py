@@ -392,7 +392,9 @@ class AdapterRegistry:
                 return None
             if not status.resident or status.source is not None:
                 return keep_source
-            await self.store.mark_resident(replica, name, self._clock(), UNKNOWN_WEIGHTS)
+            # One step: a load that lands meanwhile keeps the source it records (then this
+            # waits for every request all the same), and the copy keeps its place in LRU order.
+            await self.store.record_source_if_unknown(replica, name, UNKNOWN_WEIGHTS)
             self.view.update(await self.store.snapshot(replica, self.guard.since(self._clock())))
         except PlacementUnavailable:
             pass

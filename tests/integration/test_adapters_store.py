@@ -97,6 +97,26 @@ async def test_a_load_records_its_source_through_touch_and_engine_sync(
     assert (await store.status(R, "a")).source is None
 
 
+async def test_a_source_is_recorded_for_an_unrecorded_copy_only_and_in_one_step(
+    store: PlacementStore,
+) -> None:
+    # A reload marks copies whose weights nobody recorded; a load that landed meanwhile (with
+    # its source) must keep it, and the mark must not move the copy in LRU order.
+    await store.sync_from_engine(R, {"seen"}, read_at=100.0, grace_s=5.0)
+    await store.mark_resident(R, "loaded", 50.0, "/adapters/acme/loaded")
+    await store.mark_resident(R, "gone", 50.0)
+    await store.mark_unloaded(R, "gone", 60.0)
+    before = (await store.snapshot(R, 0)).entries["seen"]
+    assert await store.record_source_if_unknown(R, "seen", "|unknown")
+    after = (await store.snapshot(R, 0)).entries["seen"]
+    assert after == Residency(True, before.changed_at, before.last_used, "|unknown")
+    assert not await store.record_source_if_unknown(R, "seen", "|again")
+    assert not await store.record_source_if_unknown(R, "loaded", "|unknown")
+    assert not await store.record_source_if_unknown(R, "gone", "|unknown")
+    assert not await store.record_source_if_unknown(R, "never", "|unknown")
+    assert (await store.status(R, "loaded")).source == "/adapters/acme/loaded"
+
+
 async def test_leases_are_listed_for_telling_old_weights_requests_apart(
     store: PlacementStore, clock: Clock
 ) -> None:
