@@ -153,9 +153,8 @@ class AdapterLoader:
         self._gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self._clock = clock
         self._tasks: dict[tuple[ReplicaId, str], asyncio.Task[LoadResult]] = {}
-        #: When each of those began (monotonic seconds), and the ``source`` it loads.
-        self._task_started: dict[tuple[ReplicaId, str], float] = {}
-        self._task_source: dict[tuple[ReplicaId, str], str] = {}
+        #: The ``source`` each of those loads, and when it began (monotonic seconds).
+        self._task_meta: dict[tuple[ReplicaId, str], tuple[str, float]] = {}
         #: Adapters a reload re-sourced: unrecorded copies of them are not trusted (``serves``).
         self._distrusted: set[str] = set()
         #: Callers currently waiting on each in-process load (diagnostics and tests).
@@ -201,8 +200,7 @@ class AdapterLoader:
                 return await self.ensure_loaded(replica, adapter, last_resort=True)
         task = asyncio.create_task(self._load_or_wait(replica, entry, last_resort, started))
         self._tasks[key] = task
-        self._task_started[key] = time.monotonic()
-        self._task_source[key] = entry.source
+        self._task_meta[key] = (entry.source, time.monotonic())
         task.add_done_callback(lambda t, key=key: self._load_done(key, t))
         # Shielded: a caller that gives up (client disconnect) must not abort the load that
         # other callers share, nor leave the cross-gateway lock to expire.
@@ -290,11 +288,10 @@ class AdapterLoader:
     def loading_for_s(self, replica: ReplicaId, adapter: str, source: str) -> float | None:
         """Seconds this gateway's load of ``adapter``'s weights at ``source`` onto ``replica``
         has been under way, or None when none is (a load of other weights included)."""
-        key = (replica, adapter)
-        started = self._task_started.get(key)
-        if started is None or self._task_source.get(key) != source:
+        meta = self._task_meta.get((replica, adapter))
+        if meta is None or meta[0] != source:
             return None
-        return time.monotonic() - started
+        return time.monotonic() - meta[1]
 
     def waiting(self, replica: ReplicaId, adapter: str) -> int:
         """Callers in this gateway waiting on an in-process load (0 when none runs)."""
@@ -332,15 +329,15 @@ class AdapterLoader:
         the reload the old weights, the old owner's to a new owner (the LoRA-reload review)."""
         while True:
             task = self._tasks.get(key)
-            if task is None or task.done() or self._task_source.get(key) == source:
+            meta = self._task_meta.get(key)
+            if task is None or task.done() or (meta is not None and meta[0] == source):
                 return task if task is not None and not task.done() else None
             await asyncio.wait({task})  # its outcome is its own callers'
 
     def _load_done(self, key: tuple[ReplicaId, str], task: asyncio.Task[LoadResult]) -> None:
         if self._tasks.get(key) is task:
             del self._tasks[key]
-            self._task_started.pop(key, None)
-            self._task_source.pop(key, None)
+            self._task_meta.pop(key, None)
         if not task.cancelled():
             task.exception()  # retrieved here, so an unshared failure is not logged as lost
 
@@ -536,11 +533,11 @@ class AdapterLoader:
         try:
             placement = await self._snapshot(rid)  # current, with the room held
             excess = len(placement.resident) - limit
+            if excess <= 0:
+                return 0
             # Only adapters a gateway can load again: one the engine was started with
             # (``--lora-modules``) or someone else loaded is not this gateway's to remove.
             foreign = {name for name in placement.resident if self._catalog.find(name) is None}
-            if excess <= 0:
-                return 0
             return await self._evict(replica, placement, excess, foreign, owner)
         finally:
             await self._unlock(rid, ROOM_LOCK, owner)

@@ -377,28 +377,23 @@ class AdapterRegistry:
         )
         return [failure for failure in outcomes if failure is not None]
 
-    async def _suspect_unrecorded(
-        self, replica: ReplicaId, name: str, keep_source: str
-    ) -> str | None:
+    async def _suspect_unrecorded(self, replica: ReplicaId, name: str) -> None:
         """A copy whose weights no gateway recorded (first seen in an engine report, written by
         an earlier release, or recorded in a Redis since restarted) was taken to hold the
         catalog's weights, after a re-source the new ones: the new owner was served the old.
-        It is marked ``UNKNOWN_WEIGHTS`` so no request admitted now uses it; returns the
-        source whose requests the unload need not wait for (None: it waits for all of them,
-        since a request admitted after the reload may be using it already)."""
+        It is marked ``UNKNOWN_WEIGHTS`` so no request admitted now uses it, and its unload
+        waits for every request (``AdapterLoader.unload``: one admitted after the reload may
+        be using it already)."""
         try:
             status = await self.store.status(replica, name)
-            if status.source == UNKNOWN_WEIGHTS:  # marked already (another gateway, a reload)
-                return None
             if not status.resident or status.source is not None:
-                return keep_source
-            # One step: a load that lands meanwhile keeps the source it records (then this
-            # waits for every request all the same), and the copy keeps its place in LRU order.
+                return  # a recorded source (or the mark) already tells the weights apart
+            # One step: a load that lands meanwhile keeps the source it records, and the copy
+            # keeps its place in LRU order.
             await self.store.record_source_if_unknown(replica, name, UNKNOWN_WEIGHTS)
             self.view.update(await self.store.snapshot(replica, self.guard.since(self._clock())))
         except PlacementUnavailable:
             pass
-        return None
 
     async def _may_hold(self, state: ReplicaState, name: str) -> bool:
         """True if ``state``'s replica holds ``name``, or a load of it is under way there (a load
@@ -416,18 +411,13 @@ class AdapterRegistry:
         self, state: ReplicaState, name: str, reason: str, wait_idle_s: float,
         keep_source: str | None,
     ) -> str | None:
+        """Unload once no request uses the weights to go (``AdapterLoader.unload``'s count,
+        taken with the adapter's lock held), checking every few polls; past ``wait_idle_s``,
+        anyway."""
         deadline = time.monotonic() + wait_idle_s
-        besides = keep_source
         if keep_source is not None:
-            besides = await self._suspect_unrecorded(state.replica_id, name, keep_source)
+            await self._suspect_unrecorded(state.replica_id, name)
         while True:
-            while (
-                time.monotonic() < deadline
-                and await self.loader.requests_on(
-                    state.replica_id, name, besides_source=besides
-                ) > 0
-            ):
-                await asyncio.sleep(10 * self.loader.settings.poll_interval_s)
             waiting = time.monotonic() < deadline
             try:
                 await self.loader.unload(
@@ -435,7 +425,6 @@ class AdapterRegistry:
                 )
             except AdapterUnloadFailed as exc:
                 if waiting and exc.engine_message == IN_USE:
-                    # A request began (a load in progress finished) meanwhile: wait again.
                     await asyncio.sleep(10 * self.loader.settings.poll_interval_s)
                     continue
                 return str(exc)

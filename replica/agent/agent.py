@@ -125,11 +125,9 @@ class ReplicaAgent:
         #: answers; the task doing it, while it runs.
         self._catch_up_due = True
         self._catch_up_task: asyncio.Task[None] | None = None
-        #: The last batch a catch-up applied: live batches up to it, received while the replay
-        #: ran, are the same batches again.
-        self._replayed_through: int | None = None
-        #: The wall-clock stamp of each batch that catch-up replayed: a live batch of the same
-        #: number and stamp is one of them again; another stamp is a new engine process's.
+        #: The wall-clock stamp of each batch the last open-ended catch-up replayed, until the
+        #: live stream passes them: a live batch of the same number and stamp, received while
+        #: the replay ran, is one of them again; another stamp is a new engine process's.
         self._replayed_ts: dict[int, float] = {}
         #: The first batch the SUB socket delivered from this engine process: an open-ended
         #: catch-up stops there, and the live stream goes on from it.
@@ -256,7 +254,6 @@ class ReplicaAgent:
         if self._catch_up_task is not None:
             self._catch_up_task.cancel()
         self._catch_up_due = True
-        self._replayed_through = None
         self._replayed_ts = {}
         self._first_live_seq = None
         self.tracker.reset()
@@ -289,13 +286,11 @@ class ReplicaAgent:
             await self._handle_batch(seq, batch)
 
     async def _handle_batch(self, seq: int, batch: EventBatch) -> None:
-        through = self._replayed_through
-        if through is not None:
-            if seq <= through and self._replayed_ts.get(seq) == batch.ts:
+        if self._replayed_ts:
+            if self._replayed_ts.get(seq) == batch.ts:
                 return  # the catch-up applied it already (the SUB socket queued it meanwhile)
             # Past the replay, or a batch the replay never had: a new engine process starting
             # again from 0 (a fast restart), which the classification below must see.
-            self._replayed_through = None
             self._replayed_ts = {}
         verdict = self.tracker.classify(seq)
         if verdict is SeqVerdict.RESTART:
@@ -348,7 +343,6 @@ class ReplicaAgent:
             last = await self._catch_up(None)
             if last is not None:
                 self.tracker.accept(last)
-                self._replayed_through = last
 
     async def _catch_up(self, first_seq: int | None) -> int | None:
         """Apply every batch the replay socket still buffers before ``first_seq`` (None: all of

@@ -15,16 +15,23 @@ from routing.redis_clients import bounded_client
 from tests.support.redis_server import RedisServer
 
 
+async def _protected(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch, password: str
+) -> str:
+    """Give the server ``password`` and the environment ``FG_TEST_REDIS_PASSWORD``; returns a
+    URL naming the variable."""
+    admin = Redis.from_url(redis_server.url)
+    await admin.config_set("requirepass", password)
+    await admin.aclose()
+    monkeypatch.setenv("FG_TEST_REDIS_PASSWORD", password)
+    return f"redis://:${{FG_TEST_REDIS_PASSWORD}}@127.0.0.1:{redis_server.port}/0"
+
+
 async def test_redis_urls_take_their_password_from_the_environment(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # What `openssl rand -base64` makes: '/', '+' and '=' must not break the URL.
-    password = "Ab/cD+9x%41="
-    admin = Redis.from_url(redis_server.url)
-    await admin.config_set("requirepass", password)
-    await admin.aclose()
-    url = f"redis://:${{FG_TEST_REDIS_PASSWORD}}@127.0.0.1:{redis_server.port}/0"
-    monkeypatch.setenv("FG_TEST_REDIS_PASSWORD", password)
+    url = await _protected(redis_server, monkeypatch, "Ab/cD+9x%41=")
     for client in (bounded_client(url, 1.0), connect(url)):
         try:
             assert await client.ping()
@@ -41,13 +48,10 @@ async def test_the_agents_kernel_reader_and_the_engine_plugin_take_it_too(
     # The agent's kernel-report reader and the engine plugin connected with the URL as written,
     # so "${VAR}" was sent as the password (the deploy review's left-over).
     password = "Zz/9+q="
-    admin = Redis.from_url(redis_server.url)
-    await admin.config_set("requirepass", password)
-    await admin.execute_command("AUTH", password)
+    url = await _protected(redis_server, monkeypatch, password)
+    admin = Redis.from_url(redis_server.url, password=password)
     await admin.hset("fg:replica:r0:kernels", "my.kernels", "1.2")
     await admin.aclose()
-    url = f"redis://:${{FG_TEST_REDIS_PASSWORD}}@127.0.0.1:{redis_server.port}/0"
-    monkeypatch.setenv("FG_TEST_REDIS_PASSWORD", password)
 
     reader = KernelReportReader(url, "fg:", "r0")
     try:
