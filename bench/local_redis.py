@@ -177,6 +177,43 @@ class LocalRedisCluster:
             raise
         return self
 
+    def move_slot(self, slot: int, to_port: int) -> None:
+        """Move ``slot`` and its keys to the primary on ``to_port``, as a resharding does
+        (``SETSLOT IMPORTING``/``MIGRATING``, ``MIGRATE``, then ``SETSLOT NODE`` on every node):
+        clients that kept the old slot map get ``MOVED`` from the former owner."""
+        cli = shutil.which("redis-cli")
+        assert cli is not None, "redis-cli not found"
+
+        def run(port: int, *args: str) -> str:
+            return subprocess.run(
+                [cli, *self._auth_args(), "-p", str(port), *args],
+                check=True, capture_output=True, text=True, timeout=10,
+            ).stdout.strip()
+
+        owner = self._owner_of(run(self.ports[0], "cluster", "nodes"), slot)
+        if owner == to_port:
+            raise ValueError(f"slot {slot} is already on port {to_port}")
+        source_id, target_id = run(owner, "cluster", "myid"), run(to_port, "cluster", "myid")
+        run(to_port, "cluster", "setslot", str(slot), "importing", source_id)
+        run(owner, "cluster", "setslot", str(slot), "migrating", target_id)
+        auth = ["auth", self.password] if self.password else []
+        while keys := run(owner, "cluster", "getkeysinslot", str(slot), "100").split():
+            run(owner, "migrate", "127.0.0.1", str(to_port), "", "0", "5000", *auth, "keys", *keys)
+        for port in self.ports:
+            run(port, "cluster", "setslot", str(slot), "node", target_id)
+
+    @staticmethod
+    def _owner_of(cluster_nodes: str, slot: int) -> int:
+        """The port of the primary that ``CLUSTER NODES`` output shows owning ``slot``."""
+        for line in cluster_nodes.splitlines():
+            fields = line.split()
+            port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+            for assigned in fields[8:]:
+                low, _, high = assigned.partition("-")
+                if low.isdigit() and int(low) <= slot <= int(high or low):
+                    return port
+        raise ValueError(f"no node owns slot {slot}")
+
     @staticmethod
     def _state_ok(cli: str, port: int, auth: list[str]) -> bool:
         out = subprocess.run(

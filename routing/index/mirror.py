@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError
 
 from routing.contracts import IndexStats, IndexUnavailable
 from routing.index import stream_scripts
@@ -128,7 +128,14 @@ class _ShardReads:
 
     async def close(self) -> None:
         """Stop the reads in flight and close the primaries' connections (the tail is ending:
-        an error, a rebuild, closing)."""
+        an error, a rebuild, closing).
+
+        On a Cluster it also drops the slot map, so that the next tail looks the owners up
+        afresh. The reads go over plain connections, whose ``MOVED`` and refused connections
+        never reach the Cluster client, and ``initialize`` maps the slots only once: kept, the
+        map sent every later tail to the failed or former owner, and the mirror stayed frozen
+        until the gateway restarted (a failover or one moved slot was enough).
+        """
         for task in self._pending.values():
             task.cancel()
         for task in self._pending.values():
@@ -138,6 +145,8 @@ class _ShardReads:
         for reader in self._primaries.values():
             await reader.aclose()
         self._primaries.clear()
+        if self._cluster:
+            await self._client.aclose()  # the next initialize() reads the slot map again
 
 
 def _stream_id(raw: bytes | str) -> tuple[int, int]:
@@ -314,9 +323,20 @@ class MirrorBlockIndex:
             except _REDIS_DOWN as exc:
                 self._tail_errors += 1
                 self._connected = False
-                log.warning(
-                    "index mirror: Redis unavailable (%s: %s); retrying", type(exc).__name__, exc
-                )
+                if isinstance(exc, MovedError | AskError):
+                    # Not an outage: a slot changed owner (a failover, a resharding).
+                    log.warning(
+                        "index mirror: a Redis Cluster slot moved (%s: %s); reading the slot "
+                        "map again",
+                        type(exc).__name__,
+                        exc,
+                    )
+                else:
+                    log.warning(
+                        "index mirror: Redis unavailable (%s: %s); retrying",
+                        type(exc).__name__,
+                        exc,
+                    )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
             else:

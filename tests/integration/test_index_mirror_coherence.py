@@ -369,6 +369,41 @@ async def test_a_mirror_tails_a_password_protected_cluster() -> None:
         cluster.stop()
 
 
+async def test_a_mirror_follows_a_slot_that_moves_to_another_primary() -> None:
+    """A resharding moves a shard's slot: the tail reads it from its new owner. Its reads go
+    over plain connections, so the Cluster client's slot map must be read again: kept, every
+    later tail read the former owner (MOVED, for ever) and the mirror froze until restarted."""
+    from routing.index.redis_client import connect
+
+    cluster = LocalRedisCluster(primaries=3).start()
+    writer = StreamIndexWriter(cluster.url, key_prefix="moved", shards=4, timeout_s=1.0)
+    mirror = MirrorBlockIndex(cluster.url, key_prefix="moved", shards=4, timeout_s=1.0)
+    client = connect(cluster.url)
+    try:
+        rid = ReplicaId("pool/moved")
+        await writer.set_epoch(rid, Epoch(1))
+        await mirror.start()
+        await writer.record(rid, Epoch(1), chain_of(700))
+        await mirror.sync()
+        assert mirror.match_now(chain_of(700)) == {rid: 8}
+
+        assert isinstance(client, aioredis.RedisCluster)
+        await client.initialize()
+        key = writer.layout.events_key(writer.layout.shard_of(rid))
+        owner = client.get_node_from_key(key).port
+        cluster.move_slot(client.keyslot(key), next(p for p in cluster.ports if p != owner))
+
+        # Written after the move (the writer follows MOVED): only a re-mapped tail sees it.
+        await writer.record(rid, Epoch(1), chain_of(701))
+        await mirror.sync(timeout_s=15.0)
+        assert mirror.match_now(chain_of(701)) == {rid: 8}
+    finally:
+        await client.aclose()
+        await mirror.close()
+        await writer.close()
+        cluster.stop()
+
+
 async def test_a_mirror_bootstraps_a_fleet_holding_nearly_a_million_blocks(
     redis_url: str, prefix: str, writer: StreamIndexWriter
 ) -> None:
