@@ -365,10 +365,13 @@ class ReplicaRegistry:
         so neither undoes the other)."""
         polls_ok = self._failed_polls.get(replica, 0) < self.unhealthy_after_polls
         # An expired registration says nothing any more: the polls alone decide (an orphan).
-        registered_ok = (
-            replica in self._missing_since or self._registered_healthy.get(replica, True)
+        return polls_ok and not self._agent_reports_down(replica)
+
+    def _agent_reports_down(self, replica: ReplicaId) -> bool:
+        """The replica's current (unexpired) registration says its engine is down."""
+        return replica not in self._missing_since and not self._registered_healthy.get(
+            replica, True
         )
-        return polls_ok and registered_ok
 
     def _answering(self, replica: ReplicaId) -> bool:
         """The replica passed its latest health poll, one made after its registration went
@@ -457,10 +460,16 @@ class ReplicaRegistry:
         a long GC pause); when that takes out every replica, answering 503 fails requests that a
         replica would have served. Circuit breakers still apply: a replica that refused or
         dropped requests on the request path is left out, so a truly dead fleet still gets 503.
+        So is one whose own agent reports its engine down (or leaving): the agent probes it
+        from beside it, so that is no busy spell but a dead, hung or draining engine. A hung
+        one still accepts connections (the kernel's backlog), so its breaker never opened, and
+        requests sent to it waited for the upstream timeout (live review, a stopped engine).
         """
         out = []
         for rid, state in self._states.items():
             if state.healthy or model not in state.models:
+                continue
+            if self._agent_reports_down(rid):
                 continue
             if self._breakers[rid].allows():
                 out.append(replace(state, healthy=True))

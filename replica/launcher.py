@@ -18,7 +18,9 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -152,6 +154,37 @@ def engine_env(
     return env
 
 
+def _die_with_parent() -> None:
+    """In the forked child, before exec: the kernel sends it SIGTERM when the supervisor dies.
+
+    The engine runs in a session of its own, so nothing else ties it to the supervisor's life:
+    a supervisor killed with SIGKILL (an OOM kill, ``systemctl kill -s KILL``) left the whole
+    engine running as an orphan, holding its port and its memory, and the next supervisor's
+    health probe was answered by it (live review). SIGTERM, not SIGKILL: vLLM's server stops
+    its EngineCore and Workers on SIGTERM, where a SIGKILL of the server would orphan them.
+    Linux only (``prctl``); elsewhere nothing changes.
+    """
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+#: ``prctl`` option: the signal a child gets when its parent thread exits (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+
+
+def port_answers(url: str, timeout_s: float = 0.5) -> bool:
+    """Does something already accept TCP connections at ``url``'s host and port?"""
+    parsed = httpx.URL(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def kv_events_config(endpoint: str, topic: str = "kv", replay_endpoint: str | None = None) -> str:
     """The ``--kv-events-config`` JSON: ZMQ publisher on ``endpoint`` (``*`` binds)."""
     config: dict[str, object] = {
@@ -175,9 +208,15 @@ class EngineProcess:
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
         cwd: Path | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         if not argv:
             raise ValueError("EngineProcess needs a non-empty argv")
+        #: The engine gets SIGTERM when the thread that called ``start`` ends (``prctl``
+        #: ``PR_SET_PDEATHSIG``; Linux): call ``start`` on the main thread then, not in a worker
+        #: thread, whose end would stop the engine. For supervisors; tests restart engines from
+        #: worker threads and keep them.
+        self.die_with_parent = die_with_parent
         self.argv = list(argv)
         self.url = url.rstrip("/")
         self.env = dict(env) if env is not None else None
@@ -211,6 +250,11 @@ class EngineProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=(
+                    _die_with_parent
+                    if self.die_with_parent and sys.platform == "linux"
+                    else None
+                ),
             )
         self.started_at = time.monotonic()
         self.healthy_at = None
@@ -268,6 +312,8 @@ class EngineProcess:
         if self.process is None:
             return None
         self.send_signal(signal.SIGTERM)
+        # A stopped process (SIGSTOP, a debugger) would hold the SIGTERM until the SIGKILL.
+        self.send_signal(signal.SIGCONT)
         try:
             self.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -438,11 +484,14 @@ async def _wait_event(event: asyncio.Event, timeout_s: float) -> bool:
 
 
 class EngineSupervisor:
-    """Keeps one engine running: start, wait healthy, restart with back-off when it dies.
+    """Keeps one engine running: start, wait healthy, restart with back-off when it dies or
+    stops answering ``/health``.
 
     ``make_process`` builds a fresh ``EngineProcess`` per incarnation; ``on_restart`` runs before
-    each restart (the agent retires the dead engine's epoch there). Blocking process calls run in
-    threads so the agent beside it keeps its event loop.
+    each restart (the agent retires the dead engine's epoch there); ``before_stop`` runs once a
+    stop is asked for, before the engine is signalled (``fleetgate replica run`` drains there).
+    Blocking process calls run in threads so the agent beside it keeps its event loop; ``start``
+    runs on the loop's thread, which an engine started with ``die_with_parent`` is tied to.
     """
 
     def __init__(
@@ -454,8 +503,11 @@ class EngineSupervisor:
         backoff_max_s: float = 60.0,
         max_restarts: int | None = None,
         health_timeout_s: float = 600.0,
+        liveness_timeout_s: float | None = 60.0,
+        liveness_interval_s: float = 2.0,
         stable_after_s: float = 120.0,
         stop_grace_s: float = 20.0,
+        before_stop: Callable[[EngineProcess], Awaitable[None]] | None = None,
     ) -> None:
         if not 0 < backoff_min_s <= backoff_max_s:
             raise ValueError(
@@ -463,15 +515,24 @@ class EngineSupervisor:
             )
         self._make = make_process
         self._on_restart = on_restart
+        self._before_stop = before_stop
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = backoff_max_s
         self.max_restarts = max_restarts
         self.health_timeout_s = health_timeout_s
+        self.liveness_timeout_s = liveness_timeout_s
+        self.liveness_interval_s = liveness_interval_s
         self.stable_after_s = stable_after_s
         self.stop_grace_s = stop_grace_s
         self.process: EngineProcess | None = None
+        #: Restarts over the supervisor's life; ``max_restarts`` bounds those in a row (an
+        #: engine that ran ``stable_after_s`` starts the count again: over weeks, rare crashes
+        #: must not add up to giving up).
         self.restarts = 0
-        #: Set each time the current incarnation answers /health.
+        self.restarts_in_row = 0
+        #: Engines stopped because they stopped answering ``/health`` (hung).
+        self.hung_stops = 0
+        #: Set while the current incarnation answers ``/health``.
         self.healthy = asyncio.Event()
 
     async def run(self, stop: asyncio.Event) -> int:
@@ -479,10 +540,21 @@ class EngineSupervisor:
         backoff = self.backoff_min_s
         while True:
             self.process = self._make()
-            await asyncio.to_thread(self.process.start)
+            if await asyncio.to_thread(port_answers, self.process.url):
+                # Started anyway, the engine would fail to bind ("Address already in use", in
+                # its log only) while the other process answered our health probe: a leftover
+                # engine passed for ours (live review).
+                logger.error(
+                    "%s already answers before the engine starts: another process holds the "
+                    "port (an engine left running by an earlier supervisor?). Find it with "
+                    "`ss -ltnp 'sport = :%s'` and stop it, or give vLLM another --port",
+                    self.process.url, httpx.URL(self.process.url).port,
+                )
+                return 1
+            self.process.start()  # on this thread: see ``EngineProcess.die_with_parent``
             started = time.monotonic()
             exited = asyncio.create_task(asyncio.to_thread(self._wait_exit, self.process))
-            health = asyncio.create_task(self._wait_healthy(self.process))
+            health = asyncio.create_task(self._watch_health(self.process))
             stopping = asyncio.create_task(stop.wait())
             try:
                 await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -490,6 +562,8 @@ class EngineSupervisor:
                 health.cancel()
                 stopping.cancel()
             if stop.is_set():
+                if self._before_stop is not None and self.process.poll() is None:
+                    await self._before_stop(self.process)
                 await asyncio.to_thread(self.process.stop, self.stop_grace_s)
                 await exited
                 return 0
@@ -499,38 +573,73 @@ class EngineSupervisor:
             await asyncio.to_thread(self.process.stop, 1.0)
             if time.monotonic() - started >= self.stable_after_s:
                 backoff = self.backoff_min_s  # it ran well for a while: start over gently
-            if self.max_restarts is not None and self.restarts >= self.max_restarts:
-                logger.error("engine exited with %s; no restarts left", code)
+                self.restarts_in_row = 0
+            why = self._exit_reason(self.process, code)
+            if self.max_restarts is not None and self.restarts_in_row >= self.max_restarts:
+                logger.error("%s; no restarts left", why)
                 # Killed by a signal (Popen's -N): the shell's convention, 128 + N, as an exit
                 # status cannot be negative (-15 would read as 241).
                 return 128 - code if code < 0 else code or 1
-            logger.warning(
-                "engine exited with %s; restarting in %.1fs (log %s)",
-                code, backoff, self.process.log_path,
-            )
+            logger.warning("%s; restarting in %.1fs", why, backoff)
             if await _wait_event(stop, backoff):
                 return 0
             backoff = min(backoff * 2, self.backoff_max_s)
             self.restarts += 1
+            self.restarts_in_row += 1
             if self._on_restart is not None:
                 await self._on_restart()
+
+    @staticmethod
+    def _exit_reason(process: EngineProcess, code: int) -> str:
+        """``engine exited with N`` and the last lines of its log: why an engine fails to start
+        (an unknown flag, a port in use) is only there, and an operator reads our output."""
+        tail = process.log_tail(6).strip()
+        lines = "\n".join(f"    {line}" for line in tail.splitlines()) if tail else "    <empty>"
+        return f"engine exited with {code} (log {process.log_path}, last lines:\n{lines}\n)"
 
     @staticmethod
     def _wait_exit(process: EngineProcess) -> int:
         assert process.process is not None
         return process.process.wait()
 
-    async def _wait_healthy(self, process: EngineProcess) -> None:
+    async def _watch_health(self, process: EngineProcess) -> None:
+        """Wait for the first ``/health`` answer (``health_timeout_s``), then keep probing: an
+        engine silent for ``liveness_timeout_s`` is hung (a wedged server, a stopped process)
+        and is stopped, which ``run`` then treats as a crash and restarts."""
         deadline = time.monotonic() + self.health_timeout_s
-        while time.monotonic() < deadline and process.poll() is None:
+        while True:
+            if process.poll() is not None:
+                return
             if await asyncio.to_thread(process.is_healthy):
-                self.healthy.set()
-                logger.info(
-                    "engine healthy after %.1fs", time.monotonic() - (process.started_at or 0)
-                )
+                break
+            if time.monotonic() >= deadline:
+                # Hung in start-up: stop it, which the supervisor then treats as a crash.
+                logger.error("engine not healthy after %.0fs; stopping it", self.health_timeout_s)
+                await asyncio.to_thread(process.stop, self.stop_grace_s)
                 return
             await asyncio.sleep(0.5)
-        if process.poll() is None:
-            # Hung in start-up: stop it, which the supervisor then treats as a crash.
-            logger.error("engine not healthy after %.0fs; stopping it", self.health_timeout_s)
-            await asyncio.to_thread(process.stop, self.stop_grace_s)
+        self.healthy.set()
+        logger.info("engine healthy after %.1fs", time.monotonic() - (process.started_at or 0))
+        if not self.liveness_timeout_s:
+            return
+        answered = time.monotonic()
+        while process.poll() is None:
+            await asyncio.sleep(self.liveness_interval_s)
+            probe_s = min(2.0, self.liveness_timeout_s)
+            if await asyncio.to_thread(process.is_healthy, probe_s):
+                if not self.healthy.is_set():
+                    logger.warning("engine answers /health again")
+                    self.healthy.set()
+                answered = time.monotonic()
+                continue
+            self.healthy.clear()
+            silent_s = time.monotonic() - answered
+            if silent_s >= self.liveness_timeout_s:
+                self.hung_stops += 1
+                logger.error(
+                    "engine has not answered /health for %.0fs (--liveness-timeout %.0f): "
+                    "stopping it to restart it",
+                    silent_s, self.liveness_timeout_s,
+                )
+                await asyncio.to_thread(process.stop, self.stop_grace_s)
+                return

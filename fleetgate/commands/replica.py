@@ -9,20 +9,26 @@ the engine's port, model and KV-event endpoint, and adds a KV-event config when 
         --model /models/llama --served-model-name llama --port 8000 \\
         --enable-prefix-caching --block-size 32 --enable-lora --max-loras 4
 
-The engine runs in its own process group; SIGINT/SIGTERM stop it (SIGTERM, then SIGKILL after
-``--stop-grace``) and the agent deregisters. A crashed engine is restarted with exponential
-back-off, and the agent starts a new epoch for it.
+The engine runs in its own process group, and gets SIGTERM if the supervisor dies (Linux).
+SIGINT/SIGTERM stop it gracefully: the agent reports the engine down so that gateways send it
+nothing new, the requests in flight finish (up to ``--drain-timeout``), then the engine gets
+SIGTERM (SIGKILL after ``--stop-grace``) and the agent deregisters; a second signal skips the
+drain. A crashed engine is restarted with exponential back-off and the agent starts a new epoch
+for it; so is one that stops answering ``/health`` for ``--liveness-timeout`` seconds (hung).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +92,11 @@ def inspect_vllm_args(args: Sequence[str], add_kv_events: bool = True) -> Engine
         raise SystemExit(f"fleetgate replica run: vLLM --port must be a number (got {port!r})")
     raw = _option(out, "--kv-events-config")
     if raw is None and add_kv_events:
-        raw = kv_events_config(f"tcp://*:{free_port()}", "kv")
+        # With a replay socket: an agent that starts beside a running engine, or an engine
+        # that was unreachable for a while, learns what the engine holds from it.
+        raw = kv_events_config(
+            f"tcp://*:{free_port()}", "kv", replay_endpoint=f"tcp://*:{free_port()}"
+        )
         out += ["--kv-events-config", raw]
     endpoint = replay = None
     topic = "kv"
@@ -134,10 +144,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--engine-log", type=Path, help="engine log file (default: a temp file)")
     group.add_argument("--health-timeout", type=float, default=600.0,
-                       help="seconds the engine gets to answer /health (default: 600)")
+                       help="seconds a starting engine gets to first answer /health, else it "
+                       "is stopped and restarted (default: 600)")
+    group.add_argument("--liveness-timeout", type=float, default=60.0,
+                       help="seconds a running engine may go without answering /health before "
+                       "it is taken for hung, stopped and restarted; 0: never (default: 60)")
+    group.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGINT/SIGTERM, seconds the requests in flight get to finish "
+                       "(gateways send nothing new meanwhile) before the engine is stopped; "
+                       "0: stop at once (default: 30)")
     group.add_argument("--backoff-min", type=float, default=1.0, help="first restart delay (s)")
     group.add_argument("--backoff-max", type=float, default=60.0, help="largest restart delay (s)")
-    group.add_argument("--max-restarts", type=int, help="give up after this many (default: never)")
+    group.add_argument("--max-restarts", type=int,
+                       help="give up after this many restarts in a row; an engine that ran two "
+                       "minutes starts the count again (default: never give up)")
     group.add_argument("--stop-grace", type=float, default=20.0,
                        help="seconds between SIGTERM and SIGKILL on stop (default: 20)")
     group.add_argument("--no-kv-events", action="store_true",
@@ -167,22 +187,38 @@ async def _supervise(args: argparse.Namespace, view: EngineView) -> int:
         kv_events_topic=view.topic if args.kv_topic == "kv" else args.kv_topic,
     )
     agent = ReplicaAgent(config)
+    # One log for every incarnation (appended to): a temp file each would leave them behind.
+    log_path = args.engine_log or Path(
+        tempfile.mkstemp(prefix=f"vllm-{config.replica_id.replace('/', '-')}-", suffix=".log")[1]
+    )
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    async def drain(engine: EngineProcess) -> None:
+        await _drain(agent, engine, args.drain_timeout, force)
+
     supervisor = EngineSupervisor(
         lambda: EngineProcess(
             [str(python), "-m", VLLM_SERVER_MODULE, *view.args],
-            url=view.url, env=env, log_path=args.engine_log,
+            url=view.url, env=env, log_path=log_path, die_with_parent=True,
         ),
         on_restart=agent.engine_restarted,
         backoff_min_s=args.backoff_min,
         backoff_max_s=args.backoff_max,
         max_restarts=args.max_restarts,
         health_timeout_s=args.health_timeout,
+        liveness_timeout_s=args.liveness_timeout or None,
         stop_grace_s=args.stop_grace,
+        before_stop=drain if args.drain_timeout > 0 else None,
     )
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            force.set()  # a second signal: stop without waiting for the drain
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await agent.start()
     logger.info(
         "replica %s: engine %s, events %s, agent port %s",
@@ -192,6 +228,38 @@ async def _supervise(args: argparse.Namespace, view: EngineView) -> int:
         return await supervisor.run(stop)
     finally:
         await agent.stop()
+
+
+#: How long a drain waits before it trusts an idle engine: gateways learn that the replica is
+#: leaving at their next fleet read, and may send a request or two meanwhile.
+DRAIN_SETTLE_S = 1.5
+
+
+async def _drain(
+    agent: ReplicaAgent, engine: EngineProcess, timeout_s: float, force: asyncio.Event
+) -> None:
+    """Report the engine down, then wait until it holds no request (or ``timeout_s`` passes,
+    or a second signal comes): a stop that signalled the engine at once cut every stream in
+    flight after ``--stop-grace`` of silence (vLLM aborts them on SIGTERM)."""
+    loop = asyncio.get_running_loop()
+    started, since = loop.time(), time.time()
+    await agent.leave()
+    logger.info("stopping: gateways send this replica nothing new; draining up to %.0fs", timeout_s)
+    left: int | None = None
+    while engine.poll() is None and not force.is_set():
+        elapsed = loop.time() - started
+        left = agent.requests_in_engine(read_after=since)
+        if elapsed >= timeout_s:
+            logger.warning("drain: %s request(s) still in the engine after %.0fs; stopping it",
+                           "some" if left is None else left, timeout_s)
+            return
+        if elapsed >= DRAIN_SETTLE_S and left == 0:
+            logger.info("drain: the engine is idle after %.1fs; stopping it", elapsed)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(force.wait(), 0.25)
+    if force.is_set():
+        logger.warning("second signal: stopping the engine without waiting for the drain")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -210,6 +278,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    for name in ("liveness_timeout", "drain_timeout", "stop_grace", "health_timeout"):
+        if getattr(args, name) < 0:
+            flag = "--" + name.replace("_", "-")
+            print(f"fleetgate replica run: {flag} must be >= 0", file=sys.stderr)
+            return 2
     view = inspect_vllm_args(vllm_args, add_kv_events=not args.no_kv_events)
     try:
         return asyncio.run(_supervise(args, view))

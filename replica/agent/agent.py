@@ -135,6 +135,9 @@ class ReplicaAgent:
         self.subscriber: KVEventSubscriber | None = None
         self.snapshot: EngineSnapshot | None = None
         self.engine_up = False
+        #: Set by ``leave``: the replica reports its engine down so that gateways send it
+        #: nothing new while the requests in flight finish.
+        self._leaving = False
         self._health_failures = 0
         #: Batches applied, for tests and /health.
         self.batches_applied = 0
@@ -211,6 +214,21 @@ class ReplicaAgent:
             await self.index.close()
         if self._owns_fleet:
             await self.fleet.close()
+
+    async def leave(self) -> None:
+        """The replica is about to stop: report its engine down at once, so that gateways send
+        it nothing new while the requests it holds finish (``stop`` deregisters it after).
+        Its blocks stay matched meanwhile: the engine still holds them."""
+        self._leaving = True
+        await self.publish_state()
+
+    def requests_in_engine(self, read_after: float) -> int | None:
+        """Requests running or waiting in the engine by a ``/metrics`` read made after
+        ``read_after`` (``time.time()``); None until there is one."""
+        snap = self.snapshot
+        if snap is None or snap.read_at <= read_after:
+            return None
+        return snap.running + snap.waiting
 
     async def _retire_on_leaving(self) -> None:
         """The replica leaves the fleet: retire its epoch, so that every gateway forgets its
@@ -535,7 +553,7 @@ class ReplicaAgent:
             url=self.config.public_url,
             pool=self.config.pool,
             models=models,
-            healthy=self.engine_up,
+            healthy=self.engine_up and not self._leaving,
             epoch=self.applier.epoch if self.applier.epoch is not None else Epoch(0),
             block_size=snap.block_size or ReplicaState.block_size,
             kv_capacity_blocks=snap.num_gpu_blocks,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -137,3 +138,133 @@ async def test_an_engine_killed_by_a_signal_exits_with_128_plus_the_signal(
         backoff_min_s=0.01, backoff_max_s=0.02, max_restarts=0,
     )
     assert await asyncio.wait_for(supervisor.run(asyncio.Event()), 60) == 128 + 15
+
+
+async def test_a_hung_engine_is_stopped_and_restarted(tmp_path: Path) -> None:
+    """An engine that stops answering /health (here SIGSTOPped) for ``liveness_timeout_s`` is
+    taken for hung and restarted: it was left hung for good, its requests waiting (review)."""
+    port = free_port()
+    supervisor = EngineSupervisor(
+        lambda: _stand_in(tmp_path, port), backoff_min_s=0.1, backoff_max_s=0.2,
+        health_timeout_s=30, liveness_timeout_s=1.0, liveness_interval_s=0.2, stop_grace_s=1.0,
+    )
+    stop = asyncio.Event()
+    running = asyncio.create_task(supervisor.run(stop))
+    try:
+        await asyncio.wait_for(supervisor.healthy.wait(), 30)
+        first = supervisor.process
+        assert first is not None and first.pid is not None
+        os.kill(first.pid, signal.SIGSTOP)
+        await asyncio.wait_for(_until(lambda: supervisor.restarts == 1), 60)
+        await asyncio.wait_for(supervisor.healthy.wait(), 30)
+        assert supervisor.hung_stops == 1
+        assert first.poll() is not None  # the stopped one is gone, not left beside the new one
+        assert supervisor.process is not None and supervisor.process.pid != first.pid
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(running, 60) == 0
+
+
+async def test_a_port_already_answering_is_an_error_not_our_engine(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Something left on the engine's port (an orphaned engine) answered the health probe and
+    passed for the new engine, which failed to bind; now the supervisor says so and exits 1."""
+    port = free_port()
+    squatter = _stand_in(tmp_path, port).start()
+    try:
+        squatter.wait_healthy(timeout_s=30)
+        supervisor = EngineSupervisor(lambda: _stand_in(tmp_path / "new", port))
+        assert await asyncio.wait_for(supervisor.run(asyncio.Event()), 30) == 1
+    finally:
+        squatter.stop(grace_s=5)
+    assert supervisor.process is not None and supervisor.process.pid is None  # never started
+    assert any(f"ss -ltnp 'sport = :{port}'" in r.getMessage() for r in caplog.records)
+
+
+def test_an_engine_started_to_die_with_its_parent_does(tmp_path: Path) -> None:
+    """A supervisor killed with SIGKILL left its engine running, holding port and memory."""
+    pids = tmp_path / "pids"
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from pathlib import Path
+from replica.launcher import EngineProcess
+engine = EngineProcess([sys.executable, "-c", "import time; time.sleep(600)"],
+                       url="http://127.0.0.1:1", log_path=Path({str(tmp_path / "e.log")!r}),
+                       die_with_parent=True).start()
+open({str(pids)!r}, "w").write(str(engine.pid))
+time.sleep(600)
+"""])
+    try:
+        deadline = time.monotonic() + 30
+        while not (pids.exists() and pids.read_text()):
+            assert time.monotonic() < deadline, "the engine never started"
+            time.sleep(0.05)
+        engine_pid = int(pids.read_text())
+        assert _alive(engine_pid)
+        parent.kill()
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while _alive(engine_pid):
+            assert time.monotonic() < deadline, "the engine outlived its supervisor"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait(timeout=10)
+
+
+async def test_max_restarts_counts_crashes_in_a_row_only(tmp_path: Path) -> None:
+    """An engine that ran ``stable_after_s`` starts the count again: over weeks, rare crashes
+    must not add up to the supervisor giving up."""
+    supervisor = EngineSupervisor(
+        lambda: EngineProcess(
+            [sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(5)"],
+            url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e.log",
+        ),
+        backoff_min_s=0.01, backoff_max_s=0.02, max_restarts=1, stable_after_s=0.2,
+        liveness_timeout_s=None,
+    )
+    stop = asyncio.Event()
+    running = asyncio.create_task(supervisor.run(stop))
+    await asyncio.wait_for(_until(lambda: supervisor.restarts >= 3), 60)
+    stop.set()
+    assert await asyncio.wait_for(running, 60) == 0
+
+
+async def test_a_crash_is_logged_with_the_end_of_the_engines_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Why an engine failed (an unknown flag, a port in use) is in its log only: the
+    supervisor's own output quotes the last lines."""
+    supervisor = EngineSupervisor(
+        lambda: EngineProcess(
+            [sys.executable, "-c", "print('error: unrecognized arguments: --no-such-flag');"
+             "raise SystemExit(2)"],
+            url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e.log",
+        ),
+        backoff_min_s=0.01, backoff_max_s=0.02, max_restarts=1,
+    )
+    assert await asyncio.wait_for(supervisor.run(asyncio.Event()), 60) == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("restarting" in m and "--no-such-flag" in m for m in messages), messages
+    assert any("no restarts left" in m and "--no-such-flag" in m for m in messages), messages
+
+
+async def test_a_stop_runs_before_stop_while_the_engine_still_serves(tmp_path: Path) -> None:
+    """``fleetgate replica run`` drains there: the engine must still be up and answering."""
+    port = free_port()
+    seen: list[bool] = []
+
+    async def before_stop(engine: EngineProcess) -> None:
+        seen.append(engine.poll() is None and await asyncio.to_thread(engine.is_healthy))
+
+    supervisor = EngineSupervisor(
+        lambda: _stand_in(tmp_path, port), health_timeout_s=30, before_stop=before_stop
+    )
+    stop = asyncio.Event()
+    running = asyncio.create_task(supervisor.run(stop))
+    await asyncio.wait_for(supervisor.healthy.wait(), 30)
+    stop.set()
+    assert await asyncio.wait_for(running, 60) == 0
+    assert seen == [True]

@@ -222,3 +222,34 @@ async def test_a_replica_is_healthy_only_while_both_its_agent_and_this_gateways_
         assert not healthy()
         registry.sync_discovered([up])
         assert healthy()
+
+
+async def test_a_replica_its_agent_reports_down_is_no_last_resort() -> None:
+    """Last resort is for replicas too busy to answer polls; one whose agent, beside it, says
+    its engine is down (dead, hung, draining) is not one. A stopped engine still accepts
+    connections (the kernel's backlog): sent there, requests waited for the upstream timeout
+    (live review of ``fleetgate replica run``)."""
+    from dataclasses import replace
+
+    from routing.state import ReplicaState
+
+    never = asyncio.Event()
+
+    async def hung(_: web.Request) -> web.Response:
+        await never.wait()
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_get("/health", hung)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        registry = ReplicaRegistry(unhealthy_after_polls=2)
+        url = str(server.make_url("")).rstrip("/")
+        busy, dead = ReplicaId("busy"), ReplicaId("dead")
+        up = ReplicaState(replica_id=busy, url=url, models=frozenset({"m"}), healthy=True)
+        registry.sync_discovered([up, replace(up, replica_id=dead, healthy=False)])
+        for _ in range(2):
+            await registry.poll_once(session, timeout_s=0.2)
+        assert [s.replica_id for s in registry.last_resort("m")] == [busy]
+        # Its agent says the engine is back: a last resort again while the polls still miss.
+        registry.sync_discovered([up, replace(up, replica_id=dead, healthy=True)])
+        assert sorted(s.replica_id for s in registry.last_resort("m")) == [busy, dead]

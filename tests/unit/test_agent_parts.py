@@ -242,6 +242,10 @@ def test_inspect_vllm_args_adds_kv_events_and_finds_the_engine() -> None:
     added = json.loads(view.args[view.args.index("--kv-events-config") + 1])
     assert added["endpoint"].startswith("tcp://*:")
     assert view.kv_events_endpoint == added["endpoint"].replace("*", "127.0.0.1")
+    # With a replay socket, so the agent's catch-up can learn what a running engine holds.
+    assert added["replay_endpoint"].startswith("tcp://*:")
+    assert added["replay_endpoint"] != added["endpoint"]
+    assert view.replay_endpoint == added["replay_endpoint"].replace("*", "127.0.0.1")
 
 
 def test_inspect_vllm_args_respects_the_operators_kv_config() -> None:

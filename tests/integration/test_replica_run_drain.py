@@ -1,0 +1,98 @@
+"""``fleetgate replica run``'s stop drains: the agent reports the engine down (gateways send it
+nothing new), the requests in flight finish, and only then is the engine signalled. Before, a
+stop signalled the engine at once: vLLM aborts on SIGTERM, and streams in flight got no byte
+for ``--stop-grace`` and were then cut (live review of ``replica run`` on real vLLM).
+
+The engine here is ``fleetgate sim`` slowed down (a request runs for seconds), supervised as an
+``EngineProcess``; the agent is the real one, with in-memory stores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+
+from fleetgate.commands.replica import _drain
+from replica.agent import AgentConfig, ReplicaAgent
+from replica.fleet_store import MemoryFleetStore
+from replica.launcher import EngineProcess
+from routing.index import MemoryBlockIndex
+from routing.types import ReplicaId
+from tests.support.polling import wait_until
+from tests.support.redis_server import free_port
+
+MODEL = "sim-model"
+RID = ReplicaId("pool/drain")
+
+
+@asynccontextmanager
+async def _engine_and_agent(tmp_path: Path) -> AsyncIterator[tuple[EngineProcess, ReplicaAgent,
+                                                                     MemoryFleetStore]]:
+    port = free_port()
+    engine = EngineProcess(
+        [sys.executable, "-m", "fleetgate.cli", "sim", "--port", str(port), "--profile", "tiny",
+         "--speed", "0.05", "--model", MODEL],
+        url=f"http://127.0.0.1:{port}", log_path=tmp_path / "sim.log",
+    ).start()
+    fleet = MemoryFleetStore()
+    agent = ReplicaAgent(
+        AgentConfig(replica_id=RID, engine_url=engine.url, model=MODEL, listen_port=None,
+                    scrape_interval_s=0.1, heartbeat_ttl_s=5.0),
+        index=MemoryBlockIndex(), fleet=fleet,
+    )
+    try:
+        await asyncio.to_thread(engine.wait_healthy, 60)
+        await agent.start()
+        await wait_until(lambda: agent.engine_up, "the agent sees its engine", timeout_s=30)
+        yield engine, agent, fleet
+    finally:
+        await agent.stop()
+        engine.stop(grace_s=5)
+
+
+async def _registered_healthy(fleet: MemoryFleetStore) -> bool | None:
+    states = {s.replica_id: s for s in await fleet.list_replicas()}
+    return states[RID].healthy if RID in states else None
+
+
+async def test_a_stop_waits_for_the_requests_in_flight_then_lets_the_engine_go(
+    tmp_path: Path,
+) -> None:
+    stack = _engine_and_agent(tmp_path)
+    async with stack as (engine, agent, fleet), aiohttp.ClientSession() as http:
+        await wait_until(lambda: _registered_healthy(fleet), "registered as up")
+
+        async def long_completion() -> tuple[int, int]:
+            body = {"model": MODEL, "prompt": "a slow one", "max_tokens": 200}  # ~6 s
+            async with http.post(f"{engine.url}/v1/completions", json=body) as resp:
+                data = await resp.json()
+                return resp.status, data["usage"]["completion_tokens"]
+
+        in_flight = asyncio.create_task(long_completion())
+        await wait_until(lambda: (agent.snapshot is not None and agent.snapshot.running > 0),
+                         "the request runs in the engine", timeout_s=30)
+        await _drain(agent, engine, timeout_s=120, force=asyncio.Event())
+        # The drain ended because the engine went idle, not at its deadline: the request is done.
+        assert in_flight.done()
+        assert await in_flight == (200, 200)
+        # Meanwhile gateways were told: the registration says the engine is down.
+        assert await _registered_healthy(fleet) is False
+        assert engine.poll() is None  # stopping the engine is the supervisor's next step
+
+
+async def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
+    async with _engine_and_agent(tmp_path) as (engine, agent, _), aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "prompt": "a slow one", "max_tokens": 400}
+        in_flight = asyncio.create_task(http.post(f"{engine.url}/v1/completions", json=body))
+        await wait_until(lambda: (agent.snapshot is not None and agent.snapshot.running > 0),
+                         "the request runs in the engine", timeout_s=30)
+        force = asyncio.Event()
+        force.set()
+        await _drain(agent, engine, timeout_s=600, force=force)
+        assert not in_flight.done()
+        in_flight.cancel()
