@@ -508,6 +508,7 @@ class EngineSupervisor:
         stable_after_s: float = 120.0,
         stop_grace_s: float = 20.0,
         before_stop: Callable[[EngineProcess], Awaitable[None]] | None = None,
+        stalled: Callable[[], bool] | None = None,
     ) -> None:
         if not 0 < backoff_min_s <= backoff_max_s:
             raise ValueError(
@@ -516,6 +517,9 @@ class EngineSupervisor:
         self._make = make_process
         self._on_restart = on_restart
         self._before_stop = before_stop
+        #: Whether the running engine is stalled (it answers /health but makes no progress:
+        #: the agent's verdict); such an engine is stopped and restarted as a hung one.
+        self._stalled = stalled
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = backoff_max_s
         self.max_restarts = max_restarts
@@ -627,6 +631,12 @@ class EngineSupervisor:
             await asyncio.sleep(self.liveness_interval_s)
             probe_s = min(2.0, self.liveness_timeout_s)
             if await asyncio.to_thread(process.is_healthy, probe_s):
+                if self._stalled is not None and self._stalled():
+                    self.hung_stops += 1
+                    logger.error("engine answers /health but makes no progress (stalled): "
+                                 "stopping it to restart it")
+                    await asyncio.to_thread(process.stop, self.stop_grace_s)
+                    return
                 if not self.healthy.is_set():
                     logger.warning("engine answers /health again")
                     self.healthy.set()

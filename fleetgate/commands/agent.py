@@ -96,6 +96,14 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
         default=3.0,
         help="seconds a replica stays listed without a heartbeat (default: 3)",
     )
+    group.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=120.0,
+        help="seconds an engine may hold requests without finishing an engine step before it "
+        "is reported down as stalled (a hung EngineCore or GPU whose server still answers "
+        "/health); 0: never (default: 120)",
+    )
     group.add_argument("--max-cpu-loras", type=positive_int, help="the engine's --max-cpu-loras")
     group.add_argument(
         "--listen",
@@ -136,6 +144,7 @@ def agent_config_from_args(args: argparse.Namespace, **overrides: object) -> Age
         "fleet_key_prefix": args.fleet_key_prefix,
         "scrape_interval_s": args.scrape_interval,
         "heartbeat_ttl_s": args.heartbeat_ttl,
+        "stall_after_s": args.stall_timeout or None,
         "max_cpu_loras": args.max_cpu_loras,
         "listen_host": host,
         "listen_port": port,

@@ -209,6 +209,7 @@ async def _supervise(args: argparse.Namespace, view: EngineView) -> int:
         liveness_timeout_s=args.liveness_timeout or None,
         stop_grace_s=args.stop_grace,
         before_stop=drain if args.drain_timeout > 0 else None,
+        stalled=(lambda: agent.stalled) if args.liveness_timeout else None,
     )
     loop = asyncio.get_running_loop()
 

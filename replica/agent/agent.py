@@ -138,6 +138,11 @@ class ReplicaAgent:
         #: Set by ``leave``: the replica reports its engine down so that gateways send it
         #: nothing new while the requests in flight finish.
         self._leaving = False
+        #: When the engine last showed progress (a new step, or nothing to do), and whether it
+        #: is stalled now (``AgentConfig.stall_after_s``).
+        self._progress_at = time.monotonic()
+        self._last_steps: int | None = None
+        self.stalled = False
         self._health_failures = 0
         #: Batches applied, for tests and /health.
         self.batches_applied = 0
@@ -522,7 +527,7 @@ class ReplicaAgent:
         # routing after two in a row. Restart detection above still uses every raw answer.
         self._health_failures = 0 if up else self._health_failures + 1
         self.engine_up = up or (self.engine_up and self._health_failures < 2)
-        self.metrics.engine_up(self.engine_up)
+        self.metrics.engine_up(self.engine_up and not self.stalled)
 
     async def _read_figures(self) -> None:
         """Read ``/metrics``, ``/v1/models`` and the kernel report into the snapshot."""
@@ -534,6 +539,7 @@ class ReplicaAgent:
             return
         self.metrics.scrape_seconds(time.perf_counter() - started)
         self.snapshot = snapshot
+        self._note_progress(snapshot)
         if self.kernel_reader is not None:
             kernels = await self.kernel_reader.read()
             if kernels is not None:
@@ -541,6 +547,32 @@ class ReplicaAgent:
         if self.applier.model is None and snapshot.models:
             self.applier.model = snapshot.models[0]
             self._model_known.set()
+
+    def _note_progress(self, snapshot: EngineSnapshot) -> None:
+        """Is the engine stalled: holding requests, yet no step finished for ``stall_after_s``?
+
+        vLLM's ``/health`` asks its server, which answers while the EngineCore (or the GPU
+        under it) is hung: requests sent there wait for the gateway's upstream timeout. The
+        step count stands still during one long prefill chunk too, hence a bound in minutes.
+        """
+        now = time.monotonic()
+        steps = snapshot.steps_total
+        if steps is None or snapshot.running + snapshot.waiting == 0 or steps != self._last_steps:
+            self._progress_at = now
+        self._last_steps = steps
+        limit = self.config.stall_after_s
+        stalled = limit is not None and now - self._progress_at >= limit
+        if stalled and not self.stalled:
+            logger.warning(
+                "replica %s: the engine holds %d request(s) but has finished no step for %.0fs "
+                "(a hung EngineCore or GPU?); reported down until it moves again",
+                self.replica, snapshot.running + snapshot.waiting, now - self._progress_at,
+            )
+        elif self.stalled and not stalled:
+            logger.warning("replica %s: the engine is making progress again", self.replica)
+        if stalled != self.stalled:
+            self.stalled = stalled
+            self.metrics.engine_up(self.engine_up and not stalled)
 
     def state(self) -> ReplicaState:
         """The replica as gateways should see it now."""
@@ -553,7 +585,7 @@ class ReplicaAgent:
             url=self.config.public_url,
             pool=self.config.pool,
             models=models,
-            healthy=self.engine_up and not self._leaving,
+            healthy=self.engine_up and not self._leaving and not self.stalled,
             epoch=self.applier.epoch if self.applier.epoch is not None else Epoch(0),
             block_size=snap.block_size or ReplicaState.block_size,
             kv_capacity_blocks=snap.num_gpu_blocks,

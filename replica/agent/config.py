@@ -49,6 +49,10 @@ class AgentConfig:
     map_capacity: int = 262_144
     #: ``--max-cpu-loras`` of the engine (vLLM does not export it).
     max_cpu_loras: int | None = None
+    #: An engine that holds requests but finishes no step for this long is stalled (a hung
+    #: EngineCore or GPU, while its server still answers /health): reported down until it
+    #: moves again. None: never. Only for engines that export ``vllm:iteration_tokens_total``.
+    stall_after_s: float | None = 120.0
     #: Where the agent serves its own /metrics and /health; port 0 picks a free one, None: off.
     listen_host: str = "127.0.0.1"
     listen_port: int | None = 0
@@ -67,6 +71,8 @@ class AgentConfig:
                 f"heartbeat_ttl_s ({self.heartbeat_ttl_s}) must exceed scrape_interval_s "
                 f"({self.scrape_interval_s}): the replica would expire between heartbeats"
             )
+        if self.stall_after_s is not None and not self.stall_after_s > 0:
+            raise ValueError(f"stall_after_s must be > 0 or None (got {self.stall_after_s!r})")
         if self.replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError("replay_endpoint is set but kv_events_endpoint is not")
         if self.index_mode not in INDEX_MODES:

@@ -29,6 +29,9 @@ class EngineSnapshot:
     waiting_adapters: frozenset[str] = frozenset()
     block_size: int | None = None
     num_gpu_blocks: int | None = None
+    #: Engine steps that produced output, over the engine's life (the count of vLLM's
+    #: ``vllm:iteration_tokens_total`` histogram); None where the engine does not export it.
+    steps_total: int | None = None
     #: Base models served (``/v1/models`` entries without a parent), in the engine's order.
     models: tuple[str, ...] = ()
     #: Adapters registered on the engine (``/v1/models`` entries with a parent).
@@ -54,6 +57,7 @@ def parse_metrics(text: str) -> dict[str, Any]:
     lora_samples: list[tuple[Mapping[str, str], float]] = []
     block_size: int | None = None
     num_blocks: int | None = None
+    steps: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
@@ -65,6 +69,8 @@ def parse_metrics(text: str) -> dict[str, Any]:
                 waiting += value
             elif name == "vllm:num_preemptions_total":
                 preemptions += value
+            elif name == "vllm:iteration_tokens_total_count":
+                steps = (steps or 0.0) + value
             elif name == LORA_INFO_METRIC:
                 lora_samples.append((labels, value))
             elif name == "vllm:cache_config_info":
@@ -83,6 +89,7 @@ def parse_metrics(text: str) -> dict[str, Any]:
         "waiting_adapters": lora.waiting,
         "block_size": block_size,
         "num_gpu_blocks": num_blocks,
+        "steps_total": None if steps is None else int(steps),
     }
 
 

@@ -307,10 +307,19 @@ async def test_state_published_from_real_metrics(
     # gauge (blocks held by running requests) does not show once the request has ended.
     r0 = replicas[0]
     before = r0.agent.applier.hashes.live_count
+    assert r0.agent.snapshot is not None
+    steps_before = r0.agent.snapshot.steps_total
+    # The engine's step count, which the stall check watches, is exported by real vLLM.
+    assert steps_before is not None
     await r0.complete(fresh_prompt())
     await wait_until(
         lambda: r0.agent.applier.hashes.live_count > before, "the new prompt's blocks stored"
     )
+    await wait_until(
+        lambda: (r0.agent.snapshot.steps_total or 0) > steps_before,  # type: ignore[union-attr]
+        "the engine's step count moved",
+    )
+    assert not r0.agent.stalled
 
     async def published() -> bool:
         state = {s.replica_id: s for s in await fleet.list_replicas()}[r0.agent.replica]

@@ -163,7 +163,21 @@ def test_parse_real_vllm_metrics() -> None:
         "waiting_adapters": frozenset(),
         "block_size": 32,
         "num_gpu_blocks": 32768,
+        "steps_total": None,  # not in these lines: the stall check stays off
     }
+
+
+def test_parse_the_engine_step_count_from_the_iteration_tokens_histogram() -> None:
+    """Summed over engine cores (data-parallel ranks); the stall check reads it."""
+    text = REAL_VLLM_METRICS + "".join(
+        "# TYPE vllm:iteration_tokens_total histogram\n" * (engine == 0)
+        + f'vllm:iteration_tokens_total_bucket{{engine="{engine}",le="+Inf",model_name="tiny"}} '
+        f"{count}\n"
+        f'vllm:iteration_tokens_total_count{{engine="{engine}",model_name="tiny"}} {count}\n'
+        f'vllm:iteration_tokens_total_sum{{engine="{engine}",model_name="tiny"}} 999.0\n'
+        for engine, count in ((0, "12.0"), (1, "30.0"))
+    )
+    assert parse_metrics(text)["steps_total"] == 42
 
 
 def test_parse_lora_info_takes_the_latest_sample() -> None:
