@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -257,6 +258,8 @@ class MirrorBlockIndex:
         self._reloads: Counter[str] = Counter()
         self._rebuilds = 0
         self._tail_errors = 0
+        #: Whether the current tail has read from Redis (``_follow`` then retries at once).
+        self._tail_progressed = False
         #: False while the tail cannot reach Redis: lookups then degrade to load-only.
         self._connected = True
         #: The Redis server's clock less this process's (ms), read at bootstrap.
@@ -307,11 +310,13 @@ class MirrorBlockIndex:
     # ------------------------------------------------------------------ following Redis
 
     async def _follow(self) -> None:
-        """Bootstrap, then tail; on Redis errors retry (the local index keeps answering)."""
+        """Bootstrap, then tail; on errors retry (the local index keeps answering)."""
         backoff = 0.05
+        traceback_logged_at = -math.inf
         # ``_closed`` too, not only cancellation: redis-py may turn a cancel that lands inside a
         # blocking read into a connection error, which the retry below would otherwise absorb.
         while not self._closed:
+            self._tail_progressed = False
             try:
                 if not self._ready.is_set():
                     await self._bootstrap()
@@ -320,9 +325,13 @@ class MirrorBlockIndex:
                 await self._tail()
             except asyncio.CancelledError:
                 raise
-            except _REDIS_DOWN as exc:
+            except Exception as exc:
                 self._tail_errors += 1
                 self._connected = False
+                if self._tail_progressed:
+                    # It had recovered: this is a new fault, not the old one lasting; the next
+                    # attempt comes soon (each later one would wait a second of load-only routing).
+                    backoff = 0.05
                 if isinstance(exc, MovedError | AskError):
                     # Not an outage: a slot changed owner (a failover, a resharding).
                     log.warning(
@@ -331,12 +340,26 @@ class MirrorBlockIndex:
                         type(exc).__name__,
                         exc,
                     )
-                else:
+                elif isinstance(exc, _REDIS_DOWN):
                     log.warning(
                         "index mirror: Redis unavailable (%s: %s); retrying",
                         type(exc).__name__,
                         exc,
                     )
+                else:
+                    # Anything else (a redis-py Cluster client racing its own reconnects raised
+                    # AttributeError in a live failover) ended the task for good before: the
+                    # gateway routed on load alone, silently, until restarted. Retry; the
+                    # traceback at most once a minute.
+                    now = time.monotonic()
+                    log.error(
+                        "index mirror: unexpected %s: %s; retrying",
+                        type(exc).__name__,
+                        exc,
+                        exc_info=now - traceback_logged_at >= 60.0,
+                    )
+                    if now - traceback_logged_at >= 60.0:
+                        traceback_logged_at = now
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
             else:
@@ -450,6 +473,7 @@ class MirrorBlockIndex:
         while not self._closed:
             replies = await reads.next(self._last_ids)
             self._connected = True
+            self._tail_progressed = True
             for raw_key, entries in replies or ():
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
                 for entry_id, fields in entries:
@@ -466,7 +490,10 @@ class MirrorBlockIndex:
         """Redis lost its data: route load-only until rebuilt (``_follow`` bootstraps again)."""
         self._rebuilds += 1
         self._ready.clear()
-        log.warning("index mirror: Redis lost the index (flush or restart); rebuilding")
+        log.warning(
+            "index mirror: Redis may have lost the index (a flush, a restart or, on a Cluster, "
+            "a failover); rebuilding"
+        )
 
     async def sync(self, timeout_s: float = 5.0) -> None:
         """Wait until this mirror has applied every event in the streams now (tests, tools).

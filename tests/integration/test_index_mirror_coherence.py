@@ -404,6 +404,38 @@ async def test_a_mirror_follows_a_slot_that_moves_to_another_primary() -> None:
         cluster.stop()
 
 
+async def test_a_mirror_survives_an_unexpected_error_in_its_task(redis_url: str) -> None:
+    """Only Redis errors were retried: anything else (redis-py's Cluster client raised
+    AttributeError while racing its own reconnects in a live failover) ended the mirror's
+    task for good, and the gateway routed on load alone, silently, until restarted."""
+    prefix = f"boom{uuid.uuid4().hex[:8]}"
+    writer = StreamIndexWriter(redis_url, key_prefix=prefix, shards=4, timeout_s=1.0)
+    mirror = MirrorBlockIndex(
+        redis_url, key_prefix=prefix, shards=4, timeout_s=1.0, check_interval_s=0.05
+    )
+    try:
+        rid = ReplicaId("pool/boom")
+        await writer.set_epoch(rid, Epoch(1))
+        await mirror.start()
+        real = mirror._read_generation
+        raised: list[bool] = []
+
+        async def once_broken() -> bytes:
+            if not raised:
+                raised.append(True)
+                raise AttributeError("'NoneType' object has no attribute 'send_packed_command'")
+            return await real()
+
+        mirror._read_generation = once_broken  # type: ignore[method-assign]
+        await wait_until(lambda: bool(raised), "the mirror's periodic check raised")
+        await writer.record(rid, Epoch(1), chain_of(800))
+        await mirror.sync(timeout_s=10.0)
+        assert mirror.match_now(chain_of(800)) == {rid: 8}
+    finally:
+        await mirror.close()
+        await writer.close()
+
+
 async def test_a_mirror_bootstraps_a_fleet_holding_nearly_a_million_blocks(
     redis_url: str, prefix: str, writer: StreamIndexWriter
 ) -> None:
