@@ -114,10 +114,12 @@ class RedisServer:
 
 @dataclass
 class LocalRedisCluster:
-    """A private Redis Cluster: ``primaries`` redis-server processes, no replicas, every slot
-    assigned (``redis-cli --cluster create``). For the mirrored index's Cluster tests and sizing."""
+    """A private Redis Cluster: ``primaries`` redis-server processes, each with ``replicas``
+    replicas, every slot assigned (``redis-cli --cluster create``). For the mirrored index's
+    Cluster tests (failovers need replicas) and sizing."""
 
     primaries: int = 3
+    replicas: int = 0
     #: Every node requires this password (``requirepass``); None: no authentication.
     password: str | None = None
     servers: list[subprocess.Popen[bytes]] = field(default_factory=list)
@@ -139,7 +141,7 @@ class LocalRedisCluster:
             raise RuntimeError(
                 "redis-server and redis-cli not found: install them (apt-get install redis-server)"
             )
-        for i in range(self.primaries):
+        for i in range(self.primaries * (1 + self.replicas)):
             # The cluster bus port is given, not port + 10000: that could land in the kernel's
             # ephemeral range, where an outgoing connection can take it first.
             port, bus = free_port(), free_port()
@@ -164,11 +166,13 @@ class LocalRedisCluster:
             subprocess.run(
                 [cli, *self._auth_args(), "--cluster", "create",
                  *(f"127.0.0.1:{p}" for p in self.ports),
-                 "--cluster-replicas", "0", "--cluster-yes"],
+                 "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                 check=True, capture_output=True, timeout=60,
             )
             deadline = time.monotonic() + 30
-            while not all(self._state_ok(cli, port, self._auth_args()) for port in self.ports):
+            while not all(self._state_ok(cli, port, self._auth_args()) for port in self.ports) or (
+                self.replicas and not self._replicas_synced(cli)
+            ):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the Redis Cluster did not reach cluster_state:ok in 30 s")
                 time.sleep(0.1)
@@ -176,6 +180,62 @@ class LocalRedisCluster:
             self.stop()
             raise
         return self
+
+    def _replicas_synced(self, cli: str) -> bool:
+        """Every replica has finished its first sync with its primary (a failover needs it)."""
+        for port in self.ports:
+            info = subprocess.run(
+                [cli, *self._auth_args(), "-p", str(port), "info", "replication"],
+                capture_output=True, text=True, timeout=10,
+            ).stdout
+            if "role:slave" in info and "master_link_status:up" not in info:
+                return False
+        return True
+
+    def _nodes(self) -> list[list[str]]:
+        """``CLUSTER NODES``, a list of fields per node: id, address, flags, primary's id, ..."""
+        cli = shutil.which("redis-cli")
+        assert cli is not None, "redis-cli not found"
+        out = subprocess.run(
+            [cli, *self._auth_args(), "-p", str(self.ports[0]), "cluster", "nodes"],
+            check=True, capture_output=True, text=True, timeout=10,
+        ).stdout
+        return [line.split() for line in out.splitlines() if line.strip()]
+
+    @staticmethod
+    def _port(fields: list[str]) -> int:
+        return int(fields[1].split("@")[0].rsplit(":", 1)[1])
+
+    def primary_ports(self) -> list[int]:
+        """The ports of the nodes that are primaries now (a failover changes them)."""
+        return [
+            self._port(fields) for fields in self._nodes()
+            if "master" in fields[2].split(",") and "fail" not in fields[2]
+        ]
+
+    def replica_of(self, primary_port: int) -> int:
+        """The port of a replica of the primary on ``primary_port``."""
+        nodes = self._nodes()
+        primary_id = next(f[0] for f in nodes if self._port(f) == primary_port)
+        return next(self._port(f) for f in nodes if f[3] == primary_id)
+
+    def fail_over(self, replica_port: int) -> None:
+        """``CLUSTER FAILOVER`` on the replica at ``replica_port`` (a graceful failover, as in an
+        upgrade); returns once it reports itself a primary."""
+        cli = shutil.which("redis-cli")
+        assert cli is not None, "redis-cli not found"
+        subprocess.run(
+            [cli, *self._auth_args(), "-p", str(replica_port), "cluster", "failover"],
+            check=True, capture_output=True, timeout=10,
+        )
+        deadline = time.monotonic() + 30
+        while "role:master" not in subprocess.run(
+            [cli, *self._auth_args(), "-p", str(replica_port), "info", "replication"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the replica on port {replica_port} did not take over")
+            time.sleep(0.05)
 
     def move_slot(self, slot: int, to_port: int) -> None:
         """Move ``slot`` and its keys to the primary on ``to_port``, as a resharding does

@@ -258,7 +258,11 @@ class MirrorBlockIndex:
         self._reloads: Counter[str] = Counter()
         self._rebuilds = 0
         self._tail_errors = 0
-        #: Whether the current tail has read from Redis (``_follow`` then retries at once).
+        #: The Redis Cluster's ``cluster_current_epoch`` when its topology was last read.
+        self._cluster_epoch: object = None
+        #: Stream entries skipped because they could not be read (written by something else?).
+        self._bad_entries = 0
+        #: Whether the current tail has applied a read (``_follow`` then retries at once).
         self._tail_progressed = False
         #: False while the tail cannot reach Redis: lookups then degrade to load-only.
         self._connected = True
@@ -378,6 +382,15 @@ class MirrorBlockIndex:
             await client.set(self.layout.generation_key, uuid.uuid4().hex, nx=True)
             token = await client.get(self.layout.generation_key)
         if isinstance(client, aioredis.RedisCluster):
+            # The client learns a failover's new primary only when a command of its own is
+            # redirected: an idle gateway kept reading the former primary's run_id and missed
+            # the new one's restart (live re-check). The Cluster's epoch moves with every
+            # failover: read the topology again then (rarely: it recycles the connections).
+            epoch = (await client.cluster_info()).get("cluster_current_epoch")
+            if epoch != self._cluster_epoch:
+                if self._cluster_epoch is not None:
+                    await client.nodes_manager.initialize()
+                self._cluster_epoch = epoch
             # Any primary's restart may have lost the shards it holds.
             infos = await client.info("server", target_nodes=aioredis.RedisCluster.PRIMARIES)
             run_id = ",".join(sorted(str(info.get("run_id", "")) for info in infos.values()))
@@ -473,12 +486,12 @@ class MirrorBlockIndex:
         while not self._closed:
             replies = await reads.next(self._last_ids)
             self._connected = True
-            self._tail_progressed = True
             for raw_key, entries in replies or ():
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
                 for entry_id, fields in entries:
-                    await self._apply_event(fields, entry_id)
+                    await self._apply_entry(key, entry_id, fields)
                     self._last_ids[key] = entry_id
+            self._tail_progressed = True
             self._progress.set()
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + self._check_interval_s
@@ -524,6 +537,29 @@ class MirrorBlockIndex:
             ) from exc
 
     # ------------------------------------------------------------------ applying events
+
+    async def _apply_entry(self, key: str, entry_id: bytes, fields: dict[bytes, bytes]) -> None:
+        """``_apply_event``, skipping an entry it cannot read: raised, the tail read it again
+        and again (its position moves past an entry only once applied), every later event of
+        the shard waited behind it, and the mirror routed on load alone. The replica it names
+        is reloaded from its snapshot, which its events since then continue."""
+        try:
+            await self._apply_event(fields, entry_id)
+        except _REDIS_DOWN:
+            raise
+        except Exception as exc:
+            self._bad_entries += 1
+            log.error(
+                "index mirror: skipped entry %s of %s that it cannot read (%s: %s); fields %s",
+                entry_id.decode(errors="replace"),
+                key,
+                type(exc).__name__,
+                exc,
+                sorted(k.decode(errors="replace") for k in fields),
+            )
+            replica = fields.get(b"p")
+            if replica:
+                await self._reload(ReplicaId(replica.decode(errors="replace")), "bad_entry")
 
     async def _apply_event(self, fields: dict[bytes, bytes], entry_id: bytes) -> None:
         op = fields[b"o"]

@@ -404,6 +404,78 @@ async def test_a_mirror_follows_a_slot_that_moves_to_another_primary() -> None:
         cluster.stop()
 
 
+async def test_an_idle_mirror_sees_a_failover_among_the_primaries() -> None:
+    """The generation check reads every primary's run_id through the writer's Cluster client,
+    whose node list followed a failover only once a command of its own was redirected: an idle
+    gateway kept asking the former primary and would miss the new one's restart (a restart from
+    an older snapshot repeats sequence numbers, which the tail then skips as applied)."""
+    from routing.index.redis_client import connect
+
+    cluster = LocalRedisCluster(primaries=3, replicas=1).start()
+    # One shard: with the generation key, at most two of the three primaries are in use.
+    writer = StreamIndexWriter(cluster.url, key_prefix="fo", shards=1, timeout_s=1.0)
+    mirror = MirrorBlockIndex(
+        cluster.url, key_prefix="fo", shards=1, timeout_s=1.0, check_interval_s=0.05
+    )
+    client = connect(cluster.url)
+    try:
+        rid = ReplicaId("pool/fo")
+        await writer.set_epoch(rid, Epoch(1))
+        await writer.record(rid, Epoch(1), chain_of(600))
+        await mirror.start()
+        await mirror.sync()
+        assert isinstance(client, aioredis.RedisCluster)
+        await client.initialize()
+        # A primary this mirror never reads or writes: neither the generation key's nor a
+        # shard's owner, so no redirect teaches the mirror's clients the new topology.
+        used = {client.get_node_from_key(k).port for k in writer.layout.all_events_keys()}
+        used.add(client.get_node_from_key(writer.layout.generation_key).port)
+        idle = [p for p in cluster.primary_ports() if p not in used]
+        assert idle, f"the keys cover every primary ({sorted(used)})"
+        before = mirror.follow_counters().rebuilds
+        cluster.fail_over(cluster.replica_of(idle[0]))
+        await wait_until(
+            lambda: mirror.follow_counters().rebuilds > before,
+            "the mirror sees the new primary (its run_id) and rebuilds",
+            timeout_s=15,
+        )
+        await mirror.sync(timeout_s=15.0)
+        assert mirror.match_now(chain_of(600)) == {rid: 8}
+    finally:
+        await client.aclose()
+        await mirror.close()
+        await writer.close()
+        cluster.stop()
+
+
+async def test_a_stream_entry_the_mirror_cannot_read_is_skipped_not_retried_for_ever(
+    redis_url: str,
+) -> None:
+    """An entry that does not parse (written by something else, a bug) made the tail raise at
+    it on every read: the later events of its shard never applied, lookups degraded. It is
+    skipped, and the replica it names reloaded from its snapshot."""
+    from routing.index.redis_client import connect
+
+    prefix = f"bad{uuid.uuid4().hex[:8]}"
+    writer = StreamIndexWriter(redis_url, key_prefix=prefix, shards=1, timeout_s=1.0)
+    mirror = MirrorBlockIndex(redis_url, key_prefix=prefix, shards=1, timeout_s=1.0)
+    client = connect(redis_url)
+    try:
+        rid = ReplicaId("pool/bad")
+        await writer.set_epoch(rid, Epoch(1))
+        await mirror.start()
+        (key,) = writer.layout.all_events_keys()
+        await client.xadd(key, {"o": "r", "p": rid, "q": "not-a-number", "i": "x", "e": "1"})
+        await writer.record(rid, Epoch(1), chain_of(810))
+        await mirror.sync(timeout_s=10.0)
+        assert mirror.match_now(chain_of(810)) == {rid: 8}
+        assert mirror.follow_counters().replica_reloads.get("bad_entry") == 1
+    finally:
+        await client.aclose()
+        await mirror.close()
+        await writer.close()
+
+
 async def test_a_mirror_survives_an_unexpected_error_in_its_task(redis_url: str) -> None:
     """Only Redis errors were retried: anything else (redis-py's Cluster client raised
     AttributeError while racing its own reconnects in a live failover) ended the mirror's
