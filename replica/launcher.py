@@ -538,12 +538,17 @@ class EngineSupervisor:
         self.hung_stops = 0
         #: Set while the current incarnation answers ``/health``.
         self.healthy = asyncio.Event()
+        #: When the current incarnation first answered ``/health`` (None: not yet), and why the
+        #: supervisor itself stopped it (None: it exited on its own).
+        self._healthy_since: float | None = None
+        self._stopped_because: str | None = None
 
     async def run(self, stop: asyncio.Event) -> int:
         """Supervise until ``stop`` is set (returns 0) or restarts run out (the exit code)."""
         backoff = self.backoff_min_s
-        while True:
+        while not stop.is_set():
             self.process = self._make()
+            self._healthy_since = self._stopped_because = None
             if await asyncio.to_thread(port_answers, self.process.url):
                 # Started anyway, the engine would fail to bind ("Address already in use", in
                 # its log only) while the other process answered our health probe: a leftover
@@ -556,7 +561,6 @@ class EngineSupervisor:
                 )
                 return 1
             self.process.start()  # on this thread: see ``EngineProcess.die_with_parent``
-            started = time.monotonic()
             exited = asyncio.create_task(asyncio.to_thread(self._wait_exit, self.process))
             health = asyncio.create_task(self._watch_health(self.process))
             stopping = asyncio.create_task(stop.wait())
@@ -566,7 +570,13 @@ class EngineSupervisor:
                 health.cancel()
                 stopping.cancel()
             if stop.is_set():
-                if self._before_stop is not None and self.process.poll() is None:
+                # Only an engine that serves has requests to drain: one still starting (or
+                # already dead) would make the stop wait out the whole drain for nothing.
+                if (
+                    self._before_stop is not None
+                    and self._healthy_since is not None
+                    and self.process.poll() is None
+                ):
                     await self._before_stop(self.process)
                 await asyncio.to_thread(self.process.stop, self.stop_grace_s)
                 await exited
@@ -575,10 +585,15 @@ class EngineSupervisor:
             self.healthy.clear()
             # A dead engine may leave its EngineCore behind; clear the whole group.
             await asyncio.to_thread(self.process.stop, 1.0)
-            if time.monotonic() - started >= self.stable_after_s:
-                backoff = self.backoff_min_s  # it ran well for a while: start over gently
+            # Ran well for a while (counted from its first health answer: start-up is not
+            # running, and an engine hung in start-up must not pass for a stable one).
+            if (
+                self._healthy_since is not None
+                and time.monotonic() - self._healthy_since >= self.stable_after_s
+            ):
+                backoff = self.backoff_min_s  # start over gently
                 self.restarts_in_row = 0
-            why = self._exit_reason(self.process, code)
+            why = self._exit_reason(self.process, code, self._stopped_because)
             if self.max_restarts is not None and self.restarts_in_row >= self.max_restarts:
                 logger.error("%s; no restarts left", why)
                 # Killed by a signal (Popen's -N): the shell's convention, 128 + N, as an exit
@@ -592,11 +607,15 @@ class EngineSupervisor:
             self.restarts_in_row += 1
             if self._on_restart is not None:
                 await self._on_restart()
+        return 0
 
     @staticmethod
-    def _exit_reason(process: EngineProcess, code: int) -> str:
+    def _exit_reason(process: EngineProcess, code: int, stopped_because: str | None) -> str:
         """``engine exited with N`` and the last lines of its log: why an engine fails to start
-        (an unknown flag, a port in use) is only there, and an operator reads our output."""
+        (an unknown flag, a port in use) is only there, and an operator reads our output. An
+        engine the supervisor stopped says why instead (its exit status is the signal's)."""
+        if stopped_because is not None:
+            return f"engine stopped: {stopped_because} (log {process.log_path})"
         tail = process.log_tail(6).strip()
         lines = "\n".join(f"    {line}" for line in tail.splitlines()) if tail else "    <empty>"
         return f"engine exited with {code} (log {process.log_path}, last lines:\n{lines}\n)"
@@ -618,10 +637,12 @@ class EngineSupervisor:
                 break
             if time.monotonic() >= deadline:
                 # Hung in start-up: stop it, which the supervisor then treats as a crash.
+                self._stopped_because = f"not healthy {self.health_timeout_s:.0f}s after start"
                 logger.error("engine not healthy after %.0fs; stopping it", self.health_timeout_s)
                 await asyncio.to_thread(process.stop, self.stop_grace_s)
                 return
             await asyncio.sleep(0.5)
+        self._healthy_since = time.monotonic()
         self.healthy.set()
         logger.info("engine healthy after %.1fs", time.monotonic() - (process.started_at or 0))
         if not self.liveness_timeout_s:
@@ -633,6 +654,7 @@ class EngineSupervisor:
             if await asyncio.to_thread(process.is_healthy, probe_s):
                 if self._stalled is not None and self._stalled():
                     self.hung_stops += 1
+                    self._stopped_because = "stalled (it answered /health but made no progress)"
                     logger.error("engine answers /health but makes no progress (stalled): "
                                  "stopping it to restart it")
                     await asyncio.to_thread(process.stop, self.stop_grace_s)
@@ -646,6 +668,7 @@ class EngineSupervisor:
             silent_s = time.monotonic() - answered
             if silent_s >= self.liveness_timeout_s:
                 self.hung_stops += 1
+                self._stopped_because = f"no answer to /health for {silent_s:.0f}s"
                 logger.error(
                     "engine has not answered /health for %.0fs (--liveness-timeout %.0f): "
                     "stopping it to restart it",

@@ -80,7 +80,10 @@ def _option(args: Sequence[str], name: str) -> str | None:
 
 
 def _connect_host(host: str | None) -> str:
-    return "127.0.0.1" if host in (None, "", "0.0.0.0", "::", "[::]") else host
+    if host in (None, "", "0.0.0.0", "::", "[::]"):
+        return "127.0.0.1"
+    # An IPv6 literal goes in brackets in a URL (``http://[::1]:8000``).
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def inspect_vllm_args(args: Sequence[str], add_kv_events: bool = True) -> EngineView:
@@ -153,6 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="on SIGINT/SIGTERM, seconds the requests in flight get to finish "
                        "(gateways send nothing new meanwhile) before the engine is stopped; "
                        "0: stop at once (default: 30)")
+    group.add_argument("--drain-settle", type=float, default=5.0,
+                       help="seconds a drain waits at least, for the gateways to hear that the "
+                       "replica is leaving: more than their health_check_interval_s plus a "
+                       "health poll (default: 5)")
     group.add_argument("--backoff-min", type=float, default=1.0, help="first restart delay (s)")
     group.add_argument("--backoff-max", type=float, default=60.0, help="largest restart delay (s)")
     group.add_argument("--max-restarts", type=int,
@@ -194,7 +201,7 @@ async def _supervise(args: argparse.Namespace, view: EngineView) -> int:
     stop, force = asyncio.Event(), asyncio.Event()
 
     async def drain(engine: EngineProcess) -> None:
-        await _drain(agent, engine, args.drain_timeout, force)
+        await _drain(agent, engine, args.drain_timeout, force, args.drain_settle)
 
     supervisor = EngineSupervisor(
         lambda: EngineProcess(
@@ -231,36 +238,48 @@ async def _supervise(args: argparse.Namespace, view: EngineView) -> int:
         await agent.stop()
 
 
-#: How long a drain waits before it trusts an idle engine: gateways learn that the replica is
-#: leaving at their next fleet read, and may send a request or two meanwhile.
-DRAIN_SETTLE_S = 1.5
-
-
 async def _drain(
-    agent: ReplicaAgent, engine: EngineProcess, timeout_s: float, force: asyncio.Event
+    agent: ReplicaAgent,
+    engine: EngineProcess,
+    timeout_s: float,
+    force: asyncio.Event,
+    settle_s: float = 5.0,
 ) -> None:
-    """Report the engine down, then wait until it holds no request (or ``timeout_s`` passes,
-    or a second signal comes): a stop that signalled the engine at once cut every stream in
-    flight after ``--stop-grace`` of silence (vLLM aborts them on SIGTERM)."""
+    """Report the engine down, give the gateways ``settle_s`` to hear it, then wait until the
+    engine holds no request (or ``timeout_s`` passes, or a second signal comes, or the engine
+    is down): a stop that signalled the engine at once cut every stream in flight after
+    ``--stop-grace`` of silence (vLLM aborts them on SIGTERM). Gateways re-read the fleet
+    every ``health_check_interval_s`` (2 s by default) and poll after it: an engine stopped
+    before they had heard refused the requests they still sent it (live re-check, 1.5 s).
+    """
     loop = asyncio.get_running_loop()
-    started, since = loop.time(), time.time()
+    started = loop.time()
     await agent.leave()
-    logger.info("stopping: gateways send this replica nothing new; draining up to %.0fs", timeout_s)
-    left: int | None = None
-    while engine.poll() is None and not force.is_set():
-        elapsed = loop.time() - started
-        left = agent.requests_in_engine(read_after=since)
-        if elapsed >= timeout_s:
-            logger.warning("drain: %s request(s) still in the engine after %.0fs; stopping it",
-                           "some" if left is None else left, timeout_s)
+    logger.info(
+        "stopping: gateways send this replica nothing new; draining (at least %.0fs, at most "
+        "%.0fs)", min(settle_s, timeout_s), timeout_s,
+    )
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(force.wait(), min(settle_s, timeout_s))
+    settled_at = time.time()
+    while not force.is_set():
+        if engine.poll() is not None or not agent.engine_up:
+            logger.warning("drain: the engine is down; stopping it")
             return
-        if elapsed >= DRAIN_SETTLE_S and left == 0:
-            logger.info("drain: the engine is idle after %.1fs; stopping it", elapsed)
+        # A reading made after the gateways stopped sending: what it holds is all there is.
+        left = agent.requests_in_engine(read_after=settled_at)
+        if left == 0:
+            logger.info("drain: the engine is idle after %.1fs; stopping it", loop.time() - started)
+            return
+        if loop.time() - started >= timeout_s:
+            logger.warning(
+                "drain: %s request(s) still in the engine after %.0fs (--drain-timeout); "
+                "stopping it", "some" if left is None else left, timeout_s,
+            )
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(force.wait(), 0.25)
-    if force.is_set():
-        logger.warning("second signal: stopping the engine without waiting for the drain")
+    logger.warning("second signal: stopping the engine without waiting for the drain")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -279,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    for name in ("liveness_timeout", "drain_timeout", "stop_grace", "health_timeout"):
+    for name in ("liveness_timeout", "drain_timeout", "drain_settle", "stop_grace",
+                 "health_timeout"):
         if getattr(args, name) < 0:
             flag = "--" + name.replace("_", "-")
             print(f"fleetgate replica run: {flag} must be >= 0", file=sys.stderr)

@@ -141,7 +141,7 @@ class ReplicaAgent:
         #: When the engine last showed progress (a new step, or nothing to do), and whether it
         #: is stalled now (``AgentConfig.stall_after_s``).
         self._progress_at = time.monotonic()
-        self._last_steps: int | None = None
+        self._last_progress: tuple[int, float] | None = None
         self.stalled = False
         self._health_failures = 0
         #: Batches applied, for tests and /health.
@@ -283,6 +283,10 @@ class ReplicaAgent:
         # The health watch must not count this same restart again when the engine comes back.
         self._ever_up = False
         self._down_since = None
+        # A new process has not stalled: its first readings decide.
+        self.stalled = False
+        self._progress_at = time.monotonic()
+        self._last_progress = None
         await self.applier.new_epoch("restart", forget_hashes=True)
 
     async def _epoch_changed(self, epoch: Epoch) -> None:
@@ -552,14 +556,21 @@ class ReplicaAgent:
         """Is the engine stalled: holding requests, yet no step finished for ``stall_after_s``?
 
         vLLM's ``/health`` asks its server, which answers while the EngineCore (or the GPU
-        under it) is hung: requests sent there wait for the gateway's upstream timeout. The
-        step count stands still during one long prefill chunk too, hence a bound in minutes.
+        under it) is hung: requests sent there wait for the gateway's upstream timeout. vLLM
+        counts only steps that produce output, so a request's prefill alone moves no step
+        count; its chunks take KV blocks, so the KV usage moves instead: progress is either.
+        A hung EngineCore sends no figures at all, and both stand still.
         """
         now = time.monotonic()
         steps = snapshot.steps_total
-        if steps is None or snapshot.running + snapshot.waiting == 0 or steps != self._last_steps:
+        progress = None if steps is None else (steps, snapshot.kv_usage)
+        if (
+            progress is None
+            or snapshot.running + snapshot.waiting == 0
+            or progress != self._last_progress
+        ):
             self._progress_at = now
-        self._last_steps = steps
+        self._last_progress = progress
         limit = self.config.stall_after_s
         stalled = limit is not None and now - self._progress_at >= limit
         if stalled and not self.stalled:

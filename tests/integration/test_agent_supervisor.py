@@ -214,22 +214,77 @@ time.sleep(600)
         parent.wait(timeout=10)
 
 
+_CRASHES_AFTER = """
+import http.server, os, sys, threading
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
+threading.Timer(float(sys.argv[2]), lambda: os._exit(5)).start()
+server.serve_forever()
+"""
+
+
 async def test_max_restarts_counts_crashes_in_a_row_only(tmp_path: Path) -> None:
-    """An engine that ran ``stable_after_s`` starts the count again: over weeks, rare crashes
-    must not add up to the supervisor giving up."""
+    """An engine that served ``stable_after_s`` starts the count again: over weeks, rare
+    crashes must not add up to the supervisor giving up."""
+    port = free_port()
     supervisor = EngineSupervisor(
         lambda: EngineProcess(
-            [sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(5)"],
-            url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e.log",
+            [sys.executable, "-c", _CRASHES_AFTER, str(port), "1.0"],
+            url=f"http://127.0.0.1:{port}", log_path=tmp_path / "e.log",
         ),
         backoff_min_s=0.01, backoff_max_s=0.02, max_restarts=1, stable_after_s=0.2,
         liveness_timeout_s=None,
     )
     stop = asyncio.Event()
     running = asyncio.create_task(supervisor.run(stop))
-    await asyncio.wait_for(_until(lambda: supervisor.restarts >= 3), 60)
+    await asyncio.wait_for(_until(lambda: supervisor.restarts >= 3 or running.done()), 60)
+    assert not running.done()
     stop.set()
     assert await asyncio.wait_for(running, 60) == 0
+
+
+async def test_an_engine_hung_in_start_up_counts_against_max_restarts(tmp_path: Path) -> None:
+    """Running is counted from the first health answer: an engine stopped for not starting
+    passed for a stable one (its start-up counted as running), and a supervisor with
+    ``--max-restarts`` restarted it for ever (diff review)."""
+    supervisor = EngineSupervisor(
+        lambda: EngineProcess(
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e.log",
+        ),
+        backoff_min_s=0.01, backoff_max_s=0.02, max_restarts=2, stable_after_s=0.2,
+        health_timeout_s=0.5, stop_grace_s=1.0,
+    )
+    assert await asyncio.wait_for(supervisor.run(asyncio.Event()), 60) == 128 + signal.SIGTERM
+    assert supervisor.restarts_in_row == 2
+
+
+async def test_a_stop_during_start_up_does_not_wait_for_a_drain(tmp_path: Path) -> None:
+    """An engine that never answered has nothing to drain: the stop waited out the whole
+    drain (30 s) before (live re-check)."""
+    drained: list[bool] = []
+
+    async def before_stop(_: EngineProcess) -> None:
+        drained.append(True)
+
+    supervisor = EngineSupervisor(
+        lambda: EngineProcess(
+            [sys.executable, "-c", "import time; time.sleep(600)"],
+            url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e.log",
+        ),
+        before_stop=before_stop, stop_grace_s=1.0,
+    )
+    stop = asyncio.Event()
+    running = asyncio.create_task(supervisor.run(stop))
+    await asyncio.wait_for(_until(lambda: supervisor.process is not None
+                                  and supervisor.process.pid is not None), 30)
+    stop.set()
+    assert await asyncio.wait_for(running, 60) == 0
+    assert drained == []
+    assert supervisor.process is not None and supervisor.process.poll() is not None
 
 
 async def test_a_crash_is_logged_with_the_end_of_the_engines_log(

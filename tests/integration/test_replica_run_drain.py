@@ -76,7 +76,7 @@ async def test_a_stop_waits_for_the_requests_in_flight_then_lets_the_engine_go(
         in_flight = asyncio.create_task(long_completion())
         await wait_until(lambda: (agent.snapshot is not None and agent.snapshot.running > 0),
                          "the request runs in the engine", timeout_s=30)
-        await _drain(agent, engine, timeout_s=120, force=asyncio.Event())
+        await _drain(agent, engine, timeout_s=120, force=asyncio.Event(), settle_s=1.0)
         # The drain ended because the engine went idle, not at its deadline: the request is done.
         assert in_flight.done()
         assert await in_flight == (200, 200)
@@ -93,6 +93,21 @@ async def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
                          "the request runs in the engine", timeout_s=30)
         force = asyncio.Event()
         force.set()
-        await _drain(agent, engine, timeout_s=600, force=force)
+        await _drain(agent, engine, timeout_s=600, force=force, settle_s=1.0)
         assert not in_flight.done()
+        in_flight.cancel()
+
+
+async def test_a_drain_ends_when_the_engine_goes_down(tmp_path: Path) -> None:
+    """A dead engine holds nothing to wait for: the drain must not run to its deadline."""
+    async with _engine_and_agent(tmp_path) as (engine, agent, _), aiohttp.ClientSession() as http:
+        body = {"model": MODEL, "prompt": "a slow one", "max_tokens": 400}
+        in_flight = asyncio.create_task(http.post(f"{engine.url}/v1/completions", json=body))
+        await wait_until(lambda: (agent.snapshot is not None and agent.snapshot.running > 0),
+                         "the request runs in the engine", timeout_s=30)
+        draining = asyncio.create_task(
+            _drain(agent, engine, timeout_s=600, force=asyncio.Event(), settle_s=0.5)
+        )
+        await asyncio.to_thread(engine.stop, 5)
+        await asyncio.wait_for(draining, 60)
         in_flight.cancel()
