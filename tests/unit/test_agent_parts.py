@@ -279,3 +279,10 @@ def test_inspect_vllm_args_respects_the_operators_kv_config() -> None:
 def test_inspect_vllm_args_refuses_bad_kv_config() -> None:
     with pytest.raises(SystemExit, match="not JSON"):
         inspect_vllm_args(["--kv-events-config", "{nope"])
+
+
+def test_inspect_vllm_args_brackets_an_ipv6_host() -> None:
+    """``--host ::1`` made ``http://::1:9001``, which no URL parser reads (diff review)."""
+    view = inspect_vllm_args(["--host", "::1", "--port", "9001"])
+    assert view.url == "http://[::1]:9001"
+    assert view.kv_events_endpoint is not None and view.kv_events_endpoint.startswith("tcp://[::1]:")
