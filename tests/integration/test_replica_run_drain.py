@@ -85,12 +85,20 @@ async def test_a_stop_waits_for_the_requests_in_flight_then_lets_the_engine_go(
         assert engine.poll() is None  # stopping the engine is the supervisor's next step
 
 
+async def _slow_request_running(
+    http: aiohttp.ClientSession, engine: EngineProcess, agent: ReplicaAgent
+) -> asyncio.Task[aiohttp.ClientResponse]:
+    """A request of 400 tokens (~12 s on the slowed engine), once the engine runs it."""
+    body = {"model": MODEL, "prompt": "a slow one", "max_tokens": 400}
+    in_flight = asyncio.create_task(http.post(f"{engine.url}/v1/completions", json=body))
+    await wait_until(lambda: (agent.snapshot is not None and agent.snapshot.running > 0),
+                     "the request runs in the engine", timeout_s=30)
+    return in_flight
+
+
 async def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
     async with _engine_and_agent(tmp_path) as (engine, agent, _), aiohttp.ClientSession() as http:
-        body = {"model": MODEL, "prompt": "a slow one", "max_tokens": 400}
-        in_flight = asyncio.create_task(http.post(f"{engine.url}/v1/completions", json=body))
-        await wait_until(lambda: (agent.snapshot is not None and agent.snapshot.running > 0),
-                         "the request runs in the engine", timeout_s=30)
+        in_flight = await _slow_request_running(http, engine, agent)
         force = asyncio.Event()
         force.set()
         await _drain(agent, engine, timeout_s=600, force=force, settle_s=1.0)
@@ -101,10 +109,7 @@ async def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
 async def test_a_drain_ends_when_the_engine_goes_down(tmp_path: Path) -> None:
     """A dead engine holds nothing to wait for: the drain must not run to its deadline."""
     async with _engine_and_agent(tmp_path) as (engine, agent, _), aiohttp.ClientSession() as http:
-        body = {"model": MODEL, "prompt": "a slow one", "max_tokens": 400}
-        in_flight = asyncio.create_task(http.post(f"{engine.url}/v1/completions", json=body))
-        await wait_until(lambda: (agent.snapshot is not None and agent.snapshot.running > 0),
-                         "the request runs in the engine", timeout_s=30)
+        in_flight = await _slow_request_running(http, engine, agent)
         draining = asyncio.create_task(
             _drain(agent, engine, timeout_s=600, force=asyncio.Event(), settle_s=0.5)
         )
