@@ -171,7 +171,7 @@ class LocalRedisCluster:
             )
             deadline = time.monotonic() + 30
             while not all(self._state_ok(cli, port, self._auth_args()) for port in self.ports) or (
-                self.replicas and not self._replicas_synced(cli)
+                self.replicas and not self._replicas_synced()
             ):
                 if time.monotonic() > deadline:
                     raise RuntimeError("the Redis Cluster did not reach cluster_state:ok in 30 s")
@@ -181,25 +181,26 @@ class LocalRedisCluster:
             raise
         return self
 
-    def _replicas_synced(self, cli: str) -> bool:
+    def _cli(self, port: int, *args: str, check: bool = True) -> str:
+        """``redis-cli -p PORT ARGS...`` against one node; its output."""
+        cli = shutil.which("redis-cli")
+        assert cli is not None, "redis-cli not found"
+        return subprocess.run(
+            [cli, *self._auth_args(), "-p", str(port), *args],
+            check=check, capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+
+    def _replicas_synced(self) -> bool:
         """Every replica has finished its first sync with its primary (a failover needs it)."""
         for port in self.ports:
-            info = subprocess.run(
-                [cli, *self._auth_args(), "-p", str(port), "info", "replication"],
-                capture_output=True, text=True, timeout=10,
-            ).stdout
+            info = self._cli(port, "info", "replication", check=False)
             if "role:slave" in info and "master_link_status:up" not in info:
                 return False
         return True
 
     def _nodes(self) -> list[list[str]]:
         """``CLUSTER NODES``, a list of fields per node: id, address, flags, primary's id, ..."""
-        cli = shutil.which("redis-cli")
-        assert cli is not None, "redis-cli not found"
-        out = subprocess.run(
-            [cli, *self._auth_args(), "-p", str(self.ports[0]), "cluster", "nodes"],
-            check=True, capture_output=True, text=True, timeout=10,
-        ).stdout
+        out = self._cli(self.ports[0], "cluster", "nodes")
         return [line.split() for line in out.splitlines() if line.strip()]
 
     @staticmethod
@@ -222,17 +223,9 @@ class LocalRedisCluster:
     def fail_over(self, replica_port: int) -> None:
         """``CLUSTER FAILOVER`` on the replica at ``replica_port`` (a graceful failover, as in an
         upgrade); returns once it reports itself a primary."""
-        cli = shutil.which("redis-cli")
-        assert cli is not None, "redis-cli not found"
-        subprocess.run(
-            [cli, *self._auth_args(), "-p", str(replica_port), "cluster", "failover"],
-            check=True, capture_output=True, timeout=10,
-        )
+        self._cli(replica_port, "cluster", "failover")
         deadline = time.monotonic() + 30
-        while "role:master" not in subprocess.run(
-            [cli, *self._auth_args(), "-p", str(replica_port), "info", "replication"],
-            capture_output=True, text=True, timeout=10,
-        ).stdout:
+        while "role:master" not in self._cli(replica_port, "info", "replication", check=False):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the replica on port {replica_port} did not take over")
             time.sleep(0.05)
@@ -241,16 +234,8 @@ class LocalRedisCluster:
         """Move ``slot`` and its keys to the primary on ``to_port``, as a resharding does
         (``SETSLOT IMPORTING``/``MIGRATING``, ``MIGRATE``, then ``SETSLOT NODE`` on every node):
         clients that kept the old slot map get ``MOVED`` from the former owner."""
-        cli = shutil.which("redis-cli")
-        assert cli is not None, "redis-cli not found"
-
-        def run(port: int, *args: str) -> str:
-            return subprocess.run(
-                [cli, *self._auth_args(), "-p", str(port), *args],
-                check=True, capture_output=True, text=True, timeout=10,
-            ).stdout.strip()
-
-        owner = self._owner_of(run(self.ports[0], "cluster", "nodes"), slot)
+        run = self._cli
+        owner = self._owner_of(slot)
         if owner == to_port:
             raise ValueError(f"slot {slot} is already on port {to_port}")
         source_id, target_id = run(owner, "cluster", "myid"), run(to_port, "cluster", "myid")
@@ -262,16 +247,13 @@ class LocalRedisCluster:
         for port in self.ports:
             run(port, "cluster", "setslot", str(slot), "node", target_id)
 
-    @staticmethod
-    def _owner_of(cluster_nodes: str, slot: int) -> int:
-        """The port of the primary that ``CLUSTER NODES`` output shows owning ``slot``."""
-        for line in cluster_nodes.splitlines():
-            fields = line.split()
-            port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+    def _owner_of(self, slot: int) -> int:
+        """The port of the primary that owns ``slot`` now."""
+        for fields in self._nodes():
             for assigned in fields[8:]:
                 low, _, high = assigned.partition("-")
                 if low.isdigit() and int(low) <= slot <= int(high or low):
-                    return port
+                    return self._port(fields)
         raise ValueError(f"no node owns slot {slot}")
 
     @staticmethod

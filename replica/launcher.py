@@ -154,6 +154,10 @@ def engine_env(
     return env
 
 
+#: ``prctl`` option: the signal a child gets when its parent thread exits (linux/prctl.h).
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the forked child, before exec: the kernel sends it SIGTERM when the supervisor dies.
 
@@ -168,10 +172,6 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-#: ``prctl`` option: the signal a child gets when its parent thread exits (linux/prctl.h).
-_PR_SET_PDEATHSIG = 1
 
 
 def port_answers(url: str, timeout_s: float = 0.5) -> bool:
@@ -653,11 +653,7 @@ class EngineSupervisor:
             probe_s = min(2.0, self.liveness_timeout_s)
             if await asyncio.to_thread(process.is_healthy, probe_s):
                 if self._stalled is not None and self._stalled():
-                    self.hung_stops += 1
-                    self._stopped_because = "stalled (it answered /health but made no progress)"
-                    logger.error("engine answers /health but makes no progress (stalled): "
-                                 "stopping it to restart it")
-                    await asyncio.to_thread(process.stop, self.stop_grace_s)
+                    await self._stop_hung(process, "it answers /health but makes no progress")
                     return
                 if not self.healthy.is_set():
                     logger.warning("engine answers /health again")
@@ -667,12 +663,16 @@ class EngineSupervisor:
             self.healthy.clear()
             silent_s = time.monotonic() - answered
             if silent_s >= self.liveness_timeout_s:
-                self.hung_stops += 1
-                self._stopped_because = f"no answer to /health for {silent_s:.0f}s"
-                logger.error(
-                    "engine has not answered /health for %.0fs (--liveness-timeout %.0f): "
-                    "stopping it to restart it",
-                    silent_s, self.liveness_timeout_s,
+                await self._stop_hung(
+                    process,
+                    f"no answer to /health for {silent_s:.0f}s "
+                    f"(--liveness-timeout {self.liveness_timeout_s:.0f})",
                 )
-                await asyncio.to_thread(process.stop, self.stop_grace_s)
                 return
+
+    async def _stop_hung(self, process: EngineProcess, why: str) -> None:
+        """Stop an engine that is running but hung; ``run`` then restarts it as after a crash."""
+        self.hung_stops += 1
+        self._stopped_because = why
+        logger.error("engine hung: %s; stopping it to restart it", why)
+        await asyncio.to_thread(process.stop, self.stop_grace_s)

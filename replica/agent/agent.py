@@ -531,7 +531,7 @@ class ReplicaAgent:
         # routing after two in a row. Restart detection above still uses every raw answer.
         self._health_failures = 0 if up else self._health_failures + 1
         self.engine_up = up or (self.engine_up and self._health_failures < 2)
-        self.metrics.engine_up(self.engine_up and not self.stalled)
+        self.metrics.engine_up(self.serving)
 
     async def _read_figures(self) -> None:
         """Read ``/metrics``, ``/v1/models`` and the kernel report into the snapshot."""
@@ -551,6 +551,11 @@ class ReplicaAgent:
         if self.applier.model is None and snapshot.models:
             self.applier.model = snapshot.models[0]
             self._model_known.set()
+
+    @property
+    def serving(self) -> bool:
+        """The engine answers its health checks and is not stalled."""
+        return self.engine_up and not self.stalled
 
     def _note_progress(self, snapshot: EngineSnapshot) -> None:
         """Is the engine stalled: holding requests, yet no step finished for ``stall_after_s``?
@@ -583,7 +588,7 @@ class ReplicaAgent:
             logger.warning("replica %s: the engine is making progress again", self.replica)
         if stalled != self.stalled:
             self.stalled = stalled
-            self.metrics.engine_up(self.engine_up and not stalled)
+            self.metrics.engine_up(self.serving)
 
     def state(self) -> ReplicaState:
         """The replica as gateways should see it now."""
@@ -596,7 +601,7 @@ class ReplicaAgent:
             url=self.config.public_url,
             pool=self.config.pool,
             models=models,
-            healthy=self.engine_up and not self._leaving and not self.stalled,
+            healthy=self.serving and not self._leaving,
             epoch=self.applier.epoch if self.applier.epoch is not None else Epoch(0),
             block_size=snap.block_size or ReplicaState.block_size,
             kv_capacity_blocks=snap.num_gpu_blocks,

@@ -260,8 +260,6 @@ class MirrorBlockIndex:
         self._tail_errors = 0
         #: The Redis Cluster's ``cluster_current_epoch`` when its topology was last read.
         self._cluster_epoch: object = None
-        #: Stream entries skipped because they could not be read (written by something else?).
-        self._bad_entries = 0
         #: Whether the current tail has applied a read (``_follow`` then retries at once).
         self._tail_progressed = False
         #: False while the tail cannot reach Redis: lookups then degrade to load-only.
@@ -548,7 +546,6 @@ class MirrorBlockIndex:
         except _REDIS_DOWN:
             raise
         except Exception as exc:
-            self._bad_entries += 1
             log.error(
                 "index mirror: skipped entry %s of %s that it cannot read (%s: %s); fields %s",
                 entry_id.decode(errors="replace"),
