@@ -65,8 +65,9 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     group.add_argument(
         "--index-url",
         default="memory",
-        help="block index: redis://HOST:PORT/DB, a Redis Cluster as redis+cluster://NODE:PORT "
-        "(mirror mode; then give --fleet-url too), or memory (default: memory)",
+        help="block index: redis://HOST:PORT/DB, a Redis Cluster as "
+        "redis+cluster://NODE:PORT[,NODE:PORT...] (seed nodes, tried in order; mirror mode; then "
+        "give --fleet-url too), or memory (default: memory)",
     )
     group.add_argument("--fleet-url", help="fleet store URL (default: --index-url)")
     group.add_argument(

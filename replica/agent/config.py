@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from routing.index.factory import DEFAULT_INDEX_MODE, INDEX_MODES
-from routing.index.redis_client import is_cluster_url
+from routing.index.redis_client import cluster_seed_nodes, is_cluster_url
 
 
 @dataclass
@@ -80,6 +80,10 @@ class AgentConfig:
                 f"index_mode must be one of {', '.join(INDEX_MODES)} (got {self.index_mode!r})"
             )
         if self.index_url and is_cluster_url(self.index_url):
+            try:
+                cluster_seed_nodes(self.index_url)
+            except ValueError as exc:
+                raise ValueError(f"index_url: {exc}") from None
             if self.index_mode != "mirror":
                 raise ValueError("a Redis Cluster index_url needs index_mode 'mirror'")
             if self.fleet_url is None:

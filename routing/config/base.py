@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from routing.index.redis_client import cluster_seed_nodes, is_cluster_url
+
 
 class StrictModel(BaseModel):
     """Base of every policy section: unknown keys forbidden, no type coercion, immutable."""
@@ -75,10 +77,8 @@ def _check_redis_url(value: str) -> str:
 
 def _check_index_redis_url(value: str) -> str:
     """A Redis URL, or a Redis Cluster's (``redis+cluster://``, ``rediss+cluster://``)."""
-    parts = urlsplit(value)
-    if parts.scheme in ("redis+cluster", "rediss+cluster"):
-        if not parts.hostname:
-            raise ValueError("must name a node, e.g. redis+cluster://redis-0:6379")
+    if is_cluster_url(value):
+        cluster_seed_nodes(value)  # a ValueError naming the node it cannot read
         return value
     try:
         return _check_redis_url(value)

@@ -26,7 +26,7 @@ class IndexSettings(StrictModel):
     """
 
     backend: Literal["memory", "redis"] = "memory"
-    #: One Redis server, or (mirror mode) any node of a Redis Cluster as ``redis+cluster://``.
+    #: One Redis server, or (mirror mode) a Redis Cluster as ``redis+cluster://NODE[,NODE...]``.
     redis_url: IndexRedisUrl | None = None
     #: With ``redis``: ``lookup`` asks Redis on every request; ``mirror`` keeps an in-process
     #: copy fed by Redis streams (docs/index.md). Agents must run the same mode.

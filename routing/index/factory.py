@@ -32,7 +32,7 @@ def build_index(
     ``RedisBlockIndex`` in ``lookup`` mode (``opts``: ``key_prefix``, ``timeout_s``,
     ``block_ttl_s``, ...) or a ``MirrorBlockIndex`` in ``mirror`` mode (``opts``: ``key_prefix``,
     ``shards``, ``timeout_s``, ``max_entries``, ...). A ``redis+cluster://`` or
-    ``rediss+cluster://`` URL (any node of a Redis Cluster) gives a mirror whose shards spread
+    ``rediss+cluster://`` URL (seed nodes of a Redis Cluster) gives a mirror whose shards spread
     over the Cluster's primaries; lookup mode keeps one index in one slot and refuses it.
     """
     if mode not in INDEX_MODES:

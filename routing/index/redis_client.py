@@ -2,8 +2,10 @@
 
 The mirrored index (``index.mode: mirror``) spreads its keys over ``shards`` hash tags, one Cluster
 slot each (``stream_layout``), so on a Cluster its writes spread over the primaries. A URL with
-the ``redis+cluster://`` (or ``rediss+cluster://``) scheme names any one node of the Cluster; the
-client discovers the others and routes each command to the primary that owns its slot.
+the ``redis+cluster://`` (or ``rediss+cluster://``) scheme names one or more nodes of the Cluster,
+comma-separated (``redis+cluster://redis-0:6379,redis-1:6379``); the client asks the first that
+answers for the others and routes each command to the primary that owns its slot. More than one
+seed lets a gateway or agent start while a node is down.
 """
 
 from __future__ import annotations
@@ -11,16 +13,25 @@ from __future__ import annotations
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode
 
 from routing.redis_clients import expand_env
 
-__all__ = ["CLUSTER_SCHEMES", "IndexRedis", "connect", "is_cluster_url"]
+__all__ = [
+    "CLUSTER_SCHEMES",
+    "IndexRedis",
+    "cluster_seed_nodes",
+    "connect",
+    "is_cluster_url",
+]
 
 #: Cluster URL scheme -> the scheme redis-py's Cluster client takes.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 #: What the index's Redis calls go through: one server's client or a Cluster's.
 IndexRedis = aioredis.Redis | aioredis.RedisCluster
+
+_DEFAULT_PORT = 6379
 
 
 def is_cluster_url(url: str) -> bool:
@@ -29,14 +40,59 @@ def is_cluster_url(url: str) -> bool:
     return bool(sep) and scheme in CLUSTER_SCHEMES
 
 
+def _split_cluster_url(url: str) -> tuple[str, str, str, str]:
+    """``(scheme, userinfo@ or "", the node list, the rest from the first / or ?)``."""
+    scheme, _, rest = url.partition("://")
+    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+    netloc, tail = rest[:end], rest[end:]
+    userinfo, at, hosts = netloc.rpartition("@")
+    return scheme, userinfo + at, hosts, tail
+
+
+def _parse_node(node: str) -> tuple[str, int]:
+    """``host:port``, ``[v6]:port`` or ``host`` (port 6379) as ``(host, port)``."""
+    if node.startswith("["):
+        host, bracket, after = node[1:].partition("]")
+        if not bracket or not host or (after and not after.startswith(":")):
+            raise ValueError(f"cannot read the node {node!r}: write an IPv6 node as [::1]:6379")
+        port_text = after[1:]
+    else:
+        host, _, port_text = node.partition(":")
+        if not host:
+            raise ValueError(f"the node {node!r} names no host, e.g. redis-0:6379")
+    if not port_text:
+        return host, _DEFAULT_PORT
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"the node {node!r} has no valid port (1-65535)")
+    return host, int(port_text)
+
+
+def cluster_seed_nodes(url: str) -> list[tuple[str, int]]:
+    """The nodes a Cluster URL names, in order. ``ValueError`` naming the bad one, or if none."""
+    _, _, hosts, _ = _split_cluster_url(url)
+    nodes = [_parse_node(node.strip()) for node in hosts.split(",") if node.strip()]
+    if not nodes:
+        raise ValueError("must name a node, e.g. redis+cluster://redis-0:6379,redis-1:6379")
+    return nodes
+
+
 def connect(url: str, **options: Any) -> IndexRedis:
     """A client for ``url`` (``${NAME}`` expanded from the environment): a ``RedisCluster`` for
-    a cluster URL, else a ``Redis``.
+    a cluster URL (every node it names a seed, tried in order at start-up), else a ``Redis``.
 
     ``options`` are client settings both take (timeouts, ``retry``).
     """
     url = expand_env(url)
-    if is_cluster_url(url):
-        scheme, _, rest = url.partition("://")
-        return aioredis.RedisCluster.from_url(f"{CLUSTER_SCHEMES[scheme]}://{rest}", **options)
-    return aioredis.Redis.from_url(url, **options)
+    if not is_cluster_url(url):
+        return aioredis.Redis.from_url(url, **options)
+    scheme, userinfo, _, tail = _split_cluster_url(url)
+    nodes = cluster_seed_nodes(url)
+    first_host, first_port = nodes[0]
+    first = f"[{first_host}]" if ":" in first_host else first_host
+    # Every seed is passed, the first too, so they are tried in the URL's order (redis-py adds
+    # the URL's own node after the others); each takes the URL's credentials and TLS settings.
+    return aioredis.RedisCluster.from_url(
+        f"{CLUSTER_SCHEMES[scheme]}://{userinfo}{first}:{first_port}{tail}",
+        startup_nodes=[ClusterNode(host, port) for host, port in nodes],
+        **options,
+    )

@@ -22,7 +22,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, generate_latest
 
-from bench.local_redis import LocalRedisCluster
+from bench.local_redis import LocalRedisCluster, free_port
 from gateway.index_metrics import MirrorCollector
 from routing.contracts import RoutingRequest
 from routing.engine import RoutingEngine
@@ -363,6 +363,35 @@ async def test_a_mirror_tails_a_password_protected_cluster() -> None:
         await writer.record(rid, Epoch(1), chain_of(900))
         await mirror.sync()
         assert mirror.match_now(chain_of(900)) == {rid: 8}
+    finally:
+        await mirror.close()
+        await writer.close()
+        cluster.stop()
+
+
+async def test_a_mirror_and_a_writer_start_while_the_first_seed_node_is_down() -> None:
+    """A Cluster URL naming several nodes: with the first one not answering (nothing listens
+    on its port) both sides start from the next and the mirror reads the writer's blocks. With
+    one seed a gateway started while that node was down routed on load alone until it was back.
+    """
+    cluster = LocalRedisCluster(primaries=3, password="s3cret-seeds").start()
+    dead = free_port()
+    url = (
+        f"redis+cluster://:s3cret-seeds@127.0.0.1:{dead},"
+        f"127.0.0.1:{cluster.ports[1]},127.0.0.1:{cluster.ports[2]}/0"
+    )
+    writer = StreamIndexWriter(url, key_prefix="seeds", shards=4, timeout_s=1.0)
+    mirror = MirrorBlockIndex(url, key_prefix="seeds", shards=4, timeout_s=1.0)
+    try:
+        rid = ReplicaId("pool/seeds")
+        await writer.set_epoch(rid, Epoch(1))
+        await writer.record(rid, Epoch(1), chain_of(950))
+        await mirror.start()
+        await mirror.sync()
+        assert mirror.match_now(chain_of(950)) == {rid: 8}
+        await writer.record(rid, Epoch(1), chain_of(951))  # through the tail, after the start
+        await mirror.sync()
+        assert mirror.match_now(chain_of(951)) == {rid: 8}
     finally:
         await mirror.close()
         await writer.close()

@@ -10,7 +10,7 @@ from gateway.config import GatewayConfig
 from replica.agent.config import AgentConfig
 from routing.config.infra import IndexSettings
 from routing.index import build_index
-from routing.index.redis_client import connect, is_cluster_url
+from routing.index.redis_client import cluster_seed_nodes, connect, is_cluster_url
 
 CLUSTER = "redis+cluster://redis-0:6379"
 
@@ -36,6 +36,51 @@ async def test_a_cluster_url_makes_a_cluster_client() -> None:
     plain = connect("redis://127.0.0.1:1/0")
     assert isinstance(plain, aioredis.Redis)
     await plain.aclose()
+
+
+@pytest.mark.parametrize(
+    ("url", "nodes"),
+    [
+        (CLUSTER, [("redis-0", 6379)]),
+        ("redis+cluster://redis-0", [("redis-0", 6379)]),
+        (
+            "rediss+cluster://:p%40ss@redis-0:7000,redis-1:7001,10.0.0.3/0?ssl_cert_reqs=none",
+            [("redis-0", 7000), ("redis-1", 7001), ("10.0.0.3", 6379)],
+        ),
+        ("redis+cluster://[::1]:7000,[fd00::2]", [("::1", 7000), ("fd00::2", 6379)]),
+        ("redis+cluster://a:1, b:2,", [("a", 1), ("b", 2)]),
+    ],
+)
+def test_a_cluster_url_may_name_several_seed_nodes(url: str, nodes: list) -> None:
+    assert cluster_seed_nodes(url) == nodes
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("redis+cluster://", "must name a node"),
+        ("redis+cluster:///0", "must name a node"),
+        ("redis+cluster://redis-0:6379,:7000", "names no host"),
+        ("redis+cluster://redis-0:63a9", "no valid port"),
+        ("redis+cluster://redis-0:70000", "no valid port"),
+        ("redis+cluster://[::1:7000", "IPv6 node as"),
+    ],
+)
+def test_a_cluster_url_with_a_bad_node_is_refused_naming_it(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cluster_seed_nodes(url)
+    with pytest.raises(ValueError, match=message):
+        IndexSettings(backend="redis", redis_url=url, mode="mirror")
+
+
+async def test_every_seed_node_is_tried_in_order_with_the_urls_credentials() -> None:
+    client = connect("redis+cluster://:s3cret@redis-0:7000,redis-1:7001,[::1]:7002/0")
+    try:
+        seeds = list(client.nodes_manager.startup_nodes.values())
+        assert [node.name for node in seeds] == ["redis-0:7000", "redis-1:7001", "::1:7002"]
+        assert all(node.connection_kwargs.get("password") == "s3cret" for node in seeds)
+    finally:
+        await client.aclose()
 
 
 def test_lookup_mode_refuses_a_cluster() -> None:
@@ -75,3 +120,8 @@ def test_an_agent_on_a_cluster_names_its_fleet_store() -> None:
         fleet_url="redis://redis:6379/0",
     )
     assert config.index_url == CLUSTER
+    with pytest.raises(ValueError, match="index_url: the node 'redis-1:x' has no valid port"):
+        AgentConfig(
+            replica_id="r", engine_url="http://e:8000", index_url=f"{CLUSTER},redis-1:x",
+            fleet_url="redis://redis:6379/0",
+        )
