@@ -15,19 +15,42 @@ def publisher_binds(endpoint: str) -> bool:
     )
 
 
+def tcp_host(endpoint: str) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` endpoint, an IPv6 address without its brackets;
+    None for ipc/inproc."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return None
+    host = rest.rpartition(":")[0]
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_ipv6_endpoint(endpoint: str) -> bool:
+    """Whether ``endpoint`` names an IPv6 address: its ZeroMQ socket needs the ``IPV6``
+    option, without which libzmq refuses to bind it ("No such device") and never connects."""
+    host = tcp_host(endpoint)
+    return host is not None and ":" in host
+
+
+#: Hosts that mean "every interface" to a subscriber that binds.
+_WILDCARD_HOSTS = ("*", "::", "0.0.0.0")
+
+
 def subscriber_binds(endpoint: str) -> bool:
     """Whether a subscriber given ``endpoint`` should bind it (else it connects).
 
     A subscriber binds only a wildcard address (``tcp://*:5557``, ``tcp://[::]:5557``): that is
-    the address it offers to publishers configured to connect to it.
+    the address it offers to publishers configured to connect to it. Any other address, an
+    IPv6 one such as ``tcp://[fd00::5]:5557`` included, is a publisher's to connect to.
     """
-    return "*" in endpoint or "::" in endpoint
+    return tcp_host(endpoint) in _WILDCARD_HOSTS
 
 
 def subscriber_endpoint_for(publisher_endpoint: str, host: str = "127.0.0.1") -> str:
     """The endpoint a subscriber should use for a publisher configured with ``publisher_endpoint``.
 
-    ``tcp://*:5557`` (publisher binds) -> ``tcp://HOST:5557`` (connect);
+    ``tcp://*:5557`` (publisher binds every interface) -> ``tcp://HOST:5557`` (connect);
+    ``tcp://[fd00::5]:5557`` (publisher binds that address) -> the same (connect);
     ``tcp://gw:5557`` (publisher connects) -> ``tcp://*:5557`` (bind); ipc/inproc unchanged.
     """
     if publisher_endpoint.startswith(("ipc://", "inproc://")):
@@ -35,6 +58,9 @@ def subscriber_endpoint_for(publisher_endpoint: str, host: str = "127.0.0.1") ->
     scheme, _, rest = publisher_endpoint.partition("://")
     port = rest.rsplit(":", 1)[-1]
     if publisher_binds(publisher_endpoint):
+        if tcp_host(publisher_endpoint) not in _WILDCARD_HOSTS:
+            return publisher_endpoint
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
         return f"{scheme}://{host}:{port}"
     return f"{scheme}://*:{port}"
 

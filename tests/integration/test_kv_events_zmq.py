@@ -91,3 +91,39 @@ async def test_publisher_connects_subscriber_binds() -> None:
         finally:
             pub.close()
 
+
+
+async def test_an_ipv6_publisher_address_is_connected_to_with_replay() -> None:
+    """An IPv6 address: the publisher binds it (vLLM's rule binds anything with ``::``) and the
+    subscriber connects to that address. Before, the subscriber took the ``::`` for a wildcard
+    and bound too, and neither socket set ZeroMQ's IPV6 option, without which libzmq refuses
+    an IPv6 address ("No such device")."""
+    data_port, replay_port = free_port(), free_port()
+    publisher_setting = f"tcp://[::1]:{data_port}"
+    pub = KVEventPublisher(
+        endpoint=publisher_setting, topic="kv", replay_endpoint=f"tcp://[::1]:{replay_port}"
+    )
+    async with running_publisher(pub):
+        endpoint = subscriber_endpoint_for(publisher_setting)
+        assert endpoint == publisher_setting
+        with KVEventSubscriber(
+            endpoint, topic="kv", replay_endpoint=f"tcp://[::1]:{replay_port}"
+        ) as sub:
+            await _await_subscription(pub, sub)
+            seq = pub.publish([_stored(9)])
+            received = await sub.recv()
+            assert received[0] == seq and received[1].events == [_stored(9)]
+            assert await sub.request_replay(seq) == [received]
+
+
+async def test_a_subscriber_binding_the_ipv6_wildcard_takes_ipv6_publishers() -> None:
+    """``tcp://[::]:PORT``: the subscriber binds every IPv6 interface; a publisher connects to
+    it (the loopback written out in full: by vLLM's rule an address with ``::`` binds)."""
+    port = free_port()
+    sub = KVEventSubscriber(f"tcp://[::]:{port}", topic="kv")
+    with sub:
+        pub = KVEventPublisher(endpoint=f"tcp://[0:0:0:0:0:0:0:1]:{port}", topic="kv")
+        try:
+            await _await_subscription(pub, sub)
+        finally:
+            pub.close()

@@ -14,7 +14,7 @@ from replica.kv_events import (
     decode_payload,
     encode_payload,
 )
-from replica.kv_events.endpoints import offset_port, subscriber_endpoint_for
+from replica.kv_events.endpoints import offset_port, subscriber_binds, subscriber_endpoint_for
 
 generic = msgspec.msgpack.encode
 
@@ -155,10 +155,22 @@ def test_garbage_raises_decode_error(payload: bytes) -> None:
         ("tcp://*:5557", "tcp://127.0.0.1:5557"),
         ("tcp://gateway:5557", "tcp://*:5557"),
         ("ipc:///tmp/kv", "ipc:///tmp/kv"),
+        # vLLM binds any address with "::": connect to that address, not to the host given.
+        ("tcp://[fd00::5]:5557", "tcp://[fd00::5]:5557"),
+        ("tcp://[::]:5557", "tcp://127.0.0.1:5557"),
     ],
 )
 def test_subscriber_endpoint_for(publisher: str, subscriber: str) -> None:
     assert subscriber_endpoint_for(publisher) == subscriber
+
+
+def test_an_ipv6_host_is_bracketed_and_only_wildcards_are_bound() -> None:
+    assert subscriber_endpoint_for("tcp://*:5557", host="fd00::7") == "tcp://[fd00::7]:5557"
+    assert [
+        subscriber_binds(e)
+        for e in ("tcp://*:1", "tcp://[::]:1", "tcp://0.0.0.0:1", "tcp://[fd00::5]:1",
+                  "tcp://[::1]:1", "tcp://gw:1")
+    ] == [True, True, True, False, False, False]
 
 
 def test_offset_port() -> None:
