@@ -87,7 +87,7 @@ async def replicas(request: web.Request) -> web.Response:
     for state in gw.registry.all():
         item = dataclasses.asdict(state)
         item["circuit"] = gw.registry.breaker(state.replica_id).state.value
-        item["staleness_s"] = round(state.staleness_s(), 3)
+        item["staleness_s"] = state.shown_staleness_s()
         out.append(item)
     return _json({"replicas": out})
 

@@ -22,6 +22,10 @@ class ReplicaState:
     #: Base models this engine serves (its ``--served-model-name`` values).
     models: frozenset[str] = frozenset()
     healthy: bool = True
+    #: Its agent is stopping it on purpose (``fleetgate replica run`` got SIGTERM): it takes
+    #: nothing new (``healthy`` is False) but the requests it holds finish there; a gateway
+    #: does not move them elsewhere as it does for a replica reported down.
+    draining: bool = False
     epoch: Epoch = Epoch(0)  # noqa: RUF009 - NewType is the identity at run time
     #: Tokens per KV block (vLLM ``--block-size``); the hashing granularity for this replica.
     block_size: int = 16
@@ -75,6 +79,12 @@ class ReplicaState:
     def staleness_s(self, now: float | None = None) -> float:
         """Seconds since the engine-reported figures were read."""
         return max(0.0, (time.time() if now is None else now) - self.metrics_read_at)
+
+    def shown_staleness_s(self) -> float | None:
+        """``staleness_s`` for people (admin answers, the dashboard), rounded to the ms; None
+        when the engine's figures were never read (``metrics_read_at`` 0: an agent registers
+        before its engine first answers), which would read as 56 years."""
+        return round(self.staleness_s(), 3) if self.metrics_read_at > 0 else None
 
     @property
     def free_adapter_slots(self) -> int | None:

@@ -97,7 +97,8 @@ class ReplicaRow:
     inflight: int
     loaded_adapters: list[str]
     max_loras: int | None
-    staleness_s: float
+    #: None: the engine's figures were never read.
+    staleness_s: float | None
     metrics_readable: bool
 
 
@@ -296,7 +297,7 @@ def _replicas(gw: GatewayState, unreadable: set[str]) -> list[ReplicaRow]:
             inflight=counts.get(s.replica_id, (0, 0))[0],
             loaded_adapters=sorted(s.loaded_adapters),
             max_loras=s.max_loras,
-            staleness_s=round(s.staleness_s(), 1),
+            staleness_s=s.shown_staleness_s(),
             metrics_readable=str(s.replica_id) not in unreadable,
         )
         for s in gw.registry.all()

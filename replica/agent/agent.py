@@ -506,11 +506,15 @@ class ReplicaAgent:
         if not up and self._down_since is None:
             self._down_since = now
             self._down_logged_at = now
-            logger.warning(
+            # One missed probe is no outage (the rule below); an engine the supervisor is
+            # stopping on purpose is none either.
+            logger.log(
+                logging.INFO if self._leaving else logging.DEBUG,
                 "replica %s: engine at %s does not answer its health check%s",
                 self.replica,
                 self.config.engine_url,
-                "" if self._ever_up else " (not up yet)",
+                " (the replica is leaving)" if self._leaving
+                else "" if self._ever_up else " (not up yet)",
             )
         elif not up and now - self._down_logged_at >= DOWN_LOG_INTERVAL_S:
             self._down_logged_at = now
@@ -530,7 +534,15 @@ class ReplicaAgent:
         # One missed probe (a CPU stall, a long prefill) is not an outage: the replica leaves
         # routing after two in a row. Restart detection above still uses every raw answer.
         self._health_failures = 0 if up else self._health_failures + 1
+        was_up = self.engine_up
         self.engine_up = up or (self.engine_up and self._health_failures < 2)
+        if was_up and not self.engine_up and not self._leaving:
+            logger.warning(
+                "replica %s: engine at %s missed %d health checks in a row: reported down",
+                self.replica,
+                self.config.engine_url,
+                self._health_failures,
+            )
         self.metrics.engine_up(self.serving)
 
     async def _read_figures(self) -> None:
@@ -551,6 +563,11 @@ class ReplicaAgent:
         if self.applier.model is None and snapshot.models:
             self.applier.model = snapshot.models[0]
             self._model_known.set()
+
+    @property
+    def leaving(self) -> bool:
+        """``leave`` was called: the replica is being stopped on purpose."""
+        return self._leaving
 
     @property
     def serving(self) -> bool:
@@ -602,6 +619,7 @@ class ReplicaAgent:
             pool=self.config.pool,
             models=models,
             healthy=self.serving and not self._leaving,
+            draining=self.serving and self._leaving,
             epoch=self.applier.epoch if self.applier.epoch is not None else Epoch(0),
             block_size=snap.block_size or ReplicaState.block_size,
             kv_capacity_blocks=snap.num_gpu_blocks,

@@ -32,6 +32,9 @@ class ServedAgent(Protocol):
     def engine_up(self) -> bool: ...
 
     @property
+    def leaving(self) -> bool: ...
+
+    @property
     def batches_applied(self) -> int: ...
 
 
@@ -52,6 +55,8 @@ async def _health(request: web.Request) -> web.Response:
             "replica": agent.replica,
             "epoch": agent.applier.epoch,
             "engine_up": agent.engine_up,
+            # Stopping on purpose: gateways send it nothing new, what it holds finishes.
+            "draining": agent.leaving,
             "index_dirty": agent.applier.dirty,
             "batches_applied": agent.batches_applied,
             "model": agent.applier.model,

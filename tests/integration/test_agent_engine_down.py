@@ -74,6 +74,7 @@ async def test_a_dead_engines_blocks_stop_matching_once_its_heartbeat_expires(
         await wait_until(gone, "the dead engine's blocks stop matching", timeout_s=15)
         # ... and says so in its log, where an SRE looks first.
         assert any(
-            "does not answer its health check" in r.getMessage() and r.levelname == "WARNING"
+            "health checks in a row: reported down" in r.getMessage()
+            and r.levelname == "WARNING"
             for r in caplog.records
         )

@@ -47,6 +47,8 @@ class FakeUpstream:
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[CIMultiDict[str]] = field(default_factory=list)
     attempts: int = 0
+    #: ``/health`` requests answered (the gateway's polls).
+    health_polls: int = 0
     #: Set when the gateway went away while this upstream was streaming.
     client_gone: asyncio.Event = field(default_factory=asyncio.Event)
     #: When set, ``/metrics`` reports 100 more output tokens at this many seconds apart at
@@ -81,6 +83,7 @@ class FakeUpstream:
         return web.Response(text="Success")
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.health_polls += 1
         return web.Response(text="", status=200 if self.health_ok else 503)
 
     async def _models(self, request: web.Request) -> web.Response:

@@ -80,8 +80,11 @@ async def test_a_stop_waits_for_the_requests_in_flight_then_lets_the_engine_go(
         # The drain ended because the engine went idle, not at its deadline: the request is done.
         assert in_flight.done()
         assert await in_flight == (200, 200)
-        # Meanwhile gateways were told: the registration says the engine is down.
+        # Meanwhile gateways were told: the registration says the engine takes nothing new,
+        # and that it is draining (so a gateway leaves it the requests it holds).
         assert await _registered_healthy(fleet) is False
+        (state,) = await fleet.list_replicas()
+        assert state.draining and agent.leaving
         assert engine.poll() is None  # stopping the engine is the supervisor's next step
 
 

@@ -286,3 +286,39 @@ def test_inspect_vllm_args_brackets_an_ipv6_host() -> None:
     view = inspect_vllm_args(["--host", "::1", "--port", "9001"])
     assert view.url == "http://[::1]:9001"
     assert view.kv_events_endpoint is not None and view.kv_events_endpoint.startswith("tcp://[::1]:")
+
+
+async def test_the_agent_warns_of_a_down_engine_once_the_miss_rule_calls_it_down(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One missed probe under load is no outage (the replica stays up) and logged no warning
+    worth the name; two in a row are. An engine the supervisor is stopping on purpose is no
+    outage at all (live review: a warning after every clean drain)."""
+    from replica.agent import ReplicaAgent
+    from routing.index import MemoryBlockIndex
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    agent = ReplicaAgent(
+        AgentConfig(replica_id="pool/r0", engine_url="http://127.0.0.1:9", listen_port=None),
+        index=MemoryBlockIndex(), fleet=MemoryFleetStore(),
+    )
+    try:
+        await agent._note_health(True)
+        await agent._note_health(False)
+        assert agent.engine_up and warnings() == []
+        await agent._note_health(False)
+        assert not agent.engine_up
+        assert len(warnings()) == 1 and "missed 2 health checks in a row" in warnings()[0]
+
+        caplog.clear()
+        await agent._note_health(True)
+        await agent.leave()
+        assert agent.state().draining and not agent.state().healthy
+        for _ in range(3):
+            await agent._note_health(False)
+        assert not agent.engine_up and warnings() == []
+        assert not agent.state().draining  # its engine is gone: nothing left to drain
+    finally:
+        await agent.scraper.close()
