@@ -336,9 +336,17 @@ class ReplicaRegistry:
                         "new; the %d request(s) it holds finish there",
                         state.replica_id, state.url, self.attempts.count(state.replica_id),
                     )
-                elif not healthy and (old.healthy or (old.draining and not state.draining)):
-                    # Down, or its drain ended with requests still held (``--drain-timeout``).
+                elif not healthy and old.healthy:
                     self._marked_down(state, "its agent reports the engine down")
+                elif not healthy and old.draining and not state.draining:
+                    # The drain is over: its engine is down. What it still holds (past
+                    # ``--drain-timeout``) goes to a fallback; a drain that ended empty is no
+                    # outage worth a warning.
+                    if self.attempts.count(state.replica_id):
+                        self._marked_down(state, "its engine stopped after its drain")
+                    else:
+                        log.info("replica %s (%s) stopped after its drain",
+                                 state.replica_id, state.url)
                 elif healthy and not old.healthy:
                     log.warning(
                         "replica %s (%s) healthy again (its agent reports the engine up)",
@@ -355,8 +363,20 @@ class ReplicaRegistry:
         for rid in self._departed:
             current = self._states.get(rid)
             if current is not None and (current.healthy or current.draining):
+                # Nothing new goes there; what it holds is left to it: a standalone agent's
+                # engine (``fleetgate agent`` beside vLLM) still runs after its agent stops, and
+                # an engine that stopped fails those requests over on the request path.
                 self._put(replace(current, healthy=False, draining=False))
-                self._marked_down(current, "its agent removed it from the fleet")
+                log.warning(
+                    "replica %s (%s) removed from the fleet by its agent: sent nothing new",
+                    rid, current.url,
+                )
+        for rid in self._discovered - seen - self._departed:
+            # Its registration expired (an agent that died, maybe mid-drain): whatever it said
+            # last no longer holds, and the polls decide (``_health_verdict``).
+            current = self._states.get(rid)
+            if current is not None and current.draining:
+                self._put(replace(current, draining=False))
         self._orphans -= seen  # registered again: a later expiry is worth a warning again
         for rid in self._discovered - seen:
             since = self._missing_since.setdefault(rid, now)

@@ -19,10 +19,17 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-__all__ = ["bounded_client", "bounded_options", "expand_env", "has_literal_password", "redacted"]
+__all__ = [
+    "ENV_REFERENCE",
+    "bounded_client",
+    "bounded_options",
+    "expand_env",
+    "has_literal_password",
+    "redacted",
+]
 
 #: ``${NAME}`` in a Redis URL: the value of that environment variable, read when connecting.
-_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def expand_env(url: str, env: Mapping[str, str] | None = None) -> str:
@@ -44,7 +51,7 @@ def expand_env(url: str, env: Mapping[str, str] | None = None) -> str:
             )
         return quote(environ[name], safe="")
 
-    return _ENV_REFERENCE.sub(value, url)
+    return ENV_REFERENCE.sub(value, url)
 
 
 def redacted(url: str) -> str:
@@ -52,7 +59,7 @@ def redacted(url: str) -> str:
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
-    if not parts.password or _ENV_REFERENCE.fullmatch(parts.password):
+    if not parts.password or ENV_REFERENCE.fullmatch(parts.password):
         return url
     return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
@@ -62,7 +69,7 @@ def has_literal_password(url: str) -> bool:
     from urllib.parse import urlsplit
 
     password = urlsplit(url).password
-    return bool(password) and not _ENV_REFERENCE.fullmatch(password or "")
+    return bool(password) and not ENV_REFERENCE.fullmatch(password or "")
 
 
 def bounded_options(timeout_s: float) -> dict[str, Any]:

@@ -66,8 +66,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
         "--index-url",
         default="memory",
         help="block index: redis://HOST:PORT/DB, a Redis Cluster as "
-        "redis+cluster://NODE:PORT[,NODE:PORT...] (seed nodes, tried in order; mirror mode; then "
-        "give --fleet-url too), or memory (default: memory)",
+        "redis+cluster://NODE:PORT[,NODE:PORT...] (seed nodes, tried until one answers; "
+        "mirror mode; then give --fleet-url too), or memory (default: memory)",
     )
     group.add_argument("--fleet-url", help="fleet store URL (default: --index-url)")
     group.add_argument(

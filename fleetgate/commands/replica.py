@@ -116,10 +116,13 @@ def inspect_vllm_args(args: Sequence[str], add_kv_events: bool = True) -> Engine
                 '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\''
             )
         if config.get("enable_kv_cache_events"):
-            endpoint = subscriber_endpoint_for(config.get("endpoint", "tcp://*:5557"), host=host)
+            # The engine runs on this host, and vLLM binds ``tcp://*:PORT`` on IPv4 only (it
+            # never sets ZeroMQ's IPV6 option): its HTTP host, an IPv6 one included, is no
+            # address for its events. An endpoint bound to one address is connected to as is.
+            endpoint = subscriber_endpoint_for(config.get("endpoint", "tcp://*:5557"))
             topic = config.get("topic", "")
             if config.get("replay_endpoint"):
-                replay = subscriber_endpoint_for(config["replay_endpoint"], host=host)
+                replay = subscriber_endpoint_for(config["replay_endpoint"])
     max_cpu = _option(out, "--max-cpu-loras")
     return EngineView(
         args=out,

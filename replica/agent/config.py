@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from routing.index.factory import DEFAULT_INDEX_MODE, INDEX_MODES
-from routing.index.redis_client import cluster_seed_nodes, is_cluster_url
+from routing.index.redis_client import check_cluster_url, is_cluster_url
 
 
 @dataclass
@@ -81,7 +81,7 @@ class AgentConfig:
             )
         if self.index_url and is_cluster_url(self.index_url):
             try:
-                cluster_seed_nodes(self.index_url)
+                check_cluster_url(self.index_url)
             except ValueError as exc:
                 raise ValueError(f"index_url: {exc}") from None
             if self.index_mode != "mirror":

@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from replica.kv_events import offset_port, subscriber_endpoint_for
+from replica.kv_events.endpoints import tcp_host
 from replica.sim.app import build_app
 from replica.sim.server import REPLICA_KEY, SimReplica, SimServerConfig
 from routing.tokenize.word_hash import load_tokenizer
@@ -64,8 +65,19 @@ class SimFleet:
 
 
 def _reachable(endpoint: str, host: str) -> str:
-    """A bound wildcard address as a subscriber on ``host`` can connect to it."""
-    return endpoint.replace("0.0.0.0", host).replace("*", host)
+    """A bound wildcard address as a subscriber on ``host`` can connect to it: an IPv4
+    wildcard (``*``, ``0.0.0.0``) listens on IPv4 only, so an IPv6 ``host`` reaches it at
+    127.0.0.1 (the fleet runs on this machine); the IPv6 one (``[::]``) takes either."""
+    bound = tcp_host(endpoint)
+    if bound not in ("*", "0.0.0.0", "::"):
+        return endpoint
+    ipv6 = ":" in host.strip("[]")
+    if bound != "::" and ipv6:
+        host = "127.0.0.1"
+    elif ipv6 and not host.startswith("["):
+        host = f"[{host}]"
+    port = endpoint.rpartition(":")[2]
+    return f"tcp://{host}:{port}"
 
 
 def _per_replica(endpoint: str | None, index: int) -> str | None:
@@ -111,6 +123,7 @@ async def start_sim_fleet(
         overrides["block_size"] = block_size
     tokenizer = load_tokenizer(tokenizer_dir)  # loaded once, shared by every replica
     fleet = SimFleet(model=model)
+    url_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     try:
         for i in range(n):
             events = _per_replica(kv_events, i)
@@ -146,7 +159,7 @@ async def start_sim_fleet(
                 if replica.publisher.replay_endpoint is not None:
                     replay_endpoint = _reachable(replica.publisher.replay_endpoint, host)
             fleet.replicas.append(SimReplicaHandle(
-                index=i, url=f"http://{host}:{bound_port}", kv_events_endpoint=sub_endpoint,
+                index=i, url=f"http://{url_host}:{bound_port}", kv_events_endpoint=sub_endpoint,
                 kv_replay_endpoint=replay_endpoint, app=app, runner=runner,
             ))
         yield fleet

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from routing.index.redis_client import cluster_seed_nodes, is_cluster_url
+from routing.index.redis_client import check_cluster_url, is_cluster_url
 
 
 class StrictModel(BaseModel):
@@ -78,8 +78,7 @@ def _check_redis_url(value: str) -> str:
 def _check_index_redis_url(value: str) -> str:
     """A Redis URL, or a Redis Cluster's (``redis+cluster://``, ``rediss+cluster://``)."""
     if is_cluster_url(value):
-        cluster_seed_nodes(value)  # a ValueError naming the node it cannot read
-        return value
+        return check_cluster_url(value)  # a ValueError naming the node it cannot read
     try:
         return _check_redis_url(value)
     except ValueError:

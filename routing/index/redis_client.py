@@ -3,9 +3,10 @@
 The mirrored index (``index.mode: mirror``) spreads its keys over ``shards`` hash tags, one Cluster
 slot each (``stream_layout``), so on a Cluster its writes spread over the primaries. A URL with
 the ``redis+cluster://`` (or ``rediss+cluster://``) scheme names one or more nodes of the Cluster,
-comma-separated (``redis+cluster://redis-0:6379,redis-1:6379``); the client asks the first that
-answers for the others and routes each command to the primary that owns its slot. More than one
-seed lets a gateway or agent start while a node is down.
+comma-separated (``redis+cluster://redis-0:6379,redis-1:6379``); the client asks them (in an
+order of redis-py's choosing) until one answers, learns the others from it and routes each
+command to the primary that owns its slot. More than one seed lets a gateway or agent start
+while a node is down.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode
 
-from routing.redis_clients import expand_env
+from routing.redis_clients import ENV_REFERENCE, expand_env
 
 __all__ = [
     "CLUSTER_SCHEMES",
     "IndexRedis",
+    "check_cluster_url",
     "cluster_seed_nodes",
     "connect",
     "is_cluster_url",
@@ -76,9 +78,16 @@ def cluster_seed_nodes(url: str) -> list[tuple[str, int]]:
     return nodes
 
 
+def check_cluster_url(url: str) -> str:
+    """``url`` if every node it names reads (``${NAME}`` references, expanded only when
+    connecting, stand for any value); ``ValueError`` naming the one that does not."""
+    cluster_seed_nodes(ENV_REFERENCE.sub("1", url))
+    return url
+
+
 def connect(url: str, **options: Any) -> IndexRedis:
     """A client for ``url`` (``${NAME}`` expanded from the environment): a ``RedisCluster`` for
-    a cluster URL (every node it names a seed, tried in order at start-up), else a ``Redis``.
+    a cluster URL (every node it names a seed, tried until one answers), else a ``Redis``.
 
     ``options`` are client settings both take (timeouts, ``retry``).
     """
@@ -89,8 +98,8 @@ def connect(url: str, **options: Any) -> IndexRedis:
     nodes = cluster_seed_nodes(url)
     first_host, first_port = nodes[0]
     first = f"[{first_host}]" if ":" in first_host else first_host
-    # Every seed is passed, the first too, so they are tried in the URL's order (redis-py adds
-    # the URL's own node after the others); each takes the URL's credentials and TLS settings.
+    # Every seed is passed, the URL's own node too (redis-py adds it after the others); each
+    # takes the URL's credentials and TLS settings.
     return aioredis.RedisCluster.from_url(
         f"{CLUSTER_SCHEMES[scheme]}://{userinfo}{first}:{first_port}{tail}",
         startup_nodes=[ClusterNode(host, port) for host, port in nodes],

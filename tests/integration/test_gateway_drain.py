@@ -11,6 +11,7 @@ engine stopped, and the gateway routed to it again until two of them had missed.
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import AsyncExitStack
 from dataclasses import replace
 
@@ -37,8 +38,9 @@ async def _health(http: aiohttp.ClientSession, url: str) -> dict[str, bool]:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_draining_replica_finishes_what_it_holds_takes_nothing_new_and_stays_out(
-    stream: bool,
+    stream: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.replicas")
     draining = FakeUpstream(header_gate=asyncio.Event())  # holds requests until the gate opens
     well = FakeUpstream()
     store = MemoryFleetStore()
@@ -82,6 +84,15 @@ async def test_a_draining_replica_finishes_what_it_holds_takes_nothing_new_and_s
         retries = await _metric(http, url, "fleetgate_upstream_retries_total")
         assert retries == 0
 
+        # The drain is over and the engine stops (``replica run``'s next step): with nothing
+        # held, that is no outage to warn about (diff review: every rolling restart did).
+        await store.publish(replace(states["draining"], healthy=False, draining=False), TTL_S)
+        await wait_until(
+            lambda: any("stopped after its drain" in r.getMessage() for r in caplog.records),
+            "the gateway hears the engine stopped",
+        )
+        assert not [r for r in caplog.records if "marked unhealthy" in r.getMessage()]
+
         # The agent removes it from the fleet; its engine (here) still answers health polls.
         await store.remove(ReplicaId("draining"))
         polls = draining.health_polls
@@ -90,6 +101,43 @@ async def test_a_draining_replica_finishes_what_it_holds_takes_nothing_new_and_s
         async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
             assert resp.status == 200
         assert draining.attempts == 1
+
+
+async def test_a_replica_whose_agent_leaves_alone_keeps_what_it_holds() -> None:
+    """``fleetgate agent`` stopped beside an engine that keeps running (a sidecar restart):
+    the replica takes nothing new, and the request it holds finishes there rather than being
+    rerun elsewhere (diff review)."""
+    holder = FakeUpstream(header_gate=asyncio.Event())
+    well = FakeUpstream()
+    store = MemoryFleetStore()
+    async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
+        for name, upstream in (("holder", holder), ("well", well)):
+            replica_url = await stack.enter_async_context(serve(upstream.app()))
+            await store.register(
+                ReplicaState(replica_id=ReplicaId(name), url=replica_url,
+                             models=frozenset(upstream.models)),
+                TTL_S,
+            )
+        cfg = GatewayConfig(health_interval_s=0.05, admin_key="adm")
+        url = await stack.enter_async_context(
+            serve(create_app(cfg, GatewayPolicy.default([]), fleet_store=store),
+                  handler_cancellation=True)
+        )
+        await wait_until(lambda: _health(http, url), "both replicas discovered", timeout_s=10)
+        held = await _one_held_by(http, url, False, holder)
+        await store.remove(ReplicaId("holder"))
+
+        async def out_of_routing() -> bool:
+            return (await _health(http, url)).get("holder") is False
+
+        await wait_until(out_of_routing, "the gateway hears it left", timeout_s=10)
+        async with http.post(f"{url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200
+        holder.header_gate.set()  # type: ignore[union-attr]
+        status, body = await asyncio.wait_for(held, timeout=30)
+        assert status == 200, body
+        assert holder.attempts == 1
+        assert await _metric(http, url, "fleetgate_upstream_retries_total") == 0
 
 
 async def test_a_replica_registered_before_its_engine_answered_shows_no_staleness() -> None:

@@ -253,3 +253,23 @@ async def test_a_replica_its_agent_reports_down_is_no_last_resort() -> None:
         # Its agent says the engine is back: a last resort again while the polls still miss.
         registry.sync_discovered([up, replace(up, replica_id=dead, healthy=True)])
         assert sorted(s.replica_id for s in registry.last_resort("m")) == [busy, dead]
+
+
+def test_a_drain_whose_agent_died_is_not_shown_for_an_hour() -> None:
+    """Its agent died mid-drain: the registration expires and the polls decide alone. The last
+    registration's ``draining`` stayed, and the replica showed healthy and draining at once
+    for as long as the gateway knew it (diff review)."""
+    from dataclasses import replace
+
+    from routing.state import ReplicaState
+
+    registry = ReplicaRegistry()
+    rid = ReplicaId("r0")
+    up = ReplicaState(replica_id=rid, url="http://127.0.0.1:9", models=frozenset({"m"}))
+    registry.sync_discovered([up])
+    registry.sync_discovered([replace(up, healthy=False, draining=True)])
+    state = registry.get(rid)
+    assert state is not None and state.draining and not state.healthy
+    registry.sync_discovered([])  # expired, not removed: within the grace period, still known
+    state = registry.get(rid)
+    assert state is not None and not state.draining

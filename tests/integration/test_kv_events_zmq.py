@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from replica.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -127,3 +129,32 @@ async def test_a_subscriber_binding_the_ipv6_wildcard_takes_ipv6_publishers() ->
             await _await_subscription(pub, sub)
         finally:
             pub.close()
+
+
+@pytest.mark.parametrize("events", ["tcp://*:*", "tcp://[::]:*"])
+async def test_a_simulated_fleet_on_ipv6_gives_subscribers_an_address_that_delivers(
+    events: str,
+) -> None:
+    """``start_sim_fleet(host="::1")``: an IPv4 wildcard publisher was handed out as
+    ``tcp://::1:PORT`` (no brackets, and it listens on IPv4 only), the IPv6 one as
+    ``tcp://[::]:PORT``, which a subscriber binds (diff review): nothing arrived either way."""
+    import aiohttp
+
+    from replica.sim.fleet import start_sim_fleet
+
+    async with start_sim_fleet(1, host="::1", kv_events=events, kv_replay=None) as fleet:
+        (handle,) = fleet.replicas
+        assert handle.kv_events_endpoint is not None
+        with KVEventSubscriber(handle.kv_events_endpoint, topic="kv") as sub:
+            async with aiohttp.ClientSession() as http:
+                for attempt in range(100):  # ZeroMQ's slow joiner: ask until one arrives
+                    body = {"model": "sim-model", "prompt": f"hello {attempt} " * 40,
+                            "max_tokens": 1}
+                    async with http.post(f"{handle.url}/v1/completions", json=body) as resp:
+                        assert resp.status == 200
+                    try:
+                        await asyncio.wait_for(sub.recv(), timeout=0.2)
+                        return
+                    except TimeoutError:
+                        continue
+    raise AssertionError(f"no KV event reached {handle.kv_events_endpoint}")

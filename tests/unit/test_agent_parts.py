@@ -285,7 +285,11 @@ def test_inspect_vllm_args_brackets_an_ipv6_host() -> None:
     """``--host ::1`` made ``http://::1:9001``, which no URL parser reads (diff review)."""
     view = inspect_vllm_args(["--host", "::1", "--port", "9001"])
     assert view.url == "http://[::1]:9001"
-    assert view.kv_events_endpoint is not None and view.kv_events_endpoint.startswith("tcp://[::1]:")
+    # Its events are not at that address: vLLM binds tcp://*:PORT on IPv4 only, on this host
+    # (diff review: tcp://[::1]:PORT received nothing).
+    assert view.kv_events_endpoint is not None
+    assert view.kv_events_endpoint.startswith("tcp://127.0.0.1:")
+    assert view.replay_endpoint is not None and view.replay_endpoint.startswith("tcp://127.0.0.1:")
 
 
 async def test_the_agent_warns_of_a_down_engine_once_the_miss_rule_calls_it_down(

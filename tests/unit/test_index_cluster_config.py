@@ -73,7 +73,14 @@ def test_a_cluster_url_with_a_bad_node_is_refused_naming_it(url: str, message: s
         IndexSettings(backend="redis", redis_url=url, mode="mirror")
 
 
-async def test_every_seed_node_is_tried_in_order_with_the_urls_credentials() -> None:
+def test_a_cluster_url_may_take_its_nodes_from_the_environment() -> None:
+    """Checked before ``${NAME}`` is expanded (when connecting): a reference stands for any
+    value, as in a one-node URL (diff review: ``${PORT}`` was refused)."""
+    url = "redis+cluster://:${PW}@redis-0:${PORT},${HOST}:6379/0"
+    assert IndexSettings(backend="redis", redis_url=url, mode="mirror").redis_url == url
+
+
+async def test_every_seed_node_is_a_startup_node_with_the_urls_credentials() -> None:
     client = connect("redis+cluster://:s3cret@redis-0:7000,redis-1:7001,[::1]:7002/0")
     try:
         seeds = list(client.nodes_manager.startup_nodes.values())
