@@ -119,3 +119,28 @@ async def test_a_drain_ends_when_the_engine_goes_down(tmp_path: Path) -> None:
         await asyncio.to_thread(engine.stop, 5)
         await asyncio.wait_for(draining, 60)
         in_flight.cancel()
+
+
+async def test_the_prestop_drain_waits_for_the_requests_in_flight(tmp_path: Path) -> None:
+    """``python3 -m replica.drain_wait``, the pool manifest's preStop hook: it returns only
+    once the engine holds nothing, so vLLM's SIGTERM aborts nothing; and at once when the
+    engine is gone."""
+    async with _engine_and_agent(tmp_path) as (engine, agent, _), aiohttp.ClientSession() as http:
+        in_flight = await _slow_request_running(http, engine, agent)
+        waiter = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "replica.drain_wait", "--engine", engine.url,
+            "--settle", "0.2", "--timeout", "120",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(waiter.communicate(), timeout=150)
+        assert in_flight.done()  # it finished before the hook let the engine go
+        assert (await in_flight).status == 200
+        assert waiter.returncode == 0 and b"drain: idle" in out
+
+        await asyncio.to_thread(engine.stop, 5)
+        gone = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "replica.drain_wait", "--engine", engine.url,
+            "--settle", "0", "--timeout", "120", stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(gone.communicate(), timeout=30)
+        assert gone.returncode == 0 and b"drain: engine down" in out

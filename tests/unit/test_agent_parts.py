@@ -326,3 +326,18 @@ async def test_the_agent_warns_of_a_down_engine_once_the_miss_rule_calls_it_down
         assert not agent.state().draining  # its engine is gone: nothing left to drain
     finally:
         await agent.scraper.close()
+
+
+def test_the_prestop_drain_counts_what_the_engine_holds() -> None:
+    from replica.drain_wait import requests_in_engine
+
+    text = (
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0\n'
+        "vllm:num_requests_waiting_by_reason 9.0\n"
+    )
+    assert requests_in_engine(text) == 6
+    assert requests_in_engine("vllm:num_requests_running 0.0\n") == 0
+    assert requests_in_engine("up 1\n") is None  # no gauges: unknown (it waits to its timeout)

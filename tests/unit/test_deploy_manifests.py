@@ -144,3 +144,24 @@ def test_gateway_runs_one_worker_and_scales_on_its_own_load(overlay: Path) -> No
     )
     assert "fleetgate_gateway_inflight_requests" in hpa_rule["metricsQuery"]
     assert "fleetgate_replica_inflight" not in hpa_rule["seriesQuery"] + hpa_rule["metricsQuery"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_engines_drain_before_vllm_gets_sigterm(overlay: Path) -> None:
+    """vLLM aborts what it holds on SIGTERM; its preStop hook waits for the requests in flight
+    (``replica.drain_wait``), inside the pod's grace period, and the module it runs exists."""
+    from replica import drain_wait
+
+    engines = [m for m in render(overlay) if m["kind"] == "StatefulSet"
+               and m["spec"]["template"]["metadata"]["labels"].get(
+                   "app.kubernetes.io/component") == "engine"]
+    assert engines
+    for engine in engines:
+        pod = engine["spec"]["template"]["spec"]
+        (vllm,) = [c for c in pod["containers"] if c["name"] == "vllm"]
+        command = vllm["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[:3] == ["python3", "-m", drain_wait.__name__]
+        settle = float(command[command.index("--settle") + 1])
+        timeout = float(command[command.index("--timeout") + 1])
+        # Room left for vLLM's own shutdown after the hook.
+        assert pod["terminationGracePeriodSeconds"] >= settle + timeout + 15
