@@ -380,9 +380,14 @@ async def test_a_mirror_and_a_writer_start_while_the_first_seed_node_is_down() -
         f"redis+cluster://:s3cret-seeds@127.0.0.1:{dead},"
         f"127.0.0.1:{cluster.ports[1]},127.0.0.1:{cluster.ports[2]}/0"
     )
-    writer = StreamIndexWriter(url, key_prefix="seeds", shards=4, timeout_s=1.0)
-    mirror = MirrorBlockIndex(url, key_prefix="seeds", shards=4, timeout_s=1.0)
-    try:
+    async with AsyncExitStack() as stack:
+        # Built inside the stack: a client that cannot take the URL must not leave the
+        # Cluster's processes running.
+        stack.callback(cluster.stop)
+        writer = StreamIndexWriter(url, key_prefix="seeds", shards=4, timeout_s=1.0)
+        stack.push_async_callback(writer.close)
+        mirror = MirrorBlockIndex(url, key_prefix="seeds", shards=4, timeout_s=1.0)
+        stack.push_async_callback(mirror.close)
         rid = ReplicaId("pool/seeds")
         await writer.set_epoch(rid, Epoch(1))
         await writer.record(rid, Epoch(1), chain_of(950))
@@ -392,10 +397,6 @@ async def test_a_mirror_and_a_writer_start_while_the_first_seed_node_is_down() -
         await writer.record(rid, Epoch(1), chain_of(951))  # through the tail, after the start
         await mirror.sync()
         assert mirror.match_now(chain_of(951)) == {rid: 8}
-    finally:
-        await mirror.close()
-        await writer.close()
-        cluster.stop()
 
 
 async def test_a_mirror_follows_a_slot_that_moves_to_another_primary() -> None:
