@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 
 #: The two gauges a drain waits on, summed over their label sets (one per model or engine).
 _GAUGES = re.compile(
@@ -48,7 +49,7 @@ def wait_idle(
     settle_s: float,
     timeout_s: float,
     poll_s: float = 0.5,
-    say: object = print,
+    say: Callable[[str], None] = print,
 ) -> str:
     """Wait as the module says; returns why it stopped: ``idle``, ``engine down`` or
     ``timeout``."""
@@ -69,7 +70,7 @@ def wait_idle(
             reason = f"timeout ({held} request(s) still held)"
             break
         time.sleep(poll_s)
-    say(f"drain: {reason} after {time.monotonic() - started:.1f}s")  # type: ignore[operator]
+    say(f"drain: {reason} after {time.monotonic() - started:.1f}s")
     return reason
 
 
