@@ -362,15 +362,21 @@ class ReplicaRegistry:
         self._departed = (gone & self._discovered) - seen
         for rid in self._departed:
             current = self._states.get(rid)
-            if current is not None and (current.healthy or current.draining):
-                # Nothing new goes there; what it holds is left to it: a standalone agent's
-                # engine (``fleetgate agent`` beside vLLM) still runs after its agent stops, and
-                # an engine that stopped fails those requests over on the request path.
-                self._put(replace(current, healthy=False, draining=False))
+            if current is None:
+                continue
+            # Nothing new goes there; what it holds is left to it, and it shows as draining
+            # meanwhile: a standalone agent's engine (``fleetgate agent`` beside vLLM) still
+            # runs after its agent stops (the pool manifest's preStop hook waits for it), and an
+            # engine that stopped fails those requests over on the request path.
+            held = self.attempts.count(rid)
+            if current.healthy:
                 log.warning(
-                    "replica %s (%s) removed from the fleet by its agent: sent nothing new",
-                    rid, current.url,
+                    "replica %s (%s) removed from the fleet by its agent: sent nothing new; the "
+                    "%d request(s) it holds finish there",
+                    rid, current.url, held,
                 )
+            if current.healthy or current.draining != (held > 0):
+                self._put(replace(current, healthy=False, draining=held > 0))
         for rid in self._discovered - seen - self._departed:
             # Its registration expired (an agent that died, maybe mid-drain): whatever it said
             # last no longer holds, and the polls decide (``_health_verdict``).
@@ -382,6 +388,10 @@ class ReplicaRegistry:
             since = self._missing_since.setdefault(rid, now)
             if now - since < self.discovery_grace_s:
                 seen.add(rid)  # still known: within the grace period
+            elif rid in gone and self.attempts.count(rid) and now - since < self.orphan_max_s:
+                # Removed, still finishing what it holds (a drain outlasts the grace period):
+                # kept, out of routing, so /admin/replicas and its metrics still show it.
+                seen.add(rid)
             elif rid in gone or not self._answering(rid):
                 log.warning(
                     "replica %s left the fleet (%s): no longer routed to",

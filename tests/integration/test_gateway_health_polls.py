@@ -273,3 +273,29 @@ def test_a_drain_whose_agent_died_is_not_shown_for_an_hour() -> None:
     registry.sync_discovered([])  # expired, not removed: within the grace period, still known
     state = registry.get(rid)
     assert state is not None and not state.draining
+
+
+async def test_a_departed_replica_still_finishing_shows_as_draining_past_the_grace_period() -> None:
+    """A drain outlasts the 15 s grace period (the preStop hook waits up to 35 s): the replica
+    vanished from /admin/replicas and its metrics while it still held requests, and showed as
+    not draining meanwhile, like a dead one (re-check of the drain)."""
+    from types import SimpleNamespace
+
+    from routing.state import ReplicaState
+
+    now = [0.0]
+    registry = ReplicaRegistry(clock=lambda: now[0])
+    rid = ReplicaId("r0")
+    up = ReplicaState(replica_id=rid, url="http://127.0.0.1:9", models=frozenset({"m"}))
+    registry.sync_discovered([up])
+    attempt = registry.attempts.begin("req-1", rid, SimpleNamespace(responded=True))
+    registry.sync_discovered([], departed=[rid])
+    state = registry.get(rid)
+    assert state is not None and not state.healthy and state.draining
+    now[0] = registry.discovery_grace_s + 20
+    registry.sync_discovered([], departed=[rid])
+    state = registry.get(rid)
+    assert state is not None and state.draining  # still known while it holds the request
+    registry.attempts.end(attempt)
+    registry.sync_discovered([], departed=[rid])
+    assert registry.get(rid) is None  # done: forgotten
