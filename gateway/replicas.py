@@ -360,9 +360,15 @@ class ReplicaRegistry:
         # polls alone decided once the registration was gone, and an engine stopped less than
         # two polls before was routable again for a second or two (live review).
         self._departed = (gone & self._discovered) - seen
-        for rid in self._departed:
+        for rid in self._discovered - seen:
             current = self._states.get(rid)
             if current is None:
+                continue
+            if rid not in self._departed:
+                # Its registration expired (an agent that died, maybe mid-drain): whatever it
+                # said last no longer holds, and the polls decide (``_health_verdict``).
+                if current.draining:
+                    self._put(replace(current, draining=False))
                 continue
             # Nothing new goes there; what it holds is left to it, and it shows as draining
             # meanwhile: a standalone agent's engine (``fleetgate agent`` beside vLLM) still
@@ -377,12 +383,6 @@ class ReplicaRegistry:
                 )
             if current.healthy or current.draining != (held > 0):
                 self._put(replace(current, healthy=False, draining=held > 0))
-        for rid in self._discovered - seen - self._departed:
-            # Its registration expired (an agent that died, maybe mid-drain): whatever it said
-            # last no longer holds, and the polls decide (``_health_verdict``).
-            current = self._states.get(rid)
-            if current is not None and current.draining:
-                self._put(replace(current, draining=False))
         self._orphans -= seen  # registered again: a later expiry is worth a warning again
         for rid in self._discovered - seen:
             since = self._missing_since.setdefault(rid, now)

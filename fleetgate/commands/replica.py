@@ -49,6 +49,7 @@ from replica.launcher import (
     kv_events_config,
 )
 from replica.vllm_env import venv_python
+from routing.hosts import url_host
 
 logger = logging.getLogger("fleetgate.replica")
 
@@ -82,8 +83,7 @@ def _option(args: Sequence[str], name: str) -> str | None:
 def _connect_host(host: str | None) -> str:
     if host in (None, "", "0.0.0.0", "::", "[::]"):
         return "127.0.0.1"
-    # An IPv6 literal goes in brackets in a URL (``http://[::1]:8000``).
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return url_host(host)
 
 
 def inspect_vllm_args(args: Sequence[str], add_kv_events: bool = True) -> EngineView:

@@ -7,6 +7,10 @@ the subscriber must then do the opposite.
 
 from __future__ import annotations
 
+import zmq
+
+from routing.hosts import is_ipv6, url_host
+
 
 def publisher_binds(endpoint: str) -> bool:
     """Whether a vLLM publisher given ``endpoint`` binds it (else it connects)."""
@@ -29,7 +33,13 @@ def is_ipv6_endpoint(endpoint: str) -> bool:
     """Whether ``endpoint`` names an IPv6 address: its ZeroMQ socket needs the ``IPV6``
     option, without which libzmq refuses to bind it ("No such device") and never connects."""
     host = tcp_host(endpoint)
-    return host is not None and ":" in host
+    return host is not None and is_ipv6(host)
+
+
+def allow_ipv6(socket: zmq.Socket, endpoint: str) -> None:
+    """Set ZeroMQ's ``IPV6`` option on ``socket`` if ``endpoint`` names an IPv6 address."""
+    if is_ipv6_endpoint(endpoint):
+        socket.setsockopt(zmq.IPV6, 1)
 
 
 #: Hosts that mean "every interface" to a subscriber that binds.
@@ -60,7 +70,7 @@ def subscriber_endpoint_for(publisher_endpoint: str, host: str = "127.0.0.1") ->
     if publisher_binds(publisher_endpoint):
         if tcp_host(publisher_endpoint) not in _WILDCARD_HOSTS:
             return publisher_endpoint
-        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        host = url_host(host)
         return f"{scheme}://{host}:{port}"
     return f"{scheme}://*:{port}"
 

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from replica.kv_events.codec import EventBatch, KVEvent, encode_payload
-from replica.kv_events.endpoints import is_ipv6_endpoint, publisher_binds
+from replica.kv_events.endpoints import allow_ipv6, publisher_binds
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,7 @@ class KVEventPublisher:
         self._pub = shared_context().socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        if is_ipv6_endpoint(endpoint):
-            self._pub.setsockopt(zmq.IPV6, 1)
+        allow_ipv6(self._pub, endpoint)
         if publisher_binds(endpoint):
             self._pub.bind(endpoint)
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -83,8 +82,7 @@ class KVEventPublisher:
             # A reply is the whole buffer (up to 10,000 batches); a ROUTER silently drops what
             # is over its high-water mark, the end marker with it.
             self._replay.setsockopt(zmq.SNDHWM, 0)
-            if is_ipv6_endpoint(replay_endpoint):
-                self._replay.setsockopt(zmq.IPV6, 1)
+            allow_ipv6(self._replay, replay_endpoint)
             self._replay.bind(replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._closed = False

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from replica.kv_events.codec import EventBatch, KVEventDecodeError, decode_payload
-from replica.kv_events.endpoints import is_ipv6_endpoint, subscriber_binds
+from replica.kv_events.endpoints import allow_ipv6, subscriber_binds
 from replica.kv_events.publisher import END_SEQ, shared_context
 
 logger = logging.getLogger(__name__)
@@ -42,8 +42,7 @@ class KVEventSubscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        if is_ipv6_endpoint(endpoint):
-            self._sub.setsockopt(zmq.IPV6, 1)
+        allow_ipv6(self._sub, endpoint)
         should_bind = subscriber_binds(endpoint) if bind is None else bind
         if should_bind:
             self._sub.bind(endpoint)
@@ -98,8 +97,7 @@ class KVEventSubscriber:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)  # take a whole buffer's reply, however long
-        if is_ipv6_endpoint(self.replay_endpoint):
-            dealer.setsockopt(zmq.IPV6, 1)
+        allow_ipv6(dealer, self.replay_endpoint)
         dealer.connect(self.replay_endpoint)
         timeout_ms = int(timeout_s * 1000)
         batches: list[tuple[int, EventBatch]] = []

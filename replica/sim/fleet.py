@@ -20,6 +20,7 @@ from replica.kv_events import offset_port, subscriber_endpoint_for
 from replica.kv_events.endpoints import tcp_host
 from replica.sim.app import build_app
 from replica.sim.server import REPLICA_KEY, SimReplica, SimServerConfig
+from routing.hosts import is_ipv6, url_host
 from routing.tokenize.word_hash import load_tokenizer
 
 
@@ -71,13 +72,10 @@ def _reachable(endpoint: str, host: str) -> str:
     bound = tcp_host(endpoint)
     if bound not in ("*", "0.0.0.0", "::"):
         return endpoint
-    ipv6 = ":" in host.strip("[]")
-    if bound != "::" and ipv6:
+    if bound != "::" and is_ipv6(host):
         host = "127.0.0.1"
-    elif ipv6 and not host.startswith("["):
-        host = f"[{host}]"
     port = endpoint.rpartition(":")[2]
-    return f"tcp://{host}:{port}"
+    return f"tcp://{url_host(host)}:{port}"
 
 
 def _per_replica(endpoint: str | None, index: int) -> str | None:
@@ -123,7 +121,6 @@ async def start_sim_fleet(
         overrides["block_size"] = block_size
     tokenizer = load_tokenizer(tokenizer_dir)  # loaded once, shared by every replica
     fleet = SimFleet(model=model)
-    url_host = f"[{host}]" if ":" in host and not host.startswith("[") else host
     try:
         for i in range(n):
             events = _per_replica(kv_events, i)
@@ -159,8 +156,9 @@ async def start_sim_fleet(
                 if replica.publisher.replay_endpoint is not None:
                     replay_endpoint = _reachable(replica.publisher.replay_endpoint, host)
             fleet.replicas.append(SimReplicaHandle(
-                index=i, url=f"http://{url_host}:{bound_port}", kv_events_endpoint=sub_endpoint,
-                kv_replay_endpoint=replay_endpoint, app=app, runner=runner,
+                index=i, url=f"http://{url_host(host)}:{bound_port}",
+                kv_events_endpoint=sub_endpoint, kv_replay_endpoint=replay_endpoint, app=app,
+                runner=runner,
             ))
         yield fleet
     finally:

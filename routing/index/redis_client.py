@@ -16,6 +16,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode
 
+from routing.hosts import url_host
 from routing.redis_clients import ENV_REFERENCE, expand_env
 
 __all__ = [
@@ -97,11 +98,10 @@ def connect(url: str, **options: Any) -> IndexRedis:
     scheme, userinfo, _, tail = _split_cluster_url(url)
     nodes = cluster_seed_nodes(url)
     first_host, first_port = nodes[0]
-    first = f"[{first_host}]" if ":" in first_host else first_host
     # Every seed is passed, the URL's own node too (redis-py adds it after the others); each
     # takes the URL's credentials and TLS settings.
     return aioredis.RedisCluster.from_url(
-        f"{CLUSTER_SCHEMES[scheme]}://{userinfo}{first}:{first_port}{tail}",
+        f"{CLUSTER_SCHEMES[scheme]}://{userinfo}{url_host(first_host)}:{first_port}{tail}",
         startup_nodes=[ClusterNode(host, port) for host, port in nodes],
         **options,
     )
