@@ -13,6 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 #: Where test servers get their ports: below the kernel's ephemeral range, which the kernel
@@ -269,6 +270,153 @@ class LocalRedisCluster:
             server.kill()
             server.wait(timeout=10)
         self.servers.clear()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+@dataclass
+class LocalRedisSentinel:
+    """A private Redis behind Sentinel: one primary, ``replicas`` replicas of it and
+    ``sentinels`` Sentinels watching it as ``service``, for the Sentinel URL's tests.
+    ``kill_primary`` is the outage Sentinel exists for: the Sentinels promote a replica."""
+
+    service: str = "fg-primary"
+    replicas: int = 1
+    sentinels: int = 1
+    #: Every data node requires this password (``requirepass``; Sentinels connect with it too);
+    #: None: no authentication.
+    password: str | None = None
+    #: The Sentinels themselves require this password; None: they do not.
+    sentinel_password: str | None = None
+    #: Milliseconds without an answer before a Sentinel calls the primary down.
+    down_after_ms: int = 1000
+    data_ports: list[int] = field(default_factory=list)
+    sentinel_ports: list[int] = field(default_factory=list)
+    processes: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="fg-redis-sentinel-"))
+
+    @property
+    def url(self) -> str:
+        """The Sentinel URL fleetgate takes: every Sentinel, the service, database 0."""
+        auth = f":{self.password}@" if self.password else ""
+        nodes = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        query = f"?sentinel_password={self.sentinel_password}" if self.sentinel_password else ""
+        return f"redis+sentinel://{auth}{nodes}/{self.service}/0{query}"
+
+    def _spawn(self, port: int, args: list[str]) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: install it (apt-get install redis-server)")
+        self.processes[port] = subprocess.Popen(
+            [binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def _data_args(self, port: int) -> list[str]:
+        node_dir = os.path.join(self.workdir, f"data{port}")
+        os.makedirs(node_dir, exist_ok=True)
+        auth = (
+            ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
+        )
+        return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", node_dir, *auth]
+
+    def start(self) -> LocalRedisSentinel:
+        try:
+            primary = free_port()
+            self.data_ports.append(primary)
+            self._spawn(primary, self._data_args(primary))
+            _wait_for_pong(primary, password=self.password)
+            for _ in range(self.replicas):
+                port = free_port()
+                self.data_ports.append(port)
+                replica_of = ["--replicaof", "127.0.0.1", str(primary)]
+                self._spawn(port, [*self._data_args(port), *replica_of])
+                _wait_for_pong(port, password=self.password)
+            quorum = self.sentinels // 2 + 1
+            for i in range(self.sentinels):
+                port = free_port()
+                self.sentinel_ports.append(port)
+                # Sentinel rewrites its configuration file (what it learns): one each, writable.
+                conf = os.path.join(self.workdir, f"sentinel{i}.conf")
+                lines = [
+                    f"port {port}", "bind 127.0.0.1", f"dir {self.workdir}",
+                    f"sentinel monitor {self.service} 127.0.0.1 {primary} {quorum}",
+                    f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
+                    f"sentinel failover-timeout {self.service} 10000",
+                ]
+                if self.password:
+                    lines.append(f"sentinel auth-pass {self.service} {self.password}")
+                if self.sentinel_password:
+                    lines.append(f"requirepass {self.sentinel_password}")
+                with open(conf, "w") as out:
+                    out.write("\n".join(lines) + "\n")
+                self._spawn(port, [conf, "--sentinel"])
+                _wait_for_pong(port, password=self.sentinel_password)
+            # A failover needs the Sentinels to know the replicas and the replicas synced.
+            self._wait(lambda: self._sentinels_see_replicas(), "the Sentinels to find the replicas")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait(self, ready: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"waited {timeout_s:g} s for {what}")
+            time.sleep(0.1)
+
+    def _cli(self, port: int, *args: str, password: str | None) -> str:
+        cli = shutil.which("redis-cli")
+        assert cli is not None, "redis-cli not found"
+        auth = ["-a", password, "--no-auth-warning"] if password else []
+        return subprocess.run(
+            [cli, *auth, "-p", str(port), *args], capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+
+    def _sentinels_see_replicas(self) -> bool:
+        """Every Sentinel lists every replica, linked to the primary (``SENTINEL REPLICAS``:
+        field and value on alternate lines, one block per replica, each opening with ``name``)."""
+        for port in self.sentinel_ports:
+            lines = self._cli(port, "sentinel", "replicas", self.service,
+                              password=self.sentinel_password).splitlines()
+            replicas: list[dict[str, str]] = []
+            for key, value in zip(lines[::2], lines[1::2], strict=False):
+                if key == "name":
+                    replicas.append({})
+                if replicas:
+                    replicas[-1][key] = value
+            linked = [r for r in replicas if r.get("master-link-status") == "ok"]
+            if len(linked) < self.replicas:
+                return False
+        return True
+
+    def primary_port(self) -> int:
+        """The port of the primary the first Sentinel names now."""
+        out = self._cli(self.sentinel_ports[0], "sentinel", "get-master-addr-by-name",
+                        self.service, password=self.sentinel_password)
+        return int(out.split()[1])
+
+    def kill_primary(self, timeout_s: float = 30.0) -> int:
+        """SIGKILL the primary, then wait until the Sentinels name another and it answers as a
+        primary; returns its port."""
+        old = self.primary_port()
+        process = self.processes.pop(old)
+        process.kill()
+        process.wait(timeout=10)
+
+        def promoted() -> bool:
+            port = self.primary_port()
+            role = self._cli(port, "info", "replication", password=self.password)
+            return port != old and "role:master" in role
+
+        self._wait(promoted, f"the Sentinels to promote a replica of port {old}", timeout_s)
+        return self.primary_port()
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            process.kill()
+            process.wait(timeout=10)
+        self.processes.clear()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

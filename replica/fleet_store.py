@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
+from routing.redis_urls import PRIMARY_URL_PREFIXES
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
 
@@ -216,16 +217,18 @@ class RedisFleetStore:
 
 
 def build_fleet_store(url: str | None, key_prefix: str = "fleetgate:") -> FleetStore:
-    """``RedisFleetStore`` for a ``redis://``/``rediss://``/``unix://`` URL, memory for None/``memory://``."""
+    """``RedisFleetStore`` for a ``redis://``/``rediss://``/``unix://`` or Sentinel URL, memory
+    for None/``memory://``."""
     if url is None or url in ("memory", "memory://"):
         return MemoryFleetStore()
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith(PRIMARY_URL_PREFIXES):
         return RedisFleetStore(url, key_prefix=key_prefix)
     # Imported here: at module level it would load the whole policy-config package into
     # every agent at start-up, for an error path.
     from routing.config.errors import describe_value  # the URL's password stays out
 
     raise ValueError(
-        "fleet store URL must be redis://, rediss://, unix:// or memory:// "
+        "fleet store URL must be redis://, rediss://, unix://, redis+sentinel:// (a Sentinel "
+        "group: routing/redis_sentinel.py) or memory:// "
         f"(got {describe_value(url)})"
     )

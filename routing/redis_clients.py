@@ -10,14 +10,14 @@ at most about two timeouts and the caller's own fallback takes over.
 
 from __future__ import annotations
 
-import os
-import re
-from collections.abc import Mapping
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+
+from routing.redis_env import ENV_REFERENCE, expand_env
+from routing.redis_sentinel import is_sentinel_url, sentinel_client
 
 __all__ = [
     "ENV_REFERENCE",
@@ -28,37 +28,17 @@ __all__ = [
     "redacted",
 ]
 
-#: ``${NAME}`` in a Redis URL: the value of that environment variable, read when connecting.
-ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-
-
-def expand_env(url: str, env: Mapping[str, str] | None = None) -> str:
-    """``url`` with every ``${NAME}`` replaced by that environment variable (of ``env``,
-    default ``os.environ``), percent-encoded (a generated password holds ``/``, ``+``, ``=``,
-    which would break the URL), so a password can come from a Secret while the policy file (a
-    ConfigMap, logs, ``/admin/policy``) shows only the reference. ``ValueError`` naming the
-    variable if one is not set."""
-    from urllib.parse import quote
-
-    environ = os.environ if env is None else env
-
-    def value(match: re.Match[str]) -> str:
-        name = match.group(1)
-        if name not in environ:
-            raise ValueError(
-                f"the Redis URL names ${{{name}}}, which is not set in this process's "
-                "environment (set it, e.g. from a Kubernetes Secret)"
-            )
-        return quote(environ[name], safe="")
-
-    return ENV_REFERENCE.sub(value, url)
-
-
 def redacted(url: str) -> str:
     """``url`` with a written-out password replaced by ``***``, for logs and admin answers."""
     from urllib.parse import urlsplit
 
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        # Unreadable (a half-bracketed IPv6 host): hide all the user-info there may be.
+        scheme, sep, rest = url.partition("://")
+        userinfo, at, after = rest.partition("@")
+        return f"{scheme}{sep}***@{after}" if at and "/" not in userinfo else url
     if not parts.password or ENV_REFERENCE.fullmatch(parts.password):
         return url
     return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
@@ -83,6 +63,10 @@ def bounded_options(timeout_s: float) -> dict[str, Any]:
 
 
 def bounded_client(url: str, timeout_s: float, **options: Any) -> Redis:
-    """A client for ``url`` (``${NAME}`` expanded, ``expand_env``) with
+    """A client for ``url`` (``${NAME}`` expanded, ``expand_env``; a Sentinel URL gives a client
+    of the primary its Sentinels name, ``routing/redis_sentinel.py``) with
     ``bounded_options(timeout_s)``; ``options`` go to ``Redis.from_url``."""
-    return Redis.from_url(expand_env(url), **bounded_options(timeout_s), **options)
+    url = expand_env(url)
+    if is_sentinel_url(url):
+        return sentinel_client(url, **bounded_options(timeout_s), **options)
+    return Redis.from_url(url, **bounded_options(timeout_s), **options)

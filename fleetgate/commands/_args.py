@@ -84,20 +84,30 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 def redis_url(url: str) -> str:
     """A single Redis server's URL: ``redis://HOST:PORT/DB`` (or ``rediss://``, ``unix://``),
-    with a numeric port."""
+    with a numeric port; or a Sentinel group's, which names one primary
+    (``redis+sentinel://HOST:26379,HOST:26379/SERVICE/DB``)."""
     from urllib.parse import urlsplit
 
+    from routing.redis_clients import redacted
+    from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
+
+    if is_sentinel_url(url):
+        try:
+            return check_sentinel_url(url)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{redacted(url)}: {exc}") from None
     parts = urlsplit(url)
     hint = f"; did you mean redis://{url}/0?" if "://" not in url else ""
     if parts.scheme not in REDIS_SCHEMES or (parts.scheme != "unix" and not parts.hostname):
         raise argparse.ArgumentTypeError(
-            "a Redis URL is redis://HOST:PORT/DB, rediss://HOST:PORT/DB or unix://PATH "
-            f"(got {url!r}{hint})"
+            "a Redis URL is redis://HOST:PORT/DB, rediss://HOST:PORT/DB, unix://PATH or, for "
+            "Redis behind Sentinel, redis+sentinel://HOST:26379,HOST:26379/SERVICE/DB "
+            f"(got {redacted(url)!r}{hint})"
         )
     try:
         parts.port  # noqa: B018 -- raises on a port that is not a number
     except ValueError:
-        raise argparse.ArgumentTypeError(f"the port of {url!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"the port of {redacted(url)!r} is not a number") from None
     return url
 
 

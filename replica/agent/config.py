@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from routing.index.factory import DEFAULT_INDEX_MODE, INDEX_MODES
 from routing.index.redis_client import check_cluster_url, is_cluster_url
+from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
 
 
 @dataclass
@@ -91,6 +92,13 @@ class AgentConfig:
                     "index_url is a Redis Cluster, which holds the block index only: give "
                     "fleet_url (--fleet-url), one Redis server for the fleet store"
                 )
+        for name in ("index_url", "fleet_url"):
+            url = getattr(self, name)
+            if url and is_sentinel_url(url):
+                try:
+                    check_sentinel_url(url)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
         if self.map_capacity < 1:
             raise ValueError(f"map_capacity must be >= 1 (got {self.map_capacity})")
 

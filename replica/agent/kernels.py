@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from replica.vllm_plugin.keys import PluginKeys
+from routing.redis_urls import PRIMARY_URL_PREFIXES
 
 __all__ = ["KernelReportReader", "build_kernel_reader"]
 
@@ -30,13 +31,9 @@ class KernelReportReader:
 
     def __init__(self, url: str, key_prefix: str, replica_id: str, *,
                  timeout_s: float = 1.0, client: Any | None = None) -> None:
-        import redis.asyncio as aioredis
+        from routing.redis_clients import bounded_client
 
-        from routing.redis_clients import expand_env
-
-        self._redis = client or aioredis.from_url(
-            expand_env(url), socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-        )
+        self._redis = client or bounded_client(url, timeout_s)
         self.key = PluginKeys(key_prefix, replica_id).kernels
         self._failing = False
 
@@ -60,6 +57,6 @@ class KernelReportReader:
 def build_kernel_reader(url: str | None, key_prefix: str, replica_id: str
                         ) -> KernelReportReader | None:
     """A reader for a Redis URL; None for an in-memory fleet (no plugin can report there)."""
-    if url is None or not url.startswith(("redis://", "rediss://", "unix://")):
+    if url is None or not url.startswith(PRIMARY_URL_PREFIXES):
         return None
     return KernelReportReader(url, key_prefix, replica_id)

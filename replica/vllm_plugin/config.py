@@ -101,15 +101,20 @@ class PluginConfig:
         """
         env = os.environ if env is None else env
         url = (env.get("FLEETGATE_REDIS_URL") or "").strip() or None
-        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise PluginConfigError(
-                f"FLEETGATE_REDIS_URL={url!r} must be a redis://, rediss:// or unix:// URL"
-            )
         if url is not None:
-            from routing.redis_clients import expand_env
+            from routing.redis_clients import expand_env, redacted
+            from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
+            from routing.redis_urls import PRIMARY_URL_PREFIXES
 
+            if not url.startswith(PRIMARY_URL_PREFIXES):
+                raise PluginConfigError(
+                    f"FLEETGATE_REDIS_URL={redacted(url)!r} must be a redis://, rediss:// or "
+                    "unix:// URL, or a Sentinel group's redis+sentinel://HOST:26379/SERVICE/DB"
+                )
             try:  # ${NAME} is expanded on connecting (redis_store.connect); refuse an unset one now
                 expand_env(url, env)
+                if is_sentinel_url(url):
+                    check_sentinel_url(url)
             except ValueError as exc:
                 raise PluginConfigError(f"FLEETGATE_REDIS_URL: {exc}") from exc
         replica_id = (env.get("FLEETGATE_REPLICA_ID") or "").strip() or socket.gethostname()

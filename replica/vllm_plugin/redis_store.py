@@ -21,20 +21,25 @@ __all__ = ["RedisStateStore", "connect"]
 
 def connect(url: str, timeout_s: float) -> Any:
     """A ``redis.Redis`` client for ``url`` (``${NAME}`` expanded from the environment, so a
-    password can come from a Secret) with ``timeout_s`` socket timeouts, no retries."""
+    password can come from a Secret; a Sentinel URL gives the primary its Sentinels name) with
+    ``timeout_s`` socket timeouts, no retries."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     from routing.redis_clients import expand_env
+    from routing.redis_sentinel import is_sentinel_url, sentinel_sync_client
 
-    return redis.Redis.from_url(
-        expand_env(url),
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=0,
-    )
+    url = expand_env(url)
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+    }
+    if is_sentinel_url(url):
+        return sentinel_sync_client(url, **options)
+    return redis.Redis.from_url(url, **options)
 
 
 def _text(value: str | bytes) -> str:

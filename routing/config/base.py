@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from routing.index.redis_client import check_cluster_url, is_cluster_url
+from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
 
 
 class StrictModel(BaseModel):
@@ -67,23 +68,33 @@ def check_http_url(value: str) -> str:
 
 
 def _check_redis_url(value: str) -> str:
+    """One Redis server's URL, or its Sentinels' (``redis+sentinel://``, ``rediss+sentinel://``)."""
+    if is_sentinel_url(value):
+        return check_sentinel_url(value)  # a ValueError saying what does not read
     parts = urlsplit(value)
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        raise ValueError(
+            "must be a redis://, rediss:// or unix:// URL, or a Sentinel group's "
+            "redis+sentinel://sentinel-0:26379,sentinel-1:26379/SERVICE/DB"
+        )
     if parts.scheme != "unix" and not parts.hostname:
         raise ValueError("must name a host, e.g. redis://redis:6379/0")
     return value
 
 
 def _check_index_redis_url(value: str) -> str:
-    """A Redis URL, or a Redis Cluster's (``redis+cluster://``, ``rediss+cluster://``)."""
+    """A Redis URL, a Sentinel group's, or a Redis Cluster's (``redis+cluster://``,
+    ``rediss+cluster://``)."""
     if is_cluster_url(value):
         return check_cluster_url(value)  # a ValueError naming the node it cannot read
+    if is_sentinel_url(value):
+        return check_sentinel_url(value)
     try:
         return _check_redis_url(value)
     except ValueError:
         raise ValueError(
-            "must be a redis://, rediss:// or unix:// URL, or a Redis Cluster's "
+            "must be a redis://, rediss:// or unix:// URL, a Sentinel group's "
+            "redis+sentinel:// or rediss+sentinel:// URL, or a Redis Cluster's "
             "redis+cluster:// or rediss+cluster:// URL"
         ) from None
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from routing.contracts import BlockIndex
+from routing.redis_urls import PRIMARY_URL_PREFIXES
 
 __all__ = ["DEFAULT_INDEX_MODE", "INDEX_MODES", "build_index"]
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+#: One primary's URL (a server's, or a Sentinel group's).
+_REDIS_SCHEMES = PRIMARY_URL_PREFIXES
 #: A Redis Cluster (``routing/index/redis_client.py``): mirror mode only.
 _CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
@@ -28,7 +30,8 @@ def build_index(
     """Build the index that ``url`` and ``mode`` name.
 
     ``None``, ``""`` or ``"memory"`` give a ``MemoryBlockIndex`` (``opts``: ``max_entries``,
-    ``clock``, ``require_heartbeat``); a ``redis://``, ``rediss://`` or ``unix://`` URL gives a
+    ``clock``, ``require_heartbeat``); a ``redis://``, ``rediss://`` or ``unix://`` URL (or a
+    Sentinel group's, ``redis+sentinel://``: ``routing/redis_sentinel.py``) gives a
     ``RedisBlockIndex`` in ``lookup`` mode (``opts``: ``key_prefix``, ``timeout_s``,
     ``block_ttl_s``, ...) or a ``MirrorBlockIndex`` in ``mirror`` mode (``opts``: ``key_prefix``,
     ``shards``, ``timeout_s``, ``max_entries``, ...). A ``redis+cluster://`` or
@@ -61,6 +64,7 @@ def build_index(
     from routing.config.errors import describe_value  # here: routing.config imports this module
 
     raise ValueError(
-        "index url must be 'memory', a redis://, rediss:// or unix:// URL, or a Redis Cluster's "
+        "index url must be 'memory', a redis://, rediss:// or unix:// URL, a Sentinel group's "
+        "redis+sentinel:// URL, or a Redis Cluster's "
         f"redis+cluster:// or rediss+cluster:// URL (got {describe_value(url)})"
     )

@@ -18,6 +18,8 @@ from redis.asyncio.cluster import ClusterNode
 
 from routing.hosts import url_host
 from routing.redis_clients import ENV_REFERENCE, expand_env
+from routing.redis_sentinel import is_sentinel_url, sentinel_client
+from routing.redis_urls import split_node_list_url
 
 __all__ = [
     "CLUSTER_SCHEMES",
@@ -43,40 +45,9 @@ def is_cluster_url(url: str) -> bool:
     return bool(sep) and scheme in CLUSTER_SCHEMES
 
 
-def _split_cluster_url(url: str) -> tuple[str, str, str, str]:
-    """``(scheme, userinfo@ or "", the node list, the rest from the first / or ?)``."""
-    scheme, _, rest = url.partition("://")
-    end = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-    netloc, tail = rest[:end], rest[end:]
-    userinfo, at, hosts = netloc.rpartition("@")
-    return scheme, userinfo + at, hosts, tail
-
-
-def _parse_node(node: str) -> tuple[str, int]:
-    """``host:port``, ``[v6]:port`` or ``host`` (port 6379) as ``(host, port)``."""
-    if node.startswith("["):
-        host, bracket, after = node[1:].partition("]")
-        if not bracket or not host or (after and not after.startswith(":")):
-            raise ValueError(f"cannot read the node {node!r}: write an IPv6 node as [::1]:6379")
-        port_text = after[1:]
-    else:
-        host, _, port_text = node.partition(":")
-        if not host:
-            raise ValueError(f"the node {node!r} names no host, e.g. redis-0:6379")
-    if not port_text:
-        return host, _DEFAULT_PORT
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise ValueError(f"the node {node!r} has no valid port (1-65535)")
-    return host, int(port_text)
-
-
 def cluster_seed_nodes(url: str) -> list[tuple[str, int]]:
     """The nodes a Cluster URL names, in order. ``ValueError`` naming the bad one, or if none."""
-    _, _, hosts, _ = _split_cluster_url(url)
-    nodes = [_parse_node(node.strip()) for node in hosts.split(",") if node.strip()]
-    if not nodes:
-        raise ValueError("must name a node, e.g. redis+cluster://redis-0:6379,redis-1:6379")
-    return nodes
+    return split_node_list_url(url).nodes(_DEFAULT_PORT)
 
 
 def check_cluster_url(url: str) -> str:
@@ -88,14 +59,17 @@ def check_cluster_url(url: str) -> str:
 
 def connect(url: str, **options: Any) -> IndexRedis:
     """A client for ``url`` (``${NAME}`` expanded from the environment): a ``RedisCluster`` for
-    a cluster URL (every node it names a seed, tried until one answers), else a ``Redis``.
+    a cluster URL (every node it names a seed, tried until one answers), the primary its
+    Sentinels name for a Sentinel URL (``routing/redis_sentinel.py``), else a ``Redis``.
 
     ``options`` are client settings both take (timeouts, ``retry``).
     """
     url = expand_env(url)
+    if is_sentinel_url(url):
+        return sentinel_client(url, **options)
     if not is_cluster_url(url):
         return aioredis.Redis.from_url(url, **options)
-    scheme, userinfo, _, tail = _split_cluster_url(url)
+    scheme, userinfo, _, tail = split_node_list_url(url)
     nodes = cluster_seed_nodes(url)
     first_host, first_port = nodes[0]
     # Every seed is passed, the URL's own node too (redis-py adds it after the others); each

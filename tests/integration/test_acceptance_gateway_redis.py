@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from bench.local_redis import LocalRedisCluster
+from bench.local_redis import LocalRedisCluster, LocalRedisSentinel
 from replica.sim.fleet import start_sim_fleet
 from tests.integration.acceptance_support import (
     MODEL,
@@ -380,6 +380,84 @@ async def test_redis_outage_degrades_to_load_only_with_zero_failures_then_recove
     assert degraded >= len(during) and degraded_log == len(during)
     assert not any(d["degraded"] for d in recent)
     # Prefix-aware again: every repeated system prompt lands where it is cached.
+    assert all(c > 0 for c, seen in zip(cached_after, _repeats(after), strict=True) if seen)
+
+
+async def _index_events(port: int, password: str | None, prefix: str) -> int:
+    """Events in the index's shard streams on the server at ``port`` (not through Sentinel: the
+    count of one server, whichever role it has)."""
+    import redis.asyncio as aioredis
+
+    server = aioredis.Redis(host="127.0.0.1", port=port, password=password)
+    try:
+        keys = [k async for k in server.scan_iter(match="{" + prefix + ":s*}:events")]
+        return sum([await server.xlen(k) for k in keys])
+    finally:
+        await server.aclose()
+
+
+async def test_a_sentinel_failover_loses_no_request_and_the_fleet_follows_the_new_primary() -> None:
+    """Everything on Redis behind Sentinel (``redis+sentinel://``: index, fleet store, in-flight
+    counts), then the primary SIGKILLed mid-traffic: nothing fails while the Sentinels promote
+    a replica, and the agents and the gateway carry on with the promoted one."""
+    sentinel = LocalRedisSentinel(password="fg-sentinel-pw").start()
+    try:
+        async with (
+            redis_stack(sentinel.url, REPLICAS) as stack,
+            client_session() as http,
+        ):
+            before = [0, 1, 2] * 3
+            cached = await _send_topics(stack, http, before, "up")
+            assert all(c > 0 for c, seen in zip(cached, _repeats(before), strict=True) if seen)
+            old = sentinel.primary_port()
+
+            during = [3, 4, 5, 0, 1, 2] * 3
+
+            async def send_during() -> list[ClientResult]:
+                return await asyncio.gather(
+                    *(
+                        post_and_read(
+                            http,
+                            stack.url,
+                            "/v1/chat/completions",
+                            chat_body(_messages(t, j), stream=j % 2 == 0),
+                            f"failover-{j}",
+                        )
+                        for j, t in enumerate(during)
+                    )
+                )
+
+            async with hang_guard("requests during the Sentinel failover"):
+                promoted, outage = await asyncio.gather(
+                    asyncio.to_thread(sentinel.kill_primary), send_during()
+                )
+            failed = [r for r in outage if not r.ok]
+            events_then = await _index_events(promoted, sentinel.password, stack.index_prefix)
+
+            async def routing_on_the_index_again() -> bool:
+                await _send_topics(stack, http, [0], "probe")
+                (latest,) = await decisions(http, stack.url, 1)
+                chosen = latest["explanations"][latest["replica"]]
+                return not latest["degraded"] and chosen["matched_blocks"] > 0
+
+            await eventually(routing_on_the_index_again, "decisions use the index again")
+            after = [6, 7, 8] * 3
+            cached_after = await _send_topics(stack, http, after, "back")
+            recent = await decisions(http, stack.url, len(after))
+            events_now = await _index_events(promoted, sentinel.password, stack.index_prefix)
+    finally:
+        sentinel.stop()
+    print(
+        f"\nSentinel failover {old} -> {promoted}: {len(during)} requests during it, "
+        f"{len(failed)} failed; index events on the promoted primary {events_then} -> "
+        f"{events_now} after {len(after)} more requests"
+    )
+    assert promoted != old
+    assert failed == []
+    # The agents write the new prompts' blocks to the promoted primary, and the gateway reads
+    # them: every repeated new system prompt lands where it is cached.
+    assert events_now > events_then
+    assert not any(d["degraded"] for d in recent)
     assert all(c > 0 for c, seen in zip(cached_after, _repeats(after), strict=True) if seen)
 
 
