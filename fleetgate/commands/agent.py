@@ -65,7 +65,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     group.add_argument(
         "--index-url",
         default="memory",
-        help="block index: redis://HOST:PORT/DB, a Redis Cluster as "
+        help="block index: redis://HOST:PORT/DB, Redis behind Sentinel as "
+        "redis+sentinel://SENTINEL:26379[,...]/SERVICE/DB, a Redis Cluster as "
         "redis+cluster://NODE:PORT[,NODE:PORT...] (seed nodes, tried until one answers; "
         "mirror mode; then give --fleet-url too), or memory (default: memory)",
     )

@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--redis",
         type=redis_url,
         metavar="URL",
-        help="Redis URL (redis://HOST:PORT/DB): shared index, in-flight counts, agents",
+        help="Redis URL (redis://HOST:PORT/DB, or for Redis behind Sentinel "
+        "redis+sentinel://SENTINEL:26379[,...]/SERVICE/DB): shared index, in-flight counts, agents",
     )
     parser.add_argument(
         "--index-mode",
