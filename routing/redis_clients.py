@@ -10,6 +10,7 @@ at most about two timeouts and the caller's own fallback takes over.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from redis.asyncio import Redis
@@ -28,10 +29,20 @@ __all__ = [
     "redacted",
 ]
 
+#: Query options that carry a secret (the Sentinels' password, a client key's passphrase).
+_SECRET_OPTION = re.compile(r"(?<=[?&])((?:sentinel_|ssl_)password=)([^&#]*)")
+
+
+def _literal(value: str) -> bool:
+    return bool(value) and not ENV_REFERENCE.fullmatch(value)
+
+
 def redacted(url: str) -> str:
-    """``url`` with a written-out password replaced by ``***``, for logs and admin answers."""
+    """``url`` with every written-out password (the user-info's, and ``sentinel_password`` or
+    ``ssl_password`` in the query) replaced by ``***``, for logs, errors and admin answers."""
     from urllib.parse import urlsplit
 
+    url = _SECRET_OPTION.sub(lambda m: m[1] + ("***" if _literal(m[2]) else m[2]), url)
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -39,17 +50,22 @@ def redacted(url: str) -> str:
         scheme, sep, rest = url.partition("://")
         userinfo, at, after = rest.partition("@")
         return f"{scheme}{sep}***@{after}" if at and "/" not in userinfo else url
-    if not parts.password or ENV_REFERENCE.fullmatch(parts.password):
+    if not _literal(parts.password or ""):
         return url
     return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 
 def has_literal_password(url: str) -> bool:
-    """True if ``url`` carries a password written out (not a ``${NAME}`` reference)."""
+    """True if ``url`` carries a password written out (not a ``${NAME}`` reference): in its
+    user-info, or as ``sentinel_password`` / ``ssl_password`` in its query."""
     from urllib.parse import urlsplit
 
-    password = urlsplit(url).password
-    return bool(password) and not ENV_REFERENCE.fullmatch(password or "")
+    if any(_literal(m[2]) for m in _SECRET_OPTION.finditer(url)):
+        return True
+    try:
+        return _literal(urlsplit(url).password or "")
+    except ValueError:
+        return "@" in url.partition("://")[2].split("/", 1)[0]
 
 
 def bounded_options(timeout_s: float) -> dict[str, Any]:

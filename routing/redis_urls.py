@@ -1,16 +1,32 @@
-"""Redis URLs that name several nodes: a Cluster's seeds, a Sentinel group.
+"""What fleetgate reads of a Redis URL itself: node lists, and the options in its query.
 
 ``SCHEME://[userinfo@]host:port,host:port,[::1]:port/rest?query``: the part between ``://`` (and
 the user-info) and the first ``/`` or ``?`` is a comma-separated node list, which no URL parser
 reads (``urlsplit`` takes it for one host). The Cluster URL (``routing/index/redis_client.py``)
 and the Sentinel URL (``routing/redis_sentinel.py``) read it here, the same way.
+
+The query's options go to redis-py's connections (``?ssl_ca_certs=/etc/redis/ca.pem``). One it
+does not know, or a TLS option on a plain URL, fails every connect for ever, so the policy file,
+the CLI and the engine plugin refuse them when they read the URL (``check_url_options``), and a
+process checks the certificate files it was given when it starts (``check_url_files``).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["PRIMARY_URL_PREFIXES", "NodeListUrl", "parse_node", "split_node_list_url"]
+__all__ = [
+    "CONNECTION_OPTIONS",
+    "PRIMARY_URL_PREFIXES",
+    "SENTINEL_OPTIONS",
+    "TLS_FILE_OPTIONS",
+    "TLS_OPTIONS",
+    "NodeListUrl",
+    "check_url_files",
+    "check_url_options",
+    "parse_node",
+    "split_node_list_url",
+]
 
 #: How URLs of one Redis primary begin: a server's, or a Sentinel group's (which names it). Every
 #: Redis client but the block index's takes only these (the index also takes a Cluster's).
@@ -70,3 +86,104 @@ def parse_node(node: str, default_port: int) -> tuple[str, int]:
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(f"the node {node!r} has no valid port (1-65535)")
     return host, int(port_text)
+
+
+#: Query options a Redis URL may carry, passed to redis-py's connections as in ``redis://``
+#: URLs (an unknown one would reach the connection as a keyword argument and fail every
+#: connect with a ``TypeError``, so it is refused up front) ...
+CONNECTION_OPTIONS = frozenset(
+    {
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "health_check_interval",
+        "client_name",
+        "max_connections",
+        "retry_on_timeout",
+        "timeout",
+        "protocol",
+        "db",
+    }
+)
+#: ... those that only a TLS URL (``rediss://``, ``rediss+cluster://``, ``rediss+sentinel://``)
+#: takes ...
+TLS_OPTIONS = frozenset(
+    {
+        "ssl_ca_certs",
+        "ssl_ca_path",
+        "ssl_ca_data",
+        "ssl_certfile",
+        "ssl_keyfile",
+        "ssl_password",
+        "ssl_cert_reqs",
+        "ssl_check_hostname",
+        "ssl_min_version",
+        "ssl_ciphers",
+    }
+)
+#: ... and those only a Sentinel URL takes (``routing/redis_sentinel.py``).
+SENTINEL_OPTIONS = frozenset({"sentinel_username", "sentinel_password"})
+#: TLS options that name a file (or, ``ssl_ca_path``, a directory) the connecting process reads.
+TLS_FILE_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
+_CERT_REQS = ("none", "optional", "required")
+
+
+def _query_pairs(url: str) -> list[tuple[str, str]]:
+    from urllib.parse import parse_qsl
+
+    _, _, rest = url.partition("://")
+    query = rest.partition("?")[2].partition("#")[0]
+    return parse_qsl(query, keep_blank_values=True)
+
+
+def check_url_options(url: str) -> None:
+    """``ValueError`` naming the first query option of ``url`` that no connection could take:
+    unknown (with the nearest known name), TLS-only on a plain URL, Sentinel-only elsewhere,
+    or a value redis-py cannot read. ``${NAME}`` references stand for any value."""
+    import difflib
+
+    import redis
+
+    scheme = url.partition("://")[0]
+    tls, sentinel = scheme.startswith("rediss"), scheme.endswith("+sentinel")
+    allowed = CONNECTION_OPTIONS | TLS_OPTIONS | (SENTINEL_OPTIONS if sentinel else frozenset())
+    pairs = _query_pairs(url)
+    for key, value in pairs:
+        if key not in allowed:
+            near = difflib.get_close_matches(key, sorted(allowed), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            known = ", ".join(sorted(allowed))
+            raise ValueError(f"unknown option {key!r} in the Redis URL{hint}; known: {known}")
+        if key in TLS_OPTIONS and not tls:
+            raise ValueError(
+                f"{key} is a TLS option: use rediss:// (rediss+cluster://, rediss+sentinel://)"
+            )
+        if key == "ssl_cert_reqs" and value.lower() not in _CERT_REQS and "${" not in value:
+            choices = ", ".join(_CERT_REQS)
+            raise ValueError(f"ssl_cert_reqs must be one of {choices} (got {value!r})")
+    typed = [(k, v) for k, v in pairs if k in CONNECTION_OPTIONS and "${" not in v]
+    if typed:
+        from urllib.parse import urlencode
+
+        try:
+            redis.connection.parse_url(f"redis://localhost?{urlencode(typed)}")
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the Redis URL's query)") from None
+
+
+def check_url_files(url: str) -> None:
+    """``ValueError`` naming each TLS option of ``url`` (``${NAME}`` already expanded) whose file
+    this process cannot read: checked when a process starts, so that a missing certificate is
+    told at once, not as an endless 'No such file or directory' connect error."""
+    import os
+
+    for key, path in _query_pairs(url):
+        if key not in TLS_FILE_OPTIONS:
+            continue
+        wanted = os.path.isdir if key == "ssl_ca_path" else os.path.isfile
+        if not wanted(path) or not os.access(path, os.R_OK):
+            what = "directory" if key == "ssl_ca_path" else "file"
+            raise ValueError(
+                f"{key}={path}: no readable {what} there (the Redis URL's TLS {what}); mount it "
+                "into this container, or fix the path"
+            )

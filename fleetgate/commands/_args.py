@@ -90,12 +90,20 @@ def redis_url(url: str) -> str:
 
     from routing.redis_clients import redacted
     from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
+    from routing.redis_urls import check_url_options
 
-    if is_sentinel_url(url):
-        try:
+    if url.startswith(("redis+cluster://", "rediss+cluster://")):
+        raise argparse.ArgumentTypeError(
+            f"{redacted(url)}: a Redis Cluster holds the block index only. Give one Redis "
+            "server (fleet store, in-flight counts, token budgets) here, and put the Cluster "
+            "under the policy's index.redis_url (docs/index.md, Redis Cluster)"
+        )
+    try:
+        check_url_options(url)
+        if is_sentinel_url(url):
             return check_sentinel_url(url)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{redacted(url)}: {exc}") from None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{redacted(url)}: {exc}") from None
     parts = urlsplit(url)
     hint = f"; did you mean redis://{url}/0?" if "://" not in url else ""
     if parts.scheme not in REDIS_SCHEMES or (parts.scheme != "unix" and not parts.hostname):

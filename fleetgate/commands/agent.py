@@ -30,6 +30,8 @@ from fleetgate.commands._args import (
 )
 from gateway.logging_setup import configure_logging
 from replica.agent import AgentConfig, ReplicaAgent
+from routing.redis_env import expand_env
+from routing.redis_urls import check_url_files
 
 
 def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bool = True) -> None:
@@ -153,7 +155,14 @@ def agent_config_from_args(args: argparse.Namespace, **overrides: object) -> Age
     }
     values.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return AgentConfig(**values)  # type: ignore[arg-type]
+        config = AgentConfig(**values)  # type: ignore[arg-type]
+        for name, url in (("--index-url", config.index_url), ("--fleet-url", config.fleet_url)):
+            if url and url.startswith(("redis", "unix")):
+                try:  # this process connects: its ${NAME}s and certificate files must be there
+                    check_url_files(expand_env(url))
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        return config
     except ValueError as exc:
         raise SystemExit(f"fleetgate agent: {exc}") from None
 

@@ -190,6 +190,15 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.redis:
+        from routing.redis_clients import expand_env, redacted
+        from routing.redis_urls import check_url_files
+
+        try:  # this process connects: its ${NAME}s and certificate files must be there
+            check_url_files(expand_env(args.redis))
+        except ValueError as exc:
+            print(f"fleetgate serve: --redis {redacted(args.redis)}: {exc}", file=sys.stderr)
+            return 2
     if args.policy:
         ignored = [
             flag for flag, given in (
@@ -213,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
             )
         from routing.config import PolicyError, load_policy
         from routing.redis_clients import expand_env
+        from routing.redis_urls import check_url_files
 
         try:
             policy = load_policy(args.policy)  # refuse to start on an invalid file
@@ -223,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         try:  # here, once, not in each --workers process
             for url in policy.redis_urls().values():
-                expand_env(url)
+                check_url_files(expand_env(url))
         except ValueError as exc:
             print(f"fleetgate serve: {args.policy}: {exc}", file=sys.stderr)
             return 2

@@ -104,7 +104,7 @@ class PluginConfig:
         if url is not None:
             from routing.redis_clients import expand_env, redacted
             from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
-            from routing.redis_urls import PRIMARY_URL_PREFIXES
+            from routing.redis_urls import PRIMARY_URL_PREFIXES, check_url_files, check_url_options
 
             if not url.startswith(PRIMARY_URL_PREFIXES):
                 raise PluginConfigError(
@@ -112,9 +112,11 @@ class PluginConfig:
                     "unix:// URL, or a Sentinel group's redis+sentinel://HOST:26379/SERVICE/DB"
                 )
             try:  # ${NAME} is expanded on connecting (redis_store.connect); refuse an unset one now
-                expand_env(url, env)
+                expanded = expand_env(url, env)
+                check_url_options(url)
                 if is_sentinel_url(url):
                     check_sentinel_url(url)
+                check_url_files(expanded)  # this is the process that connects
             except ValueError as exc:
                 raise PluginConfigError(f"FLEETGATE_REDIS_URL: {exc}") from exc
         replica_id = (env.get("FLEETGATE_REPLICA_ID") or "").strip() or socket.gethostname()

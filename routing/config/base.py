@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from routing.index.redis_client import check_cluster_url, is_cluster_url
 from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
+from routing.redis_urls import check_url_options
 
 
 class StrictModel(BaseModel):
@@ -69,6 +70,7 @@ def check_http_url(value: str) -> str:
 
 def _check_redis_url(value: str) -> str:
     """One Redis server's URL, or its Sentinels' (``redis+sentinel://``, ``rediss+sentinel://``)."""
+    check_url_options(value)
     if is_sentinel_url(value):
         return check_sentinel_url(value)  # a ValueError saying what does not read
     parts = urlsplit(value)
@@ -86,9 +88,12 @@ def _check_index_redis_url(value: str) -> str:
     """A Redis URL, a Sentinel group's, or a Redis Cluster's (``redis+cluster://``,
     ``rediss+cluster://``)."""
     if is_cluster_url(value):
+        check_url_options(value)
         return check_cluster_url(value)  # a ValueError naming the node it cannot read
     if is_sentinel_url(value):
-        return check_sentinel_url(value)
+        return _check_redis_url(value)
+    if "?" in value and value.startswith(("redis://", "rediss://", "unix://")):
+        check_url_options(value)  # the option's own message, not the scheme list below
     try:
         return _check_redis_url(value)
     except ValueError:

@@ -17,6 +17,8 @@ from pydantic import ValidationError
 #: Keys whose values are never echoed back: someone may have pasted a raw API key there.
 _SECRET_KEYS = frozenset({"api_key_sha256"})
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]*@", re.IGNORECASE)
+#: A Redis URL's query options that carry a secret (the Sentinels' password, a key passphrase).
+_URL_SECRET_OPTION = re.compile(r"(?P<key>(?:sentinel_|ssl_)password=)[^&#\s]*")
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 Loc = Sequence[str | int]
@@ -40,12 +42,14 @@ def describe_value(value: Any, loc: Loc = ()) -> str:
     """A short, safe rendering of a value for an error message.
 
     Secrets are redacted (a raw key pasted where a hash belongs must not reach the logs) and so is
-    the user-info part of URLs (``redis://:password@host``).
+    the user-info part of URLs (``redis://:password@host``) and the passwords in a Redis URL's
+    query (``sentinel_password``, ``ssl_password``).
     """
     if any(isinstance(p, str) and p in _SECRET_KEYS for p in loc):
         return "<redacted>"
     if isinstance(value, str):
         text = _URL_USERINFO.sub(r"\g<scheme><redacted>@", value)
+        text = _URL_SECRET_OPTION.sub(r"\g<key><redacted>", text)
         if len(text) > 80:
             text = text[:77] + "..."
         return repr(text)
