@@ -153,6 +153,8 @@ class ReplicaAgent:
         if config.model is not None:
             self._model_known.set()
         self._registered_epoch: Epoch | None = None
+        #: The last fleet-store write failed (its warning is logged once per outage).
+        self._fleet_store_down = False
         self._wake_publisher = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -651,7 +653,22 @@ class ReplicaAgent:
         except FleetStoreUnavailable as exc:
             self.metrics.redis_error()
             self._registered_epoch = None  # register again once the store is back
-            logger.debug("replica %s: fleet store write failed: %s", self.replica, exc)
+            if self._fleet_store_down:
+                logger.debug("replica %s: fleet store write failed: %s", self.replica, exc)
+            else:
+                # Once per outage: while it lasts no gateway discovers this replica (one that
+                # never registered left nothing else in the log: the TLS review).
+                self._fleet_store_down = True
+                logger.warning(
+                    "replica %s: cannot register in the fleet store (%s); gateways that discover "
+                    "replicas through it do not see this one until it can; retrying",
+                    self.replica,
+                    exc,
+                )
+            return
+        if self._fleet_store_down:
+            self._fleet_store_down = False
+            logger.info("replica %s: registered in the fleet store again", self.replica)
 
     async def _index_heartbeat(self) -> None:
         try:

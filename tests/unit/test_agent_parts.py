@@ -341,3 +341,51 @@ def test_the_prestop_drain_counts_what_the_engine_holds() -> None:
     assert requests_in_engine(text) == 6
     assert requests_in_engine("vllm:num_requests_running 0.0\n") == 0
     assert requests_in_engine("up 1\n") is None  # no gauges: unknown (it waits to its timeout)
+
+
+async def test_the_agent_warns_once_per_fleet_store_outage_and_says_when_it_is_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """While it cannot register, no gateway discovering replicas through the store sees this
+    one: worth a warning, once (TLS review: every failure was DEBUG, so a replica that never
+    registered left nothing in its log), and a line when registration works again."""
+    from replica.agent import ReplicaAgent
+    from replica.fleet_store import FleetStoreUnavailable
+    from routing.index import MemoryBlockIndex
+
+    class FlakyStore(MemoryFleetStore):
+        down = True
+
+        async def register(self, state: ReplicaState, ttl_s: float) -> None:
+            if self.down:
+                raise FleetStoreUnavailable("certificate verify failed")
+            await super().register(state, ttl_s)
+
+        async def publish(self, state: ReplicaState, ttl_s: float) -> None:
+            if self.down:
+                raise FleetStoreUnavailable("certificate verify failed")
+            await super().publish(state, ttl_s)
+
+    def logged(level: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == level]
+
+    store = FlakyStore()
+    agent = ReplicaAgent(
+        AgentConfig(replica_id="pool/r0", engine_url="http://127.0.0.1:9", listen_port=None),
+        index=MemoryBlockIndex(), fleet=store,
+    )
+    caplog.set_level("DEBUG")
+    try:
+        for _ in range(3):
+            await agent.publish_state()
+        (warning,) = logged("WARNING")
+        assert "cannot register in the fleet store (certificate verify failed)" in warning
+        store.down = False
+        await agent.publish_state()
+        assert [r.replica_id for r in await store.list_replicas()] == ["pool/r0"]
+        assert any("registered in the fleet store again" in m for m in logged("INFO"))
+        store.down = True
+        await agent.publish_state()
+        assert len(logged("WARNING")) == 2  # a new outage is told again
+    finally:
+        await agent.scraper.close()
