@@ -159,6 +159,9 @@ class ReplicaRegistry:
         #: placement and slot gauges).
         self.on_remove: list[Callable[[ReplicaId], None]] = []
         self._missing_since: dict[ReplicaId, float] = {}
+        #: Why the fleet store (where agents register replicas) could not be read last time;
+        #: None when it was, or when there is none.
+        self.discovery_error: str | None = None
         #: Consecutive failed /health polls per replica; ``unhealthy_after_polls`` in a row
         #: mark it unhealthy.
         self._failed_polls: dict[ReplicaId, int] = {}

@@ -30,13 +30,20 @@ async def health_loop(gw: GatewayState) -> None:
 
 async def merge_fleet_store(gw: GatewayState) -> None:
     """Take in the replicas agents registered (Redis or in-memory fleet store)."""
+    registry = gw.registry
     try:
         states = await gw.fleet_store.list_replicas()
         departed = await gw.fleet_store.departed()
     except Exception as exc:  # Redis down: keep the replicas we know
-        log.warning("fleet store unavailable: %s", exc)
+        # Once per outage (it was every health interval: thousands of lines an hour).
+        level = logging.DEBUG if registry.discovery_error is not None else logging.WARNING
+        log.log(level, "fleet store unavailable: %s; keeping the replicas known", exc)
+        registry.discovery_error = f"{type(exc).__name__}: {exc}"
         return
-    gw.registry.sync_discovered(states, departed)
+    if registry.discovery_error is not None:
+        log.info("fleet store readable again")
+        registry.discovery_error = None
+    registry.sync_discovered(states, departed)
 
 
 async def inflight_loop(gw: GatewayState, interval_s: float = 0.25) -> None:

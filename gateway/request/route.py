@@ -288,6 +288,19 @@ def resolve_model(
     parent = replicas.served_adapters.get(model)
     if parent is not None:
         return parent, model
+    if not replicas.all() and replicas.discovery_error is not None:
+        # No replica known because the store agents register them in cannot be read: saying
+        # "no such model" would send the caller after the wrong problem (TLS review).
+        raise GatewayError(
+            503,
+            errors.NO_HEALTHY_REPLICA,
+            # The reason stays in the gateway's log: a client is not told the fleet's insides.
+            "No replica is known yet: this gateway discovers replicas in its fleet store (Redis), "
+            "which it cannot read now (the gateway's log says why: check Redis and the URL's "
+            "host, password and TLS options in --redis or discovery.redis_url).",
+            "model",
+            headers={"Retry-After": "2"},
+        )
     silent = replicas.never_listed_models()
     if silent:
         # Without a policy (or --model) the models come from the engines' /v1/models: while

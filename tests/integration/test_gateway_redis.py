@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from types import SimpleNamespace
 from unittest.mock import patch
 
@@ -233,3 +234,53 @@ async def test_the_sync_loop_ends_when_cancelled_even_if_redis_turns_it_into_an_
     done, _ = await asyncio.wait([task], timeout=30)
     assert task in done and task.cancelled()
     await inflight.close()
+
+
+async def test_a_gateway_whose_fleet_store_cannot_be_read_says_so_once_and_answers_503(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Replicas only from agents' registrations, and the Redis they are in unreachable from the
+    start (a wrong TLS option is the likeliest way): every request said "model does not exist"
+    (TLS review), and the log said "fleet store unavailable" every health interval."""
+    from replica.fleet_store import RedisFleetStore
+    from tests.support.redis_server import free_port
+
+    caplog.set_level(logging.DEBUG, logger="gateway.tasks")
+    redis_server = RedisServer(port=free_port())  # not started yet: nothing listens there
+    store = RedisFleetStore(redis_server.url, socket_timeout_s=0.5)
+    cfg = GatewayConfig(health_interval_s=0.05)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def warned() -> list[str]:
+        return [
+            r.getMessage() for r in caplog.records
+            if r.levelname == "WARNING" and "fleet store unavailable" in r.getMessage()
+        ]
+
+    async with (
+        serve(create_app(cfg, GatewayPolicy.default([]), fleet_store=store)) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        await wait_until(
+            lambda: sum("fleet store unavailable" in r.getMessage() for r in caplog.records) >= 3,
+            "three failed reads of the fleet store",
+            timeout_s=10,
+        )
+        async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+            status, error = resp.status, (await resp.json())["error"]
+        assert status == 503 and error["code"] == "no_healthy_replica"
+        assert "fleet store (Redis), which it cannot read" in error["message"]
+        assert str(redis_server.port) not in error["message"]  # the fleet's insides stay inside
+        assert len(warned()) == 1
+
+        redis_server.start()
+        try:
+            await wait_until(
+                lambda: any("readable again" in r.getMessage() for r in caplog.records),
+                "the fleet store is read again",
+                timeout_s=10,
+            )
+            async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 404  # nobody registered "m": now it is an unknown model
+        finally:
+            redis_server.stop()
