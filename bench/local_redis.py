@@ -412,6 +412,17 @@ class LocalRedisSentinel:
         self._wait(promoted, f"the Sentinels to promote a replica of port {old}", timeout_s)
         return self.primary_port()
 
+    def fail_over(self, timeout_s: float = 30.0) -> int:
+        """``SENTINEL FAILOVER``: a graceful failover (an upgrade's), the old primary alive and
+        answering until the Sentinels turn it into a replica; returns the new primary's port
+        once the Sentinels name it."""
+        old = self.primary_port()
+        self._cli(self.sentinel_ports[0], "sentinel", "failover", self.service,
+                  password=self.sentinel_password)
+        self._wait(lambda: self.primary_port() != old, "the Sentinels to name a new primary",
+                   timeout_s)
+        return self.primary_port()
+
     def stop(self) -> None:
         for process in self.processes.values():
             process.kill()

@@ -18,20 +18,32 @@ Options in the query are the connection's, as for ``redis://`` (``ssl_ca_certs=/
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
+from redis.exceptions import RedisError
 
+from routing.hosts import url_host
 from routing.redis_env import ENV_REFERENCE
 from routing.redis_urls import split_node_list_url
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DEFAULT_SENTINEL_PORT",
+    "PRIMARY_CHECK_S",
     "SENTINEL_SCHEMES",
+    "PrimaryMoves",
+    "SentinelPrimary",
     "SentinelUrl",
     "check_sentinel_url",
     "is_sentinel_url",
@@ -46,6 +58,11 @@ SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
 DEFAULT_SENTINEL_PORT = 26379
 
 _EXAMPLE = "redis+sentinel://sentinel-0:26379,sentinel-1:26379/mymaster/0"
+#: Socket timeouts of the Sentinel connections when the caller gives none (seconds).
+SENTINEL_TIMEOUT_S = 1.0
+#: How often a client asks the Sentinels whether the primary moved (seconds; see
+#: ``SentinelPrimary``).
+PRIMARY_CHECK_S = 1.0
 #: Query options that are the Sentinels' own, not the primary's connection's.
 _SENTINEL_AUTH = ("sentinel_username", "sentinel_password")
 
@@ -122,7 +139,9 @@ def check_sentinel_url(url: str) -> str:
     return url
 
 
-def _client_settings(spec: SentinelUrl, options: dict[str, Any]) -> tuple[dict, dict]:
+def _client_settings(
+    spec: SentinelUrl, options: dict[str, Any], *, sync: bool = False
+) -> tuple[dict, dict]:
     """(the primary's connection settings, the Sentinels'): the caller's ``options`` (timeouts,
     ``retry``), then the URL's own (which win, as in ``Redis.from_url``)."""
     primary: dict[str, Any] = {**options, **spec.options, "db": spec.db}
@@ -130,9 +149,14 @@ def _client_settings(spec: SentinelUrl, options: dict[str, Any]) -> tuple[dict, 
         primary["username"] = spec.username
     if spec.password:
         primary["password"] = spec.password
-    # The Sentinels answer one short question each: the same timeouts, and TLS with the same
-    # certificates when the URL asks for TLS; not the primary's credentials, database or retry.
+    # The Sentinels answer one short question each: the same timeouts (a second without any),
+    # and TLS with the same certificates when the URL asks for TLS; not the primary's
+    # credentials or database. Each is asked once, no retry: the next Sentinel is the retry
+    # (redis-py's default, retries with backoff, held every call seconds on a dead first one).
     sentinels = {k: v for k, v in primary.items() if k.startswith(("socket_", "ssl_"))}
+    sentinels.setdefault("socket_timeout", SENTINEL_TIMEOUT_S)
+    sentinels.setdefault("socket_connect_timeout", sentinels["socket_timeout"])
+    sentinels["retry"] = _no_retry(sync)
     if spec.tls:
         primary["ssl"] = sentinels["ssl"] = True
     if spec.sentinel_username:
@@ -142,17 +166,139 @@ def _client_settings(spec: SentinelUrl, options: dict[str, Any]) -> tuple[dict, 
     return primary, sentinels
 
 
+def _no_retry(sync: bool) -> Any:
+    from redis.backoff import NoBackoff
+
+    if sync:
+        from redis.retry import Retry
+    else:
+        from redis.asyncio.retry import Retry
+    return Retry(NoBackoff(), 0)
+
+
+def _node(client: Any) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    return f"{url_host(str(kwargs.get('host')))}:{kwargs.get('port')}"
+
+
+def _no_primary(service: str, asked: list[str]) -> MasterNotFoundError:
+    """One short line per Sentinel (redis-py's message embeds each client's repr, kilobytes of
+    it), and what to do about the likely causes."""
+    hints = []
+    if any("uthentication" in line or "NOAUTH" in line for line in asked):
+        hints.append("Sentinels that require a password take ?sentinel_password=${NAME}")
+    if any("monitors" in line for line in asked):
+        hints.append("the service is the name in the Sentinels' 'sentinel monitor NAME ...'")
+    hint = f" ({'; '.join(hints)})" if hints else ""
+    return MasterNotFoundError(
+        f"the Sentinels named no primary for service {service!r}: {'; '.join(asked)}{hint}"
+    )
+
+
+def _asked(node: str, masters: dict[str, Any] | None, service: str) -> str:
+    if masters is not None and service in masters:
+        return f"{node} sees it down or not a primary"
+    return f"{node} monitors {sorted(masters or {}) or 'nothing'}, not {service!r}"
+
+
+class _Sentinels(Sentinel):
+    """redis-py's Sentinel manager with short, actionable errors."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        asked = []
+        for number, sentinel in enumerate(self.sentinels):
+            node = _node(sentinel)
+            try:
+                masters = await sentinel.sentinel_masters()
+            except RedisError as exc:
+                asked.append(f"{node} {type(exc).__name__}: {exc}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                # The one that answered is asked first next time (as redis-py does).
+                self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
+                return state["ip"], state["port"]
+            asked.append(_asked(node, masters, service_name))
+        raise _no_primary(service_name, asked)
+
+
 class SentinelPrimary(aioredis.Redis):
-    """A client of the primary that Sentinels name; closing it also closes its connections to
-    the Sentinels."""
+    """A client of the primary that Sentinels name.
+
+    redis-py asks the Sentinels only when it opens a connection, so after a graceful failover
+    (``SENTINEL FAILOVER``: the old primary answers writes until it is told to replicate) the
+    pooled connections went on writing to the old primary for seconds, and those writes were
+    lost (Sentinel review). So at most every ``PRIMARY_CHECK_S``, a call also asks, in the
+    background (a Sentinel outage must not fail or slow a call to a healthy primary), and when
+    the primary moved, the idle connections to the old one close and ``primary_changes`` counts
+    it: writers that may have lost writes re-record (``routing/index``). Closing the client
+    also closes its connections to the Sentinels.
+    """
 
     sentinel: Sentinel | None = None
+    service: str = ""
+    #: Times this client saw the primary move.
+    primary_changes: int = 0
+    _checked_at: float = -math.inf
+    _check: asyncio.Task[None] | None = None
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        self._maybe_check_primary()
+        return await super().execute_command(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        self._maybe_check_primary()
+        return super().pipeline(transaction, shard_hint)
+
+    def _maybe_check_primary(self) -> None:
+        now = time.monotonic()
+        if self.sentinel is None or now - self._checked_at < PRIMARY_CHECK_S:
+            return
+        if self._check is not None and not self._check.done():
+            return
+        self._checked_at = now
+        self._check = asyncio.get_running_loop().create_task(self._check_primary())
+
+    async def _check_primary(self) -> None:
+        pool = self.connection_pool
+        before = getattr(pool, "master_address", None)
+        try:
+            # Updates the pool's address and closes its idle connections if it moved.
+            after = await pool.get_master_address()
+        except RedisError:
+            return  # the Sentinels are out of reach: the connections we have still work
+        if before is not None and tuple(after) != tuple(before):
+            self.primary_changes += 1
+            logger.info(
+                "Redis primary for %r is now %s:%s (was %s:%s)",
+                self.service, url_host(str(after[0])), after[1], url_host(str(before[0])),
+                before[1],
+            )
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        if self._check is not None:
+            self._check.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RedisError):
+                await self._check
         await super().aclose(close_connection_pool)
         if self.sentinel is not None:
             for client in self.sentinel.sentinels:
                 await client.aclose()
+
+
+class PrimaryMoves:
+    """Whether a writer's client saw its primary move since the writer last asked: its writes
+    since the move before may have gone to the old primary and be lost, so the writer answers
+    its heartbeat as if Redis had forgotten it, and the agent re-records what its engine holds
+    (as after a flush). Always False for a client not behind Sentinel."""
+
+    def __init__(self) -> None:
+        self._seen = 0
+
+    def check(self, client: object) -> bool:
+        changes = client.primary_changes if isinstance(client, SentinelPrimary) else 0
+        moved, self._seen = changes != self._seen, changes
+        return moved
 
 
 def sentinel_client(url: str, **options: Any) -> SentinelPrimary:
@@ -161,17 +307,36 @@ def sentinel_client(url: str, **options: Any) -> SentinelPrimary:
     call."""
     spec = parse_sentinel_url(url)
     primary, sentinels = _client_settings(spec, options)
-    sentinel = Sentinel(list(spec.sentinels), sentinel_kwargs=sentinels)
+    sentinel = _Sentinels(list(spec.sentinels), sentinel_kwargs=sentinels)
     client = sentinel.master_for(spec.service, redis_class=SentinelPrimary, **primary)
     client.sentinel = sentinel
+    client.service = spec.service
     return client
 
 
 def sentinel_sync_client(url: str, **options: Any) -> redis.Redis:
-    """``sentinel_client``'s synchronous twin (``redis.Redis``), for code off the event loop."""
+    """``sentinel_client``'s synchronous twin (``redis.Redis``), for code off the event loop
+    (the engine plugin, which rewrites its state every heartbeat: no primary watch)."""
     from redis.sentinel import Sentinel as SyncSentinel
 
+    class SyncSentinels(SyncSentinel):
+        def discover_master(self, service_name: str) -> tuple[str, int]:
+            asked = []
+            for number, sentinel in enumerate(self.sentinels):
+                node = _node(sentinel)
+                try:
+                    masters = sentinel.sentinel_masters()
+                except RedisError as exc:
+                    asked.append(f"{node} {type(exc).__name__}: {exc}")
+                    continue
+                state = masters.get(service_name)
+                if state and self.check_master_state(state, service_name):
+                    self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
+                    return state["ip"], state["port"]
+                asked.append(_asked(node, masters, service_name))
+            raise _no_primary(service_name, asked)
+
     spec = parse_sentinel_url(url)
-    primary, sentinels = _client_settings(spec, options)
-    sentinel = SyncSentinel(list(spec.sentinels), sentinel_kwargs=sentinels)
+    primary, sentinels = _client_settings(spec, options, sync=True)
+    sentinel = SyncSentinels(list(spec.sentinels), sentinel_kwargs=sentinels)
     return sentinel.master_for(spec.service, **primary)

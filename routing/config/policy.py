@@ -244,9 +244,13 @@ class Policy(StrictModel):
                 )
         for where, url in self.redis_urls().items():
             if has_literal_password(url):
+                # Name the variable after the password that is written out.
+                name = "REDIS_PASSWORD"
+                if not has_literal_password(url.split("?")[0]):
+                    name = "SENTINEL_PASSWORD" if "sentinel_password=" in url else "KEY_PASSPHRASE"
                 found.append(
                     f"{where}: a password written in the file (a ConfigMap anyone with read "
-                    "access sees): write ${REDIS_PASSWORD} there and set REDIS_PASSWORD in the "
+                    f"access sees): write ${{{name}}} there and set {name} in the "
                     "gateway's environment (e.g. from a Secret)"
                 )
         return found

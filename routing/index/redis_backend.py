@@ -23,6 +23,7 @@ from routing.index import redis_scripts
 from routing.index._redis_call import call_redis
 from routing.index._validate import check_blocks, check_epoch, check_replica, check_ttl
 from routing.redis_clients import bounded_client
+from routing.redis_sentinel import PrimaryMoves
 from routing.types import BlockHash, Epoch, ReplicaId
 
 __all__ = ["RedisBlockIndex"]
@@ -78,6 +79,7 @@ class RedisBlockIndex:
             self._owns_client = False
         else:
             raise TypeError(f"redis must be a URL or a redis.asyncio.Redis (got {redis!r})")
+        self._primary_moved = PrimaryMoves()
         self.key_prefix = key_prefix
         tag = "{" + key_prefix + "}"
         self._epochs_key = f"{tag}:epochs"
@@ -145,7 +147,7 @@ class RedisBlockIndex:
         known = await self._call(
             "heartbeat", self._heartbeat(keys=keys, args=[replica, _to_ms(ttl_s)])
         )
-        return bool(int(known))
+        return bool(int(known)) and not self._primary_moved.check(self._client)
 
     # ------------------------------------------------------------------ writes
 

@@ -19,6 +19,7 @@ from routing.index._validate import check_blocks, check_epoch, check_replica, ch
 from routing.index.redis_client import IndexRedis, connect
 from routing.index.stream_layout import DEFAULT_SHARDS, StreamLayout
 from routing.redis_clients import bounded_options
+from routing.redis_sentinel import PrimaryMoves
 from routing.types import BlockHash, Epoch, ReplicaId
 
 __all__ = ["DEFAULT_STREAM_MAX_LEN", "StreamIndexWriter", "pack_blocks", "unpack_blocks"]
@@ -90,6 +91,7 @@ class StreamIndexWriter:
             self._client = redis
             self._owns_client = False
         self._write = self._client.register_script(stream_scripts.WRITE)
+        self._primary_moved = PrimaryMoves()
         #: Replicas whose epoch Redis knew at this writer's last confirmed write (or that it
         #: declared): a later write that finds none means Redis lost it (``IndexLost``).
         self._declared: set[ReplicaId] = set()
@@ -171,7 +173,8 @@ class StreamIndexWriter:
         without persistence): the caller must declare an epoch and re-record its blocks."""
         check_replica(replica)
         check_ttl(ttl_s, optional=False)
-        return bool(await self._run("h", replica, None, ttl=_ms(ttl_s)))
+        known = bool(await self._run("h", replica, None, ttl=_ms(ttl_s)))
+        return known and not self._primary_moved.check(self._client)
 
     async def heartbeat(self, replica: ReplicaId, ttl_s: float) -> None:
         """Keep the replica's entries matching for ``ttl_s`` more seconds."""

@@ -19,9 +19,12 @@ from replica.vllm_plugin import redis_store
 from replica.vllm_plugin.keys import PluginKeys
 from routing.index.factory import build_index
 from routing.index.redis_client import connect
+from routing.index.stream_writer import StreamIndexWriter
 from routing.redis_clients import bounded_client
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
+from tests.support.polling import wait_until
+from tests.support.redis_server import free_port
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
@@ -151,3 +154,77 @@ def test_the_engine_plugins_synchronous_client_follows_a_failover(
         assert client.hget(keys.engine(0), "state") == b"serving again"
     finally:
         client.close()
+
+
+async def test_a_dead_sentinel_first_in_the_list_costs_one_refused_connect_not_retries(
+    sentinel: LocalRedisSentinel,
+) -> None:
+    """redis-py's default retries with backoff on each Sentinel held every new connection for
+    seconds behind a dead first Sentinel (Sentinel review: 0 of 40 lookups within 0.1 s)."""
+    dead = free_port()  # nothing listens there
+    live = ",".join(f"127.0.0.1:{p}" for p in sentinel.sentinel_ports)
+    url = f"redis+sentinel://127.0.0.1:{dead},{live}/{sentinel.service}/0"
+    client = bounded_client(url, 0.5)
+    try:
+        assert all(
+            s.connection_pool.connection_kwargs["retry"].get_retries() == 0
+            for s in client.sentinel.sentinels  # type: ignore[union-attr]
+        )
+        # A generous bound: the fault took seconds per connection, a refused connect takes
+        # well under one.
+        assert await asyncio.wait_for(client.ping(), timeout=5.0)
+    finally:
+        await client.aclose()
+
+
+async def test_no_primary_found_says_why_for_each_sentinel_in_one_short_line() -> None:
+    group = LocalRedisSentinel(replicas=0, sentinel_password="Se/nt+2=").start()
+    dead = free_port()
+    nodes = f"127.0.0.1:{group.sentinel_ports[0]},127.0.0.1:{dead}"
+    try:
+        for url, expected in (
+            (f"redis+sentinel://{nodes}/{group.service}", "?sentinel_password="),
+            (
+                f"redis+sentinel://{nodes}/wrong?sentinel_password=Se%2Fnt%2B2%3D",
+                f"monitors ['{group.service}'], not 'wrong'",
+            ),
+        ):
+            client = bounded_client(url, 0.5)
+            try:
+                with pytest.raises(redis.ConnectionError) as raised:
+                    await client.ping()
+            finally:
+                await client.aclose()
+            message = str(raised.value)
+            assert expected in message and f"127.0.0.1:{dead} ConnectionError" in message
+            assert "<redis" not in message and len(message) < 600, message  # no client reprs
+    finally:
+        group.stop()
+
+
+async def test_after_a_graceful_failover_writes_follow_the_new_primary_and_writers_re_record(
+    sentinel: LocalRedisSentinel,
+) -> None:
+    """``SENTINEL FAILOVER``: the old primary answers writes until the Sentinels turn it into a
+    replica, and redis-py asks them only for new connections, so pooled connections wrote to it
+    for about 11 s and those writes were lost (Sentinel review). The client now asks every
+    second, and the index writer tells its agent to re-record."""
+    writer = StreamIndexWriter(sentinel.url, key_prefix="fg-sentinel-idx", timeout_s=1.0)
+    client = writer.client
+    replica = ReplicaId("pool-a/r0")
+    try:
+        await writer.set_epoch(replica, Epoch(1))
+        assert await writer.heartbeat_known(replica, 30)
+        old = await _port_of(client)
+        promoted = await asyncio.to_thread(sentinel.fail_over)
+
+        async def on_the_new_primary() -> bool:
+            return await _port_of(client) == promoted
+
+        await wait_until(on_the_new_primary, "the client follows the failover", timeout_s=10)
+        assert promoted != old and client.primary_changes == 1
+        # Writes since the move may have gone to the old primary: re-record, once.
+        assert not await writer.heartbeat_known(replica, 30)
+        assert await writer.heartbeat_known(replica, 30)
+    finally:
+        await writer.close()

@@ -63,8 +63,11 @@ def test_the_primarys_credentials_stay_off_the_sentinels_and_tls_goes_to_both() 
     )
     primary, sentinels = _client_settings(spec, {"socket_timeout": 0.5, "retry": None})
     assert primary["password"] == "primary" and primary["db"] == 2 and primary["ssl"] is True
+    retry = sentinels.pop("retry")
+    assert retry.get_retries() == 0  # the next Sentinel is the retry
     assert sentinels == {
         "socket_timeout": 0.5,
+        "socket_connect_timeout": 0.5,
         "ssl_ca_certs": "/ca.pem",
         "ssl": True,
         "password": "theirs",

@@ -128,3 +128,23 @@ models:
 """
         )
     assert "hunter2" not in str(policy.value)
+
+
+def test_the_warning_for_a_written_out_password_names_the_one_written_out() -> None:
+    def warnings(url: str) -> list[str]:
+        return parse_policy(
+            f"""
+version: 1
+replica_pools:
+  - name: a
+    discovery: {{redis_url: "{url}"}}
+models:
+  - {{name: m, pools: [a]}}
+"""
+        ).warnings()
+
+    (primary,) = warnings("redis://:hunter2@redis:6379/0")
+    assert "${REDIS_PASSWORD}" in primary and "hunter2" not in primary
+    (sentinels,) = warnings("redis+sentinel://:${PW}@s/m/0?sentinel_password=hunter2")
+    assert "${SENTINEL_PASSWORD}" in sentinels
+    assert warnings("redis+sentinel://:${PW}@s/m/0?sentinel_password=${SP}") == []
