@@ -176,50 +176,63 @@ def _no_retry(sync: bool) -> Any:
     return Retry(NoBackoff(), 0)
 
 
-def _node(client: Any) -> str:
-    kwargs = client.connection_pool.connection_kwargs
-    return f"{url_host(str(kwargs.get('host')))}:{kwargs.get('port')}"
+class _Asking:
+    """One round of asking the Sentinels, in order, where the primary is: their answers judged
+    as redis-py judges them, and, when none names it, an error of one short line per Sentinel
+    (redis-py's embeds each client's repr, kilobytes of it) with what to do about the likely
+    causes."""
 
+    def __init__(self, manager: Any, service: str) -> None:
+        self._manager = manager
+        self._service = service
+        self._asked: list[str] = []
 
-def _no_primary(service: str, asked: list[str]) -> MasterNotFoundError:
-    """One short line per Sentinel (redis-py's message embeds each client's repr, kilobytes of
-    it), and what to do about the likely causes."""
-    hints = []
-    if any("uthentication" in line or "NOAUTH" in line for line in asked):
-        hints.append("Sentinels that require a password take ?sentinel_password=${NAME}")
-    if any("monitors" in line for line in asked):
-        hints.append("the service is the name in the Sentinels' 'sentinel monitor NAME ...'")
-    hint = f" ({'; '.join(hints)})" if hints else ""
-    return MasterNotFoundError(
-        f"the Sentinels named no primary for service {service!r}: {'; '.join(asked)}{hint}"
-    )
+    def answer(self, number: int, sentinel: Any, masters: dict | RedisError) -> Any:
+        """The primary's ``(host, port)`` if Sentinel ``number`` named it, else None."""
+        kwargs = sentinel.connection_pool.connection_kwargs
+        node = f"{url_host(str(kwargs.get('host')))}:{kwargs.get('port')}"
+        if isinstance(masters, RedisError):
+            self._asked.append(f"{node} {type(masters).__name__}: {masters}")
+            return None
+        state = masters.get(self._service)
+        if state and self._manager.check_master_state(state, self._service):
+            # The one that answered is asked first next time (as redis-py does).
+            sentinels = self._manager.sentinels
+            sentinels[0], sentinels[number] = sentinel, sentinels[0]
+            return state["ip"], state["port"]
+        if state:
+            self._asked.append(f"{node} sees it down or not a primary")
+        else:
+            monitored = sorted(masters) or "nothing"
+            self._asked.append(f"{node} monitors {monitored}, not {self._service!r}")
+        return None
 
-
-def _asked(node: str, masters: dict[str, Any] | None, service: str) -> str:
-    if masters is not None and service in masters:
-        return f"{node} sees it down or not a primary"
-    return f"{node} monitors {sorted(masters or {}) or 'nothing'}, not {service!r}"
+    def failure(self) -> MasterNotFoundError:
+        hints = []
+        if any("uthentication" in line or "NOAUTH" in line for line in self._asked):
+            hints.append("Sentinels that require a password take ?sentinel_password=${NAME}")
+        if any("monitors" in line for line in self._asked):
+            hints.append("the service is the name in the Sentinels' 'sentinel monitor NAME ...'")
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        return MasterNotFoundError(
+            f"the Sentinels named no primary for service {self._service!r}: "
+            f"{'; '.join(self._asked)}{hint}"
+        )
 
 
 class _Sentinels(Sentinel):
     """redis-py's Sentinel manager with short, actionable errors."""
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:
-        asked = []
+        asking = _Asking(self, service_name)
         for number, sentinel in enumerate(self.sentinels):
-            node = _node(sentinel)
             try:
                 masters = await sentinel.sentinel_masters()
             except RedisError as exc:
-                asked.append(f"{node} {type(exc).__name__}: {exc}")
-                continue
-            state = masters.get(service_name)
-            if state and self.check_master_state(state, service_name):
-                # The one that answered is asked first next time (as redis-py does).
-                self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
-                return state["ip"], state["port"]
-            asked.append(_asked(node, masters, service_name))
-        raise _no_primary(service_name, asked)
+                masters = exc
+            if (found := asking.answer(number, sentinel, masters)) is not None:
+                return found
+        raise asking.failure()
 
 
 class SentinelPrimary(aioredis.Redis):
@@ -321,20 +334,15 @@ def sentinel_sync_client(url: str, **options: Any) -> redis.Redis:
 
     class SyncSentinels(SyncSentinel):
         def discover_master(self, service_name: str) -> tuple[str, int]:
-            asked = []
+            asking = _Asking(self, service_name)
             for number, sentinel in enumerate(self.sentinels):
-                node = _node(sentinel)
                 try:
                     masters = sentinel.sentinel_masters()
                 except RedisError as exc:
-                    asked.append(f"{node} {type(exc).__name__}: {exc}")
-                    continue
-                state = masters.get(service_name)
-                if state and self.check_master_state(state, service_name):
-                    self.sentinels[0], self.sentinels[number] = sentinel, self.sentinels[0]
-                    return state["ip"], state["port"]
-                asked.append(_asked(node, masters, service_name))
-            raise _no_primary(service_name, asked)
+                    masters = exc
+                if (found := asking.answer(number, sentinel, masters)) is not None:
+                    return found
+            raise asking.failure()
 
     spec = parse_sentinel_url(url)
     primary, sentinels = _client_settings(spec, options, sync=True)
