@@ -292,6 +292,8 @@ class RedisInflight(MemoryInflight):
             )
             self._others = others
             self._others_awaiting = others_awaiting
+            if self._warned_at > -math.inf and self._synced_at < self._warned_at:
+                log.info("in-flight sync through Redis works again")
             self._synced_at = time.monotonic()
             if gone:
                 await self._redis.hdel(self.key, *gone)

@@ -284,3 +284,26 @@ async def test_a_gateway_whose_fleet_store_cannot_be_read_says_so_once_and_answe
                 assert resp.status == 404  # nobody registered "m": now it is an unknown model
         finally:
             redis_server.stop()
+
+
+async def test_the_in_flight_sync_says_when_redis_works_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its failure was logged, its end was not: an SRE could not tell from the log whether the
+    gateways share their counts again (Sentinel review)."""
+    from tests.support.redis_server import free_port
+
+    caplog.set_level(logging.INFO, logger="gateway.inflight")
+    server = RedisServer(port=free_port())  # not started: the first sync fails
+    inflight = RedisInflight(server.url)
+    try:
+        await inflight.sync()
+        assert any("in-flight sync through Redis failed" in r.getMessage() for r in caplog.records)
+        server.start()
+        await inflight.sync()
+        await inflight.sync()
+        back = [r for r in caplog.records if "works again" in r.getMessage()]
+        assert len(back) == 1 and back[0].levelname == "INFO"
+    finally:
+        await inflight.close()
+        server.stop()
