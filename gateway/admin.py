@@ -20,6 +20,7 @@ from gateway.errors import GatewayError
 from gateway.policy_view import policy_digest
 from gateway.reload import reload_policy
 from gateway.state import GATEWAY
+from routing.redis_clients import redacted
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -143,17 +144,21 @@ async def reload(request: web.Request) -> web.Response:
 
 
 async def index_stats(request: web.Request) -> web.Response:
-    """Block index size and health."""
+    """Block index size and health, and which Redis holds it (password hidden)."""
     gw = request.app[GATEWAY]
+    url = gw.config.index_url
+    where = {"redis_url": redacted(url)} if url and url != "memory" else {}
     try:
         stats = await gw.index.stats()
     except Exception as exc:  # Redis down: report it rather than fail the admin call
-        return _json({"backend": gw.index_backend, "available": False, "error": str(exc)})
+        return _json(
+            {"backend": gw.index_backend, "available": False, "error": str(exc), **where}
+        )
     # A mirror answers stats from its copy while Redis is away, but lookups are refused then
     # (load-only routing): it is available to routing only while ready and connected.
     extra = stats.extra or {}
     available = bool(extra.get("ready", True)) and bool(extra.get("connected", True))
-    return _json({"available": available, **dataclasses.asdict(stats)})
+    return _json({"available": available, **dataclasses.asdict(stats), **where})
 
 
 async def decisions(request: web.Request) -> web.Response:

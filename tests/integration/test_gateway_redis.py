@@ -156,6 +156,7 @@ async def test_gateway_routes_with_the_redis_index(redis_url: str) -> None:
             async with http.get(f"{url}/admin/index", headers=headers) as resp:
                 index = await resp.json()
     assert index["backend"] in ("redis", "mirror") and index["available"] is True
+    assert index["redis_url"] == redis_url  # which Redis: the one given (no password here)
     # The second request found the first one's speculative entry in Redis.
     assert latest["explanations"]["r0"]["matched_blocks"] == latest["blocks"] > 0
     assert not latest["degraded"]
