@@ -88,7 +88,8 @@ and 10 s at 7.5%; docs/policies/fleet-cost.md, *Overflow*).
 
 Scores are ``(best + floor) / (cost + floor)`` as in ``expected-ttft``, picked by ``max-score``
 with its bounded-load guard (a hot prefix's holder over ``1.25 × mean + 2`` requests is passed
-over, so the prefix is replicated onto the next-cheapest replica instead of piling up there) and
+over, so the prefix is replicated onto the next-cheapest replica instead of piling up there,
+unless its queue is mostly its own cache hits or it runs the request's LoRA adapter) and
 near-equal costs (within 1%) taken in turns, least recently chosen first. Prefill speed, the
 backlog drain and adapter load times are calibrated online exactly as in ``expected-ttft`` (this
 scorer extends it).
@@ -749,8 +750,12 @@ def profile() -> Profile:
         scorers=((FleetCostScorer(), 1.0),),
         # A holder over the load bound whose queue is mostly its own cache hits is not passed
         # over: on Mooncake's synthetic trace (15-50k-token shared prompts) the request-count
-        # bound alone duplicated multi-second prefills at 4x (docs/policies/fleet-cost.md).
+        # bound alone duplicated multi-second prefills at 4x (docs/policies/fleet-cost.md). Nor
+        # is one running the request's LoRA adapter: elsewhere it takes a scarce slot or waits
+        # for one (b2b-lora: docs/policies/fleet-cost.md, *LoRA slots*).
         picker=MaxScorePicker(
-            MaxScorePicker.Params(tie_tolerance=TIE_TOLERANCE, spare_cached_queues=True)
+            MaxScorePicker.Params(
+                tie_tolerance=TIE_TOLERANCE, spare_cached_queues=True, spare_adapter_holders=True
+            )
         ),
     )

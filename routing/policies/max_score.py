@@ -59,6 +59,11 @@ class MaxScorePicker(ExplainingPicker):
         #: prefill are at most the fleet's mean: its queue is of requests that hit its cache,
         #: which cost it little, and passing it over would prefill their prefix again elsewhere.
         spare_cached_queues: bool = False
+        #: Keep a replica over the load bound eligible for a request whose LoRA adapter its
+        #: running requests use: there the request shares a GPU LoRA slot its adapter already
+        #: holds; anywhere else it takes one of the few slots (or waits for one), and the scorer
+        #: prices that wait, not the bound.
+        spare_adapter_holders: bool = False
 
     params: Params
 
@@ -94,6 +99,8 @@ class MaxScorePicker(ExplainingPicker):
             pending = {r.replica_id: r.inflight_prefill_tokens for r in replicas}
             mean_pending = sum(pending.values()) / len(pending)
             spared = {rid for rid, tokens in pending.items() if tokens <= mean_pending}
+        if p.spare_adapter_holders and request.adapter:
+            spared.update(r.replica_id for r in replicas if request.adapter in r.running_adapters)
         eligible: list[ReplicaId] = []
         over: list[ReplicaId] = []
         for _, _, rid in ranked:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from itertools import pairwise
 
@@ -78,6 +79,36 @@ def test_a_queue_of_cache_hits_is_spared_the_load_bound_when_asked() -> None:
     replicas[0] = with_pending(rep("hot", 12), 9_000)
     order, terms = sparing.pick_with_terms(req(1), replicas, given)
     assert order == ["b", "c", "hot"] and terms[ReplicaId("hot")]["over_load_bound"] == 1.0
+
+
+def test_a_replica_running_the_requests_adapter_stays_eligible_over_the_bound() -> None:
+    """There the request shares the GPU LoRA slot its adapter holds; elsewhere it would take
+    one of the few slots or wait for one, which the scorer prices (b2b-lora: passing holders over
+    spread each popular adapter over three replicas' slots and starved the tail adapters)."""
+    replicas = [
+        dataclasses.replace(rep("holder", 12), running_adapters=frozenset({"ft-00", "ft-07"})),
+        rep("b", 3),
+        rep("c", 0),
+    ]
+    given = scores(holder=1.0, b=0.5, c=0.1)
+
+    def for_adapter(adapter: str | None) -> RoutingRequest:
+        request = req(1)
+        request.adapter = adapter
+        return request
+
+    plain = MaxScorePicker(MaxScorePicker.Params(load_epsilon=0.25, load_slack=2.0))
+    assert plain.pick(for_adapter("ft-00"), replicas, given)[0] == "b"
+    sparing = MaxScorePicker(
+        MaxScorePicker.Params(load_epsilon=0.25, load_slack=2.0, spare_adapter_holders=True)
+    )
+    order, terms = sparing.pick_with_terms(for_adapter("ft-00"), replicas, given)
+    assert order[0] == "holder" and terms[ReplicaId("holder")]["over_load_bound"] == 0.0
+    # Another adapter, or none, gains nothing there: the bound holds.
+    for other in ("ft-01", None):
+        order, terms = sparing.pick_with_terms(for_adapter(other), replicas, given)
+        assert order == ["b", "c", "holder"]
+        assert terms[ReplicaId("holder")]["over_load_bound"] == 1.0
 
 
 def test_an_overflow_request_goes_where_its_scorer_sent_it_over_the_bound() -> None:
