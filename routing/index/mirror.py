@@ -502,8 +502,8 @@ class MirrorBlockIndex:
         self._rebuilds += 1
         self._ready.clear()
         log.warning(
-            "index mirror: Redis may have lost the index (a flush, a restart or, on a Cluster, "
-            "a failover); rebuilding"
+            "index mirror: Redis may have lost the index (a flush, a restart, or a failover to "
+            "a replica: Cluster or Sentinel); rebuilding"
         )
 
     async def sync(self, timeout_s: float = 5.0) -> None:
