@@ -29,8 +29,8 @@ __all__ = [
     "redacted",
 ]
 
-#: Query options that carry a secret (the Sentinels' password, a client key's passphrase).
-_SECRET_OPTION = re.compile(r"(?<=[?&])((?:sentinel_|ssl_)password=)([^&#]*)")
+#: Query options that carry a secret (a password, the Sentinels', a client key's passphrase).
+_SECRET_OPTION = re.compile(r"(?<=[?&])((?:sentinel_|ssl_)?password=)([^&#]*)")
 
 
 def _literal(value: str) -> bool:
@@ -38,8 +38,9 @@ def _literal(value: str) -> bool:
 
 
 def redacted(url: str) -> str:
-    """``url`` with every written-out password (the user-info's, and ``sentinel_password`` or
-    ``ssl_password`` in the query) replaced by ``***``, for logs, errors and admin answers."""
+    """``url`` with every written-out password (the user-info's, and ``password``,
+    ``sentinel_password`` or ``ssl_password`` in the query) replaced by ``***``, for logs,
+    errors and admin answers."""
     from urllib.parse import urlsplit
 
     url = _SECRET_OPTION.sub(lambda m: m[1] + ("***" if _literal(m[2]) else m[2]), url)
@@ -57,7 +58,7 @@ def redacted(url: str) -> str:
 
 def has_literal_password(url: str) -> bool:
     """True if ``url`` carries a password written out (not a ``${NAME}`` reference): in its
-    user-info, or as ``sentinel_password`` / ``ssl_password`` in its query."""
+    user-info, or as ``password``, ``sentinel_password`` or ``ssl_password`` in its query."""
     from urllib.parse import urlsplit
 
     if any(_literal(m[2]) for m in _SECRET_OPTION.finditer(url)):

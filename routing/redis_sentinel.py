@@ -29,7 +29,7 @@ from urllib.parse import parse_qsl, unquote, urlencode
 
 import redis
 import redis.asyncio as aioredis
-from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
 from redis.exceptions import RedisError
 
 from routing.hosts import url_host
@@ -58,7 +58,7 @@ SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
 DEFAULT_SENTINEL_PORT = 26379
 
 _EXAMPLE = "redis+sentinel://sentinel-0:26379,sentinel-1:26379/mymaster/0"
-#: Socket timeouts of the Sentinel connections when the caller gives none (seconds).
+#: Socket timeouts of the Sentinel connections: the caller's, at most this (seconds).
 SENTINEL_TIMEOUT_S = 1.0
 #: How often a client asks the Sentinels whether the primary moved (seconds; see
 #: ``SentinelPrimary``).
@@ -154,8 +154,13 @@ def _client_settings(
     # credentials or database. Each is asked once, no retry: the next Sentinel is the retry
     # (redis-py's default, retries with backoff, held every call seconds on a dead first one).
     sentinels = {k: v for k, v in primary.items() if k.startswith(("socket_", "ssl_"))}
-    sentinels.setdefault("socket_timeout", SENTINEL_TIMEOUT_S)
-    sentinels.setdefault("socket_connect_timeout", sentinels["socket_timeout"])
+    # At most a second each: a hung Sentinel must not hold a client with a long timeout (the
+    # mirror's bulk reads) for its whole timeout before the next Sentinel is asked.
+    timeout = min(sentinels.get("socket_timeout") or SENTINEL_TIMEOUT_S, SENTINEL_TIMEOUT_S)
+    connect = sentinels.get("socket_connect_timeout") or timeout
+    sentinels["socket_timeout"], sentinels["socket_connect_timeout"] = timeout, min(
+        connect, SENTINEL_TIMEOUT_S
+    )
     sentinels["retry"] = _no_retry(sync)
     if spec.tls:
         primary["ssl"] = sentinels["ssl"] = True
@@ -235,25 +240,67 @@ class _Sentinels(Sentinel):
         raise asking.failure()
 
 
+class _PrimaryPool(SentinelConnectionPool):
+    """The primary's connection pool: every connection it hands out talks to the primary the
+    Sentinels named last, and it counts the times that primary moved.
+
+    redis-py's pool closes only the idle connections when it learns of a move; a connection in
+    use went back to the pool, and out again, still talking to the old primary (the diff review:
+    a busy client sent 7,281 of 7,281 calls there after a ``SENTINEL FAILOVER``). And a move
+    learned by a broken connection reconnecting (a crash failover) went uncounted."""
+
+    moves = 0
+
+    async def get_master_address(self) -> Any:
+        address = await self.sentinel_manager.discover_master(self.service_name)
+        # Compared after the await, so that of two callers asking at once (a reconnect and the
+        # background check) one learns of the move and counts it.
+        before = self.master_address
+        if before != address:
+            self.master_address = address
+            await self.disconnect(inuse_connections=False)
+            if before is not None:
+                self.moves += 1
+                logger.info(
+                    "Redis primary for %r is now %s:%s (was %s:%s)",
+                    self.service_name, url_host(str(address[0])), address[1],
+                    url_host(str(before[0])), before[1],
+                )
+        return address
+
+    async def ensure_connection(self, connection: Any) -> None:
+        address = self.master_address
+        if (
+            address is not None
+            and connection.is_connected
+            and (connection.host, connection.port) != tuple(address)
+        ):
+            await connection.disconnect()  # it reconnects to the primary named now
+        await super().ensure_connection(connection)
+
+
 class SentinelPrimary(aioredis.Redis):
     """A client of the primary that Sentinels name.
 
     redis-py asks the Sentinels only when it opens a connection, so after a graceful failover
     (``SENTINEL FAILOVER``: the old primary answers writes until it is told to replicate) the
     pooled connections went on writing to the old primary for seconds, and those writes were
-    lost (Sentinel review). So at most every ``PRIMARY_CHECK_S``, a call also asks, in the
-    background (a Sentinel outage must not fail or slow a call to a healthy primary), and when
-    the primary moved, the idle connections to the old one close and ``primary_changes`` counts
-    it: writers that may have lost writes re-record (``routing/index``). Closing the client
-    also closes its connections to the Sentinels.
+    lost (Sentinel review). So at most every ``PRIMARY_CHECK_S`` a call also asks, in the
+    background (a Sentinel outage must not fail or slow a call to a healthy primary); when the
+    primary moved, no connection goes to the old one again (``_PrimaryPool``), and
+    ``primary_changes`` counts it: writers that may have lost writes re-record
+    (``PrimaryMoves``). Closing the client also closes its connections to the Sentinels.
     """
 
     sentinel: Sentinel | None = None
-    service: str = ""
-    #: Times this client saw the primary move.
-    primary_changes: int = 0
     _checked_at: float = -math.inf
     _check: asyncio.Task[None] | None = None
+
+    @property
+    def primary_changes(self) -> int:
+        """Times this client saw the primary move."""
+        pool = self.connection_pool
+        return pool.moves if isinstance(pool, _PrimaryPool) else 0
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         self._maybe_check_primary()
@@ -273,30 +320,21 @@ class SentinelPrimary(aioredis.Redis):
         self._check = asyncio.get_running_loop().create_task(self._check_primary())
 
     async def _check_primary(self) -> None:
-        pool = self.connection_pool
-        before = getattr(pool, "master_address", None)
-        try:
-            # Updates the pool's address and closes its idle connections if it moved.
-            after = await pool.get_master_address()
-        except RedisError:
-            return  # the Sentinels are out of reach: the connections we have still work
-        if before is not None and tuple(after) != tuple(before):
-            self.primary_changes += 1
-            logger.info(
-                "Redis primary for %r is now %s:%s (was %s:%s)",
-                self.service, url_host(str(after[0])), after[1], url_host(str(before[0])),
-                before[1],
-            )
+        with contextlib.suppress(RedisError):  # Sentinels out of reach: what we have still works
+            await self.connection_pool.get_master_address()
 
     async def aclose(self, close_connection_pool: bool | None = None) -> None:
-        if self._check is not None:
-            self._check.cancel()
-            with contextlib.suppress(asyncio.CancelledError, RedisError):
-                await self._check
-        await super().aclose(close_connection_pool)
-        if self.sentinel is not None:
-            for client in self.sentinel.sentinels:
-                await client.aclose()
+        try:
+            if self._check is not None:
+                self._check.cancel()
+                with contextlib.suppress(asyncio.CancelledError, RedisError):
+                    await self._check
+            await super().aclose(close_connection_pool)
+        finally:
+            if self.sentinel is not None:
+                for client in self.sentinel.sentinels:
+                    with contextlib.suppress(RedisError, OSError):
+                        await client.aclose()
 
 
 class PrimaryMoves:
@@ -321,9 +359,10 @@ def sentinel_client(url: str, **options: Any) -> SentinelPrimary:
     spec = parse_sentinel_url(url)
     primary, sentinels = _client_settings(spec, options)
     sentinel = _Sentinels(list(spec.sentinels), sentinel_kwargs=sentinels)
-    client = sentinel.master_for(spec.service, redis_class=SentinelPrimary, **primary)
+    client = sentinel.master_for(
+        spec.service, redis_class=SentinelPrimary, connection_pool_class=_PrimaryPool, **primary
+    )
     client.sentinel = sentinel
-    client.service = spec.service
     return client
 
 

@@ -100,9 +100,11 @@ CONNECTION_OPTIONS = frozenset(
         "client_name",
         "max_connections",
         "retry_on_timeout",
-        "timeout",
         "protocol",
         "db",
+        # redis-py documents unix://...?db=0&password=... (a socket has no user-info).
+        "username",
+        "password",
     }
 )
 #: ... those that only a TLS URL (``rediss://``, ``rediss+cluster://``, ``rediss+sentinel://``)
@@ -158,10 +160,14 @@ def check_url_options(url: str) -> None:
             raise ValueError(
                 f"{key} is a TLS option: use rediss:// (rediss+cluster://, rediss+sentinel://)"
             )
-        if key == "ssl_cert_reqs" and value.lower() not in _CERT_REQS and "${" not in value:
+        if key == "db" and sentinel:
+            raise ValueError("a Sentinel URL takes its database in the path: /SERVICE/DB")
+        # redis-py reads these in lower case only.
+        if key == "ssl_cert_reqs" and value not in _CERT_REQS and "${" not in value:
             choices = ", ".join(_CERT_REQS)
             raise ValueError(f"ssl_cert_reqs must be one of {choices} (got {value!r})")
-    typed = [(k, v) for k, v in pairs if k in CONNECTION_OPTIONS and "${" not in v]
+    parsers = redis.connection.URL_QUERY_ARGUMENT_PARSERS
+    typed = [(k, v) for k, v in pairs if k in parsers and "${" not in v]
     if typed:
         from urllib.parse import urlencode
 

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 _SECRET_KEYS = frozenset({"api_key_sha256"})
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]*@", re.IGNORECASE)
 #: A Redis URL's query options that carry a secret (the Sentinels' password, a key passphrase).
-_URL_SECRET_OPTION = re.compile(r"(?P<key>(?:sentinel_|ssl_)password=)[^&#\s]*")
+_URL_SECRET_OPTION = re.compile(r"(?P<key>(?:sentinel_|ssl_)?password=)[^&#\s]*")
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 Loc = Sequence[str | int]
@@ -43,7 +43,7 @@ def describe_value(value: Any, loc: Loc = ()) -> str:
 
     Secrets are redacted (a raw key pasted where a hash belongs must not reach the logs) and so is
     the user-info part of URLs (``redis://:password@host``) and the passwords in a Redis URL's
-    query (``sentinel_password``, ``ssl_password``).
+    query (``password``, ``sentinel_password``, ``ssl_password``).
     """
     if any(isinstance(p, str) and p in _SECRET_KEYS for p in loc):
         return "<redacted>"

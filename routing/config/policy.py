@@ -246,7 +246,8 @@ class Policy(StrictModel):
             if has_literal_password(url):
                 # Name the variable after the password that is written out.
                 name = "REDIS_PASSWORD"
-                if not has_literal_password(url.split("?")[0]):
+                query = url.partition("?")[2]
+                if not has_literal_password(url.split("?")[0]) and "&password=" not in f"&{query}":
                     name = "SENTINEL_PASSWORD" if "sentinel_password=" in url else "KEY_PASSPHRASE"
                 found.append(
                     f"{where}: a password written in the file (a ConfigMap anyone with read "

@@ -6,6 +6,7 @@ they promote a replica (a SIGKILL of the primary), with passwords from the envir
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -72,6 +73,9 @@ async def test_a_bounded_client_follows_the_primary_through_a_failover(
 
         assert await answers() == b"before"
         assert promoted != first and await _port_of(client) == promoted
+        # Learned by a broken connection reconnecting, the move is counted all the same (it was
+        # not: the agent never re-recorded after a crash failover; the diff review).
+        assert client.primary_changes == 1
         await client.set("fg-sentinel:k", "after")  # a primary again: writes are taken
         assert await client.get("fg-sentinel:k") == b"after"
     finally:
@@ -228,3 +232,30 @@ async def test_after_a_graceful_failover_writes_follow_the_new_primary_and_write
         assert await writer.heartbeat_known(replica, 30)
     finally:
         await writer.close()
+
+
+async def test_a_busy_client_leaves_the_old_primary_too(sentinel: LocalRedisSentinel) -> None:
+    """Connections in use when the move is learned went back to the pool, and out again, still
+    talking to the old primary (diff review: 16 busy tasks, all 16 connections on the old
+    primary 4 s after the move)."""
+    client = bounded_client(sentinel.url, 1.0)
+    stop = asyncio.Event()
+
+    async def busy(n: int) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                await client.set(f"fg-sentinel:busy:{n}", "x")
+
+    tasks = [asyncio.create_task(busy(n)) for n in range(8)]
+    try:
+        await wait_until(lambda: client.connection_pool._in_use_connections, "calls in flight")
+        promoted = await asyncio.to_thread(sentinel.fail_over)
+        await wait_until(lambda: client.primary_changes == 1, "the move is learned", timeout_s=10)
+        stop.set()
+        await asyncio.gather(*tasks)
+        ports = await asyncio.gather(*(_port_of(client) for _ in range(16)))
+        assert set(ports) == {promoted}
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.aclose()

@@ -30,6 +30,8 @@ from routing.redis_urls import check_url_files, check_url_options
         "rediss+sentinel://s:26380/m/0?ssl_ca_certs=${REDIS_CA}&sentinel_password=${SP}",
         "redis://redis:6379/0?socket_timeout=${TIMEOUT}",
         "unix:///run/redis.sock?db=2",
+        "unix:///run/redis.sock?db=0&password=${REDIS_PASSWORD}",  # as redis-py documents it
+        "rediss://redis:6380/0?ssl_min_version=3",
     ],
 )
 def test_options_a_connection_takes_pass(url: str) -> None:
@@ -48,6 +50,10 @@ def test_options_a_connection_takes_pass(url: str) -> None:
         ("redis+cluster://r:1/0?ssl_certfile=/c", "TLS option"),
         ("rediss://r/0?ssl_cert_reqs=bogus", "ssl_cert_reqs must be one of none, optional"),
         ("redis://r/0?socket_timeout=soon", "socket_timeout"),
+        ("redis://r/0?timeout=1", r"unknown option 'timeout'.*did you mean socket_timeout\?"),
+        ("redis+sentinel://s/m?db=2", "database in the path: /SERVICE/DB"),
+        ("rediss://r/0?ssl_cert_reqs=NONE", "ssl_cert_reqs must be one of"),
+        ("rediss://r/0?ssl_min_version=TLSv1_2", "ssl_min_version"),
     ],
 )
 def test_options_no_connection_could_take_are_refused_wherever_the_url_is_read(
@@ -114,6 +120,9 @@ def test_passwords_in_the_query_are_secrets_too() -> None:
         "rediss+sentinel://:***@s/m/0?sentinel_password=***&ssl_password=***&socket_timeout=1"
     )
     assert has_literal_password("redis+sentinel://s/m?sentinel_password=sp")
+    assert redacted("unix:///run/redis.sock?db=0&password=pw") == (
+        "unix:///run/redis.sock?db=0&password=***"
+    )
     referenced = "redis+sentinel://:${PW}@s/m?sentinel_password=${SP}"
     assert redacted(referenced) == referenced and not has_literal_password(referenced)
     with pytest.raises(PolicyError) as policy:
