@@ -10,14 +10,13 @@ at most about two timeouts and the caller's own fallback takes over.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from routing.redis_env import ENV_REFERENCE, expand_env
+from routing.redis_env import ENV_REFERENCE, SECRET_OPTION, expand_env
 from routing.redis_sentinel import is_sentinel_url, sentinel_client
 
 __all__ = [
@@ -29,10 +28,6 @@ __all__ = [
     "redacted",
 ]
 
-#: Query options that carry a secret (a password, the Sentinels', a client key's passphrase).
-_SECRET_OPTION = re.compile(r"(?<=[?&])((?:sentinel_|ssl_)?password=)([^&#]*)")
-
-
 def _literal(value: str) -> bool:
     return bool(value) and not ENV_REFERENCE.fullmatch(value)
 
@@ -43,7 +38,7 @@ def redacted(url: str) -> str:
     errors and admin answers."""
     from urllib.parse import urlsplit
 
-    url = _SECRET_OPTION.sub(lambda m: m[1] + ("***" if _literal(m[2]) else m[2]), url)
+    url = SECRET_OPTION.sub(lambda m: m[1] + ("***" if _literal(m[2]) else m[2]), url)
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -61,7 +56,7 @@ def has_literal_password(url: str) -> bool:
     user-info, or as ``password``, ``sentinel_password`` or ``ssl_password`` in its query."""
     from urllib.parse import urlsplit
 
-    if any(_literal(m[2]) for m in _SECRET_OPTION.finditer(url)):
+    if any(_literal(m[2]) for m in SECRET_OPTION.finditer(url)):
         return True
     try:
         return _literal(urlsplit(url).password or "")

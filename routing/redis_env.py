@@ -11,7 +11,11 @@ import os
 import re
 from collections.abc import Mapping
 
-__all__ = ["ENV_REFERENCE", "expand_env"]
+__all__ = ["ENV_REFERENCE", "SECRET_OPTION", "expand_env"]
+
+#: A Redis URL's query options that carry a secret (a password, the Sentinels', a client key's
+#: passphrase): group 1 the ``name=``, group 2 the value.
+SECRET_OPTION = re.compile(r"(?<=[?&])((?:sentinel_|ssl_)?password=)([^&#\s]*)")
 
 #: ``${NAME}`` in a Redis URL: the value of that environment variable, read when connecting.
 ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")

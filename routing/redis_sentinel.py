@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from routing.hosts import url_host
 from routing.redis_env import ENV_REFERENCE
-from routing.redis_urls import split_node_list_url
+from routing.redis_urls import check_url_options, split_node_list_url
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ __all__ = [
     "PrimaryMoves",
     "SentinelPrimary",
     "SentinelUrl",
+    "check_primary_url",
     "check_sentinel_url",
     "is_sentinel_url",
     "parse_sentinel_url",
@@ -137,6 +138,14 @@ def check_sentinel_url(url: str) -> str:
     connecting, stand for any value); ``ValueError`` saying what does not."""
     parse_sentinel_url(ENV_REFERENCE.sub("1", url))
     return url
+
+
+def check_primary_url(url: str) -> str:
+    """``url`` if it can name one primary, as read wherever a Redis URL is (the policy file, the
+    CLI, the agent, the engine plugin): its query options, and a Sentinel URL's nodes and service
+    (``${NAME}`` references stand for any value); ``ValueError`` saying what does not read."""
+    check_url_options(url)
+    return check_sentinel_url(url) if is_sentinel_url(url) else url
 
 
 def _client_settings(

@@ -89,8 +89,7 @@ def redis_url(url: str) -> str:
     from urllib.parse import urlsplit
 
     from routing.redis_clients import redacted
-    from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
-    from routing.redis_urls import check_url_options
+    from routing.redis_sentinel import check_primary_url, is_sentinel_url
 
     if url.startswith(("redis+cluster://", "rediss+cluster://")):
         raise argparse.ArgumentTypeError(
@@ -99,9 +98,9 @@ def redis_url(url: str) -> str:
             "under the policy's index.redis_url (docs/index.md, Redis Cluster)"
         )
     try:
-        check_url_options(url)
+        check_primary_url(url)
         if is_sentinel_url(url):
-            return check_sentinel_url(url)
+            return url
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{redacted(url)}: {exc}") from None
     parts = urlsplit(url)

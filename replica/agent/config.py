@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 from routing.index.factory import DEFAULT_INDEX_MODE, INDEX_MODES
 from routing.index.redis_client import check_cluster_url, is_cluster_url
-from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
-from routing.redis_urls import check_url_options
+from routing.redis_sentinel import check_primary_url
 
 
 @dataclass
@@ -98,9 +97,7 @@ class AgentConfig:
             if not url or url.startswith("memory"):
                 continue
             try:
-                check_url_options(url)
-                if is_sentinel_url(url):
-                    check_sentinel_url(url)
+                check_primary_url(url)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         if self.map_capacity < 1:

@@ -103,8 +103,8 @@ class PluginConfig:
         url = (env.get("FLEETGATE_REDIS_URL") or "").strip() or None
         if url is not None:
             from routing.redis_clients import expand_env, redacted
-            from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
-            from routing.redis_urls import PRIMARY_URL_PREFIXES, check_url_files, check_url_options
+            from routing.redis_sentinel import check_primary_url
+            from routing.redis_urls import PRIMARY_URL_PREFIXES, check_url_files
 
             if not url.startswith(PRIMARY_URL_PREFIXES):
                 raise PluginConfigError(
@@ -113,9 +113,7 @@ class PluginConfig:
                 )
             try:  # ${NAME} is expanded on connecting (redis_store.connect); refuse an unset one now
                 expanded = expand_env(url, env)
-                check_url_options(url)
-                if is_sentinel_url(url):
-                    check_sentinel_url(url)
+                check_primary_url(url)
                 check_url_files(expanded)  # this is the process that connects
             except ValueError as exc:
                 raise PluginConfigError(f"FLEETGATE_REDIS_URL: {exc}") from exc

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from routing.index.redis_client import check_cluster_url, is_cluster_url
-from routing.redis_sentinel import check_sentinel_url, is_sentinel_url
+from routing.redis_sentinel import check_primary_url, is_sentinel_url
 from routing.redis_urls import check_url_options
 
 
@@ -70,9 +70,12 @@ def check_http_url(value: str) -> str:
 
 def _check_redis_url(value: str) -> str:
     """One Redis server's URL, or its Sentinels' (``redis+sentinel://``, ``rediss+sentinel://``)."""
-    check_url_options(value)
-    if is_sentinel_url(value):
-        return check_sentinel_url(value)  # a ValueError saying what does not read
+    check_primary_url(value)  # a ValueError saying which option, node or service does not read
+    return value if is_sentinel_url(value) else _check_server_url(value)
+
+
+def _check_server_url(value: str) -> str:
+    """A ``redis://``, ``rediss://`` or ``unix://`` URL with a host (a socket needs none)."""
     parts = urlsplit(value)
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(
@@ -90,12 +93,12 @@ def _check_index_redis_url(value: str) -> str:
     if is_cluster_url(value):
         check_url_options(value)
         return check_cluster_url(value)  # a ValueError naming the node it cannot read
-    if is_sentinel_url(value):
-        return _check_redis_url(value)
-    if "?" in value and value.startswith(("redis://", "rediss://", "unix://")):
-        check_url_options(value)  # the option's own message, not the scheme list below
+    if is_sentinel_url(value) or ("?" in value and value.startswith(("redis", "unix://"))):
+        check_primary_url(value)  # its own message (an option, a node), not the list below
+        if is_sentinel_url(value):
+            return value
     try:
-        return _check_redis_url(value)
+        return _check_server_url(value)
     except ValueError:
         raise ValueError(
             "must be a redis://, rediss:// or unix:// URL, a Sentinel group's "

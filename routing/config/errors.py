@@ -14,11 +14,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from routing.redis_env import SECRET_OPTION
+
 #: Keys whose values are never echoed back: someone may have pasted a raw API key there.
 _SECRET_KEYS = frozenset({"api_key_sha256"})
 _URL_USERINFO = re.compile(r"(?P<scheme>[a-z][a-z0-9+.-]*://)[^/@\s]*@", re.IGNORECASE)
-#: A Redis URL's query options that carry a secret (the Sentinels' password, a key passphrase).
-_URL_SECRET_OPTION = re.compile(r"(?P<key>(?:sentinel_|ssl_)?password=)[^&#\s]*")
 _PLAIN_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 Loc = Sequence[str | int]
@@ -49,7 +49,7 @@ def describe_value(value: Any, loc: Loc = ()) -> str:
         return "<redacted>"
     if isinstance(value, str):
         text = _URL_USERINFO.sub(r"\g<scheme><redacted>@", value)
-        text = _URL_SECRET_OPTION.sub(r"\g<key><redacted>", text)
+        text = SECRET_OPTION.sub(r"\1<redacted>", text)
         if len(text) > 80:
             text = text[:77] + "..."
         return repr(text)

@@ -9,8 +9,6 @@ from routing.redis_urls import PRIMARY_URL_PREFIXES
 
 __all__ = ["DEFAULT_INDEX_MODE", "INDEX_MODES", "build_index"]
 
-#: One primary's URL (a server's, or a Sentinel group's).
-_REDIS_SCHEMES = PRIMARY_URL_PREFIXES
 #: A Redis Cluster (``routing/index/redis_client.py``): mirror mode only.
 _CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
@@ -53,7 +51,7 @@ def build_index(
         from routing.index.mirror import MirrorBlockIndex
 
         return MirrorBlockIndex(url, **opts)
-    if isinstance(url, str) and url.startswith(_REDIS_SCHEMES):
+    if isinstance(url, str) and url.startswith(PRIMARY_URL_PREFIXES):
         if mode == "mirror":
             from routing.index.mirror import MirrorBlockIndex
 
