@@ -180,8 +180,14 @@ class UpstreamOutcome:
     replica: ReplicaId | None = None
     status: int = 0
     ttft_s: float | None = None
-    #: Inter-chunk gaps of a stream, seconds.
+    #: Gaps between a stream's output events after the first, seconds: a read that brought k
+    #: of them (a gateway that reads less often than the engine writes) adds k gaps of 1/k of
+    #: the time since the previous one, so the gaps sum to the decode time and number one per
+    #: event.
     gaps_s: list[float] = field(default_factory=list)
+    #: Output events relayed from the first one on (not the stream's end, not a usage-only
+    #: chunk): at least the tokens the client was sent (chat's role chunk counts one more).
+    output_events: int = 0
     usage: Mapping[str, Any] | None = None
     sent_at: float | None = None
     finished_at: float | None = None
@@ -200,9 +206,12 @@ class UpstreamOutcome:
     #: time, not the engine's, so it times nothing.
     settled_later: bool = False
 
-    def tpot_ms(self, completion_tokens: int) -> float | None:
+    def tpot_ms(self, completion_tokens: int, choices: int = 1) -> float | None:
         """Mean time per output token after the first, as the upstream delivered them (ms);
-        None without a first token, an end, or a second token."""
+        None without a first token, an end, or a second token. ``choices`` answers decoded side
+        by side (``n``) share ``completion_tokens``: each got its share over the same time.
+        """
+        completion_tokens //= max(1, choices)
         if (
             completion_tokens < 2
             or self.ttft_s is None
@@ -397,13 +406,16 @@ async def _relay_stream(
                 for event in events:  # before any output (response.created): not yet TTFT
                     await relay(event)
                 continue
+            tokens = _output_events(events, end)
+            outcome.output_events += tokens
             if last is None:
                 outcome.ttft_s = now - (outcome.sent_at or now)
                 if outcome.replica is not None:
                     hooks.first_byte(outcome.replica)
-            else:
-                outcome.gaps_s.append(now - last)
-            last = now
+                last = now
+            elif tokens:  # not a read of the end alone: the time to it is no token's
+                outcome.gaps_s.extend([(now - last) / tokens] * tokens)
+                last = now
             for event in events:
                 await relay(event)
         tail = sse.flush()
@@ -449,6 +461,17 @@ async def _relay_stream(
     except ConnectionError:
         outcome.client_gone = True  # the answer is complete upstream; the client left
     return out
+
+
+def _output_events(events: list[bytes], end: StreamEnd) -> int:
+    """How many of ``events`` carry output: not the stream's end (or an engine's error event),
+    not a chunk of usage alone."""
+    return sum(
+        1
+        for event in events
+        if end.classify(event) is None
+        and not (b'"usage"' in event and (b'"choices":[]' in event or b'"choices": []' in event))
+    )
 
 
 async def _write_to_client(

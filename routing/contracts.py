@@ -190,6 +190,10 @@ class RoutingRequest:
     chain: Sequence[BlockHash] = ()
     block_size: int = 16
     max_output_tokens: int | None = None
+    #: Answers decoded side by side for it (OpenAI's ``n``): its usage counts the output tokens
+    #: of all of them, and each advances once per engine step, so its time per output token is
+    #: the decode time over the tokens of one.
+    choices: int = 1
     #: The latency objectives the request is held to, where its tenant or route declares them
     #: (None: undeclared). Policies whose thresholds derive from the SLOs (fleet-cost's overflow
     #: and short-decode protection) follow them instead of their 2,000 / 50 ms defaults.

@@ -140,9 +140,11 @@ def _account(
         ttft = outcome.ttft_s + ((outcome.sent_at or arrived) - arrived)
         ttft_ms = ttft * 1000
         m.ttft.labels(route, model).observe(ttft)
+        # The events of ``n`` answers come interleaved: each answer's tokens are n events apart.
+        choices = routed.routing_request.choices
         for gap in outcome.gaps_s:
-            m.itl.labels(route, model).observe(gap)
-        tpot_ms = outcome.tpot_ms(completion_tokens)
+            m.itl.labels(route, model).observe(gap * choices)
+        tpot_ms = outcome.tpot_ms(completion_tokens, choices)
         if tpot_ms is not None:
             m.tpot.labels(route, model).observe(tpot_ms / 1000.0)
     if ok:
@@ -222,7 +224,9 @@ def _unstreamed_ttft_ms(
     itl_ms = state.decode_itl_ms if state is not None else None
     if itl_ms is None or not math.isfinite(itl_ms):
         return None
-    decode_ms = (completion_tokens - 1) * itl_ms
+    # ``n`` answers decode side by side: the time of one answer's tokens.
+    per_answer = max(1, completion_tokens // routed.routing_request.choices)
+    decode_ms = (per_answer - 1) * itl_ms
     if decode_ms > UNSTREAMED_MAX_DECODE_SHARE * total_ms:
         return None
     return total_ms - decode_ms
@@ -302,7 +306,8 @@ def _slo(
             checks["ttft"] = ttft_ms <= route.ttft_slo_ms
         elif streamed and (failed or (gone and elapsed_s * 1000 > route.ttft_slo_ms)):
             checks["ttft"] = False  # no first token: the client waited past the SLO, or for none
-    tpot_ms = outcome.tpot_ms(completion_tokens) if succeeded else None
+    choices = routed.routing_request.choices
+    tpot_ms = outcome.tpot_ms(completion_tokens, choices) if succeeded else None
     if route.tpot_slo_ms is not None and tpot_ms is not None:
         checks["tpot"] = tpot_ms <= route.tpot_slo_ms
     if route.ttft_slo_ms is None and route.tpot_slo_ms is None:

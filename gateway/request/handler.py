@@ -29,12 +29,14 @@ from gateway.tracing import client_context
 
 
 def usage_to_charge(outcome: UpstreamOutcome) -> Mapping[str, Any] | None:
-    """The usage the tenant's token budget is charged: the engine's, or, for a stream the client
-    left before its usage chunk (it comes after the last token), at least the tokens relayed
-    (one per chunk), so that hanging up early never makes an answer free."""
-    if outcome.usage is not None or not outcome.client_gone or outcome.ttft_s is None:
+    """The usage the tenant's token budget is charged: the engine's, or, for a stream that ended
+    before its usage chunk (it comes after the last token: the client left, or the replica
+    failed or stalled mid-stream), at least the tokens relayed (one per output event), so that
+    hanging up early never makes an answer free and a broken stream is charged what it
+    delivered."""
+    if outcome.usage is not None or outcome.ttft_s is None:
         return outcome.usage
-    return {"completion_tokens": 1 + len(outcome.gaps_s)}
+    return {"completion_tokens": max(1, outcome.output_events)}
 
 
 def settle(
@@ -60,7 +62,9 @@ def settle(
         routed.tenant.name,
         usage_to_charge(outcome),
         routed.routing_request.request_id,
-        outcome.tpot_ms(completion_tokens_of(outcome.usage)),
+        outcome.tpot_ms(
+            completion_tokens_of(outcome.usage), routed.routing_request.choices
+        ),
         # Not tokenized here (embeddings, a stored conversation's follow-up): its prompt tokens
         # are charged to the budget as the engine counted them.
         prompt_uncounted=routed.routing_request.prompt_tokens == 0,
@@ -167,6 +171,12 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                     # After the handler returns, aiohttp writes the response before the loop
                     # runs the accounting: it stays off the client's latency.
                     settle(gw, kind, routed, outcome, arrived, plan.stream, outcome.usage, True)
+    except asyncio.CancelledError:
+        if not forwarded and routed is not None:
+            # The client left while its request waited to be sent (flow control's queue): a
+            # 499 like a client that leaves mid-answer, so the request totals add up.
+            gw.metrics.requests.labels(labels.route, labels.model, "none", "499").inc()
+        raise
     except GatewayError as err:
         gw.metrics.errors.labels(labels.route, err.code).inc()
         if not forwarded:

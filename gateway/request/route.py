@@ -196,6 +196,7 @@ async def route(
         chain=chain,
         block_size=block_size,
         max_output_tokens=output_budget(body),
+        choices=choices_of(body),
         **declared_slos(policy, tenant.name, matched_route),
     )
     if pinned is not None:
@@ -237,6 +238,14 @@ def output_budget(body: Body) -> int | None:
         body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     )
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def choices_of(body: Body) -> int:
+    """How many answers the request asks for (``n``; 1 when it states none or none valid: the
+    engine refuses those)."""
+    value = body.get("n")
+    valid = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return value if valid else 1
 
 
 async def repick(

@@ -233,6 +233,19 @@ async def test_a_queued_client_that_disconnects_never_reaches_the_engine(tmp_pat
             'fleetgate_flow_decisions_total{decision="abandoned",reason="client_gone",'
             'request_class="standard",tenant="b"} 1.0' in metrics
         )
+
+        async def counted_as_499() -> bool:
+            text = await (await http.get(f"{url}/metrics")).text()
+            return any(
+                line.startswith("fleetgate_requests_total{")
+                and 'replica="none"' in line
+                and 'status="499"' in line
+                and line.endswith(" 1.0")
+                for line in text.splitlines()
+            )
+
+        # ... and in the request totals, as a client that leaves mid-answer is (499).
+        await wait_until(counted_as_499, "the abandoned request is in fleetgate_requests_total")
         stays = asyncio.create_task(_post(http, url, "a", "a-stays"))
         await wait_until(lambda: _queued(app) == 1, "the next request is queued")
         upstream.header_gate.set()

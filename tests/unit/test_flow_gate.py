@@ -249,10 +249,12 @@ def test_a_stream_the_client_left_before_its_usage_is_charged_the_tokens_relayed
     from gateway.proxy import UpstreamOutcome
     from gateway.request.handler import usage_to_charge
 
-    answered = UpstreamOutcome(usage={"completion_tokens": 40}, ttft_s=0.1, gaps_s=[0.02] * 39)
+    answered = UpstreamOutcome(usage={"completion_tokens": 40}, ttft_s=0.1, output_events=41)
     assert usage_to_charge(answered) == {"completion_tokens": 40}
-    left = UpstreamOutcome(ttft_s=0.1, gaps_s=[0.02] * 29, client_gone=True)
+    left = UpstreamOutcome(ttft_s=0.1, output_events=30, client_gone=True)
     assert usage_to_charge(left) == {"completion_tokens": 30}
+    broken = UpstreamOutcome(ttft_s=0.1, output_events=12, status=502)  # the replica failed
+    assert usage_to_charge(broken) == {"completion_tokens": 12}
     before_any_token = UpstreamOutcome(client_gone=True)
     assert usage_to_charge(before_any_token) is None
 
