@@ -45,9 +45,9 @@ def salted_payload(body: Body, raw: bytes, tenant: Tenant) -> tuple[bytes, bool]
 
 
 def unchanged_payload(body: Body, raw: bytes, tenant: Tenant) -> tuple[bytes, bool]:
-    """The client's bytes as they are (tokenize, detokenize and pooling take no salt of the
-    tenant's), less any ``cache_salt`` the client sent: the gateway owns the salt, and a
-    tenant's derived salt is no secret."""
+    """The client's bytes as they are (tokenize, detokenize and the render endpoints prefill
+    nothing, so no prefix cache to salt), less any ``cache_salt`` the client sent: the gateway
+    owns the salt, and a tenant's derived salt is no secret."""
     if "cache_salt" in body:
         return _encode({k: v for k, v in body.items() if k != "cache_salt"}), False
     return raw, False
@@ -224,11 +224,15 @@ def _validate_model_only(body: Body) -> None:
 
 
 def pooling_kind(path: str) -> RequestKind:
-    """A vLLM pooling endpoint (score, rerank, classify, ...): routed by load, body untouched."""
+    """A vLLM pooling endpoint (score, rerank, classify, ...): routed by load, with the
+    tenant's ``cache_salt`` as embeddings are. vLLM prefix-caches decoder pooling models
+    (Qwen3 embedding and reranker models, for one) and takes the salt on every pooling
+    request: unsalted, two tenants scoring the same documents would share cached blocks and
+    could time each other's prompts."""
     return RequestKind(
         f"pooling:{path}", path, _validate_model_only, _no_prompt,
         prefix_routed=False, streams=False,
-        payload=unchanged_payload, usage=usage.from_pooling,
+        payload=salted_payload, usage=usage.from_pooling,
     )
 
 

@@ -42,6 +42,10 @@ def derive_cache_salt(tenant: str) -> str:
     return hashlib.sha256(f"fleetgate/cache-salt/v1/{tenant}".encode()).hexdigest()[:32]
 
 
+#: Characters vLLM's ``validate_cache_salt`` refuses in a ``cache_salt``.
+VLLM_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
 class Tenant(StrictModel):
     """A customer of the gateway, identified by the SHA-256 of its API keys."""
 
@@ -64,6 +68,18 @@ class Tenant(StrictModel):
     #: Share of the gateway queue against other tenants of the same class (weighted fair).
     weight: PositiveFloat = 1.0
     token_budget: TokenBudgetSpec | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_vllm_takes(cls, value: str | None) -> str | None:
+        # vLLM refuses these in a salt (a 400 on every request of the tenant's), so refuse
+        # them here, where the fix is one edit away.
+        if value is not None and any(char in value for char in VLLM_SALT_FORBIDDEN):
+            raise ValueError(
+                "must not contain '@', '/', '\\' or NUL: vLLM refuses such a salt on every "
+                "request (use letters, digits, '-', '_' or '.')"
+            )
+        return value
 
     @property
     def effective_cache_salt(self) -> str:

@@ -32,8 +32,13 @@ BODIES: dict[str, dict[str, Any]] = {
     "/v1/embeddings": {"input": "hi"},
     "/pooling": {"input": "hi"},
     "/score": {"text_1": "a", "text_2": "b"},
+    "/v1/rerank": {"query": "q", "documents": ["a", "b"]},
+    "/classify": {"input": "hi"},
+    "/v2/embed": {"texts": ["hi"], "input_type": "search_document"},
     "/tokenize": {"prompt": "hi"},
 }
+#: The APIs that prefill nothing, so there is no prefix cache to salt.
+UNSALTED = {"/tokenize"}
 
 
 class _RecordingEngine(FakeUpstream):
@@ -108,7 +113,10 @@ async def test_no_api_lets_a_tenant_set_its_engine_priority_or_borrow_a_cache_sa
         assert body.get("priority") in (None, 1), path  # the sheddable class's, or none
         assert body.get("cache_salt") in (None, derive_cache_salt("bulk")), path
     assert sent["/v1/chat/completions"]["priority"] == 1
-    assert sent["/v1/embeddings"]["cache_salt"] == derive_cache_salt("bulk")
+    # Every API that reaches the prefix cache is salted as the tenant (vLLM prefix-caches
+    # decoder pooling models too: an unsalted rerank would share another tenant's blocks).
+    for path in set(BODIES) - UNSALTED:
+        assert sent[path]["cache_salt"] == derive_cache_salt("bulk"), path
 
 
 @dataclass

@@ -176,3 +176,11 @@ def test_example_policy_uses_every_section() -> None:
     assert any(a.pinned for a in policy.adapters)
     assert policy.prices.gpu_per_hour and policy.index.backend == "redis"
     assert policy.admin.api_key_sha256 and policy.gateway.anonymous_tenant
+
+
+@pytest.mark.parametrize("salt", ["team/shared-2026", "team@2026-shared", "back\\slash-salt"])
+def test_a_salt_vllm_would_refuse_is_refused_when_the_policy_is_read(salt: str) -> None:
+    # vLLM's validate_cache_salt refuses '@', '/', '\\' and NUL: every request of the tenant
+    # would be a 400 from the engine.
+    with pytest.raises(ValueError, match="vLLM refuses such a salt"):
+        parse(mutate("tenants[1].cache_salt", salt, BASE))
