@@ -31,6 +31,7 @@ from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from routing.flow_control import (
     PRIORITY_HEADER,
+    BudgetReservation,
     BudgetStore,
     Decision,
     FleetEstimate,
@@ -106,6 +107,9 @@ class Routed(Protocol):
 
     @property
     def decision(self) -> RoutingDecision: ...
+
+    @property
+    def budget_prompt_tokens(self) -> int: ...
 
 
 R = TypeVar("R", bound=Routed)
@@ -261,25 +265,22 @@ class FlowGate:
         ``repick(routed)`` routes it again on the fleet as it is now, ``repick(routed, only)``
         among those replicas only."""
         flow = self._flow_of(routed, headers, policy)
-        reserved_in = await self._reserve_budget(routed, flow)
+        reserved = await self._reserve_budget(routed, flow)
         try:
-            return cast(R, await self._admit(routed, flow, policy, repick))
+            admitted = await self._admit(routed, flow, policy, repick)
         except BaseException:
-            if reserved_in is not None and flow.budget is not None:
+            if reserved is not None and flow.budget is not None:
                 await self.budgets.release(
-                    routed.tenant.name,
-                    flow.budget,
-                    routed.routing_request.prompt_tokens,
-                    reserved_in,
+                    routed.tenant.name, flow.budget, reserved.tokens, reserved.window
                 )
             raise
+        return cast(R, _with_reservation(admitted, reserved))
 
     async def admit_pinned(self, routed: R, headers: Mapping[str, str], policy: Policy | None) -> R:
         """A request only one replica can serve (a stored conversation's follow-up): flow
         control cannot move or hold it usefully, but the tenant's token budget still holds."""
         flow = self._flow_of(routed, headers, policy)
-        await self._reserve_budget(routed, flow)
-        return routed
+        return _with_reservation(routed, await self._reserve_budget(routed, flow))
 
     def _flow_of(
         self, routed: Routed, headers: Mapping[str, str], policy: Policy | None
@@ -293,14 +294,15 @@ class FlowGate:
             self.metrics.flow_priority_header_ignored.labels(routed.tenant.name).inc()
         return flow
 
-    async def _reserve_budget(self, routed: Routed, flow: TenantFlow) -> int | None:
-        """Check the tenant's budgets and reserve the prompt tokens; the window they were
-        reserved in (None: nothing reserved). Raises 429 when a budget is spent, 400 when the
-        prompt alone is over the whole prompt budget."""
+    async def _reserve_budget(self, routed: Routed, flow: TenantFlow) -> BudgetReservation | None:
+        """Check the tenant's budgets and reserve the prompt tokens (``budget_prompt_tokens``:
+        every prompt of a batch, the whole input of an API the gateway does not tokenize); what
+        was reserved, and in which window (None: nothing). Raises 429 when a budget is spent,
+        400 when the prompt alone is over the whole prompt budget."""
         if flow.budget is None:
             return None
         tenant = routed.tenant.name
-        prompt_tokens = routed.routing_request.prompt_tokens
+        prompt_tokens = routed.budget_prompt_tokens
         check = await self.budgets.admit(tenant, flow.budget, prompt_tokens)
         if not check.admitted:
             if not check.can_fit:  # a 400 (fix the request), not a shed: counted as the 400 alone
@@ -320,9 +322,9 @@ class FlowGate:
                 "are spent.",
                 check.retry_after_s,
             )
-        if flow.budget.prompt_tokens_per_minute is None:
+        if flow.budget.prompt_tokens_per_minute is None or check.window is None:
             return None
-        return check.window
+        return BudgetReservation(prompt_tokens, check.window)
 
     async def _admit(
         self, routed: Routed, flow: TenantFlow, policy: Policy | None, repick: Repick
@@ -444,13 +446,13 @@ class FlowGate:
         usage: Any,
         request_id: str | None = None,
         tpot_ms: float | None = None,
-        prompt_uncounted: bool = False,
+        reserved: BudgetReservation | None = None,
     ) -> Coroutine[Any, Any, None] | None:
         """A request ended: capacity may be free (wake the pump); its TPOT moves the
         inter-token bound. Returns the charge of its completion tokens to the tenant's budget,
-        if it has one, for the caller to run; with ``prompt_uncounted`` (a request routed
-        without counting its prompt: embeddings, a stored conversation's follow-up), of its
-        prompt tokens too, as the engine counted them."""
+        if it has one, for the caller to run, and the settling of the prompt tokens
+        ``reserved`` for it against the engine's count (a tokenizer's or an estimate's error,
+        a stored conversation's follow-up that reserved only its new input)."""
         self._wake.set()
         if request_id is not None:
             self.controller.request_finished(request_id)
@@ -463,19 +465,29 @@ class FlowGate:
         if budget is None or not isinstance(usage, Mapping):
             return None
         completion = usage.get("completion_tokens")
-        prompt = usage.get("prompt_tokens") if prompt_uncounted else None
-        charge = TokenBudget(
-            budget.prompt_tokens_per_minute if _counted(prompt) else None,
-            budget.completion_tokens_per_minute if _counted(completion) else None,
-        )
-        if charge.prompt_tokens_per_minute is None and charge.completion_tokens_per_minute is None:
+        prompt = usage.get("prompt_tokens")
+        settle = reserved if _counted(prompt) else None
+        if not _counted(completion) and settle is None:
             return None
-        return self.budgets.charge_after(
+        return self._charge(
             tenant,
-            charge,
-            prompt if isinstance(prompt, int) else 0,
-            completion if isinstance(completion, int) else 0,
+            TokenBudget(budget.prompt_tokens_per_minute, budget.completion_tokens_per_minute),
+            completion if _counted(completion) else 0,
+            settle,
+            prompt if _counted(prompt) else 0,
         )
+
+    async def _charge(
+        self,
+        tenant: str,
+        budget: TokenBudget,
+        completion_tokens: int,
+        reserved: BudgetReservation | None,
+        prompt_tokens: int,
+    ) -> None:
+        await self.budgets.charge_completion(tenant, budget, completion_tokens)
+        if reserved is not None:
+            await self.budgets.settle_prompt(tenant, budget, reserved, prompt_tokens)
 
     # ------------------------------------------------------------------ the pump
 
@@ -641,6 +653,14 @@ class FlowGate:
             )
 
 
+def _with_reservation(routed: Any, reserved: BudgetReservation | None) -> Any:
+    """``routed`` carrying what its admission reserved of the prompt budget, to settle when
+    the request ends."""
+    if reserved is None:
+        return routed
+    return dataclasses.replace(routed, budget_reserved=reserved)
+
+
 def _counted(tokens: object) -> bool:
     """A usage figure worth charging: a positive int (``True`` is not a count)."""
     return isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0
@@ -687,13 +707,13 @@ def flow_finished(
     usage: Any,
     request_id: str | None = None,
     tpot_ms: float | None = None,
-    prompt_uncounted: bool = False,
+    reserved: BudgetReservation | None = None,
 ) -> None:
     """Tell flow control a request ended (with its TPOT, when it streamed two tokens or more);
     its budget charge runs as a tracked background task."""
     if gw.flow is None:
         return
-    charge = gw.flow.request_finished(policy, tenant, usage, request_id, tpot_ms, prompt_uncounted)
+    charge = gw.flow.request_finished(policy, tenant, usage, request_id, tpot_ms, reserved)
     if charge is not None:
         run_in_background(gw.background, charge, "fleetgate-token-budget")
 

@@ -19,7 +19,7 @@ from gateway.apis.background_responses import is_background_start
 from gateway.errors import bad_request
 from gateway.policy_view import Tenant
 from gateway.proxy import UpstreamOutcome
-from gateway.request.kinds import Body, RequestKind
+from gateway.request.kinds import Body, RequestKind, whole_input_tokens
 from gateway.request_body import validate_common
 from gateway.state import GatewayState
 from gateway.stream_end import stream_end
@@ -205,7 +205,7 @@ def _validate_detokenize(body: Body) -> None:
 EMBEDDINGS = RequestKind(
     "embeddings", "/v1/embeddings", _validate_embeddings, _no_prompt,
     prefix_routed=False, streams=False,
-    payload=salted_payload, usage=usage.from_pooling,
+    payload=salted_payload, usage=usage.from_pooling, budget_prompt=whole_input_tokens,
 )
 TOKENIZE = RequestKind(
     "tokenize", "/tokenize", _validate_tokenize, _no_prompt, prefix_routed=False, streams=False,
@@ -232,7 +232,7 @@ def pooling_kind(path: str) -> RequestKind:
     return RequestKind(
         f"pooling:{path}", path, _validate_model_only, _no_prompt,
         prefix_routed=False, streams=False,
-        payload=salted_payload, usage=usage.from_pooling,
+        payload=salted_payload, usage=usage.from_pooling, budget_prompt=whole_input_tokens,
     )
 
 

@@ -65,9 +65,8 @@ def settle(
         outcome.tpot_ms(
             completion_tokens_of(outcome.usage), routed.routing_request.choices
         ),
-        # Not tokenized here (embeddings, a stored conversation's follow-up): its prompt tokens
-        # are charged to the budget as the engine counted them.
-        prompt_uncounted=routed.routing_request.prompt_tokens == 0,
+        # The prompt tokens reserved for it, settled against the engine's count.
+        reserved=routed.budget_reserved,
     )
     if answering:
         asyncio.get_running_loop().call_soon(account, gw, routed, outcome, arrived, streamed)

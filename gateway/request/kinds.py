@@ -20,6 +20,7 @@ from gateway.request_body import (
 )
 from gateway.stream_end import CHAT_STREAM_END, StreamEnd
 from routing.contracts import PromptTokenizer, TokenizedPrompt
+from routing.hashing import CHARS_PER_TOKEN
 from routing.template_inputs import chat_template_variables
 
 if TYPE_CHECKING:
@@ -93,6 +94,48 @@ class RequestKind:
     #: short and gets the in-band error. Chat's and completions' ``data: [DONE]``.
     stream_end: StreamEnd = CHAT_STREAM_END
     finishes_later: FinishesLaterOf | None = None
+    #: The prompt tokens a token budget reserves up front, given the routed prompt's count
+    #: (``budget_prompt_tokens``); None: the routed prompt's. The engine's own count settles it
+    #: when the request ends.
+    budget_prompt: BudgetPromptOf | None = None
+
+
+#: (body, the routed prompt's tokens) -> the prompt tokens the request's budget reserves.
+BudgetPromptOf = Callable[[Body, int], int]
+
+
+def estimated_input_tokens(value: Any) -> int:
+    """A rough count of the tokens in a request's inputs, for a token budget's up-front
+    reservation where the gateway tokenizes nothing (embeddings, pooling, a batch's other
+    prompts): every string at about ``CHARS_PER_TOKEN`` characters a token, every integer in a
+    list (token ids) one token. The engine's count replaces it when the request ends."""
+    if isinstance(value, str):
+        return -(-len(value) // CHARS_PER_TOKEN)
+    if isinstance(value, Mapping):
+        return sum(estimated_input_tokens(v) for k, v in value.items() if k not in _NOT_INPUT)
+    if isinstance(value, list):
+        return sum(
+            1 if isinstance(v, int) and not isinstance(v, bool) else estimated_input_tokens(v)
+            for v in value
+        )
+    return 0
+
+
+#: Fields of a body that are settings, not input.
+_NOT_INPUT = frozenset({"model", "encoding_format", "user", "input_type", "truncation_side"})
+
+
+def batch_prompt_tokens(body: Body, routed_tokens: int) -> int:
+    """A completions batch is routed on its first prompt; its budget counts them all."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return routed_tokens + sum(estimated_input_tokens(p) for p in prompt[1:])
+    return routed_tokens
+
+
+def whole_input_tokens(body: Body, routed_tokens: int) -> int:
+    """An API the gateway does not tokenize: its whole input, estimated."""
+    return max(routed_tokens, estimated_input_tokens(body))
 
 
 def _validate_chat(body: Body) -> None:
@@ -124,4 +167,7 @@ async def _completion_prompt(tokenizer: PromptTokenizer, model: str, body: Body)
 
 
 CHAT = RequestKind("chat", "/v1/chat/completions", _validate_chat, _chat_prompt)
-COMPLETION = RequestKind("completion", "/v1/completions", _validate_completion, _completion_prompt)
+COMPLETION = RequestKind(
+    "completion", "/v1/completions", _validate_completion, _completion_prompt,
+    budget_prompt=batch_prompt_tokens,
+)

@@ -47,6 +47,7 @@ from routing.contracts import (
     RoutingRequest,
     TokenizedPrompt,
 )
+from routing.flow_control import BudgetReservation
 from routing.hashing import CHARS_PER_TOKEN, chain_seed, prompt_chain
 from routing.types import ReplicaId
 
@@ -120,6 +121,12 @@ class RouteDecision:
     #: Monotonic time of the decision (a held request's is its release): the TTFT routing
     #: predicted runs from here, so calibration measures from here too, not from arrival.
     decided_at: float = dataclasses.field(default_factory=time.monotonic)
+    #: The prompt tokens a token budget reserves for it up front: the routed prompt's, or the
+    #: whole input's estimate where that is more (a completions batch, embeddings, pooling).
+    budget_prompt_tokens: int = 0
+    #: What flow control reserved of the tenant's prompt budget (None: nothing), settled
+    #: against the engine's count when the request ends.
+    budget_reserved: BudgetReservation | None = None
 
     @property
     def uncached_tokens(self) -> int:
@@ -203,6 +210,7 @@ async def route(
         decision, last_resort = pinned_decision(pinned), False
     else:
         decision, last_resort = await _pick_replica(gw, routing_request, matched_route)
+    prompt_tokens = routing_request.prompt_tokens
     return RouteDecision(
         matched_route,
         tenant,
@@ -214,6 +222,9 @@ async def route(
         decision,
         last_resort,
         time.time(),
+        budget_prompt_tokens=(
+            kind.budget_prompt(body, prompt_tokens) if kind.budget_prompt else prompt_tokens
+        ),
     )
 
 

@@ -6,6 +6,7 @@ See docs/flow-control.md.
 
 from routing.flow_control.budgets import (
     BudgetCheck,
+    BudgetReservation,
     BudgetStore,
     MemoryBudgetStore,
     TokenBudget,
@@ -31,6 +32,7 @@ from routing.flow_control.steer import Steering, steer_request
 __all__ = [
     "PRIORITY_HEADER",
     "BudgetCheck",
+    "BudgetReservation",
     "BudgetStore",
     "Decision",
     "FairQueue",

@@ -19,6 +19,7 @@ from typing import Protocol
 __all__ = [
     "WINDOW_S",
     "BudgetCheck",
+    "BudgetReservation",
     "BudgetStore",
     "MemoryBudgetStore",
     "TokenBudget",
@@ -35,6 +36,14 @@ class TokenBudget:
 
     prompt_tokens_per_minute: int | None = None
     completion_tokens_per_minute: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetReservation:
+    """Prompt tokens reserved for one request, and the window they went into."""
+
+    tokens: int
+    window: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,21 +155,24 @@ class TokenBudgets:
             return
         await self.store.add(self._key(tenant, "prompt", window), -prompt_tokens, 2 * WINDOW_S)
 
+    async def settle_prompt(
+        self, tenant: str, budget: TokenBudget, reserved: BudgetReservation, engine_tokens: int
+    ) -> None:
+        """A finished request's prompt as the engine counted it, against what ``admit``
+        reserved (the gateway's tokenizer, or an estimate without one): more is charged to the
+        current window, less given back to the reservation's (``release``)."""
+        if budget.prompt_tokens_per_minute is None:
+            return
+        more = engine_tokens - reserved.tokens
+        if more > 0:
+            window, _ = self._window()
+            await self.store.add(self._key(tenant, "prompt", window), more, 2 * WINDOW_S)
+        elif more < 0:
+            await self.release(tenant, budget, -more, reserved.window)
+
     async def charge_completion(self, tenant: str, budget: TokenBudget, tokens: int) -> None:
         """Count a finished request's completion tokens against the current window."""
         if budget.completion_tokens_per_minute is None or tokens <= 0:
             return
         window, _ = self._window()
         await self.store.add(self._key(tenant, "completion", window), tokens, 2 * WINDOW_S)
-
-    async def charge_after(
-        self, tenant: str, budget: TokenBudget, prompt_tokens: int, completion_tokens: int
-    ) -> None:
-        """Count a finished request's tokens against the current window: its completion tokens,
-        and its prompt tokens where they could not be reserved up front (the gateway did not
-        tokenize the prompt). Only the budgets ``budget`` sets are charged."""
-        await self.charge_completion(tenant, budget, completion_tokens)
-        if budget.prompt_tokens_per_minute is None or prompt_tokens <= 0:
-            return
-        window, _ = self._window()
-        await self.store.add(self._key(tenant, "prompt", window), prompt_tokens, 2 * WINDOW_S)

@@ -284,7 +284,9 @@ async def test_a_key_revoked_while_its_request_queued_is_refused_when_released(
 async def test_token_budgets_hold_across_two_gateways_sharing_redis(
     tmp_path: Path, redis_url: str
 ) -> None:
-    upstream = FakeUpstream()
+    # The engine counts the prompt as the gateway does: the reservation stands as made (a
+    # count that differed would be settled after each answer, test_flow_gate.py).
+    upstream = FakeUpstream(prompt_tokens=_prompt_tokens("m-00"))
     async with (
         _gateways(tmp_path, upstream, count=2, redis_url=redis_url) as served,
         aiohttp.ClientSession() as http,

@@ -44,6 +44,8 @@ class FakeUpstream:
     #: event (as vLLM does: its 200 goes out before the engine works).
     event_gate: asyncio.Event | None = None
     cached_tokens: int = 0
+    #: The prompt tokens its usage reports (token budgets settle their reservation to it).
+    prompt_tokens: int = 10
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[CIMultiDict[str]] = field(default_factory=list)
     attempts: int = 0
@@ -109,9 +111,9 @@ class FakeUpstream:
 
     def _usage(self, body: dict[str, Any]) -> dict[str, Any]:
         return {
-            "prompt_tokens": 10,
+            "prompt_tokens": self.prompt_tokens,
             "completion_tokens": 3,
-            "total_tokens": 13,
+            "total_tokens": self.prompt_tokens + 3,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 

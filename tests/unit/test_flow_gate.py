@@ -17,6 +17,7 @@ from gateway.metrics import GatewayMetrics
 from routing.config import Policy
 from routing.config.loader import parse_policy
 from routing.contracts import ReplicaExplanation, RoutingDecision, RoutingRequest
+from routing.flow_control import BudgetReservation
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -66,9 +67,17 @@ class _Routed:
     decision: RoutingDecision
     tenant: _Tenant = field(default_factory=_Tenant)
     route: _Route = field(default_factory=_Route)
+    budget_prompt_tokens: int = 0
+    budget_reserved: BudgetReservation | None = None
 
 
-def _routed(request_id: str, model: str, replicas: list[str], prompt_tokens: int = 10) -> _Routed:
+def _routed(
+    request_id: str,
+    model: str,
+    replicas: list[str],
+    prompt_tokens: int = 10,
+    budget_prompt_tokens: int | None = None,
+) -> _Routed:
     ids = [ReplicaId(r) for r in replicas]
     terms = {"queue_wait_ms": 100.0, "expected_ttft_ms": 300.0}
     decision = RoutingDecision(
@@ -86,7 +95,8 @@ def _routed(request_id: str, model: str, replicas: list[str], prompt_tokens: int
         route="all",
         prompt_tokens=prompt_tokens,
     )
-    return _Routed(request, decision)
+    budget = prompt_tokens if budget_prompt_tokens is None else budget_prompt_tokens
+    return _Routed(request, decision, budget_prompt_tokens=budget)
 
 
 def _states(model_a_waiting: int) -> list[ReplicaState]:
@@ -225,12 +235,18 @@ async def test_a_prompt_over_the_tenants_whole_prompt_budget_is_a_400_not_a_retr
 async def test_budgets_hold_for_pinned_follow_ups_and_requests_not_tokenized_here() -> None:
     async with _Gate(_policy()) as fleet:
         gate, policy = fleet.gate, fleet.policy
-        # An embeddings request or a stored conversation's follow-up: no prompt counted when
-        # routed, so its prompt tokens are charged from the engine's usage when it ends.
+        # A stored conversation's follow-up: nothing of the conversation counted when routed,
+        # so its prompt tokens are settled from the engine's usage when it ends.
         untokenized = _routed("e-1", "model-b", ["b1"], prompt_tokens=0)
-        assert await gate.admit_pinned(untokenized, {}, policy) is untokenized
+        admitted = await gate.admit_pinned(untokenized, {}, policy)
+        assert admitted.budget_reserved is not None and admitted.budget_reserved.tokens == 0
         charge = gate.request_finished(
-            policy, "t", {"prompt_tokens": 100, "completion_tokens": 1}, "e-1", None, True
+            policy,
+            "t",
+            {"prompt_tokens": 100, "completion_tokens": 1},
+            "e-1",
+            None,
+            admitted.budget_reserved,
         )
         assert charge is not None
         await charge
@@ -268,3 +284,40 @@ async def test_without_its_pump_the_gate_admits_rather_than_queue_forever() -> N
         admitted = await gate.admit(_routed("a-1", "model-a", ["a1", "a2"]), {}, policy, _unchanged)
     assert admitted.routing_request.request_id == "a-1"
     assert len(gate.controller.queue) == 0
+
+
+async def test_the_prompt_reserved_is_settled_against_the_engines_count() -> None:
+    """The reservation is the gateway's count (its tokenizer's, or ~4 characters a token, or an
+    estimate of a batch's or an embeddings input's); the engine's usage settles it: a tenant
+    whose text the estimate undercounts pays what it used, one it overcounts gets it back."""
+    async with _Gate(_policy()) as fleet:
+        gate, policy = fleet.gate, fleet.policy
+
+        async def spend(request_id: str, reserve: int, engine: int) -> None:
+            routed = _routed(request_id, "model-b", ["b1"], prompt_tokens=reserve)
+            admitted = await gate.admit_pinned(routed, {}, policy)
+            assert admitted.budget_reserved is not None
+            assert admitted.budget_reserved.tokens == reserve
+            charge = gate.request_finished(
+                policy, "t", {"prompt_tokens": engine}, request_id, None, admitted.budget_reserved
+            )
+            assert charge is not None
+            await charge
+
+        await spend("over", reserve=40, engine=30)  # 10 given back: 30 of 100 used
+        await spend("under", reserve=20, engine=70)  # 50 more charged: 100 of 100 used
+        with pytest.raises(GatewayError) as info:
+            await gate.admit_pinned(_routed("next", "model-b", ["b1"], prompt_tokens=1), {}, policy)
+        assert info.value.status == 429 and "prompt tokens" in info.value.message
+
+
+async def test_a_batch_or_an_input_over_the_whole_prompt_budget_is_refused_up_front() -> None:
+    """A completions batch is routed on its first prompt, an embeddings request on nothing:
+    their budget reserves every prompt of the batch, or the whole input (the review that found
+    it: a 51-prompt batch of ~150k tokens reserved 2, one embeddings call used 300,200 tokens of
+    a 2,000-token minute)."""
+    async with _Gate(_policy()) as fleet:
+        batch = _routed("batch", "model-b", ["b1"], prompt_tokens=5, budget_prompt_tokens=500)
+        with pytest.raises(GatewayError) as info:
+            await fleet.admit(batch)
+        assert info.value.status == 400 and "prompt_tokens_per_minute" in info.value.message
