@@ -87,6 +87,7 @@ async def replicas(request: web.Request) -> web.Response:
     out = []
     for state in gw.registry.all():
         item = dataclasses.asdict(state)
+        item["url"] = redacted(state.url)  # a password in it (basic auth to a proxy) never shown
         item["circuit"] = gw.registry.breaker(state.replica_id).state.value
         item["staleness_s"] = state.shown_staleness_s()
         out.append(item)

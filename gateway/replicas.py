@@ -25,6 +25,7 @@ from gateway.policy_view import PoolSpeeds, ReplicaSpec
 from routing.fleet import Fleet
 from routing.lora_slots import LORA_INFO_METRIC, LoraInfo, latest_lora_info
 from routing.recent_itl import RecentItl
+from routing.redis_clients import redacted
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
 
@@ -221,12 +222,13 @@ class ReplicaRegistry:
                         "prefix index entries their agents record under these ids name the "
                         "wrong engines until the agents are restarted with the new ids. Give "
                         "static replicas names ({name, url}; docs/policy.md).",
-                        rid, spec.url, old.url,
+                        rid, redacted(spec.url), redacted(old.url),
                     )
                 else:
                     log.warning(
                         "replica %s moved to %s (was %s): its state starts afresh; restart the "
-                        "agent beside it if the engine changed.", rid, spec.url, old.url,
+                        "agent beside it if the engine changed.",
+                        rid, redacted(spec.url), redacted(old.url),
                     )
                 self.remove(rid)
             self.upsert(
@@ -337,7 +339,9 @@ class ReplicaRegistry:
                     log.warning(
                         "replica %s (%s) draining (its agent is stopping it): sent nothing "
                         "new; the %d request(s) it holds finish there",
-                        state.replica_id, state.url, self.attempts.count(state.replica_id),
+                        state.replica_id,
+                        redacted(state.url),
+                        self.attempts.count(state.replica_id),
                     )
                 elif not healthy and old.healthy:
                     self._marked_down(state, "its agent reports the engine down")
@@ -349,11 +353,11 @@ class ReplicaRegistry:
                         self._marked_down(state, "its engine stopped after its drain")
                     else:
                         log.info("replica %s (%s) stopped after its drain",
-                                 state.replica_id, state.url)
+                                 state.replica_id, redacted(state.url))
                 elif healthy and not old.healthy:
                     log.warning(
                         "replica %s (%s) healthy again (its agent reports the engine up)",
-                        state.replica_id, state.url,
+                        state.replica_id, redacted(state.url),
                     )
             # The agent read the adapters with its metrics: its time goes with its list.
             self._adapters_read_at[state.replica_id] = state.metrics_read_at
@@ -382,7 +386,7 @@ class ReplicaRegistry:
                 log.warning(
                     "replica %s (%s) removed from the fleet by its agent: sent nothing new; the "
                     "%d request(s) it holds finish there",
-                    rid, current.url, held,
+                    rid, redacted(current.url), held,
                 )
             if current.healthy or current.draining != (held > 0):
                 self._put(replace(current, healthy=False, draining=held > 0))
@@ -691,7 +695,9 @@ class ReplicaRegistry:
         self._put(replace(current, **updates))
         if healthy and not current.healthy and answered_ok:
             log.warning(
-                "replica %s (%s) answers its health polls again", state.replica_id, state.url
+                "replica %s (%s) answers its health polls again",
+                state.replica_id,
+                redacted(state.url),
             )
         if current.healthy and not healthy:
             self._marked_down(
@@ -709,7 +715,7 @@ class ReplicaRegistry:
             "replica %s (%s) marked unhealthy (%s); %d request(s) it held unanswered go to a "
             "fallback",
             state.replica_id,
-            state.url,
+            redacted(state.url),
             why,
             aborted,
         )

@@ -325,13 +325,16 @@ def resolve_model(
     if silent:
         # Without a policy (or --model) the models come from the engines' /v1/models: while
         # one has never answered, "unknown" may only mean "not heard from yet".
-        where = ", ".join(f"{r.replica_id} at {r.url}" for r in silent[:3])
+        # Their ids, not their URLs: a client is not shown the fleet's addresses (or a
+        # password in one); /admin/replicas and the gateway's log have them.
+        where = ", ".join(str(r.replica_id) for r in silent[:3])
         raise GatewayError(
             503,
             errors.NO_HEALTHY_REPLICA,
             f"The model `{model}` is not served by any replica that has answered so far, and "
             f"{len(silent)} replica(s) have not listed their models yet ({where}); check that "
-            "they are up, and the URL (the engine's root, e.g. http://host:8000).",
+            "they are up, and their URLs (the engine's root, e.g. http://host:8000; "
+            "GET /admin/replicas lists them).",
             "model",
             headers={"Retry-After": "2"},
         )

@@ -116,17 +116,29 @@ async def test_a_replica_never_heard_from_is_a_503_naming_it_not_an_unknown_mode
     from tests.integration.test_gateway_support import serve
     from tests.support.redis_server import free_port
 
-    dead = f"http://127.0.0.1:{free_port()}"
+    port = free_port()
+    dead = f"http://proxy-user:Replica-Secret@127.0.0.1:{port}"  # basic auth to a proxy
     spec = ReplicaSpec("replica-0", dead, models=frozenset())
-    app = create_app(GatewayConfig(health_interval_s=0.05), GatewayPolicy.default([spec]))
-    async with serve(app) as url, aiohttp.ClientSession() as http, http.post(
-        f"{url}/v1/chat/completions",
-        json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
-    ) as resp:
-        assert resp.status == 503
-        error = (await resp.json())["error"]
+    config = GatewayConfig(health_interval_s=0.05, admin_key="admin-key")
+    app = create_app(config, GatewayPolicy.default([spec]))
+    async with serve(app) as url, aiohttp.ClientSession() as http:
+        async with http.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "llama", "messages": [{"role": "user", "content": "hi"}]},
+        ) as resp:
+            assert resp.status == 503
+            error = (await resp.json())["error"]
+        # The operator finds the URL, its password hidden; a client is shown neither (the
+        # security review: any caller read the fleet's addresses and a proxy's password).
+        async with http.get(
+            f"{url}/admin/replicas", headers={"Authorization": "Bearer admin-key"}
+        ) as resp:
+            assert resp.status == 200
+            shown = (await resp.json())["replicas"][0]["url"]
     assert error["code"] == "no_healthy_replica"
-    assert dead in error["message"] and "have not listed their models" in error["message"]
+    assert "replica-0" in error["message"] and "have not listed their models" in error["message"]
+    assert "127.0.0.1" not in error["message"] and "Secret" not in error["message"]
+    assert shown == f"http://proxy-user:***@127.0.0.1:{port}"
 
 
 async def test_polls_read_the_engines_kv_cache_capacity_for_a_static_replica() -> None:
