@@ -62,16 +62,21 @@ def _guard(handler: Handler) -> Handler:
 
 
 def guard_where_configured(handler: Handler) -> Handler:
-    """The admin key's guard where one is configured; open otherwise (the dashboard's data).
+    """The admin key's guard where one is configured or tenants are declared; open otherwise
+    (the dashboard's data).
 
-    The dashboard shows what ``/metrics`` (open) shows, plus replica ids and recent decisions;
-    a gateway without an admin key, like the quick start, still gets a dashboard.
+    The dashboard shows what ``/metrics`` (open) shows, plus replica ids and recent decisions
+    (with each decision's adapter): a gateway without an admin key and without tenants, like a
+    policy-less quick start, still gets a dashboard. With tenants it would show every caller the
+    names of other tenants' private adapters, which the API takes care never to reveal, so it
+    answers as ``/admin/*`` does: 403 until an admin key is configured.
     """
     guarded_handler = _guard(handler)
 
     async def guarded(request: web.Request) -> web.StreamResponse:
         gw = request.app[GATEWAY]
-        if gw.config.admin_key is None and not gw.policy.admin_key_sha256:
+        no_admin_key = gw.config.admin_key is None and not gw.policy.admin_key_sha256
+        if no_admin_key and gw.policy.open_access:
             return await handler(request)
         return await guarded_handler(request)
 

@@ -24,6 +24,7 @@ from gateway.adapters import AdapterSetup, open_registry, setup_from_policy
 from gateway.admin import add_admin_routes, guard_where_configured
 from gateway.apis.anthropic import error_response as anthropic_error_response
 from gateway.apis.endpoints import add_api_routes
+from gateway.auth import warn_if_admin_key_is_a_tenants
 from gateway.background import run_in_background
 from gateway.config import GatewayConfig
 from gateway.cost import ReplicaTimeMeter, RouteWindow
@@ -146,6 +147,7 @@ def create_app(
     none without a policy file.
     """
     view = policy if policy is not None else load_policy_view(config)
+    warn_if_admin_key_is_a_tenants(config.admin_key, view)
     if adapters is None:
         adapters = setup_from_policy(view.source, config)
     owns_fleet_store = fleet_store is None

@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from gateway.auth import warn_if_admin_key_is_a_tenants
 from gateway.background import run_in_background
 from gateway.policy_view import from_policy, policy_digest
 from gateway.routing_glue import build_profiles
@@ -56,6 +57,7 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
     gw.config.apply_policy(policy)
     gw.max_retries = gw.config.max_retries
     gw.policy = view
+    warn_if_admin_key_is_a_tenants(gw.config.admin_key, view)
     gw.registry.set_static(view.replicas)
     gw.registry.set_pool_speeds(view.pool_speeds)
     gw.policy_file_seen = seen

@@ -61,12 +61,16 @@ admin:
 
 @asynccontextmanager
 async def policy_gateway(
-    tmp_path: Path, upstream: FakeUpstream, acme_rps: float = 1000.0, poll_s: float = 0
+    tmp_path: Path,
+    upstream: FakeUpstream,
+    acme_rps: float = 1000.0,
+    poll_s: float = 0,
+    admin_key: str | None = None,
 ) -> AsyncIterator[tuple[str, Path]]:
     async with serve(upstream.app()) as upstream_url:
         path = tmp_path / "policy.yaml"
         path.write_text(policy_yaml(upstream_url, acme_rps))
-        config = GatewayConfig(policy_path=str(path), policy_poll_s=poll_s)
+        config = GatewayConfig(policy_path=str(path), policy_poll_s=poll_s, admin_key=admin_key)
         app = create_app(config)
         config.health_interval_s = 3600  # the policy's interval; tests poll once at start-up
         async with serve(app, handler_cancellation=True) as url:
@@ -381,3 +385,67 @@ routes:
         "gateway's log says which requirement."
     )
     assert upstream.attempts == 0
+
+
+async def test_a_tenants_key_given_as_the_admin_key_opens_no_admin_api(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The security review: ``--admin-key`` set to a tenant's key made that tenant an admin
+    (the policy file's admin hashes are checked against the tenants', the flag's was not)."""
+    upstream = FakeUpstream()
+    async with (
+        policy_gateway(tmp_path, upstream, admin_key="acme-key") as (url, _),
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.get(f"{url}/admin/replicas", headers=auth("acme-key")) as resp:
+            assert resp.status == 401
+        async with http.get(f"{url}/admin/replicas", headers=auth("admin-key")) as resp:
+            assert resp.status == 200  # the policy's own admin key still works
+    assert "is also tenant 'acme''s API key" in caplog.text
+
+
+async def test_a_key_header_sent_twice_is_refused(tmp_path: Path) -> None:
+    """Which of two keys counts is ambiguous (a proxy in front reading the last one would
+    disagree with the gateway about who calls): 401, as a repeated priority header is a 400."""
+    upstream = FakeUpstream()
+    async with policy_gateway(tmp_path, upstream) as (url, _), aiohttp.ClientSession() as http:
+        for name, first, second in (
+            ("Authorization", "Bearer globex-key", "Bearer acme-key"),
+            ("x-api-key", "globex-key", "acme-key"),
+        ):
+            headers = [(name, first), (name, second)]
+            async with http.post(
+                f"{url}/v1/chat/completions", json=chat(), headers=headers
+            ) as resp:
+                assert resp.status == 401, name
+        async with http.post(
+            f"{url}/v1/chat/completions", json=chat(), headers=auth("acme-key")
+        ) as resp:
+            assert resp.status == 200
+
+
+async def test_dashboard_data_is_not_open_where_tenants_are_declared_without_an_admin_key(
+    tmp_path: Path,
+) -> None:
+    """The security review: with tenants and private adapters but no admin key, the dashboard's
+    data (its decisions name each request's adapter) answered any caller, tenants included."""
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        path = tmp_path / "policy.yaml"
+        no_admin = policy_yaml(upstream_url).split("admin:")[0]
+        path.write_text(no_admin)
+        async with (
+            serve(create_app(GatewayConfig(policy_path=str(path)))) as url,
+            aiohttp.ClientSession() as http,
+        ):
+            for headers in ({}, auth("acme-key")):
+                async with http.get(f"{url}/dashboard/data", headers=headers) as resp:
+                    assert resp.status == 403
+                    assert (await resp.json())["error"]["code"] == "admin_disabled"
+    # Without tenants (open access, the quick start) the page still gets its data.
+    async with (
+        serve(create_app(GatewayConfig())) as url,
+        aiohttp.ClientSession() as http,
+        http.get(f"{url}/dashboard/data") as resp,
+    ):
+        assert resp.status == 200
