@@ -7,13 +7,16 @@ call per span and nothing leaves the process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
-from opentelemetry.trace import NonRecordingSpan, Tracer
+from opentelemetry.trace import NonRecordingSpan, Span, Status, StatusCode, Tracer
 from opentelemetry.trace.span import INVALID_SPAN_CONTEXT
+
+from gateway.errors import GatewayError
 
 
 class _NullSpan(NonRecordingSpan):
@@ -119,3 +122,27 @@ __all__ = [
     "trace",
     "upstream_trace_headers",
 ]
+
+
+@contextlib.contextmanager
+def request_span(tracer: Tracer, name: str, context: Context | None) -> Iterator[Span]:
+    """The request's root span. The gateway's own error answers are outcomes, not exceptions:
+    a client's 4xx records its code and status, never the exception with its message (which
+    quotes what the client sent: a key pasted into ``model`` reached the trace backend, the
+    security review found), and a 5xx marks the span failed with its code. Anything else
+    raised is a bug, recorded as an exception."""
+    with tracer.start_as_current_span(
+        name, context=context, record_exception=False, set_status_on_exception=False
+    ) as span:
+        try:
+            yield span
+        except GatewayError as err:
+            span.set_attribute("fleetgate.error_code", err.code)
+            span.set_attribute("http.response.status_code", err.status)
+            if err.status >= 500:
+                span.set_status(Status(StatusCode.ERROR, err.code))
+            raise
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            raise

@@ -25,7 +25,7 @@ from gateway.request.kinds import RequestKind
 from gateway.request.route import RequestLabels, RouteDecision, admit, repick, route
 from gateway.request_body import read_body, request_id_of, unique_id
 from gateway.state import GATEWAY, GatewayState
-from gateway.tracing import client_context
+from gateway.tracing import client_context, request_span
 
 
 def usage_to_charge(outcome: UpstreamOutcome) -> Mapping[str, Any] | None:
@@ -87,7 +87,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     gw.active_requests += 1
     try:
         parent = client_context(gw.tracer, request.headers)  # the client's traceparent
-        with gw.tracer.start_as_current_span("fleetgate.request", context=parent) as span:
+        with request_span(gw.tracer, "fleetgate.request", parent) as span:
             span.set_attribute("fleetgate.kind", kind.name)
             if gw.draining:
                 raise errors.shutting_down()

@@ -146,3 +146,27 @@ async def test_trace_context_reaches_the_engine() -> None:
     # The second traced request joined the client's trace.
     assert f"{upstream_spans[1].context.trace_id:032x}" == CLIENT_TRACE.split("-")[1]
     assert f"{upstream_spans[0].context.trace_id:032x}" != CLIENT_TRACE.split("-")[1]
+
+
+async def test_a_clients_error_is_an_outcome_on_its_span_not_an_exception_quoting_it() -> None:
+    """The security review: every client 4xx added an exception event to the request's span,
+    message and stack included, so a key pasted into ``model`` reached the trace backend."""
+    exporter, provider = _recording_tracer()
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
+        app[GATEWAY].tracer = provider.get_tracer("test")
+        async with (
+            serve(app, handler_cancellation=True) as url,
+            aiohttp.ClientSession() as http,
+            http.post(
+                f"{url}/v1/completions", json={**BODY, "model": "sk-live-CANARY-1234"}
+            ) as resp,
+        ):
+            assert resp.status == 404
+    (root,) = [s for s in exporter.get_finished_spans() if s.name == "fleetgate.request"]
+    assert root.events == ()
+    assert root.attributes["fleetgate.error_code"] == "model_not_found"
+    assert root.attributes["http.response.status_code"] == 404
+    assert "CANARY" not in str(root.to_json())
