@@ -39,7 +39,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.policy_view import GatewayPolicy, from_policy, policy_digest
 from gateway.reload import file_identity
 from gateway.replicas import ReplicaRegistry
-from gateway.request_body import request_id_of
+from gateway.request_body import request_id_of, show_request_id
 from gateway.response_affinity import build_response_affinity
 from gateway.routing_glue import build_engine, build_gateway_index, build_prompt_tokenizer
 from gateway.state import GATEWAY, GatewayState
@@ -222,6 +222,7 @@ def create_app(
 
     app = web.Application(middlewares=[envelope_errors], handler_args=HANDLER_ARGS)
     app[GATEWAY] = gw
+    app.on_response_prepare.append(show_request_id)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_get("/v1/models", openai_api.list_models)

@@ -27,6 +27,24 @@ def request_id_of(request: web.Request) -> str:
     return f"fg-{uuid.uuid4().hex}"
 
 
+#: Where a request's ``X-Request-Id`` answer differs from the id the gateway used (web.Request
+#: key): the client's own id, when only another caller had it in flight.
+SHOWN_REQUEST_ID: Final = "fleetgate.shown_request_id"
+
+
+def caller_scope(request: web.Request) -> str:
+    """Who is calling, before authentication: a digest of the credential headers (the same
+    key, the same scope; no key, one scope of its own)."""
+    import hashlib
+
+    credentials = "\x00".join(
+        value
+        for name in ("Authorization", "api-key", "x-api-key")
+        for value in request.headers.getall(name, ())
+    )
+    return hashlib.sha256(credentials.encode()).hexdigest()[:16]
+
+
 def unique_id(request_id: str, in_flight: set[str]) -> str:
     """``request_id``, or it with a random suffix when a request in flight already has it.
 
@@ -37,6 +55,16 @@ def unique_id(request_id: str, in_flight: set[str]) -> str:
     while request_id in in_flight:
         request_id = f"{request_id.split('~', 1)[0]}~{uuid.uuid4().hex[:8]}"
     return request_id
+
+
+async def show_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the ``X-Request-Id`` a caller is shown. A client id that only
+    another caller had in flight comes back as sent, though the gateway used it suffixed: the
+    suffix would tell one tenant that another runs a request of that id (the security review);
+    reused by the same caller, the suffix shows which request is which."""
+    shown = request.get(SHOWN_REQUEST_ID)
+    if shown is not None and "X-Request-Id" in response.headers:
+        response.headers["X-Request-Id"] = shown
 
 
 def engine_request_id(request_id: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,9 @@ class GatewayState:
     #: The request ids in flight: routing and flow control key their state by request id, so
     #: a client's ``X-Request-Id`` already in use gets a suffix (``request_body.unique_id``).
     request_ids: set[str] = field(default_factory=set)
+    #: (caller, client's id) of the requests in flight that sent their own ``X-Request-Id``:
+    #: a suffix is shown only to a caller that reused its own id (``request_body.shown_id``).
+    asked_ids: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: Retries on fallbacks before the first byte (the policy's ``gateway.max_retries``).
     max_retries: int = 2
     policy_errors: list[str] = field(default_factory=list)

@@ -19,6 +19,7 @@ from gateway.apis.background_responses import is_background_start
 from gateway.errors import bad_request
 from gateway.policy_view import Tenant
 from gateway.proxy import UpstreamOutcome
+from gateway.request.forward import ENGINE_ONLY_FIELDS, without_engine_only_fields
 from gateway.request.kinds import Body, RequestKind, whole_input_tokens
 from gateway.request_body import validate_common
 from gateway.state import GatewayState
@@ -36,7 +37,7 @@ def _encode(value: Any) -> bytes:
 
 def salted_payload(body: Body, raw: bytes, tenant: Tenant) -> tuple[bytes, bool]:
     """The body with the tenant's ``cache_salt`` (any client salt replaced or dropped)."""
-    out = dict(body)
+    out = without_engine_only_fields(body)
     if tenant.cache_salt:
         out["cache_salt"] = tenant.cache_salt
     else:
@@ -48,8 +49,10 @@ def unchanged_payload(body: Body, raw: bytes, tenant: Tenant) -> tuple[bytes, bo
     """The client's bytes as they are (tokenize, detokenize and the render endpoints prefill
     nothing, so no prefix cache to salt), less any ``cache_salt`` the client sent: the gateway
     owns the salt, and a tenant's derived salt is no secret."""
-    if "cache_salt" in body:
-        return _encode({k: v for k, v in body.items() if k != "cache_salt"}), False
+    if "cache_salt" in body or not ENGINE_ONLY_FIELDS.isdisjoint(body):
+        out = without_engine_only_fields(body)
+        out.pop("cache_salt", None)
+        return _encode(out), False
     return raw, False
 
 

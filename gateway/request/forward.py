@@ -274,13 +274,24 @@ def with_client_salt(tenant: Tenant, body: Body, open_access: bool) -> Tenant:
     return replace(tenant, cache_salt=salt)
 
 
+#: Fields a client never sets on the engine: ``kv_transfer_params`` steers an engine's KV
+#: connector (disaggregated prefill: where to pull blocks from, or push them to), which is
+#: the deployment's to set, not a tenant's. Dropped from every body the gateway relays.
+ENGINE_ONLY_FIELDS: frozenset[str] = frozenset({"kv_transfer_params"})
+
+
+def without_engine_only_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` less ``ENGINE_ONLY_FIELDS``."""
+    return {k: v for k, v in body.items() if k not in ENGINE_ONLY_FIELDS}
+
+
 def upstream_body(body: Mapping[str, Any], tenant: Tenant) -> tuple[dict[str, Any], bool]:
     """The body vLLM gets: the client's, with the gateway-owned fields set.
 
     Returns the body and whether the stream's usage chunk must be hidden from the client (the
     gateway asks for it to learn ``cached_tokens``; a client that did not ask must not see it).
     """
-    out = dict(body)
+    out = without_engine_only_fields(body)
     if tenant.cache_salt:
         out["cache_salt"] = tenant.cache_salt
     else:
@@ -324,6 +335,7 @@ def upstream_payload(body: Mapping[str, Any], raw: bytes, tenant: Tenant) -> tup
     head = raw.rstrip()
     if (
         "cache_salt" not in body
+        and ENGINE_ONLY_FIELDS.isdisjoint(body)
         and (options is None or has_usage)
         and body
         and head.startswith(b"{")

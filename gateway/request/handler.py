@@ -23,7 +23,13 @@ from gateway.request.account import (
 from gateway.request.forward import AttemptRecorder, forward, plan_forward, with_client_salt
 from gateway.request.kinds import RequestKind
 from gateway.request.route import RequestLabels, RouteDecision, admit, repick, route
-from gateway.request_body import read_body, request_id_of, unique_id
+from gateway.request_body import (
+    SHOWN_REQUEST_ID,
+    caller_scope,
+    read_body,
+    request_id_of,
+    unique_id,
+)
 from gateway.state import GATEWAY, GatewayState
 from gateway.tracing import client_context, request_span
 
@@ -77,8 +83,13 @@ def settle(
 async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     """``POST`` of one OpenAI request of ``kind`` (``/v1/chat/completions``, ...)."""
     gw = request.app[GATEWAY]
-    request_id = unique_id(request_id_of(request), gw.request_ids)
+    asked = request_id_of(request)
+    request_id = unique_id(asked, gw.request_ids)
     gw.request_ids.add(request_id)
+    own_id = (caller_scope(request), asked)
+    if request_id != asked and not gw.asked_ids[own_id]:
+        request[SHOWN_REQUEST_ID] = asked  # another caller's id in flight: not for this one
+    gw.asked_ids[own_id] += 1
     arrived = time.monotonic()
     labels = RequestLabels()
     forwarded = False
@@ -190,6 +201,9 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     finally:
         gw.active_requests -= 1
         gw.request_ids.discard(request_id)
+        gw.asked_ids[own_id] -= 1
+        if not gw.asked_ids[own_id]:
+            del gw.asked_ids[own_id]
         if gw.flow is not None:  # released from the queue but never sent: the pump goes on
             gw.flow.forwarding(request_id)
 

@@ -147,6 +147,32 @@ async def test_a_request_id_already_in_flight_is_suffixed_not_shared() -> None:
     assert [h["X-Request-Id"].rsplit("~", 1)[0] for h in upstream.headers[:2]] == ids
 
 
+async def test_another_callers_request_id_in_flight_is_not_revealed_by_a_suffix() -> None:
+    """The security review: a suffix on a client's own ``X-Request-Id`` told it that another
+    tenant had a request of that id in flight. The gateway still keeps them apart (the engine
+    and its own state see two ids); only a caller reusing its own id is shown the suffix."""
+    upstream = FakeUpstream(header_gate=asyncio.Event())
+    async with gateway([upstream]) as url, aiohttp.ClientSession() as http:
+        post = f"{url}/v1/chat/completions"
+
+        def sent_by(key: str) -> dict[str, str]:
+            return {"X-Request-Id": "acme-job-42", "Authorization": f"Bearer {key}"}
+
+        first = asyncio.create_task(http.post(post, json=CHAT, headers=sent_by("tenant-a")))
+        while not upstream.headers:
+            await asyncio.sleep(0.01)
+        probe = asyncio.create_task(http.post(post, json=CHAT, headers=sent_by("tenant-b")))
+        while len(upstream.headers) < 2:
+            await asyncio.sleep(0.01)
+        upstream.header_gate.set()
+        answers = [await first, await probe]
+        for r in answers:
+            r.release()
+    assert [r.headers["X-Request-Id"] for r in answers] == ["acme-job-42", "acme-job-42"]
+    engine_ids = [h["X-Request-Id"].rsplit("~", 1)[0] for h in upstream.headers[:2]]
+    assert engine_ids[0] == "acme-job-42" and engine_ids[1].startswith("acme-job-42~")
+
+
 async def test_two_gateways_never_hand_an_engine_the_same_request_id() -> None:
     # Ids are unique per gateway only: a tenant reusing another's id through another gateway
     # must neither be refused by the engine nor learn that the id is running.

@@ -102,7 +102,9 @@ async def test_no_api_lets_a_tenant_set_its_engine_priority_or_borrow_a_cache_sa
     async with _gateway(tmp_path, engine) as url, aiohttp.ClientSession() as http:
         for path, extra in BODIES.items():
             # The sheddable tenant asks for the front of the engine's queue and gold's salt.
-            body = {"model": "base-model", "priority": -100, "cache_salt": gold_salt, **extra}
+            body = {"model": "base-model", "priority": -100, "cache_salt": gold_salt, **extra,
+                    # ... and to steer the engine's KV connector (disaggregated prefill).
+                    "kv_transfer_params": {"remote_host": "10.0.0.9", "remote_block_ids": [1]}}
             async with http.post(
                 url + path, json=body, headers={"Authorization": "Bearer bulk"}
             ) as resp:
@@ -112,6 +114,7 @@ async def test_no_api_lets_a_tenant_set_its_engine_priority_or_borrow_a_cache_sa
     for path, body in sent.items():
         assert body.get("priority") in (None, 1), path  # the sheddable class's, or none
         assert body.get("cache_salt") in (None, derive_cache_salt("bulk")), path
+        assert "kv_transfer_params" not in body, path
     assert sent["/v1/chat/completions"]["priority"] == 1
     # Every API that reaches the prefix cache is salted as the tenant (vLLM prefix-caches
     # decoder pooling models too: an unsalted rerank would share another tenant's blocks).
