@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import json
 import sys
+from typing import Any
 
 import yaml
 
@@ -97,7 +98,7 @@ def _show(path: str, fmt: str) -> int:
         for line in exc.errors:
             print(line, file=sys.stderr)
         return 1
-    data = policy.model_dump(mode="json")
+    data = _without_passwords(policy.model_dump(mode="json"))
     for tenant, shown in zip(policy.tenants, data.get("tenants", []), strict=True):
         shown["cache_salt"] = tenant.effective_cache_salt
     if fmt == "json":
@@ -105,6 +106,20 @@ def _show(path: str, fmt: str) -> int:
     else:
         print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
+
+
+def _without_passwords(value: Any, key: str = "") -> Any:
+    """``value`` with the passwords written out in its URLs (a Redis URL's, a replica's basic
+    auth) shown as ``***``: what ``show`` prints ends up in terminals, tickets and CI logs."""
+    from routing.redis_clients import redacted
+
+    if isinstance(value, dict):
+        return {k: _without_passwords(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_passwords(v, key) for v in value]
+    if isinstance(value, str) and "://" in value:
+        return redacted(value)
+    return value
 
 
 def _hash_key() -> int:

@@ -125,3 +125,18 @@ def test_help_has_an_example(capsys: pytest.CaptureFixture[str]) -> None:
         main(["policy", "validate", "--help"])
     assert exit_info.value.code == 0
     assert "fleetgate policy validate deploy/examples/policy.yaml" in capsys.readouterr().out
+
+
+def test_show_prints_no_password_written_in_a_url(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The security review: `show` printed a literal Redis password (validate warns about it).
+    text = EXAMPLE.read_text().replace(
+        "redis://redis.fleetgate.svc:6379/0", "redis://:S3cret-pw@redis.fleetgate.svc:6379/0"
+    )
+    path = tmp_path / "policy.yaml"
+    path.write_text(text)
+    assert main(["policy", "show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "S3cret-pw" not in out
+    assert "redis://:***@redis.fleetgate.svc:6379/0" in out
