@@ -25,6 +25,8 @@ from routing.types import ReplicaId
 
 #: The cancellation message of an attempt aborted because its replica was marked down.
 REPLICA_DOWN = "fleetgate: replica marked down"
+#: ... and of a stream ended because its replica was marked down while it had gone silent.
+STREAM_STALLED = "fleetgate: stream stalled on a replica marked down"
 
 
 class Progress(Protocol):
@@ -32,6 +34,10 @@ class Progress(Protocol):
 
     #: The answer has started reaching the client: never aborted from then on.
     responded: bool
+    #: When the last bytes of its stream arrived (monotonic; None: no stream yet).
+    last_byte_at: float | None
+    #: Set by ``cut_stalled``: the stream is to end with the API's in-band error.
+    stall_cut: bool
 
 
 def _always() -> bool:
@@ -91,6 +97,26 @@ class AttemptsInFlight:
     def count(self, replica: ReplicaId) -> int:
         """Attempts under way on ``replica``."""
         return len(self._by_replica.get(replica, ()))
+
+    def cut_stalled(self, replica: ReplicaId, silent_since: float) -> int:
+        """End every stream on ``replica`` that has relayed nothing since ``silent_since`` (when
+        the first of the health polls that marked it down was sent), with the API's in-band
+        error; how many. Such a
+        stream cannot be replayed elsewhere (the client has its first tokens), and without
+        this it would wait out ``upstream_timeout_s`` (600 s by default) on a replica the
+        gateway already knows is gone."""
+        cut = 0
+        for attempt in list(self._by_replica.get(replica, ())):
+            progress, task = attempt.progress, attempt.task
+            last = progress.last_byte_at
+            if not progress.responded or last is None or last > silent_since:
+                continue
+            if task is None or task.done() or progress.stall_cut:
+                continue
+            progress.stall_cut = True
+            task.cancel(STREAM_STALLED)
+            cut += 1
+        return cut
 
     def abort_unanswered(self, replica: ReplicaId) -> int:
         """Cancel every attempt on ``replica`` whose answer has not started and that another

@@ -195,6 +195,11 @@ class UpstreamOutcome:
     attempts: int = 0
     #: The client's response has started (headers sent): from then on, never a retry.
     responded: bool = False
+    #: When the last bytes of its stream arrived (monotonic; None: no stream yet).
+    last_byte_at: float | None = None
+    #: Its stream is to end with the in-band error: its replica was marked down while the
+    #: stream had been silent (``attempts.cut_stalled``).
+    stall_cut: bool = False
     #: pool -> replica seconds charged to this request (a retry may span two pools).
     replica_seconds: dict[str, float] = field(default_factory=dict)
     #: The request's LoRA adapter as held for the latest attempt; None without one.
@@ -393,11 +398,25 @@ async def _relay_stream(
             if events:
                 yield events
 
+    async def fail_in_band(why: str) -> bool:
+        """Tell the client in-band that its stream failed upstream; False if it left."""
+        log.warning(
+            "upstream %s failed mid-stream on request %s: %s", outcome.replica, request_id, why
+        )
+        outcome.status = 502
+        error = GatewayError(502, errors.UPSTREAM_ERROR, "upstream failed mid-stream")
+        if stream_error is not None:
+            event = stream_error(error, last_event)
+        else:
+            event = b"data: " + json.dumps(error.envelope()).encode() + b"\n\n"
+        return await _write_to_client(out, event, outcome, resp)
+
     try:
         await out.prepare(request)
         outcome.responded = True
+        outcome.last_byte_at = time.monotonic()
         async for events in upstream_events():
-            now = time.monotonic()
+            now = outcome.last_byte_at = time.monotonic()
             if (
                 last is None
                 and first_token_marker is not None
@@ -427,18 +446,8 @@ async def _relay_stream(
             raise UpstreamStreamCut(f"ended without its last event ({len(tail)} bytes left over)")
     except (UpstreamPayloadError, TimeoutError, UpstreamStreamCut) as exc:
         # Bytes already reached the client: no retry. Tell it in-band, then end the stream.
-        log.warning(
-            "upstream %s failed mid-stream on request %s: %s",
-            outcome.replica, request_id, f"{type(exc).__name__}: {exc}" if str(exc)
-            else type(exc).__name__,
-        )
-        outcome.status = 502
-        error = GatewayError(502, errors.UPSTREAM_ERROR, "upstream failed mid-stream")
-        if stream_error is not None:
-            event = stream_error(error, last_event)
-        else:
-            event = b"data: " + json.dumps(error.envelope()).encode() + b"\n\n"
-        if not await _write_to_client(out, event, outcome, resp):
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if not await fail_in_band(why):
             return out
     except ConnectionError:
         # The client went away (a write failed; aiohttp raises ConnectionResetError or its
@@ -448,10 +457,19 @@ async def _relay_stream(
         resp.close()
         return out
     except asyncio.CancelledError:
-        # aiohttp cancelled the handler because the client disconnected: same, then unwind.
-        outcome.client_gone = True
-        resp.close()
-        raise
+        task = asyncio.current_task()
+        if outcome.stall_cut and task is not None and task.uncancel() == 0:
+            # Its replica was marked down while this stream had gone silent (and the client
+            # is still here: no other cancellation pending): end it in-band now rather than
+            # after upstream_timeout_s.
+            resp.close()
+            if not await fail_in_band("silent on a replica marked down"):
+                return out
+        else:
+            # aiohttp cancelled the handler because the client disconnected: as above, unwind.
+            outcome.client_gone = True
+            resp.close()
+            raise
     outcome.usage = sse.usage
     if engine_failed:  # relayed as it came; an engine failure all the same
         log.info("replica %s failed request %s in its stream", outcome.replica, request_id)

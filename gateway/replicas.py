@@ -201,6 +201,8 @@ class ReplicaRegistry:
         self.orphan_max_s = 3600.0
         #: When each replica last passed a health poll (``clock`` time).
         self._answered_at: dict[ReplicaId, float] = {}
+        #: When the first health poll of a replica's current run of failed polls was sent.
+        self._failing_since: dict[ReplicaId, float] = {}
         #: Each replica's ``max_model_len`` per base model, from its ``/v1/models``.
         self._max_model_len: dict[ReplicaId, dict[str, int]] = {}
 
@@ -469,6 +471,7 @@ class ReplicaRegistry:
         self._itl.pop(replica, None)
         self._max_model_len.pop(replica, None)
         self._answered_at.pop(replica, None)
+        self._failing_since.pop(replica, None)
         self._orphans.discard(replica)
         self._departed.discard(replica)
 
@@ -596,6 +599,7 @@ class ReplicaRegistry:
         self, session: aiohttp.ClientSession, state: ReplicaState, timeout_s: float
     ) -> None:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
+        asked_at = self._clock()
         # Health comes from /health alone: a slow /metrics or /v1/models scrape on a busy engine
         # says nothing about whether it can serve, and must not take it out of routing.
         failure = ""
@@ -611,8 +615,10 @@ class ReplicaRegistry:
         if answered_ok:
             self._failed_polls[state.replica_id] = 0
             self._answered_at[state.replica_id] = self._clock()
+            self._failing_since.pop(state.replica_id, None)
         else:
             self._failed_polls[state.replica_id] = self._failed_polls.get(state.replica_id, 0) + 1
+            self._failing_since.setdefault(state.replica_id, asked_at)
         # One missed poll (a CPU stall, a GC pause) is not an outage: it takes
         # ``unhealthy_after_polls`` in a row. Request-path failures open the circuit breaker
         # between polls, so a truly dead replica stops receiving traffic sooner than this. A
@@ -711,13 +717,21 @@ class ReplicaRegistry:
         unanswered go to a fallback at once (a hung replica would hold them until their
         timeout), and the log says why."""
         aborted = self.attempts.abort_unanswered(state.replica_id)
+        # Streams silent since its polls began to fail stalled with it (a frozen process, a
+        # hung engine): a stream still flowing on a replica whose /health alone fails is left.
+        failing_since = self._failing_since.get(state.replica_id)
+        cut = 0
+        if failing_since is not None:
+            cut = self.attempts.cut_stalled(state.replica_id, failing_since)
         log.warning(
             "replica %s (%s) marked unhealthy (%s); %d request(s) it held unanswered go to a "
-            "fallback",
+            "fallback; %d stream(s) silent since its health polls began to fail end with an "
+            "error event",
             state.replica_id,
             redacted(state.url),
             why,
             aborted,
+            cut,
         )
 
     def set_inflight(

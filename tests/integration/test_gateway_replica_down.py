@@ -277,3 +277,42 @@ async def test_a_lone_replica_that_refused_is_tried_again_as_soon_as_it_is_back(
         body = {**CHAT, "messages": [{"role": "user", "content": "back"}]}
         async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
             assert resp.status == 200
+
+
+async def test_a_stream_gone_silent_on_a_replica_marked_down_ends_with_an_error_event() -> None:
+    """The streaming review: a replica that stalled mid-stream (SIGSTOP) kept its client on the
+    open stream for the whole upstream_timeout_s (600 s by default), though the gateway had
+    marked it down seconds after. A stream silent since the replica's health polls began to
+    fail now ends with the in-band error when it is marked down (it cannot be replayed: the
+    client has its first tokens), and the engine's request is aborted."""
+    stalled = FakeUpstream(stream_gate=asyncio.Event())  # first token, then nothing
+    well = FakeUpstream()
+    async with AsyncExitStack() as stack, aiohttp.ClientSession() as http:
+        stalled_url = await stack.enter_async_context(serve(stalled.app()))
+        url = await _gateway_over(stack, ("stalled", stalled_url, stalled), well)
+        for _ in range(60):
+            before = stalled.attempts
+            resp = await stack.enter_async_context(
+                http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True})
+            )
+            assert resp.status == 200
+            first = await resp.content.readline()  # the first token's event, relayed
+            assert first.startswith(b"data: {")
+            if stalled.attempts > before:
+                break
+            await resp.read()  # the well replica's whole answer
+        else:
+            raise AssertionError("60 requests in a row avoided the replica under test")
+        # Two polls answered after the first token: the next one, the first to fail, is sent
+        # after the stream went silent (polls of one replica follow each other).
+        answered = stalled.health_polls
+        await wait_until(lambda: stalled.health_polls >= answered + 2, "two more health polls")
+        stalled.health_ok = False  # its health polls now fail: the gateway marks it down
+        async with asyncio.timeout(30):  # a hang guard, far under the 600 s timeout
+            rest = await resp.read()
+        await wait_until(stalled.client_gone.is_set, "the engine's request is aborted")
+        errors_counted = await _metric(
+            http, url, 'fleetgate_errors_total{code="upstream_error"'
+        )
+    assert b'"code": "upstream_error"' in rest and b"[DONE]" not in rest
+    assert errors_counted == 1
