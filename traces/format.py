@@ -17,13 +17,14 @@ so traces with ``adapter`` stay readable by Mooncake/Dynamo tooling.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 DEFAULT_BLOCK_SIZE = 512
 #: The latest timestamp read (ms): 2**53, where a float stops holding every integer (about
@@ -110,10 +111,19 @@ def parse_record(line: str, where: str, block_size: int | None = None) -> TraceR
     # vLLM's max_tokens is >= 1: a request recorded as generating nothing still samples one.
     output_length = max(1, _int_field(obj, "output_length", where, minimum=0))
     hash_ids = obj["hash_ids"]
-    if not isinstance(hash_ids, list) or any(
-        isinstance(h, bool) or not isinstance(h, int) for h in hash_ids
-    ):
-        raise TraceFormatError(f"{where}: hash_ids must be a list of integers")
+    if not isinstance(hash_ids, list):
+        raise TraceFormatError(
+            f"{where}: hash_ids must be a list of integers (got {type(hash_ids).__name__})"
+        )
+    bad = next(
+        ((i, h) for i, h in enumerate(hash_ids) if isinstance(h, bool) or not isinstance(h, int)),
+        None,
+    )
+    if bad is not None:
+        raise TraceFormatError(
+            f"{where}: hash_ids must be a list of integers (got {bad[1]!r} at index {bad[0]}; "
+            "ids written as strings are not read as numbers)"
+        )
     if block_size is not None and len(hash_ids) != blocks_for(input_length, block_size):
         fits = [
             b
@@ -136,7 +146,7 @@ def parse_record(line: str, where: str, block_size: int | None = None) -> TraceR
 
 
 def iter_trace(
-    stream: TextIO, name: str = "<trace>", block_size: int | None = None
+    stream: Iterable[str], name: str = "<trace>", block_size: int | None = None
 ) -> Iterator[TraceRecord]:
     """Yield validated records from a JSONL stream; blank lines are skipped.
 
@@ -163,17 +173,62 @@ def iter_trace(
         if record.timestamp < previous:
             raise TraceFormatError(
                 f"{where}: timestamp {record.timestamp} is before the previous line's {previous};"
-                " traces must be sorted by timestamp"
+                " traces must be sorted by timestamp (sort it first, e.g. "
+                f"jq -c -s 'sort_by(.timestamp)[]' {name} > sorted.jsonl)"
             )
         previous = record.timestamp
         yield record
 
 
-def read_trace(path: str | Path, block_size: int | None = None) -> list[TraceRecord]:
-    """Read and validate a whole JSONL trace file (a UTF-8 byte-order mark is skipped)."""
+def read_trace(
+    path: str | Path, block_size: int | None = None, limit: int | None = None
+) -> list[TraceRecord]:
+    """Read and validate a JSONL trace file, plain or gzip-compressed (a UTF-8 byte-order mark
+    is skipped); only its first ``limit`` requests (all: None) are read, so a bad line past them
+    does not stop a replay of the first ones."""
     path = Path(path)
-    with path.open(encoding="utf-8-sig") as stream:
-        return list(iter_trace(stream, str(path), block_size))
+    with _open_binary(path) as binary:
+        records = iter_trace(_text_lines(binary, str(path)), str(path), block_size)
+        if limit is None:
+            return list(records)
+        return [record for _, record in zip(range(limit), records, strict=False)]
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    """``path`` for reading bytes: through gzip when it starts as a gzip file does (public traces
+    are often shipped compressed), whatever its name."""
+    stream: BinaryIO = path.open("rb")
+    if stream.peek(2)[:2] == _GZIP_MAGIC if hasattr(stream, "peek") else False:
+        return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
+    return stream
+
+
+def _text_lines(binary: Iterable[bytes], name: str) -> Iterator[str]:
+    """The lines of ``binary`` as text, each decoded on its own, so that a byte that is not
+    UTF-8 is reported on its own line; a byte-order mark on the first line is skipped."""
+    lines = iter(binary)
+    number = 0
+    while True:
+        try:
+            raw = next(lines)
+        except StopIteration:
+            return
+        except (OSError, EOFError) as exc:  # a gzip stream cut short or corrupt
+            raise TraceFormatError(
+                f"{name}: the compressed file breaks off after line {number} ({exc})"
+            ) from None
+        number += 1
+        if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(
+                f"{name}:{number}: not UTF-8 text ({exc.reason}); a trace is JSON lines"
+            ) from None
 
 
 def zero_outputs(path: str | Path, limit: int | None = None) -> int:
@@ -182,20 +237,48 @@ def zero_outputs(path: str | Path, limit: int | None = None) -> int:
     cannot be scanned."""
     count = requests = 0
     try:
-        with Path(path).open(encoding="utf-8-sig") as stream:
-            for line in stream:
+        with _open_binary(Path(path)) as binary:
+            for line in _text_lines(binary, str(path)):
                 if not line.strip():
                     continue
                 if limit is not None and requests >= limit:
                     break
                 requests += 1
                 count += bool(_ZERO_OUTPUT.search(line))
-    except (OSError, UnicodeDecodeError):
+    except (OSError, TraceFormatError):
         return 0
     return count
 
 
 _ZERO_OUTPUT = re.compile(r'"output_length"\s*:\s*-?0\s*[,}]')
+
+
+def fractional_timestamps(path: str | Path, limit: int | None = None) -> tuple[int, str | None]:
+    """How many of the first ``limit`` requests of ``path`` carry a timestamp with a fraction
+    (``read_trace`` rounds it to the millisecond), and the first such one as written: a trace in
+    seconds written with decimals (``1523.737``) would otherwise replay 1,000 times too fast.
+    (0, None) when the file cannot be scanned."""
+    count = requests = 0
+    first = None
+    try:
+        with _open_binary(Path(path)) as binary:
+            for line in _text_lines(binary, str(path)):
+                if not line.strip():
+                    continue
+                if limit is not None and requests >= limit:
+                    break
+                requests += 1
+                match = _FRACTIONAL_TIMESTAMP.search(line)
+                if match:
+                    count += 1
+                    first = first or match[1]
+    except (OSError, TraceFormatError):
+        return 0, None
+    return count, first
+
+
+#: A timestamp written with a non-zero fraction (``1200.4``; ``1200.0`` is a whole number).
+_FRACTIONAL_TIMESTAMP = re.compile(r'"timestamp"\s*:\s*(\d+\.\d*[1-9]\d*)')
 
 
 def write_trace(records: Iterable[TraceRecord], out: str | Path | TextIO) -> int:

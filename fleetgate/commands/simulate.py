@@ -47,7 +47,8 @@ what it does:
   routed by the real routing/ code: the same RoutingEngine and policies as the gateway, a
   block index fed by the engines' KV events and by speculative inserts after each decision,
   in-flight counts per replica, engine gauges polled every --stats-interval-ms.
-  Time is virtual: a 10-minute trace takes seconds to a minute of CPU.
+  Time is virtual: a 10-minute trace takes seconds to a minute of CPU per policy and per
+  rate scale (a sweep of 5 scales over 7 policies runs 35 replays; --jobs N runs N at once).
 
 output (one row per policy):
   hit rate        cached prompt tokens / prompt tokens, as the engines counted them
@@ -293,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             return _fail(f"cannot write plots to {args.plot}: {exc.strerror or exc}")
     try:
-        records = read_trace(args.trace, args.trace_block_size)
+        records = read_trace(args.trace, args.trace_block_size, args.limit)
     except OSError as exc:
         return _fail(f"cannot read {args.trace}: {exc.strerror}")
     except TraceFormatError as exc:
@@ -311,6 +312,12 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     print(render_json(points) if args.json else _tables(args, points))
     _warn_refused(points)
+    if _nothing_served(points):
+        return _fail(
+            "the engines refused every request (the warning above says why), so nothing was "
+            "measured: for prompts over the model's context, replay with a --profile whose "
+            "max_model_len holds them, or leave those lines out of the trace"
+        )
     if args.plot:
         for path in _plots(args, points):
             print(f"wrote {path}", file=sys.stderr)
@@ -382,6 +389,12 @@ def _sweep(
         jobs=args.jobs,
         profile_factories=factories,
     )
+
+
+def _nothing_served(points: list[SweepPoint]) -> bool:
+    """True when the engines refused every request of every run."""
+    runs = [run for point in points for run in point.report.runs.values()]
+    return bool(runs) and all(run.rejected and not run.outcomes for run in runs)
 
 
 def _warn_refused(points: list[SweepPoint]) -> None:

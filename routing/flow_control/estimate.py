@@ -108,7 +108,7 @@ def estimate_from_decision(
                 terms.get("decode_interference_ms", 0.0),
                 backlog,
                 state.kv_usage_now if state is not None else None,
-                state.decode_itl_ms if state is not None else None,
+                _decoding_itl(state),
                 replica,
             )
         )
@@ -116,5 +116,16 @@ def estimate_from_decision(
     ttft = chosen.terms.get("expected_ttft_ms") if chosen is not None else None
     prefill = chosen.terms.get("prefill_ms") if chosen is not None else None
     chosen_state = by_id.get(decision.replica)
-    chosen_itl = chosen_state.decode_itl_ms if chosen_state is not None else None
+    chosen_itl = _decoding_itl(chosen_state)
     return FleetEstimate(ttft, tuple(loads), chosen_itl, decision.replica, prefill)
+
+
+def _decoding_itl(state: ReplicaState | None) -> float | None:
+    """The replica's recent inter-token latency while something runs there; None when nothing
+    does. The engine's figure is a mean over its last few seconds: a replica whose decodes have
+    all ended keeps it for up to that long, and a slow pace there held requests at the gateway
+    for ~3 s after the replica had gone idle (the streaming review). Nothing running decodes
+    slowly."""
+    if state is None or state.running_now <= 0:
+        return None
+    return state.decode_itl_ms

@@ -525,6 +525,16 @@ def test_the_estimate_is_the_decisions_own_terms() -> None:
     # The chosen replica's decode pace, for "room elsewhere is not room for this request".
     assert with_states.chosen_decode_itl_ms == 22.0
     assert estimate.chosen_decode_itl_ms is None
+    # A replica whose decodes have all ended (its gauge read before they did, this gateway's
+    # in-flight count 0) keeps the engine's recent pace for a few seconds: it decodes nothing
+    # slowly. The streaming review saw it hold requests ~3 s after the replica went idle.
+    idle = [
+        states[0],
+        replace(states[1], running=2, finished_since_read=2, inflight_requests=0),
+    ]
+    after_idle = estimate_from_decision(decision, idle)
+    assert after_idle.chosen_decode_itl_ms is None
+    assert {load.replica: load.decode_itl_ms for load in after_idle.loads} == {a: 35.0, b: None}
     # Requests waiting only for a LoRA slot (all held, none of theirs running) are no backlog.
     slots_held = dict(max_loras=2, running_adapters=frozenset({"x", "y"}))
     lora_states = [

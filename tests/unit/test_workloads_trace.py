@@ -170,3 +170,62 @@ def test_notes_say_what_a_trace_probably_needs(tmp_path: Path) -> None:
     assert "--arrival-spread-ms 3000" in note
     assert trace_notes(path, bucketed, arrival_spread_ms=3000) == []
     assert trace_notes(path, _records([1000 * i for i in range(200)])) == []
+
+
+def _line(timestamp: object, **extra: object) -> str:
+    return json.dumps(
+        {"timestamp": timestamp, "input_length": 5, "output_length": 1, "hash_ids": [0], **extra}
+    )
+
+
+def test_a_gzip_compressed_trace_is_read_as_it_is(tmp_path: Path) -> None:
+    """Public traces are often shipped compressed: the simulate review found a .gz reported as
+    'not UTF-8 text'."""
+    import gzip
+
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(gzip.compress(("\n".join(_line(t) for t in (0, 5, 9)) + "\n").encode()))
+    assert [r.timestamp for r in read_trace(path, 512)] == [0, 5, 9]
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(path.read_bytes()[:-12])  # the compressed stream breaks off
+    with pytest.raises(TraceFormatError, match="breaks off"):
+        read_trace(cut, 512)
+
+
+def test_a_byte_that_is_not_utf8_is_named_on_its_own_line(tmp_path: Path) -> None:
+    lines = [_line(t).encode() for t in range(400)]
+    lines[300] = _line(300, note="cafe").encode().replace(b"cafe", b"caf\xe9")  # Latin-1
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(TraceFormatError, match=r"latin1.jsonl:301: not UTF-8 text"):
+        read_trace(path, 512)
+
+
+def test_a_limit_reads_only_the_requests_it_replays(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([*(_line(t) for t in range(10)), _line(-1)]) + "\n")
+    assert len(read_trace(path, 512, limit=10)) == 10  # the bad 11th line is never read
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl:11"):
+        read_trace(path, 512)
+
+
+def test_errors_show_the_value_and_the_way_out() -> None:
+    with pytest.raises(TraceFormatError, match=r"got '0' at index 0"):
+        list(iter_trace(io.StringIO(_line(0).replace("[0]", '["0"]')), "t.jsonl"))
+    unsorted = "\n".join([_line(10), _line(9)])
+    with pytest.raises(TraceFormatError, match=r"jq -c -s 'sort_by\(.timestamp\)\[\]'"):
+        list(iter_trace(io.StringIO(unsorted), "t.jsonl"))
+
+
+def test_timestamps_in_seconds_are_noted_however_few_or_fractional(tmp_path: Path) -> None:
+    # Seconds written with decimals, 300 requests over 25 minutes: read as ms, a 197 req/s burst.
+    stamps = [round(5.1 * i + 0.737, 3) for i in range(300)]
+    path = tmp_path / "seconds.jsonl"
+    path.write_text("\n".join(_line(t) for t in stamps) + "\n")
+    (note,) = trace_notes(path, read_trace(path, 512))
+    assert "timestamps have a fraction" in note and "multiply them by 1000" in note
+    # Whole seconds, five requests each, seen on too few requests for the rate test.
+    few = tmp_path / "few.jsonl"
+    few.write_text("")
+    (note,) = trace_notes(few, _records([i // 5 for i in range(60)]))
+    assert "timestamps in seconds" in note and "--arrival-spread-ms" not in note
