@@ -186,7 +186,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--classes",
         metavar="MIX",
         help="request classes by conversation, e.g. critical=0.2,standard=0.5,sheddable=0.3 "
-        "(default: every request standard); JSON rows gain goodput_by_class",
+        "(default: every request standard); JSON rows gain goodput_by_class. Flow control "
+        "judges by the policy's TTFT estimate: policies that give none (round-robin, "
+        "least-loaded, power-of-two, consistent-hash, cache-aware) show 'on (no estimate)' "
+        "and admit everything",
     )
     parser.add_argument(
         "--flow-control",

@@ -123,6 +123,8 @@ class PolicyRun:
     extra: dict[str, float] = field(default_factory=dict)
     #: Whether the run had flow control at the gateway.
     flow_control: bool = False
+    #: ... and the policy gave it no TTFT estimate to judge by, so it admitted everything.
+    flow_control_blind: bool = False
     #: Requests flow control refused.
     shed: list[ShedOutcome] = field(default_factory=list)
     #: Requests that waited in the gateway queue (served or refused later).
@@ -199,6 +201,8 @@ class _Simulation:
         self.heap: list[tuple[float, int, int]] = []
         self.rejected = 0
         self.rejection_example: str | None = None
+        #: Flow control saw a TTFT estimate (a policy that gives none leaves it admitting all).
+        self.flow_judged = False
         self.degraded = 0
         self.overflow = 0
         self._seed_rng = random.Random(f"{config.seed}:routing")
@@ -274,6 +278,7 @@ class _Simulation:
             degraded_decisions=self.degraded,
             overflow=self.overflow,
             flow_control=self.flow is not None,
+            flow_control_blind=self.flow is not None and not self.flow_judged,
             shed=self.shed,
             queued=self.queued,
             steered=self.steered,
@@ -291,7 +296,14 @@ class _Simulation:
     async def _arrive(self, request: TraceRequest) -> None:
         record = request.record
         request_id = f"req-{request.index}"
-        prompt = self.prompts.prepare(record.hash_ids, record.input_length, record.adapter)
+        # Every engine of the fleet is alike: one that refuses the request's length, all do.
+        refusal = self.replicas[0].engine.length_problem(
+            request_id, record.input_length, record.output_length
+        )
+        if refusal is None:
+            prompt = self.prompts.prepare(record.hash_ids, record.input_length, record.adapter)
+        else:
+            prompt = self.prompts.chain_only(record.hash_ids, record.input_length, record.adapter)
         routing_request = RoutingRequest(
             request_id=request_id,
             model=self.config.model,
@@ -307,7 +319,7 @@ class _Simulation:
             tpot_slo_ms=self.config.slo_tpot_ms,
             seed=self._seed_rng.getrandbits(63),
         )
-        waiting = _Waiting(request, routing_request, prompt, self._class_of(request))
+        waiting = _Waiting(request, routing_request, prompt, self._class_of(request), refusal)
         decision = await self._route(waiting)
         if self.flow is None:
             await self._dispatch(waiting, decision, 0.0)
@@ -323,6 +335,7 @@ class _Simulation:
             record.output_length,
         )
         decision, estimate = await self._steer(waiting, flow_request, decision)
+        self.flow_judged = self.flow_judged or estimate.predicted_ttft_ms is not None
         verdict = self.flow.admit(flow_request, estimate)
         if verdict.decision is Decision.ADMIT:
             await self._dispatch(waiting, decision, 0.0)
@@ -417,6 +430,14 @@ class _Simulation:
             )
         )
 
+    def _refused(self, request_id: str, replica: SimulatedReplica, why: str) -> None:
+        """vLLM would answer 400; the request never loads the fleet. Counted, not timed."""
+        self.rejected += 1
+        if self.rejection_example is None:
+            self.rejection_example = why
+        # One line per refusal, per policy replayed, is noise: the caller sums them up.
+        log.debug("request %s refused by %s: %s", request_id, replica.replica_id, why)
+
     async def _dispatch(
         self, waiting: _Waiting, decision: RoutingDecision, gateway_wait_s: float
     ) -> None:
@@ -425,6 +446,9 @@ class _Simulation:
         record = request.record
         request_id = routing_request.request_id
         replica = self.by_id[decision.replica]
+        if waiting.refusal is not None:
+            self._refused(request_id, replica, waiting.refusal)
+            return
         sim_request = SimRequest(
             request_id,
             prompt.token_ids,
@@ -439,12 +463,7 @@ class _Simulation:
         try:
             replica.engine.check(sim_request)
         except ValueError as exc:
-            # vLLM would answer 400; the request never loads the fleet. Counted, not timed.
-            self.rejected += 1
-            if self.rejection_example is None:
-                self.rejection_example = str(exc)
-            # One line per refusal, per policy replayed, is noise: the caller sums them up.
-            log.debug("request %s refused by %s: %s", request_id, replica.replica_id, exc)
+            self._refused(request_id, replica, str(exc))
             return
         # Counted for requests an engine took: a refused one is in ``rejected`` alone.
         if decision.degraded:
@@ -564,6 +583,8 @@ class _Waiting:
     routing_request: RoutingRequest
     prompt: PreparedPrompt
     request_class: RequestClass
+    #: Why every engine refuses it (over the context window), known on arrival; None: taken.
+    refusal: str | None = None
 
 
 async def run_policy(

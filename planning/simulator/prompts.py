@@ -128,6 +128,21 @@ class PromptFactory:
             engine_parent = tail
         return PreparedPrompt(token_ids, tuple(chain))
 
+    def chain_only(
+        self, hash_ids: tuple[int, ...], length: int, adapter: str | None
+    ) -> PreparedPrompt:
+        """The routing chain of a request no engine will take (over the context window), with
+        no tokens: routing sees it as it would the prompt, and the replay never builds a prompt
+        that may run to millions of tokens (a review's 200,000-block line took 5.7 GB)."""
+        chain: list[BlockHash] = []
+        parent = routing_chain_seed(self.model, adapter)
+        for position in range(length // self.trace_block_size):
+            parent = xxhash.xxh3_64_intdigest(
+                (hash_ids[position] & _U64).to_bytes(8, "little"), parent
+            )
+            chain.append(BlockHash(parent))
+        return PreparedPrompt([], tuple(chain))
+
     def _engine_tail_hash(self, token_ids: list[int], position: int, engine_parent: int) -> int:
         """The engine's hash of the last engine block of trace block ``position``."""
         start = position * self.trace_block_size

@@ -88,7 +88,9 @@ def _flow_control_lines(report: SimulationReport) -> list[str]:
     cells = [
         [
             row.policy,
-            "on" if row.flow_control else "off",
+            ("on (no estimate)" if row.flow_control_blind else "on")
+            if row.flow_control
+            else "off",
             *(_class_goodput(row, name) for name in _CLASSES),
             str(row.shed),
             str(row.queued),
@@ -98,11 +100,17 @@ def _flow_control_lines(report: SimulationReport) -> list[str]:
         ]
         for row in rows
     ]
-    return [
+    lines = [
         "goodput by class (refused requests count as misses) and flow control:",
         *_fixed_width(headers, cells),
         "wait: time in the gateway queue, in ms (docs/flow-control.md).",
     ]
+    if any(row.flow_control_blind for row in rows):
+        lines.append(
+            "no estimate: the policy predicts no TTFT, which flow control judges by, so it "
+            "admitted every request: the row is the policy without flow control."
+        )
+    return lines
 
 
 def _class_goodput(row: PolicySummary, name: str) -> str:

@@ -40,6 +40,7 @@ SUMMARY_FIELDS = (
     "preemptions",
     "overflow",
     "flow_control",
+    "flow_control_blind",
     "goodput_by_class",
     "shed",
     "shed_by_class",
@@ -95,6 +96,9 @@ class PolicySummary:
     rejected: int = 0
     #: Whether the run had flow control at the gateway (``--flow-control on``).
     flow_control: bool = False
+    #: ... and the policy predicts no TTFT for it to judge by, so it admitted everything: the
+    #: row is this policy without flow control, whatever ``flow_control`` says.
+    flow_control_blind: bool = False
     #: Goodput per request class; refused requests count as misses of their class.
     goodput_by_class: dict[str, float] | None = None
     #: Requests flow control refused (429 at a live gateway), in all and per class.
@@ -159,6 +163,7 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
             overflow=run.overflow,
             rejected=run.rejected,
             flow_control=run.flow_control,
+            flow_control_blind=run.flow_control_blind,
             # Everything that arrived was refused: every class it had met nothing.
             goodput_by_class={n: 0.0 for n in sorted(shed_by_class, key=_class_order)} or None,
             shed=len(run.shed),
@@ -214,6 +219,7 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
         overflow=run.overflow,
         rejected=run.rejected,
         flow_control=run.flow_control,
+        flow_control_blind=run.flow_control_blind,
         goodput_by_class=goodput_by_class,
         shed=len(run.shed),
         shed_by_class=shed_by_class,

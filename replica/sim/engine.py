@@ -423,6 +423,24 @@ class EngineModel:
             index -= 1
         waiting.insert(index, request)
 
+    def length_problem(self, rid: str, prompt_len: int, max_tokens: int) -> str | None:
+        """Why a ``prompt_len``-token prompt asking for ``max_tokens`` can never run here
+        (vLLM's 400), or None: told without the prompt, so a replay need not build one that
+        no engine takes."""
+        total = prompt_len + max_tokens
+        if total > self._model_len:
+            return (
+                f"request {rid!r}: this model's maximum context length is {self._model_len} "
+                f"tokens; you requested {total} ({prompt_len} in the prompt, "
+                f"{max_tokens} in the completion)"
+            )
+        if -(-total // self._block_size) > self._num_blocks:
+            return (
+                f"request {rid!r}: {total} tokens need more than the engine's "
+                f"{self._num_blocks} KV blocks of {self._block_size} tokens"
+            )
+        return None
+
     def check(self, req: SimRequest) -> None:
         """Raise ``ValueError`` (vLLM's 400) if ``req`` can never run here."""
         rid = req.request_id
@@ -435,18 +453,9 @@ class EngineModel:
             raise ValueError(f"request {rid!r}: max_tokens must be an integer")
         if req.max_tokens < 1:
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1 (got {req.max_tokens})")
-        total = prompt_len + req.max_tokens
-        if total > self._model_len:
-            raise ValueError(
-                f"request {rid!r}: this model's maximum context length is {self._model_len} "
-                f"tokens; you requested {total} ({prompt_len} in the prompt, "
-                f"{req.max_tokens} in the completion)"
-            )
-        if -(-total // self._block_size) > self._num_blocks:
-            raise ValueError(
-                f"request {rid!r}: {total} tokens need more than the engine's "
-                f"{self._num_blocks} KV blocks of {self._block_size} tokens"
-            )
+        problem = self.length_problem(rid, prompt_len, req.max_tokens)
+        if problem is not None:
+            raise ValueError(problem)
         if req.adapter is not None and not self._lora.known(req.adapter):
             raise UnknownAdapterError(f"request {rid!r}: adapter {req.adapter!r} is not loaded")
         if isinstance(req.priority, bool) or not isinstance(req.priority, int):

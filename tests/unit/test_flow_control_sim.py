@@ -90,6 +90,31 @@ def test_simulate_with_classes_reports_flow_control_per_class(
     no_classes = [*table_argv[: table_argv.index("--classes")], "--rate-scale", "8"]
     assert main(no_classes) == 0
     assert "goodput by class" not in capsys.readouterr().out
+    assert on["flow_control_blind"] is False
+
+
+def test_flow_control_under_a_policy_with_no_estimate_is_shown_as_admitting_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The simulate review: round-robin's row said flow control "on" at 6x with 0 shed and 0
+    queued, beside fleet-cost's hundreds: flow control judges by the policy's TTFT estimate,
+    and round-robin gives none, so it admitted everything."""
+    trace = tmp_path / "trace.jsonl"
+    write_trace(generate("multi-turn", 120, 40.0, seed=1), trace)
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    argv += ["--policies", "round-robin,expected-ttft", "--no-progress"]
+    argv += ["--classes", "critical=0.2,standard=0.5,sheddable=0.3", "--rate-scale", "8"]
+    assert main([*argv, "--json"]) == 0
+    rows = {row["policy"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["round-robin"]["flow_control_blind"] is True
+    assert rows["round-robin"]["shed"] == 0 and rows["round-robin"]["queued"] == 0
+    assert rows["expected-ttft"]["flow_control_blind"] is False
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert any(
+        line.split()[:4] == ["round-robin", "on", "(no", "estimate)"] for line in out.splitlines()
+    )
+    assert "no estimate: the policy predicts no TTFT" in out
 
 
 def test_the_simulator_reports_each_finished_requests_tpot_to_flow_control(

@@ -86,6 +86,33 @@ def test_ceilings_leave_out_the_requests_the_engines_refuse() -> None:
     assert report.ceilings.pooled == pytest.approx(served)
 
 
+def test_a_request_over_the_context_window_is_refused_without_building_its_prompt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The simulate review: a 200,000-block line built its 102M-token prompt (5.7 GB, 26 s) in
+    every run before the engines refused it. Its routing chain is all a replay needs of it."""
+    from planning.simulator.prompts import PromptFactory
+
+    built: list[int] = []
+    tokens = PromptFactory.tokens
+
+    def recording(self: PromptFactory, hash_ids: tuple[int, ...], length: int) -> list[int]:
+        built.append(length)
+        return tokens(self, hash_ids, length)
+
+    monkeypatch.setattr(PromptFactory, "tokens", recording)
+    too_long = 40_000  # past the 8,192-token window of the config below
+    records = [
+        _record(0, [1, 2]),
+        _record(1_000, list(range(100, 100 + -(-too_long // 512))), length=too_long),
+        _record(2_000, [1, 2]),
+    ]
+    report = simulate(prepare_requests(records), ["round-robin"], _config())
+    assert report.runs["round-robin"].rejected == 1
+    assert "maximum context length" in (report.runs["round-robin"].rejection_example or "")
+    assert built and max(built) < too_long
+
+
 def test_a_run_failing_in_a_worker_fails_the_sweep() -> None:
     records = _shared_prefix_trace(groups=2, per_group=2, gap_ms=50)
     with pytest.raises(Exception, match="no-such-policy"):
@@ -213,6 +240,7 @@ def test_json_output_has_exactly_the_documented_fields(
         "preemptions",
         "overflow",
         "flow_control",
+        "flow_control_blind",
         "goodput_by_class",
         "shed",
         "shed_by_class",
@@ -284,6 +312,21 @@ def test_requests_the_engines_refuse_are_summed_up_once_with_the_reason(
     assert "{'expected-ttft': 1, 'round-robin': 1}" in warnings[0]
     assert "maximum context length" in warnings[0]
     assert not [r for r in caplog.records if "refused by" in r.getMessage()]
+
+
+def test_a_replay_where_the_engines_refused_every_request_fails_saying_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The simulate review: every prompt over the context window exited 0 with rows of dashes.
+    trace = tmp_path / "trace.jsonl"
+    too_long = 200_000
+    ids = tuple(range(-(-too_long // 512)))
+    write_trace([TraceRecord(i * 100, too_long, 8, ids) for i in range(5)], trace)
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    argv += ["--policies", "round-robin", "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the engines refused every request" in err and "maximum context length" in err
 
 
 def test_results_with_stale_engine_figures_never_depend_on_the_machines_clock(
