@@ -42,6 +42,7 @@ SUMMARY_FIELDS = (
     "flow_control",
     "flow_control_blind",
     "goodput_by_class",
+    "requests_by_class",
     "shed",
     "shed_by_class",
     "queued",
@@ -101,6 +102,9 @@ class PolicySummary:
     flow_control_blind: bool = False
     #: Goodput per request class; refused requests count as misses of their class.
     goodput_by_class: dict[str, float] | None = None
+    #: Requests per class that ``goodput_by_class`` is over: served and refused by flow control
+    #: (not those the engines refused), so the overall goodput can be rebuilt from the classes.
+    requests_by_class: dict[str, int] | None = None
     #: Requests flow control refused (429 at a live gateway), in all and per class.
     shed: int = 0
     shed_by_class: dict[str, int] | None = None
@@ -166,6 +170,8 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
             flow_control_blind=run.flow_control_blind,
             # Everything that arrived was refused: every class it had met nothing.
             goodput_by_class={n: 0.0 for n in sorted(shed_by_class, key=_class_order)} or None,
+            requests_by_class=dict(sorted(shed_by_class.items(), key=lambda i: _class_order(i[0])))
+            or None,
             shed=len(run.shed),
             shed_by_class=shed_by_class or None,
             queued=run.queued,
@@ -221,6 +227,10 @@ def summarize(run: PolicyRun, slo_ttft_ms: float, slo_tpot_ms: float) -> PolicyS
         flow_control=run.flow_control,
         flow_control_blind=run.flow_control_blind,
         goodput_by_class=goodput_by_class,
+        requests_by_class={
+            name: len(served_by_class.get(name, [])) + shed_by_class.get(name, 0)
+            for name in goodput_by_class
+        },
         shed=len(run.shed),
         shed_by_class=shed_by_class,
         queued=run.queued,

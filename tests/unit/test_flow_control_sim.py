@@ -70,6 +70,11 @@ def test_simulate_with_classes_reports_flow_control_per_class(
     assert on["queued"] > 0 and on["shed"] > 0
     assert "critical" not in on["shed_by_class"]
     assert on["requests"] + on["shed"] == 120
+    assert sum(on["requests_by_class"].values()) == 120  # goodput_by_class's denominators
+    overall = sum(
+        on["goodput_by_class"][c] * n for c, n in on["requests_by_class"].items()
+    ) / sum(on["requests_by_class"].values())
+    assert overall == pytest.approx(on["goodput"])  # shed requests are misses in both
     # The table shows the same figures as the JSON, in a second table after the first.
     table_argv = [arg for arg in argv if arg != "--json"]
     assert main(table_argv) == 0

@@ -242,6 +242,7 @@ def test_json_output_has_exactly_the_documented_fields(
         "flow_control",
         "flow_control_blind",
         "goodput_by_class",
+        "requests_by_class",
         "shed",
         "shed_by_class",
         "queued",
