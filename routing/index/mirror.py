@@ -65,6 +65,8 @@ _TAIL_COUNT = 2000
 #: What "Redis is unavailable" looks like; ``RedisClusterException`` (not a ``RedisError``) too:
 #: a Cluster that cannot be mapped (slots unassigned, no node reachable) must not end the tail.
 _REDIS_DOWN = (RedisError, RedisClusterException, OSError, TimeoutError, IndexUnavailable)
+#: How often a lasting Redis outage is logged again (s).
+OUTAGE_LOG_INTERVAL_S = 60.0
 
 
 class _ShardReads:
@@ -264,6 +266,10 @@ class MirrorBlockIndex:
         self._tail_progressed = False
         #: False while the tail cannot reach Redis: lookups then degrade to load-only.
         self._connected = True
+        #: While Redis is unreachable: failed attempts so far, and when that was last logged
+        #: (a wrong password retried every second logged a warning every second, for good).
+        self._outage_attempts = 0
+        self._outage_logged_at: float | None = None
         #: The Redis server's clock less this process's (ms), read at bootstrap.
         self._server_offset_ms = 0.0
 
@@ -343,11 +349,18 @@ class MirrorBlockIndex:
                         exc,
                     )
                 elif isinstance(exc, _REDIS_DOWN):
-                    log.warning(
-                        "index mirror: Redis unavailable (%s: %s); retrying",
-                        type(exc).__name__,
-                        exc,
-                    )
+                    self._outage_attempts += 1
+                    now = time.monotonic()
+                    logged = self._outage_logged_at
+                    if logged is None or now - logged >= OUTAGE_LOG_INTERVAL_S:
+                        self._outage_logged_at = now
+                        log.warning(
+                            "index mirror: Redis unavailable (%s: %s); retrying every second "
+                            "(%d failed attempt(s) so far; said again at most once a minute)",
+                            type(exc).__name__,
+                            exc,
+                            self._outage_attempts,
+                        )
                 else:
                     # Anything else (a redis-py Cluster client racing its own reconnects raised
                     # AttributeError in a live failover) ended the task for good before: the
@@ -366,6 +379,17 @@ class MirrorBlockIndex:
                 backoff = min(backoff * 2, 1.0)
             else:
                 backoff = 0.05
+
+    def _mark_connected(self) -> None:
+        """The tail reaches Redis (again): say so once after an outage that was logged."""
+        self._connected = True
+        if self._outage_logged_at is not None:
+            log.warning(
+                "index mirror: Redis reachable again after %d failed attempt(s)",
+                self._outage_attempts,
+            )
+        self._outage_attempts = 0
+        self._outage_logged_at = None
 
     async def _read_generation(self) -> bytes:
         """The data's generation: the token, and the server's ``run_id``.
@@ -442,7 +466,7 @@ class MirrorBlockIndex:
         # It has just read all of it from Redis: answer from it now. Left False (a lost tail),
         # lookups would degrade between the rebuild and the tail's first reply, and a caller
         # that saw the mirror ready would get IndexUnavailable.
-        self._connected = True
+        self._mark_connected()
         log.info("index mirror: bootstrapped %d replicas", len(replicas))
 
     async def _snapshots(self, replicas: Sequence[ReplicaId]) -> list[Any]:
@@ -472,7 +496,7 @@ class MirrorBlockIndex:
         if await self._read_generation() != self._generation:
             self._lost_store()
             return
-        self._connected = True
+        self._mark_connected()
         next_check = time.monotonic() + self._check_interval_s
         reads = _ShardReads(self._tail_client, self._tail_block_ms, self._tail_options)
         try:
@@ -483,7 +507,7 @@ class MirrorBlockIndex:
     async def _tail_streams(self, reads: _ShardReads, next_check: float) -> None:
         while not self._closed:
             replies = await reads.next(self._last_ids)
-            self._connected = True
+            self._mark_connected()
             for raw_key, entries in replies or ():
                 key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
                 for entry_id, fields in entries:

@@ -604,3 +604,34 @@ async def test_a_replica_silent_for_an_hour_leaves_nothing_in_redis(
     await writer.heartbeat(replica, 10.0)
     for key in (keys.state, keys.blocks):
         assert SILENT_EXPIRY_MS - 60_000 < await writer.client.pttl(key) <= SILENT_EXPIRY_MS
+
+
+async def test_a_lasting_redis_outage_is_logged_once_then_its_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The security review: with a wrong Redis password the mirror logged a warning about
+    once a second for as long as it lasted. Now: the outage once (again at most each minute,
+    with the attempts so far), and its end."""
+    from bench.local_redis import RedisServer
+
+    server = RedisServer().start()
+    prefix = f"outage{uuid.uuid4().hex[:8]}"
+    mirror = MirrorBlockIndex(
+        server.url, key_prefix=prefix, shards=4, timeout_s=0.5, check_interval_s=0.05
+    )
+    try:
+        await mirror.start()
+        with caplog.at_level("WARNING", logger="routing.index.mirror"):
+            server.stop()
+            await wait_until(lambda: mirror._tail_errors >= 4, "four failed attempts", 30.0)
+            down = [r for r in caplog.records if "Redis unavailable" in r.getMessage()]
+            assert len(down) == 1, [r.getMessage() for r in down]
+            server.start()  # the same port
+            await wait_until(
+                lambda: any("reachable again" in r.getMessage() for r in caplog.records),
+                "the mirror says Redis is back",
+                30.0,
+            )
+    finally:
+        await mirror.close()
+        server.stop()
