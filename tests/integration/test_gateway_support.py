@@ -97,7 +97,10 @@ class FakeUpstream:
         return web.json_response({"object": "list", "data": data})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        # An engine that decodes tokens between scrapes (``itl_s``) runs requests: other
+        # clients', beside this gateway's (flow control reads no pace off an idle engine).
+        running = 1 if self.itl_s is not None else 0
+        text = f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n"
         if self.kv_usage is not None:
             text += f"vllm:kv_cache_usage_perc {self.kv_usage}\n"
         if self.itl_s is not None:
