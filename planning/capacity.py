@@ -163,15 +163,23 @@ def engine_model(preset: str) -> EngineModel:
         step_time = settings.get("step_time")
         if step_time is not None:
             # A calibrated profile (`fleetgate sim calibrate`): its measured prefill time.
+            from replica.sim.engine import EngineConfig
             from replica.sim.step_time import StepTimeModel
 
             measured = StepTimeModel.from_mapping(step_time)
+            # A lone request's TTFT as the simulator serves it with this profile: the request
+            # path's overhead, and the prefill in chunks (one step without chunked prefill).
+            chunk = int(settings.get("max_num_batched_tokens", EngineConfig.max_num_batched_tokens))
+            if not settings.get("enable_chunked_prefill", True):
+                chunk = 1 << 62
             return EngineModel(
                 describe=(
                     f"measured step time: profile {preset} "
-                    f"({measured.prefill_tokens_per_s():,.0f} prefill tokens/s)"
+                    f"({measured.prefill_tokens_per_s():,.0f} prefill tokens/s, chunks of "
+                    f"{min(chunk, 1 << 30):,} tokens, {measured.request_overhead_s * 1000:g} ms "
+                    "request overhead)"
                 ),
-                prefill_ms=lambda tokens: measured.step_s(tokens, 0, 0) * 1000.0,
+                prefill_ms=lambda tokens: measured.lone_ttft_s(tokens, chunk) * 1000.0,
                 price_per_hour=roofline.hardware.price_per_hour * tensor_parallel,
             )
     except ValueError as exc:  # ProfileError is a ValueError: unknown preset, bad YAML
@@ -437,7 +445,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         help="engine preset for the roofline prefill time and price (e.g. h100-llama3-8b), or "
-        "a profile YAML from `fleetgate sim calibrate` (its measured prefill time)",
+        "a profile YAML from `fleetgate sim calibrate` (its measured step time: a lone "
+        "request's request-path overhead and its prefill in chunks, as `fleetgate simulate` "
+        "serves it)",
     )
     parser.add_argument(
         "--prefill-ms",

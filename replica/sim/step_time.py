@@ -81,6 +81,18 @@ class StepTimeModel:
             + self.context_token_s * context_tokens
         )
 
+    def lone_ttft_s(self, prompt_tokens: int, chunk_tokens: int) -> float:
+        """A lone request's time to first token: its request path (``request_overhead_s``) and
+        its prefill in steps of ``chunk_tokens`` (``--max-num-batched-tokens`` under chunked
+        prefill), each reading the KV of the chunks before it, as the simulated engine runs it."""
+        total, done = self.request_overhead_s, 0
+        chunk_tokens = max(1, chunk_tokens)
+        while done < prompt_tokens:
+            chunk = min(chunk_tokens, prompt_tokens - done)
+            total += self.step_s(chunk, 0, done)
+            done += chunk
+        return total
+
     def prefill_tokens_per_s(self) -> float:
         """Marginal prefill throughput of a large chunk (tokens/s); inf if prefill is free."""
         return float("inf") if self.prefill_token_s == 0 else 1.0 / self.prefill_token_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import json
 
 import pytest
@@ -107,6 +108,30 @@ def test_roofline_prefill_time_scales_with_uncached_tokens() -> None:
     assert warm.sized.replicas <= cold.sized.replicas
     assert "roofline" in warm.service_time_source
     assert warm.price_per_hour is not None and warm.price_per_hour > 0
+
+
+def test_a_calibrated_profile_counts_the_request_path_and_the_prefill_chunks(
+    tmp_path: Path,
+) -> None:
+    """The planning review: with a calibrated profile, `plan capacity` took one prefill step and
+    no request overhead (410 ms for an 8,000-token prompt), and passed a 500 ms SLO that the
+    simulator, with the same profile, served a lone request in 591 ms."""
+    profile = tmp_path / "calibrated.yaml"
+    profile.write_text(
+        "hardware: h100-sxm\nmodel: llama3-8b\nmax_num_batched_tokens: 2048\n"
+        "step_time: {base_s: 0.010, prefill_token_s: 0.00005, decode_seq_s: 0.0002, "
+        "context_token_s: 0.0000001, request_overhead_s: 0.150}\n"
+    )
+    plan = capacity.plan_capacity(
+        _args(prefill_ms=None, profile=str(profile), prompt_tokens=8000, slo_ttft_ms=1000.0)
+    )
+    # 150 ms path + 4 chunks (2048, 2048, 2048, 1856) of 10 ms each + 8,000 x 0.05 ms, and each
+    # chunk reads the KV before it: (0 + 2048 + 4096 + 6144) x 0.0001 ms.
+    assert plan.prefill_ms == pytest.approx(150 + 4 * 10 + 400 + 12288 * 0.0001)
+    with pytest.raises(capacity.CapacityError, match="prefill alone takes 591.2 ms"):
+        capacity.plan_capacity(
+            _args(prefill_ms=None, profile=str(profile), prompt_tokens=8000, slo_ttft_ms=500.0)
+        )
 
 
 def test_explicit_prefill_overrides_the_profile_but_keeps_its_price() -> None:
