@@ -69,6 +69,9 @@ examples:
   fleetgate advise --input fleet.yaml --verify --requests 2000 --json
 """
 
+#: The longest wait between two scrapes (s): an hour; NaN and inf are no interval.
+MAX_INTERVAL_S = 3600.0
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``fleetgate advise``."""
@@ -167,8 +170,11 @@ def load(args: argparse.Namespace) -> dict[str, PoolSnapshot]:
         with httpx.Client(timeout=args.timeout) as client:
             pools = fetch_prometheus_pools(args.prometheus, client, args.window, args.pool_label)
     else:
-        if args.samples < 1 or args.interval < 0:
-            raise AdviceError("--samples must be >= 1 and --interval >= 0")
+        if args.samples < 1 or not 0 <= args.interval <= MAX_INTERVAL_S:
+            raise AdviceError(
+                f"--samples must be >= 1 and --interval a number of seconds from 0 to "
+                f"{MAX_INTERVAL_S:g} (got --samples {args.samples}, --interval {args.interval})"
+            )
         with httpx.Client(timeout=args.timeout) as client:
             targets: list[Target]
             if args.gateway:

@@ -134,11 +134,16 @@ def unchecked(metrics: RouteMetrics) -> list[str]:
     """Rules that could not be evaluated because their inputs are unknown."""
     missing = []
     if metrics.ttft_p95_ms is None:
-        missing.append("TTFT (needs ttft_p95_ms)")
+        missing.append(
+            "TTFT (needs ttft_p95_ms; a gateway measures it on streamed requests only)"
+        )
     elif metrics.ttft_slo_ms is None:
         missing.append(f"TTFT (no SLO to check it against: {_NO_SLO.format(slo='ttft')})")
     if metrics.kv_cache_usage is None and metrics.preemptions_per_min is None:
-        missing.append("KV pressure (needs kv_cache_usage or preemptions_per_min)")
+        missing.append(
+            "KV pressure (needs kv_cache_usage or preemptions_per_min: engine figures, from "
+            "--prometheus or an --input file)"
+        )
     elif (
         (metrics.kv_cache_usage or 0) >= KV_PINNED
         and not metrics.preemptions_per_min
@@ -150,7 +155,9 @@ def unchecked(metrics: RouteMetrics) -> list[str]:
             "cache limits only while requests wait or the queue grows)"
         )
     if metrics.tpot_p95_ms is None:
-        missing.append("TPOT (needs tpot_p95_ms)")
+        missing.append(
+            "TPOT (needs tpot_p95_ms; a gateway measures it on streamed requests only)"
+        )
     elif metrics.tpot_slo_ms is None:
         missing.append(f"TPOT (no SLO to check it against: {_NO_SLO.format(slo='tpot')})")
     if metrics.fine_tuned_variants is None:

@@ -60,6 +60,19 @@ def test_unmeasured_budget_warns_that_the_cut_may_refuse_requests() -> None:
     assert "may refuse requests that ask for long outputs" in row.evidence
 
 
+def test_requests_asking_for_more_than_the_flag_advise_raising_it() -> None:
+    """The second planning review: prompt + requested max_tokens up to 8,000 against
+    --max-model-len 4,096 (vLLM answers 400 to each) said "no change"."""
+    pool = _oversized()
+    flags = replace(pool.flags, max_model_len=4096)
+    asked = replace(
+        pool, flags=flags, measured=replace(pool.measured, requested_context_max=8000.0)
+    )
+    row = _row(advise(asked), "--max-model-len")
+    assert row.kind == "change" and row.advised == 8000
+    assert "vLLM answers 400" in row.evidence
+
+
 def _gateway_text() -> str:
     from prometheus_client import generate_latest
 
@@ -393,3 +406,15 @@ def test_advise_output_for_an_unquantized_pool_reads_back_as_unquantized() -> No
     assert printed.current is None and printed.advised == "fp8"
     copied = replace(pool, flags=replace(pool.flags, quantization="none"))
     assert _row(advise(copied), "--quantization").advised == printed.advised
+
+
+@pytest.mark.parametrize("interval", ["nan", "inf", "-1", "1e9"])
+def test_an_interval_that_is_no_number_of_seconds_is_refused_before_any_scrape(
+    interval: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The second planning review: nan and inf reached time.sleep and ended in a traceback.
+    from fleetgate.cli import main
+
+    argv = ["advise", "--engine", "http://127.0.0.1:9", "--samples", "2", "--interval", interval]
+    assert main(argv) == 2
+    assert "--interval a number of seconds from 0 to 3600" in capsys.readouterr().err

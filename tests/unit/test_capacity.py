@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 import json
+from pathlib import Path
 
 import pytest
 
@@ -128,7 +128,7 @@ def test_a_calibrated_profile_counts_the_request_path_and_the_prefill_chunks(
     # 150 ms path + 4 chunks (2048, 2048, 2048, 1856) of 10 ms each + 8,000 x 0.05 ms, and each
     # chunk reads the KV before it: (0 + 2048 + 4096 + 6144) x 0.0001 ms.
     assert plan.prefill_ms == pytest.approx(150 + 4 * 10 + 400 + 12288 * 0.0001)
-    with pytest.raises(capacity.CapacityError, match="prefill alone takes 591.2 ms"):
+    with pytest.raises(capacity.CapacityError, match=r"prefill alone takes 591\.2 ms"):
         capacity.plan_capacity(
             _args(prefill_ms=None, profile=str(profile), prompt_tokens=8000, slo_ttft_ms=500.0)
         )
