@@ -270,6 +270,8 @@ class EngineDriver:
             stream.finished = True
             stream._wake()
             metrics.e2e.observe(end_s - stream.arrival_s)
+            metrics.request_prompt_tokens.observe(stream.prompt_tokens)
+            metrics.request_generation_tokens.observe(stream.generated)
             metrics.request_finished("length")
         running_adapters = {
             s.adapter for s in self._streams.values()

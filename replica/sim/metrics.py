@@ -32,6 +32,18 @@ REQUEST_LATENCY_BUCKETS = (
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+def one_two_five(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value``: vLLM's buckets of request lengths."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(float(mantissa * scale))
+        scale *= 10
+
+
 class ReplicaMetrics:
     """The metric families of one replica; the driver feeds them, ``/metrics`` renders them."""
 
@@ -100,6 +112,16 @@ class ReplicaMetrics:
         self.prefill_time = histogram(
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS,
+        ).labels(*values)
+        # Request lengths, as vLLM buckets them (1-2-5 up to the model's length): what
+        # `fleetgate advise --engine` sizes --max-model-len from.
+        length_buckets = one_two_five(config.model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", length_buckets,
+        ).labels(*values)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            length_buckets,
         ).labels(*values)
 
         self._max_lora = config.max_loras

@@ -44,6 +44,8 @@ SHARED_FAMILIES = (
     "vllm:inter_token_latency_seconds",
     "vllm:request_queue_time_seconds",
     "vllm:request_prefill_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
     "vllm:lora_requests_info",
     "vllm:cache_config_info",
 )

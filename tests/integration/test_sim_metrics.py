@@ -24,6 +24,8 @@ ENGINE_SAMPLES = [
     "vllm:inter_token_latency_seconds_count",
     "vllm:request_queue_time_seconds_count",
     "vllm:request_prefill_time_seconds_count",
+    "vllm:request_prompt_tokens_count",
+    "vllm:request_generation_tokens_count",
 ]
 
 
@@ -74,6 +76,11 @@ async def test_vllm_metric_names_labels_and_values(fleet: SimFleet) -> None:
     assert 0 < prefill_s <= _value(samples, "vllm:time_to_first_token_seconds_sum")
     # Three requests of 4 tokens: 3 inter-token gaps each.
     assert _value(samples, "vllm:inter_token_latency_seconds_count") == 9
+    # Their lengths, as `fleetgate advise --engine` reads them (the planning review: absent).
+    assert _value(samples, "vllm:request_generation_tokens_sum") == 12
+    prompt_sum = _value(samples, "vllm:request_prompt_tokens_sum")
+    assert _value(samples, "vllm:request_prompt_tokens_count") == 3
+    assert prompt_sum == _value(samples, "vllm:prompt_tokens_total")
     assert _value(samples, "vllm:num_requests_running") == 0
     queries = _value(samples, "vllm:prefix_cache_queries_total")
     hits = _value(samples, "vllm:prefix_cache_hits_total")
