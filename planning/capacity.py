@@ -437,7 +437,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cached-fraction",
         type=float,
         default=0.0,
-        help="share of prompt tokens served from the prefix cache, 0..1 (default: 0)",
+        help="share of prompt tokens served from the prefix cache, 0..1 (default: 0); shortens "
+        "the prefill that --profile models (--prefill-ms is the uncached part's time already)",
     )
     parser.add_argument(
         "--output-tokens", type=int, required=True, help="mean output length, tokens (for cost)"
@@ -473,6 +474,13 @@ def run(args: argparse.Namespace) -> int:
     except CapacityError as exc:
         print(f"fleetgate plan capacity: error: {exc}", file=sys.stderr)
         return 2
+    if args.prefill_ms is not None and args.cached_fraction:
+        print(
+            "fleetgate plan capacity: note: --prefill-ms is taken as the prefill time of what "
+            "is not cached already, so --cached-fraction changes nothing here (give the cold "
+            "prompt's time with --profile instead, to let the cache shorten it)",
+            file=sys.stderr,
+        )
     if args.plot:
         problem = plot_path_problem(args.plot)
         if problem is not None:

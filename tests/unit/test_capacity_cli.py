@@ -19,6 +19,16 @@ def test_capacity_runs_through_the_top_level_cli(capsys: pytest.CaptureFixture[s
     assert "replicas needed: 1" in capsys.readouterr().out
 
 
+def test_a_cached_fraction_beside_a_given_prefill_time_is_noted_as_unused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The planning review: the fraction was dropped in silence and the text still showed it.
+    argv = ["plan", "capacity", "--rate", "5", "--slo-ttft-ms", "500", "--prompt-tokens", "1000"]
+    argv += ["--output-tokens", "100", "--prefill-ms", "50", "--cached-fraction", "0.5"]
+    assert main(argv) == 0
+    assert "--cached-fraction changes nothing here" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_tool_help_is_the_tools_own(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
