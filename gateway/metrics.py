@@ -298,6 +298,13 @@ class GatewayMetrics:
             ["backend"],
             registry=r,
         )
+        self.speculative_slow = Counter(
+            "fleetgate_speculative_writes_slow",
+            "Speculative index writes dropped for outlasting their 50 ms budget: Redis answered "
+            "late (a busy gateway or Redis), not an index failure",
+            ["backend"],
+            registry=r,
+        )
         self.degraded = Counter(
             "fleetgate_degraded_decisions",
             "Decisions made on load alone",

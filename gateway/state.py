@@ -105,6 +105,7 @@ class GatewayState:
             replicas=self.registry,
             ttl_s=self.config.speculative_ttl_s,
             count_error=self.metrics.index_errors.labels(self.index_backend).inc,
+            count_slow=self.metrics.speculative_slow.labels(self.index_backend).inc,
             background=self.background,
             in_process=in_process_record(self.index),
         )

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from routing.redis_env import ENV_REFERENCE, SECRET_OPTION, expand_env
 from routing.redis_sentinel import is_sentinel_url, sentinel_client
+from routing.redis_urls import MAX_CONNECTIONS
 
 __all__ = [
     "ENV_REFERENCE",
@@ -64,6 +65,17 @@ def has_literal_password(url: str) -> bool:
         return "@" in url.partition("://")[2].split("/", 1)[0]
 
 
+def single_node_client(url: str, **options: Any) -> Redis:
+    """A client of one Redis (not a Cluster, not Sentinel) whose calls wait for a free
+    connection, up to their socket timeout, once ``MAX_CONNECTIONS`` are busy, rather than fail.
+    ``options`` as for ``Redis.from_url``; a ``max_connections`` in the URL's query wins."""
+    wait_s = options.get("socket_timeout") or 5.0
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=MAX_CONNECTIONS, timeout=wait_s, **options
+    )
+    return Redis.from_pool(pool)
+
+
 def bounded_options(timeout_s: float) -> dict[str, Any]:
     """Client settings: connect and every read within ``timeout_s``, one immediate retry (for
     any client constructor, a Cluster's included)."""
@@ -81,4 +93,4 @@ def bounded_client(url: str, timeout_s: float, **options: Any) -> Redis:
     url = expand_env(url)
     if is_sentinel_url(url):
         return sentinel_client(url, **bounded_options(timeout_s), **options)
-    return Redis.from_url(url, **bounded_options(timeout_s), **options)
+    return single_node_client(url, **bounded_options(timeout_s), **options)

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from routing.hosts import url_host
 from routing.redis_env import ENV_REFERENCE
-from routing.redis_urls import check_url_options, split_node_list_url
+from routing.redis_urls import MAX_CONNECTIONS, check_url_options, split_node_list_url
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,9 @@ def _client_settings(
 ) -> tuple[dict, dict]:
     """(the primary's connection settings, the Sentinels'): the caller's ``options`` (timeouts,
     ``retry``), then the URL's own (which win, as in ``Redis.from_url``)."""
-    primary: dict[str, Any] = {**options, **spec.options, "db": spec.db}
+    primary: dict[str, Any] = {
+        "max_connections": MAX_CONNECTIONS, **options, **spec.options, "db": spec.db
+    }
     if spec.username:
         primary["username"] = spec.username
     if spec.password:

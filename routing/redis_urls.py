@@ -39,6 +39,15 @@ PRIMARY_URL_PREFIXES = (
 )
 
 
+#: Connections one client opens to one Redis node at most. redis-py 8's asyncio pool refuses the
+#: 101st at once ("Too many connections"): a burst of more than 100 requests at one gateway,
+#: Redis healthy and idle, switched token budgets off, failed Responses follow-ups with 503 and
+#: dropped speculative index writes (the load review). One Redis serves thousands of clients;
+#: past this many calls at once a plain Redis client waits for a free connection, a Cluster or
+#: Sentinel one refuses as before.
+MAX_CONNECTIONS = 512
+
+
 class NodeListUrl(NamedTuple):
     """The parts of a node-list URL, each as written."""
 

@@ -17,9 +17,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode
 
 from routing.hosts import url_host
-from routing.redis_clients import ENV_REFERENCE, expand_env
+from routing.redis_clients import ENV_REFERENCE, expand_env, single_node_client
 from routing.redis_sentinel import is_sentinel_url, sentinel_client
-from routing.redis_urls import split_node_list_url
+from routing.redis_urls import MAX_CONNECTIONS, split_node_list_url
 
 __all__ = [
     "CLUSTER_SCHEMES",
@@ -68,7 +68,7 @@ def connect(url: str, **options: Any) -> IndexRedis:
     if is_sentinel_url(url):
         return sentinel_client(url, **options)
     if not is_cluster_url(url):
-        return aioredis.Redis.from_url(url, **options)
+        return single_node_client(url, **options)
     scheme, userinfo, _, tail = split_node_list_url(url)
     nodes = cluster_seed_nodes(url)
     first_host, first_port = nodes[0]
@@ -77,5 +77,6 @@ def connect(url: str, **options: Any) -> IndexRedis:
     return aioredis.RedisCluster.from_url(
         f"{CLUSTER_SCHEMES[scheme]}://{userinfo}{url_host(first_host)}:{first_port}{tail}",
         startup_nodes=[ClusterNode(host, port) for host, port in nodes],
-        **options,
+        # Per node; a Cluster client refuses past it rather than wait (redis-py's default: 100).
+        **{"max_connections": MAX_CONNECTIONS, **options},
     )

@@ -138,3 +138,43 @@ async def test_an_in_process_write_is_a_callback_and_any_other_a_task() -> None:
     await done(task)
     assert counting.async_writes == 1
     assert await counting.match(SHARED) == {R0: len(SHARED)}
+
+
+class _Late(MemoryBlockIndex):
+    """Answers only once released: a write that outlasts its budget (no clock read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def record(self, *args: Any, **kwargs: Any) -> None:
+        await self.release.wait()
+
+
+class _Down(MemoryBlockIndex):
+    async def record(self, *args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("Redis is down")
+
+
+async def test_a_late_write_is_counted_slow_and_a_failed_one_an_index_error() -> None:
+    """The load review: a burst's writes that outlasted their 50 ms budget counted as index
+    errors, whose alert pages "Redis unavailable" with Redis healthy."""
+    counts = {"error": 0, "slow": 0}
+
+    def target(index: MemoryBlockIndex) -> SpeculativeTarget:
+        replica = ReplicaState(replica_id=R0, url="http://r0", epoch=Epoch(1))
+        return SpeculativeTarget(
+            index=index,
+            replicas=SimpleNamespace(get=lambda rid: replica if rid == R0 else None),
+            ttl_s=TTL,
+            count_error=lambda: counts.__setitem__("error", counts["error"] + 1),
+            background=set(),
+            count_slow=lambda: counts.__setitem__("slow", counts["slow"] + 1),
+        )
+
+    late = _Late()
+    await done(SpeculativeWriter(Clock()).start(target(late), R0, SHARED, 0))
+    late.release.set()
+    assert counts == {"error": 0, "slow": 1}
+    await done(SpeculativeWriter(Clock()).start(target(_Down()), R0, SHARED, 0))
+    assert counts == {"error": 1, "slow": 1}
