@@ -61,6 +61,8 @@ class GatewayConfig:
     #: Seconds to wait for an upstream's response headers (and, streaming, each next chunk).
     upstream_timeout_s: float = _GATEWAY.upstream_timeout_s
     connect_timeout_s: float = _GATEWAY.connect_timeout_s
+    #: Seconds a streaming client may leave its answer unread before it is dropped.
+    client_stall_timeout_s: float = _GATEWAY.client_stall_timeout_s
     #: Speculative index entries (the gateway's own decisions) live this long unconfirmed.
     speculative_ttl_s: float = _INDEX.speculative_ttl_s
     health_interval_s: float = _GATEWAY.health_check_interval_s
@@ -159,6 +161,7 @@ class GatewayConfig:
                 self.idle_timeout_s = settings.idle_timeout_s
             self.upstream_timeout_s = settings.upstream_timeout_s
             self.connect_timeout_s = settings.connect_timeout_s
+            self.client_stall_timeout_s = settings.client_stall_timeout_s
             self.health_interval_s = settings.health_check_interval_s
             self.max_retries = settings.max_retries
         index = getattr(policy, "index", None)

@@ -113,6 +113,8 @@ class ForwardPlan:
     max_attempts: int
     #: Bound on each wait for the replica (the first byte, then each next chunk).
     read_timeout_s: float
+    #: Bound on a streaming client leaving its answer unread (``client_stall_timeout_s``).
+    client_stall_s: float | None = None
     #: Bytes any of which mark the first stream event that carries output
     #: (``RequestKind.first_token_marker``): the time to first token ends there. None: at the
     #: first event.
@@ -362,6 +364,7 @@ async def _relay_stream(
     stream_error: Callable[[GatewayError, bytes], bytes] | None = None,
     end: StreamEnd = CHAT_STREAM_END,
     answered: Callable[[], None] | None = None,
+    client_stall_s: float | None = None,
 ) -> web.StreamResponse:
     sse = SseRelay(hide_usage_chunk)
     first = await _first_events(resp, sse)  # raises before any byte reached the client
@@ -388,7 +391,7 @@ async def _relay_stream(
     async def relay(event: bytes) -> None:
         nonlocal ended, last_event
         ended = ended or ends(event)
-        await out.write(event)
+        await _write_unless_stalled(out, event, request.transport, client_stall_s)
         last_event = event
 
     async def upstream_events() -> AsyncIterator[list[bytes]]:
@@ -456,6 +459,19 @@ async def _relay_stream(
         outcome.client_gone = True
         resp.close()
         return out
+    except ClientStalled:
+        # The client left its answer unread for client_stall_timeout_s, its connection open:
+        # as one that went away (the engine aborts), and its connection is closed.
+        log.info(
+            "client of request %s read nothing for %s s (client_stall_timeout_s); dropped",
+            request_id,
+            client_stall_s,
+        )
+        outcome.client_gone = True
+        resp.close()
+        if request.transport is not None:
+            request.transport.abort()
+        return out
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if outcome.stall_cut and task is not None and task.uncancel() == 0:
@@ -490,6 +506,39 @@ def _output_events(events: list[bytes], end: StreamEnd) -> int:
         if end.classify(event) is None
         and not (b'"usage"' in event and (b'"choices":[]' in event or b'"choices": []' in event))
     )
+
+
+class ClientStalled(Exception):
+    """A streaming client left its answer unread past ``client_stall_timeout_s``."""
+
+
+#: Bytes waiting in a client's transport past which a write may have to wait for the client
+#: (aiohttp drains past 64 KiB): from here on, each write is bounded by the stall timeout. A
+#: client reading along keeps this near zero, and its writes pay no timer.
+_BEHIND_BYTES = 16 * 1024
+
+
+async def _write_unless_stalled(
+    out: web.StreamResponse,
+    data: bytes,
+    transport: asyncio.BaseTransport | None,
+    stall_s: float | None,
+) -> None:
+    """Write ``data`` to the client; ``ClientStalled`` if it reads none of it within
+    ``stall_s`` while behind (``_BEHIND_BYTES`` unread)."""
+    behind = (
+        stall_s is not None
+        and isinstance(transport, asyncio.WriteTransport)
+        and transport.get_write_buffer_size() + len(data) > _BEHIND_BYTES
+    )
+    if not behind:
+        await out.write(data)
+        return
+    try:
+        async with asyncio.timeout(stall_s):
+            await out.write(data)
+    except TimeoutError:
+        raise ClientStalled from None
 
 
 async def _write_to_client(
@@ -657,7 +706,7 @@ async def send(
                         result = await _relay_stream(
                             request, resp, outcome, request_id, plan.hide_usage_chunk, hooks,
                             plan.first_token_marker, plan.stream_error,
-                            plan.stream_end, breaker.success,
+                            plan.stream_end, breaker.success, plan.client_stall_s,
                         )
                     else:
                         result = await _relay_body(

@@ -90,6 +90,7 @@ def plan_forward(
     max_retries: int,
     read_timeout_s: float,
     priority: int | None = None,
+    client_stall_s: float | None = None,
 ) -> ForwardPlan:
     """The plan for ``routed``: ``raw`` reused as the payload where nothing must change.
 
@@ -118,6 +119,7 @@ def plan_forward(
         candidates=(decision.replica, *decision.fallbacks),
         max_attempts=1 + max_retries,
         read_timeout_s=read_timeout_s,
+        client_stall_s=client_stall_s,
         first_token_marker=kind.first_token_marker,
         stream_error=kind.stream_error,
         stream_end=kind.stream_end,

@@ -143,6 +143,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 raw,
                 max_retries=gw.max_retries,
                 read_timeout_s=gw.config.upstream_timeout_s,
+                client_stall_s=gw.config.client_stall_timeout_s,
                 priority=gw.flow.engine_priority(routed, request.headers, gw.policy.source)
                 if gw.flow is not None
                 else None,
