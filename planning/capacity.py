@@ -55,14 +55,17 @@ class OperatingPoint:
     ttft_ms: float
 
 
-def ttft_percentile_ms(replicas: int, rate: float, prefill_ms: float, quantile: float) -> float:
-    """TTFT at ``quantile``: the queueing delay percentile plus the (fixed) prefill time."""
+def ttft_percentile_ms(
+    replicas: int, rate: float, prefill_ms: float, quantile: float, overhead_ms: float = 0.0
+) -> float:
+    """TTFT at ``quantile``: the queueing delay percentile plus the (fixed) prefill time, plus
+    ``overhead_ms`` of the request's path outside the engine (no replica busy meanwhile)."""
     wait_s = wait_percentile(replicas, rate, 1000.0 / prefill_ms, quantile)
-    return wait_s * 1000.0 + prefill_ms
+    return wait_s * 1000.0 + prefill_ms + overhead_ms
 
 
 def operating_point(
-    replicas: int, rate: float, prefill_ms: float, quantile: float
+    replicas: int, rate: float, prefill_ms: float, quantile: float, overhead_ms: float = 0.0
 ) -> OperatingPoint:
     """Utilisation, P(wait) and TTFT percentile of ``replicas`` serving ``rate`` req/s."""
     load = rate * prefill_ms / 1000.0  # offered load in Erlangs: replicas busy on average
@@ -71,7 +74,7 @@ def operating_point(
         rate=rate,
         utilisation=load / replicas,
         prob_wait=erlang_c(replicas, load),
-        ttft_ms=ttft_percentile_ms(replicas, rate, prefill_ms, quantile),
+        ttft_ms=ttft_percentile_ms(replicas, rate, prefill_ms, quantile, overhead_ms),
     )
 
 
@@ -80,7 +83,9 @@ def operating_point(
 MAX_OFFERED_LOAD = 100_000
 
 
-def replicas_needed(rate: float, slo_ttft_ms: float, prefill_ms: float, quantile: float) -> int:
+def replicas_needed(
+    rate: float, slo_ttft_ms: float, prefill_ms: float, quantile: float, overhead_ms: float = 0.0
+) -> int:
     """The smallest replica count whose TTFT at ``quantile`` is within ``slo_ttft_ms``."""
     for name, value in (("rate", rate), ("slo_ttft_ms", slo_ttft_ms), ("prefill_ms", prefill_ms)):
         if not (math.isfinite(value) and value > 0):
@@ -92,15 +97,17 @@ def replicas_needed(rate: float, slo_ttft_ms: float, prefill_ms: float, quantile
             f"on average, over the {MAX_OFFERED_LOAD:,} this sizes: check --rate (requests per "
             "second) and --prefill-ms"
         )
-    if prefill_ms >= slo_ttft_ms:
+    if prefill_ms + overhead_ms >= slo_ttft_ms:
+        path = f" and {overhead_ms:.1f} ms of request path" if overhead_ms else ""
         raise CapacityError(
-            f"prefill alone takes {prefill_ms:.1f} ms, at or over the TTFT SLO of "
-            f"{slo_ttft_ms:g} ms: no number of replicas helps. Cut uncached prompt tokens "
-            "(prefix caching), use faster hardware, or relax the SLO."
+            f"prefill alone takes {prefill_ms + overhead_ms:.1f} ms ({prefill_ms:.1f} ms of "
+            f"prefill{path}), at or over the TTFT SLO of {slo_ttft_ms:g} ms: no number of "
+            "replicas helps. Cut uncached prompt tokens (prefix caching), use faster hardware, "
+            "or relax the SLO."
         )
 
     def meets(replicas: int) -> bool:
-        return ttft_percentile_ms(replicas, rate, prefill_ms, quantile) <= slo_ttft_ms
+        return ttft_percentile_ms(replicas, rate, prefill_ms, quantile, overhead_ms) <= slo_ttft_ms
 
     # TTFT falls as replicas are added, so double to bracket the answer, then bisect.
     low = math.floor(rate * prefill_ms / 1000.0)  # at or below the offered load: unstable
@@ -116,11 +123,13 @@ def replicas_needed(rate: float, slo_ttft_ms: float, prefill_ms: float, quantile
     return high
 
 
-def hockey_stick(replicas: int, prefill_ms: float, quantile: float) -> list[OperatingPoint]:
+def hockey_stick(
+    replicas: int, prefill_ms: float, quantile: float, overhead_ms: float = 0.0
+) -> list[OperatingPoint]:
     """TTFT vs utilisation at a fixed fleet size: flat, then a sharp rise near 100%."""
     service_rate = 1000.0 / prefill_ms
     return [
-        operating_point(replicas, rho * replicas * service_rate, prefill_ms, quantile)
+        operating_point(replicas, rho * replicas * service_rate, prefill_ms, quantile, overhead_ms)
         for rho in HOCKEY_STICK_UTILISATION
     ]
 
@@ -135,6 +144,9 @@ class EngineModel:
     describe: str
     prefill_ms: Callable[[float], float]
     price_per_hour: float
+    #: A request's time on its path outside the engine (a calibrated profile's
+    #: ``request_overhead_s``): in its TTFT, but no replica is busy with it meanwhile.
+    overhead_ms: float = 0.0
 
 
 def engine_model(preset: str) -> EngineModel:
@@ -179,7 +191,12 @@ def engine_model(preset: str) -> EngineModel:
                     f"{min(chunk, 1 << 30):,} tokens, {measured.request_overhead_s * 1000:g} ms "
                     "request overhead)"
                 ),
-                prefill_ms=lambda tokens: measured.lone_ttft_s(tokens, chunk) * 1000.0,
+                # The engine steps alone: the request path's overhead is no replica's work.
+                prefill_ms=lambda tokens: (
+                    measured.lone_ttft_s(tokens, chunk) - measured.request_overhead_s
+                )
+                * 1000.0,
+                overhead_ms=measured.request_overhead_s * 1000.0,
                 price_per_hour=roofline.hardware.price_per_hour * tensor_parallel,
             )
     except ValueError as exc:  # ProfileError is a ValueError: unknown preset, bad YAML
@@ -213,6 +230,8 @@ class CapacityPlan:
     sized: OperatingPoint
     price_per_hour: float | None
     hockey_stick: list[OperatingPoint]
+    #: The request path outside the engine, in every TTFT (a calibrated profile's overhead).
+    overhead_ms: float = 0.0
 
     @property
     def fleet_cost_per_hour(self) -> float | None:
@@ -244,6 +263,7 @@ class CapacityPlan:
             "service": {
                 "uncached_tokens": self.uncached_tokens,
                 "prefill_ms": self.prefill_ms,
+                "request_overhead_ms": self.overhead_ms,
                 "source": self.service_time_source,
                 "offered_load_erlangs": self.rate * self.prefill_ms / 1000.0,
             },
@@ -263,6 +283,7 @@ def plan_capacity(args: argparse.Namespace) -> CapacityPlan:
     _validate(args)
     uncached = args.prompt_tokens * (1.0 - args.cached_fraction)
     price = args.price_per_hour
+    overhead_ms = 0.0
     if args.prefill_ms is not None:
         prefill_ms, source = args.prefill_ms, "given with --prefill-ms"
         if args.profile is not None and price is None:
@@ -270,8 +291,11 @@ def plan_capacity(args: argparse.Namespace) -> CapacityPlan:
     else:
         model = engine_model(args.profile)
         prefill_ms, source = model.prefill_ms(uncached), model.describe
+        overhead_ms = model.overhead_ms
         price = model.price_per_hour if price is None else price
-    replicas = replicas_needed(args.rate, args.slo_ttft_ms, prefill_ms, args.quantile)
+    replicas = replicas_needed(
+        args.rate, args.slo_ttft_ms, prefill_ms, args.quantile, overhead_ms
+    )
     return CapacityPlan(
         rate=args.rate,
         slo_ttft_ms=args.slo_ttft_ms,
@@ -282,9 +306,10 @@ def plan_capacity(args: argparse.Namespace) -> CapacityPlan:
         uncached_tokens=uncached,
         prefill_ms=prefill_ms,
         service_time_source=source,
-        sized=operating_point(replicas, args.rate, prefill_ms, args.quantile),
+        sized=operating_point(replicas, args.rate, prefill_ms, args.quantile, overhead_ms),
         price_per_hour=price,
-        hockey_stick=hockey_stick(replicas, prefill_ms, args.quantile),
+        hockey_stick=hockey_stick(replicas, prefill_ms, args.quantile, overhead_ms),
+        overhead_ms=overhead_ms,
     )
 
 
@@ -329,7 +354,12 @@ def render_text(plan: CapacityPlan) -> str:
         f"  demand:  {plan.rate:g} req/s, {plan.prompt_tokens} prompt tokens "
         f"({plan.cached_fraction:.0%} cached -> {plan.uncached_tokens:.0f} to prefill), "
         f"{plan.output_tokens} output tokens",
-        f"  service: {plan.prefill_ms:.1f} ms prefill per request ({plan.service_time_source})",
+        f"  service: {plan.prefill_ms:.1f} ms prefill per request ({plan.service_time_source})"
+        + (
+            f"; + {plan.overhead_ms:.1f} ms request path in every TTFT (no replica busy)"
+            if plan.overhead_ms
+            else ""
+        ),
         f"  load:    {plan.rate * plan.prefill_ms / 1000:.2f} Erlangs (replicas busy on average)",
         "",
         f"replicas needed: {sized.replicas}  (utilisation {sized.utilisation:.0%}, "
@@ -376,7 +406,10 @@ def plot_hockey_stick(plan: CapacityPlan, path: str) -> None:
     replicas = plan.sized.replicas
     rhos = [i / 200 for i in range(1, 199)]
     ttft = [
-        ttft_percentile_ms(replicas, rho * replicas * service_rate, plan.prefill_ms, plan.quantile)
+        ttft_percentile_ms(
+            replicas, rho * replicas * service_rate, plan.prefill_ms, plan.quantile,
+            plan.overhead_ms,
+        )
         for rho in rhos
     ]
     figure, axes = plt.subplots(figsize=(7, 4.5))

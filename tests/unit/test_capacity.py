@@ -125,9 +125,19 @@ def test_a_calibrated_profile_counts_the_request_path_and_the_prefill_chunks(
     plan = capacity.plan_capacity(
         _args(prefill_ms=None, profile=str(profile), prompt_tokens=8000, slo_ttft_ms=1000.0)
     )
-    # 150 ms path + 4 chunks (2048, 2048, 2048, 1856) of 10 ms each + 8,000 x 0.05 ms, and each
-    # chunk reads the KV before it: (0 + 2048 + 4096 + 6144) x 0.0001 ms.
-    assert plan.prefill_ms == pytest.approx(150 + 4 * 10 + 400 + 12288 * 0.0001)
+    # 4 chunks (2048, 2048, 2048, 1856) of 10 ms each + 8,000 x 0.05 ms, each reading the KV
+    # before it: (0 + 2048 + 4096 + 6144) x 0.0001 ms: the replica's work. The 150 ms request
+    # path is in the TTFT, not in the work (the diff review: counted as work, it sized 9
+    # replicas where the simulator met the SLO with 3).
+    assert plan.prefill_ms == pytest.approx(4 * 10 + 400 + 12288 * 0.0001)
+    assert plan.overhead_ms == pytest.approx(150)
+    assert plan.sized.ttft_ms >= plan.prefill_ms + 150
+    busy = capacity.plan_capacity(
+        _args(prefill_ms=None, profile=str(profile), prompt_tokens=8000, slo_ttft_ms=1000.0,
+              rate=10.0)
+    )
+    # 10 req/s of 441 ms of work is 4.4 replicas busy: 150 ms more each would be 5.9.
+    assert busy.to_dict()["service"]["offered_load_erlangs"] == pytest.approx(10 * 0.4412288)
     with pytest.raises(capacity.CapacityError, match=r"prefill alone takes 591\.2 ms"):
         capacity.plan_capacity(
             _args(prefill_ms=None, profile=str(profile), prompt_tokens=8000, slo_ttft_ms=500.0)
