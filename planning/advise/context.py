@@ -14,8 +14,9 @@ already served would be refused. vLLM checks the budget a request asks for, not 
 a 1,400-token prompt with ``max_tokens: 4096`` that stops after 180 tokens counts 1,580 tokens of
 context but is refused below 5,496. Where the budget was not measured, the row says the cut may
 refuse requests that ask for long outputs. It is advised only when it cuts the flag by at least a
-quarter: smaller cuts buy little. Where the traffic already asks for more than the flag (vLLM
-answers those requests 400), the row advises raising it to the longest asked for.
+quarter: smaller cuts buy little. Where the traffic's lengths reach past the flag, the row keeps
+it and says that requests over it get 400s: the lengths are bucket bounds, not a value to raise
+it to.
 """
 
 from __future__ import annotations
@@ -58,21 +59,19 @@ def max_model_len(pool: PoolSnapshot) -> Advice:
         seen += f"; longest prompt + requested max_tokens ≤ {tokens(m.requested_context_max)}"
     needed = max(m.context_max or 0.0, m.requested_context_max or 0.0, m.context_p99)
     if needed > current:
-        # Requests already ask for more than the flag: vLLM refuses each with a 400. Keeping
-        # it is no advice; raising it is, where the model and the KV cache allow.
-        block = flags.block_size or 16
-        raised = round_up(needed, block)
-        return change(
+        # Requests may ask for more than the flag, and vLLM refuses each with a 400. "May":
+        # the lengths are histogram bucket bounds (a 4,100-token request reads as "<= 10,000"),
+        # so no value to raise it to is known, and raising it costs guaranteed concurrency
+        # (the diff review: a raise advised where no request was over the flag). Said, not
+        # advised.
+        return keep(
             flags,
             FIELD,
-            raised,
-            f"{seen}: over --max-model-len {tokens(current)}, so vLLM answers 400 to every "
-            "request whose prompt + max_tokens passes it. Raise it to the longest asked for, "
-            "rounded up to the block, where the model's own context and the KV cache allow "
-            "(the engine refuses to start otherwise), or have the clients ask for less "
-            "(max_tokens)",
-            f"requests up to {tokens(raised)} tokens of prompt + max_tokens are served instead "
-            f"of refused; a max-length sequence holds {blocks_for(raised, block):,} blocks",
+            f"{seen}: some may be over --max-model-len {tokens(current)} (the lengths are "
+            "histogram bucket bounds), and vLLM answers 400 to a request whose prompt + "
+            "max_tokens passes it. If fleetgate_requests_total shows 400s on this pool, raise "
+            "it to what the clients need, where the model's own context and the KV cache "
+            "allow, or have the clients ask for less (max_tokens)",
         )
     if advised > current * WORTH_CUTTING:
         near = (
