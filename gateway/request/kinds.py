@@ -110,6 +110,11 @@ def estimated_input_tokens(value: Any) -> int:
     prompts): every string at about ``CHARS_PER_TOKEN`` characters a token, every integer in a
     list (token ids) one token. The engine's count replaces it when the request ends."""
     if isinstance(value, str):
+        if value.startswith(_NOT_TEXT):
+            # An image or audio clip, inline (base64) or by URL: its tokens are the encoder's,
+            # not its characters / 4 (one inline image read as 75,000 tokens and was refused as
+            # over a whole budget, the diff review found). The engine's count settles it.
+            return 0
         return -(-len(value) // CHARS_PER_TOKEN)
     if isinstance(value, Mapping):
         return sum(estimated_input_tokens(v) for k, v in value.items() if k not in _NOT_INPUT)
@@ -120,6 +125,9 @@ def estimated_input_tokens(value: Any) -> int:
         )
     return 0
 
+
+#: How a string that is media, not text, starts (data URLs, links to media).
+_NOT_TEXT = ("data:", "http://", "https://", "file:")
 
 #: Fields of a body that are settings, not input.
 _NOT_INPUT = frozenset({"model", "encoding_format", "user", "input_type", "truncation_side"})

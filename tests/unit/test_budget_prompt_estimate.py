@@ -34,3 +34,15 @@ def test_embeddings_and_pooling_reserve_their_whole_input() -> None:
 def test_token_ids_count_one_each_and_settings_nothing() -> None:
     assert estimated_input_tokens({"input": [[1, 2, 3], [4, 5]], "dimensions": 512}) == 5
     assert estimated_input_tokens({"input": "", "truncate_prompt_tokens": 10}) == 0
+
+
+def test_media_is_left_to_the_engines_count() -> None:
+    # The diff review: an inline image read as ~75,000 tokens of text, over a whole budget.
+    image = "data:image/png;base64," + "A" * 300_000
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x" * 40},
+        {"type": "image_url", "image_url": {"url": image}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+    ]}]}
+    # The text (10) and the parts' own small strings ("user", "text", "image_url"): no media.
+    assert estimated_input_tokens(body) == 10 + 1 + 1 + 3 + 3
