@@ -38,6 +38,8 @@ class Progress(Protocol):
     last_byte_at: float | None
     #: Set by ``cut_stalled``: the stream is to end with the API's in-band error.
     stall_cut: bool
+    #: The relay waits for the client to take bytes: the stream's silence is the client's.
+    writing_to_client: bool
 
 
 def _always() -> bool:
@@ -111,6 +113,8 @@ class AttemptsInFlight:
             last = progress.last_byte_at
             if not progress.responded or last is None or last > silent_since:
                 continue
+            if progress.writing_to_client:
+                continue  # a slow reader, not a stalled replica (client_stall_timeout_s's)
             if task is None or task.done() or progress.stall_cut:
                 continue
             progress.stall_cut = True

@@ -202,6 +202,9 @@ class UpstreamOutcome:
     #: Its stream is to end with the in-band error: its replica was marked down while the
     #: stream had been silent (``attempts.cut_stalled``).
     stall_cut: bool = False
+    #: The relay is waiting for the client to take bytes: a silence upstream meanwhile is the
+    #: client's doing (the gateway reads no more until it writes), not the replica's.
+    writing_to_client: bool = False
     #: pool -> replica seconds charged to this request (a retry may span two pools).
     replica_seconds: dict[str, float] = field(default_factory=dict)
     #: The request's LoRA adapter as held for the latest attempt; None without one.
@@ -391,7 +394,11 @@ async def _relay_stream(
     async def relay(event: bytes) -> None:
         nonlocal ended, last_event
         ended = ended or ends(event)
-        await _write_unless_stalled(out, event, request.transport, client_stall_s)
+        outcome.writing_to_client = True
+        try:
+            await _write_unless_stalled(out, event, request.transport, client_stall_s)
+        finally:
+            outcome.writing_to_client = False
         last_event = event
 
     async def upstream_events() -> AsyncIterator[list[bytes]]:

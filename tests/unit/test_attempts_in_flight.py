@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gateway.attempts import REPLICA_DOWN, AttemptsInFlight
+from gateway.attempts import REPLICA_DOWN, STREAM_STALLED, AttemptsInFlight
 from routing.types import ReplicaId
 
 R1, R2 = ReplicaId("r1"), ReplicaId("r2")
@@ -16,6 +16,9 @@ R1, R2 = ReplicaId("r1"), ReplicaId("r2")
 @dataclass
 class Progress:
     responded: bool = False
+    last_byte_at: float | None = None
+    stall_cut: bool = False
+    writing_to_client: bool = False
 
 
 async def _waiting_attempt(
@@ -80,3 +83,31 @@ async def test_a_later_attempt_of_the_same_request_is_the_one_reported() -> None
 @pytest.mark.parametrize("replica", [R1, ReplicaId("unknown")])
 def test_abort_with_nothing_in_flight_is_a_no_op(replica: ReplicaId) -> None:
     assert AttemptsInFlight().abort_unanswered(replica) == 0
+
+
+async def test_only_streams_silent_since_the_polls_failed_are_cut_not_a_slow_readers() -> None:
+    """``cut_stalled``: a stream silent since its replica's polls began to fail ends; one that
+    relayed since, one not yet answered, and one whose silence is its client's (the relay
+    waits for the client to take bytes: the diff review saw a slow reader's stream cut) go on."""
+    attempts = AttemptsInFlight()
+    cases = {
+        "stalled": Progress(responded=True, last_byte_at=10.0),
+        "flowing": Progress(responded=True, last_byte_at=30.0),
+        "unanswered": Progress(),
+        "slow-reader": Progress(responded=True, last_byte_at=10.0, writing_to_client=True),
+    }
+    tasks: dict[str, asyncio.Task[str]] = {}
+    for request_id, progress in cases.items():
+        started = asyncio.Event()
+        tasks[request_id] = asyncio.create_task(
+            _waiting_attempt(attempts, request_id, R1, progress, started)
+        )
+        await started.wait()
+    assert attempts.cut_stalled(R1, silent_since=20.0) == 1
+    assert await tasks["stalled"] == f"cancelled: {STREAM_STALLED} aborted=False"
+    assert cases["stalled"].stall_cut
+    assert attempts.cut_stalled(R1, silent_since=20.0) == 0
+    for request_id in ("flowing", "unanswered", "slow-reader"):
+        assert not tasks[request_id].done(), request_id
+        tasks[request_id].cancel()
+    await asyncio.gather(*(tasks[r] for r in ("flowing", "unanswered", "slow-reader")))
