@@ -74,9 +74,12 @@ def engine_request_id(request_id: str) -> str:
     running. Client ids are unique only within one gateway (``unique_id``), and a tenant may
     pick any: sent as they are, two gateways could hand an engine the same id, so one tenant
     could learn that another's id is running, or fail its requests by reusing ids it can
-    predict. The suffix keeps the engine's logs searchable by the gateway's id.
+    predict. The suffix keeps the engine's logs searchable by the client's id. One suffix
+    always, on the client's id: vLLM names its answer after this id (``chatcmpl-<id>``), and
+    the gateway's own suffix on an id another caller had in flight, passed on, showed a second
+    one there (the diff review).
     """
-    return f"{request_id}~{uuid.uuid4().hex[:8]}"
+    return f"{request_id.split('~', 1)[0]}~{uuid.uuid4().hex[:8]}"
 
 
 async def read_json(

@@ -124,6 +124,16 @@ __all__ = [
 ]
 
 
+def stage_span(tracer: Tracer, name: str) -> Any:
+    """A stage's span inside the request's (tokenize, route, upstream). An error raised through
+    it is the request's outcome, recorded once on the root span by ``request_span``: recorded
+    here too, a client's 400 put the client's text (a key pasted into a message) into the
+    stage's exception event (the diff review)."""
+    return tracer.start_as_current_span(
+        name, record_exception=False, set_status_on_exception=False
+    )
+
+
 @contextlib.contextmanager
 def request_span(tracer: Tracer, name: str, context: Context | None) -> Iterator[Span]:
     """The request's root span. The gateway's own error answers are outcomes, not exceptions:

@@ -38,6 +38,7 @@ from gateway.request.record import AdapterLoad
 from gateway.request.route import RouteDecision
 from gateway.routing_glue import Router
 from gateway.speculative import SpeculativeTarget, SpeculativeWriter
+from gateway.tracing import stage_span
 from gateway.upstream_client import UpstreamPool
 from routing.state import ReplicaState
 from routing.types import ReplicaId
@@ -140,7 +141,7 @@ async def forward(
     chosen = routed.decision.replica
     depth = (routing_request.prefix_matches or {}).get(chosen, 0)
     insert = gw.speculative.start(gw.speculative_target, chosen, routing_request.chain, depth)
-    with gw.tracer.start_as_current_span("fleetgate.upstream") as span:
+    with stage_span(gw.tracer, "fleetgate.upstream") as span:
         try:
             response = await proxy.send(request, plan, recorder, gw.upstream_pool(), gw.registry)
         except GatewayError as err:

@@ -39,7 +39,7 @@ from gateway.ratelimit import RateLimiter
 from gateway.replicas import ReplicaRegistry
 from gateway.request.kinds import Body, RequestKind
 from gateway.routing_glue import Router
-from gateway.tracing import NullTracer, record_stage_spans
+from gateway.tracing import NullTracer, record_stage_spans, stage_span
 from routing.contracts import (
     NoReplicaAvailable,
     PromptTokenizer,
@@ -180,7 +180,7 @@ async def route(
     # turn alone are not what the engine caches, so they are neither matched, written
     # speculatively, nor shown to the layout detector.
     if kind.prefix_routed and pinned is None:
-        with gw.tracer.start_as_current_span("fleetgate.tokenize"):
+        with stage_span(gw.tracer, "fleetgate.tokenize"):
             prompt = await _prompt_or_degrade(
                 gw.tokenizer, kind, base_model, body, tenant.cache_salt or ""
             )
@@ -409,7 +409,7 @@ async def _pick_replica(
     adapters.fill_cold_load_estimates(gw.adapters, gw.registry, request, replicas)
     decide_start_ns = time.time_ns()
     last_resort = False
-    with gw.tracer.start_as_current_span("fleetgate.route") as span:
+    with stage_span(gw.tracer, "fleetgate.route") as span:
         try:
             decision = await gw.engine.route(request, replicas, matched_route.profile)
         except NoReplicaAvailable as exc:

@@ -157,16 +157,20 @@ async def test_a_clients_error_is_an_outcome_on_its_span_not_an_exception_quotin
         spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
         app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
         app[GATEWAY].tracer = provider.get_tracer("test")
-        async with (
-            serve(app, handler_cancellation=True) as url,
-            aiohttp.ClientSession() as http,
-            http.post(
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            async with http.post(
                 f"{url}/v1/completions", json={**BODY, "model": "sk-live-CANARY-1234"}
-            ) as resp,
-        ):
-            assert resp.status == 404
-    (root,) = [s for s in exporter.get_finished_spans() if s.name == "fleetgate.request"]
-    assert root.events == ()
-    assert root.attributes["fleetgate.error_code"] == "model_not_found"
-    assert root.attributes["http.response.status_code"] == 404
-    assert "CANARY" not in str(root.to_json())
+            ) as resp:
+                assert resp.status == 404
+            # ... and through a stage's span: the chat template refuses the message (a 400).
+            bad = {"model": BODY["model"],
+                   "messages": [{"role": "user", "content": [7, "sk-live-CANARY-5678"]}]}
+            async with http.post(f"{url}/v1/chat/completions", json=bad) as resp:
+                assert resp.status == 400
+    spans = exporter.get_finished_spans()
+    roots = [s for s in spans if s.name == "fleetgate.request"]
+    assert [r.attributes["http.response.status_code"] for r in roots] == [404, 400]
+    assert roots[0].attributes["fleetgate.error_code"] == "model_not_found"
+    for span in spans:  # the root and every stage under it
+        assert span.events == (), span.name
+        assert "CANARY" not in str(span.to_json()), span.name
