@@ -31,12 +31,11 @@ def bearer_key(request: web.Request) -> str | None:
     ``MALFORMED_AUTHORIZATION`` unless ``api-key`` / ``x-api-key`` carries a key: a client that
     meant to authenticate gets 401 instead of silently acting as the anonymous tenant.
     """
-    for name in _KEY_HEADERS:
-        if len(request.headers.getall(name, ())) > 1:
-            # Which one counts is ambiguous: a proxy in front that reads the last one would
-            # disagree with the gateway (the first) about who is calling. Refused, as is a
-            # repeated priority header.
-            return MALFORMED_AUTHORIZATION
+    if _repeated_key_header(request) is not None:
+        # Which one counts is ambiguous: a proxy in front that reads the last one would
+        # disagree with the gateway (the first) about who is calling. Refused, as is a
+        # repeated priority header.
+        return MALFORMED_AUTHORIZATION
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.strip().partition(" ")
     if scheme.lower() == "bearer" and value.strip():
@@ -52,10 +51,24 @@ def bearer_key(request: web.Request) -> str | None:
 def authenticate(request: web.Request, policy: GatewayPolicy) -> Tenant:
     """The tenant this request acts for; 401 if the key is missing, unknown or malformed (open
     access, without declared tenants, takes any)."""
-    tenant = policy.tenant_for_key(bearer_key(request))
+    key = bearer_key(request)
+    tenant = policy.tenant_for_key(key)
     if tenant is None:
+        if key == MALFORMED_AUTHORIZATION and _repeated_key_header(request):
+            raise GatewayError(
+                401,
+                errors.INVALID_API_KEY,
+                f"The API key header {_repeated_key_header(request)} was sent more than once: "
+                "send it once.",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         raise _unknown_key()
     return tenant
+
+
+def _repeated_key_header(request: web.Request) -> str | None:
+    """The first key header the request sends more than once (``Authorization``, ...)."""
+    return next((n for n in _KEY_HEADERS if len(request.headers.getall(n, ())) > 1), None)
 
 
 def still_authorised(request: web.Request, policy: GatewayPolicy, tenant: Tenant) -> None:

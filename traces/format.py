@@ -200,10 +200,11 @@ _GZIP_MAGIC = b"\x1f\x8b"
 def _open_binary(path: Path) -> BinaryIO:
     """``path`` for reading bytes: through gzip when it starts as a gzip file does (public traces
     are often shipped compressed), whatever its name."""
-    stream: BinaryIO = path.open("rb")
-    if stream.peek(2)[:2] == _GZIP_MAGIC if hasattr(stream, "peek") else False:
-        return gzip.GzipFile(fileobj=stream, mode="rb")  # type: ignore[return-value]
-    return stream
+    with path.open("rb") as probe:
+        compressed = probe.read(2) == _GZIP_MAGIC
+    if compressed:
+        return gzip.open(path, "rb")  # type: ignore[return-value]  # closes its file with it
+    return path.open("rb")
 
 
 def _text_lines(binary: Iterable[bytes], name: str) -> Iterator[str]:
@@ -235,22 +236,7 @@ def zero_outputs(path: str | Path, limit: int | None = None) -> int:
     """How many of the first ``limit`` requests (all: None) of ``path`` record ``output_length``
     0 (``read_trace`` replays them as 1), for the note the commands print; 0 when the file
     cannot be scanned."""
-    count = requests = 0
-    try:
-        with _open_binary(Path(path)) as binary:
-            for line in _text_lines(binary, str(path)):
-                if not line.strip():
-                    continue
-                if limit is not None and requests >= limit:
-                    break
-                requests += 1
-                count += bool(_ZERO_OUTPUT.search(line))
-    except (OSError, TraceFormatError):
-        return 0
-    return count
-
-
-_ZERO_OUTPUT = re.compile(r'"output_length"\s*:\s*-?0\s*[,}]')
+    return _scan(path, _ZERO_OUTPUT, limit)[0]
 
 
 def fractional_timestamps(path: str | Path, limit: int | None = None) -> tuple[int, str | None]:
@@ -258,6 +244,12 @@ def fractional_timestamps(path: str | Path, limit: int | None = None) -> tuple[i
     (``read_trace`` rounds it to the millisecond), and the first such one as written: a trace in
     seconds written with decimals (``1523.737``) would otherwise replay 1,000 times too fast.
     (0, None) when the file cannot be scanned."""
+    return _scan(path, _FRACTIONAL_TIMESTAMP, limit)
+
+
+def _scan(path: str | Path, pattern: re.Pattern[str], limit: int | None) -> tuple[int, str | None]:
+    """How many of the first ``limit`` requests' lines ``pattern`` matches, and the first
+    match's first group (or whole match); (0, None) when the file cannot be read."""
     count = requests = 0
     first = None
     try:
@@ -268,15 +260,17 @@ def fractional_timestamps(path: str | Path, limit: int | None = None) -> tuple[i
                 if limit is not None and requests >= limit:
                     break
                 requests += 1
-                match = _FRACTIONAL_TIMESTAMP.search(line)
+                match = pattern.search(line)
                 if match:
                     count += 1
-                    first = first or match[1]
+                    if first is None:
+                        first = match[1] if match.groups() else match[0]
     except (OSError, TraceFormatError):
         return 0, None
     return count, first
 
 
+_ZERO_OUTPUT = re.compile(r'"output_length"\s*:\s*-?0\s*[,}]')
 #: A timestamp written with a non-zero fraction (``1200.4``; ``1200.0`` is a whole number).
 _FRACTIONAL_TIMESTAMP = re.compile(r'"timestamp"\s*:\s*(\d+\.\d*[1-9]\d*)')
 

@@ -252,11 +252,17 @@ def output_budget(body: Body) -> int | None:
 
 
 def choices_of(body: Body) -> int:
-    """How many answers the request asks for (``n``; 1 when it states none or none valid: the
-    engine refuses those)."""
+    """How many answers the request has decoded side by side: ``n`` (1 when it states none or
+    none valid: the engine refuses those) for each prompt of a completions batch."""
     value = body.get("n")
     valid = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    return value if valid else 1
+    prompt = body.get("prompt")
+    batch = (
+        len(prompt)
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        else 1
+    )
+    return (value if valid else 1) * batch
 
 
 async def repick(

@@ -418,6 +418,7 @@ async def test_a_key_header_sent_twice_is_refused(tmp_path: Path) -> None:
                 f"{url}/v1/chat/completions", json=chat(), headers=headers
             ) as resp:
                 assert resp.status == 401, name
+                assert "sent more than once" in (await resp.json())["error"]["message"], name
         async with http.post(
             f"{url}/v1/chat/completions", json=chat(), headers=auth("acme-key")
         ) as resp:

@@ -13,7 +13,12 @@ from gateway.request.route import choices_of
 
 @pytest.mark.parametrize(
     ("body", "choices"),
-    [({"n": 4}, 4), ({}, 1), ({"n": 0}, 1), ({"n": True}, 1), ({"n": "4"}, 1), ({"n": None}, 1)],
+    [
+        ({"n": 4}, 4), ({}, 1), ({"n": 0}, 1), ({"n": True}, 1), ({"n": "4"}, 1), ({"n": None}, 1),
+        # A completions batch decodes each prompt's answers side by side too (the diff review).
+        ({"prompt": ["a", "b", "c"]}, 3), ({"prompt": ["a", "b"], "n": 2}, 4),
+        ({"prompt": [[1, 2], [3]]}, 2), ({"prompt": [1, 2, 3]}, 1), ({"prompt": "a"}, 1),
+    ],
 )
 def test_choices_are_read_from_n(body: dict[str, object], choices: int) -> None:
     assert choices_of({"model": "m", **body}) == choices
