@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 import aiohttp
 from opentelemetry.sdk.trace import TracerProvider
@@ -86,19 +87,25 @@ def _recording_tracer() -> tuple[InMemorySpanExporter, TracerProvider]:
     return exporter, provider
 
 
-async def test_request_spans_cover_every_stage() -> None:
-    exporter, provider = _recording_tracer()
+@asynccontextmanager
+async def _traced_gateway(provider: TracerProvider) -> AsyncIterator[str]:
+    """A gateway over one fake engine whose spans go to ``provider``; yields its URL."""
     upstream = FakeUpstream()
     async with serve(upstream.app()) as upstream_url:
         spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
         app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
         app[GATEWAY].tracer = provider.get_tracer("test")
-        async with (
-            serve(app, handler_cancellation=True) as url,
-            aiohttp.ClientSession() as http,
-            http.post(f"{url}/v1/completions", json=BODY) as resp,
-        ):
-            assert resp.status == 200
+        async with serve(app, handler_cancellation=True) as url:
+            yield url
+
+
+async def test_request_spans_cover_every_stage() -> None:
+    exporter, provider = _recording_tracer()
+    async with (
+        _traced_gateway(provider) as url, aiohttp.ClientSession() as http,
+        http.post(f"{url}/v1/completions", json=BODY) as resp,
+    ):
+        assert resp.status == 200
     spans = {span.name: span for span in exporter.get_finished_spans()}
     assert set(spans) >= {
         "fleetgate.request",
@@ -152,21 +159,16 @@ async def test_a_clients_error_is_an_outcome_on_its_span_not_an_exception_quotin
     """The security review: every client 4xx added an exception event to the request's span,
     message and stack included, so a key pasted into ``model`` reached the trace backend."""
     exporter, provider = _recording_tracer()
-    upstream = FakeUpstream()
-    async with serve(upstream.app()) as upstream_url:
-        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
-        app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
-        app[GATEWAY].tracer = provider.get_tracer("test")
-        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
-            async with http.post(
-                f"{url}/v1/completions", json={**BODY, "model": "sk-live-CANARY-1234"}
-            ) as resp:
-                assert resp.status == 404
-            # ... and through a stage's span: the chat template refuses the message (a 400).
-            bad = {"model": BODY["model"],
-                   "messages": [{"role": "user", "content": [7, "sk-live-CANARY-5678"]}]}
-            async with http.post(f"{url}/v1/chat/completions", json=bad) as resp:
-                assert resp.status == 400
+    async with _traced_gateway(provider) as url, aiohttp.ClientSession() as http:
+        async with http.post(
+            f"{url}/v1/completions", json={**BODY, "model": "sk-live-CANARY-1234"}
+        ) as resp:
+            assert resp.status == 404
+        # ... and through a stage's span: the chat template refuses the message (a 400).
+        bad = {"model": BODY["model"],
+               "messages": [{"role": "user", "content": [7, "sk-live-CANARY-5678"]}]}
+        async with http.post(f"{url}/v1/chat/completions", json=bad) as resp:
+            assert resp.status == 400
     spans = exporter.get_finished_spans()
     roots = [s for s in spans if s.name == "fleetgate.request"]
     assert [r.attributes["http.response.status_code"] for r in roots] == [404, 400]
