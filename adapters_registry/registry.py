@@ -73,6 +73,10 @@ from routing.types import ReplicaId
 log = logging.getLogger(__name__)
 
 
+#: How often a lasting placement-store outage is logged again (s).
+STORE_DOWN_LOG_INTERVAL_S = 60.0
+
+
 @dataclass(frozen=True)
 class RegistrySettings:
     """Every knob of the registry, grouped by the part it tunes."""
@@ -123,6 +127,10 @@ class AdapterRegistry:
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self.traffic = SharedTraffic(self.gateway_id, self.settings.prewarm)
         self._clock = clock
+        #: While the placement store cannot answer: when that was last logged (``refresh``
+        #: runs every poll: a Redis down logged a warning every 2 s, for good), and how often.
+        self._store_down_logged_at: float | None = None
+        self._store_down_refreshes = 0
         #: Background trims to a lowered resident limit, per replica (``refresh``).
         self._trims: dict[ReplicaId, asyncio.Task[int]] = {}
         self.loader = AdapterLoader(
@@ -300,7 +308,16 @@ class AdapterRegistry:
                     )
                 placement = await self.store.snapshot(rid, self.guard.since(now))
             except PlacementUnavailable as exc:
-                log.warning("adapter placement refresh degraded: %s", exc)
+                self._store_down_refreshes += 1
+                logged = self._store_down_logged_at
+                if logged is None or now - logged >= STORE_DOWN_LOG_INTERVAL_S:
+                    self._store_down_logged_at = now
+                    log.warning(
+                        "adapter placement refresh degraded: %s (%d refresh(es) so far; said "
+                        "again at most once a minute)",
+                        exc,
+                        self._store_down_refreshes,
+                    )
                 return
             self.view.update(placement)
             if trim and state.healthy:
@@ -308,6 +325,13 @@ class AdapterRegistry:
             gpu = self.capacity(state).gpu
             used = len(placement.resident)
             self.metrics.set_slots_used(rid, used if gpu is None else min(used, gpu))
+        if self._store_down_logged_at is not None:
+            log.warning(
+                "adapter placement store answers again after %d degraded refresh(es)",
+                self._store_down_refreshes,
+            )
+            self._store_down_logged_at = None
+            self._store_down_refreshes = 0
 
     async def trims_finished(self) -> None:
         """Wait for the trims ``refresh`` started (tests, and callers that must see their

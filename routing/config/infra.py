@@ -71,10 +71,10 @@ class GatewaySettings(StrictModel):
     idle_timeout_s: PositiveFloat = 75.0
     #: Whole upstream request, first byte to last (long generations need minutes).
     upstream_timeout_s: PositiveFloat = 600.0
-    #: A streaming client that reads nothing of its answer for this many seconds (the bytes
-    #: already sent still unread: its TCP window full) is dropped, as one that disconnected:
-    #: otherwise it holds its engine slot and counts in flight for as long as it keeps the
-    #: connection open.
+    #: A streaming client that has stopped reading is dropped, as one that disconnected, once
+    #: its connection's buffers are full (the kernel's send buffer first) and it takes nothing
+    #: for this many seconds: otherwise it holds its engine slot and counts in flight for as
+    #: long as it keeps the connection open.
     client_stall_timeout_s: PositiveFloat = 60.0
     connect_timeout_s: PositiveFloat = 5.0
     #: Retries on another replica, only before the first byte reached the client.

@@ -494,3 +494,29 @@ async def test_unloading_everywhere_waits_for_the_requests_using_it(
     async with asyncio.timeout(10):
         assert await unloading == []
     assert ("unload", "a") in engine.calls and "a" not in engine.loaded
+
+
+async def test_a_lasting_placement_store_outage_is_logged_once_then_its_end(
+    setup: tuple[AdapterRegistry, FakeEngine, Clock],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The re-check review: with Redis down, every refresh (each poll, 2 s) logged a warning."""
+    from adapters_registry.placement import PlacementUnavailable
+
+    reg, _, clock = setup
+    snapshot = reg.store.snapshot
+
+    async def down(*args: object, **kwargs: object) -> object:
+        raise PlacementUnavailable("Connection refused")
+
+    monkeypatch.setattr(reg.store, "snapshot", down)
+    with caplog.at_level("WARNING", logger="adapters_registry.registry"):
+        for _ in range(5):
+            await reg.refresh([full(4)])
+            clock.now += 2.0
+        degraded = [r for r in caplog.records if "refresh degraded" in r.getMessage()]
+        assert len(degraded) == 1
+        monkeypatch.setattr(reg.store, "snapshot", snapshot)
+        await reg.refresh([full(4)])
+    assert any("answers again after 5" in r.getMessage() for r in caplog.records)
