@@ -67,6 +67,7 @@ from adapters_registry.thrash import ThrashGuard, ThrashSettings
 from adapters_registry.view import PlacementView
 from routing.config import Adapter, Policy
 from routing.contracts import RoutingRequest
+from routing.outage_log import OutageLog
 from routing.state import ReplicaState
 from routing.types import ReplicaId
 
@@ -127,10 +128,9 @@ class AdapterRegistry:
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self.traffic = SharedTraffic(self.gateway_id, self.settings.prewarm)
         self._clock = clock
-        #: While the placement store cannot answer: when that was last logged (``refresh``
-        #: runs every poll: a Redis down logged a warning every 2 s, for good), and how often.
-        self._store_down_logged_at: float | None = None
-        self._store_down_refreshes = 0
+        #: While the placement store cannot answer (``refresh`` runs every poll: a Redis down
+        #: logged a warning every 2 s, for good).
+        self._store_outage = OutageLog(STORE_DOWN_LOG_INTERVAL_S)
         #: Background trims to a lowered resident limit, per replica (``refresh``).
         self._trims: dict[ReplicaId, asyncio.Task[int]] = {}
         self.loader = AdapterLoader(
@@ -308,15 +308,12 @@ class AdapterRegistry:
                     )
                 placement = await self.store.snapshot(rid, self.guard.since(now))
             except PlacementUnavailable as exc:
-                self._store_down_refreshes += 1
-                logged = self._store_down_logged_at
-                if logged is None or now - logged >= STORE_DOWN_LOG_INTERVAL_S:
-                    self._store_down_logged_at = now
+                if self._store_outage.failed(now):
                     log.warning(
                         "adapter placement refresh degraded: %s (%d refresh(es) so far; said "
                         "again at most once a minute)",
                         exc,
-                        self._store_down_refreshes,
+                        self._store_outage.failures,
                     )
                 return
             self.view.update(placement)
@@ -325,13 +322,10 @@ class AdapterRegistry:
             gpu = self.capacity(state).gpu
             used = len(placement.resident)
             self.metrics.set_slots_used(rid, used if gpu is None else min(used, gpu))
-        if self._store_down_logged_at is not None:
+        if (ended := self._store_outage.recovered()) is not None:
             log.warning(
-                "adapter placement store answers again after %d degraded refresh(es)",
-                self._store_down_refreshes,
+                "adapter placement store answers again after %d degraded refresh(es)", ended
             )
-            self._store_down_logged_at = None
-            self._store_down_refreshes = 0
 
     async def trims_finished(self) -> None:
         """Wait for the trims ``refresh`` started (tests, and callers that must see their

@@ -52,6 +52,7 @@ from routing.index.memory import MemoryBlockIndex
 from routing.index.redis_client import IndexRedis, connect
 from routing.index.stream_layout import DEFAULT_SHARDS
 from routing.index.stream_writer import DEFAULT_STREAM_MAX_LEN, StreamIndexWriter, unpack_blocks
+from routing.outage_log import OutageLog
 from routing.types import BlockHash, Epoch, ReplicaId
 
 __all__ = ["MirrorBlockIndex", "MirrorFollowCounters"]
@@ -266,10 +267,9 @@ class MirrorBlockIndex:
         self._tail_progressed = False
         #: False while the tail cannot reach Redis: lookups then degrade to load-only.
         self._connected = True
-        #: While Redis is unreachable: failed attempts so far, and when that was last logged
-        #: (a wrong password retried every second logged a warning every second, for good).
-        self._outage_attempts = 0
-        self._outage_logged_at: float | None = None
+        #: While Redis is unreachable (a wrong password retried every second logged a warning
+        #: every second, for good).
+        self._outage = OutageLog(OUTAGE_LOG_INTERVAL_S)
         #: The Redis server's clock less this process's (ms), read at bootstrap.
         self._server_offset_ms = 0.0
 
@@ -349,17 +349,13 @@ class MirrorBlockIndex:
                         exc,
                     )
                 elif isinstance(exc, _REDIS_DOWN):
-                    self._outage_attempts += 1
-                    now = time.monotonic()
-                    logged = self._outage_logged_at
-                    if logged is None or now - logged >= OUTAGE_LOG_INTERVAL_S:
-                        self._outage_logged_at = now
+                    if self._outage.failed(time.monotonic()):
                         log.warning(
                             "index mirror: Redis unavailable (%s: %s); retrying every second "
                             "(%d failed attempt(s) so far; said again at most once a minute)",
                             type(exc).__name__,
                             exc,
-                            self._outage_attempts,
+                            self._outage.failures,
                         )
                 else:
                     # Anything else (a redis-py Cluster client racing its own reconnects raised
@@ -383,13 +379,8 @@ class MirrorBlockIndex:
     def _mark_connected(self) -> None:
         """The tail reaches Redis (again): say so once after an outage that was logged."""
         self._connected = True
-        if self._outage_logged_at is not None:
-            log.warning(
-                "index mirror: Redis reachable again after %d failed attempt(s)",
-                self._outage_attempts,
-            )
-        self._outage_attempts = 0
-        self._outage_logged_at = None
+        if (ended := self._outage.recovered()) is not None:
+            log.warning("index mirror: Redis reachable again after %d failed attempt(s)", ended)
 
     async def _read_generation(self) -> bytes:
         """The data's generation: the token, and the server's ``run_id``.
