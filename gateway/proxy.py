@@ -247,9 +247,14 @@ def _upstream_url(base: str, path: str) -> URL:
 
 
 class _BodyUsage(msgspec.Struct):
-    """The one field the gateway reads from an answer: decoding skips everything else."""
+    """The fields the gateway reads from an answer: decoding skips everything else.
+
+    ``meta`` is where Cohere-shaped answers (vLLM's ``/v2/embed``) count their input, as
+    ``meta.billed_units.input_tokens`` (and ``image_tokens``): without it, token budgets never
+    settled such a request's estimate to the engine's count."""
 
     usage: dict[str, Any] | None = None
+    meta: dict[str, Any] | None = None
 
 
 class _EventUsage(msgspec.Struct):
@@ -271,9 +276,24 @@ _decode_event_usage = msgspec.json.Decoder(_EventUsage).decode
 def body_usage(body: bytes) -> Mapping[str, Any] | None:
     """The ``usage`` object of a JSON answer; None if it has none or is not a JSON object."""
     try:
-        return _decode_body_usage(body).usage
+        decoded = _decode_body_usage(body)
     except (ValueError, RecursionError):  # msgspec's DecodeError, ValidationError; too deep
         return None
+    if decoded.usage is not None or decoded.meta is None:
+        return decoded.usage
+    return _billed_units_usage(decoded.meta)
+
+
+def _billed_units_usage(meta: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """A Cohere answer's ``meta.billed_units`` as chat-shaped usage (an embedding has no output)."""
+    billed = meta.get("billed_units")
+    if not isinstance(billed, Mapping):
+        return None
+    counts = [billed.get(name) for name in ("input_tokens", "image_tokens")]
+    tokens = [n for n in counts if isinstance(n, int) and not isinstance(n, bool) and n >= 0]
+    if not tokens:
+        return None
+    return {"prompt_tokens": sum(tokens), "completion_tokens": 0, "total_tokens": sum(tokens)}
 
 
 class SseRelay:

@@ -68,7 +68,7 @@ class GatewayState:
     #: a client's ``X-Request-Id`` already in use gets a suffix (``request_body.unique_id``).
     request_ids: set[str] = field(default_factory=set)
     #: (caller, client's id) of the requests in flight that sent their own ``X-Request-Id``:
-    #: a suffix is shown only to a caller that reused its own id (``request_body.shown_id``).
+    #: a suffix is shown only to a caller that reused its own id (``request_body.show_request_id``).
     asked_ids: Counter[tuple[str, str]] = field(default_factory=Counter)
     #: Retries on fallbacks before the first byte (the policy's ``gateway.max_retries``).
     max_retries: int = 2

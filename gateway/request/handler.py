@@ -86,10 +86,14 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     asked = request_id_of(request)
     request_id = unique_id(asked, gw.request_ids)
     gw.request_ids.add(request_id)
-    own_id = (caller_scope(request), asked)
-    if request_id != asked and not gw.asked_ids[own_id]:
-        request[SHOWN_REQUEST_ID] = asked  # another caller's id in flight: not for this one
-    gw.asked_ids[own_id] += 1
+    # Only a client's own id can collide with another caller's: a generated one is unique, and
+    # the credential digest is not worth computing for it.
+    own_id = None
+    if asked == request.headers.get("X-Request-Id"):
+        own_id = (caller_scope(request), asked)
+        if request_id != asked and not gw.asked_ids[own_id]:
+            request[SHOWN_REQUEST_ID] = asked  # another caller's id in flight: not for this one
+        gw.asked_ids[own_id] += 1
     arrived = time.monotonic()
     labels = RequestLabels()
     forwarded = False
@@ -202,9 +206,10 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
     finally:
         gw.active_requests -= 1
         gw.request_ids.discard(request_id)
-        gw.asked_ids[own_id] -= 1
-        if not gw.asked_ids[own_id]:
-            del gw.asked_ids[own_id]
+        if own_id is not None:
+            gw.asked_ids[own_id] -= 1
+            if not gw.asked_ids[own_id]:
+                del gw.asked_ids[own_id]
         if gw.flow is not None:  # released from the queue but never sent: the pump goes on
             gw.flow.forwarding(request_id)
 

@@ -191,6 +191,15 @@ def test_sse_relay_passes_odd_events_through_and_ignores_what_is_not_usage() -> 
         (b'{"usage": [1]}', None),
         (b"[1, 2]", None),
         (b"<html>bad gateway</html>", None),
+        # vLLM's /v2/embed (Cohere's shape): the input count is in meta.billed_units.
+        (
+            b'{"meta": {"billed_units": {"input_tokens": 12, "image_tokens": 5}}}',
+            {"prompt_tokens": 17, "completion_tokens": 0, "total_tokens": 17},
+        ),
+        (b'{"meta": {"billed_units": {"input_tokens": null}}}', None),
+        (b'{"meta": {"billed_units": [3]}}', None),
+        (b'{"meta": {"api_version": {"version": "2"}}}', None),
+        (b'{"meta": 7}', None),
     ],
 )
 def test_body_usage_reads_usage_only_and_never_raises(body: bytes, usage: object) -> None:
