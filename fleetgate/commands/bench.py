@@ -133,7 +133,8 @@ def _run_replay(args: argparse.Namespace) -> int:
             request_timeout_s=args.timeout_s,
             seed=args.seed,
         )
-        records = read_trace(args.trace, args.trace_block_size)
+        # Only the lines replayed: a bad line past --limit does not stop the replay.
+        records = read_trace(args.trace, args.trace_block_size, args.limit)
     except OSError as exc:
         return fail(f"cannot read {args.trace}: {exc.strerror}")
     except (TraceFormatError, ValueError) as exc:
@@ -142,7 +143,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         return fail(f"{args.trace} holds no requests")
     from traces.notes import trace_notes
 
-    for note in trace_notes(args.trace, records[: args.limit]):
+    for note in trace_notes(args.trace, records):
         print(note, file=sys.stderr)
     progress = (
         not args.no_progress

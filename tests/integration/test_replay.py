@@ -82,7 +82,10 @@ async def test_replay_against_a_simulated_replica_counts_prefix_hits() -> None:
     assert "(high:" in render_table({**summary, "start_lag_p95_ms": 250.0})
 
 
-def test_cli_replays_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("limit", [None, 3])
+def test_cli_replays_and_prints_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: int | None
+) -> None:
     import asyncio
     import threading
 
@@ -90,6 +93,9 @@ def test_cli_replays_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixtu
 
     trace = tmp_path / "trace.jsonl"
     write_trace(_trace(), trace)
+    if limit is not None:  # a bad line past --limit: only the lines replayed are read
+        with trace.open("a") as f:
+            f.write("{not json\n")
     ready = threading.Event()
     stop = threading.Event()
     urls: list[str] = []
@@ -111,10 +117,12 @@ def test_cli_replays_and_prints_json(tmp_path: Path, capsys: pytest.CaptureFixtu
         argv = ["bench", "replay", "--trace", str(trace), "--url", urls[0] + "/v1"]
         argv += ["--model", "sim-model", "--trace-block-size", str(BLOCK), "--time-scale", "0"]
         argv += ["--metrics-url", urls[0] + "/metrics", "--json"]
+        argv += [] if limit is None else ["--limit", str(limit)]
         assert main(argv) == 0
     finally:
         stop.set()
         server.join(30)
     summary = json.loads(capsys.readouterr().out)
-    assert summary["requests"] == 4 and summary["ok"] == 4
+    replayed = limit or 4
+    assert summary["requests"] == replayed and summary["ok"] == replayed
     assert set(summary["server_prefix_cache"]) == {urls[0] + "/metrics"}
