@@ -648,7 +648,7 @@ def trace_subjects(
     by a seeded draw from [0, ``arrival_spread_ms``) ms (0: as recorded; ``traces.spread``)."""
     return {
         Path(p).stem: list(
-            spread_arrivals(read_trace(p, DEFAULT_BLOCK_SIZE)[:limit], arrival_spread_ms, seed)
+            spread_arrivals(read_trace(p, DEFAULT_BLOCK_SIZE, limit), arrival_spread_ms, seed)
         )
         for p in paths
     }
@@ -720,6 +720,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.arrival_spread_ms < 0:
         parser.error(f"--arrival-spread-ms must be >= 0 (got {args.arrival_spread_ms})")
+    for flag, count in (("--requests", args.requests), ("--trace-requests", args.trace_requests)):
+        if count is not None and count < 1:
+            parser.error(f"{flag} must be >= 1 (got {count})")
+    try:
+        scales = [float(x) for x in args.scales.split(",")]
+    except ValueError:
+        scales = []
+    if not scales or not all(math.isfinite(x) and x > 0 for x in scales):
+        parser.error(f"--scales takes positive load multiples, e.g. 0.5,1,2 (got {args.scales!r})")
     if not args.workloads and not args.trace:
         parser.error("nothing to replay: --workloads none and no --trace")
     seeds: list[int] = args.seed
@@ -749,7 +758,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         steer_critical=args.steer_critical,
         steer_when_calm=args.steer_when_calm,
     )
-    scales = [float(x) for x in args.scales.split(",")]
     generated = subjects(args.workloads, args.requests)
     replays: list[Replay] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -165,7 +165,7 @@ def trace_subject(
     ``arrival_spread_ms``, where each arrival falls within that many ms after its timestamp
     (``traces.spread``), not the traffic itself.
     """
-    records = tuple(read_trace(path, block_size)[:limit])
+    records = tuple(read_trace(path, block_size, limit))
     for note in trace_notes(path, records, arrival_spread_ms):
         print(note, file=sys.stderr)
     if len(records) < 2:

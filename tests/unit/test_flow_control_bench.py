@@ -169,6 +169,25 @@ def test_nothing_to_replay_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
     assert "nothing to replay" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("given", "flag"),
+    [
+        (["--requests", "0"], "--requests"),
+        (["--trace-requests", "0"], "--trace-requests"),
+        (["--scales", "1,x"], "--scales"),
+        (["--scales", "0,1"], "--scales"),
+        (["--scales", "nan"], "--scales"),
+    ],
+)
+def test_counts_and_scales_out_of_range_are_usage_errors_not_tracebacks(
+    given: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        flow_control.main([*given, "--no-page"])
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
 def test_a_check_over_no_request_of_its_class_reads_na_not_fail() -> None:
     # 10 requests, all standard: no critical goodput to judge (it was "FAIL nan%").
     trace = _records([(i * 200, 1000, 20) for i in range(10)])
