@@ -89,7 +89,7 @@ _QUEUE_BUCKETS = (*_DECISION_BUCKETS, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
 # Label values created at 0 for every route (``GatewayMetrics.precreate``): the errors a routed
 # request can end in (the no-healthy-replica alert reads one), the retry reasons of any fleet.
 _ROUTE_ERROR_CODES = (errors.NO_HEALTHY_REPLICA, errors.UPSTREAM_TIMEOUT, errors.UPSTREAM_ERROR)
-_RETRY_REASONS = ("connect_failed", "upstream_dropped", "upstream_5xx")
+_RETRY_REASONS = ("connect_failed", "upstream_dropped", "upstream_5xx", "context_length")
 
 
 class CachedLabels:

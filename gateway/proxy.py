@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -716,7 +717,25 @@ async def send(
                     if resp.status == 404 and replica_id not in retried_missing:
                         not_found = await resp.read()  # small: kept to relay if not ours
                     if (
-                        not_found is not None
+                        resp.status == 400
+                        and can_retry()
+                        and (longer := _longer_contexts(replicas, queue, replica))
+                    ):
+                        not_found = await resp.read()  # an error: small, relayed if not this
+                        if _names_context_length(not_found):
+                            # Routing sends a request only where it fits, but its prompt count
+                            # may be the gateway's estimate: a replica with a longer context
+                            # takes it, where one is left.
+                            queue[:] = longer
+                            retry_reason = "context_length"
+                            log.info(
+                                "replica %s's context is too short for the request; trying "
+                                "one with a longer context", replica_id,
+                            )
+                            continue
+                    if (
+                        resp.status == 404
+                        and not_found is not None
                         and _names_a_missing_model(not_found)
                         and await hooks.model_missing(replica_id)
                     ):
@@ -799,6 +818,27 @@ def _names_a_missing_model(body: bytes) -> bool:
     not exist."): only that 404 means an adapter was lost. A 404 for a path the engine lacks,
     or a stored response it no longer has, is relayed as it is."""
     return b"does not exist" in body and b"model" in body.lower()
+
+
+def _names_context_length(body: bytes) -> bool:
+    """True for vLLM's refusal of a prompt (plus ``max_tokens``) over its ``--max-model-len``
+    ("This model's maximum context length is N tokens. However, ...")."""
+    return b"maximum context length" in body
+
+
+def _longer_contexts(
+    replicas: ReplicaDirectory, candidates: Sequence[ReplicaId], tried: ReplicaState
+) -> list[ReplicaId]:
+    """Those of ``candidates`` whose context is longer than ``tried``'s, or not known, in order;
+    none when ``tried``'s is not known (nothing says another would fit better)."""
+    if tried.max_model_len is None:
+        return []
+    longer = []
+    for replica_id in candidates:
+        state = replicas.get(replica_id)
+        if state is not None and (state.max_model_len or math.inf) > tried.max_model_len:
+            longer.append(replica_id)
+    return longer
 
 
 def _any_usable(replicas: ReplicaDirectory, candidates: Sequence[ReplicaId]) -> bool:

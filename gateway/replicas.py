@@ -331,6 +331,13 @@ class ReplicaRegistry:
                             if state.decode_itl_ms is not None
                             else old.decode_itl_ms
                         ),
+                        # Read off the engine's /v1/models by this gateway's polls (agents send
+                        # none): dropping it let routing send a long prompt to a short context.
+                        max_model_len=(
+                            state.max_model_len
+                            if state.max_model_len is not None
+                            else old.max_model_len
+                        ),
                     )
                 )
                 if old.healthy and not healthy and state.draining and healthy_by_polls:
@@ -573,10 +580,14 @@ class ReplicaRegistry:
         ]
 
     def max_model_len(self, model: str) -> int | None:
-        """The longest context every replica of ``model`` accepts (the smallest they report), for
-        ``/v1/models``; None until one has reported it."""
-        limits = [v[model] for v in self._max_model_len.values() if model in v]
-        return min(limits) if limits else None
+        """The longest context a replica of ``model`` accepts, for ``/v1/models``: the largest
+        any healthy one reports (any if none is healthy); None until one has reported it.
+        Routing sends a request only where it fits (``serves-model``), so a fleet mixing
+        context lengths takes, at most, the longest."""
+        reported = {rid: v[model] for rid, v in self._max_model_len.items() if model in v}
+        healthy = [n for rid, n in reported.items() if (s := self._states.get(rid)) and s.healthy]
+        limits = healthy or list(reported.values())
+        return max(limits) if limits else None
 
     def ready_models(self) -> dict[str, bool]:
         """Per base model: is at least one replica serving it healthy with a closed circuit?"""
@@ -671,6 +682,8 @@ class ReplicaRegistry:
                     updates["models"] = frozenset(bases)
                 updates["loaded_adapters"] = frozenset(adapters)
                 self._max_model_len[state.replica_id] = limits
+                if limits:  # one engine, one context length (its served names are aliases)
+                    updates["max_model_len"] = min(limits.values())
                 self._adapters_read_at[state.replica_id] = models_read_at
             if capacity_tokens is not None:
                 # In the state's own blocks: the index may hash in another block size.

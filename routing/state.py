@@ -52,6 +52,11 @@ class ReplicaState:
     waiting_adapters: frozenset[str] = frozenset()
     max_loras: int | None = None
     max_cpu_loras: int | None = None
+    #: The longest prompt plus output the engine takes (vLLM's ``--max-model-len``), from its
+    #: ``/v1/models`` cards; None: unknown. Replicas of one model may differ (a pool of
+    #: smaller GPUs run with a shorter context): ``serves-model`` keeps a request off those
+    #: it cannot fit, where another can take it.
+    max_model_len: int | None = None
     #: Requests this gateway (or all gateways, when shared through Redis) has in flight there.
     inflight_requests: int = 0
     #: Prompt tokens of in-flight requests that the engine has not prefilled yet (gateway's view).

@@ -1,8 +1,13 @@
-"""``serves-model``: keep only healthy replicas that serve the request's base model.
+"""``serves-model``: keep only healthy replicas that serve the request's base model and can
+fit it.
 
 The engine always runs this filter first, whatever the profile says: routing to an unhealthy
-replica, or to one without the base model, can only fail. Adapter residency is not checked here
-(any replica with the base model can load the adapter); scorers weigh adapter affinity.
+replica, to one without the base model, or to one whose context (``--max-model-len``) is shorter
+than the prompt plus the output asked for, can only fail (vLLM answers 400). The context test
+drops a replica only while another can take the request: where none can (a prompt longer than
+every context, or a token count that is only the gateway's estimate), the engine's own 400 says
+so. Adapter residency is not checked here (any replica with the base model can load the
+adapter); scorers weigh adapter affinity.
 """
 
 from __future__ import annotations
@@ -24,5 +29,20 @@ class ServesModelFilter(Plugin):
     def filter(
         self, request: RoutingRequest, replicas: Sequence[ReplicaState]
     ) -> list[ReplicaState]:
-        """The replicas that are healthy and serve the request's base model."""
-        return [r for r in replicas if r.healthy and request.model in r.models]
+        """The replicas that are healthy, serve the request's base model and fit it (where any
+        does)."""
+        serving = [r for r in replicas if r.healthy and request.model in r.models]
+        fitting = [r for r in serving if fits(request, r)]
+        return fitting or serving
+
+
+def context_needed(request: RoutingRequest) -> int:
+    """Tokens the request takes of a context: its prompt and the output it asked for (vLLM
+    refuses a prompt plus ``max_tokens`` over ``--max-model-len``; without ``max_tokens`` it
+    needs room for one)."""
+    return request.prompt_tokens + max(1, request.max_output_tokens or 1)
+
+
+def fits(request: RoutingRequest, replica: ReplicaState) -> bool:
+    """Whether ``replica``'s context takes ``request`` (an unknown context is taken to)."""
+    return replica.max_model_len is None or context_needed(request) <= replica.max_model_len

@@ -180,6 +180,31 @@ async def test_an_agents_report_keeps_the_itl_this_gateway_read() -> None:
     assert merged is not None and merged.decode_itl_ms == polled.decode_itl_ms
 
 
+async def test_an_agents_report_keeps_the_context_length_this_gateway_read() -> None:
+    """Routing keeps a long prompt off a short context by this (``serves-model``); agents send
+    none, and their report wiped it at every fleet read (the heterogeneous-fleet review)."""
+    from routing.state import ReplicaState
+
+    app = _engine(lambda: "vllm:num_requests_running 0\n")
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 1024}]})
+
+    app.router.add_get("/v1/models", models)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        registry = ReplicaRegistry()
+        url = str(server.make_url("")).rstrip("/")
+        reported = ReplicaState(replica_id=ReplicaId("r0"), url=url, models=frozenset({"m"}))
+        registry.sync_discovered([reported])
+        await registry.poll_once(session, timeout_s=2.0)
+        polled = registry.get(ReplicaId("r0"))
+        assert polled is not None and polled.max_model_len == 1024
+        registry.sync_discovered([reported])  # the agent's next report
+        merged = registry.get(ReplicaId("r0"))
+    assert merged is not None and merged.max_model_len == 1024
+    assert registry.max_model_len("m") == 1024
+
+
 async def test_a_replica_is_healthy_only_while_both_its_agent_and_this_gateways_polls_say_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
