@@ -648,7 +648,10 @@ class RoutingEngine:
         cached_tokens: int | None,
         ok: bool,
     ) -> None:
-        """Report a request's outcome (TTFT, engine-reported cached tokens) to learning plugins."""
+        """Report a request's outcome (TTFT, engine-reported cached tokens) to learning plugins.
+
+        ``cached_tokens`` is in the units of ``request.prompt_tokens``: where routing's count is
+        an estimate (text mode), the engine's cached share of its own count applied to it."""
         for plugin in self._observers:
             hook = getattr(plugin, "on_request_complete", None)
             if hook is not None:

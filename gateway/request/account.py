@@ -178,9 +178,26 @@ def _account(
             _decided_ttft_ms(routed, outcome)
             if streamed
             else _unstreamed_ttft_ms(gw, routed, outcome, completion_tokens),
-            cached,
+            cached_in_routing_units(routed, cached, prompt_tokens),
             ok,
         )
+
+
+def cached_in_routing_units(
+    routed: RouteDecision, cached: int | None, prompt_tokens: int | None
+) -> int | None:
+    """The engine's cached tokens in the units routing counted the prompt in.
+
+    Routing calibrates prefill speed from the uncached part of the prompt, its own count less
+    the cached. In text mode its count is an estimate (4 characters a token) and the engine's
+    is real: subtracting one from the other overstated the uncached tokens (the more so the more
+    was cached), and learned speeds 3-5 times too fast, by different factors per pool (the
+    heterogeneous-fleet review). The engine's cached share of its own count, applied to
+    routing's, keeps one unit on both sides."""
+    estimated = routed.routing_request.prompt_tokens
+    if cached is None or routed.prompt.token_ids is not None or not prompt_tokens:
+        return cached
+    return min(estimated, round(cached * estimated / prompt_tokens))
 
 
 def _decided_ttft_ms(routed: RouteDecision, outcome: UpstreamOutcome) -> float | None:
