@@ -214,12 +214,23 @@ async def hold_adapter(
         except AdapterLoadFailed as exc:
             # The engine's own message is for the SRE's log, never for the client.
             log.warning("%s", exc)
+            if names_lora_disabled(exc.engine_message):
+                replicas.lora_disabled(replica.replica_id)
             raise ReplicaUnsuitable(
                 "adapter_load_failed", _load_failed(adapter), unreachable=exc.unreachable
             ) from exc
         except AdapterNotFound:
             raise model_not_found(adapter) from None  # removed from the catalog meanwhile
         yield result
+
+
+def names_lora_disabled(engine_message: str) -> bool:
+    """True for an engine's refusal to load any adapter because it runs without LoRA (vLLM:
+    "LoRA is not enabled. Use --enable-lora ..."; the simulated engine: "LoRA is disabled")."""
+    message = engine_message.lower()
+    return "--enable-lora" in message or (
+        "lora" in message and ("not enabled" in message or "disabled" in message)
+    )
 
 
 def _no_slot(adapter: str) -> GatewayError:

@@ -205,6 +205,9 @@ class ReplicaRegistry:
         self._failing_since: dict[ReplicaId, float] = {}
         #: Each replica's ``max_model_len`` per base model, from its ``/v1/models``.
         self._max_model_len: dict[ReplicaId, dict[str, int]] = {}
+        #: Replicas whose engine refused an adapter load as running without LoRA: no GPU slot
+        #: (``max_loras`` 0) until the engine reports slots of its own.
+        self._lora_disabled: set[ReplicaId] = set()
 
     # ------------------------------------------------------------------ membership
 
@@ -337,6 +340,11 @@ class ReplicaRegistry:
                             state.max_model_len
                             if state.max_model_len is not None
                             else old.max_model_len
+                        ),
+                        max_loras=(
+                            0
+                            if state.max_loras is None and state.replica_id in self._lora_disabled
+                            else state.max_loras
                         ),
                     )
                 )
@@ -477,6 +485,7 @@ class ReplicaRegistry:
         self._missing_since.pop(replica, None)
         self._itl.pop(replica, None)
         self._max_model_len.pop(replica, None)
+        self._lora_disabled.discard(replica)
         self._answered_at.pop(replica, None)
         self._failing_since.pop(replica, None)
         self._orphans.discard(replica)
@@ -578,6 +587,17 @@ class ReplicaRegistry:
             for rid, s in self._states.items()
             if not s.models and rid not in self._adapters_read_at
         ]
+
+    def lora_disabled(self, replica: ReplicaId) -> None:
+        """``replica``'s engine refused an adapter load as running without LoRA (vLLM without
+        ``--enable-lora``): it has no GPU slot, so adapter requests go elsewhere rather than
+        each paying a failed load there first (the heterogeneous-fleet review: 31 retries for
+        30 adapter requests on a fleet whose pools did not declare ``max_loras: 0``). Until its
+        engine reports slots (``vllm:lora_requests_info``), or a pool setting says otherwise."""
+        self._lora_disabled.add(replica)
+        state = self._states.get(replica)
+        if state is not None and state.max_loras is None:
+            self._put(replace(state, max_loras=0))
 
     def max_model_len(self, model: str) -> int | None:
         """The longest context a replica of ``model`` accepts, for ``/v1/models``: the largest
@@ -691,6 +711,8 @@ class ReplicaRegistry:
             if lora is not None:
                 if lora.max_loras is not None:
                     updates["max_loras"] = lora.max_loras
+                    if lora.max_loras > 0:  # restarted with LoRA on
+                        self._lora_disabled.discard(state.replica_id)
                 updates["running_adapters"] = lora.running
                 updates["waiting_adapters"] = lora.waiting
             if gauges:

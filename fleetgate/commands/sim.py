@@ -31,6 +31,7 @@ from fleetgate.commands._args import (
     cannot_start,
     log_level,
     non_empty,
+    non_negative_int,
     port,
     positive_float,
     positive_int,
@@ -86,7 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of replica 0 (replica i: +i)")
     parser.add_argument(
-        "--max-loras", type=positive_int, help="GPU LoRA slots (vLLM's --max-loras)"
+        "--max-loras",
+        type=non_negative_int,
+        help="GPU LoRA slots (vLLM's --max-loras); 0: LoRA off, as vLLM without --enable-lora "
+        "(adapter loads are refused)",
     )
     parser.add_argument("--block-size", type=positive_int, help="KV block size in tokens")
     parser.add_argument(

@@ -488,3 +488,33 @@ async def test_a_reload_that_removes_an_adapter_withdraws_its_traffic_at_once(
             return await published() == 0
 
         await wait_until(withdrawn, "the removed adapter's counts are withdrawn")
+
+
+async def test_a_replica_without_lora_is_learned_from_its_refusal_and_skipped_for_adapters(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """A pool mixing engines with and without LoRA, whose policy does not say which (no
+    ``max_loras: 0``): the first refused load ("LoRA is disabled") marks that replica as having
+    no slot, so later cold adapters go straight to the one that can load them (the
+    heterogeneous-fleet review: 31 failed loads and retries for 30 adapter requests)."""
+    names = [f"pub-{i}" for i in range(6)]
+    async with (
+        start_sim_fleet(
+            1, kv_events=None, kv_replay=None, speed=1000.0,
+            engine_overrides={"max_loras": 0},
+        ) as plain,
+        start_sim_fleet(1, kv_events=None, kv_replay=None, speed=1000.0) as lora,
+    ):
+        mixed = SimpleNamespace(urls=[plain.urls[0], lora.urls[0]])
+        entries = [adapter(name, owner=None) for name in names]
+        async with adapter_gateway(tmp_path, mixed, entries) as (url, gw):  # type: ignore[arg-type]
+            for i, name in enumerate(names):  # each adapter cold everywhere when asked for
+                status, body = await post_chat(http, url, "acme", name, f"question {i} " * 3)
+                assert status == 200, body
+                assert (await last_decision(http, url))["served_by"] == "pool-a/1"
+            retries = await metric(
+                http, url, "fleetgate_upstream_retries_total", reason="adapter_load_failed"
+            )
+            plain_state = gw.registry.get("pool-a/0")  # type: ignore[arg-type]
+    assert retries <= 1  # at most the load that taught it
+    assert plain_state is not None and plain_state.max_loras == 0
