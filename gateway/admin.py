@@ -95,6 +95,10 @@ async def replicas(request: web.Request) -> web.Response:
         item["url"] = redacted(state.url)  # a password in it (basic auth to a proxy) never shown
         item["circuit"] = gw.registry.breaker(state.replica_id).state.value
         item["staleness_s"] = state.shown_staleness_s()
+        # ``prefill_tokens_per_s`` is the pool's configured figure; what routing believes
+        # after calibration, per profile that learns it, is this.
+        learned = gw.engine.calibrated_speeds(state.replica_id)
+        item["calibrated_prefill_tokens_per_s"] = {n: round(v) for n, v in learned.items()}
         out.append(item)
     return _json({"replicas": out})
 

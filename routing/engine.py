@@ -354,6 +354,21 @@ class RoutingEngine:
         """The profiles this engine routes with, by name."""
         return dict(self._profiles)
 
+    def calibrated_speeds(self, replica: ReplicaId) -> dict[str, float]:
+        """Per profile whose scorer learns prefill speed (``expected-ttft``, ``fleet-cost``): the
+        speed it believes ``replica`` prefills at, in tokens/s, once it has feedback. For
+        people (``/admin/replicas``): a configured speed far from the learned one is a pool
+        whose engines are not what the policy says."""
+        speeds: dict[str, float] = {}
+        for name, profile in self._profiles.items():
+            for plugin in profile.plugins:
+                learned = getattr(plugin, "calibrated_speed", None)
+                speed = learned(replica) if callable(learned) else None
+                if speed is not None:
+                    speeds[name] = speed
+                    break
+        return speeds
+
     @property
     def index(self) -> BlockIndex | None:
         """The block index consulted for prefix matches (``None``: none configured)."""

@@ -100,3 +100,31 @@ async def test_the_embedded_gateway_starts_from_its_engines_speeds() -> None:
         assert replica["decode_step_ms"] == profile.configured_decode_step_ms
         assert replica["prefill_tokens_per_s"] == profile.configured_prefill_tokens_per_s
         assert replica["kv_capacity_blocks"] == profile.num_gpu_blocks
+
+
+async def test_admin_replicas_shows_each_replicas_learned_speed_and_context() -> None:
+    # What routing believes of each replica, beside the pool's configured speed: without it a
+    # wrong configuration or a degraded engine showed only in decision explanations (the
+    # heterogeneous-fleet review).
+    async with (
+        embedded_stack(2, sim_speed=200.0, admin_key="k") as stack,
+        aiohttp.ClientSession() as http,
+    ):
+        for i, system in enumerate(SYSTEM_PROMPTS * 2):  # unique prompts, streamed: timed
+            body = {
+                "model": stack.model, "max_tokens": 2, "stream": True,
+                "messages": [{"role": "system", "content": f"{i} {system}"}],
+            }
+            async with http.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+        async with http.get(
+            f"{stack.url}/admin/replicas", headers={"Authorization": "Bearer k"}
+        ) as resp:
+            replicas = (await resp.json())["replicas"]
+    profile = EngineConfig.from_profile("h100-llama3-8b")
+    learned = [r["calibrated_prefill_tokens_per_s"] for r in replicas]
+    assert any(learned), learned  # some replica has had feedback
+    for speeds in learned:
+        assert all(isinstance(v, int) and v > 0 for v in speeds.values())
+    assert all(r["max_model_len"] == profile.model_len for r in replicas)
