@@ -152,8 +152,11 @@ def _simulate_in_workers(
 
     parts: dict[tuple[int, int], SimulationReport] = {}
     runs = len(batches) * len(policies)
-    # Workers ignore Ctrl-C: the parent alone stops the sweep, and stops it at once.
+    # Workers ignore Ctrl-C: the parent alone stops the sweep, and stops it at once. A SIGTERM
+    # to the parent alone (``kill PID``, a supervisor) stops them the same way: without it the
+    # parent died and its workers hung for ever, writing results to a pipe nobody read.
     pool = ProcessPoolExecutor(max_workers=jobs, initializer=_ignore_interrupts)
+    restore = _exit_on_sigterm()
     try:
         futures = {
             pool.submit(
@@ -177,6 +180,8 @@ def _simulate_in_workers(
         for process in processes:
             process.terminate()
         raise
+    finally:
+        restore()
     pool.shutdown()
     reports = []
     for b in range(len(batches)):
@@ -194,6 +199,22 @@ def _ignore_interrupts() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _exit_on_sigterm() -> Callable[[], None]:
+    """Make SIGTERM exit (status 143) by raising ``SystemExit`` in the main thread, so that the
+    caller's cleanup runs; returns what restores the previous handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # only the main thread may set handlers; its own stays
+
+    def terminate(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def mean_rate(requests: Sequence[TraceRequest]) -> float:
