@@ -126,6 +126,8 @@ def zmq_endpoint(text: str) -> str:
         return text
     host, colon, number = rest.rpartition(":")
     if scheme == "tcp" and sep and colon and host and number.isdigit():
+        if int(number) > 65535:  # ZeroMQ would wrap it silently (99999 bound 34463)
+            raise argparse.ArgumentTypeError(f"a port is 0 to 65535 (got {number} in {text!r})")
         return text
     raise argparse.ArgumentTypeError(
         f"a ZeroMQ endpoint is tcp://HOST:PORT (connect), tcp://*:PORT (bind) or ipc://PATH "

@@ -23,6 +23,8 @@ import zmq
 from fleetgate.commands._args import (
     cannot_start,
     log_level,
+    non_empty,
+    non_negative_float,
     positive_float,
     positive_int,
     replica_url,
@@ -37,7 +39,9 @@ from routing.redis_urls import check_url_files
 def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bool = True) -> None:
     """The agent's options; ``fleetgate replica run`` reuses them (and fills in the engine's)."""
     group = parser.add_argument_group("agent")
-    group.add_argument("--replica-id", required=True, help="stable replica id, e.g. pool-a/r0")
+    group.add_argument(
+        "--replica-id", type=non_empty, required=True, help="stable replica id, e.g. pool-a/r0"
+    )
     group.add_argument(
         "--engine-url",
         type=replica_url,
@@ -102,7 +106,7 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     )
     group.add_argument(
         "--stall-timeout",
-        type=float,
+        type=non_negative_float,
         default=120.0,
         help="seconds an engine may hold requests without finishing an engine step before it "
         "is reported down as stalled (a hung EngineCore or GPU whose server still answers "
@@ -111,6 +115,7 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     group.add_argument("--max-cpu-loras", type=positive_int, help="the engine's --max-cpu-loras")
     group.add_argument(
         "--listen",
+        type=listen_address,
         default="127.0.0.1:9100",
         help="HOST:PORT for the agent's /metrics and /health; 'off' disables (default: "
         "127.0.0.1:9100)",
@@ -120,12 +125,23 @@ def add_agent_arguments(parser: argparse.ArgumentParser, engine_url_required: bo
     )
 
 
+def listen_address(value: str) -> str:
+    """``--listen``: ``HOST:PORT`` (port 0 to 65535) or ``off``; refused at parse time (exit 2)
+    rather than by a traceback when the agent binds (the CLI review: port 99999)."""
+    if value == "off":
+        return value
+    _, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"HOST:PORT or 'off' (got {value!r})")
+    if int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 (any free one) to 65535 (got {port})")
+    return value
+
+
 def _listen(value: str) -> tuple[str, int | None]:
     if value == "off":
         return "127.0.0.1", None
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise SystemExit(f"fleetgate agent: --listen must be HOST:PORT or 'off' (got {value!r})")
+    host, _, port = listen_address(value).rpartition(":")
     return host or "0.0.0.0", int(port)
 
 

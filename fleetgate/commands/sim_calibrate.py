@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from pathlib import Path
 
 from planning.calibrate import (
@@ -34,6 +35,7 @@ from planning.calibrate import (
     write_profile,
 )
 from planning.calibrate.adapters import parse_adapter
+from replica.sim.profiles import load_preset
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,26 +101,50 @@ QUICK_PLAN = CalibrationPlan(
 )
 
 
+def _base_profile_problem(name: str) -> str | None:
+    try:
+        load_preset(name)
+    except (ValueError, KeyError, OSError) as exc:
+        return f"--base-profile: {exc}"
+    return None
+
+
+def _output_problem(path: Path) -> str | None:
+    if path.is_dir():
+        return f"--output {path} is a folder; name a file in it, e.g. {path / 'profile.yaml'}"
+    if not path.parent.is_dir():
+        return f"--output {path}: no such folder {path.parent}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fleetgate sim calibrate``."""
     if not args.engine:
-        print("fleetgate sim calibrate: --engine URL is required", flush=True)
+        print("fleetgate sim calibrate: --engine URL is required", file=sys.stderr)
         return 2
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
-            print(f"fleetgate sim calibrate: --{name.replace('_', '-')} must be >= 1", flush=True)
+            flag = "--" + name.replace("_", "-")
+            print(f"fleetgate sim calibrate: {flag} must be >= 1", file=sys.stderr)
             return 2
     for name in ("max_loras", "max_cpu_loras"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
-            print(f"fleetgate sim calibrate: --{name.replace('_', '-')} must be >= 0", flush=True)
+            flag = "--" + name.replace("_", "-")
+            print(f"fleetgate sim calibrate: {flag} must be >= 0", file=sys.stderr)
             return 2
     if args.adapter_repeats < 1:
-        print("fleetgate sim calibrate: --adapter-repeats must be >= 1", flush=True)
+        print("fleetgate sim calibrate: --adapter-repeats must be >= 1", file=sys.stderr)
         return 2
     try:
         adapters = tuple(parse_adapter(text) for text in args.adapter)
     except ValueError as exc:
-        print(f"fleetgate sim calibrate: {exc}", flush=True)
+        print(f"fleetgate sim calibrate: {exc}", file=sys.stderr)
+        return 2
+    # Checked before measuring: a typo found after minutes against a real engine threw the
+    # whole measurement away (the CLI review).
+    problem = _base_profile_problem(args.base_profile) or _output_problem(args.output)
+    if problem:
+        print(f"fleetgate sim calibrate: {problem}", file=sys.stderr)
         return 2
     limits = EngineLimits(
         args.max_num_seqs, args.max_num_batched_tokens,
@@ -135,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         )
         write_profile(result, args.output)
     except (ProbeError, ValueError, OSError) as exc:
-        print(f"fleetgate sim calibrate: {exc}", flush=True)
+        print(f"fleetgate sim calibrate: {exc}", file=sys.stderr)
         return 1
     model = result.path.model
     print(result.fit.table())

@@ -88,6 +88,21 @@ FIXTURES = Path(__file__).parent / "fixtures"
             "warning: --replica ignored with --config",
         ),
         (["sim", "--port", "65535", "--replicas", "2"], "65535 + 1 is past 65535"),
+        # The CLI review: a traceback, a silently wrapped port, or exit 1 with an inner name.
+        (
+            ["agent", "--replica-id", "p/r0", "--engine-url", "http://x", "--listen", "h:99999"],
+            "argument --listen: a port is 0 (any free one) to 65535 (got 99999)",
+        ),
+        (
+            ["agent", "--replica-id", "p/r0", "--engine-url", "http://x", "--listen", "bogus"],
+            "argument --listen: HOST:PORT or 'off'",
+        ),
+        (
+            ["agent", "--replica-id", "p/r0", "--engine-url", "http://x", "--stall-timeout", "-1"],
+            "argument --stall-timeout: must be a finite number >= 0",
+        ),
+        (["agent", "--replica-id", "", "--engine-url", "http://x"], "--replica-id: must not be"),
+        (["sim", "--kv-events", "tcp://*:99999"], "a port is 0 to 65535 (got 99999"),
     ],
 )
 def test_a_setting_that_cannot_work_is_refused_before_starting(

@@ -152,10 +152,16 @@ def test_calibrate_command_reports_bad_input(capsys: pytest.CaptureFixture[str])
     from fleetgate.cli import main as fleetgate
 
     assert fleetgate(["sim", "calibrate"]) == 2
-    assert "--engine URL is required" in capsys.readouterr().out
+    assert "--engine URL is required" in capsys.readouterr().err
     # Port 1 on loopback refuses connections: a clear error, no traceback.
     assert fleetgate(["sim", "calibrate", "--engine", "http://127.0.0.1:1"]) == 1
-    assert "cannot reach the engine at http://127.0.0.1:1" in capsys.readouterr().out
+    assert "cannot reach the engine at http://127.0.0.1:1" in capsys.readouterr().err
+    # Mistakes in what to write are found before measuring (the CLI review: after minutes).
+    engine = ["sim", "calibrate", "--engine", "http://127.0.0.1:1"]
+    assert fleetgate([*engine, "--base-profile", "nope"]) == 2
+    assert "--base-profile: presets.yaml: unknown preset 'nope'" in capsys.readouterr().err
+    assert fleetgate([*engine, "--output", "/nonexistent-dir/p.yaml"]) == 2
+    assert "no such folder /nonexistent-dir" in capsys.readouterr().err
 
 
 def test_plan_fits_the_engine_limits() -> None:
