@@ -142,8 +142,10 @@ def run(args: argparse.Namespace) -> int:
             print(banner(stack, admin_key), flush=True)
             await signals.wait()
 
+    import zmq
+
     try:
         run_event_loop(main())
-    except (OSError, ValueError) as exc:  # a port in use, a setting that cannot work
+    except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a setting that cannot work
         return cannot_start("up", exc, f"{args.host}:{args.port}")
     return 0

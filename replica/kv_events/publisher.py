@@ -32,8 +32,24 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def shared_context() -> zmq.Context[zmq.Socket[bytes]]:
-    """The process-wide ZMQ context; one I/O thread serves every publisher and subscriber."""
-    return zmq.Context.instance()
+    """The process-wide ZMQ context; one I/O thread serves every publisher and subscriber.
+
+    Its socket cap is raised from ZeroMQ's 1,023 to the process's file limit: ``fleetgate up
+    --sim 400`` (three sockets per simulated replica and agent) failed with "Too many open
+    files" far below the real limit (the CLI review)."""
+    global _sized
+    context = zmq.Context.instance()
+    if not _sized:
+        _sized = True
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY or soft > context.get(zmq.MAX_SOCKETS):
+            context.set(zmq.MAX_SOCKETS, min(soft, 1 << 16))
+    return context
+
+
+_sized = False
 
 
 def _async_context() -> zmq.asyncio.Context:

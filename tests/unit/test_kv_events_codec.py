@@ -176,3 +176,17 @@ def test_an_ipv6_host_is_bracketed_and_only_wildcards_are_bound() -> None:
 def test_offset_port() -> None:
     assert offset_port("tcp://*:5557", 3) == "tcp://*:5560"
     assert offset_port("ipc:///tmp/kv", 3) == "ipc:///tmp/kv"
+
+
+def test_the_shared_zmq_context_takes_as_many_sockets_as_the_process_may_open_files() -> None:
+    # ZeroMQ's default cap of 1,023 sockets stopped `fleetgate up --sim 400` (three sockets per
+    # simulated replica and its agent) with "Too many open files" (the CLI review).
+    import resource
+
+    import zmq
+
+    from replica.kv_events.publisher import shared_context
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 1 << 16 if soft == resource.RLIM_INFINITY else min(soft, 1 << 16)
+    assert shared_context().get(zmq.MAX_SOCKETS) >= wanted
