@@ -483,6 +483,10 @@ async def _wait_event(event: asyncio.Event, timeout_s: float) -> bool:
     return event.is_set()
 
 
+#: The exit status of a command that refused its arguments (argparse's, vLLM's CLI's).
+USAGE_ERROR = 2
+
+
 class EngineSupervisor:
     """Keeps one engine running: start, wait healthy, restart with back-off when it dies or
     stops answering ``/health``.
@@ -594,6 +598,17 @@ class EngineSupervisor:
                 backoff = self.backoff_min_s  # start over gently
                 self.restarts_in_row = 0
             why = self._exit_reason(self.process, code, self._stopped_because)
+            if (
+                code == USAGE_ERROR
+                and self.restarts == 0
+                and self._healthy_since is None
+                and self._stopped_because is None
+            ):
+                # The first start exited as argparse does on arguments it refuses (a typo, a
+                # fleetgate flag after ``--``): every restart would refuse them again, for ever
+                # under a "never give up" default (the CLI review).
+                logger.error("%s; the engine refused its arguments: fix them (no restart)", why)
+                return USAGE_ERROR
             if self.max_restarts is not None and self.restarts_in_row >= self.max_restarts:
                 logger.error("%s; no restarts left", why)
                 # Killed by a signal (Popen's -N): the shell's convention, 128 + N, as an exit

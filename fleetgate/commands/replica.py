@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -35,7 +36,13 @@ from pathlib import Path
 
 import httpx
 
-from fleetgate.commands._args import HelpFormatter, cannot_start
+from fleetgate.commands._args import (
+    HelpFormatter,
+    cannot_start,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+)
 from fleetgate.commands.agent import add_agent_arguments, agent_config_from_args
 from gateway.logging_setup import configure_logging
 from replica.agent import ReplicaAgent
@@ -145,30 +152,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_agent_arguments(run_parser, engine_url_required=False)
     group = run_parser.add_argument_group("engine supervision")
     group.add_argument(
-        "--vllm-python", type=Path,
+        "--vllm-python",
         help="interpreter with vLLM installed (default: .venv-vllm/bin/python)",
     )
     group.add_argument("--engine-log", type=Path, help="engine log file (default: a temp file)")
-    group.add_argument("--health-timeout", type=float, default=600.0,
+    group.add_argument("--health-timeout", type=positive_float, default=600.0,
                        help="seconds a starting engine gets to first answer /health, else it "
                        "is stopped and restarted (default: 600)")
-    group.add_argument("--liveness-timeout", type=float, default=60.0,
+    group.add_argument("--liveness-timeout", type=non_negative_float, default=60.0,
                        help="seconds a running engine may go without answering /health before "
                        "it is taken for hung, stopped and restarted; 0: never (default: 60)")
-    group.add_argument("--drain-timeout", type=float, default=30.0,
+    group.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                        help="on SIGINT/SIGTERM, seconds the requests in flight get to finish "
                        "(gateways send nothing new meanwhile) before the engine is stopped; "
                        "0: stop at once (default: 30)")
-    group.add_argument("--drain-settle", type=float, default=5.0,
+    group.add_argument("--drain-settle", type=non_negative_float, default=5.0,
                        help="seconds a drain waits at least, for the gateways to hear that the "
                        "replica is leaving: more than their health_check_interval_s plus a "
                        "health poll (default: 5)")
-    group.add_argument("--backoff-min", type=float, default=1.0, help="first restart delay (s)")
-    group.add_argument("--backoff-max", type=float, default=60.0, help="largest restart delay (s)")
-    group.add_argument("--max-restarts", type=int,
+    group.add_argument("--backoff-min", type=positive_float, default=1.0,
+                       help="first restart delay (s)")
+    group.add_argument("--backoff-max", type=positive_float, default=60.0,
+                       help="largest restart delay (s)")
+    group.add_argument("--max-restarts", type=non_negative_int,
                        help="give up after this many restarts in a row; an engine that ran two "
                        "minutes starts the count again (default: never give up)")
-    group.add_argument("--stop-grace", type=float, default=20.0,
+    group.add_argument("--stop-grace", type=non_negative_float, default=20.0,
                        help="seconds between SIGTERM and SIGKILL on stop (default: 20)")
     group.add_argument("--no-kv-events", action="store_true",
                        help="do not add a --kv-events-config when the vLLM args lack one")
@@ -176,12 +185,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help="-- then the arguments for vLLM's OpenAI server")
 
 
+def _interpreter(given: str) -> str:
+    """``--vllm-python`` as the engine is started with it: a path resolved against the caller's
+    folder (the engine runs from the repository's, where ``./x`` named another file, or none:
+    the CLI review), a bare name looked up on ``PATH``."""
+    if os.sep in given:
+        return os.path.abspath(given)
+    return shutil.which(given) or given
+
+
 async def _supervise(args: argparse.Namespace, view: EngineView) -> int:
-    python = args.vllm_python or venv_python()
-    if not Path(python).exists():
+    python = _interpreter(args.vllm_python) if args.vllm_python else venv_python()
+    if not (Path(python).is_file() and os.access(python, os.X_OK)):
         print(
-            f"fleetgate replica run: no vLLM interpreter at {python}; install one with "
-            "`bash replica/vllm_env/install.sh` or pass --vllm-python",
+            f"fleetgate replica run: no vLLM interpreter at {python} (a runnable file); "
+            "install one with `bash replica/vllm_env/install.sh` or pass --vllm-python",
             file=sys.stderr,
         )
         return 2

@@ -120,6 +120,28 @@ async def test_supervisor_gives_up_after_max_restarts(tmp_path: Path) -> None:
     assert supervisor.restarts == 2
 
 
+async def test_an_engine_refusing_its_arguments_on_its_first_start_is_not_restarted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Exit 2 before ever answering /health, on the first start: vLLM's argparse refused its
+    arguments, and every restart would too (the CLI review: a crash loop, never giving up)."""
+    usage = (
+        "print('api_server.py: error: unrecognized arguments: --vllm-python'); "
+        "raise SystemExit(2)"
+    )
+    supervisor = EngineSupervisor(
+        lambda: EngineProcess(
+            [sys.executable, "-c", usage],
+            url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e.log",
+        ),
+        backoff_min_s=0.01, backoff_max_s=0.02,  # and no max_restarts: never give up
+    )
+    assert await asyncio.wait_for(supervisor.run(asyncio.Event()), 60) == 2
+    assert supervisor.restarts == 0
+    assert "unrecognized arguments: --vllm-python" in caplog.text
+    assert "refused its arguments" in caplog.text
+
+
 async def _until(predicate: Callable[[], bool]) -> None:
     while not predicate():
         await asyncio.sleep(0.02)
@@ -290,20 +312,20 @@ async def test_a_stop_during_start_up_does_not_wait_for_a_drain(tmp_path: Path) 
 async def test_a_crash_is_logged_with_the_end_of_the_engines_log(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Why an engine failed (an unknown flag, a port in use) is in its log only: the
+    """Why an engine failed (out of memory, a port in use) is in its log only: the
     supervisor's own output quotes the last lines."""
     supervisor = EngineSupervisor(
         lambda: EngineProcess(
-            [sys.executable, "-c", "print('error: unrecognized arguments: --no-such-flag');"
-             "raise SystemExit(2)"],
+            [sys.executable, "-c", "print('RuntimeError: CUDA out of memory (no-such-gpu)');"
+             "raise SystemExit(1)"],
             url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "e.log",
         ),
         backoff_min_s=0.01, backoff_max_s=0.02, max_restarts=1,
     )
-    assert await asyncio.wait_for(supervisor.run(asyncio.Event()), 60) == 2
+    assert await asyncio.wait_for(supervisor.run(asyncio.Event()), 60) == 1
     messages = [r.getMessage() for r in caplog.records]
-    assert any("restarting" in m and "--no-such-flag" in m for m in messages), messages
-    assert any("no restarts left" in m and "--no-such-flag" in m for m in messages), messages
+    assert any("restarting" in m and "no-such-gpu" in m for m in messages), messages
+    assert any("no restarts left" in m and "no-such-gpu" in m for m in messages), messages
 
 
 async def test_a_stop_runs_before_stop_while_the_engine_still_serves(tmp_path: Path) -> None:

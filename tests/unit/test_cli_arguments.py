@@ -4,6 +4,7 @@ that cannot work."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -73,9 +74,23 @@ FIXTURES = Path(__file__).parent / "fixtures"
         (
             [
                 *["replica", "run", "--replica-id", "p/r0", "--vllm-python", sys.executable],
-                *["--backoff-min", "0", "--", "--model", "m"],
+                *["--backoff-min", "90", "--", "--model", "m"],
             ],
-            "fleetgate replica run: need 0 < --backoff-min (0) <= --backoff-max (60)",
+            "fleetgate replica run: need 0 < --backoff-min (90) <= --backoff-max (60)",
+        ),
+        (
+            [
+                *["replica", "run", "--replica-id", "p/r0", "--vllm-python", sys.executable],
+                *["--health-timeout", "0", "--", "--model", "m"],
+            ],
+            "argument --health-timeout: must be a finite number > 0 (got 0)",
+        ),
+        (
+            [
+                *["replica", "run", "--replica-id", "p/r0", "--vllm-python", "/"],
+                *["--", "--model", "m"],
+            ],
+            "no vLLM interpreter at / (a runnable file)",
         ),
         (["serve"], "fleetgate serve: give --config FILE"),
         (
@@ -209,3 +224,15 @@ def test_help_shows_defaults_and_the_examples_it_promises_but_never_a_secret(
     assert "examples:\n  fleetgate up " in out and "examples:\n  # with a policy file" in out
     assert "0.0.0.0, every interface" in " ".join(out.split())  # serve's --host: where it listens
     assert "s3cret-admin-key" not in out
+
+
+def test_a_relative_vllm_python_is_the_callers_file_not_one_in_the_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The engine starts from the repository's folder: `./venv/bin/python` named nothing there
+    # and failed as "No such file" though it existed where the operator stood (the CLI review).
+    from fleetgate.commands.replica import _interpreter
+
+    monkeypatch.chdir(tmp_path)
+    assert _interpreter("./venv/bin/python") == str(tmp_path / "venv" / "bin" / "python")
+    assert _interpreter("sh") == shutil.which("sh")  # a bare name: looked up on PATH
