@@ -98,8 +98,12 @@ def inspect_vllm_args(args: Sequence[str], add_kv_events: bool = True) -> Engine
     out = list(args)
     host = _connect_host(_option(out, "--host"))
     port = _option(out, "--port") or "8000"
-    if not port.isdigit():
-        raise SystemExit(f"fleetgate replica run: vLLM --port must be a number (got {port!r})")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        # Exit 2 (a usage error) before starting anything: an engine given port 99999 failed
+        # to bind and was restarted for ever (the CLI review).
+        print(f"fleetgate replica run: vLLM --port must be 1 to 65535 (got {port!r})",
+              file=sys.stderr)
+        raise SystemExit(2)
     raw = _option(out, "--kv-events-config")
     if raw is None and add_kv_events:
         # With a replay socket: an agent that starts beside a running engine, or an engine

@@ -92,6 +92,13 @@ FIXTURES = Path(__file__).parent / "fixtures"
             ],
             "no vLLM interpreter at / (a runnable file)",
         ),
+        (
+            [
+                *["replica", "run", "--replica-id", "p/r0", "--vllm-python", sys.executable],
+                *["--", "--model", "m", "--port", "99999"],
+            ],
+            "vLLM --port must be 1 to 65535 (got '99999')",
+        ),
         (["serve"], "fleetgate serve: give --config FILE"),
         (
             ["serve", "--replica", "http://x", "--tokenizer", "/nonexistent"],
