@@ -7,6 +7,6 @@ See ``docs/replay.md``.
 """
 
 from bench.replay.prompts import PromptText
-from bench.replay.runner import ReplayConfig, ReplayResult, replay
+from bench.replay.runner import EndpointProblem, ReplayConfig, ReplayResult, replay
 
-__all__ = ["PromptText", "ReplayConfig", "ReplayResult", "replay"]
+__all__ = ["EndpointProblem", "PromptText", "ReplayConfig", "ReplayResult", "replay"]

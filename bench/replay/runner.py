@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -77,6 +77,39 @@ def _body(config: ReplayConfig, record: TraceRecord, prompt: str) -> dict[str, o
     return body
 
 
+class EndpointProblem(ValueError):
+    """The endpoint cannot serve the replay at all: unreachable, or not serving the model."""
+
+
+async def _preflight(
+    session: aiohttp.ClientSession, config: ReplayConfig, headers: Mapping[str, str]
+) -> None:
+    """Ask ``…/v1/models`` once before sending the trace: a dead URL or a wrong model failed
+    every request of it, the whole trace's length later (the CLI review). An endpoint without
+    the listing (a bare engine behind another path) is replayed anyway."""
+    models_url = config.completions_url.removesuffix("/completions") + "/models"
+    try:
+        async with session.get(
+            models_url, headers=headers, timeout=aiohttp.ClientTimeout(total=10)
+        ) as resp:
+            if resp.status != 200:
+                return
+            listing = await resp.json(content_type=None)
+    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+        raise EndpointProblem(f"cannot reach {models_url}: {exc}") from exc
+    except (aiohttp.ClientError, ValueError):
+        return  # answered, but not with a listing: let the requests tell
+    data = listing.get("data") if isinstance(listing, dict) else None
+    if not isinstance(data, list):
+        return
+    served = sorted(str(m.get("id")) for m in data if isinstance(m, dict))
+    if config.model not in served:
+        raise EndpointProblem(
+            f"{models_url} does not serve the model {config.model!r}; it serves: "
+            f"{', '.join(served) or 'none'} (pass one with --model)"
+        )
+
+
 async def _run(
     config: ReplayConfig,
     records: Sequence[TraceRecord],
@@ -87,6 +120,7 @@ async def _run(
     gate = asyncio.Semaphore(config.concurrency)
     connector = aiohttp.TCPConnector(limit=config.concurrency + len(config.metrics_urls) + 1)
     async with aiohttp.ClientSession(connector=connector) as session:
+        await _preflight(session, config, headers)
         before = await scrape_all(session, config.metrics_urls)
         start = time.monotonic()
         origin_ms = records[0].timestamp if records else 0

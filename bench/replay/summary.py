@@ -31,7 +31,8 @@ def summarize(result: ReplayResult) -> dict[str, object]:
     errors: dict[str, int] = {}
     for r in result.results:
         if not r.ok:
-            key = (r.error or "unknown")[:80]
+            error = r.error or "unknown"
+            key = error if len(error) <= 200 else error[:200] + "…"
             errors[key] = errors.get(key, 0) + 1
     server: dict[str, object] = {}
     queries = hits = 0.0

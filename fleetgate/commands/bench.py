@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from bench.replay import ReplayConfig, replay
+    from bench.replay import EndpointProblem, ReplayConfig, replay
     from bench.replay.summary import render_table, summarize
     from traces.format import TraceFormatError, read_trace
 
@@ -151,7 +151,10 @@ def _run_replay(args: argparse.Namespace) -> int:
         and sys.stderr.isatty()
         and progress_available(BENCH, "fleetgate bench replay")
     )
-    result = replay(config, records, progress=progress)
+    try:
+        result = replay(config, records, progress=progress)
+    except EndpointProblem as exc:
+        return fail(str(exc))
     summary = summarize(result)
     print(json.dumps(summary, indent=2) if args.json else render_table(summary))
     return 0 if summary["ok"] else 1

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from bench.replay import PromptText, ReplayConfig
@@ -80,6 +82,26 @@ async def test_replay_against_a_simulated_replica_counts_prefix_hits() -> None:
     # The start-lag warning only when the replay fell behind the trace's pace.
     assert "(high:" not in render_table({**summary, "start_lag_p95_ms": 3.0})
     assert "(high:" in render_table({**summary, "start_lag_p95_ms": 250.0})
+
+
+async def test_a_wrong_model_or_a_dead_url_is_refused_before_the_trace_is_sent() -> None:
+    # Both failed every request, the whole trace's length later (the CLI review: 29.7 s for a
+    # 29.5 s trace), with the error cut mid-word.
+    from bench.replay import EndpointProblem
+
+    async with start_sim_fleet(1, speed=1000, kv_events=None, kv_replay=None) as fleet:
+        wrong = ReplayConfig(url=fleet.urls[0], model="nope", trace_block_size=BLOCK)
+        with pytest.raises(EndpointProblem, match="does not serve the model 'nope'; it serves: "):
+            await replay_async(wrong, _trace())
+        # The replay never started: the engine finished no request.
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(fleet.urls[0] + "/metrics") as resp,
+        ):
+            assert "vllm:request_success_total{" not in await resp.text()
+    dead = ReplayConfig(url="http://127.0.0.1:1/v1", model="m", trace_block_size=BLOCK)
+    with pytest.raises(EndpointProblem, match=re.escape("cannot reach http://127.0.0.1:1/v1/models")):
+        await replay_async(dead, _trace())
 
 
 @pytest.mark.parametrize("limit", [None, 3])
