@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from dataclasses import dataclass
 
 import xxhash
@@ -70,8 +71,8 @@ def parse_adapter_spec(spec: str) -> AdapterMix:
             ) from None
         if count < 1 or (kind == "uniform" and len(parts) > 1) or len(parts) > 2:
             raise ValueError(f"--adapters {spec!r}: N must be >= 1 (e.g. {kind}:40)")
-        if exponent < 0:
-            raise ValueError(f"--adapters {spec!r}: the Zipf exponent must be >= 0")
+        if not (exponent >= 0 and math.isfinite(exponent)):  # NaN sent every request to one
+            raise ValueError(f"--adapters {spec!r}: the Zipf exponent must be a number >= 0")
         weights = [1.0 / (rank + 1) ** exponent if kind == "zipf" else 1.0 for rank in range(count)]
         return _from_weights([(f"ft-{rank}", w) for rank, w in enumerate(weights)], spec)
     pairs: list[tuple[str | None, float]] = []
@@ -82,7 +83,7 @@ def parse_adapter_spec(spec: str) -> AdapterMix:
             weight = float(weight_text)
         except ValueError:
             weight = -1.0
-        if not sep or not name or weight < 0:
+        if not sep or not name or not (weight >= 0 and math.isfinite(weight)):
             raise ValueError(
                 f"--adapters {spec!r}: expected uniform:N, zipf:N[:S] or NAME=WEIGHT,… "
                 f"(bad item {item!r})"

@@ -75,7 +75,11 @@ def test_adapter_specs(spec: str, names: list[str]) -> None:
     assert parse_adapter_spec(spec).adapters == names
 
 
-@pytest.mark.parametrize("spec", ["uniform:0", "zipf:x", "a=1,b", "a=-1", "base=0"])
+# NaN or infinite weights sent every request to one adapter (the CLI review).
+@pytest.mark.parametrize(
+    "spec",
+    ["uniform:0", "zipf:x", "a=1,b", "a=-1", "base=0", "a=nan,b=1", "a=inf,b=1", "zipf:4:nan"],
+)
 def test_bad_adapter_specs_are_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="--adapters"):
         parse_adapter_spec(spec)
