@@ -9,6 +9,8 @@ breaks another.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import sys
 import textwrap
@@ -80,13 +82,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.epilog = "examples:\n" + textwrap.indent(examples, "  ")
     parsed = parser.parse_args(args[1:])
     try:
-        return int(module.run(parsed) or 0)
+        code = int(module.run(parsed) or 0)
+        sys.stdout.flush()  # here, where a full disk is reported, not at interpreter exit
+        return code
     except BrokenPipeError:
         # `fleetgate plan levers --json | head`: the reader left; that is not an error.
         sys.stderr.close()
         return 0
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_ERRNOS:
+            raise
+        # `fleetgate simulate --json > out.json` on a full disk: one line, not a traceback.
+        with contextlib.suppress(OSError):
+            print(f"fleetgate {name}: cannot write the output: {exc.strerror}", file=sys.stderr)
+        return 1
+
+
+#: Write errors that are the output's, not the command's: a full disk or quota, a failed device.
+_OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG})
 
 
 if __name__ == "__main__":  # pragma: no cover

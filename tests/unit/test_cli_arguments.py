@@ -243,3 +243,21 @@ def test_a_relative_vllm_python_is_the_callers_file_not_one_in_the_repository(
     monkeypatch.chdir(tmp_path)
     assert _interpreter("./venv/bin/python") == str(tmp_path / "venv" / "bin" / "python")
     assert _interpreter("sh") == shutil.which("sh")  # a bare name: looked up on PATH
+
+
+def test_a_full_disk_under_the_output_is_one_line_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `fleetgate plan levers > /dev/full`, and the same in every command (the CLI review).
+    import errno
+    import io
+
+    class FullDisk(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys, "stdout", FullDisk())
+    assert main(["plan", "levers"]) == 1
+    assert "fleetgate plan: cannot write the output: No space left on device" in (
+        capsys.readouterr().err
+    )
