@@ -313,10 +313,20 @@ def plan_capacity(args: argparse.Namespace) -> CapacityPlan:
     )
 
 
+def _finite(value: float) -> float:
+    """``value``, or NaN where it is infinite: every comparison with it then fails, as NaN's
+    does (``--rate inf`` passed ``> 0`` and failed later with an inner name; an infinite
+    price reached the JSON as ``Infinity``: the CLI review)."""
+    return value if math.isfinite(value) else math.nan
+
+
 def _validate(args: argparse.Namespace) -> None:
     checks = [
-        (args.rate > 0, f"--rate must be > 0 requests/s (got {args.rate})"),
-        (args.slo_ttft_ms > 0, f"--slo-ttft-ms must be > 0 (got {args.slo_ttft_ms})"),
+        (_finite(args.rate) > 0, f"--rate must be a number > 0 requests/s (got {args.rate})"),
+        (
+            _finite(args.slo_ttft_ms) > 0,
+            f"--slo-ttft-ms must be a number > 0 (got {args.slo_ttft_ms})",
+        ),
         (args.prompt_tokens >= 1, f"--prompt-tokens must be >= 1 (got {args.prompt_tokens})"),
         (args.output_tokens >= 0, f"--output-tokens must be >= 0 (got {args.output_tokens})"),
         (
@@ -325,12 +335,12 @@ def _validate(args: argparse.Namespace) -> None:
         ),
         (0 < args.quantile < 1, f"--quantile must be in (0, 1) (got {args.quantile})"),
         (
-            args.prefill_ms is None or args.prefill_ms > 0,
-            f"--prefill-ms must be > 0 (got {args.prefill_ms})",
+            args.prefill_ms is None or _finite(args.prefill_ms) > 0,
+            f"--prefill-ms must be a number > 0 (got {args.prefill_ms})",
         ),
         (
-            args.price_per_hour is None or args.price_per_hour >= 0,
-            f"--price-per-hour must be >= 0 (got {args.price_per_hour})",
+            args.price_per_hour is None or _finite(args.price_per_hour) >= 0,
+            f"--price-per-hour must be a number >= 0 (got {args.price_per_hour})",
         ),
         (
             args.prefill_ms is not None or args.profile is not None,

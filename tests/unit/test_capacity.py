@@ -153,17 +153,20 @@ def test_explicit_prefill_overrides_the_profile_but_keeps_its_price() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"rate": 0.0}, "--rate must be > 0"),
-        ({"slo_ttft_ms": -5.0}, "--slo-ttft-ms must be > 0"),
+        ({"rate": 0.0}, "--rate must be a number > 0"),
+        ({"slo_ttft_ms": -5.0}, "--slo-ttft-ms must be a number > 0"),
         ({"prompt_tokens": 0}, "--prompt-tokens must be >= 1"),
         ({"output_tokens": -1}, "--output-tokens must be >= 0"),
         ({"cached_fraction": 1.0}, r"--cached-fraction must be in \[0, 1\)"),
         ({"quantile": 95.0}, r"--quantile must be in \(0, 1\)"),
-        ({"prefill_ms": 0.0}, "--prefill-ms must be > 0"),
-        ({"price_per_hour": -1.0}, "--price-per-hour must be >= 0"),
+        ({"prefill_ms": 0.0}, "--prefill-ms must be a number > 0"),
+        ({"price_per_hour": -1.0}, "--price-per-hour must be a number >= 0"),
+        # Infinite: passed the range checks (the CLI review: "Infinity" in the JSON).
+        ({"price_per_hour": float("inf")}, "--price-per-hour must be a number >= 0"),
+        ({"slo_ttft_ms": float("inf")}, "--slo-ttft-ms must be a number > 0"),
         ({"prefill_ms": None}, "give --profile PRESET"),
         ({"prefill_ms": None, "profile": "no-such-gpu"}, "--profile no-such-gpu: .*unknown"),
-        ({"rate": float("inf")}, "rate must be a finite number > 0"),
+        ({"rate": float("inf")}, "--rate must be a number > 0"),
         ({"rate": 1e9}, "replicas busy on average, over the 100,000 this sizes"),
     ],
 )
