@@ -188,5 +188,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(main())
     except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a bad profile, address
-        return cannot_start("sim", exc, f"{args.host}:{args.port}")
+        # Replica i listens on --port + i: the busy port may be any of them.
+        last = args.port + args.replicas - 1
+        ports = str(args.port) if args.port == 0 or last == args.port else f"{args.port}-{last}"
+        return cannot_start("sim", exc, f"{args.host}:{ports}")
     return 0

@@ -153,6 +153,21 @@ def test_a_port_in_use_is_one_line_that_says_so(
     assert "Traceback" not in err
 
 
+def test_a_sim_fleet_with_a_later_replicas_port_in_use_names_its_ports(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Replica i listens on --port + i: naming --port alone sent the operator to a free port
+    # (the CLI review).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["sim", "--port", str(port - 1), "--replicas", "2"]) == 2
+    assert f"cannot listen on 127.0.0.1:{port - 1}-{port}: the port is in use" in (
+        capsys.readouterr().err
+    )
+
+
 def test_a_gateway_with_redis_on_a_port_in_use_says_so_and_exits(redis_url: str) -> None:
     # Bound after its background tasks (the Redis index mirror among them) had started, the
     # error never showed on uvloop: the process hung, deaf to SIGTERM. The subprocess's timeout
