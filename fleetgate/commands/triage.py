@@ -46,8 +46,8 @@ input file (YAML or JSON), one route or a mapping of route -> these keys (all op
 
 examples:
   fleetgate triage --input routes.yaml
-  fleetgate triage --gateway http://localhost:8000 --ttft-slo-ms 1000 --tpot-slo-ms 50
-  fleetgate triage --prometheus http://prometheus:9090 --window 30m --ttft-slo-ms 800 --json
+  fleetgate triage --gateway http://localhost:8000 --slo-ttft-ms 1000 --slo-tpot-ms 50
+  fleetgate triage --prometheus http://prometheus:9090 --window 30m --slo-ttft-ms 800 --json
 
 --json prints [{"lever": CATEGORY, "reason": TEXT}, ...] for a single-route file, else
 {ROUTE: [...]}. Categories: prefix-caching, queueing, kv-quantization, weight-quantization,
@@ -79,10 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="PromQL range for rates and percentiles (default: 10m)",
     )
     parser.add_argument(
-        "--ttft-slo-ms", type=float, help="TTFT p95 SLO for routes whose input has none"
+        # The spelling of simulate, advise and plan first; the older one still works.
+        "--slo-ttft-ms", "--ttft-slo-ms", dest="ttft_slo_ms", type=positive_float,
+        help="TTFT p95 SLO for routes whose input has none",
     )
     parser.add_argument(
-        "--tpot-slo-ms", type=float, help="TPOT p95 SLO for routes whose input has none"
+        "--slo-tpot-ms", "--tpot-slo-ms", dest="tpot_slo_ms", type=positive_float,
+        help="TPOT p95 SLO for routes whose input has none",
     )
     parser.add_argument(
         "--quality-headroom",
