@@ -10,7 +10,13 @@ import argparse
 import json
 import sys
 
-from fleetgate.commands._args import HelpFormatter, http_url, positive_float, positive_int
+from fleetgate.commands._args import (
+    HelpFormatter,
+    http_url,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from fleetgate.extras import BENCH, progress_available
 from traces.format import DEFAULT_BLOCK_SIZE
 
@@ -61,19 +67,21 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--time-scale",
-        type=float,
+        type=non_negative_float,
         default=1.0,
         metavar="X",
         help="multiply trace timestamps by X: 0.5 = twice as fast, 0 = all at once (default: 1)",
     )
     parser.add_argument(
         "--concurrency",
-        type=int,
+        type=positive_int,
         default=64,
         metavar="N",
         help="most requests in flight at once (default: 64)",
     )
-    parser.add_argument("--limit", type=int, metavar="N", help="replay only the first N lines")
+    parser.add_argument(
+        "--limit", type=positive_int, metavar="N", help="replay only the first N lines"
+    )
     parser.add_argument(
         "--metrics-url",
         type=http_url("a /metrics URL"),
