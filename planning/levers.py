@@ -19,6 +19,7 @@ import argparse
 import difflib
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -420,10 +421,15 @@ def params_from_args(args: argparse.Namespace) -> LeverParams:
     flags = {field: getattr(args, field_attr(flag)) for flag, (field, _k, _t) in _FLAGS.items()}
     overrides = {k: v for k, v in from_file.items() if k in known}
     overrides.update({k: v for k, v in flags.items() if v is not None})
+    # A value given as a flag is named by its flag (``batch: must be...`` read as an inner name).
+    given_as = {field: flag for flag, (field, _k, _t) in _FLAGS.items() if flags[field] is not None}
     try:  # the values are checked too, so that one run lists every problem
         params = replace(params, **overrides)
     except ValueError as exc:
-        problems.extend(str(exc).splitlines())
+        for line in str(exc).splitlines():
+            for field, flag in given_as.items():
+                line = re.sub(rf"\b{field}\b", flag, line)
+            problems.append(line)
     if problems:
         raise ValueError("\n".join(problems))
     return params

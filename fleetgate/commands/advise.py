@@ -143,7 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     verify.add_argument(
         "--requests", type=positive_int, default=2000, help="synthetic trace size (default 2000)"
     )
-    verify.add_argument("--rate", type=float, help="requests/s of the synthetic trace")
+    verify.add_argument(
+        "--rate", type=positive_float, help="requests/s of the synthetic trace"
+    )
     verify.add_argument("--slo-ttft-ms", type=positive_float, default=2000.0, help="default 2000")
     verify.add_argument("--slo-tpot-ms", type=positive_float, default=50.0, help="default 50")
     verify.add_argument("--seed", type=int, default=0, help="trace and routing seed")

@@ -12,7 +12,12 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fleetgate.commands._args import non_negative_int, positive_float, positive_int
+from fleetgate.commands._args import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 from fleetgate.extras import PLAN, missing_extra, progress_available
 from planning.simulator.policy_file import (
     PolicyFileError,
@@ -176,7 +181,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stats-interval-ms",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         metavar="MS",
         help="how often routing sees fresh engine gauges (running, waiting, KV usage); in-flight "

@@ -125,6 +125,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
         ),
         (["agent", "--replica-id", "", "--engine-url", "http://x"], "--replica-id: must not be"),
         (["sim", "--kv-events", "tcp://*:99999"], "a port is 0 to 65535 (got 99999"),
+        (["plan", "levers", "--batch", "0"], "error: --batch: must be"),
+        (
+            ["plan", "levers", "--shared-tokens", "5000", "--prompt-tokens", "100"],
+            "--shared-tokens (5000) must be <= --prompt-tokens (100)",
+        ),
+        (["simulate", "--trace", "t.jsonl", "--stats-interval-ms", "inf"], "--stats-interval-ms"),
     ],
 )
 def test_a_setting_that_cannot_work_is_refused_before_starting(
