@@ -30,6 +30,8 @@ HEADROOM = 1.25
 WORTH_CUTTING = 0.75
 
 FIELD = "max_model_len"
+#: Requests a cut is measured on at least: fewer have no p99 to speak of.
+MIN_REQUESTS_TO_CUT = 100
 
 
 def advised_max_model_len(pool: PoolSnapshot) -> int | None:
@@ -72,6 +74,15 @@ def max_model_len(pool: PoolSnapshot) -> Advice:
             "max_tokens passes it. If fleetgate_requests_total shows 400s on this pool, raise "
             "it to what the clients need, where the model's own context and the KV cache "
             "allow, or have the clients ask for less (max_tokens)",
+        )
+    if m.requests is not None and m.requests < MIN_REQUESTS_TO_CUT:
+        # A p99 of a handful of requests is their longest: one request once cut 131,072 to 16
+        # (the CLI review).
+        return keep(
+            flags,
+            FIELD,
+            f"{seen}: too few requests to cut --max-model-len {tokens(current)} on (at least "
+            f"{MIN_REQUESTS_TO_CUT} are needed for a p99); measure over more traffic",
         )
     if advised > current * WORTH_CUTTING:
         near = (

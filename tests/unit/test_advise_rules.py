@@ -47,6 +47,20 @@ def test_oversized_max_model_len_is_cut_to_the_measured_p99() -> None:
     assert "8,192 -> 228 blocks" in row.effect and "3 -> 118" in row.effect
 
 
+@pytest.mark.parametrize(("requests", "cut"), [(1, False), (99, False), (100, True), (None, True)])
+def test_max_model_len_is_cut_only_on_enough_requests_for_a_p99(
+    requests: int | None, cut: bool
+) -> None:
+    # One observed request once cut 131,072 to 16 (the CLI review). An unknown count (a
+    # snapshot that does not say) is judged on its lengths as before.
+    pool, _rows = _advice("oversized_max_model_len")
+    few = replace(pool, measured=replace(pool.measured, requests=requests))
+    row = _row(advise(few), "--max-model-len")
+    assert (row.kind != "no change") == cut
+    if not cut:
+        assert "too few requests" in row.evidence
+
+
 def test_pool_preempting_at_max_num_seqs_gets_a_lower_cap() -> None:
     _pool, rows = _advice("preempting_at_max_num_seqs")
     assert changes(rows) == {"--max-num-seqs": 224}  # 90% of 256, a multiple of 8
