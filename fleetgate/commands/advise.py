@@ -73,6 +73,13 @@ examples:
 MAX_INTERVAL_S = 3600.0
 
 
+def _engine_target(text: str) -> str:
+    """``--engine``: ``URL`` or ``POOL=URL``, the URL checked as ``--prometheus``'s is (a bare
+    ``HOST:PORT`` failed later with an httpx message: the CLI review)."""
+    http_url("an engine URL")(parse_target(text).url)
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``fleetgate advise``."""
     parser.description = (
@@ -88,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a running fleetgate gateway",
     )
     source.add_argument(
-        "--engine", metavar="[POOL=]URL", action="append", help="a vLLM engine (repeatable)"
+        "--engine", metavar="[POOL=]URL", action="append", type=_engine_target,
+        help="a vLLM engine (repeatable)",
     )
     source.add_argument(
         "--prometheus", type=http_url("a Prometheus URL"), metavar="URL",

@@ -25,6 +25,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from fleetgate.commands._args import http_url
 from planning.calibrate import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -41,8 +42,14 @@ from replica.sim.profiles import load_preset
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fleetgate sim calibrate`` (on the ``fleetgate sim`` parser)."""
     group = parser.add_argument_group("calibrate (fleetgate sim calibrate --engine URL)")
-    group.add_argument("--engine", help="the engine's OpenAI base URL, e.g. http://HOST:8000")
-    group.add_argument("--metrics-url", help="its Prometheus metrics (default: ENGINE/metrics)")
+    group.add_argument(
+        "--engine", type=http_url("the engine's URL"),
+        help="the engine's OpenAI base URL, e.g. http://HOST:8000",
+    )
+    group.add_argument(
+        "--metrics-url", type=http_url("a /metrics URL"),
+        help="its Prometheus metrics (default: ENGINE/metrics)",
+    )
     group.add_argument(
         "--output", type=Path, default=Path("profile.yaml"),
         help="where to write the profile YAML (default: profile.yaml)",

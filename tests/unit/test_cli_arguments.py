@@ -126,6 +126,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
         (["agent", "--replica-id", "", "--engine-url", "http://x"], "--replica-id: must not be"),
         (["sim", "--kv-events", "tcp://*:99999"], "a port is 0 to 65535 (got 99999"),
         (["plan", "levers", "--batch", "0"], "error: --batch: must be"),
+        (["advise", "--engine", "p=127.0.0.1:8000"], "did you mean http://127.0.0.1:8000?"),
+        (["sim", "calibrate", "--engine", "127.0.0.1:8000"], "did you mean http://127.0.0.1:8000?"),
         (
             ["plan", "levers", "--shared-tokens", "5000", "--prompt-tokens", "100"],
             "--shared-tokens (5000) must be <= --prompt-tokens (100)",
