@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from planning.advise.live import Target, gateway_targets, overlay_flags, parse_t
 from planning.advise.render import to_json, to_text
 from planning.advise.snapshot import load_flags, load_snapshot, to_mapping
 from planning.triage.model import SourceError
+from replica.sim.profiles import hardware_names, model_names
 
 EPILOG = """\
 what it checks, per pool (docs/advise.md has each rule and a worked example):
@@ -71,6 +73,21 @@ examples:
 
 #: The longest wait between two scrapes (s): an hour; NaN and inf are no interval.
 MAX_INTERVAL_S = 3600.0
+
+
+def _profile_name(kind: str, names: Callable[[], list[str]]) -> Callable[[str], str]:
+    """An argparse type for a ``kind`` profile's name: one that is not known was taken silently
+    without ``--hardware`` and sized nothing (the CLI review)."""
+
+    def check(text: str) -> str:
+        known = names()
+        if text not in known:
+            raise argparse.ArgumentTypeError(
+                f"unknown {kind} profile {text!r}; choose from: {', '.join(known)}"
+            )
+        return text
+
+    return check
 
 
 def _engine_target(text: str) -> str:
@@ -136,8 +153,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="YAML of flag: value the engines do not report (--max-num-seqs, TP, ...); "
         "without POOL= for every pool",
     )
-    parser.add_argument("--hardware", help="hardware profile for pools that name none (h100-sxm)")
-    parser.add_argument("--model", help="model profile for pools that name none (llama3-8b)")
+    parser.add_argument(
+        "--hardware", type=_profile_name("hardware", hardware_names),
+        help="hardware profile for pools that name none, e.g. h100-sxm (no default)",
+    )
+    parser.add_argument(
+        "--model", type=_profile_name("model", model_names),
+        help="model profile for pools that name none, e.g. llama3-8b (no default)",
+    )
     parser.add_argument("--sim-profile", help="simulator preset for --verify (e.g. tiny)")
     parser.add_argument("--pool", action="append", help="only these pools (repeatable)")
     parser.add_argument("--changes-only", action="store_true", help="print only the changes")

@@ -127,6 +127,8 @@ FIXTURES = Path(__file__).parent / "fixtures"
         (["sim", "--kv-events", "tcp://*:99999"], "a port is 0 to 65535 (got 99999"),
         (["plan", "levers", "--batch", "0"], "error: --batch: must be"),
         (["advise", "--engine", "p=127.0.0.1:8000"], "did you mean http://127.0.0.1:8000?"),
+        (["advise", "--input", "x.yaml", "--model", "nope"], "unknown model profile 'nope'"),
+        (["advise", "--input", "x.yaml", "--hardware", "h9"], "unknown hardware profile 'h9'"),
         (["sim", "calibrate", "--engine", "127.0.0.1:8000"], "did you mean http://127.0.0.1:8000?"),
         (
             ["plan", "levers", "--shared-tokens", "5000", "--prompt-tokens", "100"],
