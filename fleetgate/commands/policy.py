@@ -60,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         formatter_class=HelpFormatter,
     )
     show.add_argument("file", metavar="FILE", help="policy YAML file")
-    show.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    show.add_argument(
+        "--format", choices=("yaml", "json"), default="yaml", help="output format (default: yaml)"
+    )
 
     sub.add_parser(
         "hash-key",
