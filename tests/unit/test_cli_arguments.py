@@ -286,3 +286,13 @@ def test_a_full_disk_under_the_output_is_one_line_not_a_traceback(
     assert "fleetgate plan: cannot write the output: No space left on device" in (
         capsys.readouterr().err
     )
+
+
+def test_a_folder_given_as_a_profile_is_called_a_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--profile adir` read as an unknown preset's name (the CLI review).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    assert main(["sim", "--profile", "adir", "--port", "0"]) == 2
+    assert "adir is a folder, not a profile YAML or a preset name" in capsys.readouterr().err

@@ -162,6 +162,8 @@ def load_preset(name: str) -> dict[str, Any]:
     ``.yaml``/``.yml``): ``hardware``, ``model`` and engine settings."""
     if is_profile_file(name):
         return load_profile_file(name)
+    if os.path.isdir(name):  # read as an unknown preset's name before (the CLI review)
+        raise ProfileError(f"{name} is a folder, not a profile YAML or a preset name")
     presets = _read("presets.yaml")
     if name not in presets:
         raise ProfileError(
