@@ -169,6 +169,8 @@ class StopSignals:
 
     def __init__(self, app: web.Application | None = None) -> None:
         self.stopped = asyncio.Event()
+        #: A second stop signal came: the stop was cut short.
+        self.cut = False
         self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.stopped.set)
@@ -177,11 +179,24 @@ class StopSignals:
             self._loop.add_signal_handler(signal.SIGHUP, lambda: reload_policy(gw))
 
     async def wait(self) -> None:
-        """Block until stopped, then restore default signal handling."""
+        """Block until stopped; from then on a second SIGTERM/SIGINT cancels the task that
+        waited (``cut``), cutting its stop short (the stop delay, the drain).
+
+        Restoring Python's default handlers instead left the second signal to uvloop, which
+        ran it only when the loop next woke: a second Ctrl-C waited out the stop delay (the
+        CLI review)."""
         try:
             await self.stopped.wait()
         finally:
-            self.remove()
+            task = asyncio.current_task()
+            self._loop.remove_signal_handler(signal.SIGHUP)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self._cut, task)
+
+    def _cut(self, task: asyncio.Task[Any] | None) -> None:
+        self.cut = True
+        if task is not None:
+            task.cancel()
 
     def remove(self) -> None:
         """Restore default signal handling (a stop signal stops the process again)."""
@@ -221,7 +236,12 @@ def _worker(
         try:
             await signals.wait()
         finally:
-            await stop_serving(app, runner)
+            try:
+                await stop_serving(app, runner)
+            except asyncio.CancelledError:
+                if not signals.cut:
+                    raise
+                log.info("stopped at once: a second stop signal cut the stop short")
 
     # A stop signal that arrives before the loop installs its handlers (still starting up) is a
     # clean stop too, not a traceback and exit code 1.

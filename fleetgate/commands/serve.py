@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=2.0,
         metavar="SECONDS",
         help="on SIGTERM, /ready answers 503 but requests are still accepted this long, for load "
-        "balancers to stop sending (a preStop sleep)",
+        "balancers to stop sending (a preStop sleep); a second SIGTERM or Ctrl-C stops at once",
     )
     parser.add_argument(
         "--drain-timeout",

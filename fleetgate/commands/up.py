@@ -10,6 +10,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import secrets
 import sys
 
@@ -148,4 +149,6 @@ def run(args: argparse.Namespace) -> int:
         run_event_loop(main())
     except (OSError, ValueError, zmq.ZMQError) as exc:  # a port in use, a setting that cannot work
         return cannot_start("up", exc, f"{args.host}:{args.port}")
+    except asyncio.CancelledError:  # a second Ctrl-C cut the stop short (``StopSignals``)
+        print("fleetgate up: stopped at once", file=sys.stderr)
     return 0

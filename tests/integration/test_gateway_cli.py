@@ -169,3 +169,25 @@ routes:
   - name: main
     profile: {profile}
 """
+
+
+async def test_a_second_stop_signal_cuts_the_drain_and_says_so() -> None:
+    # The second signal skips the stop delay; the log said "stopped during start-up" (the CLI
+    # review).
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        process, _, _ = await _start(
+            "serve", "--replica", upstream_url, "--host", "127.0.0.1", "--port", "0",
+            "--stop-delay", "60",
+        )
+        assert process.stdout is not None
+        process.send_signal(signal.SIGINT)
+        lines: list[str] = []
+        async with asyncio.timeout(30):
+            while not any("stopping" in line for line in lines):
+                lines.append((await process.stdout.readline()).decode())
+            process.send_signal(signal.SIGINT)
+            rest = (await process.stdout.read()).decode()
+            assert await process.wait() == 0  # well before the 60 s stop delay
+    assert "stopped at once: a second stop signal" in rest
+    assert "start-up" not in rest
