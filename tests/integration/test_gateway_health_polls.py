@@ -162,30 +162,13 @@ async def test_polls_read_the_engines_kv_cache_capacity_for_a_static_replica() -
     assert state.kv_capacity_blocks * state.block_size == 2 * 1000 * 16
 
 
-async def test_an_agents_report_keeps_the_itl_this_gateway_read() -> None:
+async def test_an_agents_report_keeps_what_this_gateway_read_of_the_engine() -> None:
+    """Agents send neither the engine's decode pace nor its context length; their report wiped
+    both at every fleet read: flow control lost the pace until the next poll, and routing could
+    send a long prompt to a short context (the heterogeneous-fleet review)."""
     from routing.state import ReplicaState
 
     app = _engine(_itl_readings())
-    async with TestServer(app) as server, aiohttp.ClientSession() as session:
-        registry = ReplicaRegistry()
-        url = str(server.make_url("")).rstrip("/")
-        reported = ReplicaState(replica_id=ReplicaId("r0"), url=url, models=frozenset({"m"}))
-        registry.sync_discovered([reported])
-        await registry.poll_once(session, timeout_s=2.0)
-        await registry.poll_once(session, timeout_s=2.0)
-        polled = registry.get(ReplicaId("r0"))
-        assert polled is not None and polled.decode_itl_ms is not None
-        registry.sync_discovered([reported])  # the agent's next report: no ITL of its own
-        merged = registry.get(ReplicaId("r0"))
-    assert merged is not None and merged.decode_itl_ms == polled.decode_itl_ms
-
-
-async def test_an_agents_report_keeps_the_context_length_this_gateway_read() -> None:
-    """Routing keeps a long prompt off a short context by this (``serves-model``); agents send
-    none, and their report wiped it at every fleet read (the heterogeneous-fleet review)."""
-    from routing.state import ReplicaState
-
-    app = _engine(lambda: "vllm:num_requests_running 0\n")
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "m", "max_model_len": 1024}]})
@@ -197,11 +180,14 @@ async def test_an_agents_report_keeps_the_context_length_this_gateway_read() -> 
         reported = ReplicaState(replica_id=ReplicaId("r0"), url=url, models=frozenset({"m"}))
         registry.sync_discovered([reported])
         await registry.poll_once(session, timeout_s=2.0)
+        await registry.poll_once(session, timeout_s=2.0)
         polled = registry.get(ReplicaId("r0"))
-        assert polled is not None and polled.max_model_len == 1024
+        assert polled is not None and polled.decode_itl_ms is not None
+        assert polled.max_model_len == 1024
         registry.sync_discovered([reported])  # the agent's next report
         merged = registry.get(ReplicaId("r0"))
-    assert merged is not None and merged.max_model_len == 1024
+    assert merged is not None and merged.decode_itl_ms == polled.decode_itl_ms
+    assert merged.max_model_len == 1024
     assert registry.max_model_len("m") == 1024
 
 
