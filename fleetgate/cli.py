@@ -94,9 +94,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         if exc.errno not in _OUTPUT_ERRNOS:
             raise
-        # `fleetgate simulate --json > out.json` on a full disk: one line, not a traceback.
+        # `fleetgate simulate --json > out.json` on a full disk: one line, not a traceback. An
+        # error that names a file is that file's (an input read off a failing disk).
+        what = exc.filename if exc.filename is not None else "cannot write the output"
         with contextlib.suppress(OSError):
-            print(f"fleetgate {name}: cannot write the output: {exc.strerror}", file=sys.stderr)
+            print(f"fleetgate {name}: {what}: {exc.strerror}", file=sys.stderr)
         return 1
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,11 +227,14 @@ async def hold_adapter(
 
 def names_lora_disabled(engine_message: str) -> bool:
     """True for an engine's refusal to load any adapter because it runs without LoRA (vLLM:
-    "LoRA is not enabled. Use --enable-lora ..."; the simulated engine: "LoRA is disabled")."""
-    message = engine_message.lower()
-    return "--enable-lora" in message or (
-        "lora" in message and ("not enabled" in message or "disabled" in message)
-    )
+    "LoRA is not enabled. Use --enable-lora ..."; the simulated engine: "LoRA is disabled on
+    this engine"). Only those sentences: a load error quotes the adapter's path, and an
+    adapter-specific refusal ("... without --enable-lora-bias") is not the engine's (the diff
+    review)."""
+    return _LORA_DISABLED.search(engine_message) is not None
+
+
+_LORA_DISABLED = re.compile(r"\bLoRA is (?:not enabled|disabled on this engine)\b")
 
 
 def _no_slot(adapter: str) -> GatewayError:

@@ -339,3 +339,22 @@ def test_a_cleared_labelled_gauge_exports_what_is_set_after() -> None:
     text = generate_latest(metrics.registry).decode()
     assert 'fleetgate_pool_bill_usd_per_hour{pool="default"} 6.0' in text
     assert 'fleetgate_policy_info{digest="abc"} 1.0' in text
+
+
+@pytest.mark.parametrize(
+    ("message", "disabled"),
+    [
+        ("LoRA is disabled on this engine (max_loras = 0)", True),  # the simulated engine
+        ("Loading lora x failed: LoRA is not enabled. Use --enable-lora to enable LoRA.", True),
+        # Adapter-specific refusals, and paths, are not the engine's (the diff review).
+        ("Loading lora x failed: Adapter bias cannot be used without --enable-lora-bias.", False),
+        ("Loading lora sql-lora failed: No adapter found for /models/disabled/sql-lora", False),
+        ("HTTP 500: EngineCore encountered an issue.", False),
+    ],
+)
+def test_only_an_engine_without_lora_is_marked_as_having_no_slots(
+    message: str, disabled: bool
+) -> None:
+    from gateway.adapters import names_lora_disabled
+
+    assert names_lora_disabled(message) is disabled
