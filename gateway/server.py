@@ -167,10 +167,17 @@ class StopSignals:
     """SIGTERM/SIGINT set ``stopped``; SIGHUP reloads the policy. Install before announcing
     readiness, so a signal sent right after the announcement is never lost."""
 
-    def __init__(self, app: web.Application | None = None) -> None:
+    def __init__(
+        self,
+        app: web.Application | None = None,
+        on_second: Callable[[], None] | None = None,
+    ) -> None:
         self.stopped = asyncio.Event()
         #: A second stop signal came: the stop was cut short.
         self.cut = False
+        #: Called on a second stop signal instead of cancelling the waiting task (``fleetgate
+        #: up`` exits at once: its simulated replicas would drain their requests first).
+        self._on_second = on_second
         self._loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._loop.add_signal_handler(sig, self.stopped.set)
@@ -195,7 +202,9 @@ class StopSignals:
 
     def _cut(self, task: asyncio.Task[Any] | None) -> None:
         self.cut = True
-        if task is not None:
+        if self._on_second is not None:
+            self._on_second()
+        elif task is not None:
             task.cancel()
 
     def remove(self) -> None:

@@ -191,3 +191,26 @@ async def test_a_second_stop_signal_cuts_the_drain_and_says_so() -> None:
             assert await process.wait() == 0  # well before the 60 s stop delay
     assert "stopped at once: a second stop signal" in rest
     assert "start-up" not in rest
+
+
+async def test_a_second_stop_signal_stops_fleetgate_up_without_waiting_for_its_requests() -> None:
+    # Its simulated replicas drain what they hold on a clean stop: a 3,000-token stream held a
+    # second Ctrl-C for 20 s, which then said "stopped at once" (the diff review).
+    process, url, _ = await _start("up", "--sim", "1", "--port", "0")
+    try:
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3000, "stream": True}
+            async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                await resp.content.readline()  # streaming: the request is in flight
+                process.send_signal(signal.SIGINT)
+                await asyncio.sleep(0.5)
+                process.send_signal(signal.SIGINT)
+                async with asyncio.timeout(10):  # the stream alone would take ~20 s
+                    assert await process.wait() == 130
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.stdout is not None
+    assert "stopped at once" in (await process.stdout.read()).decode()
