@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -163,6 +164,10 @@ def _say_cut(gw: GatewayState, drain_s: float) -> None:
         )
 
 
+#: Stop signals this close together are one signal delivered twice (``StopSignals._cut``).
+SAME_SIGNAL_S = 0.25
+
+
 class StopSignals:
     """SIGTERM/SIGINT set ``stopped``; SIGHUP reloads the policy. Install before announcing
     readiness, so a signal sent right after the announcement is never lost."""
@@ -179,8 +184,9 @@ class StopSignals:
         #: up`` exits at once: its simulated replicas would drain their requests first).
         self._on_second = on_second
         self._loop = asyncio.get_running_loop()
+        self._stopped_at = math.inf
         for sig in (signal.SIGTERM, signal.SIGINT):
-            self._loop.add_signal_handler(sig, self.stopped.set)
+            self._loop.add_signal_handler(sig, self._stop)
         if app is not None:
             gw = app[GATEWAY]
             self._loop.add_signal_handler(signal.SIGHUP, lambda: reload_policy(gw))
@@ -200,7 +206,15 @@ class StopSignals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._cut, task)
 
+    def _stop(self) -> None:
+        self._stopped_at = min(self._stopped_at, self._loop.time())
+        self.stopped.set()
+
     def _cut(self, task: asyncio.Task[Any] | None) -> None:
+        if self._loop.time() - self._stopped_at < SAME_SIGNAL_S:
+            # One signal delivered twice: to the process group (a terminal's Ctrl-C) and
+            # forwarded by ``serve --workers``'s parent. Not a second stop.
+            return
         self.cut = True
         if self._on_second is not None:
             self._on_second()

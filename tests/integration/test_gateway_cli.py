@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import openai
 
+from gateway.server import SAME_SIGNAL_S
 from tests.integration.test_gateway_support import FakeUpstream, serve
 from tests.support.redis_server import free_port
 
@@ -186,6 +187,9 @@ async def test_a_second_stop_signal_cuts_the_drain_and_says_so() -> None:
         async with asyncio.timeout(30):
             while not any("stopping" in line for line in lines):
                 lines.append((await process.stdout.readline()).decode())
+            # Closer together, two signals are one delivered twice (to the group, and
+            # forwarded by a --workers parent).
+            await asyncio.sleep(SAME_SIGNAL_S + 0.1)
             process.send_signal(signal.SIGINT)
             rest = (await process.stdout.read()).decode()
             assert await process.wait() == 0  # well before the 60 s stop delay
@@ -204,7 +208,7 @@ async def test_a_second_stop_signal_stops_fleetgate_up_without_waiting_for_its_r
             async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
                 await resp.content.readline()  # streaming: the request is in flight
                 process.send_signal(signal.SIGINT)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(SAME_SIGNAL_S + 0.25)
                 process.send_signal(signal.SIGINT)
                 async with asyncio.timeout(10):  # the stream alone would take ~20 s
                     assert await process.wait() == 130
