@@ -515,8 +515,10 @@ class AdapterRegistry:
         get_states: Callable[[], Sequence[ReplicaState]],
         refresh_interval_s: float = 2.0,
         prewarm_interval_s: float | None = 30.0,
+        on_prewarm: Callable[[ReconcileReport], None] | None = None,
     ) -> None:
-        """Refresh (and pre-warm, unless ``prewarm_interval_s`` is None) until cancelled."""
+        """Refresh (and pre-warm, unless ``prewarm_interval_s`` is None) until cancelled;
+        ``on_prewarm`` hears each pre-warm's report (the gateway learns from its refusals)."""
         last_prewarm = float("-inf")
         while True:
             try:
@@ -525,7 +527,9 @@ class AdapterRegistry:
                 now = time.monotonic()
                 if prewarm_interval_s is not None and now - last_prewarm >= prewarm_interval_s:
                     last_prewarm = now
-                    await self.prewarm(states)
+                    report = await self.prewarm(states)
+                    if on_prewarm is not None:
+                        on_prewarm(report)
             except asyncio.CancelledError:
                 raise
             except Exception:  # a background loop must survive any one bad round

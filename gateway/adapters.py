@@ -34,6 +34,7 @@ from adapters_registry import (
     RegistrySettings,
     ThrashGuardTripped,
 )
+from adapters_registry.prewarm import ReconcileReport
 from gateway import errors
 from gateway.config import GatewayConfig
 from gateway.engine_api import EngineLoraClient
@@ -223,6 +224,15 @@ async def hold_adapter(
         except AdapterNotFound:
             raise model_not_found(adapter) from None  # removed from the catalog meanwhile
         yield result
+
+
+def learn_lora_disabled(replicas: ReplicaRegistry, report: ReconcileReport) -> None:
+    """Pre-warm's refusals teach what a request's do (``serving``): an engine that refused a
+    load as running without LoRA has no slot (the heterogeneous-fleet re-check: replicas only
+    pre-warm had tried stayed candidates for adapter requests)."""
+    for step, why in report.failed:
+        if names_lora_disabled(why):
+            replicas.lora_disabled(step.replica)
 
 
 def names_lora_disabled(engine_message: str) -> bool:

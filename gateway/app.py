@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway import errors, health, openai_api
-from gateway.adapters import AdapterSetup, open_registry, setup_from_policy
+from gateway.adapters import AdapterSetup, learn_lora_disabled, open_registry, setup_from_policy
 from gateway.admin import add_admin_routes, guard_where_configured
 from gateway.apis.anthropic import error_response as anthropic_error_response
 from gateway.apis.endpoints import add_api_routes
@@ -305,6 +305,7 @@ def _lifecycle(
                         gw.registry.adapter_states,
                         refresh_interval_s=gw.config.health_interval_s,
                         prewarm_interval_s=adapters.prewarm_interval_s,
+                        on_prewarm=lambda report: learn_lora_disabled(gw.registry, report),
                     ),
                     name="fleetgate-adapters",
                 )

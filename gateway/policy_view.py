@@ -98,6 +98,9 @@ class PoolSpeeds:
 
     prefill_tokens_per_s: float = 10_000.0
     decode_step_ms: float = 30.0
+    #: The pool declares ``max_loras: 0`` (engines without ``--enable-lora``): its replicas
+    #: have no LoRA slot until an engine reports some, so adapter requests skip them.
+    lora_off: bool = False
 
 
 @dataclass(frozen=True)
@@ -303,6 +306,7 @@ def from_policy(policy: Policy) -> GatewayPolicy:
         speeds[pool] = PoolSpeeds(
             float(_get(p, "prefill_tokens_per_s", 10_000.0)),
             float(_get(p, "decode_step_ms", 30.0)),
+            lora_off=_get(p, "max_loras", None) == 0,
         )
         for i, entry in enumerate(_get(p, "replicas", None) or ()):
             # A bare URL's id is its position; a named one's, its name (docs/policy.md).

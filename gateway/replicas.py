@@ -245,6 +245,7 @@ class ReplicaRegistry:
                     block_size=spec.block_size,
                     prefill_tokens_per_s=spec.speeds.prefill_tokens_per_s,
                     decode_step_ms=spec.speeds.decode_step_ms,
+                    max_loras=0 if spec.speeds.lora_off else None,
                 )
             )
         self._static = set(wanted)
@@ -266,6 +267,7 @@ class ReplicaRegistry:
             state,
             prefill_tokens_per_s=speeds.prefill_tokens_per_s,
             decode_step_ms=speeds.decode_step_ms,
+            max_loras=0 if speeds.lora_off and state.max_loras is None else state.max_loras,
         )
 
     def upsert(self, state: ReplicaState) -> None:

@@ -6,7 +6,8 @@ replica, to one without the base model, or to one whose context (``--max-model-l
 than the prompt plus the output asked for, can only fail (vLLM answers 400). The context test
 drops a replica only while another can take the request: where none can (a prompt longer than
 every context, or a token count that is only the gateway's estimate), the engine's own 400 says
-so. Adapter residency is not checked here (any replica with the base model can load the
+so. A request for an adapter skips replicas with no LoRA slot (``max_loras`` 0) while another
+may have one. Adapter residency is not checked here (any replica with a slot can load the
 adapter); scorers weigh adapter affinity.
 """
 
@@ -32,6 +33,12 @@ class ServesModelFilter(Plugin):
         """The replicas that are healthy, serve the request's base model and fit it (where any
         does)."""
         serving = [r for r in replicas if r.healthy and request.model in r.models]
+        if request.adapter:
+            # A replica with no LoRA slot (vLLM without --enable-lora: declared, or learned
+            # from a refused load) can never serve an adapter: in a burst, each request tried
+            # every such replica before one that can (the heterogeneous-fleet re-check: 135
+            # failed attempts for 30 requests).
+            serving = [r for r in serving if r.max_loras != 0] or serving
         fitting = [r for r in serving if fits(request, r)]
         return fitting or serving
 

@@ -3,6 +3,7 @@ front of simulated vLLM replicas that serve vLLM's runtime LoRA API."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -498,23 +499,30 @@ async def test_a_replica_without_lora_is_learned_from_its_refusal_and_skipped_fo
     no slot, so later cold adapters go straight to the one that can load them (the
     heterogeneous-fleet review: 31 failed loads and retries for 30 adapter requests)."""
     names = [f"pub-{i}" for i in range(6)]
+    burst = [f"burst-{i}" for i in range(4)]
     async with (
         start_sim_fleet(
             1, kv_events=None, kv_replay=None, speed=1000.0,
             engine_overrides={"max_loras": 0},
         ) as plain,
-        start_sim_fleet(1, kv_events=None, kv_replay=None, speed=1000.0) as lora,
+        # At real speed: a burst's requests are in flight together there.
+        start_sim_fleet(1, kv_events=None, kv_replay=None, speed=1.0) as lora,
     ):
         mixed = SimpleNamespace(urls=[plain.urls[0], lora.urls[0]])
-        entries = [adapter(name, owner=None) for name in names]
+        entries = [adapter(name, owner=None) for name in names + burst]
         async with adapter_gateway(tmp_path, mixed, entries) as (url, gw):  # type: ignore[arg-type]
             for i, name in enumerate(names):  # each adapter cold everywhere when asked for
                 status, body = await post_chat(http, url, "acme", name, f"question {i} " * 3)
                 assert status == 200, body
                 assert (await last_decision(http, url))["served_by"] == "pool-a/1"
-            retries = await metric(
-                http, url, "fleetgate_upstream_retries_total", reason="adapter_load_failed"
-            )
+            # A burst: the LoRA replica's queue passes the load bound, and each request tried
+            # every replica without a slot first (the re-check: 135 attempts for 30 requests).
+            answers = await asyncio.gather(*(
+                post_chat(http, url, "acme", burst[i % len(burst)], f"burst {i} " * 3)
+                for i in range(30)
+            ))
+            assert [status for status, _ in answers] == [200] * 30
+            retries = await metric(http, url, "fleetgate_upstream_retries_total")  # any reason
             plain_state = gw.registry.get("pool-a/0")  # type: ignore[arg-type]
     assert retries <= 1  # at most the load that taught it
     assert plain_state is not None and plain_state.max_loras == 0

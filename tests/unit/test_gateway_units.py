@@ -358,3 +358,38 @@ def test_only_an_engine_without_lora_is_marked_as_having_no_slots(
     from gateway.adapters import names_lora_disabled
 
     assert names_lora_disabled(message) is disabled
+
+
+def test_a_pool_declaring_no_lora_slots_gives_its_replicas_none() -> None:
+    # Declared `max_loras: 0` reached only the adapter loader's capacity, not routing: a burst
+    # still tried each such replica (the heterogeneous-fleet re-check).
+    from gateway.policy_view import PoolSpeeds, ReplicaSpec
+    from gateway.replicas import ReplicaRegistry
+    from routing.types import ReplicaId
+
+    registry = ReplicaRegistry()
+    registry.set_static([
+        ReplicaSpec("p/plain", "http://plain", "p", speeds=PoolSpeeds(lora_off=True)),
+        ReplicaSpec("q/lora", "http://lora", "q"),
+    ])
+    plain, lora = registry.get(ReplicaId("p/plain")), registry.get(ReplicaId("q/lora"))
+    assert plain is not None and plain.max_loras == 0
+    assert lora is not None and lora.max_loras is None  # unknown until its engine says
+
+
+def test_a_pre_warm_refused_for_lack_of_lora_teaches_what_a_request_would() -> None:
+    from adapters_registry.prewarm import PlanStep, ReconcileReport
+    from gateway.adapters import learn_lora_disabled
+    from gateway.policy_view import ReplicaSpec
+    from gateway.replicas import ReplicaRegistry
+
+    registry = ReplicaRegistry()
+    registry.set_static([ReplicaSpec("p/a", "http://a", "p"), ReplicaSpec("p/b", "http://b", "p")])
+    refused = "loading adapter 'x' failed: HTTP 500: LoRA is disabled on this engine"
+    report = ReconcileReport(failed=[
+        (PlanStep(ReplicaId("p/a"), "x"), refused),
+        (PlanStep(ReplicaId("p/b"), "y"), "HTTP 400: No adapter found for /models/y"),
+    ])
+    learn_lora_disabled(registry, report)
+    states = [registry.get(ReplicaId(r)) for r in ("p/a", "p/b")]
+    assert [s.max_loras for s in states if s is not None] == [0, None]

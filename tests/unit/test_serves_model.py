@@ -53,3 +53,21 @@ def test_where_no_replica_fits_every_serving_one_is_kept_and_the_unhealthy_still
 def test_the_context_needed_is_the_prompt_and_the_output_asked_for() -> None:
     assert context_needed(_request(100, 50)) == 150
     assert context_needed(_request(100)) == 101
+
+
+def _lora_replica(name: str, max_loras: int | None) -> ReplicaState:
+    return ReplicaState(ReplicaId(name), f"http://{name}", models=frozenset({"m"}),
+                        max_loras=max_loras)
+
+
+def test_an_adapter_request_skips_replicas_without_a_lora_slot_while_another_may_have_one() -> None:
+    # A burst walked every LoRA-less replica before the one that could load the adapter (the
+    # heterogeneous-fleet re-check: 135 failed attempts for 30 requests).
+    fleet = [_lora_replica("plain", 0), _lora_replica("lora", 4), _lora_replica("unknown", None)]
+    adapter = RoutingRequest("r", "m", "ft-1", "t", "route", 100)
+    chosen = ServesModelFilter().filter(adapter, fleet)
+    assert [r.replica_id for r in chosen] == ["lora", "unknown"]
+    # The base model goes anywhere; with no replica that may load it, the load's error says so.
+    assert len(ServesModelFilter().filter(_request(100), fleet)) == 3
+    only_plain = [_lora_replica("plain", 0)]
+    assert ServesModelFilter().filter(adapter, only_plain) == only_plain
