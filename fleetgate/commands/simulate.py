@@ -19,6 +19,7 @@ from fleetgate.commands._args import (
     positive_int,
 )
 from fleetgate.extras import PLAN, missing_extra, progress_available
+from planning.simulator.config import parse_profile_mix
 from planning.simulator.policy_file import (
     PolicyFileError,
     file_profile_factories,
@@ -121,15 +122,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"prompt tokens per hash id in the trace (default: {DEFAULT_BLOCK_SIZE})",
     )
     parser.add_argument(
-        "--replicas", type=positive_int, default=8, metavar="N", help="fleet size (default: 8)"
+        "--replicas",
+        type=positive_int,
+        metavar="N",
+        help="fleet size (default: 8, or a mixed --profile's counts added up)",
     )
     parser.add_argument(
         "--profile",
         default="h100-llama3-8b",
-        metavar="NAME|FILE.yaml",
+        metavar="NAME|FILE.yaml|NAME:N,NAME:N",
         help="engine preset from replica/sim/profiles/presets.yaml (default: h100-llama3-8b; "
         "also h200-llama3-8b, a100-llama3-8b, l4-llama3-8b-fp8, h100-llama3-70b-tp4, …), "
-        "or a profile YAML file from `fleetgate sim calibrate`",
+        "or a profile YAML file from `fleetgate sim calibrate`; a mixed fleet as "
+        "NAME:COUNT,NAME:COUNT (e.g. h100-llama3-8b:4,a100-llama3-8b:4: each profile's "
+        "replicas are a pool of their own)",
     )
     parser.add_argument(
         "--policies",
@@ -285,6 +291,18 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"--policies names {twice[0]} twice: each policy runs once")
     if args.stats_interval_ms < 0:
         return _fail(f"--stats-interval-ms must be >= 0 (got {args.stats_interval_ms})")
+    try:
+        mix = parse_profile_mix(args.profile, args.replicas or 8)
+    except ValueError as exc:
+        return _fail(str(exc))
+    counted = sum(count for _, count in mix)
+    if args.replicas is None:
+        args.replicas = counted
+    elif counted != args.replicas:
+        return _fail(
+            f"--profile {args.profile} makes {counted} replicas, --replicas {args.replicas}: "
+            "drop --replicas, or make the counts add up to it"
+        )
     if args.flow_control == "off":
         for flag, given in (
             ("--protect-critical-decodes", args.protect_critical_decodes),

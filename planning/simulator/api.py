@@ -28,6 +28,7 @@ __all__ = [
     "SimulationReport",
     "SweepPoint",
     "engine_config_for",
+    "engine_configs_for",
     "mean_rate",
     "simulate",
     "simulate_sweep",
@@ -54,8 +55,23 @@ class SimulationReport:
 
 
 def engine_config_for(config: SimulationConfig) -> EngineConfig:
-    """The engine configuration every replica of the simulated fleet runs."""
-    return EngineConfig.from_profile(config.profile, **dict(config.engine_overrides))
+    """The engine configuration every replica of the simulated fleet runs (a mixed fleet's
+    first profile's)."""
+    return engine_configs_for(config)[0]
+
+
+def engine_configs_for(config: SimulationConfig) -> list[EngineConfig]:
+    """Each replica's engine configuration, in fleet order. A mixed fleet's profiles must hash
+    prompts alike (one KV block size): routing's block index is one for the fleet."""
+    overrides = dict(config.engine_overrides)
+    built = {name: EngineConfig.from_profile(name, **overrides) for name, _ in config.profile_mix()}
+    sizes = {c.block_size for c in built.values()}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"profile {config.profile!r}: a mixed fleet's engines need one KV block size "
+            f"(got {', '.join(f'{n}: {c.block_size}' for n, c in built.items())})"
+        )
+    return [built[name] for name, count in config.profile_mix() for _ in range(count)]
 
 
 def simulate(
@@ -244,10 +260,12 @@ def _simulate(
     factories: Mapping[str, Callable[[], Profile]],
 ) -> SimulationReport:
     """``simulate``'s work; completions tick ``bar``, which the caller owns (and closes)."""
-    engine_config = engine_config_for(config)
-    capacity = config.replicas * engine_config.num_gpu_blocks * engine_config.block_size
+    engine_configs = engine_configs_for(config)
+    engine_config = engine_configs[0]
+    capacity = sum(c.num_gpu_blocks * c.block_size for c in engine_configs)
+    kinds = list({id(c): c for c in engine_configs}.values())
     ceilings = hit_rate_ceilings(
-        (r.record for r in requests if _accepted(r.record, engine_config)),
+        (r.record for r in requests if any(_accepted(r.record, c) for c in kinds)),
         config.trace_block_size,
         engine_config.block_size,
         capacity,
@@ -268,7 +286,7 @@ def _simulate(
                 policy,
                 requests,
                 config,
-                engine_config,
+                engine_configs,
                 prompts,
                 bar.update if bar is not None else None,
                 factories.get(policy),

@@ -12,7 +12,7 @@ from planning.simulator.flow import ClassMix
 from routing.flow_control import FlowControlSettings
 from traces.format import DEFAULT_BLOCK_SIZE, TraceRecord
 
-__all__ = ["SimulationConfig", "TraceRequest", "prepare_requests"]
+__all__ = ["SimulationConfig", "TraceRequest", "parse_profile_mix", "prepare_requests"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,9 @@ class SimulationConfig:
     """Everything that shapes a simulated fleet and how it is judged; validated on construction."""
 
     replicas: int = 8
-    #: Engine preset (``replica/sim/profiles/presets.yaml``), e.g. ``h100-llama3-8b``.
+    #: Engine preset (``replica/sim/profiles/presets.yaml``), e.g. ``h100-llama3-8b``, or a
+    #: mixed fleet ``NAME:COUNT,NAME:COUNT`` (``h100-llama3-8b:4,a100-llama3-8b:4``), whose
+    #: counts add up to ``replicas``; each profile's replicas form a pool of their own.
     profile: str = "h100-llama3-8b"
     #: ``EngineConfig`` fields to override on every replica (e.g. ``num_gpu_blocks_override``).
     engine_overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -45,6 +47,12 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"replicas: must be >= 1 (got {self.replicas})")
+        mix = self.profile_mix()
+        if sum(count for _, count in mix) != self.replicas:
+            raise ValueError(
+                f"profile {self.profile!r}: its counts add up to "
+                f"{sum(count for _, count in mix)}, not replicas ({self.replicas})"
+            )
         if self.trace_block_size < 1:
             raise ValueError(f"trace_block_size: must be >= 1 (got {self.trace_block_size})")
         for name in ("slo_ttft_ms", "slo_tpot_ms", "speculative_ttl_s"):
@@ -53,6 +61,33 @@ class SimulationConfig:
                 raise ValueError(f"{name}: must be a positive number (got {value!r})")
         if not (self.stats_interval_s >= 0 and math.isfinite(self.stats_interval_s)):
             raise ValueError(f"stats_interval_s: must be >= 0 (got {self.stats_interval_s!r})")
+
+
+    def profile_mix(self) -> list[tuple[str, int]]:
+        """(profile, replicas) in fleet order: one entry, or a mixed fleet's."""
+        return parse_profile_mix(self.profile, self.replicas)
+
+
+def parse_profile_mix(spec: str, replicas: int) -> list[tuple[str, int]]:
+    """``NAME`` (``replicas`` of it) or ``NAME:COUNT,NAME:COUNT``; ``ValueError`` says what is
+    wrong with it."""
+    if "," not in spec and not _has_count(spec):
+        return [(spec, replicas)]
+    mix = []
+    for item in spec.split(","):
+        name, sep, count = item.strip().rpartition(":")
+        if not sep or not name or not count.isdigit() or int(count) < 1:
+            raise ValueError(
+                f"profile {spec!r}: a mixed fleet is NAME:COUNT,NAME:COUNT, e.g. "
+                f"h100-llama3-8b:4,a100-llama3-8b:4 (bad item {item!r})"
+            )
+        mix.append((name, int(count)))
+    return mix
+
+
+def _has_count(spec: str) -> bool:
+    _, sep, count = spec.rpartition(":")
+    return bool(sep) and count.isdigit()
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,7 +146,7 @@ class _Simulation:
         policy: str,
         requests: Sequence[TraceRequest],
         config: SimulationConfig,
-        engine_config: EngineConfig,
+        engine_config: EngineConfig | Sequence[EngineConfig],
         prompts: PromptFactory,
         on_done: Callable[[int], None] | None,
         profile_factory: Callable[[], Profile] | None = None,
@@ -178,15 +178,26 @@ class _Simulation:
         self.router = RoutingEngine(self.index, {policy: profile})
         # Policies that never read prefix matches need no index feed: skip its cost.
         self.feed_index = profile.needs_prefix
+        configs = (
+            [engine_config] * config.replicas
+            if isinstance(engine_config, EngineConfig)
+            else list(engine_config)
+        )
+        mix = config.profile_mix()
+        #: A mixed fleet (``--profile a:N,b:M``): each profile's replicas are a pool, as an
+        #: operator would declare them, and engines differ in what they refuse.
+        self.mixed = len(mix) > 1
+        pools = [name if self.mixed else "default" for name, count in mix for _ in range(count)]
         self.replicas = [
             SimulatedReplica(
-                i, engine_config, config.model, config.seed + i, config.stats_interval_s
+                i, configs[i], config.model, config.seed + i, config.stats_interval_s,
+                pool=pools[i],
             )
             for i in range(config.replicas)
         ]
         self.by_id = {r.replica_id: r for r in self.replicas}
         #: Per replica, its request path (a calibrated profile's API server), or None.
-        self.paths = [RequestPath.of(engine_config.step_time) for _ in self.replicas]
+        self.paths = [RequestPath.of(c.step_time) for c in configs]
         #: Per replica, requests on their way through its path, in the order they come out.
         self.admitting: list[deque[SimRequest]] = [deque() for _ in self.replicas]
         # Every replica can serve every adapter (a shared catalog); none starts loaded, so the
@@ -273,7 +284,9 @@ class _Simulation:
             rejection_example=self.rejection_example,
             routed_per_replica=[r.routed for r in self.replicas],
             preemptions=sum(r.engine.stats().preemptions for r in self.replicas),
-            price_per_hour=self.replicas[0].engine.config.replica_price_per_hour,
+            # The mean: ``replicas x price`` is then the fleet's bill, mixed or not.
+            price_per_hour=sum(r.engine.config.replica_price_per_hour for r in self.replicas)
+            / len(self.replicas),
             replicas=len(self.replicas),
             degraded_decisions=self.degraded,
             overflow=self.overflow,
@@ -296,10 +309,14 @@ class _Simulation:
     async def _arrive(self, request: TraceRequest) -> None:
         record = request.record
         request_id = f"req-{request.index}"
-        # Every engine of the fleet is alike: one that refuses the request's length, all do.
-        refusal = self.replicas[0].engine.length_problem(
-            request_id, record.input_length, record.output_length
-        )
+        # Every engine of a fleet is alike: one that refuses the request's length, all do. In a
+        # mixed one, a request is refused on arrival only if every engine would refuse it.
+        engines = [r.engine for r in self.replicas] if self.mixed else [self.replicas[0].engine]
+        refusal = None
+        for engine in engines:
+            refusal = engine.length_problem(request_id, record.input_length, record.output_length)
+            if refusal is None:
+                break
         if refusal is None:
             prompt = self.prompts.prepare(record.hash_ids, record.input_length, record.adapter)
         else:
@@ -446,8 +463,13 @@ class _Simulation:
         record = request.record
         request_id = routing_request.request_id
         replica = self.by_id[decision.replica]
-        if waiting.refusal is not None:
-            self._refused(request_id, replica, waiting.refusal)
+        refusal = waiting.refusal
+        if refusal is None and self.mixed:  # routed to an engine too small for it after all
+            refusal = replica.engine.length_problem(
+                request_id, record.input_length, record.output_length
+            )
+        if refusal is not None:
+            self._refused(request_id, replica, refusal)
             return
         sim_request = SimRequest(
             request_id,
@@ -591,7 +613,7 @@ async def run_policy(
     policy: str,
     requests: Sequence[TraceRequest],
     config: SimulationConfig,
-    engine_config: EngineConfig,
+    engine_config: EngineConfig | Sequence[EngineConfig],
     prompts: PromptFactory,
     on_done: Callable[[int], None] | None = None,
     profile_factory: Callable[[], Profile] | None = None,

@@ -21,7 +21,13 @@ class SimulatedReplica:
     """An ``EngineModel`` driven in virtual time, with the ``ReplicaState`` routing reads."""
 
     def __init__(
-        self, index: int, config: EngineConfig, model: str, seed: int, stats_interval_s: float
+        self,
+        index: int,
+        config: EngineConfig,
+        model: str,
+        seed: int,
+        stats_interval_s: float,
+        pool: str = "default",
     ) -> None:
         self.index = index
         self.replica_id = ReplicaId(f"sim-{index}")
@@ -30,7 +36,9 @@ class SimulatedReplica:
         self.state = ReplicaState(
             replica_id=self.replica_id,
             url=f"sim://{index}",
+            pool=pool,
             models=frozenset({model}),
+            max_model_len=config.model_len,
             epoch=self.epoch,
             block_size=config.block_size,
             kv_capacity_blocks=config.num_gpu_blocks,
