@@ -16,10 +16,7 @@ So speeds are learned as factors on the configured speed (``actual / configured`
   (a positive-part James–Stein rule): only the share ``max(0, 1 − 3·var_i / dev_i²)`` counts.
   Identical replicas deviate by about their noise and share the pool's speed; a genuinely slower
   replica stands many standard errors out and keeps its own. Until three replicas of a pool
-  have reported, all of them use the pool's (plain EWMA) factor; a pool of two replicas (as
-  its caller counts them) deviates once both have: a degraded one of two (an engine back on a
-  slower GPU) kept half its peer's traffic and dragged its peer's speed down with it (the
-  heterogeneous-fleet review).
+  have reported, all of them use the pool's (plain EWMA) factor.
 
 Every observation is first clipped to within ``max_step``× of what its replica is believed to do
 (bounded influence), so one TTFT blown up by an unpredicted queue cannot drag an estimate far.
@@ -86,8 +83,6 @@ class SpeedCalibration:
         self._fits: dict[ReplicaId, _ReplicaFit] = {}
         #: Effective factor per replica, recomputed after each observation (read per decision).
         self._factor: dict[ReplicaId, float] = {}
-        #: Per pool: how many replicas it has, as the caller last said (None: not said).
-        self._pool_size: dict[str, int] = {}
 
     def factor(self, replica: ReplicaId) -> float | None:
         """Calibrated ``actual / configured`` speed for ``replica``; None before its feedback."""
@@ -98,15 +93,10 @@ class SpeedCalibration:
         log_factor = self._pool_log.get(pool)
         return None if log_factor is None else math.exp(log_factor)
 
-    def observe(
-        self, replica: ReplicaId, pool: str, ratio: float, pool_size: int | None = None
-    ) -> None:
-        """One measurement: ``replica`` (of ``pool``, ``pool_size`` replicas where known)
-        prefilled at ``ratio`` × configured speed."""
+    def observe(self, replica: ReplicaId, pool: str, ratio: float) -> None:
+        """One measurement: ``replica`` (of ``pool``) prefilled at ``ratio`` × configured speed."""
         if not (ratio > 0 and math.isfinite(ratio)):
             return
-        if pool_size is not None:
-            self._pool_size[pool] = pool_size
         log_ratio = math.log(ratio)
         alpha = self._alpha
         fit = self._fits.get(replica)
@@ -137,18 +127,10 @@ class SpeedCalibration:
             return 0.0
         return max(0.0, 1.0 - _SIGNIFICANCE * self._sampling_variance(fit) / dev2)
 
-    def _spread_from(self, pool: str) -> int:
-        """Members with feedback ``pool`` needs before any may deviate from its speed: three,
-        or both of a pool of two."""
-        size = self._pool_size.get(pool)
-        if size is None:
-            return _MIN_REPLICAS_FOR_SPREAD
-        return max(2, min(_MIN_REPLICAS_FOR_SPREAD, size))
-
     def _refresh(self, pool: str) -> None:
         """Recompute the pool factor and every member's shrunk factor."""
         members = [(rid, fit) for rid, fit in self._fits.items() if fit.pool == pool]
-        if len(members) < self._spread_from(pool):
+        if len(members) < _MIN_REPLICAS_FOR_SPREAD:
             # One or two replicas cannot tell a real difference from noise: one shared speed.
             center = self._pool_log[pool] = self._pool_ewma[pool]
             for rid, _ in members:
@@ -165,6 +147,6 @@ class SpeedCalibration:
         if fit is None:
             return None
         members = sum(1 for f in self._fits.values() if f.pool == fit.pool)
-        if members < self._spread_from(fit.pool):
+        if members < _MIN_REPLICAS_FOR_SPREAD:
             return 0.0
         return self._kept(fit, self._pool_log[fit.pool])

@@ -252,8 +252,6 @@ class ExpectedTtftScorer(Plugin):
         self._recent = RecentPrefill(p.recent_prefill_window_s)
         #: Per replica, its pool and configured speed as last seen (calibration is relative).
         self._pool_of: dict[ReplicaId, str] = {}
-        #: Replicas per pool among those seen (calibration lets the two of a pool of two differ).
-        self._pool_sizes: Counter[str] = Counter()
         self._configured: dict[ReplicaId, float] = {}
         self._cold_load_ms: dict[str, float] = {}
         #: Learned wait for a held LoRA slot (log ms); None before any request waited for one.
@@ -294,11 +292,7 @@ class ExpectedTtftScorer(Plugin):
         if not (configured > 0 and configured != math.inf):
             return 1.0  # a broken figure (0, NaN, inf) must not divide by zero or win everything
         self._configured[rid] = configured
-        if self._pool_of.get(rid) != replica.pool:
-            if rid in self._pool_of:
-                self._pool_sizes[self._pool_of[rid]] -= 1
-            self._pool_sizes[replica.pool] += 1
-            self._pool_of[rid] = replica.pool
+        self._pool_of[rid] = replica.pool
         factor = self._calibration.factor(rid)
         if factor is None:
             factor = self._calibration.pool_factor(replica.pool)
@@ -587,8 +581,7 @@ class ExpectedTtftScorer(Plugin):
         # what it learns across the pool (identical replicas must not drift apart on noise).
         implied = uncached / (prefill_ms / 1000.0) if prefill_ms > 0 else math.inf
         ratio = min(implied, speed * p.max_calibration_step) / self._configured[replica]
-        pool = self._pool_of[replica]
-        self._calibration.observe(replica, pool, ratio, self._pool_sizes[pool])
+        self._calibration.observe(replica, self._pool_of[replica], ratio)
 
     def _observe_slot_wait(self, observed_ms: float) -> None:
         """A request waited ``observed_ms`` for a slot (per unit of the estimate: no adapters

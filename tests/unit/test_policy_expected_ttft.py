@@ -298,16 +298,6 @@ CALIBRATION = [
         {"a": [0.5] * 40, "b": [0.5] * 40}, {"a": 5_000.0, "b": 5_000.0},
         id="the whole pool slower: the pool factor moves",
     ),
-    pytest.param(
-        {"a": NOISE, "b": NOISE[::-1]}, {"a": "pool", "b": "pool"},
-        id="a pool of two identical replicas, noisy: they share the pool speed",
-    ),
-    pytest.param(
-        # The heterogeneous-fleet review: one of two restarted on a slower GPU kept 40% of the
-        # traffic at 4x the TTFT, and dragged its healthy peer's speed down to 11k of 24k.
-        {"a": NOISE, "b": [0.25] * 40}, {"a": 10_000.0, "b": 2_500.0},
-        id="a pool of two, one really 4x slower: each keeps its own speed",
-    ),
 ]
 
 
