@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -608,9 +608,9 @@ async def _relay_body(
             headers=retry_after,
         )
         return error_response(error, request_id) if error_response else error.response(request_id)
-    return web.Response(
-        status=resp.status, body=body, headers=_relayed_headers(resp.headers, request_id)
-    )
+    headers = {k: v for k, v in resp.headers if k.lower() not in _DROP_HEADERS}
+    headers["X-Request-Id"] = request_id
+    return web.Response(status=resp.status, body=body, headers=headers)
 
 
 def _is_json_object(body: bytes) -> bool:
@@ -651,8 +651,6 @@ async def send(
     queue = list(plan.candidates)
     retried_missing: set[ReplicaId] = set()
     unsuitable: ReplicaUnsuitable | None = None
-    #: A replica's refusal of the prompt as too long, while longer contexts are tried.
-    too_long: _KeptAnswer | None = None
     #: Why the previous attempt failed before answering (the retry's metric label), or None.
     retry_reason: str | None = None
 
@@ -727,12 +725,7 @@ async def send(
                         if _names_context_length(not_found):
                             # Routing sends a request only where it fits, but its prompt count
                             # may be the gateway's estimate: a replica with a longer context
-                            # takes it, where one is left. Kept: should none take it after all,
-                            # the client gets this answer, not a 503 to retry for ever.
-                            too_long = _KeptAnswer(
-                                replica_id, resp.status,
-                                _relayed_headers(resp.headers, request_id), not_found,
-                            )
+                            # takes it, where one is left.
                             queue[:] = longer
                             retry_reason = "context_length"
                             log.info(
@@ -810,8 +803,6 @@ async def send(
             finally:
                 replicas.attempts.end(attempt)
                 hooks.ended(replica_id)
-    if too_long is not None:
-        return too_long.response(outcome, request_id)
     if unsuitable is not None:
         raise unsuitable.error
     raise GatewayError(
@@ -838,43 +829,16 @@ def _names_context_length(body: bytes) -> bool:
 def _longer_contexts(
     replicas: ReplicaDirectory, candidates: Sequence[ReplicaId], tried: ReplicaState
 ) -> list[ReplicaId]:
-    """Those of ``candidates`` whose context is longer than ``tried``'s, or not known, and whose
-    circuit lets a request through, in order; none when ``tried``'s is not known (nothing says
-    another would fit better)."""
+    """Those of ``candidates`` whose context is longer than ``tried``'s, or not known, in order;
+    none when ``tried``'s is not known (nothing says another would fit better)."""
     if tried.max_model_len is None:
         return []
     longer = []
     for replica_id in candidates:
         state = replicas.get(replica_id)
-        if (
-            state is not None
-            and (state.max_model_len or math.inf) > tried.max_model_len
-            and replicas.breaker(replica_id).allows()
-        ):
+        if state is not None and (state.max_model_len or math.inf) > tried.max_model_len:
             longer.append(replica_id)
     return longer
-
-
-def _relayed_headers(headers: Iterable[tuple[str, str]], request_id: str) -> dict[str, str]:
-    """An upstream answer's headers as the client gets them."""
-    kept = {k: v for k, v in headers if k.lower() not in _DROP_HEADERS}
-    kept["X-Request-Id"] = request_id
-    return kept
-
-
-@dataclass(frozen=True)
-class _KeptAnswer:
-    """An engine's error answer, read and kept to relay if no other replica answers instead."""
-
-    replica: ReplicaId
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def response(self, outcome: UpstreamOutcome, request_id: str) -> web.Response:
-        outcome.replica, outcome.status, outcome.ttft_s = self.replica, self.status, None
-        outcome.finished_at = time.monotonic()
-        return web.Response(status=self.status, body=self.body, headers=self.headers)
 
 
 def _any_usable(replicas: ReplicaDirectory, candidates: Sequence[ReplicaId]) -> bool:
