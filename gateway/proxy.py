@@ -650,6 +650,9 @@ async def send(
     tried = 0
     queue = list(plan.candidates)
     retried_missing: set[ReplicaId] = set()
+    #: Candidates that failed this request before answering it (a connection, a drop, a 5xx)
+    #: or could not be tried (an open circuit).
+    failed: list[ReplicaId] = []
     unsuitable: ReplicaUnsuitable | None = None
     #: Why the previous attempt failed before answering (the retry's metric label), or None.
     retry_reason: str | None = None
@@ -665,6 +668,7 @@ async def send(
             continue
         breaker = replicas.breaker(replica_id)
         if not breaker.allows():
+            failed.append(replica_id)  # a candidate that cannot take it just now
             continue
         last_resort = tried + 1 >= max_attempts or not _any_usable(replicas, queue)
         if retry_reason is not None:  # the previous candidate failed before answering: a retry
@@ -709,6 +713,7 @@ async def send(
                         # 502/504): another replica may serve it. With none left, the error is
                         # relayed.
                         retry_reason = "upstream_5xx"
+                        failed.append(replica_id)
                         log.info(
                             "replica %s answered %d; trying a fallback", replica_id, resp.status
                         )
@@ -716,21 +721,29 @@ async def send(
                     not_found: bytes | None = None
                     if resp.status == 404 and replica_id not in retried_missing:
                         not_found = await resp.read()  # small: kept to relay if not ours
-                    if (
-                        resp.status == 400
-                        and can_retry()
-                        and (longer := _longer_contexts(replicas, queue, replica))
-                    ):
+                    longer = (
+                        _longer_contexts(replicas, queue if can_retry() else [], replica)
+                        if resp.status == 400
+                        else []
+                    )
+                    failed_longer = resp.status == 400 and bool(
+                        _longer_contexts(replicas, failed, replica)
+                    )
+                    if longer or failed_longer:
                         not_found = await resp.read()  # an error: small, relayed if not this
                         if _names_context_length(not_found):
                             # Routing sends a request only where it fits, but its prompt count
                             # may be the gateway's estimate: a replica with a longer context
-                            # takes it, where one is left.
+                            # takes it, where one is left. Where the only longer ones failed
+                            # just now, it fits the fleet, only not at the moment: the 503
+                            # below, not this 400, which clients take as final.
                             queue[:] = longer
-                            retry_reason = "context_length"
+                            retry_reason = "context_length" if longer else None
                             log.info(
-                                "replica %s's context is too short for the request; trying "
-                                "one with a longer context", replica_id,
+                                "replica %s's context is too short for the request; %s",
+                                replica_id,
+                                "trying one with a longer context" if longer
+                                else "those with a longer context failed just now",
                             )
                             continue
                     if (
@@ -773,9 +786,11 @@ async def send(
                 breaker.failure(health_clears=True, refused=refused and not last_resort)
                 if isinstance(exc, UpstreamConnectError):
                     retry_reason = "connect_failed"  # it never saw the request
+                    failed.append(replica_id)
                     log.info("replica %s unreachable (%s); trying a fallback", replica_id, exc)
                 else:
                     retry_reason = "upstream_dropped"  # it dropped it before answering
+                    failed.append(replica_id)
                     log.info(
                         "replica %s dropped the request (%s); trying a fallback", replica_id, exc
                     )
@@ -798,6 +813,7 @@ async def send(
                     raise
                 breaker.failure(health_clears=True)
                 retry_reason = "replica_down"
+                failed.append(replica_id)
                 log.warning("replica %s marked down holding the request; retrying", replica_id)
                 continue
             finally:

@@ -21,7 +21,7 @@ from gateway.app import GATEWAY, create_app
 from gateway.config import GatewayConfig
 from gateway.policy_view import GatewayPolicy, ReplicaSpec
 from replica.sim.fleet import start_sim_fleet
-from tests.integration.test_gateway_support import serve
+from tests.integration.test_gateway_support import FakeUpstream, serve
 
 MODEL = "sim-model"
 SHORT_CONTEXT = 1024
@@ -120,3 +120,37 @@ async def test_an_underestimated_prompt_refused_for_its_length_is_retried_where_
     assert counts.get(("long", "200"), 0) == 6
     assert retries >= 1  # routing did try the short replica: the retry is what answered
     assert not any(status == "400" for _, status in counts)
+
+
+async def test_a_request_that_fits_only_an_unavailable_replica_is_a_503_to_retry() -> None:
+    # It fits the fleet (the long replica's context), only not now: a 503 with Retry-After,
+    # not the short replica's 400, which the clients take as final (the re-check review).
+    long = FakeUpstream(models=[MODEL], max_model_len=131_072, drop_completions=True)
+    async with (
+        start_sim_fleet(
+            1, model=MODEL, kv_events=None, kv_replay=None, speed=1000,
+            engine_overrides={"max_model_len": SHORT_CONTEXT},
+        ) as short,
+        serve(long.app()) as long_url,
+    ):
+        specs = [
+            ReplicaSpec("short", short.urls[0], models=frozenset({MODEL})),
+            ReplicaSpec("long", long_url, models=frozenset({MODEL})),
+        ]
+        app = create_app(GatewayConfig(), GatewayPolicy.default(specs))
+        async with serve(app) as url, aiohttp.ClientSession() as http:
+            registry = app[GATEWAY].registry
+            while not all((s := registry.get(r.replica_id)) and s.max_model_len for r in specs):
+                await asyncio.sleep(0.02)
+            got = []
+            for i in range(4):  # routing tries each replica first in turn
+                prompt = " ".join("abcdefghijklmnopqrstuvwxyz"[(i + n) % 26] for n in range(1500))
+                body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": 8}
+                async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+                    got.append((resp.status, resp.headers.get("Retry-After"),
+                                (await resp.json())["error"]["code"]))
+            # Until its circuit opens (three failures): then routing offers only the short
+            # replica, whose own 400 is the answer (docs/api.md).
+            assert got[:3] == [(503, "1", "no_healthy_replica")] * 3, got
+            assert got[3][0] == 400, got
