@@ -236,6 +236,7 @@ class ReplicaRegistry:
                         rid, redacted(spec.url), redacted(old.url),
                     )
                 self.remove(rid)
+            known = self._states.get(rid)
             self.upsert(
                 ReplicaState(
                     replica_id=rid,
@@ -248,7 +249,27 @@ class ReplicaRegistry:
                     max_loras=0 if spec.speeds.lora_off else None,
                 )
             )
+            if known is not None:
+                # A reload: the pool's configured speeds and declared LoRA slots are the
+                # file's now (they kept the first load's until a restart: the re-check review).
+                self._put(self._configured(self._states[rid], spec.speeds))
         self._static = set(wanted)
+
+    def _configured(self, state: ReplicaState, speeds: PoolSpeeds) -> ReplicaState:
+        """``state`` with its pool's configuration: speeds, and no LoRA slot where the pool
+        declares ``max_loras: 0`` (an engine's own report of slots wins; a declaration taken
+        away leaves the slots unknown again unless an engine refused a load for want of LoRA)."""
+        max_loras = state.max_loras
+        if speeds.lora_off and max_loras is None:
+            max_loras = 0
+        elif not speeds.lora_off and max_loras == 0 and state.replica_id not in self._lora_disabled:
+            max_loras = None
+        return replace(
+            state,
+            prefill_tokens_per_s=speeds.prefill_tokens_per_s,
+            decode_step_ms=speeds.decode_step_ms,
+            max_loras=max_loras,
+        )
 
     def set_pool_speeds(self, speeds: Mapping[str, PoolSpeeds]) -> None:
         """The policy's engine speeds per pool (on every load): applied to the registered
@@ -263,12 +284,7 @@ class ReplicaRegistry:
         speeds = self._pool_speeds.get(state.pool)
         if speeds is None:
             return state
-        return replace(
-            state,
-            prefill_tokens_per_s=speeds.prefill_tokens_per_s,
-            decode_step_ms=speeds.decode_step_ms,
-            max_loras=0 if speeds.lora_off and state.max_loras is None else state.max_loras,
-        )
+        return self._configured(state, speeds)
 
     def upsert(self, state: ReplicaState) -> None:
         """Add a replica or update its identity (url, pool, models, epoch), keeping live figures."""

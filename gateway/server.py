@@ -201,6 +201,8 @@ class StopSignals:
         try:
             await self.stopped.wait()
         finally:
+            # Ended by something else than a signal (cancelled): the next signal is a second.
+            self._stopped_at = min(self._stopped_at, self._loop.time())
             task = asyncio.current_task()
             self._loop.remove_signal_handler(signal.SIGHUP)
             for sig in (signal.SIGTERM, signal.SIGINT):

@@ -448,11 +448,18 @@ def _tables(args: argparse.Namespace, points: list[SweepPoint]) -> str:
         scale = f" (rate scale {point.rate_scale:g})" if len(points) > 1 else ""
         title = (
             f"{args.trace}: {point.requests} requests at {_rate(point.rate)}{scale} on "
-            f"{args.replicas} x {args.profile}; SLOs TTFT {args.slo_ttft_ms:g} ms, "
+            f"{_fleet(args)}; SLOs TTFT {args.slo_ttft_ms:g} ms, "
             f"TPOT {args.slo_tpot_ms:g} ms"
         )
         blocks.append(render_table(point.report, title))
     return "\n\n".join(blocks)
+
+
+def _fleet(args: argparse.Namespace) -> str:
+    """``8 x h100-llama3-8b``, or a mixed fleet's ``4 x h100-llama3-8b + 4 x a100-llama3-8b``."""
+    return " + ".join(f"{count} x {name}" for name, count in parse_profile_mix(
+        args.profile, args.replicas
+    ))
 
 
 def _rate(rate: float) -> str:

@@ -393,3 +393,26 @@ def test_a_pre_warm_refused_for_lack_of_lora_teaches_what_a_request_would() -> N
     learn_lora_disabled(registry, report)
     states = [registry.get(ReplicaId(r)) for r in ("p/a", "p/b")]
     assert [s.max_loras for s in states if s is not None] == [0, None]
+
+
+def test_a_reload_brings_a_pools_speeds_and_declared_lora_slots_to_its_replicas() -> None:
+    # They kept the first load's until a restart (the re-check review).
+    from gateway.policy_view import PoolSpeeds, ReplicaSpec
+    from gateway.replicas import ReplicaRegistry
+
+    def load(speeds: PoolSpeeds) -> None:
+        registry.set_static([ReplicaSpec("p/a", "http://a", "p", speeds=speeds)])
+
+    registry = ReplicaRegistry()
+    load(PoolSpeeds(5_000.0, 20.0))
+    load(PoolSpeeds(20_000.0, 7.0, lora_off=True))
+    state = registry.get(ReplicaId("p/a"))
+    assert state is not None
+    assert (state.prefill_tokens_per_s, state.decode_step_ms, state.max_loras) == (20_000.0, 7.0, 0)
+    load(PoolSpeeds(20_000.0, 7.0))  # the declaration taken away: unknown again
+    state = registry.get(ReplicaId("p/a"))
+    assert state is not None and state.max_loras is None
+    registry.lora_disabled(ReplicaId("p/a"))  # its engine refused a load for want of LoRA
+    load(PoolSpeeds(20_000.0, 7.0))
+    state = registry.get(ReplicaId("p/a"))
+    assert state is not None and state.max_loras == 0
