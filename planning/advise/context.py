@@ -30,8 +30,9 @@ HEADROOM = 1.25
 WORTH_CUTTING = 0.75
 
 FIELD = "max_model_len"
-#: Requests a cut is measured on at least: fewer have no p99 to speak of.
-MIN_REQUESTS_TO_CUT = 100
+#: Requests a cut is measured on at least: below that the longest seen and the p99 are one or
+#: two requests' lengths (the advised value still covers the longest seen and 1.25 x the p99).
+MIN_REQUESTS_TO_CUT = 10
 
 
 def advised_max_model_len(pool: PoolSnapshot) -> int | None:
@@ -82,7 +83,7 @@ def max_model_len(pool: PoolSnapshot) -> Advice:
             flags,
             FIELD,
             f"{seen}: too few requests to cut --max-model-len {tokens(current)} on (at least "
-            f"{MIN_REQUESTS_TO_CUT} are needed for a p99); measure over more traffic",
+            f"{MIN_REQUESTS_TO_CUT}); measure over more traffic",
         )
     if advised > current * WORTH_CUTTING:
         near = (
