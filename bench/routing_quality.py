@@ -60,6 +60,7 @@ from planning.simulator import (
     simulate,
 )
 from planning.simulator.api import SweepPoint, mean_rate
+from planning.simulator.config import parse_profile_mix
 from planning.simulator.report import write_load_plots
 from planning.simulator.summary import Spread, default_policy
 from routing.policies.registry import BUILTIN_PROFILES
@@ -945,7 +946,18 @@ def _parser() -> argparse.ArgumentParser:
         "seed is then one placement of the arrivals within their buckets (default: 0, as "
         "recorded)",
     )
-    parser.add_argument("--replicas", type=int, default=8, help="fleet size (default: 8)")
+    parser.add_argument(
+        "--replicas", type=int, help="fleet size (default: 8, or a mixed --profile's counts)"
+    )
+    parser.add_argument(
+        "--profile",
+        default="h100-llama3-8b",
+        metavar="NAME|NAME:N,NAME:N",
+        help="engine preset of every replica (default: h100-llama3-8b), or a mixed fleet as "
+        "fleetgate simulate takes it (h100-llama3-8b:4,a100-llama3-8b:4). The generated "
+        "workloads keep their rates (measured on eight H100s): with another fleet, add "
+        "--find-saturation",
+    )
     parser.add_argument(
         "--jobs",
         type=int,
@@ -1006,7 +1018,13 @@ def _plan(args: argparse.Namespace) -> Plan:
             "(a generated workload's arrivals are already drawn per seed)"
         )
     seeds = range(args.seeds)
-    config = SimulationConfig(replicas=args.replicas, trace_block_size=args.trace_block_size)
+    mix = parse_profile_mix(args.profile, args.replicas or 8)
+    replicas = sum(count for _, count in mix)
+    if args.replicas is not None and args.replicas != replicas:
+        raise ValueError(f"--profile {args.profile} makes {replicas} replicas, not {args.replicas}")
+    config = SimulationConfig(
+        replicas=replicas, profile=args.profile, trace_block_size=args.trace_block_size
+    )
     if args.trace:
         subjects: tuple[Subject, ...] = (
             trace_subject(

@@ -199,3 +199,16 @@ def test_a_bucketed_trace_gets_a_note_on_spreading_its_arrivals(
     # Six requests 100 ms apart: nothing to say.
     assert main(_simulate(tmp_path)) == 0
     assert "--arrival-spread-ms" not in capsys.readouterr().err
+
+
+def test_the_benchmark_replays_a_mixed_fleet_as_simulate_takes_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = routing_quality._parser()
+    plan = routing_quality._plan(
+        parser.parse_args(["--profile", "h100-llama3-8b:2,a100-llama3-8b:2", "--workloads", "rag"])
+    )
+    assert (plan.config.replicas, plan.config.profile) == (4, "h100-llama3-8b:2,a100-llama3-8b:2")
+    with pytest.raises(SystemExit):
+        routing_quality.main(["--profile", "h100-llama3-8b:2", "--replicas", "3"])
+    assert "makes 2 replicas, not 3" in capsys.readouterr().err
