@@ -194,10 +194,21 @@ def cached_in_routing_units(
     was cached), and learned speeds 3-5 times too fast, by different factors per pool (the
     heterogeneous-fleet review). The engine's cached share of its own count, applied to
     routing's, keeps one unit on both sides."""
-    estimated = routed.routing_request.prompt_tokens
-    if cached is None or routed.prompt.token_ids is not None or not prompt_tokens:
+    scale = _engine_tokens_per_unit(routed, prompt_tokens)
+    if cached is None or scale is None:
         return cached
+    estimated = routed.routing_request.prompt_tokens
     return min(estimated, round(cached * estimated / prompt_tokens))
+
+
+def _engine_tokens_per_unit(routed: RouteDecision, prompt_tokens: int | None) -> float | None:
+    """The engine's tokens per token routing counted, where routing's count is text mode's
+    estimate (a block of ``block_size * CHARS_PER_TOKEN`` characters counts ``block_size``
+    tokens); None where it counted the engine's own tokens or either count is missing."""
+    estimated = routed.routing_request.prompt_tokens
+    if routed.prompt.token_ids is not None or not estimated or not prompt_tokens:
+        return None
+    return prompt_tokens / estimated
 
 
 def _decided_ttft_ms(routed: RouteDecision, outcome: UpstreamOutcome) -> float | None:
@@ -370,11 +381,10 @@ def _prediction(
     if routed.decision.profile == PINNED_PROFILE:
         return None  # the index was not asked (a stored response's replica): nothing to check
     explanation = routed.decision.explanations.get(outcome.replica)
-    # Tokens; in text mode estimated (a block of block_size * CHARS_PER_TOKEN characters counts
-    # block_size tokens), so rescale to the engine's count of this prompt.
+    # Tokens, in text mode estimated: rescaled to the engine's count of this prompt.
     matched_units = (explanation.matched_blocks if explanation else 0) * routed.block_size
     estimated = routed.routing_request.prompt_tokens
-    scale = prompt_tokens / estimated if routed.prompt.token_ids is None and estimated else 1.0
+    scale = _engine_tokens_per_unit(routed, prompt_tokens) or 1.0
     predicted = round(min(matched_units, estimated) * scale)
     if routed.prompt.token_ids is not None:
         # vLLM computes a prompt's last token even when every block is cached (it needs its
