@@ -726,10 +726,9 @@ async def send(
                         if resp.status == 400
                         else []
                     )
-                    failed_longer = resp.status == 400 and bool(
-                        _longer_contexts(replicas, failed, replica)
-                    )
-                    if longer or failed_longer:
+                    if longer or (
+                        resp.status == 400 and _longer_contexts(replicas, failed, replica)
+                    ):
                         not_found = await resp.read()  # an error: small, relayed if not this
                         if _names_context_length(not_found):
                             # Routing sends a request only where it fits, but its prompt count

@@ -203,8 +203,6 @@ class ReplicaRegistry:
         self._answered_at: dict[ReplicaId, float] = {}
         #: When the first health poll of a replica's current run of failed polls was sent.
         self._failing_since: dict[ReplicaId, float] = {}
-        #: Each replica's ``max_model_len`` per base model, from its ``/v1/models``.
-        self._max_model_len: dict[ReplicaId, dict[str, int]] = {}
         #: Replicas whose engine refused an adapter load as running without LoRA: no GPU slot
         #: (``max_loras`` 0) until the engine reports slots of its own.
         self._lora_disabled: set[ReplicaId] = set()
@@ -236,7 +234,6 @@ class ReplicaRegistry:
                         rid, redacted(spec.url), redacted(old.url),
                     )
                 self.remove(rid)
-            known = self._states.get(rid)
             self.upsert(
                 ReplicaState(
                     replica_id=rid,
@@ -244,26 +241,27 @@ class ReplicaRegistry:
                     pool=spec.pool,
                     models=spec.models,
                     block_size=spec.block_size,
-                    prefill_tokens_per_s=spec.speeds.prefill_tokens_per_s,
-                    decode_step_ms=spec.speeds.decode_step_ms,
-                    max_loras=0 if spec.speeds.lora_off else None,
                 )
             )
-            if known is not None:
-                # A reload: the pool's configured speeds and declared LoRA slots are the
-                # file's now (they kept the first load's until a restart: the re-check review).
-                self._put(self._configured(self._states[rid], spec.speeds))
+            # New or reloaded, its pool's configuration is the file's (a reload's speeds and
+            # declared LoRA slots were kept at the first load's until a restart: the re-check
+            # review).
+            self._put(self._configured(self._states[rid], spec.speeds))
         self._static = set(wanted)
 
-    def _configured(self, state: ReplicaState, speeds: PoolSpeeds) -> ReplicaState:
-        """``state`` with its pool's configuration: speeds, and no LoRA slot where the pool
-        declares ``max_loras: 0`` (an engine's own report of slots wins; a declaration taken
-        away leaves the slots unknown again unless an engine refused a load for want of LoRA)."""
+    def _configured(self, state: ReplicaState, speeds: PoolSpeeds | None) -> ReplicaState:
+        """``state`` with its pool's configuration (``speeds``; None: the policy names none),
+        and its LoRA slots as known: none where its engine refused a load for want of LoRA or
+        its pool declares ``max_loras: 0`` (an engine's own report of slots wins), unknown
+        again where a declaration was taken away."""
+        learned = state.replica_id in self._lora_disabled
         max_loras = state.max_loras
-        if speeds.lora_off and max_loras is None:
+        if max_loras is None and (learned or (speeds is not None and speeds.lora_off)):
             max_loras = 0
-        elif not speeds.lora_off and max_loras == 0 and state.replica_id not in self._lora_disabled:
+        elif max_loras == 0 and speeds is not None and not speeds.lora_off and not learned:
             max_loras = None
+        if speeds is None:
+            return state if max_loras == state.max_loras else replace(state, max_loras=max_loras)
         return replace(
             state,
             prefill_tokens_per_s=speeds.prefill_tokens_per_s,
@@ -281,10 +279,7 @@ class ReplicaRegistry:
                 self._put(self._with_pool_speeds(state))
 
     def _with_pool_speeds(self, state: ReplicaState) -> ReplicaState:
-        speeds = self._pool_speeds.get(state.pool)
-        if speeds is None:
-            return state
-        return self._configured(state, speeds)
+        return self._configured(state, self._pool_speeds.get(state.pool))
 
     def upsert(self, state: ReplicaState) -> None:
         """Add a replica or update its identity (url, pool, models, epoch), keeping live figures."""
@@ -358,11 +353,6 @@ class ReplicaRegistry:
                             state.max_model_len
                             if state.max_model_len is not None
                             else old.max_model_len
-                        ),
-                        max_loras=(
-                            0
-                            if state.max_loras is None and state.replica_id in self._lora_disabled
-                            else state.max_loras
                         ),
                     )
                 )
@@ -502,7 +492,6 @@ class ReplicaRegistry:
         self._registered_healthy.pop(replica, None)
         self._missing_since.pop(replica, None)
         self._itl.pop(replica, None)
-        self._max_model_len.pop(replica, None)
         self._lora_disabled.discard(replica)
         self._answered_at.pop(replica, None)
         self._failing_since.pop(replica, None)
@@ -622,9 +611,12 @@ class ReplicaRegistry:
         any healthy one reports (any if none is healthy); None until one has reported it.
         Routing sends a request only where it fits (``serves-model``), so a fleet mixing
         context lengths takes, at most, the longest."""
-        reported = {rid: v[model] for rid, v in self._max_model_len.items() if model in v}
-        healthy = [n for rid, n in reported.items() if (s := self._states.get(rid)) and s.healthy]
-        limits = healthy or list(reported.values())
+        reported = [
+            (s.healthy, s.max_model_len)
+            for s in self._states.values()
+            if model in s.models and s.max_model_len is not None
+        ]
+        limits = [n for healthy, n in reported if healthy] or [n for _, n in reported]
         return max(limits) if limits else None
 
     def ready_models(self) -> dict[str, bool]:
@@ -705,7 +697,7 @@ class ReplicaRegistry:
             # the last list (and its read time) instead of claiming, freshly, that there are none.
             if isinstance(models_body, dict):
                 bases, adapters = set(), set()
-                limits: dict[str, int] = {}
+                limits: list[int] = []
                 for entry in models_body.get("data", []):
                     parent = entry.get("parent")
                     if parent:
@@ -715,13 +707,12 @@ class ReplicaRegistry:
                         bases.add(str(entry.get("id")))
                         limit = entry.get("max_model_len")
                         if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-                            limits[str(entry.get("id"))] = limit
+                            limits.append(limit)
                 if bases:
                     updates["models"] = frozenset(bases)
                 updates["loaded_adapters"] = frozenset(adapters)
-                self._max_model_len[state.replica_id] = limits
                 if limits:  # one engine, one context length (its served names are aliases)
-                    updates["max_model_len"] = min(limits.values())
+                    updates["max_model_len"] = min(limits)
                 self._adapters_read_at[state.replica_id] = models_read_at
             if capacity_tokens is not None:
                 # In the state's own blocks: the index may hash in another block size.
