@@ -71,7 +71,7 @@ def engine_configs_for(config: SimulationConfig) -> list[EngineConfig]:
             f"profile {config.profile!r}: a mixed fleet's engines need one KV block size "
             f"(got {', '.join(f'{n}: {c.block_size}' for n, c in built.items())})"
         )
-    return [built[name] for name, count in config.profile_mix() for _ in range(count)]
+    return [built[name] for name in config.replica_profiles()]
 
 
 def simulate(

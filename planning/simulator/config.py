@@ -67,6 +67,10 @@ class SimulationConfig:
         """(profile, replicas) in fleet order: one entry, or a mixed fleet's."""
         return parse_profile_mix(self.profile, self.replicas)
 
+    def replica_profiles(self) -> list[str]:
+        """Each replica's profile, in fleet order."""
+        return [name for name, count in self.profile_mix() for _ in range(count)]
+
 
 def parse_profile_mix(spec: str, replicas: int) -> list[tuple[str, int]]:
     """``NAME`` (``replicas`` of it) or ``NAME:COUNT,NAME:COUNT``; ``ValueError`` says what is

@@ -183,11 +183,11 @@ class _Simulation:
             if isinstance(engine_config, EngineConfig)
             else list(engine_config)
         )
-        mix = config.profile_mix()
+        profiles = config.replica_profiles()
         #: A mixed fleet (``--profile a:N,b:M``): each profile's replicas are a pool, as an
         #: operator would declare them, and engines differ in what they refuse.
-        self.mixed = len(mix) > 1
-        pools = [name if self.mixed else "default" for name, count in mix for _ in range(count)]
+        self.mixed = len(set(profiles)) > 1
+        pools = profiles if self.mixed else ["default"] * len(profiles)
         self.replicas = [
             SimulatedReplica(
                 i, configs[i], config.model, config.seed + i, config.stats_interval_s,
