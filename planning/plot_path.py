@@ -8,8 +8,9 @@ error status.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from planning.output_path import output_path_problem
 
 
 def supported_suffixes() -> frozenset[str]:
@@ -28,11 +29,4 @@ def plot_path_problem(path: str | Path) -> str | None:
         return f"no file suffix; use one of .{', .'.join(sorted(formats))}"
     if suffix not in formats:
         return f"format '{suffix}' is not supported; use one of .{', .'.join(sorted(formats))}"
-    if path.is_dir():
-        return "it is a directory"
-    folder = path.parent
-    if not folder.is_dir():
-        return f"no such folder {folder}"
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return "not writable"
-    return None
+    return output_path_problem(path)

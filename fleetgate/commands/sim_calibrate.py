@@ -36,6 +36,7 @@ from planning.calibrate import (
     write_profile,
 )
 from planning.calibrate.adapters import parse_adapter
+from planning.output_path import output_path_problem
 from replica.sim.profiles import load_preset
 
 
@@ -119,9 +120,8 @@ def _base_profile_problem(name: str) -> str | None:
 def _output_problem(path: Path) -> str | None:
     if path.is_dir():
         return f"--output {path} is a folder; name a file in it, e.g. {path / 'profile.yaml'}"
-    if not path.parent.is_dir():
-        return f"--output {path}: no such folder {path.parent}"
-    return None
+    problem = output_path_problem(path)
+    return None if problem is None else f"--output {path}: {problem}"
 
 
 def run(args: argparse.Namespace) -> int:
