@@ -131,6 +131,34 @@ class TenantFlow:
     header_ignored: bool = False
 
 
+@dataclass(frozen=True)
+class EnginePriority:
+    """What reaches the engine as vLLM's request ``priority`` field."""
+
+    #: The gateway's value (the request's class), set on chat and completion bodies; None: the
+    #: gateway sets none.
+    value: int | None
+    #: Where the gateway sets none, whether a client's own field passes (else it is dropped).
+    client_may_set: bool
+
+
+def engine_priority(
+    routed: Routed, headers: Mapping[str, str], policy: Policy | None
+) -> EnginePriority:
+    """vLLM's ``priority`` for ``routed``: its class's where the policy says the engines
+    schedule by priority (``flow_control.engine_priority``); otherwise none from the gateway,
+    and the client's own only where its tenant may choose its priority
+    (``allow_priority_header``), as for the header."""
+    if policy is not None and policy.flow_control.engine_priority:
+        route = routed.route
+        flow = tenant_flow(
+            policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
+        )
+        return EnginePriority(flow.request_class.engine_priority, client_may_set=False)
+    spec = policy.tenant(routed.tenant.name) if policy is not None else None
+    return EnginePriority(None, client_may_set=spec is not None and spec.allow_priority_header)
+
+
 def tenant_flow(
     policy: Policy | None,
     tenant: str,
@@ -425,19 +453,6 @@ class FlowGate:
         self._admitted[request.request_id] = request.tpot_slo_ms
         while len(self._admitted) > MAX_TRACKED_ADMITTED:  # a finish never reported
             self._admitted.popitem(last=False)
-
-    def engine_priority(
-        self, routed: R, headers: Mapping[str, str], policy: Policy | None
-    ) -> int | None:
-        """vLLM's ``priority`` for ``routed`` (its class's), where the policy says the engines
-        schedule by priority (``flow_control.engine_priority``); None otherwise."""
-        if policy is None or not policy.flow_control.engine_priority:
-            return None
-        route = routed.route
-        flow = tenant_flow(
-            policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
-        )
-        return flow.request_class.engine_priority
 
     def request_finished(
         self,

@@ -433,6 +433,13 @@ class GatewayMetrics:
             ["tenant"],
             registry=r,
         )
+        self.flow_priority_field_dropped = Counter(
+            "fleetgate_flow_priority_field_dropped",
+            "Requests whose body carried vLLM's priority field for a tenant that may not choose "
+            "its priority (allow_priority_header): the field was dropped before the engine",
+            ["tenant"],
+            registry=r,
+        )
         self.flow_steered = Counter(
             "fleetgate_flow_steered",
             "Requests flow control moved off the replica routing chose, whose decodes ran too "

@@ -28,6 +28,7 @@ from opentelemetry.trace import Tracer
 from gateway import adapters, proxy, speculative
 from gateway.cost import ReplicaTimeMeter
 from gateway.errors import GatewayError, bad_request
+from gateway.flow_control import EnginePriority
 from gateway.inflight import InflightTracker
 from gateway.metrics import GatewayMetrics
 from gateway.policy_view import Tenant
@@ -90,21 +91,22 @@ def plan_forward(
     *,
     max_retries: int,
     read_timeout_s: float,
-    priority: int | None = None,
+    priority: EnginePriority,
     client_stall_s: float | None = None,
 ) -> ForwardPlan:
     """The plan for ``routed``: ``raw`` reused as the payload where nothing must change.
 
-    ``priority``: vLLM's request ``priority`` to send (engines under priority scheduling), set
-    on chat and completion bodies (``kind.payload`` None). With it the gateway owns the field:
-    a client's is replaced there and dropped on every other API, or a tenant could jump the
-    engine's queue (and have others preempted) past the class its tenant was given. Without it
-    (``engine_priority`` off) the body is the client's.
+    ``priority``: what vLLM's request ``priority`` field carries. Where the gateway sets it
+    (``engine_priority`` on: engines under priority scheduling) it goes on chat and completion
+    bodies (``kind.payload`` None), a client's own replaced there and dropped on every other
+    API. Otherwise a client's own passes only where its tenant may choose its priority: an
+    engine under priority scheduling would let anyone else jump its queue (and have others
+    preempted) past the class its tenant was given.
     """
-    if priority is not None:
+    if priority.value is not None or (not priority.client_may_set and "priority" in body):
         owned = {k: v for k, v in body.items() if k != "priority"}
-        if kind.payload is None:
-            owned["priority"] = priority
+        if priority.value is not None and kind.payload is None:
+            owned["priority"] = priority.value
         if owned != body:
             body = owned
             raw = _encode(body)

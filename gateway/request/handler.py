@@ -12,7 +12,7 @@ from aiohttp import web
 from gateway import errors
 from gateway.auth import still_authorised
 from gateway.errors import GatewayError
-from gateway.flow_control import flow_finished
+from gateway.flow_control import engine_priority, flow_finished
 from gateway.proxy import UpstreamOutcome
 from gateway.request.account import (
     account,
@@ -140,6 +140,9 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                     # meanwhile is refused here as it is for a new request (the reload review:
                     # a revoked tenant's queued requests were served with its salt).
                     still_authorised(request, gw.policy, tenant)
+            priority = engine_priority(routed, request.headers, gw.policy.source)
+            if "priority" in body and priority.value is None and not priority.client_may_set:
+                gw.metrics.flow_priority_field_dropped.labels(tenant.name).inc()
             plan = plan_forward(
                 routed,
                 kind,
@@ -148,9 +151,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 max_retries=gw.max_retries,
                 read_timeout_s=gw.config.upstream_timeout_s,
                 client_stall_s=gw.config.client_stall_timeout_s,
-                priority=gw.flow.engine_priority(routed, request.headers, gw.policy.source)
-                if gw.flow is not None
-                else None,
+                priority=priority,
             )
             recorder = AttemptRecorder(gw, routed, arrived)
             if gw.flow is not None:

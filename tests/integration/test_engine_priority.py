@@ -39,6 +39,7 @@ tenants:
   - {{name: gold, api_key_sha256: [{_sha("gold")}], priority: critical}}
   - {{name: plain, api_key_sha256: [{_sha("plain")}]}}
   - {{name: bulk, api_key_sha256: [{_sha("bulk")}], priority: sheddable}}
+  - {{name: chooser, api_key_sha256: [{_sha("chooser")}], allow_priority_header: true}}
 """
 
 
@@ -74,9 +75,9 @@ async def _complete(
 
 async def _priorities_sent(
     tmp_path: Path, engine_priority: bool, requests: list[tuple[str, str, dict[str, object]]]
-) -> list[object]:
+) -> tuple[list[object], str]:
     """Send ``requests`` (tenant key, path, extra body fields) through a gateway in front of a
-    fake engine; the ``priority`` of each body the engine received."""
+    fake engine; the ``priority`` of each body the engine received, and the gateway's metrics."""
     upstream = FakeUpstream()
     async with (
         serve(upstream.app()) as upstream_url,
@@ -85,12 +86,14 @@ async def _priorities_sent(
     ):
         for key, path, extra in requests:
             assert (await _complete(http, url, key, path, **extra))[0] == 200
-    return [body.get("priority") for body in upstream.received]
+        async with http.get(f"{url}/metrics") as resp:
+            metrics = await resp.text()
+    return [body.get("priority") for body in upstream.received], metrics
 
 
 async def test_each_class_reaches_the_engine_as_vllms_priority(tmp_path: Path) -> None:
     completion, chat = "/v1/completions", "/v1/chat/completions"
-    sent = await _priorities_sent(
+    sent, _ = await _priorities_sent(
         tmp_path,
         True,
         # The last one: a client's own priority is replaced (a tenant cannot raise its class).
@@ -100,12 +103,23 @@ async def test_each_class_reaches_the_engine_as_vllms_priority(tmp_path: Path) -
     assert sent == [-1, 0, 1, 1]
 
 
-async def test_without_the_setting_the_body_is_the_clients(tmp_path: Path) -> None:
-    completion = "/v1/completions"
-    sent = await _priorities_sent(
-        tmp_path, False, [("gold", completion, {}), ("bulk", completion, {"priority": 3})]
+async def test_without_the_setting_only_a_tenant_that_chooses_its_priority_sends_its_own(
+    tmp_path: Path,
+) -> None:
+    """Without ``engine_priority`` the gateway sets no priority, and a client's own reaches the
+    engine only where its tenant may choose its priority (``allow_priority_header``): on an
+    engine under priority scheduling anyone else could jump its queue with the body field."""
+    completion, chat = "/v1/completions", "/v1/chat/completions"
+    sent, metrics = await _priorities_sent(
+        tmp_path,
+        False,
+        [("gold", completion, {}), ("bulk", completion, {"priority": -100}),
+         ("plain", chat, {"priority": -1}), ("chooser", completion, {"priority": 3})],
     )
-    assert sent == [None, 3]
+    assert sent == [None, None, None, 3]
+    dropped = 'fleetgate_flow_priority_field_dropped_total{tenant="%s"} 1.0'
+    assert dropped % "bulk" in metrics and dropped % "plain" in metrics
+    assert 'fleetgate_flow_priority_field_dropped_total{tenant="chooser"}' not in metrics
 
 
 @pytest.mark.parametrize("policy", ["priority", "fcfs"])
