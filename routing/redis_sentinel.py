@@ -30,7 +30,7 @@ from urllib.parse import parse_qsl, unquote, urlencode
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
-from redis.exceptions import RedisError
+from redis.exceptions import MaxConnectionsError, RedisError
 
 from routing.hosts import url_host
 from routing.redis_env import ENV_REFERENCE
@@ -261,6 +261,43 @@ class _PrimaryPool(SentinelConnectionPool):
     learned by a broken connection reconnecting (a crash failover) went uncounted."""
 
     moves = 0
+    #: Callers waiting for a connection once ``max_connections`` are in use (made on first use:
+    #: the pool may be built outside the loop that uses it).
+    _released: asyncio.Condition | None = None
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        """A connection; once ``max_connections`` are in use, one released within the socket
+        timeout (5 s without one), as a plain Redis client waits (``BlockingConnectionPool``).
+        redis-py's Sentinel pool refuses at once, and every gateway feature took the refusal for
+        an outage: token budgets stopped being enforced in a burst (the load review)."""
+        try:
+            return await super().get_connection(*args, **kwargs)
+        except MaxConnectionsError:
+            pass
+        timeout = self.connection_kwargs.get("socket_timeout") or 5.0
+        deadline = time.monotonic() + timeout
+        released = self._released = self._released or asyncio.Condition()
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise redis.ConnectionError(
+                    f"No Redis connection free within {timeout:g} s: all {self.max_connections} "
+                    "of this client's are in use (max_connections)"
+                )
+            async with released:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(released.wait_for(self.can_get_connection), left)
+            try:
+                return await super().get_connection(*args, **kwargs)
+            except MaxConnectionsError:
+                continue  # taken by another caller in between: wait again
+
+    async def release(self, connection: Any) -> None:
+        await super().release(connection)
+        released = self._released
+        if released is not None:
+            async with released:
+                released.notify()
 
     async def get_master_address(self) -> Any:
         address = await self.sentinel_manager.discover_master(self.service_name)

@@ -259,3 +259,19 @@ async def test_a_busy_client_leaves_the_old_primary_too(sentinel: LocalRedisSent
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.aclose()
+
+
+async def test_a_burst_past_the_pool_waits_for_a_connection_rather_than_fails(
+    sentinel: LocalRedisSentinel,
+) -> None:
+    # redis-py's Sentinel pool refused the call past max_connections at once, and every gateway
+    # feature took that for an outage (token budgets stopped being enforced in a burst); a plain
+    # Redis client waits for a free connection (tests/integration/test_redis_bursts.py).
+    client = bounded_client(f"{sentinel.url}?max_connections=4", 5.0)
+    try:
+        await asyncio.gather(*(client.incr("fg-sentinel:burst") for _ in range(200)))
+        assert await client.get("fg-sentinel:burst") == b"200"
+        assert len(client.connection_pool._in_use_connections) == 0
+        assert len(client.connection_pool._available_connections) <= 4
+    finally:
+        await client.aclose()
