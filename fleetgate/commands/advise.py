@@ -172,7 +172,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     verify.add_argument("--trace", metavar="FILE", help="replay this trace instead")
     verify.add_argument(
-        "--requests", type=positive_int, default=2000, help="synthetic trace size (default 2000)"
+        "--requests",
+        type=positive_int,
+        default=None,
+        help="synthetic trace size (default 2000); with --trace, replay only its first N",
     )
     verify.add_argument(
         "--rate", type=positive_float, help="requests/s of the synthetic trace"
@@ -288,14 +291,17 @@ def _verify(args: argparse.Namespace, pools: dict[str, PoolSnapshot], results: d
     from traces.format import TraceFormatError, read_trace
 
     checks = {}
+    given = None
+    if args.trace:
+        try:  # read once for every pool, and no further than --requests
+            given = read_trace(args.trace, limit=args.requests)
+        except (OSError, TraceFormatError) as exc:
+            raise AdviceError(f"--trace: {exc}") from exc  # it names the file
     for name, pool in pools.items():
-        if args.trace:
-            try:
-                records = read_trace(args.trace)
-            except (OSError, TraceFormatError) as exc:
-                raise AdviceError(f"--trace {args.trace}: {exc}") from exc
+        if given is not None:
+            records = given
         else:
-            records = synthetic_trace(pool, args.requests, seed=args.seed)
+            records = synthetic_trace(pool, args.requests or 2000, seed=args.seed)
         checks[name] = verify(
             pool,
             results[name],

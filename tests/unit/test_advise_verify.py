@@ -59,3 +59,18 @@ def test_verify_prints_both_rows() -> None:
     result = verify(POOL, rows, synthetic_trace(POOL, 120), slo_tpot_ms=200.0)
     assert [r.flags for r in result] == ["today", "advised"]
     assert all(r.requests == 120 and r.goodput is not None for r in result)
+
+
+def test_verify_replays_only_the_first_requests_of_a_trace(tmp_path, capsys) -> None:
+    """`--requests N` with `--trace`: the first N, so a bad line past them does not stop it (the
+    whole trace was read, whatever its length)."""
+    from fleetgate.cli import main
+
+    line = '{"timestamp": %d, "input_length": 300, "output_length": 20, "hash_ids": [%d]}\n'
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(line % (i * 50, i) for i in range(40)) + "not json\n")
+    argv = ["advise", "--input", "docs/advise/rag-pool.yaml", "--verify", "--trace", str(trace)]
+    assert main([*argv, "--requests", "40", "--json"]) == 0
+    assert '"requests": 40' in capsys.readouterr().out
+    assert main(argv) == 2  # read whole: the bad line is named
+    assert f"--trace: {trace}:41: not valid JSON" in capsys.readouterr().err
