@@ -285,7 +285,7 @@ class _PrimaryPool(SentinelConnectionPool):
                     "of this client's are in use (max_connections)"
                 )
             async with released:
-                with contextlib.suppress(asyncio.TimeoutError):
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(released.wait_for(self.can_get_connection), left)
             try:
                 return await super().get_connection(*args, **kwargs)

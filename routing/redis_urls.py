@@ -43,8 +43,9 @@ PRIMARY_URL_PREFIXES = (
 #: 101st at once ("Too many connections"): a burst of more than 100 requests at one gateway,
 #: Redis healthy and idle, switched token budgets off, failed Responses follow-ups with 503 and
 #: dropped speculative index writes (the load review). One Redis serves thousands of clients;
-#: past this many calls at once a plain Redis client, and the primary's client behind Sentinel,
-#: wait for a free connection (up to the socket timeout); a Cluster client refuses as before.
+#: past this many calls at once a client waits (up to its socket timeout) for a free connection:
+#: a plain Redis client's pool and the primary's behind Sentinel block, a Cluster client's calls
+#: take turns (``routing/index/redis_client.py``).
 MAX_CONNECTIONS = 512
 
 

@@ -11,10 +11,14 @@ while a node is down.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import contextvars
+from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline
 
 from routing.hosts import url_host
 from routing.redis_clients import ENV_REFERENCE, expand_env, single_node_client
@@ -74,9 +78,75 @@ def connect(url: str, **options: Any) -> IndexRedis:
     first_host, first_port = nodes[0]
     # Every seed is passed, the URL's own node too (redis-py adds it after the others); each
     # takes the URL's credentials and TLS settings.
-    return aioredis.RedisCluster.from_url(
+    return WaitingCluster.from_url(
         f"{CLUSTER_SCHEMES[scheme]}://{userinfo}{url_host(first_host)}:{first_port}{tail}",
         startup_nodes=[ClusterNode(host, port) for host, port in nodes],
-        # Per node; a Cluster client refuses past it rather than wait (redis-py's default: 100).
+        # Per node (redis-py's default: 100); WaitingCluster keeps its calls within it.
         **{"max_connections": MAX_CONNECTIONS, **options},
     )
+
+
+#: Set while a task runs a call of a ``WaitingCluster``: the calls redis-py makes inside it (a
+#: pipeline's redirected commands) ride on the outer call's turn, or they could wait on each other.
+_IN_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fleetgate_cluster_call", default=False
+)
+
+
+class WaitingCluster(aioredis.RedisCluster):
+    """A Cluster client whose calls wait for a turn once ``max_connections`` of them run.
+
+    redis-py's Cluster client refuses a call at once when a node's pool is full
+    (``MaxConnectionsError``), and every gateway feature took that for an outage: token budgets
+    stopped being enforced in a burst, speculative writes were dropped (the load review; a
+    plain Redis client waits, ``BlockingConnectionPool``). A call (a command, or a pipeline's
+    execution) holds at most one connection per node, so at most ``max_connections`` calls at
+    once never fill a node's pool. A caller waits for a turn up to its socket timeout (5 s
+    without one), then gets a ``ConnectionError`` saying why.
+    """
+
+    _turns: asyncio.Semaphore | None = None
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold one of the client's ``max_connections`` turns for a call."""
+        if _IN_CALL.get():
+            yield
+            return
+        kwargs = self.get_connection_kwargs()
+        if self._turns is None:  # made in the loop that uses the client
+            self._turns = asyncio.Semaphore(int(kwargs.get("max_connections") or MAX_CONNECTIONS))
+        timeout = kwargs.get("socket_timeout") or 5.0
+        try:
+            await asyncio.wait_for(self._turns.acquire(), timeout)
+        except TimeoutError:
+            raise aioredis.ConnectionError(
+                f"No Redis Cluster connection free within {timeout:g} s: "
+                f"{kwargs.get('max_connections')} calls of this client are running "
+                "(max_connections)"
+            ) from None
+        token = _IN_CALL.set(True)
+        try:
+            yield
+        finally:
+            _IN_CALL.reset(token)
+            self._turns.release()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self.turn():
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
+        if shard_hint:  # as redis-py's own
+            return super().pipeline(transaction, shard_hint)
+        return _WaitingPipeline(self, transaction)
+
+
+class _WaitingPipeline(ClusterPipeline):
+    """A ``WaitingCluster``'s pipeline: its execution takes one of the client's turns."""
+
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        client = self.cluster_client
+        assert isinstance(client, WaitingCluster)
+        async with client.turn():
+            return await super().execute(*args, **kwargs)
