@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ class ReplayResult:
     wall_s: float
     #: Per metrics URL: counter deltas over the replay, or why they could not be read.
     server_cache: dict[str, CacheCounters | str] = field(default_factory=dict)
+    #: The signal that stopped the replay early (``SIGINT``, ``SIGTERM``); ``results`` then hold
+    #: the requests that had finished, of ``planned``.
+    interrupted: str | None = None
+    #: Requests the replay was to send.
+    planned: int = 0
 
 
 def _body(config: ReplayConfig, record: TraceRecord, prompt: str) -> dict[str, object]:
@@ -110,10 +116,53 @@ async def _preflight(
         )
 
 
+def _stop_on_signals(stopped: list[str]) -> Callable[[], None]:
+    """Make SIGINT and SIGTERM cancel the running replay (the first one's name goes into
+    ``stopped``), so that what finished is still reported; returns the undo."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def stop(name: str) -> None:
+        if not stopped:
+            stopped.append(name)
+            task.cancel()
+
+    installed = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(signum, stop, signum.name)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            continue
+        installed.append(signum)
+
+    def undo() -> None:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+
+    return undo
+
+
 async def _run(
     config: ReplayConfig,
     records: Sequence[TraceRecord],
     on_done: Callable[[], None] | None,
+    handle_signals: bool = False,
+) -> ReplayResult:
+    stopped: list[str] = []
+    undo = _stop_on_signals(stopped) if handle_signals else None
+    try:
+        return await _replay(config, records, on_done, stopped)
+    finally:
+        if undo is not None:
+            undo()
+
+
+async def _replay(
+    config: ReplayConfig,
+    records: Sequence[TraceRecord],
+    on_done: Callable[[], None] | None,
+    stopped: list[str],
 ) -> ReplayResult:
     texts = PromptText(config.trace_block_size, config.seed)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -134,28 +183,44 @@ async def _run(
                 # Prompt text is made here, not up front: a long trace's prompts would not fit.
                 prompt = texts.prompt(record.hash_ids, record.input_length)
                 result = RequestResult(index, start_lag_s=max(0.0, time.monotonic() - due))
-                await stream_completion(
-                    session,
-                    config.completions_url,
-                    _body(config, record, prompt),
-                    headers,
-                    result,
-                    config.request_timeout_s,
-                )
+                try:
+                    await stream_completion(
+                        session,
+                        config.completions_url,
+                        _body(config, record, prompt),
+                        headers,
+                        result,
+                        config.request_timeout_s,
+                    )
+                except Exception as exc:  # one request's failure (a defect here), not the replay's
+                    result.error = f"{type(exc).__name__}: {exc}"
+            finished.append(result)
             if on_done is not None:
                 on_done()
             return result
 
-        results = await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
+        finished: list[RequestResult] = []
+        try:
+            await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
+        except asyncio.CancelledError:
+            if not stopped:
+                raise  # cancelled by the caller, not by a signal
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()  # handled: what finished is reported
         wall_s = time.monotonic() - start
-        after = await scrape_all(session, config.metrics_urls)
+        # Stopped by a signal: the counters after are not read (the user wants out).
+        after = await scrape_all(session, config.metrics_urls) if not stopped else []
     server_cache: dict[str, CacheCounters | str] = {}
-    for url, first, last in zip(config.metrics_urls, before, after, strict=True):
+    for url, first, last in zip(config.metrics_urls, before, after, strict=False):
         if isinstance(first, CacheCounters) and isinstance(last, CacheCounters):
             server_cache[url] = last - first
         else:
             server_cache[url] = first if isinstance(first, str) else str(last)
-    return ReplayResult(list(results), wall_s, server_cache)
+    results = sorted(finished, key=lambda r: r.index)
+    return ReplayResult(
+        results, wall_s, server_cache, stopped[0] if stopped else None, len(records)
+    )
 
 
 def replay(
@@ -169,7 +234,9 @@ def replay(
 
         bar = tqdm(total=len(chosen), unit="req", leave=False)
     try:
-        return asyncio.run(_run(config, chosen, bar.update if bar is not None else None))
+        return asyncio.run(
+            _run(config, chosen, bar.update if bar is not None else None, handle_signals=True)
+        )
     finally:
         if bar is not None:
             bar.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import UTC, datetime
 
 from fleetgate.commands._args import (
     HelpFormatter,
@@ -159,12 +160,27 @@ def _run_replay(args: argparse.Namespace) -> int:
         and sys.stderr.isatty()
         and progress_available(BENCH, "fleetgate bench replay")
     )
+    started_utc = datetime.now(UTC).isoformat(timespec="seconds")
     try:
         result = replay(config, records, progress=progress)
     except EndpointProblem as exc:
         return fail(str(exc))
-    summary = summarize(result)
+    run = {
+        "trace": args.trace,
+        "url": args.url,
+        "model": args.model,
+        "time_scale": args.time_scale,
+        "concurrency": args.concurrency,
+        "limit": args.limit,
+        "trace_block_size": args.trace_block_size,
+        "ignore_eos": not args.no_ignore_eos,
+        "seed": args.seed,
+        "started_utc": started_utc,
+    }
+    summary = summarize(result, run)
     print(json.dumps(summary, indent=2) if args.json else render_table(summary))
+    if result.interrupted:  # what finished was reported; the exit says it was cut short
+        return 143 if result.interrupted == "SIGTERM" else 130
     return 0 if summary["ok"] else 1
 
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import signal
+import sys
 from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from bench.replay import PromptText, ReplayConfig
 from bench.replay.runner import replay_async
@@ -15,6 +19,8 @@ from bench.replay.server_metrics import CacheCounters, parse_cache_counters
 from bench.replay.summary import render_table, summarize
 from replica.sim.fleet import start_sim_fleet
 from routing.tokenize.word_hash import load_tokenizer
+from tests.integration.test_gateway_support import engine_app, serve
+from tests.support.polling import wait_until
 from traces.format import TraceRecord, write_trace
 
 BLOCK = 32  # words (= tokens on the simulated replica) per trace block
@@ -79,9 +85,14 @@ async def test_replay_against_a_simulated_replica_counts_prefix_hits() -> None:
     assert summary["server_prefix_hit_rate"] == pytest.approx(hits / queries)
     assert summary["client_cached_rate"] == pytest.approx(hits / queries)
     assert summary["ttft_p50_ms"] is not None and summary["itl_p50_ms"] is not None
+    assert summary["tpot_p50_ms"] is not None and summary["output_tokens"] == 16
     # The start-lag warning only when the replay fell behind the trace's pace.
-    assert "(high:" not in render_table({**summary, "start_lag_p95_ms": 3.0})
-    assert "(high:" in render_table({**summary, "start_lag_p95_ms": 250.0})
+    assert summary["warnings"] == []
+    for r in result.results:
+        r.start_lag_s = 0.25
+    late = summarize(result)
+    assert len(late["warnings"]) == 1 and "start lag p95 250 ms" in late["warnings"][0]
+    assert "warning: client start lag p95 250 ms" in render_table(late)
 
 
 async def test_a_wrong_model_or_a_dead_url_is_refused_before_the_trace_is_sent() -> None:
@@ -148,3 +159,108 @@ def test_cli_replays_and_prints_json(
     replayed = limit or 4
     assert summary["requests"] == replayed and summary["ok"] == replayed
     assert set(summary["server_prefix_cache"]) == {urls[0] + "/metrics"}
+
+
+def _scripted_engine(mode: str, served: list[int] | None = None) -> web.Application:
+    """An engine whose completions stream as ``mode`` says: ``cut`` (two tokens, then the
+    connection ends without ``[DONE]``), ``error`` (two tokens, then vLLM's in-band error
+    event), ``crlf`` (a whole stream, events separated by CRLF as sse-starlette sends them),
+    ``null`` (a ``data: null`` event amid a whole stream); ``ok`` streams whole. ``served``
+    counts the requests answered whole."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        end = b"\r\n\r\n" if mode == "crlf" else b"\n\n"
+
+        async def send(payload: object) -> None:
+            data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+            await response.write(b"data: " + data + end)
+
+        for word in ("a", "b"):
+            await send({"choices": [{"index": 0, "text": word}]})
+        if mode == "cut":
+            return response
+        if mode == "error":
+            await send({"error": {"message": "replica died mid-stream", "code": 502}})
+            return response
+        if mode == "null":
+            await send(b"null")
+        usage = {"prompt_tokens": 64, "completion_tokens": 2}
+        await send({"choices": [], "usage": usage})
+        await send(b"[DONE]")
+        if served is not None:
+            served.append(1)
+        return response
+
+    return engine_app("m", {"/v1/completions": completions})
+
+
+@pytest.mark.parametrize(
+    ("mode", "error"),
+    [
+        ("cut", "stream ended before data: [DONE] (cut short)"),
+        ("error", "stream failed: replica died mid-stream"),
+        ("null", "an event that is not a JSON object: b'null'"),
+        ("crlf", None),
+    ],
+)
+async def test_a_stream_counts_as_served_only_when_it_ends_well(
+    mode: str, error: str | None
+) -> None:
+    # A stream cut by a dying replica after its first tokens counted as served (the replay
+    # review: "ok 500" while the gateway counted 24 502s); a CRLF stream failed every request,
+    # and one "data: null" crashed the whole replay.
+    async with serve(_scripted_engine(mode)) as url:
+        config = ReplayConfig(url=url, model="m", trace_block_size=BLOCK, time_scale=0)
+        summary = summarize(await replay_async(config, _trace()))
+    if error is None:
+        assert summary["ok"] == 4 and summary["errors"] == {}
+        assert summary["tpot_p50_ms"] is not None
+    else:
+        assert summary["ok"] == 0 and summary["errors"] == {error: 4}
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+async def test_a_replay_stopped_by_a_signal_reports_what_finished(
+    tmp_path: Path, signum: int, code: int
+) -> None:
+    # Ctrl-C or SIGTERM (a CI timeout) threw every result away: exit 130/143 and nothing else.
+    trace = tmp_path / "trace.jsonl"
+    records = [TraceRecord(0, 2 * BLOCK, 2, (i, i + 1)) for i in range(0, 6, 2)]
+    records += [TraceRecord(600_000, 2 * BLOCK, 2, (9, 10))]  # due in ten minutes
+    write_trace(records, trace)
+    served: list[int] = []
+    async with serve(_scripted_engine("ok", served)) as url:
+        argv = ["bench", "replay", "--trace", str(trace), "--url", url, "--model", "m"]
+        argv += ["--trace-block-size", str(BLOCK), "--json"]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fleetgate.cli", *argv,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            await wait_until(lambda: len(served) == 3, "three requests served", timeout_s=60)
+            process.send_signal(signum)
+            out, err = await asyncio.wait_for(process.communicate(), 60)
+        finally:
+            if process.returncode is None:
+                process.kill()
+    assert process.returncode == code, err.decode()
+    summary = json.loads(out)
+    assert summary["interrupted"] == signal.Signals(signum).name
+    assert summary["planned"] == 4 and summary["requests"] == 3 and summary["ok"] == 3
+    assert summary["run"]["trace"] == str(trace) and summary["run"]["model"] == "m"
+
+
+def test_warnings_for_gaps_read_together_and_a_metrics_url_without_vllm_counters() -> None:
+    from bench.replay.client import RequestResult
+    from bench.replay.runner import ReplayResult
+
+    together = RequestResult(0, 0.0, ok=True, ttft_s=0.05, e2e_s=1.0, tpot_s=0.01)
+    together.itl_s = [0.0] * 30 + [0.02] * 30
+    steady = RequestResult(1, 0.0, ok=True, ttft_s=0.05, e2e_s=1.0, tpot_s=0.01)
+    steady.itl_s = [0.01] * 60
+    gateway = "http://gw/metrics"
+    summary = summarize(ReplayResult([together], 1.0, {gateway: CacheCounters(0.0, 0.0)}))
+    assert [w.split(" ")[0] for w in summary["warnings"]] == ["many", gateway]
+    assert summarize(ReplayResult([steady], 1.0, {})).get("warnings") == []
