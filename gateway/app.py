@@ -223,6 +223,7 @@ def create_app(
     app = web.Application(middlewares=[envelope_errors], handler_args=HANDLER_ARGS)
     app[GATEWAY] = gw
     app.on_response_prepare.append(show_request_id)
+    app.on_response_prepare.append(health.close_connections_when_stopping)
     app.router.add_post("/v1/chat/completions", openai_api.chat_completions)
     app.router.add_post("/v1/completions", openai_api.completions)
     app.router.add_get("/v1/models", openai_api.list_models)

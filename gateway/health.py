@@ -98,3 +98,18 @@ async def metrics(request: web.Request) -> web.Response:
     refresh_gauges(gw)
     body = generate_latest(gw.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def close_connections_when_stopping(
+    request: web.Request, response: web.StreamResponse
+) -> None:
+    """``on_response_prepare``: once the gateway is stopping, every answer closes its connection
+    (``Connection: close``). A client kept its keep-alive connection through the stop delay and
+    could send its next request just as the drain closed it: the request was lost to "server
+    disconnected" instead of reaching a gateway still in rotation (the replay review)."""
+    gw = request.app[GATEWAY]
+    if gw.stopping or gw.draining:
+        response.force_close()
+        # The hook runs after aiohttp chose the Connection header: said here, or the client
+        # would not know and reuse a connection the gateway then closes.
+        response.headers["Connection"] = "close"

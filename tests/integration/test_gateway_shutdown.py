@@ -150,6 +150,10 @@ async def test_after_sigterm_ready_is_503_while_requests_are_still_served() -> N
                 body = {"model": "base-model", "prompt": "hello", "max_tokens": 2}
                 async with http.post(f"{url}/v1/completions", json=body) as resp:
                     assert resp.status == 200  # still served: the listener is open
+                    # ... on a connection the client should not reuse: kept, it could send its
+                    # next request just as the drain closes it (the replay review: 6 requests
+                    # lost to "server disconnected" in a rolling restart).
+                    assert resp.headers["Connection"] == "close"
             assert not stopping.done()
         finally:
             stopping.cancel()
