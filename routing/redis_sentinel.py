@@ -394,10 +394,27 @@ class PrimaryMoves:
     def __init__(self) -> None:
         self._seen = 0
 
+    @staticmethod
+    def count(client: object) -> int:
+        """The moves ``client`` has seen so far."""
+        return client.primary_changes if isinstance(client, SentinelPrimary) else 0
+
+    @staticmethod
+    def watched(client: object) -> bool:
+        """Whether ``client`` can see its primary move (it is behind Sentinel)."""
+        return isinstance(client, SentinelPrimary)
+
     def check(self, client: object) -> bool:
-        changes = client.primary_changes if isinstance(client, SentinelPrimary) else 0
+        changes = self.count(client)
         moved, self._seen = changes != self._seen, changes
         return moved
+
+    def settle(self, count: int) -> None:
+        """The moves up to ``count`` (read before a write that declared a new epoch, after which
+        everything is recorded again) need no re-record of their own: answering the next
+        heartbeat as forgotten for them re-recorded every block twice after a failover (the
+        failover review)."""
+        self._seen = max(self._seen, count)
 
 
 def sentinel_client(url: str, **options: Any) -> SentinelPrimary:
@@ -414,9 +431,39 @@ def sentinel_client(url: str, **options: Any) -> SentinelPrimary:
     return client
 
 
+class _SyncPrimary(redis.Redis):
+    """``SentinelPrimary``'s synchronous twin: at most every ``PRIMARY_CHECK_S`` a call first
+    asks the Sentinels which server is primary (one short question, at most a second each), and
+    on a move the pool drops its idle connections so the call goes to the new one.
+
+    Without it a graceful ``SENTINEL FAILOVER`` left the engine plugin writing to the demoted
+    primary, which takes writes until Sentinel reconfigures it (~10 s): its state and kernel keys
+    aged out on the real primary and a kernel-gated route answered 503 (the failover review). A
+    crash failover needs no check: the broken connection asks the Sentinels again."""
+
+    _checked_at: float = -math.inf
+
+    def execute_command(self, *args: Any, **options: Any) -> Any:
+        self._check_primary()
+        return super().execute_command(*args, **options)
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Any:
+        self._check_primary()
+        return super().pipeline(transaction, shard_hint)
+
+    def _check_primary(self) -> None:
+        now = time.monotonic()
+        if now - self._checked_at < PRIMARY_CHECK_S:
+            return
+        self._checked_at = now
+        with contextlib.suppress(RedisError):  # Sentinels away: the primary known stays
+            self.connection_pool.get_master_address()
+
+
 def sentinel_sync_client(url: str, **options: Any) -> redis.Redis:
     """``sentinel_client``'s synchronous twin (``redis.Redis``), for code off the event loop
-    (the engine plugin, which rewrites its state every heartbeat: no primary watch)."""
+    (the engine plugin), following a graceful failover within ``PRIMARY_CHECK_S`` of its next
+    call (``_SyncPrimary``)."""
     from redis.sentinel import Sentinel as SyncSentinel
 
     class SyncSentinels(SyncSentinel):
@@ -434,4 +481,4 @@ def sentinel_sync_client(url: str, **options: Any) -> redis.Redis:
     spec = parse_sentinel_url(url)
     primary, sentinels = _client_settings(spec, options, sync=True)
     sentinel = SyncSentinels(list(spec.sentinels), sentinel_kwargs=sentinels)
-    return sentinel.master_for(spec.service, **primary)
+    return sentinel.master_for(spec.service, redis_class=_SyncPrimary, **primary)

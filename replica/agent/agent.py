@@ -52,6 +52,9 @@ _REPLAY_ERRORS = (TimeoutError, KVEventDecodeError, RuntimeError, zmq.ZMQError)
 RESTART_AFTER_DOWN_S = 2.0
 #: While the engine is down, how often the agent says so again (s).
 DOWN_LOG_INTERVAL_S = 30.0
+#: How long a known set of kernel plugins may read as none before it is published as none: past
+#: the plugin's re-assert period (a third of its 10 s TTL), short of an engine's restart.
+KERNELS_GONE_AFTER_S = 15.0
 
 
 async def wait_event(event: asyncio.Event, timeout_s: float) -> bool:
@@ -118,6 +121,8 @@ class ReplicaAgent:
         )
         #: Kernel plugins the engine reported loaded (module -> version), as last read.
         self.kernel_plugins: dict[str, str] = {}
+        #: Since when a known kernel set has read as none (``_note_kernels``).
+        self._kernels_missing_since: float | None = None
         self.tracker = SequenceTracker()
         #: Serialises the stream position (``tracker``) between live batches and the catch-up.
         self._stream_lock = asyncio.Lock()
@@ -561,10 +566,26 @@ class ReplicaAgent:
         if self.kernel_reader is not None:
             kernels = await self.kernel_reader.read()
             if kernels is not None:
-                self.kernel_plugins = kernels
+                self._note_kernels(kernels, time.monotonic())
         if self.applier.model is None and snapshot.models:
             self.applier.model = snapshot.models[0]
             self._model_known.set()
+
+    def _note_kernels(self, kernels: dict[str, str], now: float) -> None:
+        """Publish the kernel plugins read. A known set read as none is kept for up to
+        ``KERNELS_GONE_AFTER_S``: Redis lost the key (a restart without persistence, a failover
+        before replication) and the engine's plugin writes it again within a third of its TTL;
+        published at once, the gap took the replica out of kernel-gated routes (16 of 40
+        requests got 503 in the failover review)."""
+        if kernels or not self.kernel_plugins:
+            self.kernel_plugins = kernels
+            self._kernels_missing_since = None
+            return
+        if self._kernels_missing_since is None:
+            self._kernels_missing_since = now
+        elif now - self._kernels_missing_since >= KERNELS_GONE_AFTER_S:
+            self.kernel_plugins = {}
+            self._kernels_missing_since = None
 
     @property
     def leaving(self) -> bool:

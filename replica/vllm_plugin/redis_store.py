@@ -55,6 +55,12 @@ class RedisStateStore:
         self._redis = client
         self.keys = keys
         self._ttl_ms = int(ttl_s * 1000)
+        #: The other engine processes' kernel reports seen at earlier reconciles, by pid. Each
+        #: process writes its report once, at start-up: after Redis lost them (a restart without
+        #: persistence, a failover before replication) the aggregate held only this process's
+        #: own, and a kernel that failed in the model worker read as loaded (the failover
+        #: review). Re-asserted from here while their processes live.
+        self._seen: dict[str, Mapping[str, Any]] = {}
 
     def write_engine(
         self,
@@ -82,9 +88,10 @@ class RedisStateStore:
         if live is not None and dead is not None:
             if dead:
                 pipe.hdel(self.keys.kernel_procs, *dead)
-            if kernel_report is not None:
-                pipe.hset(self.keys.kernel_procs, str(kernel_report["pid"]),
-                          json.dumps(kernel_report, sort_keys=True))
+            if live:  # this process's report, and those Redis lost of processes still alive
+                pipe.hset(self.keys.kernel_procs, mapping={
+                    str(report["pid"]): json.dumps(report, sort_keys=True) for report in live
+                })
             loaded, errors = aggregate_reports(live)
             pipe.delete(self.keys.kernels, self.keys.kernel_errors)
             if loaded:
@@ -112,8 +119,16 @@ class RedisStateStore:
                 reports[pid] = report
             else:
                 dead.append(pid)
+        for pid, report in list(self._seen.items()):
+            if pid in reports:
+                continue
+            if is_alive(int(pid)):
+                reports[pid] = report  # lost by Redis, its process still running
+            else:
+                del self._seen[pid]
         if own is not None:
             reports[str(own["pid"])] = own
+        self._seen.update(reports)
         return list(reports.values()), dead
 
     def write_kernel_report(self, report: Mapping[str, Any], ttl_s: float) -> None:

@@ -118,9 +118,15 @@ class RedisBlockIndex:
         """Declare ``epoch`` the live incarnation of ``replica``; entries of other epochs die."""
         check_replica(replica)
         check_epoch(epoch)
+        if self._primary_moved.watched(self._client):
+            # A broken connection learns a crash failover on reconnecting: learned here, the
+            # move is counted before the declaration and settled by it.
+            await self._call("ping", self._client.ping())
+        moves = self._primary_moved.count(self._client)
         await self._call(
             "set_epoch", self._set_epoch(keys=self._slot_keys, args=[replica, str(epoch)])
         )
+        self._primary_moved.settle(moves)
 
     async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:
         """Retire ``epoch``: if it is the live one, the replica matches nothing until a new one."""

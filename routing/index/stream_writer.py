@@ -127,7 +127,13 @@ class StreamIndexWriter:
         """Declare ``epoch`` live: the replica's confirmed blocks are emptied."""
         check_replica(replica)
         check_epoch(epoch)
+        if self._primary_moved.watched(self._client):
+            # A broken connection learns a crash failover on reconnecting: learned here, the
+            # move is counted before the declaration and settled by it.
+            await self._call("ping", self._client.ping())
+        moves = self._primary_moved.count(self._client)
         await self._run("e", replica, epoch)
+        self._primary_moved.settle(moves)
         self._declared.add(replica)
 
     async def retire_epoch(self, replica: ReplicaId, epoch: Epoch) -> None:

@@ -18,10 +18,12 @@ from bench.local_redis import LocalRedisSentinel
 from replica.fleet_store import RedisFleetStore
 from replica.vllm_plugin import redis_store
 from replica.vllm_plugin.keys import PluginKeys
+from routing.contracts import IndexUnavailable
 from routing.index.factory import build_index
 from routing.index.redis_client import connect
 from routing.index.stream_writer import StreamIndexWriter
 from routing.redis_clients import bounded_client
+from routing.redis_sentinel import PRIMARY_CHECK_S
 from routing.state import ReplicaState
 from routing.types import Epoch, ReplicaId
 from tests.support.polling import wait_until
@@ -160,6 +162,33 @@ def test_the_engine_plugins_synchronous_client_follows_a_failover(
         client.close()
 
 
+def test_the_engine_plugins_synchronous_client_follows_a_graceful_failover(
+    sentinel: LocalRedisSentinel,
+) -> None:
+    # The demoted primary takes writes until the Sentinels reconfigure it (~10 s): the plugin's
+    # client kept writing there, its keys aged out on the new primary, and a kernel-gated route
+    # answered 503 (the failover review). It now asks the Sentinels once a second.
+    client = redis_store.connect(sentinel.url, timeout_s=1.0)
+    keys = PluginKeys("fg-sentinel:", "r0")
+    store = redis_store.RedisStateStore(client, keys, ttl_s=30)
+    try:
+        store.write_engine({"state": "serving"})
+        old = int(client.info("server")["tcp_port"])
+        promoted = sentinel.fail_over()  # returns once the Sentinels name the new primary
+        # The next write after a check interval goes there, while the old primary would still
+        # take it for seconds.
+        time.sleep(PRIMARY_CHECK_S + 0.1)
+        store.write_engine({"state": "on the new primary"})
+        assert promoted != old and int(client.info("server")["tcp_port"]) == promoted
+        on_new = redis.Redis(port=promoted)
+        try:
+            assert on_new.hget(keys.engine(0), "state") == b"on the new primary"
+        finally:
+            on_new.close()
+    finally:
+        client.close()
+
+
 async def test_a_dead_sentinel_first_in_the_list_costs_one_refused_connect_not_retries(
     sentinel: LocalRedisSentinel,
 ) -> None:
@@ -229,6 +258,30 @@ async def test_after_a_graceful_failover_writes_follow_the_new_primary_and_write
         assert promoted != old and client.primary_changes == 1
         # Writes since the move may have gone to the old primary: re-record, once.
         assert not await writer.heartbeat_known(replica, 30)
+        assert await writer.heartbeat_known(replica, 30)
+    finally:
+        await writer.close()
+
+
+async def test_a_new_epoch_declared_after_the_move_needs_no_second_re_record(
+    sentinel: LocalRedisSentinel,
+) -> None:
+    # After a crash failover the agent's resync declared a new epoch and re-recorded every
+    # block on the new primary, then its heartbeat answered "forgotten" for the same move and
+    # everything was re-recorded a second time (the failover review).
+    writer = StreamIndexWriter(sentinel.url, key_prefix="fg-sentinel-epoch", timeout_s=1.0)
+    replica = ReplicaId("pool-a/r0")
+    try:
+        await writer.set_epoch(replica, Epoch(1))
+        assert await writer.heartbeat_known(replica, 30)
+        await asyncio.to_thread(sentinel.kill_primary)
+        for _ in range(50):  # the resync retries until Redis answers again
+            try:
+                await writer.set_epoch(replica, Epoch(2))
+                break
+            except IndexUnavailable:
+                await asyncio.sleep(0.1)
+        assert writer.client.primary_changes == 1
         assert await writer.heartbeat_known(replica, 30)
     finally:
         await writer.close()

@@ -91,3 +91,23 @@ async def test_agent_with_a_redis_fleet_builds_a_reader_on_the_fleet_prefix() ->
     assert agent.kernel_reader is not None
     assert agent.kernel_reader.key == "prod:replica:pod-7:kernels"
     await agent.kernel_reader.close()
+
+
+def test_a_known_kernel_set_read_as_none_is_kept_a_while() -> None:
+    # Redis lost the key (a restart without persistence): the plugin writes it again within a
+    # third of its TTL; published at once, the gap sent kernel-gated requests to 503.
+    from replica.agent.agent import KERNELS_GONE_AFTER_S
+
+    agent = ReplicaAgent(
+        AgentConfig(replica_id="r0", engine_url="http://127.0.0.1:1", model="tiny",
+                    listen_port=None),
+        fleet=MemoryFleetStore(),
+    )
+    agent._note_kernels({PLUGIN: "0.1.0"}, now=100.0)
+    agent._note_kernels({}, now=101.0)
+    agent._note_kernels({}, now=100.0 + KERNELS_GONE_AFTER_S)
+    assert agent.state().kernel_plugins == {PLUGIN: "0.1.0"}
+    agent._note_kernels({PLUGIN: "0.1.0"}, now=120.0)  # back: the wait starts again next time
+    agent._note_kernels({}, now=121.0)
+    agent._note_kernels({}, now=121.0 + KERNELS_GONE_AFTER_S)  # gone for good
+    assert agent.state().kernel_plugins == {}

@@ -258,10 +258,36 @@ def test_reconcile_drops_dead_processes_and_rebuilds_the_kernel_view() -> None:
     (batch,) = redis.executed
     assert redis.transactions == [True]  # readers never see the kernel hashes half-rebuilt
     assert ("hdel", (KEYS.kernel_procs, "200", "300"), {}) in batch
-    assert ("hset", (KEYS.kernel_procs, "1", json.dumps(own, sort_keys=True)), {}) in batch
+    live = {"100": json.dumps(report(100, "EngineCore", loaded={"acme": "1.0"}), sort_keys=True),
+            "1": json.dumps(own, sort_keys=True)}
+    assert ("hset", (KEYS.kernel_procs,), {"mapping": live}) in batch
     assert ("delete", (KEYS.kernels, KEYS.kernel_errors), {}) in batch
     assert ("hset", (KEYS.kernels,), {"mapping": {"acme": "1.0"}}) in batch
     assert not any(c == "hset" and a[0] == KEYS.kernel_errors for c, a, _ in batch)
+
+
+def test_reports_redis_lost_of_live_processes_are_re_asserted() -> None:
+    # Each process writes its report once, at start-up. After Redis lost them (a restart without
+    # persistence, FLUSHALL) the view held only the API server's own, and a kernel that failed in
+    # the model worker read as loaded (the failover review).
+    own = report(1, "MainProcess", loaded={"acme": "1.0", "fast": "2"})
+    worker = report(2, "VllmWorker-0", loaded={"acme": "1.0"}, failed={"fast": "E: no sm90"})
+    redis = FakeRedis({KEYS.kernel_procs: {b"2": json.dumps(worker).encode()}})
+    store = RedisStateStore(redis, KEYS, ttl_s=3)
+    alive = {1, 2}
+    store.write_engine(None, kernel_report=own, reconcile=True, is_alive=alive.__contains__)
+    redis.hashes.clear()  # Redis lost everything
+    store.write_engine(None, kernel_report=own, reconcile=True, is_alive=alive.__contains__)
+    batch = redis.executed[-1]
+    assert ("hset", (KEYS.kernels,), {"mapping": {"acme": "1.0"}}) in batch
+    assert ("hset", (KEYS.kernel_errors,), {"mapping": {"fast": "VllmWorker-0: E: no sm90"}}) in (
+        batch)
+    restored = {"1": json.dumps(own, sort_keys=True), "2": json.dumps(worker, sort_keys=True)}
+    assert ("hset", (KEYS.kernel_procs,), {"mapping": restored}) in batch
+    alive.discard(2)  # the worker ended: its report goes with it
+    store.write_engine(None, kernel_report=own, reconcile=True, is_alive=alive.__contains__)
+    batch = redis.executed[-1]
+    assert ("hset", (KEYS.kernels,), {"mapping": {"acme": "1.0", "fast": "2"}}) in batch
 
 
 def test_startup_report_adds_errors_with_the_process_and_a_long_ttl() -> None:
