@@ -152,13 +152,21 @@ def http_url(what: str) -> Callable[[str], str]:
     return check
 
 
+#: PromQL's duration units, largest first: a range names them in this order, each once.
+_PROMQL_UNITS = ("y", "w", "d", "h", "m", "s", "ms")
+
+
 def promql_duration(text: str) -> str:
-    """A PromQL range such as ``10m``, ``1h30m`` or ``90s``."""
+    """A PromQL range such as ``10m``, ``1h30m`` or ``90s``: units from the largest down, each
+    once, and not zero (Prometheus refuses ``1s5m`` and ``0s``; said here, as a usage error)."""
     import re
 
-    if not re.fullmatch(r"(\d+(ms|[smhdwy]))+", text):
+    pattern = "".join(f"(?:\\d+{unit})?" for unit in _PROMQL_UNITS)
+    parts = re.findall(r"(\d+)(ms|[smhdwy])", text)
+    if not text or not re.fullmatch(pattern, text) or not any(int(n) for n, _ in parts):
         raise argparse.ArgumentTypeError(
-            f"a PromQL duration is a number and a unit, e.g. 10m, 1h, 90s (got {text!r})"
+            "a PromQL duration is a number and a unit, larger units first and not zero, e.g. "
+            f"10m, 1h30m, 90s (got {text!r})"
         )
     return text
 

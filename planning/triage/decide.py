@@ -31,6 +31,10 @@ LORA_VARIANTS_THRESHOLD = 3
 LOW_UTILISATION = 0.60
 #: Average utilisation at or above this leaves no room for bursts.
 HIGH_UTILISATION = 0.80
+#: More than this share of requests missing an SLO is a p95 over it.
+SLO_MISS_SHARE = 0.05
+#: Flow control refusing this share of requests or more means the fleet is undersized.
+SHED_SIGNIFICANT = 0.01
 
 QUANTIZE_WEIGHTS = "quantize weights to FP8 (vLLM --quantization fp8) or INT4"
 FIX_LAYOUT = "fix the cache-busting prompt layout"
@@ -44,7 +48,10 @@ NO_SIGNALS = "no signals: not checked, cannot judge this route"
 def triage(metrics: RouteMetrics) -> list[Lever]:
     """Ordered levers for one route; see the module docstring for the chart."""
     levers: list[Lever] = []
-    ttft_over = _over(metrics.ttft_p95_ms, metrics.ttft_slo_ms)
+    shed = metrics.shed_share
+    if shed is not None and shed >= SHED_SIGNIFICANT:
+        _add(levers, _shedding(shed))
+    ttft_over = _over(metrics.ttft_p95_ms, metrics.ttft_slo_ms, metrics.ttft_slo_missed)
     if ttft_over:
         _add(levers, _prefix_caching(metrics))
         _add(levers, _queueing(metrics))
@@ -78,8 +85,8 @@ def triage(metrics: RouteMetrics) -> list[Lever]:
                 "BF16, 8 GB in FP8, 4 GB in INT4)",
             ),
         )
-    if _over(metrics.tpot_p95_ms, metrics.tpot_slo_ms):
-        tpot = f"TPOT p95 {metrics.tpot_p95_ms:g} ms is over its {metrics.tpot_slo_ms:g} ms SLO"
+    if _over(metrics.tpot_p95_ms, metrics.tpot_slo_ms, metrics.tpot_slo_missed):
+        tpot = _breach("TPOT", metrics.tpot_p95_ms, metrics.tpot_slo_ms, metrics.tpot_slo_missed)
         if metrics.quality_headroom:
             _add(
                 levers,
@@ -165,8 +172,33 @@ def unchecked(metrics: RouteMetrics) -> list[str]:
     return missing
 
 
-def _over(value: float | None, slo: float | None) -> bool:
-    return value is not None and slo is not None and value > slo
+def _over(value: float | None, slo: float | None, missed: float | None = None) -> bool:
+    """Over SLO: more than 5% of requests missed it where the gateway counted them (exact),
+    else the p95 (read from histogram buckets) is over it."""
+    if slo is None:
+        return False
+    if missed is not None:
+        return missed > SLO_MISS_SHARE
+    return value is not None and value > slo
+
+
+def _breach(name: str, p95: float | None, slo: float | None, missed: float | None) -> str:
+    """How ``name`` is over its SLO, in words."""
+    if missed is not None:
+        approx = f" (p95 about {p95:,.0f} ms)" if p95 is not None else ""
+        return f"{missed:.0%} of requests missed the {slo:,.0f} ms {name} SLO{approx}"
+    return f"{name} p95 {p95:,.0f} ms is over its {slo:,.0f} ms SLO"
+
+
+def _shedding(shed: float) -> Lever:
+    return Lever(
+        "queueing",
+        "add replicas",
+        f"flow control refused {shed:.0%} of requests (429) because the fleet was saturated; "
+        "the latencies here are the admitted requests' only, so they understate the overload. "
+        "Admission control is already on: the fleet is too small for this load (size it with "
+        "`fleetgate plan capacity`), or lower the traffic it promises",
+    )
 
 
 def _add(levers: list[Lever], lever: Lever | None) -> None:
@@ -209,7 +241,9 @@ def _prefix_caching(metrics: RouteMetrics) -> Lever | None:
 
 
 def _queueing(metrics: RouteMetrics) -> Lever:
-    ttft = f"TTFT p95 {metrics.ttft_p95_ms:g} ms is over its {metrics.ttft_slo_ms:g} ms SLO"
+    ttft = _breach("TTFT", metrics.ttft_p95_ms, metrics.ttft_slo_ms, metrics.ttft_slo_missed)
+    if metrics.shed_share is not None and metrics.shed_share >= SHED_SIGNIFICANT:
+        return _shedding(metrics.shed_share)  # the same lever, merged: said once
     utilisation = metrics.utilisation
     if utilisation is None:
         why = (
@@ -218,20 +252,22 @@ def _queueing(metrics: RouteMetrics) -> Lever:
         )
     elif utilisation < LOW_UTILISATION:
         why = (
-            f"{ttft} while average utilisation is only {utilisation:.0%}: capacity planned from "
-            "averages; bursts queue even when the mean looks idle. Size for p95 TTFT at the "
-            "busiest window's rate (`fleetgate plan capacity`), and add admission control"
+            f"{ttft} while replicas are busy only {utilisation:.0%} of the time: capacity "
+            "planned from averages; bursts queue even when the mean looks idle. Size for p95 "
+            "TTFT at the busiest window's rate (`fleetgate plan capacity`), and add admission "
+            "control"
         )
     elif utilisation >= HIGH_UTILISATION:
         why = (
-            f"{ttft} at {utilisation:.0%} utilisation, past the knee of the TTFT curve: add "
+            f"{ttft} with replicas busy {utilisation:.0%} of the time (some request running: "
+            "not how full their batches are): requests likely queue for the engines; add "
             "replicas (size with `fleetgate plan capacity`) and shed or queue excess load "
-            "with admission control"
+            "with admission control (flow control)"
         )
     else:
         why = (
-            f"{ttft} at {utilisation:.0%} utilisation; queueing grows fast from here: add "
-            "replicas (`fleetgate plan capacity`) and admission control"
+            f"{ttft} with replicas busy {utilisation:.0%} of the time; queueing grows fast "
+            "from here: add replicas (`fleetgate plan capacity`) and admission control"
         )
     return Lever("queueing", "add replicas and admission control", why)
 
@@ -254,13 +290,20 @@ def _headroom(metrics: RouteMetrics) -> Lever:
     if metrics.ttft_p95_ms is not None and metrics.ttft_slo_ms is not None:
         spare = 1 - metrics.ttft_p95_ms / metrics.ttft_slo_ms
         facts.append(
-            f"TTFT p95 {metrics.ttft_p95_ms:g} ms vs {metrics.ttft_slo_ms:g} ms SLO "
+            f"TTFT p95 {metrics.ttft_p95_ms:,.0f} ms vs {metrics.ttft_slo_ms:,.0f} ms SLO "
             f"({spare:.0%} headroom)"
         )
     if metrics.tpot_p95_ms is not None and metrics.tpot_slo_ms is not None:
-        facts.append(f"TPOT p95 {metrics.tpot_p95_ms:g} ms vs {metrics.tpot_slo_ms:g} ms SLO")
+        facts.append(
+            f"TPOT p95 {metrics.tpot_p95_ms:,.1f} ms vs {metrics.tpot_slo_ms:,.0f} ms SLO"
+        )
+    for name, missed in (("TTFT", metrics.ttft_slo_missed), ("TPOT", metrics.tpot_slo_missed)):
+        if missed is not None:
+            facts.append(f"{missed:.1%} missed the {name} SLO")
     if metrics.utilisation is not None:
-        facts.append(f"utilisation {metrics.utilisation:.0%}")
+        facts.append(f"replicas busy {metrics.utilisation:.0%} of the time")
+    if metrics.shed_share is not None:
+        facts.append(f"flow control refused {metrics.shed_share:.1%}")
     missing = unchecked(metrics)
     summary = "; ".join(facts) if facts else "no rule fired"
     if missing:

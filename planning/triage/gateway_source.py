@@ -38,6 +38,10 @@ def parse_gateway_metrics(text: str) -> dict[str, RouteMetrics]:
     busting: dict[str, bool] = {}
     models: dict[str, set[str]] = defaultdict(set)
     slos: dict[str, dict[str, float]] = defaultdict(dict)
+    # route -> slo -> outcome -> requests (the gateway's exact SLO accounting).
+    outcomes: dict[str, dict[str, dict[str, float]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(float))
+    )
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as exc:
@@ -59,6 +63,9 @@ def parse_gateway_metrics(text: str) -> dict[str, RouteMetrics]:
                 models[route].add(sample.labels.get("model", ""))
             elif sample.name == "fleetgate_route_slo_seconds" and sample.value > 0:
                 slos[route][sample.labels.get("slo", "")] = sample.value * 1000.0
+            elif sample.name == "fleetgate_slo_requests_total":
+                slo, outcome = sample.labels.get("slo", ""), sample.labels.get("outcome", "")
+                outcomes[route][slo][outcome] += sample.value
     routes = sorted(set(ttft) | set(tpot) | set(repeat) | set(busting) | set(models))
     result = {}
     for route in routes:
@@ -72,6 +79,8 @@ def parse_gateway_metrics(text: str) -> dict[str, RouteMetrics]:
                 cache_busting_layout=busting.get(route),
                 # Distinct models behind one route: fine-tunes deployed as full models.
                 fine_tuned_variants=len(models[route]) if route in models else None,
+                ttft_slo_missed=_missed(outcomes[route]["ttft"]) if route in outcomes else None,
+                tpot_slo_missed=_missed(outcomes[route]["tpot"]) if route in outcomes else None,
             )
         except MetricsError as exc:
             raise SourceError(f"route {route}: {exc}") from exc
@@ -83,3 +92,9 @@ def _p95_ms(buckets: dict[float, float] | None) -> float | None:
         return None
     seconds = histogram_quantile(0.95, buckets.items())
     return None if seconds is None else seconds * 1000.0
+
+
+def _missed(counts: dict[str, float]) -> float | None:
+    """The share of requests that missed, of those counted (None: none counted)."""
+    total = counts.get("met", 0.0) + counts.get("missed", 0.0)
+    return counts.get("missed", 0.0) / total if total > 0 else None

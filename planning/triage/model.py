@@ -99,8 +99,17 @@ class RouteMetrics:
     quality_headroom: bool = False
     #: True when the gateway saw shared content behind a unique first block (e.g. a timestamp).
     cache_busting_layout: bool | None = None
-    #: Average share of replica time busy.
+    #: Average share of replica time with at least one request of this gateway's running (busy
+    #: time, not batch slots: continuous batching makes a replica "busy" long before it is full).
     utilisation: float | None = None
+    #: Share of requests that missed the TTFT / TPOT SLO (the gateway's exact count,
+    #: ``fleetgate_slo_requests_total``): decides "over SLO" where known (more than 5% missed is
+    #: a p95 over it), since a p95 read from histogram buckets is interpolated.
+    ttft_slo_missed: float | None = None
+    tpot_slo_missed: float | None = None
+    #: Share of requests flow control refused because the fleet was saturated (429; token
+    #: budgets not counted), fleet-wide: latencies then describe only the admitted ones.
+    shed_share: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("ttft_p95_ms", "tpot_p95_ms", "preemptions_per_min", "waiting_mean"):
@@ -108,7 +117,10 @@ class RouteMetrics:
         _check_number("waiting_growth_per_min", self.waiting_growth_per_min, low=-math.inf)
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             _check_number(name, getattr(self, name), low=0.0, exclusive=True)
-        for name in ("shared_prefix_fraction", "kv_cache_usage", "utilisation"):
+        for name in (
+            "shared_prefix_fraction", "kv_cache_usage", "utilisation", "ttft_slo_missed",
+            "tpot_slo_missed", "shed_share",
+        ):
             _check_number(name, getattr(self, name), low=0.0, high=1.0)
         variants = self.fine_tuned_variants
         if variants is not None and (

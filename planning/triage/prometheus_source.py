@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -33,6 +34,16 @@ ROUTE_QUERIES: dict[str, str] = {
     "fine_tuned_variants": (
         "count by (route) (sum by (route, model) (rate(fleetgate_requests_total[{w}])) > 0)"
     ),
+    # The gateway's exact SLO accounting: the verdict, where the p95 above is interpolated
+    # inside histogram buckets (a 280 ms SLO in a 150-300 ms bucket read as breached).
+    "ttft_slo_missed": (
+        'sum by (route) (increase(fleetgate_slo_requests_total{{slo="ttft",outcome="missed"}}'
+        '[{w}])) / sum by (route) (increase(fleetgate_slo_requests_total{{slo="ttft"}}[{w}]))'
+    ),
+    "tpot_slo_missed": (
+        'sum by (route) (increase(fleetgate_slo_requests_total{{slo="tpot",outcome="missed"}}'
+        '[{w}])) / sum by (route) (increase(fleetgate_slo_requests_total{{slo="tpot"}}[{w}]))'
+    ),
 }
 FLEET_QUERIES: dict[str, str] = {
     # The fullest replica is the one that preempts; average over the window, max over replicas.
@@ -41,6 +52,12 @@ FLEET_QUERIES: dict[str, str] = {
     "waiting_mean": "avg(avg_over_time(vllm:num_requests_waiting[{w}]))",
     # Queue growth per replica per minute, as `fleetgate advise --prometheus` reads it.
     "waiting_growth_per_min": "60 * avg(deriv(vllm:num_requests_waiting[{w}]))",
+    # Requests flow control refused for saturation, of those it decided (a queued one is
+    # decided once more when it leaves the queue: admitted, shed, abandoned or failed).
+    "shed_share": (
+        'sum(increase(fleetgate_flow_decisions_total{{decision="shed",reason!="token_budget"}}[{w}]))'
+        ' / sum(increase(fleetgate_flow_decisions_total{{decision!="queue"}}[{w}]))'
+    ),
     # Replica-seconds attributed to requests per second of wall time, per healthy replica.
     "utilisation": (
         "sum(rate(fleetgate_replica_seconds_total[{w}])) / "
@@ -48,7 +65,8 @@ FLEET_QUERIES: dict[str, str] = {
     ),
 }
 
-_SLO_FIELDS = frozenset({"ttft_slo_ms", "tpot_slo_ms"})
+#: Fields only a route with requests in the window has.
+_TRAFFIC_FIELDS = frozenset({"ttft_p95_ms", "tpot_p95_ms", "fine_tuned_variants"})
 
 _CONVERT: dict[str, Callable[[float], object]] = {
     "cache_busting_layout": lambda value: value >= 1,
@@ -58,17 +76,39 @@ _CONVERT: dict[str, Callable[[float], object]] = {
 }
 
 
+def _scrubbed(text: str, base_url: str) -> str:
+    """``text`` without the password of ``base_url``'s user-info (basic auth in the URL): error
+    messages are printed, and CI and incident logs keep them (the Prometheus review)."""
+    password = urlsplit(base_url).password
+    return text.replace(f":{password}@", ":***@") if password else text
+
+
 def query(client: httpx.Client, base_url: str, promql: str) -> list[tuple[dict[str, str], float]]:
     """Run an instant query; returns (labels, value) for each series with a finite value."""
     url = base_url.rstrip("/") + "/api/v1/query"
+    shown = _scrubbed(url, base_url)
     try:
         response = client.get(url, params={"query": promql})
+    except httpx.HTTPError as exc:
+        raise SourceError(_scrubbed(f"{shown}: {exc}", base_url)) from exc
+    try:
         body = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        raise SourceError(f"{url}: {exc}") from exc
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        # Not Prometheus's JSON: an auth proxy's 401, a wrong path's 404 page.
+        hint = {
+            401: " (unauthorised: put the user and password in the URL, http://USER:PASS@host)",
+            403: " (forbidden)",
+            404: " (not found: is this a Prometheus base URL, without /api/v1?)",
+        }.get(response.status_code, "")
+        raise SourceError(
+            f"{shown}: HTTP {response.status_code} {response.reason_phrase}{hint}, not "
+            "Prometheus's JSON answer"
+        )
     if body.get("status") != "success":
         raise SourceError(
-            f"{url}: query failed ({body.get('error', response.status_code)}): {promql}"
+            f"{shown}: query failed ({body.get('error', response.status_code)}): {promql}"
         )
     series = []
     for item in body["data"]["result"]:
@@ -88,8 +128,9 @@ def fetch_prometheus_metrics(
             route = labels.get("route")
             if route is not None and route != UNROUTED:
                 per_route.setdefault(route, {})[field] = _CONVERT.get(field, float)(value)
-    # A route that declares SLOs but saw no traffic in the window has nothing to triage.
-    per_route = {route: v for route, v in per_route.items() if set(v) - _SLO_FIELDS}
+    # A route that saw no traffic in the window has nothing to triage (its declared SLOs and
+    # the gauges it set earlier stay: they do not make it a route with requests).
+    per_route = {route: v for route, v in per_route.items() if set(v) & _TRAFFIC_FIELDS}
     fleet: dict[str, object] = {}
     for field, template in FLEET_QUERIES.items():
         results = query(client, base_url, template.format(w=window))
@@ -100,4 +141,4 @@ def fetch_prometheus_metrics(
             route: RouteMetrics(**(values | fleet)) for route, values in sorted(per_route.items())
         }
     except MetricsError as exc:
-        raise SourceError(f"{base_url}: {exc}") from exc
+        raise SourceError(f"{_scrubbed(base_url, base_url)}: {exc}") from exc

@@ -23,25 +23,30 @@ def describe(metrics: RouteMetrics) -> str:
     """The signals triage saw, on one line; unknown ones are left out."""
     parts = []
     if metrics.ttft_p95_ms is not None:
-        slo = f" (SLO {metrics.ttft_slo_ms:g})" if metrics.ttft_slo_ms is not None else ""
-        parts.append(f"TTFT p95 {metrics.ttft_p95_ms:.0f} ms{slo}")
+        slo = f" (SLO {metrics.ttft_slo_ms:,.0f})" if metrics.ttft_slo_ms is not None else ""
+        parts.append(f"TTFT p95 {metrics.ttft_p95_ms:,.0f} ms{slo}")
     if metrics.tpot_p95_ms is not None:
-        slo = f" (SLO {metrics.tpot_slo_ms:g})" if metrics.tpot_slo_ms is not None else ""
+        slo = f" (SLO {metrics.tpot_slo_ms:,.0f})" if metrics.tpot_slo_ms is not None else ""
         parts.append(f"TPOT p95 {metrics.tpot_p95_ms:.1f} ms{slo}")
     if metrics.shared_prefix_fraction is not None:
         parts.append(f"shared prefix {metrics.shared_prefix_fraction:.0%}")
     if metrics.kv_cache_usage is not None:
         parts.append(f"KV {metrics.kv_cache_usage:.0%}")
     if metrics.preemptions_per_min is not None:
-        parts.append(f"{metrics.preemptions_per_min:g} preemptions/min")
+        parts.append(f"{metrics.preemptions_per_min:.1f} preemptions/min")
     if metrics.waiting_mean is not None:
         parts.append(f"{metrics.waiting_mean:.1f} waiting")
     if metrics.waiting_growth_per_min is not None:
         parts.append(f"queue {metrics.waiting_growth_per_min:+.1f}/min")
     if metrics.fine_tuned_variants is not None:
         parts.append(f"fine-tuned variants {metrics.fine_tuned_variants}")
+    for name, missed in (("TTFT", metrics.ttft_slo_missed), ("TPOT", metrics.tpot_slo_missed)):
+        if missed is not None:
+            parts.append(f"{missed:.1%} missed the {name} SLO")
     if metrics.utilisation is not None:
-        parts.append(f"utilisation {metrics.utilisation:.0%}")
+        parts.append(f"replicas busy {metrics.utilisation:.0%}")
+    if metrics.shed_share is not None:
+        parts.append(f"flow control refused {metrics.shed_share:.1%}")
     if metrics.cache_busting_layout:
         parts.append("CACHE-BUSTING LAYOUT")
     return ", ".join(parts) or "no signals"

@@ -4,6 +4,7 @@ that cannot work."""
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import socket
 import sys
@@ -296,3 +297,19 @@ def test_a_folder_given_as_a_profile_is_called_a_folder(
     (tmp_path / "adir").mkdir()
     assert main(["sim", "--profile", "adir", "--port", "0"]) == 2
     assert "adir is a folder, not a profile YAML or a preset name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window", ["10m", "1h30m", "90s", "500ms", "1d2h3m4s5ms"])
+def test_a_promql_window_prometheus_takes(window: str) -> None:
+    from fleetgate.commands._args import promql_duration
+
+    assert promql_duration(window) == window
+
+
+@pytest.mark.parametrize("window", ["1s5m", "0s", "0m0s", "10", "", "5m5m"])
+def test_a_promql_window_prometheus_refuses_is_a_usage_error(window: str) -> None:
+    # Prometheus refuses these; passed through they exited 1 as "cannot read metrics".
+    from fleetgate.commands._args import promql_duration
+
+    with pytest.raises(argparse.ArgumentTypeError, match="larger units first and not zero"):
+        promql_duration(window)

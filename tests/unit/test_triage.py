@@ -119,7 +119,7 @@ def test_kv_pressure_and_tpot_with_headroom_merge_into_one_weight_lever() -> Non
     [
         (0.3, "capacity planned from averages"),
         (0.7, "queueing grows fast"),
-        (0.92, "past the knee"),
+        (0.92, "requests likely queue"),
         (None, "check utilisation"),
     ],
 )
@@ -257,3 +257,25 @@ def test_queue_growth_alone_makes_high_kv_usage_checkable() -> None:
 def test_queue_growth_must_be_a_finite_number(bad: object) -> None:
     with pytest.raises(ValueError, match="waiting_growth_per_min"):
         RouteMetrics(waiting_growth_per_min=bad)  # type: ignore[arg-type]
+
+
+def test_the_exact_miss_share_decides_over_slo_not_the_bucketed_p95() -> None:
+    # A 280 ms TPOT SLO inside a 150-300 ms bucket: the interpolated p95 read 293 ms while the
+    # gateway counted 0.2% missed (the Prometheus review). More than 5% missed is a p95 over it.
+    within = RouteMetrics(tpot_p95_ms=293.0, tpot_slo_ms=280.0, tpot_slo_missed=0.002)
+    assert [lever.category for lever in triage(within)] == ["capacity-headroom"]
+    over = RouteMetrics(ttft_p95_ms=1400.0, ttft_slo_ms=1500.0, ttft_slo_missed=0.12)
+    queueing = next(lever for lever in triage(over) if lever.category == "queueing")
+    assert "12% of requests missed the 1,500 ms TTFT SLO (p95 about 1,400 ms)" in queueing.reason
+
+
+def test_flow_control_shedding_says_the_fleet_is_too_small_not_add_admission_control() -> None:
+    # Refusing 87% of standard traffic, triage advised "add admission control" (already on) and
+    # never named the refusals; the admitted requests' latencies looked almost fine.
+    levers = triage(RouteMetrics(ttft_p95_ms=7400.0, ttft_slo_ms=1500.0, shed_share=0.62))
+    first = levers[0]
+    assert (first.category, first.action) == ("queueing", "add replicas")
+    assert "refused 62% of requests" in first.reason
+    assert all(lever.action != "add replicas and admission control" for lever in levers)
+    calm = triage(RouteMetrics(ttft_p95_ms=700.0, ttft_slo_ms=1500.0, shed_share=0.3))
+    assert calm[0].action == "add replicas"  # within SLO for those admitted, still undersized

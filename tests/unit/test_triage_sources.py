@@ -113,6 +113,11 @@ def _vector(*series: tuple[dict, str]) -> dict:
 
 
 PROMETHEUS_ANSWERS = {
+    'fleetgate_slo_requests_total{slo="ttft",outcome="missed"}': _vector(
+        ({"route": "rag"}, "0.12")
+    ),
+    'fleetgate_slo_requests_total{slo="tpot",outcome="missed"}': _vector(({"route": "rag"}, "0")),
+    "fleetgate_flow_decisions_total": _vector(({}, "0.25")),
     "fleetgate_requests_total": _vector(({"route": "rag"}, "1"), ({"route": "unrouted"}, "1")),
     'fleetgate_route_slo_seconds{slo="ttft"}': _vector(
         ({"route": "rag"}, "2000"), ({"route": "declared-but-idle"}, "800")
@@ -122,7 +127,10 @@ PROMETHEUS_ANSWERS = {
         ({"route": "rag"}, "2400"), ({"route": "idle"}, "NaN")
     ),
     "fleetgate_tpot_seconds_bucket": _vector(({"route": "rag"}, "38.5")),
-    "fleetgate_prefix_repeat_fraction": _vector(({"route": "rag"}, "0.7")),
+    # A gauge keeps its value after the traffic stopped: no route of its own.
+    "fleetgate_prefix_repeat_fraction": _vector(
+        ({"route": "rag"}, "0.7"), ({"route": "gone"}, "1")
+    ),
     "fleetgate_cache_busting_layout": _vector(({"route": "rag"}, "0")),
     "vllm:kv_cache_usage_perc": _vector(({}, "0.93")),
     "vllm:num_preemptions_total": _vector(({}, "2")),
@@ -153,6 +161,7 @@ def test_prometheus_per_route_and_fleet_signals() -> None:
     assert rag.fine_tuned_variants == 1
     assert (rag.kv_cache_usage, rag.preemptions_per_min, rag.utilisation) == (0.93, 2.0, 0.4)
     assert rag.waiting_mean == 3.5
+    assert (rag.ttft_slo_missed, rag.tpot_slo_missed, rag.shed_share) == (0.12, 0.0, 0.25)
 
 
 def test_prometheus_query_errors_are_reported() -> None:
@@ -196,3 +205,40 @@ def test_prometheus_reads_queue_growth_as_advise_does() -> None:
         routes = fetch_prometheus_metrics("http://prom:9090", client, window="30m")
     assert routes["rag"].waiting_growth_per_min == 3.0
     assert routes["rag"].waiting_mean == 0.5
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "says"),
+    [
+        (401, "Unauthorized", "HTTP 401 Unauthorized (unauthorised: put the user and password"),
+        (404, "404 page not found", "HTTP 404 Not Found (not found: is this a Prometheus base URL"),
+        (400, '{"status": "error", "error": "bad window"}', "query failed (bad window)"),
+    ],
+)
+def test_prometheus_errors_say_what_answered_and_never_the_password(
+    status: int, body: str, says: str
+) -> None:
+    # A 401 read as "Expecting value: line 1 column 1", and every message printed the URL with
+    # its basic-auth password (the Prometheus review).
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, text=body)
+
+    with (
+        httpx.Client(transport=httpx.MockTransport(handler)) as client,
+        pytest.raises(SourceError) as raised,
+    ):
+        fetch_prometheus_metrics("http://sre:s3cret@prom:9090", client)
+    assert says in str(raised.value)
+    assert "s3cret" not in str(raised.value) and "sre:***@prom:9090" in str(raised.value)
+
+
+def test_an_unreachable_prometheus_error_hides_the_password() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError(f"cannot connect to {request.url}")
+
+    with (
+        httpx.Client(transport=httpx.MockTransport(handler)) as client,
+        pytest.raises(SourceError) as raised,
+    ):
+        fetch_prometheus_metrics("http://sre:s3cret@prom:9090", client)
+    assert "s3cret" not in str(raised.value)
