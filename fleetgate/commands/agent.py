@@ -196,11 +196,14 @@ async def _serve(config: AgentConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await agent.start()
-    logging.getLogger("fleetgate.agent").info(
-        "agent for %s on engine %s; /metrics and /health on port %s",
+    log = logging.getLogger("fleetgate.agent")
+    log.info(
+        "agent for %s on engine %s; %s",
         config.replica_id,
         config.engine_url,
-        agent.listen_port,
+        "no /metrics or /health (--listen off)"
+        if agent.listen_port is None
+        else f"/metrics and /health on port {agent.listen_port}",
     )
     waiter = asyncio.create_task(stop.wait())
     loops = asyncio.create_task(agent.wait())
@@ -213,6 +216,8 @@ async def _serve(config: AgentConfig) -> None:
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loops
+        if stop.is_set():  # said, so the log tells why the replica left the gateways
+            log.info("agent for %s stopping: leaving the fleet", config.replica_id)
         await agent.stop()
 
 

@@ -113,6 +113,7 @@ class ReplicaAgent:
             model=config.model, map_capacity=config.map_capacity,
         )
         self.applier.on_epoch_change(self._epoch_changed)
+        self.metrics.index_behind(lambda: self.applier.dirty)
         self.scraper = EngineScraper(config.engine_url)
         # The engine's vLLM plugin records its kernel plugins in the fleet's Redis.
         self.kernel_reader = build_kernel_reader(
@@ -160,6 +161,8 @@ class ReplicaAgent:
         self._registered_epoch: Epoch | None = None
         #: The last fleet-store write failed (its warning is logged once per outage).
         self._fleet_store_down = False
+        #: The fleet store ever took this replica's registration (else leaving removes nothing).
+        self._ever_registered = False
         self._wake_publisher = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
@@ -211,8 +214,10 @@ class ReplicaAgent:
                 await self.fleet.remove(self.replica)
             except FleetStoreUnavailable as exc:
                 # Gateways keep routing to an engine that still answers until they hear it left
-                # (or an hour passes): say so, the operator may need to stop the engine too.
-                logger.warning(
+                # (or an hour passes): say so, the operator may need to stop the engine too. A
+                # replica never registered is known to no gateway through the store.
+                log = logger.warning if self._ever_registered else logger.debug
+                log(
                     "could not remove replica %s from the fleet store (%s): gateways keep "
                     "routing to it while its engine answers, for up to an hour",
                     self.replica,
@@ -669,6 +674,7 @@ class ReplicaAgent:
             if state.epoch != self._registered_epoch:
                 await self.fleet.register(state, self.config.heartbeat_ttl_s)
                 self._registered_epoch = state.epoch
+                self._ever_registered = True
             else:
                 await self.fleet.publish(state, self.config.heartbeat_ttl_s)
         except FleetStoreUnavailable as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -61,6 +63,14 @@ class AgentMetrics:
             "fleetgate_agent_engine_up", "1 when the engine's /health answers", labels,
             registry=self.registry,
         )
+        self._index_behind = Gauge(
+            "fleetgate_agent_index_behind",
+            "1 while the index may miss what the engine holds (a Redis write failed, or Redis "
+            "lost the entries) until a resync re-records it: the applied-events counter and the "
+            "lag say nothing then",
+            labels,
+            registry=self.registry,
+        )
         self._scrape = Histogram(
             "fleetgate_agent_metrics_scrape_seconds", "Time to scrape the engine's /metrics",
             labels, registry=self.registry,
@@ -93,6 +103,10 @@ class AgentMetrics:
 
     def index_lost(self) -> None:
         self._index_lost.labels(self.replica).inc()
+
+    def index_behind(self, read: Callable[[], bool]) -> None:
+        """Read at each scrape whether the index is behind the engine (``read``)."""
+        self._index_behind.labels(self.replica).set_function(lambda: 1.0 if read() else 0.0)
 
     def engine_up(self, up: bool) -> None:
         self._engine_up.labels(self.replica).set(1 if up else 0)

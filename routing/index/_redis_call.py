@@ -25,4 +25,6 @@ async def call_redis(what: str, timeout_s: float, operation: Awaitable[_T]) -> _
             return await operation
     # ``RedisClusterException`` is not a ``RedisError``: a cluster with every node down raises it.
     except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
-        raise IndexUnavailable(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+        # A time-out carries no message: say what it waited ("TimeoutError: " said nothing).
+        detail = str(exc) or f"no answer within {timeout_s:g} s"
+        raise IndexUnavailable(f"{what} failed: {type(exc).__name__}: {detail}") from exc

@@ -118,6 +118,12 @@ async def test_agents_republish_and_gateways_rebuild_after_a_flush(
             await wait_until(rebuilt, "the mirror to notice the flush and rebuild")
         await wait_until(held, "the agent to re-publish its engine's blocks", timeout_s=15)
         assert agent.metrics.value("fleetgate_agent_index_lost_total") >= 1
+        # Behind while it re-records, caught up once the resync ran (the failover review: the
+        # applied-events counter and the lag looked healthy through the outage).
+        await wait_until(
+            lambda: agent.metrics.value("fleetgate_agent_index_behind") == 0.0,
+            "the agent to say the index caught up",
+        )
         assert agent.applier.epoch != epoch_before
         if write_after_flush:
             assert await gateway_index.match(LATER_CHAIN) == {"pool/r0": 2}

@@ -111,3 +111,14 @@ def test_a_known_kernel_set_read_as_none_is_kept_a_while() -> None:
     agent._note_kernels({}, now=121.0)
     agent._note_kernels({}, now=121.0 + KERNELS_GONE_AFTER_S)  # gone for good
     assert agent.state().kernel_plugins == {}
+
+
+def test_the_agent_says_when_the_index_is_behind_its_engine() -> None:
+    agent = ReplicaAgent(
+        AgentConfig(replica_id="r0", engine_url="http://127.0.0.1:1", model="tiny",
+                    listen_port=None),
+        fleet=MemoryFleetStore(),
+    )
+    assert agent.metrics.value("fleetgate_agent_index_behind") == 0.0
+    agent.applier.dirty = True  # a Redis write failed: a resync must re-record
+    assert agent.metrics.value("fleetgate_agent_index_behind") == 1.0
