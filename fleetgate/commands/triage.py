@@ -42,12 +42,15 @@ input file (YAML or JSON), one route or a mapping of route -> these keys (all op
   ttft_p95_ms, ttft_slo_ms, tpot_p95_ms, tpot_slo_ms, shared_prefix_fraction (0..1),
   kv_cache_usage (0..1), preemptions_per_min, waiting_mean (requests waiting per replica),
   waiting_growth_per_min (queue growth per replica, requests/min; may be negative),
-  fine_tuned_variants, quality_headroom (bool), cache_busting_layout (bool), utilisation (0..1)
+  fine_tuned_variants, quality_headroom (bool), cache_busting_layout (bool), utilisation (0..1),
+  ttft_slo_missed, tpot_slo_missed (0..1, share of requests that missed: decides over-SLO),
+  shed_share (0..1, share flow control refused for saturation)
 
 examples:
   fleetgate triage --input routes.yaml
   fleetgate triage --gateway http://localhost:8000 --slo-ttft-ms 1000 --slo-tpot-ms 50
   fleetgate triage --prometheus http://prometheus:9090 --window 30m --slo-ttft-ms 800 --json
+  fleetgate triage --prometheus http://prometheus:9090 --window 15m --selector 'namespace="prod"'
 
 --json prints [{"lever": CATEGORY, "reason": TEXT}, ...] for a single-route file, else
 {ROUTE: [...]}. Categories: prefix-caching, queueing, kv-quantization, weight-quantization,
@@ -79,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="PromQL range for rates and percentiles (default: 10m)",
     )
     parser.add_argument(
+        "--selector", type=_label_matchers, default="", metavar="MATCHERS",
+        help="--prometheus: read only the series with these labels, e.g. "
+        "'namespace=\"prod\"' (one Prometheus scraping staging and production mixed them)",
+    )
+    parser.add_argument(
         # The spelling of simulate, advise and plan first; the older one still works.
         "--slo-ttft-ms", "--ttft-slo-ms", dest="ttft_slo_ms", type=positive_float,
         help="TTFT p95 SLO for routes whose input has none",
@@ -105,6 +113,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: One PromQL label matcher: a label name, an operator, a double-quoted value.
+_MATCHER = r'\s*[a-zA-Z_][a-zA-Z0-9_]*\s*(=~|!~|!=|=)\s*"(?:[^"\\]|\\.)*"\s*'
+
+
+def _label_matchers(text: str) -> str:
+    """``name="value"`` matchers, comma-separated (PromQL's inside ``{}``), or a usage error."""
+    import re
+
+    text = text.strip().removeprefix("{").removesuffix("}").strip()
+    if text and not re.fullmatch(f"{_MATCHER}(,{_MATCHER})*,?", text):
+        raise argparse.ArgumentTypeError(
+            f"label matchers such as namespace=\"prod\",job=~\"fleetgate.*\" (got {text!r})"
+        )
+    return text.rstrip(",")
+
+
+#: The share of the window the data must cover before rates over it are trusted.
+_COVERED = 0.8
+
+
 def load(args: argparse.Namespace) -> dict[str, RouteMetrics]:
     """Route metrics from the chosen source, with command-line defaults filled in."""
     if args.input:
@@ -114,7 +142,10 @@ def load(args: argparse.Namespace) -> dict[str, RouteMetrics]:
             if args.gateway:
                 routes = fetch_gateway_metrics(args.gateway, client)
             else:
-                routes = fetch_prometheus_metrics(args.prometheus, client, args.window)
+                routes = fetch_prometheus_metrics(
+                    args.prometheus, client, args.window, args.selector
+                )
+                _warn_when_short(args, client)
     defaults = RouteMetrics(
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
@@ -130,6 +161,31 @@ def load(args: argparse.Namespace) -> dict[str, RouteMetrics]:
     return {name: metrics.merged(defaults) for name, metrics in routes.items()}
 
 
+def _warn_when_short(args: argparse.Namespace, client: httpx.Client) -> None:
+    """Say when the gateway's series reach back less than the window: every rate over it
+    (utilisation, preemptions, refusals) is then diluted (a fleet 99% busy read 12% in a 1h
+    window three minutes after the data began: the Prometheus review)."""
+    from planning.triage.prometheus_source import window_coverage_s
+
+    covered = window_coverage_s(args.prometheus, client, args.window, args.selector)
+    window_s = _seconds(args.window)
+    if covered is not None and covered < _COVERED * window_s:
+        print(
+            f"fleetgate triage: warning: the gateway's series cover only the last {covered:.0f} s "
+            f"of the {args.window} window: rates over it are diluted; pass --window "
+            f"{max(1, int(covered))}s",
+            file=sys.stderr,
+        )
+
+
+def _seconds(duration: str) -> float:
+    """A PromQL duration (checked by ``promql_duration``) in seconds."""
+    import re
+
+    scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+    return sum(int(n) * scale[unit] for n, unit in re.findall(r"(\d+)(ms|[smhdwy])", duration))
+
+
 def _advice(path: str) -> dict[str, list[Any]]:
     """Advise's rows per pool for the snapshot at ``path`` (the flags triage's levers name)."""
     from planning.advise.decide import advise
@@ -140,6 +196,10 @@ def _advice(path: str) -> dict[str, list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     """Triage every route; exit 2 on bad input, 1 when a source cannot be read."""
+    if args.selector and not args.prometheus:
+        print("fleetgate triage: error: --selector reads Prometheus: give --prometheus URL",
+              file=sys.stderr)
+        return 2
     try:
         routes = load(args)
     except MetricsError as exc:
@@ -149,7 +209,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"fleetgate triage: cannot read metrics: {exc}", file=sys.stderr)
         return 1
     if not routes:
-        print("fleetgate triage: the source has no per-route metrics yet", file=sys.stderr)
+        print(
+            "fleetgate triage: no route had requests in what the source holds"
+            + (
+                f" (the last {args.window}: a window shorter than two scrapes holds none; "
+                "check --selector too)"
+                if args.prometheus
+                else ""
+            ),
+            file=sys.stderr,
+        )
         return 1
     results = {name: triage(metrics) for name, metrics in routes.items()}
     if args.advice:

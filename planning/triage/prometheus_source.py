@@ -14,56 +14,66 @@ import httpx
 
 from planning.triage.model import UNROUTED, MetricsError, RouteMetrics, SourceError
 
-#: field -> PromQL, ``{w}`` is the window. Per-route queries aggregate ``by (route)``.
+#: field -> PromQL: ``{w}`` is the window, ``{s}`` the ``--selector`` label matchers every series
+#: is read with (empty: all; PromQL takes ``metric{}`` and a trailing comma in a matcher list).
+#: Per-route queries aggregate ``by (route)``.
 ROUTE_QUERIES: dict[str, str] = {
     "ttft_p95_ms": (
         "1000 * histogram_quantile(0.95, sum by (route, le) "
-        "(rate(fleetgate_ttft_seconds_bucket[{w}])))"
+        "(rate(fleetgate_ttft_seconds_bucket{{{s}}}[{w}])))"
     ),
     "tpot_p95_ms": (
         "1000 * histogram_quantile(0.95, sum by (route, le) "
-        "(rate(fleetgate_tpot_seconds_bucket[{w}])))"
+        "(rate(fleetgate_tpot_seconds_bucket{{{s}}}[{w}])))"
     ),
     # What each route declares in the policy (absent where it declares none).
-    "ttft_slo_ms": 'max by (route) (1000 * fleetgate_route_slo_seconds{{slo="ttft"}})',
-    "tpot_slo_ms": 'max by (route) (1000 * fleetgate_route_slo_seconds{{slo="tpot"}})',
+    "ttft_slo_ms": 'max by (route) (1000 * fleetgate_route_slo_seconds{{slo="ttft",{s}}})',
+    "tpot_slo_ms": 'max by (route) (1000 * fleetgate_route_slo_seconds{{slo="tpot",{s}}})',
     "shared_prefix_fraction": (
-        "max by (route) (avg_over_time(fleetgate_prefix_repeat_fraction[{w}]))"
+        "max by (route) (avg_over_time(fleetgate_prefix_repeat_fraction{{{s}}}[{w}]))"
     ),
-    "cache_busting_layout": "max by (route) (max_over_time(fleetgate_cache_busting_layout[{w}]))",
+    "cache_busting_layout": (
+        "max by (route) (max_over_time(fleetgate_cache_busting_layout{{{s}}}[{w}]))"
+    ),
     "fine_tuned_variants": (
-        "count by (route) (sum by (route, model) (rate(fleetgate_requests_total[{w}])) > 0)"
+        "count by (route) (sum by (route, model) (rate(fleetgate_requests_total{{{s}}}[{w}])) > 0)"
     ),
     # The gateway's exact SLO accounting: the verdict, where the p95 above is interpolated
     # inside histogram buckets (a 280 ms SLO in a 150-300 ms bucket read as breached).
     "ttft_slo_missed": (
-        'sum by (route) (increase(fleetgate_slo_requests_total{{slo="ttft",outcome="missed"}}'
-        '[{w}])) / sum by (route) (increase(fleetgate_slo_requests_total{{slo="ttft"}}[{w}]))'
+        "sum by (route) (increase(fleetgate_slo_requests_total"
+        '{{slo="ttft",outcome="missed",{s}}}[{w}])) / sum by (route) '
+        '(increase(fleetgate_slo_requests_total{{slo="ttft",{s}}}[{w}]))'
     ),
     "tpot_slo_missed": (
-        'sum by (route) (increase(fleetgate_slo_requests_total{{slo="tpot",outcome="missed"}}'
-        '[{w}])) / sum by (route) (increase(fleetgate_slo_requests_total{{slo="tpot"}}[{w}]))'
+        "sum by (route) (increase(fleetgate_slo_requests_total"
+        '{{slo="tpot",outcome="missed",{s}}}[{w}])) / sum by (route) '
+        '(increase(fleetgate_slo_requests_total{{slo="tpot",{s}}}[{w}]))'
     ),
 }
 FLEET_QUERIES: dict[str, str] = {
     # The fullest replica is the one that preempts; average over the window, max over replicas.
-    "kv_cache_usage": "max(avg_over_time(vllm:kv_cache_usage_perc[{w}]))",
-    "preemptions_per_min": "60 * sum(rate(vllm:num_preemptions_total[{w}]))",
-    "waiting_mean": "avg(avg_over_time(vllm:num_requests_waiting[{w}]))",
+    "kv_cache_usage": "max(avg_over_time(vllm:kv_cache_usage_perc{{{s}}}[{w}]))",
+    "preemptions_per_min": "60 * sum(rate(vllm:num_preemptions_total{{{s}}}[{w}]))",
+    "waiting_mean": "avg(avg_over_time(vllm:num_requests_waiting{{{s}}}[{w}]))",
     # Queue growth per replica per minute, as `fleetgate advise --prometheus` reads it.
-    "waiting_growth_per_min": "60 * avg(deriv(vllm:num_requests_waiting[{w}]))",
+    "waiting_growth_per_min": "60 * avg(deriv(vllm:num_requests_waiting{{{s}}}[{w}]))",
     # Requests flow control refused for saturation, of those it decided (a queued one is
     # decided once more when it leaves the queue: admitted, shed, abandoned or failed).
     "shed_share": (
-        'sum(increase(fleetgate_flow_decisions_total{{decision="shed",reason!="token_budget"}}[{w}]))'
-        ' / sum(increase(fleetgate_flow_decisions_total{{decision!="queue"}}[{w}]))'
+        "sum(increase(fleetgate_flow_decisions_total"
+        '{{decision="shed",reason!="token_budget",{s}}}[{w}])) / '
+        'sum(increase(fleetgate_flow_decisions_total{{decision!="queue",{s}}}[{w}]))'
     ),
     # Replica-seconds attributed to requests per second of wall time, per healthy replica.
     "utilisation": (
-        "sum(rate(fleetgate_replica_seconds_total[{w}])) / "
-        "count(count by (replica) (fleetgate_replica_healthy == 1))"
+        "sum(rate(fleetgate_replica_seconds_total{{{s}}}[{w}])) / "
+        "count(count by (replica) (fleetgate_replica_healthy{{{s}}} == 1))"
     ),
 }
+#: How far back the gateway's series reach within the window (seconds): a window longer than
+#: the data dilutes every rate over it.
+COVERAGE_QUERY = "time() - min(min_over_time(timestamp(fleetgate_replica_healthy{{{s}}})[{w}:]))"
 
 #: Fields only a route with requests in the window has.
 _TRAFFIC_FIELDS = frozenset({"ttft_p95_ms", "tpot_p95_ms", "fine_tuned_variants"})
@@ -119,12 +129,14 @@ def query(client: httpx.Client, base_url: str, promql: str) -> list[tuple[dict[s
 
 
 def fetch_prometheus_metrics(
-    base_url: str, client: httpx.Client, window: str = "10m"
+    base_url: str, client: httpx.Client, window: str = "10m", selector: str = ""
 ) -> dict[str, RouteMetrics]:
-    """Route name -> metrics over the last ``window`` (a PromQL duration such as ``10m``)."""
+    """Route name -> metrics over the last ``window`` (a PromQL duration such as ``10m``), of
+    the series that match ``selector`` (label matchers such as ``namespace="prod"``; empty:
+    all)."""
     per_route: dict[str, dict[str, object]] = {}
     for field, template in ROUTE_QUERIES.items():
-        for labels, value in query(client, base_url, template.format(w=window)):
+        for labels, value in query(client, base_url, template.format(w=window, s=selector)):
             route = labels.get("route")
             if route is not None and route != UNROUTED:
                 per_route.setdefault(route, {})[field] = _CONVERT.get(field, float)(value)
@@ -133,7 +145,7 @@ def fetch_prometheus_metrics(
     per_route = {route: v for route, v in per_route.items() if set(v) & _TRAFFIC_FIELDS}
     fleet: dict[str, object] = {}
     for field, template in FLEET_QUERIES.items():
-        results = query(client, base_url, template.format(w=window))
+        results = query(client, base_url, template.format(w=window, s=selector))
         if results:
             fleet[field] = _CONVERT.get(field, float)(results[0][1])
     try:
@@ -142,3 +154,11 @@ def fetch_prometheus_metrics(
         }
     except MetricsError as exc:
         raise SourceError(f"{_scrubbed(base_url, base_url)}: {exc}") from exc
+
+
+def window_coverage_s(
+    base_url: str, client: httpx.Client, window: str, selector: str = ""
+) -> float | None:
+    """Seconds of the window the gateway's series cover (None: no series at all)."""
+    results = query(client, base_url, COVERAGE_QUERY.format(w=window, s=selector))
+    return results[0][1] if results else None

@@ -306,6 +306,25 @@ async def _scrape_under_load(stack: Stack, tmp_path: Path) -> None:
         )
         problems = _problems(prometheus, stack)
         assert not problems, "\n".join(f"{name}: {why}" for name, why in problems.items())
+        _triage_reads(prometheus)
+
+
+def _triage_reads(prometheus: PrometheusServer) -> None:
+    """``fleetgate triage --prometheus``'s queries parse and answer against the real server,
+    with and without a selector, and its coverage check sees data younger than an hour."""
+    import httpx
+
+    from planning.triage.prometheus_source import fetch_prometheus_metrics, window_coverage_s
+
+    url = f"http://127.0.0.1:{prometheus.port}"
+    with httpx.Client(timeout=10) as client:
+        routes = fetch_prometheus_metrics(url, client, "5m")
+        assert routes, "triage found no route with requests"
+        assert all(m.ttft_p95_ms is not None and m.ttft_slo_missed is not None
+                   for m in routes.values())
+        assert fetch_prometheus_metrics(url, client, "5m", 'job="no-such-job"') == {}
+        covered = window_coverage_s(url, client, "1h")
+        assert covered is not None and covered < 600  # this Prometheus started moments ago
 
 
 async def test_fleetgate_up_every_panel_and_rule_returns_data(

@@ -113,16 +113,16 @@ def _vector(*series: tuple[dict, str]) -> dict:
 
 
 PROMETHEUS_ANSWERS = {
-    'fleetgate_slo_requests_total{slo="ttft",outcome="missed"}': _vector(
+    'fleetgate_slo_requests_total{slo="ttft",outcome="missed",': _vector(
         ({"route": "rag"}, "0.12")
     ),
-    'fleetgate_slo_requests_total{slo="tpot",outcome="missed"}': _vector(({"route": "rag"}, "0")),
+    'fleetgate_slo_requests_total{slo="tpot",outcome="missed",': _vector(({"route": "rag"}, "0")),
     "fleetgate_flow_decisions_total": _vector(({}, "0.25")),
     "fleetgate_requests_total": _vector(({"route": "rag"}, "1"), ({"route": "unrouted"}, "1")),
-    'fleetgate_route_slo_seconds{slo="ttft"}': _vector(
+    'fleetgate_route_slo_seconds{slo="ttft",': _vector(
         ({"route": "rag"}, "2000"), ({"route": "declared-but-idle"}, "800")
     ),
-    'fleetgate_route_slo_seconds{slo="tpot"}': _vector(),
+    'fleetgate_route_slo_seconds{slo="tpot",': _vector(),
     "fleetgate_ttft_seconds_bucket": _vector(
         ({"route": "rag"}, "2400"), ({"route": "idle"}, "NaN")
     ),
@@ -191,9 +191,10 @@ def test_prometheus_reads_queue_growth_as_advise_does() -> None:
         promql = request.url.params["query"]
         if "fleetgate_ttft_seconds_bucket" in promql:
             return httpx.Response(200, json=_vector(({"route": "rag"}, "500")))
-        if "deriv(vllm:num_requests_waiting[30m])" in promql:
-            # The same figure as advise's query, over the fleet instead of by pool.
-            assert promql == advise_growth.replace(" by (pool) ", "")
+        if "deriv(vllm:num_requests_waiting{}[30m])" in promql:
+            # The same figure as advise's query, over the fleet instead of by pool (and with
+            # triage's empty --selector).
+            assert promql.replace("{}", "") == advise_growth.replace(" by (pool) ", "")
             return httpx.Response(200, json=_vector(({}, "3")))
         if "vllm:num_requests_waiting" in promql:
             return httpx.Response(200, json=_vector(({}, "0.5")))
@@ -242,3 +243,17 @@ def test_an_unreachable_prometheus_error_hides_the_password() -> None:
     ):
         fetch_prometheus_metrics("http://sre:s3cret@prom:9090", client)
     assert "s3cret" not in str(raised.value)
+
+
+def test_a_selector_scopes_every_series_triage_reads() -> None:
+    # One Prometheus scraping staging and production mixed both fleets (the Prometheus review).
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.params["query"])
+        return httpx.Response(200, json=_vector())
+
+    with httpx.Client(transport=httpx.MockTransport(handler)) as client:
+        fetch_prometheus_metrics("http://prom:9090", client, "5m", 'namespace="prod"')
+    selectors = sum(query.count("{") for query in seen)
+    assert selectors and sum(query.count('namespace="prod"}') for query in seen) == selectors
