@@ -137,13 +137,23 @@ async def test_the_fleet_store_and_the_index_work_through_sentinel(
         await index.close()
 
 
+@contextlib.contextmanager
+def _plugin_store(
+    sentinel: LocalRedisSentinel,
+) -> Iterator[tuple[redis.Redis, PluginKeys, redis_store.RedisStateStore]]:
+    """The engine plugin's synchronous client and state store, through the Sentinels."""
+    client = redis_store.connect(sentinel.url, timeout_s=1.0)
+    keys = PluginKeys("fg-sentinel:", "r0")
+    try:
+        yield client, keys, redis_store.RedisStateStore(client, keys, ttl_s=30)
+    finally:
+        client.close()
+
+
 def test_the_engine_plugins_synchronous_client_follows_a_failover(
     sentinel: LocalRedisSentinel,
 ) -> None:
-    client = redis_store.connect(sentinel.url, timeout_s=1.0)
-    keys = PluginKeys("fg-sentinel:", "r0")
-    store = redis_store.RedisStateStore(client, keys, ttl_s=30)
-    try:
+    with _plugin_store(sentinel) as (client, keys, store):
         store.write_engine({"state": "serving"})
         assert client.execute_command("WAIT", 1, 5000) >= 1
         promoted = sentinel.kill_primary()
@@ -158,8 +168,6 @@ def test_the_engine_plugins_synchronous_client_follows_a_failover(
         assert written
         assert int(client.info("server")["tcp_port"]) == promoted
         assert client.hget(keys.engine(0), "state") == b"serving again"
-    finally:
-        client.close()
 
 
 def test_the_engine_plugins_synchronous_client_follows_a_graceful_failover(
@@ -168,10 +176,7 @@ def test_the_engine_plugins_synchronous_client_follows_a_graceful_failover(
     # The demoted primary takes writes until the Sentinels reconfigure it (~10 s): the plugin's
     # client kept writing there, its keys aged out on the new primary, and a kernel-gated route
     # answered 503 (the failover review). It now asks the Sentinels once a second.
-    client = redis_store.connect(sentinel.url, timeout_s=1.0)
-    keys = PluginKeys("fg-sentinel:", "r0")
-    store = redis_store.RedisStateStore(client, keys, ttl_s=30)
-    try:
+    with _plugin_store(sentinel) as (client, keys, store):
         store.write_engine({"state": "serving"})
         old = int(client.info("server")["tcp_port"])
         promoted = sentinel.fail_over()  # returns once the Sentinels name the new primary
@@ -185,8 +190,6 @@ def test_the_engine_plugins_synchronous_client_follows_a_graceful_failover(
             assert on_new.hget(keys.engine(0), "state") == b"on the new primary"
         finally:
             on_new.close()
-    finally:
-        client.close()
 
 
 async def test_a_dead_sentinel_first_in_the_list_costs_one_refused_connect_not_retries(
