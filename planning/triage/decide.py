@@ -186,15 +186,16 @@ def _breach(name: str, p95: float | None, slo: float | None, missed: float | Non
     """How ``name`` is over its SLO, in words."""
     if missed is not None:
         approx = f" (p95 about {p95:,.0f} ms)" if p95 is not None else ""
-        return f"{missed:.0%} of requests missed the {slo:,.0f} ms {name} SLO{approx}"
-    return f"{name} p95 {p95:,.0f} ms is over its {slo:,.0f} ms SLO"
+        return f"{missed:.0%} of requests missed the {slo:,g} ms {name} SLO{approx}"
+    return f"{name} p95 {p95:,.0f} ms is over its {slo:,g} ms SLO"
 
 
 def _shedding(shed: float) -> Lever:
     return Lever(
         "queueing",
         "add replicas",
-        f"flow control refused {shed:.0%} of requests (429) because the fleet was saturated; "
+        f"flow control refused {shed:.0%} of requests (429, fleet-wide: every route shares "
+        "the engines) because the fleet was saturated; "
         "the latencies here are the admitted requests' only, so they understate the overload. "
         "Admission control is already on: the fleet is too small for this load (size it with "
         "`fleetgate plan capacity`), or lower the traffic it promises",
@@ -287,19 +288,22 @@ def _kv_pressure(metrics: RouteMetrics) -> str | None:
 
 def _headroom(metrics: RouteMetrics) -> Lever:
     facts = []
-    if metrics.ttft_p95_ms is not None and metrics.ttft_slo_ms is not None:
+    if metrics.ttft_slo_missed is not None:  # the exact count; the p95 is interpolated
+        facts.append(f"{metrics.ttft_slo_missed:.1%} missed the {metrics.ttft_slo_ms:,g} ms "
+                     "TTFT SLO")
+    elif metrics.ttft_p95_ms is not None and metrics.ttft_slo_ms is not None:
         spare = 1 - metrics.ttft_p95_ms / metrics.ttft_slo_ms
         facts.append(
-            f"TTFT p95 {metrics.ttft_p95_ms:,.0f} ms vs {metrics.ttft_slo_ms:,.0f} ms SLO "
+            f"TTFT p95 {metrics.ttft_p95_ms:,.0f} ms vs {metrics.ttft_slo_ms:,g} ms SLO "
             f"({spare:.0%} headroom)"
         )
-    if metrics.tpot_p95_ms is not None and metrics.tpot_slo_ms is not None:
+    if metrics.tpot_slo_missed is not None:
+        facts.append(f"{metrics.tpot_slo_missed:.1%} missed the {metrics.tpot_slo_ms:,g} ms "
+                     "TPOT SLO")
+    elif metrics.tpot_p95_ms is not None and metrics.tpot_slo_ms is not None:
         facts.append(
-            f"TPOT p95 {metrics.tpot_p95_ms:,.1f} ms vs {metrics.tpot_slo_ms:,.0f} ms SLO"
+            f"TPOT p95 {metrics.tpot_p95_ms:,.1f} ms vs {metrics.tpot_slo_ms:,g} ms SLO"
         )
-    for name, missed in (("TTFT", metrics.ttft_slo_missed), ("TPOT", metrics.tpot_slo_missed)):
-        if missed is not None:
-            facts.append(f"{missed:.1%} missed the {name} SLO")
     if metrics.utilisation is not None:
         facts.append(f"replicas busy {metrics.utilisation:.0%} of the time")
     if metrics.shed_share is not None:

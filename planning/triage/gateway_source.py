@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from planning.triage.histogram import histogram_quantile
 from planning.triage.model import UNROUTED, MetricsError, RouteMetrics, SourceError
+from planning.triage.prometheus_source import scrubbed
 
 
 def fetch_gateway_metrics(url: str, client: httpx.Client) -> dict[str, RouteMetrics]:
@@ -25,7 +26,7 @@ def fetch_gateway_metrics(url: str, client: httpx.Client) -> dict[str, RouteMetr
         response = client.get(metrics_url)
         response.raise_for_status()
     except httpx.HTTPError as exc:
-        raise SourceError(f"{metrics_url}: {exc}") from exc
+        raise SourceError(scrubbed(f"{metrics_url}: {exc}", url)) from exc
     return parse_gateway_metrics(response.text)
 
 
@@ -79,8 +80,9 @@ def parse_gateway_metrics(text: str) -> dict[str, RouteMetrics]:
                 cache_busting_layout=busting.get(route),
                 # Distinct models behind one route: fine-tunes deployed as full models.
                 fine_tuned_variants=len(models[route]) if route in models else None,
-                ttft_slo_missed=_missed(outcomes[route]["ttft"]) if route in outcomes else None,
-                tpot_slo_missed=_missed(outcomes[route]["tpot"]) if route in outcomes else None,
+                # Counted against the route's own SLOs only where it declares them.
+                ttft_slo_missed=_missed(outcomes[route]["ttft"]) if "ttft" in slos[route] else None,
+                tpot_slo_missed=_missed(outcomes[route]["tpot"]) if "tpot" in slos[route] else None,
             )
         except MetricsError as exc:
             raise SourceError(f"route {route}: {exc}") from exc

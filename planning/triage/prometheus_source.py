@@ -86,7 +86,16 @@ _CONVERT: dict[str, Callable[[float], object]] = {
 }
 
 
-def _scrubbed(text: str, base_url: str) -> str:
+def drop_undeclared_misses(values: dict[str, object]) -> None:
+    """Keep a route's miss shares only for the SLOs it declares: for the others the gateway
+    counts against its defaults (2,000 ms, 100 ms), not the SLO triage is given on the command
+    line, and a route over a ``--slo-ttft-ms 5`` read as within it (the diff review)."""
+    for slo in ("ttft", "tpot"):
+        if values.get(f"{slo}_slo_ms") is None:
+            values.pop(f"{slo}_slo_missed", None)
+
+
+def scrubbed(text: str, base_url: str) -> str:
     """``text`` without the password of ``base_url``'s user-info (basic auth in the URL): error
     messages are printed, and CI and incident logs keep them (the Prometheus review)."""
     password = urlsplit(base_url).password
@@ -96,11 +105,11 @@ def _scrubbed(text: str, base_url: str) -> str:
 def query(client: httpx.Client, base_url: str, promql: str) -> list[tuple[dict[str, str], float]]:
     """Run an instant query; returns (labels, value) for each series with a finite value."""
     url = base_url.rstrip("/") + "/api/v1/query"
-    shown = _scrubbed(url, base_url)
+    shown = scrubbed(url, base_url)
     try:
         response = client.get(url, params={"query": promql})
     except httpx.HTTPError as exc:
-        raise SourceError(_scrubbed(f"{shown}: {exc}", base_url)) from exc
+        raise SourceError(scrubbed(f"{shown}: {exc}", base_url)) from exc
     try:
         body = response.json()
     except ValueError:
@@ -143,6 +152,8 @@ def fetch_prometheus_metrics(
     # A route that saw no traffic in the window has nothing to triage (its declared SLOs and
     # the gauges it set earlier stay: they do not make it a route with requests).
     per_route = {route: v for route, v in per_route.items() if set(v) & _TRAFFIC_FIELDS}
+    for values in per_route.values():
+        drop_undeclared_misses(values)
     fleet: dict[str, object] = {}
     for field, template in FLEET_QUERIES.items():
         results = query(client, base_url, template.format(w=window, s=selector))
@@ -153,7 +164,7 @@ def fetch_prometheus_metrics(
             route: RouteMetrics(**(values | fleet)) for route, values in sorted(per_route.items())
         }
     except MetricsError as exc:
-        raise SourceError(f"{_scrubbed(base_url, base_url)}: {exc}") from exc
+        raise SourceError(f"{scrubbed(base_url, base_url)}: {exc}") from exc
 
 
 def window_coverage_s(

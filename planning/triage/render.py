@@ -23,10 +23,10 @@ def describe(metrics: RouteMetrics) -> str:
     """The signals triage saw, on one line; unknown ones are left out."""
     parts = []
     if metrics.ttft_p95_ms is not None:
-        slo = f" (SLO {metrics.ttft_slo_ms:,.0f})" if metrics.ttft_slo_ms is not None else ""
+        slo = f" (SLO {metrics.ttft_slo_ms:,g})" if metrics.ttft_slo_ms is not None else ""
         parts.append(f"TTFT p95 {metrics.ttft_p95_ms:,.0f} ms{slo}")
     if metrics.tpot_p95_ms is not None:
-        slo = f" (SLO {metrics.tpot_slo_ms:,.0f})" if metrics.tpot_slo_ms is not None else ""
+        slo = f" (SLO {metrics.tpot_slo_ms:,g})" if metrics.tpot_slo_ms is not None else ""
         parts.append(f"TPOT p95 {metrics.tpot_p95_ms:.1f} ms{slo}")
     if metrics.shared_prefix_fraction is not None:
         parts.append(f"shared prefix {metrics.shared_prefix_fraction:.0%}")
