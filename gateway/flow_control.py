@@ -148,14 +148,17 @@ def engine_priority(
     """vLLM's ``priority`` for ``routed``: its class's where the policy says the engines
     schedule by priority (``flow_control.engine_priority``); otherwise none from the gateway,
     and the client's own only where its tenant may choose its priority
-    (``allow_priority_header``), as for the header."""
+    (``allow_priority_header``), as for the header, or where the policy declares no tenants."""
     if policy is not None and policy.flow_control.engine_priority:
         route = routed.route
         flow = tenant_flow(
             policy, routed.tenant.name, route.ttft_slo_ms, headers, route.tpot_slo_ms
         )
         return EnginePriority(flow.request_class.engine_priority, client_may_set=False)
-    spec = policy.tenant(routed.tenant.name) if policy is not None else None
+    if policy is None or not policy.tenants:
+        # No tenants to keep apart: the field is the client's, as vLLM's own server takes it.
+        return EnginePriority(None, client_may_set=True)
+    spec = policy.tenant(routed.tenant.name)
     return EnginePriority(None, client_may_set=spec is not None and spec.allow_priority_header)
 
 

@@ -128,6 +128,9 @@ async def stream_completion(
                         else:
                             result.itl_s.append(now - last)
                         last = now
+            if buffer.strip():  # the last event, ended by the stream (CR-only line ends)
+                tail, _ = _events(buffer + b"\n\n")
+                done = done or b"[DONE]" in tail
             result.e2e_s = time.monotonic() - started
             if result.ttft_s is None:
                 result.error = "stream ended without any generated text"

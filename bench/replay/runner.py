@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -124,9 +126,11 @@ def _stop_on_signals(stopped: list[str]) -> Callable[[], None]:
     assert task is not None
 
     def stop(name: str) -> None:
-        if not stopped:
-            stopped.append(name)
-            task.cancel()
+        if stopped:  # a second signal: whatever hangs the stop, the user wants out now
+            sys.stderr.write(f"stopped at once ({name} again): nothing reported\n")
+            os._exit(130 if name == "SIGINT" else 143)
+        stopped.append(name)
+        task.cancel()
 
     installed = []
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -150,19 +154,40 @@ async def _run(
     handle_signals: bool = False,
 ) -> ReplayResult:
     stopped: list[str] = []
+    progress = _Progress()
     undo = _stop_on_signals(stopped) if handle_signals else None
     try:
-        return await _replay(config, records, on_done, stopped)
+        return await _replay(config, records, on_done, progress)
+    except asyncio.CancelledError:
+        if not stopped:
+            raise  # cancelled by the caller, not by a signal
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # handled: what finished is reported
+        # Whatever the phase (the models check, the requests, the counters read after them):
+        # the replicas' counters are not read again (the user wants out).
+        wall_s = time.monotonic() - progress.start if progress.start is not None else 0.0
+        results = sorted(progress.finished, key=lambda r: r.index)
+        return ReplayResult(results, wall_s, {}, stopped[0], len(records))
     finally:
         if undo is not None:
             undo()
+
+
+@dataclass
+class _Progress:
+    """What a replay has done so far, kept where a stop signal can still report it."""
+
+    finished: list[RequestResult] = field(default_factory=list)
+    #: When the first request was due (monotonic); None before the requests began.
+    start: float | None = None
 
 
 async def _replay(
     config: ReplayConfig,
     records: Sequence[TraceRecord],
     on_done: Callable[[], None] | None,
-    stopped: list[str],
+    progress: _Progress,
 ) -> ReplayResult:
     texts = PromptText(config.trace_block_size, config.seed)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -171,8 +196,9 @@ async def _replay(
     async with aiohttp.ClientSession(connector=connector) as session:
         await _preflight(session, config, headers)
         before = await scrape_all(session, config.metrics_urls)
-        start = time.monotonic()
+        start = progress.start = time.monotonic()
         origin_ms = records[0].timestamp if records else 0
+        finished = progress.finished
 
         async def one(index: int, record: TraceRecord) -> RequestResult:
             due = start + (record.timestamp - origin_ms) / 1000.0 * config.time_scale
@@ -199,28 +225,17 @@ async def _replay(
                 on_done()
             return result
 
-        finished: list[RequestResult] = []
-        try:
-            await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
-        except asyncio.CancelledError:
-            if not stopped:
-                raise  # cancelled by the caller, not by a signal
-            current = asyncio.current_task()
-            if current is not None:
-                current.uncancel()  # handled: what finished is reported
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
         wall_s = time.monotonic() - start
-        # Stopped by a signal: the counters after are not read (the user wants out).
-        after = await scrape_all(session, config.metrics_urls) if not stopped else []
+        after = await scrape_all(session, config.metrics_urls)
     server_cache: dict[str, CacheCounters | str] = {}
-    for url, first, last in zip(config.metrics_urls, before, after, strict=False):
+    for url, first, last in zip(config.metrics_urls, before, after, strict=True):
         if isinstance(first, CacheCounters) and isinstance(last, CacheCounters):
             server_cache[url] = last - first
         else:
             server_cache[url] = first if isinstance(first, str) else str(last)
     results = sorted(finished, key=lambda r: r.index)
-    return ReplayResult(
-        results, wall_s, server_cache, stopped[0] if stopped else None, len(records)
-    )
+    return ReplayResult(results, wall_s, server_cache, None, len(records))
 
 
 def replay(

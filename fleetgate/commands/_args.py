@@ -7,6 +7,7 @@ import argparse
 import errno
 import logging
 import math
+import re
 import sys
 from collections.abc import Callable
 
@@ -144,8 +145,10 @@ def http_url(what: str) -> Callable[[str], str]:
 
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
+            # A password in what was typed is not echoed (CI logs keep usage errors).
+            shown = re.sub(r"^((?:[a-z+]+://)?[^/@:]+):[^/@]*@", r"\1:***@", url)
             raise argparse.ArgumentTypeError(
-                f"{what} is http(s)://HOST:PORT (got {url!r}; did you mean http://{url}?)"
+                f"{what} is http(s)://HOST:PORT (got {shown!r}; did you mean http://{shown}?)"
             )
         return url.rstrip("/")
 

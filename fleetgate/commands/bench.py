@@ -122,6 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_replay(args: argparse.Namespace) -> int:
     from bench.replay import EndpointProblem, ReplayConfig, replay
     from bench.replay.summary import render_table, summarize
+    from routing.redis_clients import redacted
     from traces.format import TraceFormatError, read_trace
 
     def fail(message: str) -> int:
@@ -167,7 +168,7 @@ def _run_replay(args: argparse.Namespace) -> int:
         return fail(str(exc))
     run = {
         "trace": args.trace,
-        "url": args.url,
+        "url": redacted(args.url),  # a saved result keeps no password
         "model": args.model,
         "time_scale": args.time_scale,
         "concurrency": args.concurrency,

@@ -162,3 +162,17 @@ async def test_a_priority_that_is_not_an_integer_is_a_400_from_the_engine() -> N
             error = (await resp.json())["error"]
         assert error["param"] == "priority"
         assert "must be an integer" in error["message"]
+
+
+async def test_without_tenants_the_clients_priority_passes(tmp_path: Path) -> None:
+    # A gateway with no tenants has no one to keep apart: the field is the client's, as on
+    # vLLM's own server (dropping it broke priority scheduling there: the diff review).
+    from gateway.policy_view import GatewayPolicy, ReplicaSpec
+
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(GatewayConfig(health_interval_s=3600), GatewayPolicy.default([spec]))
+        async with serve(app) as url, aiohttp.ClientSession() as http:
+            assert (await _complete(http, url, "anyone", priority=2))[0] == 200
+    assert [body.get("priority") for body in upstream.received] == [2]

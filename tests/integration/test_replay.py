@@ -161,17 +161,24 @@ def test_cli_replays_and_prints_json(
     assert set(summary["server_prefix_cache"]) == {urls[0] + "/metrics"}
 
 
-def _scripted_engine(mode: str, served: list[int] | None = None) -> web.Application:
+def _scripted_engine(
+    mode: str, arrived: list[int] | None = None, answer_first: int | None = None
+) -> web.Application:
     """An engine whose completions stream as ``mode`` says: ``cut`` (two tokens, then the
     connection ends without ``[DONE]``), ``error`` (two tokens, then vLLM's in-band error
     event), ``crlf`` (a whole stream, events separated by CRLF as sse-starlette sends them),
-    ``null`` (a ``data: null`` event amid a whole stream); ``ok`` streams whole. ``served``
-    counts the requests answered whole."""
+    ``cr`` (CR only), ``null`` (a ``data: null`` event amid a whole stream); ``ok`` streams
+    whole. ``arrived`` counts the requests that came; past the first ``answer_first`` of them,
+    none is answered (it waits until the test ends)."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
+        if arrived is not None:
+            arrived.append(1)
+            if answer_first is not None and len(arrived) > answer_first:
+                await asyncio.Event().wait()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        end = b"\r\n\r\n" if mode == "crlf" else b"\n\n"
+        end = {"crlf": b"\r\n\r\n", "cr": b"\r\r"}.get(mode, b"\n\n")
 
         async def send(payload: object) -> None:
             data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -189,8 +196,6 @@ def _scripted_engine(mode: str, served: list[int] | None = None) -> web.Applicat
         usage = {"prompt_tokens": 64, "completion_tokens": 2}
         await send({"choices": [], "usage": usage})
         await send(b"[DONE]")
-        if served is not None:
-            served.append(1)
         return response
 
     return engine_app("m", {"/v1/completions": completions})
@@ -203,6 +208,7 @@ def _scripted_engine(mode: str, served: list[int] | None = None) -> web.Applicat
         ("error", "stream failed: replica died mid-stream"),
         ("null", "an event that is not a JSON object: b'null'"),
         ("crlf", None),
+        ("cr", None),
     ],
 )
 async def test_a_stream_counts_as_served_only_when_it_ends_well(
@@ -227,19 +233,18 @@ async def test_a_replay_stopped_by_a_signal_reports_what_finished(
 ) -> None:
     # Ctrl-C or SIGTERM (a CI timeout) threw every result away: exit 130/143 and nothing else.
     trace = tmp_path / "trace.jsonl"
-    records = [TraceRecord(0, 2 * BLOCK, 2, (i, i + 1)) for i in range(0, 6, 2)]
-    records += [TraceRecord(600_000, 2 * BLOCK, 2, (9, 10))]  # due in ten minutes
-    write_trace(records, trace)
-    served: list[int] = []
-    async with serve(_scripted_engine("ok", served)) as url:
+    write_trace([TraceRecord(0, 2 * BLOCK, 2, (i, i + 1)) for i in range(0, 8, 2)], trace)
+    arrived: list[int] = []
+    # One at a time: the fourth is sent once the third is recorded, and is never answered.
+    async with serve(_scripted_engine("ok", arrived, answer_first=3)) as url:
         argv = ["bench", "replay", "--trace", str(trace), "--url", url, "--model", "m"]
-        argv += ["--trace-block-size", str(BLOCK), "--json"]
+        argv += ["--trace-block-size", str(BLOCK), "--json", "--concurrency", "1"]
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "fleetgate.cli", *argv,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
         try:
-            await wait_until(lambda: len(served) == 3, "three requests served", timeout_s=60)
+            await wait_until(lambda: len(arrived) == 4, "the fourth request sent", timeout_s=60)
             process.send_signal(signum)
             out, err = await asyncio.wait_for(process.communicate(), 60)
         finally:
@@ -264,3 +269,35 @@ def test_warnings_for_gaps_read_together_and_a_metrics_url_without_vllm_counters
     summary = summarize(ReplayResult([together], 1.0, {gateway: CacheCounters(0.0, 0.0)}))
     assert [w.split(" ")[0] for w in summary["warnings"]] == ["many", gateway]
     assert summarize(ReplayResult([steady], 1.0, {})).get("warnings") == []
+
+
+async def test_a_signal_before_any_request_is_sent_is_a_clean_stop(tmp_path: Path) -> None:
+    # Ctrl-C during the models check (a slow endpoint) printed a traceback and exited 1.
+    trace = tmp_path / "trace.jsonl"
+    write_trace(_trace(), trace)
+    asked = asyncio.Event()
+
+    async def models(request: web.Request) -> web.Response:
+        asked.set()
+        await asyncio.Event().wait()  # never answers
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    async with serve(app) as url:
+        argv = ["bench", "replay", "--trace", str(trace), "--url", url, "--model", "m", "--json"]
+        argv += ["--trace-block-size", str(BLOCK)]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fleetgate.cli", *argv,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            await asyncio.wait_for(asked.wait(), 60)
+            process.send_signal(signal.SIGINT)
+            out, err = await asyncio.wait_for(process.communicate(), 60)
+        finally:
+            if process.returncode is None:
+                process.kill()
+    assert process.returncode == 130, err.decode()
+    summary = json.loads(out)
+    assert (summary["interrupted"], summary["requests"], summary["planned"]) == ("SIGINT", 0, 4)
