@@ -264,33 +264,40 @@ class _PrimaryPool(SentinelConnectionPool):
     #: Callers waiting for a connection once ``max_connections`` are in use (made on first use:
     #: the pool may be built outside the loop that uses it).
     _released: asyncio.Condition | None = None
+    #: Callers waiting for a connection now.
+    _waiting: int = 0
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         """A connection; once ``max_connections`` are in use, one released within the socket
         timeout (5 s without one), as a plain Redis client waits (``BlockingConnectionPool``).
         redis-py's Sentinel pool refuses at once, and every gateway feature took the refusal for
         an outage: token budgets stopped being enforced in a burst (the load review)."""
-        try:
-            return await super().get_connection(*args, **kwargs)
-        except MaxConnectionsError:
-            pass
-        timeout = self.connection_kwargs.get("socket_timeout") or 5.0
-        deadline = time.monotonic() + timeout
-        released = self._released = self._released or asyncio.Condition()
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise redis.ConnectionError(
-                    f"No Redis connection free within {timeout:g} s: all {self.max_connections} "
-                    "of this client's are in use (max_connections)"
-                )
-            async with released:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(released.wait_for(self.can_get_connection), left)
+        if not self._waiting:  # callers already waiting go first (else they could starve)
             try:
                 return await super().get_connection(*args, **kwargs)
             except MaxConnectionsError:
-                continue  # taken by another caller in between: wait again
+                pass
+        timeout = self.connection_kwargs.get("socket_timeout") or 5.0
+        deadline = time.monotonic() + timeout
+        released = self._released = self._released or asyncio.Condition()
+        self._waiting += 1
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise redis.ConnectionError(
+                        f"No Redis connection free within {timeout:g} s: all "
+                        f"{self.max_connections} of this client's are in use (max_connections)"
+                    )
+                async with released:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(released.wait_for(self.can_get_connection), left)
+                try:
+                    return await super().get_connection(*args, **kwargs)
+                except MaxConnectionsError:
+                    continue  # taken by another caller in between: wait again
+        finally:
+            self._waiting -= 1
 
     async def release(self, connection: Any) -> None:
         await super().release(connection)
