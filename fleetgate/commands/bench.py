@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from datetime import UTC, datetime
 
@@ -100,6 +101,13 @@ def _add_replay_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout-s", type=positive_float, default=600.0, help="per-request timeout (default: 600)"
     )
     parser.add_argument("--seed", type=int, default=0, help="prompt-text seed (default: 0)")
+    parser.add_argument(
+        "--max-error-rate",
+        type=_error_rate,
+        metavar="R",
+        help="exit 1 when more than this share of requests failed, e.g. 0.01 for CI "
+        "(default: exit 1 only when none succeeded)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (default: shown on a TTY)"
@@ -182,7 +190,26 @@ def _run_replay(args: argparse.Namespace) -> int:
     print(json.dumps(summary, indent=2) if args.json else render_table(summary))
     if result.interrupted:  # what finished was reported; the exit says it was cut short
         return 143 if result.interrupted == "SIGTERM" else 130
+    failed = len(result.results) - int(summary["ok"])  # type: ignore[call-overload]
+    if args.max_error_rate is not None and failed > args.max_error_rate * len(result.results):
+        print(
+            f"fleetgate bench replay: {failed} of {len(result.results)} requests failed, more "
+            f"than --max-error-rate {args.max_error_rate:g}",
+            file=sys.stderr,
+        )
+        return 1
     return 0 if summary["ok"] else 1
+
+
+def _error_rate(text: str) -> float:
+    """A share of requests, 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share of requests from 0 to 1 (got {text!r})")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:

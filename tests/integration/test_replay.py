@@ -167,9 +167,10 @@ def _scripted_engine(
     """An engine whose completions stream as ``mode`` says: ``cut`` (two tokens, then the
     connection ends without ``[DONE]``), ``error`` (two tokens, then vLLM's in-band error
     event), ``crlf`` (a whole stream, events separated by CRLF as sse-starlette sends them),
-    ``cr`` (CR only), ``null`` (a ``data: null`` event amid a whole stream); ``ok`` streams
-    whole. ``arrived`` counts the requests that came; past the first ``answer_first`` of them,
-    none is answered (it waits until the test ends)."""
+    ``cr`` (CR only), ``null`` (a ``data: null`` event amid a whole stream), ``every-second-cut``
+    (every second request cut, with ``arrived``); ``ok`` streams whole. ``arrived`` counts the
+    requests that came; past the first ``answer_first`` of them, none is answered (it waits
+    until the test ends)."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
         if arrived is not None:
@@ -186,7 +187,7 @@ def _scripted_engine(
 
         for word in ("a", "b"):
             await send({"choices": [{"index": 0, "text": word}]})
-        if mode == "cut":
+        if mode == "cut" or (mode == "every-second-cut" and arrived and len(arrived) % 2 == 0):
             return response
         if mode == "error":
             await send({"error": {"message": "replica died mid-stream", "code": 502}})
@@ -301,3 +302,26 @@ async def test_a_signal_before_any_request_is_sent_is_a_clean_stop(tmp_path: Pat
     assert process.returncode == 130, err.decode()
     summary = json.loads(out)
     assert (summary["interrupted"], summary["requests"], summary["planned"]) == ("SIGINT", 0, 4)
+
+
+@pytest.mark.parametrize(("flag", "code"), [([], 0), (["--max-error-rate", "0.5"], 0),
+                                            (["--max-error-rate", "0.25"], 1)])
+async def test_max_error_rate_decides_the_exit_status(
+    tmp_path: Path, flag: list[str], code: int
+) -> None:
+    # Half the requests failed and the replay exited 0: CI could not tell (the replay review).
+    trace = tmp_path / "trace.jsonl"
+    write_trace(_trace(), trace)
+    arrived: list[int] = []
+    async with serve(_scripted_engine("every-second-cut", arrived)) as url:
+        argv = ["bench", "replay", "--trace", str(trace), "--url", url, "--model", "m", "--json"]
+        argv += ["--trace-block-size", str(BLOCK), "--concurrency", "1", *flag]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fleetgate.cli", *argv,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == code, err.decode()
+    assert json.loads(out)["ok"] == 2
+    if code:
+        assert "2 of 4 requests failed, more than --max-error-rate 0.25" in err.decode()
