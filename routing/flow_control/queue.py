@@ -6,21 +6,26 @@ request for an idle model never waits behind requests for a saturated one. Insid
 classes are strictly ordered and tenants share a class by weight.
 
 Inside a class every tenant gets a share of dequeues proportional to its weight, whatever the
-size of its burst: each entry carries a virtual finish tag ``max(class clock, tenant's last
-tag) + 1 / weight`` (start-time fair queuing over request counts), and the smallest tag goes
-first. A tenant that was idle restarts from the class clock, so it cannot bank credit either.
+size of its burst (start-time fair queuing over request counts). Each tenant's requests wait in
+arrival order; only its oldest one is tagged, when it becomes the tenant's head: a virtual
+finish tag ``max(class clock, tag of the tenant's last request served) + 1 / weight``, and the
+smallest tag goes first. A tenant that was idle restarts from the class clock, so it cannot bank
+credit either.
 
-Removal from the middle (a client that disconnected, a request whose wait ran out) marks the
-entry dead and drops it from the length at once; dead entries leave the heap when they reach
-its top (O(log n) amortised instead of a linear search). A tenant whose last live entry was
-removed restarts from the class clock, like an idle one: requests refused while queued are no
-debt against its next ones.
+Tagging every request on arrival (as before) charged a tenant for requests that were never
+served: under sustained overload the ones whose wait ran out kept its tags running ahead of the
+clock, so each new one was tagged too late to be served before its SLO, and a tenant of weight 1
+beside one of weight 3 got 19 of 139 requests served instead of a quarter (the flow-control
+review). Now removal from the middle (a client that disconnected, a request whose wait ran out)
+costs the tenant nothing: if it was the head, the next request takes its turn (its tag), so a
+tenant that stays backlogged keeps its place.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -31,25 +36,44 @@ __all__ = ["FairQueue", "QueuedEntry"]
 
 @dataclass(eq=False, slots=True)
 class QueuedEntry:
-    """A request waiting in the queue, with its fair-queuing tag."""
+    """A request waiting in the queue; its fair-queuing tag once it is its tenant's head."""
 
     request: FlowRequest
-    finish_tag: float
     sequence: int
     #: The estimate of its TTFT when it was last judged (ms; None: unknown).
     predicted_ttft_ms: float | None = None
     alive: bool = True
+    finish_tag: float | None = None
 
 
 @dataclass(slots=True)
 class _ClassQueue:
+    #: The tagged heads, one per tenant with requests waiting (removed ones leave lazily).
     heap: list[tuple[float, int, QueuedEntry]] = field(default_factory=list)
-    #: Virtual time: the tag of the last entry dequeued.
+    #: Each tenant's waiting requests, oldest first (removed ones leave lazily).
+    waiting: dict[str, deque[QueuedEntry]] = field(default_factory=dict)
+    #: Virtual time: the start tag of the last entry dequeued.
     clock: float = 0.0
-    last_tag: dict[str, float] = field(default_factory=dict)
-    #: Live entries per tenant (a tenant with none left restarts from ``clock``).
-    live: dict[str, int] = field(default_factory=dict)
+    #: Each tenant's tag of its last request served (a tenant with none waiting restarts from
+    #: ``clock`` when that is later).
+    served_tag: dict[str, float] = field(default_factory=dict)
     length: int = 0
+
+    def tag_next(self, tenant: str, turn: float | None = None) -> None:
+        """Tag the tenant's oldest waiting request and put it in the heap (if any waits):
+        with ``turn``, the tag of a head that left unserved, which it takes over."""
+        waiting = self.waiting.get(tenant)
+        while waiting and not waiting[0].alive:
+            waiting.popleft()
+        if not waiting:
+            self.waiting.pop(tenant, None)
+            return
+        head = waiting[0]
+        if turn is None:
+            start = max(self.clock, self.served_tag.get(tenant, 0.0))
+            turn = start + 1.0 / head.request.weight
+        head.finish_tag = turn
+        heapq.heappush(self.heap, (head.finish_tag, head.sequence, head))
 
 
 class FairQueue:
@@ -90,14 +114,13 @@ class FairQueue:
         if classes is None:
             classes = self._pools[request.pool] = {c: _ClassQueue() for c in RequestClass}
         queue = classes[request.request_class]
-        start = max(queue.clock, queue.last_tag.get(request.tenant, 0.0))
-        tag = start + 1.0 / request.weight
-        queue.last_tag[request.tenant] = tag
-        queue.live[request.tenant] = queue.live.get(request.tenant, 0) + 1
-        entry = QueuedEntry(request, tag, next(self._sequence), predicted_ttft_ms)
-        heapq.heappush(queue.heap, (tag, entry.sequence, entry))
+        entry = QueuedEntry(request, next(self._sequence), predicted_ttft_ms)
+        waiting = queue.waiting.setdefault(request.tenant, deque())
+        waiting.append(entry)
         queue.length += 1
         self._entries[request.request_id] = entry
+        if len(waiting) == 1:  # the tenant's head: tagged now, the rest when their turn comes
+            queue.tag_next(request.tenant)
         return entry
 
     def head(self, pool: str | None = None) -> QueuedEntry | None:
@@ -128,10 +151,13 @@ class FairQueue:
         entry = self.head(pool)
         if entry is None:
             raise IndexError("the queue is empty")
-        queue = self._pools[entry.request.pool][entry.request.request_class]
+        request = entry.request
+        queue = self._pools[request.pool][request.request_class]
         heapq.heappop(queue.heap)
-        queue.clock = max(queue.clock, entry.finish_tag - 1.0 / entry.request.weight)
-        self._forget(entry, popped=True)
+        assert entry.finish_tag is not None  # a head is tagged
+        queue.clock = max(queue.clock, entry.finish_tag - 1.0 / request.weight)
+        queue.served_tag[request.tenant] = entry.finish_tag
+        self._forget(entry, served=True)
         return entry
 
     def remove(self, request_id: str) -> QueuedEntry | None:
@@ -148,7 +174,11 @@ class FairQueue:
             if lower.rank <= request_class.rank:
                 return None
             live = [
-                e for classes in self._pools.values() for _, _, e in classes[lower].heap if e.alive
+                e
+                for classes in self._pools.values()
+                for waiting in classes[lower].waiting.values()
+                for e in waiting
+                if e.alive
             ]
             if live:
                 return max(live, key=lambda e: e.sequence)
@@ -158,21 +188,18 @@ class FairQueue:
         """Every live entry, in no particular order."""
         return iter(list(self._entries.values()))
 
-    def _forget(self, entry: QueuedEntry, popped: bool = False) -> None:
+    def _forget(self, entry: QueuedEntry, served: bool = False) -> None:
+        """Take ``entry`` out (served or removed). When it was its tenant's head, the next
+        request is tagged: after the one served, or with the removed one's turn (a request
+        that left unserved costs its tenant nothing, and a tenant still waiting keeps its
+        place: re-tagged from the clock, each expiry pushed it back a whole turn)."""
         request = entry.request
         entry.alive = False
         queue = self._pools[request.pool][request.request_class]
         queue.length -= 1
-        left = queue.live[request.tenant] - 1
-        if left:
-            queue.live[request.tenant] = left
-        else:
-            del queue.live[request.tenant]
-            if not popped:
-                # Its last request left without being served: no debt (it restarts from the
-                # clock, as an idle tenant does).
-                queue.last_tag.pop(request.tenant, None)
         del self._entries[request.request_id]
+        if entry.finish_tag is not None:  # the tenant's head (in the heap): the next one's turn
+            queue.tag_next(request.tenant, None if served else entry.finish_tag)
 
     @staticmethod
     def _top(queue: _ClassQueue) -> QueuedEntry | None:

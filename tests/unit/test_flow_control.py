@@ -864,3 +864,28 @@ def test_steering_keeps_the_first_judgement_unless_the_new_decision_is_taken() -
         is first
     )
     assert asked == []
+
+
+def test_sustained_overload_with_expiry_still_shares_by_weight() -> None:
+    # Tagged on arrival, requests whose wait ran out still pushed their tenant's tags ahead of
+    # the clock: at weights 3:1, both sending 4 requests/s to a queue served 3.3 times a
+    # second, the lighter tenant got 8 of 200 served (the flow-control review). Only a
+    # tenant's oldest waiting request is tagged now, from the last one served.
+    queue = FairQueue()
+    arrived: dict[str, float] = {}
+    served: Counter[str] = Counter()
+    for tick in range(600):  # 60 s in 100 ms ticks
+        now = tick / 10
+        if tick % 5 == 0:
+            for tenant, weight in (("heavy", 3.0), ("light", 1.0)):
+                for _ in range(2):
+                    rid = f"{tenant}-{len(arrived)}"
+                    queue.push(_request(rid, tenant=tenant, weight=weight))
+                    arrived[rid] = now
+        for entry in list(queue.entries()):  # each waits 8 s at most (its SLO)
+            if now - arrived[entry.request.request_id] >= 8.0:
+                queue.remove(entry.request.request_id)
+        if tick % 3 == 0 and len(queue):
+            served[queue.pop_head().request.tenant] += 1
+    share = served["light"] / sum(served.values())
+    assert 0.2 <= share <= 0.3, served
