@@ -62,7 +62,7 @@ def authenticate(request: web.Request, policy: GatewayPolicy) -> Tenant:
                 "send it once.",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        raise _unknown_key()
+        raise unknown_key()
     return tenant
 
 
@@ -76,10 +76,11 @@ def still_authorised(request: web.Request, policy: GatewayPolicy, tenant: Tenant
     ``policy``: a request that waited across a reload (flow control's queue) must not be served
     for a key revoked, or moved to another tenant, meanwhile."""
     if authenticate(request, policy).name != tenant.name:
-        raise _unknown_key()
+        raise unknown_key()
 
 
-def _unknown_key() -> GatewayError:
+def unknown_key() -> GatewayError:
+    """401 ``invalid_api_key``: the answer to a key no tenant holds."""
     return GatewayError(
         401,
         errors.INVALID_API_KEY,

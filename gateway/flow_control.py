@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from gateway import errors
+from gateway.auth import unknown_key
 from gateway.background import run_in_background
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
@@ -574,6 +575,19 @@ class FlowGate:
             self.controller.settings = settings_of(policy)
             self._settings_source = policy
             self._bound_gauge()
+            self._refuse_gone_tenants(policy)
+
+    def _refuse_gone_tenants(self, policy: Policy | None) -> None:
+        """Queued requests of tenants a reload removed get the 401 of an unknown key now: they
+        waited until their SLO ran out, then got a 429 saying to retry (the flow-control
+        review). (A key revoked from a tenant that remains is caught when the request leaves
+        the queue: the gate does not hold keys.)"""
+        if policy is None or not policy.tenants:
+            return
+        for request_id, waiter in list(self._waiters.items()):
+            if policy.tenant(waiter.routed.tenant.name) is None and not waiter.answer.done():
+                self.controller.cancel(request_id)
+                waiter.answer.set_exception(unknown_key())
 
     def _release_all(self) -> None:
         """Flow control is off: every queued request goes on as routed when it was queued."""

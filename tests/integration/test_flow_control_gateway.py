@@ -281,6 +281,31 @@ async def test_a_key_revoked_while_its_request_queued_is_refused_when_released(
         assert (await _post(http, url, "b2", "b-rotated"))[0] == 200  # the new key works
 
 
+async def test_a_tenant_removed_while_its_request_queued_is_refused_at_once(
+    tmp_path: Path,
+) -> None:
+    # Its queued requests waited until their SLO ran out, then got a 429 saying to retry later
+    # (the flow-control review): the reload now answers them with the 401 of an unknown key,
+    # while the engine is still busy.
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with _gateways(tmp_path, upstream) as [(url, app)], aiohttp.ClientSession() as http:
+        first = asyncio.create_task(_post(http, url, "a", "a-first"))
+        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
+        queued = asyncio.create_task(_post(http, url, "b", "b-queued"))
+        await wait_until(lambda: _queued(app) == 1, "b's request is queued")
+        path = tmp_path / "policy.yaml"
+        lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(line for line in lines if "{name: b," not in line))
+        assert reload_policy(app[GATEWAY]).ok  # type: ignore[index]
+        status, body, _ = await asyncio.wait_for(queued, 10)  # the engine still holds "a"
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert _queued(app) == 0
+        upstream.header_gate.set()
+        assert (await first)[0] == 200
+        assert [str(b["prompt"]) for b in upstream.received] == ["request a-first"]
+
+
 async def test_token_budgets_hold_across_two_gateways_sharing_redis(
     tmp_path: Path, redis_url: str
 ) -> None:
