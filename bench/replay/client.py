@@ -54,8 +54,9 @@ def _events(buffer: bytes) -> tuple[list[bytes], bytes]:
 
     Events end with a blank line; lines end with LF, CRLF or CR (the SSE spec allows all three:
     sse-starlette, behind llama-cpp-python's server among others, sends CRLF)."""
-    # A CR that ends the read may be the first half of a CRLF: kept for the next read.
-    held = b"\r" if buffer.endswith(b"\r") else b""
+    # A lone CR that ends the read may be the first half of a CRLF: kept for the next read.
+    # (Two end a CR-only event, whatever follows: held back, every event read one chunk late.)
+    held = b"\r" if buffer.endswith(b"\r") and not buffer.endswith(b"\r\r") else b""
     if held:
         buffer = buffer[:-1]
     buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")

@@ -16,6 +16,7 @@ import aiohttp
 from bench.replay.client import RequestResult, stream_completion
 from bench.replay.prompts import PromptText
 from bench.replay.server_metrics import CacheCounters, scrape_all
+from routing.redis_clients import redacted
 from traces.format import TraceRecord
 
 __all__ = ["ReplayConfig", "ReplayResult", "replay", "replay_async"]
@@ -104,7 +105,8 @@ async def _preflight(
                 return
             listing = await resp.json(content_type=None)
     except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-        raise EndpointProblem(f"cannot reach {models_url}: {exc}") from exc
+        message = f"cannot reach {models_url}: {exc}"
+        raise EndpointProblem(message.replace(models_url, redacted(models_url))) from exc
     except (aiohttp.ClientError, ValueError):
         return  # answered, but not with a listing: let the requests tell
     data = listing.get("data") if isinstance(listing, dict) else None
@@ -113,7 +115,7 @@ async def _preflight(
     served = sorted(str(m.get("id")) for m in data if isinstance(m, dict))
     if config.model not in served:
         raise EndpointProblem(
-            f"{models_url} does not serve the model {config.model!r}; it serves: "
+            f"{redacted(models_url)} does not serve the model {config.model!r}; it serves: "
             f"{', '.join(served) or 'none'} (pass one with --model)"
         )
 
@@ -166,7 +168,8 @@ async def _run(
             current.uncancel()  # handled: what finished is reported
         # Whatever the phase (the models check, the requests, the counters read after them):
         # the replicas' counters are not read again (the user wants out).
-        wall_s = time.monotonic() - progress.start if progress.start is not None else 0.0
+        end = progress.end if progress.end is not None else time.monotonic()
+        wall_s = end - progress.start if progress.start is not None else 0.0
         results = sorted(progress.finished, key=lambda r: r.index)
         return ReplayResult(results, wall_s, {}, stopped[0], len(records))
     finally:
@@ -181,6 +184,8 @@ class _Progress:
     finished: list[RequestResult] = field(default_factory=list)
     #: When the first request was due (monotonic); None before the requests began.
     start: float | None = None
+    #: When the last request ended (a stop while the counters are read after is not run time).
+    end: float | None = None
 
 
 async def _replay(
@@ -226,7 +231,8 @@ async def _replay(
             return result
 
         await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
-        wall_s = time.monotonic() - start
+        progress.end = time.monotonic()
+        wall_s = progress.end - start
         after = await scrape_all(session, config.metrics_urls)
     server_cache: dict[str, CacheCounters | str] = {}
     for url, first, last in zip(config.metrics_urls, before, after, strict=True):

@@ -10,6 +10,7 @@ import numpy as np
 
 from bench.replay.runner import ReplayResult
 from bench.replay.server_metrics import CacheCounters
+from routing.redis_clients import redacted
 
 __all__ = ["render_table", "summarize"]
 
@@ -41,7 +42,8 @@ def summarize(
             errors[key] = errors.get(key, 0) + 1
     server: dict[str, object] = {}
     queries = hits = 0.0
-    for url, delta in result.server_cache.items():
+    for raw_url, delta in result.server_cache.items():
+        url = redacted(raw_url)  # printed and saved: no password
         if isinstance(delta, CacheCounters):
             server[url] = {
                 "prefix_cache_queries": delta.queries,
@@ -70,7 +72,7 @@ def summarize(
     for url, delta in result.server_cache.items():
         if isinstance(delta, CacheCounters) and delta.queries == 0 and ok:
             warnings.append(
-                f"{url} counted no prefix-cache queries: is it a vLLM engine's /metrics "
+                f"{redacted(url)} counted no prefix-cache queries: is it a vLLM engine's /metrics "
                 "(vllm:prefix_cache_queries_total)?"
             )
     summary: dict[str, object] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import sys
 from datetime import UTC, datetime
 
@@ -184,9 +185,14 @@ def _run_replay(args: argparse.Namespace) -> int:
         "trace_block_size": args.trace_block_size,
         "ignore_eos": not args.no_ignore_eos,
         "seed": args.seed,
+        "timeout_s": args.timeout_s,
+        "metrics_urls": [redacted(url) for url in args.metrics_url],
         "started_utc": started_utc,
     }
     summary = summarize(result, run)
+    if result.interrupted:  # a second Ctrl-C while this prints would lose what finished
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(json.dumps(summary, indent=2) if args.json else render_table(summary))
     if result.interrupted:  # what finished was reported; the exit says it was cut short
         return 143 if result.interrupted == "SIGTERM" else 130
