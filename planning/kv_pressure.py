@@ -42,5 +42,5 @@ def pressure_reasons(
     if waiting_growth_per_min is not None:
         parts.append(f"queue {waiting_growth_per_min:+.1f}/min")
     if preemptions_per_min is not None:
-        parts.append(f"{preemptions_per_min:g} preemptions/min")
+        parts.append(f"{preemptions_per_min:.3g} preemptions/min")
     return ", ".join(parts)

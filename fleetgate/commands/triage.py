@@ -155,7 +155,9 @@ def load(args: argparse.Namespace) -> dict[str, RouteMetrics]:
         unknown = sorted(set(args.route) - set(routes))
         if unknown:
             raise MetricsError(
-                f"--route {unknown[0]}: not in the input; routes: {', '.join(routes) or 'none'}"
+                f"--route {unknown[0]}: not in the input"
+                + (f" (or it had no requests in the last {args.window})" if args.prometheus else "")
+                + f"; routes: {', '.join(routes) or 'none'}"
             )
         routes = {name: routes[name] for name in args.route}
     return {name: metrics.merged(defaults) for name, metrics in routes.items()}

@@ -49,9 +49,16 @@ def triage(metrics: RouteMetrics) -> list[Lever]:
     """Ordered levers for one route; see the module docstring for the chart."""
     levers: list[Lever] = []
     shed = metrics.shed_share
-    if shed is not None and shed >= SHED_SIGNIFICANT:
-        _add(levers, _shedding(shed))
+    shedding = shed is not None and shed >= SHED_SIGNIFICANT
     ttft_over = _over(metrics.ttft_p95_ms, metrics.ttft_slo_ms, metrics.ttft_slo_missed)
+    if shedding:
+        assert shed is not None
+        breach = (
+            _breach("TTFT", metrics.ttft_p95_ms, metrics.ttft_slo_ms, metrics.ttft_slo_missed)
+            if ttft_over
+            else None
+        )
+        _add(levers, _shedding(shed, breach))
     if ttft_over:
         _add(levers, _prefix_caching(metrics))
         _add(levers, _queueing(metrics))
@@ -190,12 +197,13 @@ def _breach(name: str, p95: float | None, slo: float | None, missed: float | Non
     return f"{name} p95 {p95:,.0f} ms is over its {slo:,g} ms SLO"
 
 
-def _shedding(shed: float) -> Lever:
+def _shedding(shed: float, breach: str | None = None) -> Lever:
+    also = f"{breach} even so; " if breach else ""
     return Lever(
         "queueing",
         "add replicas",
-        f"flow control refused {shed:.0%} of requests (429, fleet-wide: every route shares "
-        "the engines) because the fleet was saturated; "
+        f"flow control refused {shed:.0%} of standard requests (429, fleet-wide: every route "
+        f"shares the engines) because the fleet was saturated; {also}"
         "the latencies here are the admitted requests' only, so they understate the overload. "
         "Admission control is already on: the fleet is too small for this load (size it with "
         "`fleetgate plan capacity`), or lower the traffic it promises",
@@ -241,10 +249,10 @@ def _prefix_caching(metrics: RouteMetrics) -> Lever | None:
     )
 
 
-def _queueing(metrics: RouteMetrics) -> Lever:
-    ttft = _breach("TTFT", metrics.ttft_p95_ms, metrics.ttft_slo_ms, metrics.ttft_slo_missed)
+def _queueing(metrics: RouteMetrics) -> Lever | None:
     if metrics.shed_share is not None and metrics.shed_share >= SHED_SIGNIFICANT:
-        return _shedding(metrics.shed_share)  # the same lever, merged: said once
+        return None  # said by the shedding lever, breach included
+    ttft = _breach("TTFT", metrics.ttft_p95_ms, metrics.ttft_slo_ms, metrics.ttft_slo_missed)
     utilisation = metrics.utilisation
     if utilisation is None:
         why = (

@@ -58,12 +58,14 @@ FLEET_QUERIES: dict[str, str] = {
     "waiting_mean": "avg(avg_over_time(vllm:num_requests_waiting{{{s}}}[{w}]))",
     # Queue growth per replica per minute, as `fleetgate advise --prometheus` reads it.
     "waiting_growth_per_min": "60 * avg(deriv(vllm:num_requests_waiting{{{s}}}[{w}]))",
-    # Requests flow control refused for saturation, of those it decided (a queued one is
-    # decided once more when it leaves the queue: admitted, shed, abandoned or failed).
+    # Standard requests flow control refused for saturation, of those it decided (a queued
+    # one is decided once more when it leaves the queue: admitted, shed, abandoned or failed).
+    # Sheddable ones are refused by design under overload; critical ones never are.
     "shed_share": (
         "sum(increase(fleetgate_flow_decisions_total"
-        '{{decision="shed",reason!="token_budget",{s}}}[{w}])) / '
-        'sum(increase(fleetgate_flow_decisions_total{{decision!="queue",{s}}}[{w}]))'
+        '{{request_class="standard",decision="shed",reason!="token_budget",{s}}}[{w}])) / '
+        "sum(increase(fleetgate_flow_decisions_total"
+        '{{request_class="standard",decision!="queue",{s}}}[{w}]))'
     ),
     # Replica-seconds attributed to requests per second of wall time, per healthy replica.
     "utilisation": (
@@ -117,7 +119,9 @@ def query(client: httpx.Client, base_url: str, promql: str) -> list[tuple[dict[s
     if not isinstance(body, dict):
         # Not Prometheus's JSON: an auth proxy's 401, a wrong path's 404 page.
         hint = {
-            401: " (unauthorised: put the user and password in the URL, http://USER:PASS@host)",
+            401: " (unauthorised: check the user and password in the URL)"
+            if urlsplit(base_url).password
+            else " (unauthorised: put the user and password in the URL, http://USER:PASS@host)",
             403: " (forbidden)",
             404: " (not found: is this a Prometheus base URL, without /api/v1?)",
         }.get(response.status_code, "")

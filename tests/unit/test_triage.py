@@ -275,7 +275,10 @@ def test_flow_control_shedding_says_the_fleet_is_too_small_not_add_admission_con
     levers = triage(RouteMetrics(ttft_p95_ms=7400.0, ttft_slo_ms=1500.0, shed_share=0.62))
     first = levers[0]
     assert (first.category, first.action) == ("queueing", "add replicas")
-    assert "refused 62% of requests" in first.reason
+    assert "refused 62% of standard requests" in first.reason
+    # The TTFT breach is said there, once (it was said in no reason, and the lever's twice).
+    assert "TTFT p95 7,400 ms is over its 1,500 ms SLO even so" in first.reason
+    assert first.reason.count("Admission control is already on") == 1
     assert all(lever.action != "add replicas and admission control" for lever in levers)
     calm = triage(RouteMetrics(ttft_p95_ms=700.0, ttft_slo_ms=1500.0, shed_share=0.3))
     assert calm[0].action == "add replicas"  # within SLO for those admitted, still undersized

@@ -219,7 +219,7 @@ def test_prometheus_reads_queue_growth_as_advise_does() -> None:
 @pytest.mark.parametrize(
     ("status", "body", "says"),
     [
-        (401, "Unauthorized", "HTTP 401 Unauthorized (unauthorised: put the user and password"),
+        (401, "Unauthorized", "HTTP 401 Unauthorized (unauthorised: check the user and password"),
         (404, "404 page not found", "HTTP 404 Not Found (not found: is this a Prometheus base URL"),
         (400, '{"status": "error", "error": "bad window"}', "query failed (bad window)"),
     ],
