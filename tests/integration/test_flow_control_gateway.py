@@ -257,11 +257,10 @@ async def test_a_queued_client_that_disconnects_never_reaches_the_engine(tmp_pat
         ]
 
 
-async def test_a_key_revoked_while_its_request_queued_is_refused_when_released(
-    tmp_path: Path,
-) -> None:
-    """The reload review: requests queued by flow control were never checked against a reload
-    that removed their tenant; they were served with its salt, while its new requests got 401."""
+@asynccontextmanager
+async def _b_queued_behind_a(tmp_path: Path) -> AsyncIterator[tuple]:
+    """One gateway whose engine holds tenant a's first request (saturated), tenant b's request
+    queued behind it: (url, app, session, upstream, a's task, b's task)."""
     upstream = FakeUpstream()
     upstream.header_gate = asyncio.Event()
     async with _gateways(tmp_path, upstream) as [(url, app)], aiohttp.ClientSession() as http:
@@ -269,6 +268,15 @@ async def test_a_key_revoked_while_its_request_queued_is_refused_when_released(
         await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
         queued = asyncio.create_task(_post(http, url, "b", "b-queued"))
         await wait_until(lambda: _queued(app) == 1, "b's request is queued")
+        yield url, app, http, upstream, first, queued
+
+
+async def test_a_key_revoked_while_its_request_queued_is_refused_when_released(
+    tmp_path: Path,
+) -> None:
+    """The reload review: requests queued by flow control were never checked against a reload
+    that removed their tenant; they were served with its salt, while its new requests got 401."""
+    async with _b_queued_behind_a(tmp_path) as (url, app, http, upstream, first, queued):
         path = tmp_path / "policy.yaml"
         path.write_text(path.read_text().replace(f'{{name: b, api_key_sha256: [{_sha("b")}]',
                                                  f'{{name: b, api_key_sha256: [{_sha("b2")}]'))
@@ -287,13 +295,7 @@ async def test_a_tenant_removed_while_its_request_queued_is_refused_at_once(
     # Its queued requests waited until their SLO ran out, then got a 429 saying to retry later
     # (the flow-control review): the reload now answers them with the 401 of an unknown key,
     # while the engine is still busy.
-    upstream = FakeUpstream()
-    upstream.header_gate = asyncio.Event()
-    async with _gateways(tmp_path, upstream) as [(url, app)], aiohttp.ClientSession() as http:
-        first = asyncio.create_task(_post(http, url, "a", "a-first"))
-        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
-        queued = asyncio.create_task(_post(http, url, "b", "b-queued"))
-        await wait_until(lambda: _queued(app) == 1, "b's request is queued")
+    async with _b_queued_behind_a(tmp_path) as (_, app, _http, upstream, first, queued):
         path = tmp_path / "policy.yaml"
         lines = path.read_text().splitlines(keepends=True)
         path.write_text("".join(line for line in lines if "{name: b," not in line))
