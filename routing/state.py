@@ -153,14 +153,10 @@ class ReplicaState:
     def queued(self) -> int:
         """Requests waiting on the engine for their prefill to start.
 
-        The engine's waiting queue, less one for each request the gateway has seen end since
-        it was read (each freed a place a waiting one took: read as it was polled, an engine
-        that had emptied its queue looked full for up to a poll while the gateway queue held
-        30 requests, the flow-control review), or, when the gateway's view is fresher, the
-        requests it has in flight there beyond those the engine reports running, at most those
-        still waiting for their first token.
+        The engine's waiting queue, or, when the gateway's view is fresher, the requests it has
+        in flight there beyond those the engine reports running, at most those still waiting
+        for their first token.
         """
-        waiting = max(0, self.waiting - self.finished_since_read)
         beyond_gauge = self.inflight_requests - self.running
         if self.inflight_unprefilled is not None and self.inflight_unprefilled < beyond_gauge:
             # The gauge is as old as its poll (2 s by default): requests sent since that have
@@ -169,7 +165,7 @@ class ReplicaState:
             # switched off fleet-cost's eviction charge, and the real-vLLM prefix test's other
             # engine took more prefixes than its cache holds.
             beyond_gauge = self.inflight_unprefilled
-        return max(waiting, beyond_gauge, 0)
+        return max(self.waiting, beyond_gauge, 0)
 
     @property
     def load(self) -> int:

@@ -179,20 +179,3 @@ def test_without_the_tracker_nothing_is_subtracted() -> None:
     registry.set_inflight({R: (1, 0)})
     state = registry.get(R)
     assert state is not None and state.running_now == 4
-
-
-def test_each_request_ended_since_the_reading_frees_a_waiting_place() -> None:
-    """Read as polled, an engine that had emptied its waiting queue looked full for up to a
-    poll while flow control held 30 requests (the flow-control review): each request that ended
-    since the reading let one waiting request start."""
-    clock = Clock(100.0)
-    inflight = MemoryInflight(clock)
-    for _ in range(2):
-        inflight.start(R, 100)
-    registry = ReplicaRegistry()
-    registry.upsert(ReplicaState(R, "http://r0", running=2, waiting=3, metrics_read_at=100.5))
-    assert view(registry, inflight).queued == 3
-    clock.now = 101.0
-    inflight.finish(R, 0, started_at=100.0)
-    inflight.finish(R, 0, started_at=100.0)
-    assert view(registry, inflight).queued == 1
