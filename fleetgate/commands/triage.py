@@ -146,6 +146,8 @@ def load(args: argparse.Namespace) -> dict[str, RouteMetrics]:
                     args.prometheus, client, args.window, args.selector
                 )
                 _warn_when_short(args, client)
+                if note := engine_series_note(routes, args.selector):
+                    print(f"fleetgate triage: warning: {note}", file=sys.stderr)
     defaults = RouteMetrics(
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
@@ -161,6 +163,23 @@ def load(args: argparse.Namespace) -> dict[str, RouteMetrics]:
             )
         routes = {name: routes[name] for name in args.route}
     return {name: metrics.merged(defaults) for name, metrics in routes.items()}
+
+
+def engine_series_note(routes: dict[str, RouteMetrics], selector: str) -> str | None:
+    """What to check when Prometheus gave no engine figure at all (the KV rules then say only
+    "needs kv_cache_usage", which names a source already in use)."""
+    if not routes or any(
+        m.kv_cache_usage is not None or m.preemptions_per_min is not None
+        for m in routes.values()
+    ):
+        return None
+    where = (
+        f"; --selector {selector} must match the engines' labels too" if selector else ""
+    )
+    return (
+        "no vllm:* series in the window: KV pressure is not checked. Does this Prometheus "
+        f"scrape the engines (vLLM's /metrics){where}?"
+    )
 
 
 def _warn_when_short(args: argparse.Namespace, client: httpx.Client) -> None:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from planning.triage.gateway_source import fetch_gateway_metrics, parse_gateway_metrics
 from planning.triage.histogram import histogram_quantile
-from planning.triage.model import SourceError
+from planning.triage.model import RouteMetrics, SourceError
 from planning.triage.prometheus_source import fetch_prometheus_metrics
 
 
@@ -265,3 +265,14 @@ def test_a_selector_scopes_every_series_triage_reads() -> None:
         fetch_prometheus_metrics("http://prom:9090", client, "5m", 'namespace="prod"')
     selectors = sum(query.count("{") for query in seen)
     assert selectors and sum(query.count('namespace="prod"}') for query in seen) == selectors
+
+
+def test_prometheus_without_engine_series_says_what_to_check() -> None:
+    # With no vllm:* series, the KV rule said "needs kv_cache_usage ... from --prometheus":
+    # the source already in use (the Prometheus review). A selector may be what drops them.
+    from fleetgate.commands.triage import engine_series_note
+
+    gateway_only = {"rag": RouteMetrics(ttft_p95_ms=700.0)}
+    note = engine_series_note(gateway_only, 'job="fleetgate"')
+    assert note is not None and "vllm:*" in note and '--selector job="fleetgate"' in note
+    assert engine_series_note({"rag": RouteMetrics(kv_cache_usage=0.5)}, "") is None
