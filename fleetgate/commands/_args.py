@@ -155,23 +155,29 @@ def http_url(what: str) -> Callable[[str], str]:
     return check
 
 
-#: PromQL's duration units, largest first: a range names them in this order, each once.
-_PROMQL_UNITS = ("y", "w", "d", "h", "m", "s", "ms")
+#: PromQL's duration units in seconds, largest first: a range names them in this order, each once.
+_PROMQL_UNIT_SECONDS = {
+    "y": 31_536_000.0, "w": 604_800.0, "d": 86_400.0, "h": 3_600.0, "m": 60.0, "s": 1.0,
+    "ms": 0.001,
+}
+_PROMQL_PART = re.compile(r"(\d+)(ms|[smhdwy])")
 
 
 def promql_duration(text: str) -> str:
     """A PromQL range such as ``10m``, ``1h30m`` or ``90s``: units from the largest down, each
     once, and not zero (Prometheus refuses ``1s5m`` and ``0s``; said here, as a usage error)."""
-    import re
-
-    pattern = "".join(f"(?:\\d+{unit})?" for unit in _PROMQL_UNITS)
-    parts = re.findall(r"(\d+)(ms|[smhdwy])", text)
-    if not text or not re.fullmatch(pattern, text) or not any(int(n) for n, _ in parts):
+    pattern = "".join(f"(?:\\d+{unit})?" for unit in _PROMQL_UNIT_SECONDS)
+    if not text or not re.fullmatch(pattern, text) or not promql_seconds(text):
         raise argparse.ArgumentTypeError(
             "a PromQL duration is a number and a unit, larger units first and not zero, e.g. "
             f"10m, 1h30m, 90s (got {text!r})"
         )
     return text
+
+
+def promql_seconds(duration: str) -> float:
+    """A PromQL duration (as ``promql_duration`` checks it) in seconds."""
+    return sum(int(n) * _PROMQL_UNIT_SECONDS[u] for n, u in _PROMQL_PART.findall(duration))
 
 
 def _int(text: str) -> int:

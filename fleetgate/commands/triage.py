@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from fleetgate.commands._args import http_url, positive_float, promql_duration
+from fleetgate.commands._args import http_url, positive_float, promql_duration, promql_seconds
 from planning.triage import MetricsError, RouteMetrics, triage
 from planning.triage.flags import annotate
 from planning.triage.gateway_source import fetch_gateway_metrics
@@ -189,7 +189,7 @@ def _warn_when_short(args: argparse.Namespace, client: httpx.Client) -> None:
     from planning.triage.prometheus_source import window_coverage_s
 
     covered = window_coverage_s(args.prometheus, client, args.window, args.selector)
-    window_s = _seconds(args.window)
+    window_s = promql_seconds(args.window)
     if covered is not None and covered < _COVERED * window_s:
         print(
             f"fleetgate triage: warning: the gateway's series cover only the last {covered:.0f} s "
@@ -197,14 +197,6 @@ def _warn_when_short(args: argparse.Namespace, client: httpx.Client) -> None:
             f"{max(1, int(covered))}s",
             file=sys.stderr,
         )
-
-
-def _seconds(duration: str) -> float:
-    """A PromQL duration (checked by ``promql_duration``) in seconds."""
-    import re
-
-    scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
-    return sum(int(n) * scale[unit] for n, unit in re.findall(r"(\d+)(ms|[smhdwy])", duration))
 
 
 def _advice(path: str) -> dict[str, list[Any]]:

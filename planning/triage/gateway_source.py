@@ -15,8 +15,14 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from planning.triage.histogram import histogram_quantile
-from planning.triage.model import UNROUTED, MetricsError, RouteMetrics, SourceError
-from planning.triage.prometheus_source import scrubbed
+from planning.triage.model import (
+    UNROUTED,
+    MetricsError,
+    RouteMetrics,
+    SourceError,
+    drop_undeclared_misses,
+    scrubbed,
+)
 
 
 def fetch_gateway_metrics(url: str, client: httpx.Client) -> dict[str, RouteMetrics]:
@@ -71,19 +77,18 @@ def parse_gateway_metrics(text: str) -> dict[str, RouteMetrics]:
     result = {}
     for route in routes:
         try:
-            result[route] = RouteMetrics(
-                ttft_p95_ms=_p95_ms(ttft.get(route)),
-                ttft_slo_ms=slos[route].get("ttft"),
-                tpot_p95_ms=_p95_ms(tpot.get(route)),
-                tpot_slo_ms=slos[route].get("tpot"),
-                shared_prefix_fraction=repeat.get(route),
-                cache_busting_layout=busting.get(route),
+            result[route] = RouteMetrics(**drop_undeclared_misses({
+                "ttft_p95_ms": _p95_ms(ttft.get(route)),
+                "ttft_slo_ms": slos[route].get("ttft"),
+                "tpot_p95_ms": _p95_ms(tpot.get(route)),
+                "tpot_slo_ms": slos[route].get("tpot"),
+                "shared_prefix_fraction": repeat.get(route),
+                "cache_busting_layout": busting.get(route),
                 # Distinct models behind one route: fine-tunes deployed as full models.
-                fine_tuned_variants=len(models[route]) if route in models else None,
-                # Counted against the route's own SLOs only where it declares them.
-                ttft_slo_missed=_missed(outcomes[route]["ttft"]) if "ttft" in slos[route] else None,
-                tpot_slo_missed=_missed(outcomes[route]["tpot"]) if "tpot" in slos[route] else None,
-            )
+                "fine_tuned_variants": len(models[route]) if route in models else None,
+                "ttft_slo_missed": _missed(outcomes[route]["ttft"]),
+                "tpot_slo_missed": _missed(outcomes[route]["tpot"]),
+            }))
         except MetricsError as exc:
             raise SourceError(f"route {route}: {exc}") from exc
     return result

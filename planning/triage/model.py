@@ -6,6 +6,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
 
 #: The fixed lever vocabulary; dashboards and runbooks key on these strings.
 LeverCategory = Literal[
@@ -28,6 +29,24 @@ class MetricsError(ValueError):
 
 class SourceError(RuntimeError):
     """A metrics source (gateway, Prometheus) could not be read; the message names the URL."""
+
+
+def scrubbed(text: str, base_url: str) -> str:
+    """``text`` without the password of ``base_url``'s user-info (basic auth in the URL): error
+    messages are printed, and CI and incident logs keep them (the Prometheus review)."""
+    password = urlsplit(base_url).password
+    return text.replace(f":{password}@", ":***@") if password else text
+
+
+def drop_undeclared_misses(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with a route's miss shares kept only for the SLOs it declares: for the others
+    the gateway counts against its defaults (2,000 ms, 100 ms), not the SLO triage is given on
+    the command line, and a route over a ``--slo-ttft-ms 5`` read as within it (the diff
+    review). Both live sources read them so."""
+    for slo in ("ttft", "tpot"):
+        if values.get(f"{slo}_slo_ms") is None:
+            values.pop(f"{slo}_slo_missed", None)
+    return values
 
 
 @dataclass(frozen=True, slots=True)

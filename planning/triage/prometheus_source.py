@@ -12,7 +12,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from planning.triage.model import UNROUTED, MetricsError, RouteMetrics, SourceError
+from planning.triage.model import (
+    UNROUTED,
+    MetricsError,
+    RouteMetrics,
+    SourceError,
+    drop_undeclared_misses,
+    scrubbed,
+)
 
 #: field -> PromQL: ``{w}`` is the window, ``{s}`` the ``--selector`` label matchers every series
 #: is read with (empty: all; PromQL takes ``metric{}`` and a trailing comma in a matcher list).
@@ -86,22 +93,6 @@ _CONVERT: dict[str, Callable[[float], object]] = {
     # Utilisation above 1 means overlapping requests per replica; triage reads it as saturated.
     "utilisation": lambda value: min(value, 1.0),
 }
-
-
-def drop_undeclared_misses(values: dict[str, object]) -> None:
-    """Keep a route's miss shares only for the SLOs it declares: for the others the gateway
-    counts against its defaults (2,000 ms, 100 ms), not the SLO triage is given on the command
-    line, and a route over a ``--slo-ttft-ms 5`` read as within it (the diff review)."""
-    for slo in ("ttft", "tpot"):
-        if values.get(f"{slo}_slo_ms") is None:
-            values.pop(f"{slo}_slo_missed", None)
-
-
-def scrubbed(text: str, base_url: str) -> str:
-    """``text`` without the password of ``base_url``'s user-info (basic auth in the URL): error
-    messages are printed, and CI and incident logs keep them (the Prometheus review)."""
-    password = urlsplit(base_url).password
-    return text.replace(f":{password}@", ":***@") if password else text
 
 
 def query(client: httpx.Client, base_url: str, promql: str) -> list[tuple[dict[str, str], float]]:
