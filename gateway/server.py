@@ -137,6 +137,7 @@ async def stop_serving(app: web.Application, runner: web.AppRunner) -> None:
     ``drain_timeout_s`` to finish; what is left then is cut (its client sees the stream end)."""
     gw = app[GATEWAY]
     gw.stopping = True
+    _close_idle_connections(runner)
     if gw.config.stop_delay_s > 0:
         log.info("stopping: /ready is 503; still serving for %.1f s", gw.config.stop_delay_s)
         await asyncio.sleep(gw.config.stop_delay_s)
@@ -154,6 +155,25 @@ async def stop_serving(app: web.Application, runner: web.AppRunner) -> None:
         await runner.cleanup()
     finally:
         cut.cancel()
+
+
+def _close_idle_connections(runner: web.AppRunner) -> None:
+    """Close idle keep-alive connections now, while the listener still accepts: the client's
+    next request opens a new connection and is served (told ``Connection: close``). Kept open,
+    they were reused through the whole stop delay and closed at its end, under a request just
+    sent on one (lost to "server disconnected" after this gateway had left the rotation). A
+    connection with a request in flight, or one just received, closes once that is answered."""
+    server = runner.server
+    if server is None:
+        return
+    for connection in server.connections:
+        # aiohttp's own idle test (``RequestHandler._process_keepalive``): waiting for a request,
+        # none received. Its ``pre_shutdown`` only marks idle ones, closed at ``shutdown``.
+        waiter = getattr(connection, "_waiter", None)
+        if waiter is not None and not waiter.done():
+            connection.force_close()
+        else:
+            connection.close()
 
 
 def _say_cut(gw: GatewayState, drain_s: float) -> None:

@@ -162,6 +162,55 @@ async def test_after_sigterm_ready_is_503_while_requests_are_still_served() -> N
             await runner.cleanup()
 
 
+async def test_idle_keep_alive_connections_close_when_the_stop_delay_begins() -> None:
+    """Not at its end: a request sent on one then raced the close after the gateway had left the
+    rotation. Closed at the start, the client's next request opens a new connection, still
+    accepted."""
+    from gateway.server import start_site, stop_serving
+
+    upstream = FakeUpstream()
+    async with serve(upstream.app()) as upstream_url:
+        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
+        app = create_app(
+            GatewayConfig(health_interval_s=3600, stop_delay_s=3600), GatewayPolicy.default([spec])
+        )
+        runner, url = await start_site(app, "127.0.0.1", 0, drain_timeout_s=1)
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        stopping: asyncio.Task[None] | None = None
+        try:
+            writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+            await writer.drain()
+            async with asyncio.timeout(HANG_GUARD_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            assert b"connection: close" not in head.lower()  # kept alive ...
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.lower().split(b"\r\n")
+                if line.startswith(b"content-length:")
+            )
+            async with asyncio.timeout(HANG_GUARD_S):
+                await reader.readexactly(length)  # ... and now idle
+            stopping = asyncio.create_task(stop_serving(app, runner))
+            async with asyncio.timeout(HANG_GUARD_S):
+                rest = await reader.read()
+            assert rest == b""  # the server closed it ...
+            assert not stopping.done()  # ... during the (hour-long) stop delay
+            async with aiohttp.ClientSession() as http:
+                body = {"model": "base-model", "prompt": "hello", "max_tokens": 2}
+                async with http.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200  # a new connection is still accepted and served
+                    assert resp.headers["Connection"] == "close"
+        finally:
+            writer.close()
+            if stopping is not None:
+                stopping.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stopping
+            await runner.cleanup()
+
+
 async def test_a_request_reaching_a_draining_gateway_gets_a_503_that_says_retry() -> None:
     upstream = FakeUpstream()
     async with serve(upstream.app()) as upstream_url:
