@@ -478,7 +478,15 @@ def _optional_bounds(settings: FlowControlSettings) -> str:
         if settings.steer_when_calm
         else ""
     )
-    return (f" or {' or '.join(parts)}" if parts else "") + held + steered + calm
+    backlog = (
+        "; once at least half the fleet is full, a queued request routed to a replica with "
+        f"{settings.saturation_backlog_requests} or more waiting is not released there, and, "
+        "held for that alone, goes to an idle replica when what it waited plus its expected "
+        "TTFT there meets its SLO (`hold_for_backlog`)"
+        if settings.hold_for_backlog
+        else ""
+    )
+    return (f" or {' or '.join(parts)}" if parts else "") + held + steered + calm + backlog
 
 
 def _seeds(text: str) -> list[int]:
@@ -636,6 +644,13 @@ def _parser() -> argparse.ArgumentParser:
         help="hold a standard or sheddable request routed to a replica decoding too slowly, "
         "with most of the fleet full, even on a calm fleet (flow_control.steer_when_calm: false)",
     )
+    parser.add_argument(
+        "--no-hold-for-backlog",
+        dest="hold_for_backlog",
+        action="store_false",
+        help="release a queued request whenever any replica has room, even onto one where "
+        "requests already wait (flow_control.hold_for_backlog: false)",
+    )
     parser.add_argument("--out", default=DEFAULT_PAGE, help="markdown page to write")
     parser.add_argument("--no-page", action="store_true", help="print the checks only")
     return parser
@@ -757,6 +772,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         protect_critical_decodes=args.protect_critical_decodes,
         steer_critical=args.steer_critical,
         steer_when_calm=args.steer_when_calm,
+        hold_for_backlog=args.hold_for_backlog,
     )
     generated = subjects(args.workloads, args.requests)
     replays: list[Replay] = []

@@ -231,6 +231,7 @@ def settings_of(policy: Policy | None) -> FlowControlSettings:
         steer_critical=spec.steer_critical,
         steer_when_calm=spec.steer_when_calm,
         calm_window_s=spec.calm_window_s,
+        hold_for_backlog=spec.hold_for_backlog,
     )
 
 
@@ -424,10 +425,11 @@ class FlowGate:
         return routed
 
     async def _steer(
-        self, request: FlowRequest, routed: Routed, repick: Repick
+        self, request: FlowRequest, routed: Routed, repick: Repick, queued: bool = False
     ) -> tuple[Routed, FleetEstimate]:
         """A request routed to a replica decoding too slowly for it, critical or (on a calm
-        fleet) about to be held: routed again among the replicas with room, and sent there if
+        fleet) about to be held, or a queue head held for its replica's backlog (``queued``):
+        routed again among the replicas with room (idle ones, for a head), and sent there if
         the controller takes the new decision (``routing.flow_control.steer_request``, as in the
         simulator). The request path forwards what this returns."""
         steering = await steer_request(
@@ -437,6 +439,7 @@ class FlowGate:
             routed.routing_request,
             self._estimate,
             lambda room: repick(routed, room),
+            queued=queued,
         )
         if not steering.steered:
             return routed, steering.estimate
@@ -553,13 +556,14 @@ class FlowGate:
                     continue
                 try:
                     routed = await waiter.repick(waiter.routed)
+                    routed, estimate = await self._steer(head, routed, waiter.repick, queued=True)
                 except Exception as exc:  # this request's own failure: the rest still move
                     self._fail(head.request_id, waiter, exc)
                     continue
                 current = flow.head(pool)
                 if current is None or current.request_id != head.request_id:
                     continue  # it left (disconnect, expiry) while it was being routed
-                verdict = flow.judge_head(self._estimate(routed), pool)
+                verdict = flow.judge_head(estimate, pool)
                 if verdict.decision is Decision.QUEUE:
                     break
                 if self._answer(head.request_id, verdict, routed) and (

@@ -444,7 +444,8 @@ class GatewayMetrics:
             "fleetgate_flow_steered",
             "Requests flow control moved off the replica routing chose, whose decodes ran too "
             "slow for their TPOT SLO, to one with room: critical ones (steer_critical), and "
-            "others it would have held on a calm fleet (steer_when_calm)",
+            "others it would have held on a calm fleet (steer_when_calm); and queue heads held "
+            "for their chosen replica's backlog, moved to an idle replica",
             ["tenant", "request_class"],
             registry=r,
         )

@@ -233,6 +233,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(flow_control.steer_when_calm: false; docs/flow-control.md, Calm steering)",
     )
     parser.add_argument(
+        "--no-hold-for-backlog",
+        dest="hold_for_backlog",
+        action="store_false",
+        help="flow control releases a queued request whenever any replica has room, even onto "
+        "a replica where requests already wait (flow_control.hold_for_backlog: false; "
+        "docs/flow-control.md, Releasing the queue)",
+    )
+    parser.add_argument(
         "--arrival-spread-ms",
         type=non_negative_int,
         default=0,
@@ -308,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
             ("--protect-critical-decodes", args.protect_critical_decodes),
             ("--no-steer-critical", not args.steer_critical),
             ("--no-steer-when-calm", not args.steer_when_calm),
+            ("--no-hold-for-backlog", not args.hold_for_backlog),
         ):
             if given:
                 return _fail(f"{flag} is a flow-control setting: drop --flow-control off")
@@ -388,6 +397,7 @@ def _sweep(
             protect_critical_decodes=args.protect_critical_decodes,
             steer_critical=args.steer_critical,
             steer_when_calm=args.steer_when_calm,
+            hold_for_backlog=args.hold_for_backlog,
         )
         if flow_on
         else None,

@@ -364,10 +364,15 @@ class _Simulation:
             self._record_shed(waiting, verdict)
 
     async def _steer(
-        self, waiting: _Waiting, flow_request: FlowRequest, decision: RoutingDecision
+        self,
+        waiting: _Waiting,
+        flow_request: FlowRequest,
+        decision: RoutingDecision,
+        queued: bool = False,
     ) -> tuple[RoutingDecision, FleetEstimate]:
         """A request routed to a replica decoding too slowly for it, critical or (on a calm
-        fleet) about to be held: routed again among the replicas with room, kept there if the
+        fleet) about to be held, or a queue head held for its replica's backlog (``queued``):
+        routed again among the replicas with room (idle ones, for a head), kept there if the
         controller takes the new decision (``routing.flow_control.steer_request``, as in the
         gateway)."""
         assert self.flow is not None
@@ -378,6 +383,7 @@ class _Simulation:
             waiting.routing_request,
             self._estimate,
             lambda room: self._route(waiting, room),
+            queued=queued,
         )
         self.steered += steering.steered
         return steering.routed, steering.estimate
@@ -415,8 +421,10 @@ class _Simulation:
             self._record_shed(self.waiting.pop(flow_request.request_id), verdict)
         while (head := flow.head()) is not None:
             waiting = self.waiting[head.request_id]
-            decision = await self._route(waiting)
-            verdict = flow.judge_head(self._estimate(decision))
+            decision, estimate = await self._steer(
+                waiting, head, await self._route(waiting), queued=True
+            )
+            verdict = flow.judge_head(estimate)
             if verdict.decision is Decision.QUEUE:
                 break
             del self.waiting[head.request_id]

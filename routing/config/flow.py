@@ -85,6 +85,11 @@ class FlowControlSpec(StrictModel):
     steer_when_calm: bool = True
     #: Seconds without a request held after which the fleet counts as calm again.
     calm_window_s: NonNegativeFloat = 5.0
+    #: Once at least half the fleet is full, a queue head routed to a replica at the backlog
+    #: bound is not released there; held for that alone, it goes to an idle replica if what it
+    #: waited plus its expected TTFT there meets its SLO (docs/flow-control.md, *Releasing the
+    #: queue*). False: released whenever any replica has room.
+    hold_for_backlog: bool = True
     #: The engines run vLLM's ``--scheduling-policy priority``: each chat or completion request
     #: carries its class as vLLM's ``priority`` (critical -1, standard 0, sheddable 1; a
     #: client's own ``priority`` is replaced). Applies whether or not ``enabled`` is set.

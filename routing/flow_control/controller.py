@@ -11,7 +11,9 @@ routing chose by.
   nearly full (``saturation_kv_usage``), or its decodes already near the request's TPOT SLO (the
   engine's recent inter-token latency over ``saturation_itl_fraction`` of it: each new prefill
   shares its steps with them). Once most candidates are full, a request that routing sent to one
-  too slow by that last test counts the fleet as saturated: room elsewhere is not where it goes.
+  too slow by that last test (or, for a queue head about to be released, to one with its
+  backlog already at the bound) counts the fleet as saturated: room elsewhere is not where it
+  goes.
   Optional, off by default: a bound on the predicted queue wait (``saturation_queue_wait_ms``)
   or on the decode interference (``saturation_decode_interference_ms``) also marks a replica
   full. While most replicas have room, everything is admitted: nothing waits and nothing is
@@ -126,7 +128,8 @@ class FlowControlSettings:
 
     enabled: bool = True
     #: A replica is full when this many requests wait to start there (engine-reported, or sent
-    #: by this gateway and not yet running) ...
+    #: by this gateway and not yet running). Once at least half the fleet is full, a queue head
+    #: routed to a replica full by this test is not released there (*Releasing the queue*) ...
     saturation_backlog_requests: int = 2
     #: ... or its KV cache usage is at least this fraction. Saturated = every replica full.
     saturation_kv_usage: float = 0.92
@@ -173,6 +176,12 @@ class FlowControlSettings:
     steer_when_calm: bool = True
     #: Seconds without a request held after which the fleet counts as calm again.
     calm_window_s: float = 5.0
+    #: Once at least half the fleet is full, a queue head routed to a replica with
+    #: ``saturation_backlog_requests`` or more already waiting is not released there; when that
+    #: is all that holds it, it goes to an idle replica if what it waited plus its expected TTFT
+    #: there meets its SLO. False: released whenever any replica has room (docs/flow-control.md,
+    #: *Releasing the queue*).
+    hold_for_backlog: bool = True
 
     def __post_init__(self) -> None:
         backlog = self.saturation_backlog_requests
@@ -373,6 +382,47 @@ class FlowController:
             return then <= first
         return then <= request.ttft_slo_ms
 
+    def head_steer_candidates(
+        self, request: FlowRequest, estimate: FleetEstimate
+    ) -> frozenset[ReplicaId] | None:
+        """For a queue head about to be judged: the idle replicas (nothing running, nothing
+        waiting) to route it again among, when the one thing that would hold it is its chosen
+        replica's backlog (at least half the fleet full, routing's choice at the backlog bound,
+        its decodes not too slow); None otherwise. Not every replica with room: there a cold
+        prefill slows the running decodes (multi-turn lost 7-11 points of goodput).
+        Released onto the backlogged replica, the queue flooded it while one with room stayed
+        free; held for it, the whole queue waited behind the head while replicas sat idle (two
+        live reviews). The caller routes again among them and releases the head there if
+        ``takes_head_steer``; otherwise it waits for its replica as before."""
+        if (
+            not self.settings.enabled
+            or not self.settings.hold_for_backlog
+            or estimate.predicted_ttft_ms is None
+            or not self._chosen_backlogged(estimate)
+            or self._endangers(estimate, request)
+            or self._saturated(estimate, request)  # held whatever the backlog: all full, or slow
+            or not self._saturated(estimate, request, releasing=True)
+            # admitted where it is anyway (``admit_within_slo_fraction``)
+            or self._within_slo(request, estimate, max(0.0, self._clock() - request.arrival_s))
+        ):
+            return None
+        idle = frozenset(
+            load.replica
+            for load in estimate.loads
+            if load.replica is not None and load.replica != estimate.chosen_replica and load.idle
+        )
+        return idle or None
+
+    def takes_head_steer(self, request: FlowRequest, steered: FleetEstimate) -> bool:
+        """Whether a queue head goes to the decision among the idle replicas: if what it
+        waited plus its expected TTFT there meets its SLO. Otherwise it waits for its own
+        replica (a cached prefix, a shorter prefill), until its SLO can no longer be met."""
+        then = steered.predicted_ttft_ms
+        if then is None:
+            return False
+        waited_ms = max(0.0, self._clock() - request.arrival_s) * 1000.0
+        return waited_ms + then <= request.ttft_slo_ms
+
     # ------------------------------------------------------------------ the queue
 
     def pools(self) -> list[str]:
@@ -398,7 +448,8 @@ class FlowController:
         request = entry.request
         protecting = self._endangers(estimate, request)
         if not protecting and (
-            estimate.min_queue_wait_ms is None or not self._saturated(estimate, request)
+            estimate.min_queue_wait_ms is None
+            or not self._saturated(estimate, request, releasing=True)
         ):
             self.queue.pop_head(pool)
             self._releases.append(self._clock())
@@ -547,16 +598,39 @@ class FlowController:
             self.queue.head(pool) is None and self._clock() - held_s >= self.settings.calm_window_s
         )
 
-    def _saturated(self, estimate: FleetEstimate, request: FlowRequest) -> bool:
+    def _saturated(
+        self, estimate: FleetEstimate, request: FlowRequest, releasing: bool = False
+    ) -> bool:
         loads = estimate.loads
         if not loads:
             return False
-        if not self._too_slow(estimate.chosen_decode_itl_ms, request):
+        if not (
+            self._too_slow(estimate.chosen_decode_itl_ms, request)
+            or (releasing and self.settings.hold_for_backlog and self._chosen_backlogged(estimate))
+        ):
             return all(self._full(load, request) for load in loads)  # stops at the first room
-        # Routing chose a replica whose decodes already run too slow, and it does not read the
-        # engines' pace: once most of the fleet is full, room elsewhere is room this request
-        # would not get. With most replicas free, a slow one is a passing state: admit.
+        # Routing chose a replica whose decodes already run too slow (it does not read the
+        # engines' pace), or, for a queue head, one where requests already wait to start (its
+        # cache affinity outweighed that queue): once at least half the fleet is full, room
+        # elsewhere is room this request would not get. Judged by "any replica has room"
+        # alone, the queue drained onto full replicas while one with room stayed free (a live
+        # review); ``head_steer_candidates`` offers such a head the idle replicas. A new
+        # arrival with nothing queued ahead is left to the room test: held there, light-load
+        # bursts waited in the gateway (docs/flow-control.md, *Releasing the queue*). With
+        # most replicas free, a slow or backlogged one is a passing state: admit.
         return 2 * sum(self._full(load, request) for load in loads) >= len(loads)
+
+    def _chosen_backlogged(self, estimate: FleetEstimate) -> bool:
+        """True when ``saturation_backlog_requests`` or more requests already wait to start on
+        the replica routing chose (the backlog test of ``_full``)."""
+        bound = self.settings.saturation_backlog_requests
+        chosen = estimate.chosen_replica
+        return chosen is not None and any(
+            load.replica == chosen
+            and load.backlog_requests is not None
+            and load.backlog_requests >= bound
+            for load in estimate.loads
+        )
 
     def _too_slow(self, itl_ms: float | None, request: FlowRequest) -> bool:
         """True when decodes at ``itl_ms`` leave no headroom under ``request``'s TPOT SLO."""

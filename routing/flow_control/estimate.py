@@ -47,6 +47,14 @@ class ReplicaLoad:
     decode_itl_ms: float | None = None
     #: Which replica (None: unknown).
     replica: ReplicaId | None = None
+    #: Requests running there now, as its engine last reported them less those that ended
+    #: since (None: unknown).
+    running_requests: int | None = None
+
+    @property
+    def idle(self) -> bool:
+        """Known to run nothing and have nothing waiting: a prefill there slows no decode."""
+        return self.running_requests == 0 and self.backlog_requests == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +118,7 @@ def estimate_from_decision(
                 state.kv_usage_now if state is not None else None,
                 _decoding_itl(state),
                 replica,
+                state.running_now if state is not None else None,
             )
         )
     chosen = decision.explanations.get(decision.replica)

@@ -43,12 +43,18 @@ async def steer_request(
     routing_request: RoutingRequest,
     estimate_of: Callable[[T], FleetEstimate],
     route_among: Callable[[frozenset[ReplicaId]], Awaitable[T]],
+    *,
+    queued: bool = False,
 ) -> Steering[T]:
     """``routed`` as it stands, or routed again among the replicas with room when the
     controller steers ``request`` (docs/flow-control.md, *Critical steering* and *Calm
-    steering*)."""
+    steering*); ``queued``: ``request`` is the queue's head, about to be judged again, and
+    the replicas offered are the idle ones (*Releasing the queue*)."""
     estimate = estimate_of(routed)
-    room = controller.steer_candidates(request, estimate)
+    if queued:
+        room = controller.head_steer_candidates(request, estimate)
+    else:
+        room = controller.steer_candidates(request, estimate)
     if room is None:
         return Steering(routed, estimate, False)
     # Routing again judges the request afresh; kept only if the new decision is taken.
@@ -59,7 +65,11 @@ async def steer_request(
         log.debug("routing request %s again failed", request.request_id, exc_info=True)
     else:
         again_estimate = estimate_of(again)
-        if controller.takes_steer(request, estimate, again_estimate):
+        if (
+            controller.takes_head_steer(request, again_estimate)
+            if queued
+            else controller.takes_steer(request, estimate, again_estimate)
+        ):
             return Steering(again, again_estimate, True)
     routing_request.overflow, routing_request.candidates = judged
     return Steering(routed, estimate, False)

@@ -664,6 +664,54 @@ async def test_a_standard_request_that_would_wait_on_a_calm_fleet_goes_to_a_repl
         assert (fleet.slow.attempts, fleet.roomy.attempts) == (0, 0)
 
 
+async def test_a_queue_head_held_for_its_replicas_backlog_goes_to_an_idle_replica(
+    tmp_path: Path,
+) -> None:
+    """Routing prefers the first replica (its KV cache is emptier), where two requests already
+    wait to start. A standard request arriving while both replicas are backlogged waits in the
+    gateway queue. Once the second replica runs nothing and has nothing waiting, the head is
+    not released onto the first (the flood a live review found) nor held for it while the
+    other sits idle (the next review): it is routed again among the idle replicas and served
+    there."""
+    busy, spare = FakeUpstream(), FakeUpstream()
+    # Loads small enough that max-score's bounded-load guard keeps the busy one eligible.
+    busy.kv_usage, busy.waiting, busy.running = 0.0, 2, 1
+    spare.kv_usage, spare.waiting, spare.running = 0.8, 2, 1
+    async with serve(busy.app()) as busy_url, serve(spare.app()) as spare_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(
+            # Critical and calm steering off: this is neither.
+            _two_replica_policy(busy_url, spare_url, steer=False, calm=False).replace(
+                "scorers: [{ref: ttft, weight: 1}, {ref: kv, weight: 1}]",
+                "scorers: [{ref: ttft, weight: 0.001}, {ref: kv, weight: 1}]",
+            )
+        )
+        app = create_app(GatewayConfig(policy_path=str(path), health_interval_s=0.05))
+        async with serve(app, handler_cancellation=True) as url, aiohttp.ClientSession() as http:
+            registry = app[GATEWAY].registry
+
+            def polled(spare_waiting: int) -> bool:
+                states = {s.url.rstrip("/"): s for s in registry.all()}
+                a, b = states.get(busy_url.rstrip("/")), states.get(spare_url.rstrip("/"))
+                return (
+                    a is not None and b is not None and a.waiting == 2
+                    and b.waiting == spare_waiting and b.kv_usage == pytest.approx(0.8)
+                )
+
+            await wait_until(lambda: polled(2), "the gateway read both replicas' queues")
+            held = asyncio.create_task(_post(http, url, "silver", "silver"))
+            await wait_until(lambda: _queued(app) == 1, "the standard request is held")
+            spare.waiting, spare.running = 0, 0
+            status, _, _ = await held
+            assert status == 200
+            assert (busy.attempts, spare.attempts) == (0, 1)
+            metrics = await (await http.get(f"{url}/metrics")).text()
+            assert (
+                'fleetgate_flow_steered_total{request_class="standard",tenant="silver"} 1.0'
+                in metrics
+            )
+
+
 class _HeldUpstream:
     """An engine that reports nothing running and holds each answer until it is released one by
     one; it records how many answers were in progress when each request arrived."""

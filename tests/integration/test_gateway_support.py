@@ -58,6 +58,10 @@ class FakeUpstream:
     itl_s: float | None = None
     #: When set, ``/metrics`` reports this KV cache usage (``vllm:kv_cache_usage_perc``, 0..1).
     kv_usage: float | None = None
+    #: What ``/metrics`` reports waiting to start (``vllm:num_requests_waiting``) ...
+    waiting: int = 0
+    #: ... and running (``vllm:num_requests_running``; None: 1 while ``itl_s`` is set, else 0).
+    running: int | None = None
     _itl_sum_s: float = 0.0
     _itl_count: int = 0
     url: str = ""
@@ -99,8 +103,10 @@ class FakeUpstream:
     async def _metrics(self, request: web.Request) -> web.Response:
         # An engine that decodes tokens between scrapes (``itl_s``) runs requests: other
         # clients', beside this gateway's (flow control reads no pace off an idle engine).
-        running = 1 if self.itl_s is not None else 0
-        text = f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n"
+        running = self.running if self.running is not None else int(self.itl_s is not None)
+        text = (
+            f"vllm:num_requests_running {running}\nvllm:num_requests_waiting {self.waiting}\n"
+        )
         if self.kv_usage is not None:
             text += f"vllm:kv_cache_usage_perc {self.kv_usage}\n"
         if self.itl_s is not None:

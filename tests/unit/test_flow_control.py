@@ -239,6 +239,81 @@ def test_room_on_a_replica_routing_did_not_choose_is_not_room_once_most_are_full
     assert fresh.admit(request("fast"), fleet(30.0, 45.0, 45.0, 45.0)).reason == "not_saturated"
 
 
+def test_once_half_the_fleet_is_full_the_queue_is_not_released_onto_a_backlogged_replica() -> None:
+    """The flood a live review found: with most replicas full, one with room let every queued
+    request go, each routed (by cache affinity) onto the same replica whose engine queue was
+    already at the backlog bound, while the free one stayed free."""
+    clock = FakeClock()
+    flow = _controller(clock, saturation_itl_fraction=None)
+    room, other_room = _load("r2"), _load("r3")
+    busy = _load("r1", backlog=4)
+
+    def routed_to_backlog(waiting: int) -> FleetEstimate:
+        return _routed_to(_load("r0", backlog=waiting), busy, room, other_room, ttft_ms=900.0)
+
+    everything_full = _routed_to(_load("r0", backlog=3), busy, _load("r2", backlog=2))
+    for rid in ("q1", "q2"):
+        assert flow.admit(_request(rid), everything_full).decision is Decision.QUEUE
+    # Half the fleet full, routing chose a full one: the head stays, however much room the
+    # others have ...
+    assert flow.judge_head(routed_to_backlog(2)).decision is Decision.QUEUE
+    assert flow.judge_head(routed_to_backlog(5)).decision is Decision.QUEUE
+    # ... until its replica's queue drains below the bound: one goes, and the next waits for
+    # the one after.
+    assert flow.judge_head(routed_to_backlog(1)).reason == "capacity_freed"
+    assert flow.judge_head(routed_to_backlog(2)).decision is Decision.QUEUE
+    # Routing chose a replica with room: that room is its own, and it goes.
+    assert flow.judge_head(_routed_to(room, busy, _load("r0", backlog=2))).reason == (
+        "capacity_freed"
+    )
+    # With most of the fleet free, one backlogged replica is a passing state: released.
+    flow.admit(_request("q3"), everything_full)
+    most_free = _routed_to(_load("r0", backlog=2), room, other_room, _load("r4"))
+    assert flow.judge_head(most_free).reason == "capacity_freed"
+    # hold_for_backlog: false, the rule before it: any room releases the head, and no idle
+    # replica is offered.
+    lenient = _controller(FakeClock(), saturation_itl_fraction=None, hold_for_backlog=False)
+    lenient.admit(_request("q4"), everything_full)
+    assert lenient.head_steer_candidates(_request("q4"), routed_to_backlog(2)) is None
+    assert lenient.judge_head(routed_to_backlog(2)).reason == "capacity_freed"
+    # A new arrival with nothing queued is still judged by room anywhere: held at arrival,
+    # bursts at light load waited in the gateway (docs/flow-control.md, *Releasing the queue*).
+    assert _controller(FakeClock()).admit(_request("new"), routed_to_backlog(2)).reason == (
+        "not_saturated"
+    )
+
+
+def test_a_head_held_for_its_replicas_backlog_may_go_to_an_idle_replica_within_its_slo() -> None:
+    """Held for its cache-affine replica's queue, the head blocked the whole queue while a
+    replica ran nothing (a live review). It is offered the idle replicas, and goes to one if what
+    it waited plus its expected TTFT there meets its SLO; replicas merely with room are not
+    offered (sent there, multi-turn's long cold prefills cost 7-11 points of goodput)."""
+    clock = FakeClock()
+    flow = _controller(clock, saturation_itl_fraction=None)
+
+    def load(name: str, running: int | None, backlog: int = 0) -> ReplicaLoad:
+        return ReplicaLoad(10.0, 0.0, backlog, 0.5, None, ReplicaId(name), running)
+
+    chosen, busy = load("r0", 3, backlog=2), load("r1", 3, backlog=4)
+    idle, room = load("r2", 0), load("r3", 1)
+    held = _routed_to(chosen, busy, idle, room, ttft_ms=900.0)
+    head = _request("h", at=clock.now)
+    assert flow.head_steer_candidates(head, held) == {ReplicaId("r2")}
+    # Not held for the backlog alone (every replica full), or not held at all: nothing offered.
+    all_full = _routed_to(chosen, busy, load("r2", 0, backlog=2), ttft_ms=900.0)
+    assert flow.head_steer_candidates(head, all_full) is None
+    assert flow.head_steer_candidates(head, _routed_to(idle, chosen, busy, room)) is None
+    # Unknown running counts are not idle.
+    unknown = _routed_to(chosen, busy, load("r2", None), room, ttft_ms=900.0)
+    assert flow.head_steer_candidates(head, unknown) is None
+    # Taken if its wait so far plus its expected TTFT there fits the SLO (2,000 ms).
+    clock.now += 1.5
+    assert flow.takes_head_steer(head, replace(held, predicted_ttft_ms=500.0))
+    assert not flow.takes_head_steer(head, replace(held, predicted_ttft_ms=500.5))
+    assert not flow.takes_head_steer(head, replace(held, predicted_ttft_ms=None))
+    assert _controller(FakeClock(), enabled=False).head_steer_candidates(head, held) is None
+
+
 def test_critical_is_never_held_and_sheddable_over_its_slo_is_refused_with_a_retry_hint() -> None:
     flow = _controller(FakeClock())
     assert flow.admit(_request("c", CRITICAL), BUSY).decision is Decision.ADMIT
@@ -518,9 +593,10 @@ def test_the_estimate_is_the_decisions_own_terms() -> None:
         ReplicaState(c, "http://c", waiting=9),
     ]
     with_states = estimate_from_decision(decision, states)
+    # Running: the engine's gauge, or this gateway's in flight not waiting, whichever is larger.
     assert sorted(with_states.loads, key=lambda load: load.queue_wait_ms) == [
-        ReplicaLoad(300.0, 7.0, 4, 0.95, 22.0, b),
-        ReplicaLoad(900.0, 0.0, 3, 0.4, 35.0, a),
+        ReplicaLoad(300.0, 7.0, 4, 0.95, 22.0, b, running_requests=6),
+        ReplicaLoad(900.0, 0.0, 3, 0.4, 35.0, a, running_requests=4),
     ]
     # The chosen replica's decode pace, for "room elsewhere is not room for this request".
     assert with_states.chosen_decode_itl_ms == 22.0
@@ -677,6 +753,9 @@ models:
         parse_policy(fleet + "flow_control: {steer_when_calm: false, calm_window_s: 2}\n")
     )
     assert (calm.steer_when_calm, calm.calm_window_s) == (False, 2.0)
+    assert settings_of(parse_policy(fleet)).hold_for_backlog is True
+    released = parse_policy(fleet + "flow_control: {hold_for_backlog: false}\n")
+    assert settings_of(released).hold_for_backlog is False
     assert (
         settings_of(parse_policy(fleet)).steer_when_calm,
         settings_of(parse_policy(fleet)).calm_window_s,

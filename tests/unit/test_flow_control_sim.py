@@ -205,8 +205,9 @@ def test_simulate_steers_requests_off_replicas_whose_decodes_run_too_slow(
     for only_one_kind in ("--no-steer-critical", "--no-steer-when-calm"):
         assert main([*argv, only_one_kind]) == 0
         assert json.loads(capsys.readouterr().out)[0]["steered"] > 0
-    assert main([*argv, "--no-steer-critical", "--no-steer-when-calm"]) == 0
+    steering_off = ["--no-steer-critical", "--no-steer-when-calm", "--no-hold-for-backlog"]
+    assert main([*argv, *steering_off]) == 0
     assert json.loads(capsys.readouterr().out)[0]["steered"] == 0
-    for flag in ("--no-steer-critical", "--no-steer-when-calm"):
+    for flag in steering_off:
         assert main([*argv, flag, "--flow-control", "off"]) == 2
         assert "drop --flow-control off" in capsys.readouterr().err
