@@ -10,6 +10,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
@@ -127,9 +128,27 @@ async def test_sigterm_ends_serve_while_redis_is_down_or_hung(redis: str) -> Non
                 await process.wait()
 
 
-async def test_after_sigterm_ready_is_503_while_requests_are_still_served() -> None:
-    # stop_serving: out of the load balancer's rotation first, still serving for stop_delay_s.
-    from gateway.server import start_site, stop_serving
+@dataclass
+class _Stopping:
+    """A gateway (one fake replica, an hour-long stop delay) and its stop, once begun."""
+
+    app: web.Application
+    runner: web.AppRunner
+    url: str
+    task: asyncio.Task[None] | None = None
+
+    def begin(self) -> asyncio.Task[None]:
+        from gateway.server import stop_serving
+
+        self.task = asyncio.create_task(stop_serving(self.app, self.runner))
+        return self.task
+
+
+@asynccontextmanager
+async def _gateway_to_stop() -> AsyncIterator[_Stopping]:
+    """The stop delay lasts an hour, so a test sees what happens during it; the stop is cut
+    short and the gateway cleaned up on exit."""
+    from gateway.server import start_site
 
     upstream = FakeUpstream()
     async with serve(upstream.app()) as upstream_url:
@@ -138,46 +157,45 @@ async def test_after_sigterm_ready_is_503_while_requests_are_still_served() -> N
             GatewayConfig(health_interval_s=3600, stop_delay_s=3600), GatewayPolicy.default([spec])
         )
         runner, url = await start_site(app, "127.0.0.1", 0, drain_timeout_s=1)
-        stopping = asyncio.create_task(stop_serving(app, runner))
+        gateway = _Stopping(app, runner, url)
         try:
-            async with aiohttp.ClientSession() as http:
-
-                async def unready() -> bool:
-                    async with http.get(f"{url}/ready") as resp:
-                        return resp.status == 503
-
-                await wait_until(unready, "/ready turns 503 once stopping")
-                body = {"model": "base-model", "prompt": "hello", "max_tokens": 2}
-                async with http.post(f"{url}/v1/completions", json=body) as resp:
-                    assert resp.status == 200  # still served: the listener is open
-                    # ... on a connection the client should not reuse: kept, it could send its
-                    # next request just as the drain closes it (the replay review: 6 requests
-                    # lost to "server disconnected" in a rolling restart).
-                    assert resp.headers["Connection"] == "close"
-            assert not stopping.done()
+            yield gateway
         finally:
-            stopping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await stopping
+            if gateway.task is not None:
+                gateway.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await gateway.task
             await runner.cleanup()
+
+
+async def test_after_sigterm_ready_is_503_while_requests_are_still_served() -> None:
+    # stop_serving: out of the load balancer's rotation first, still serving for stop_delay_s.
+    async with _gateway_to_stop() as gateway, aiohttp.ClientSession() as http:
+        url = gateway.url
+        stopping = gateway.begin()
+
+        async def unready() -> bool:
+            async with http.get(f"{url}/ready") as resp:
+                return resp.status == 503
+
+        await wait_until(unready, "/ready turns 503 once stopping")
+        body = {"model": "base-model", "prompt": "hello", "max_tokens": 2}
+        async with http.post(f"{url}/v1/completions", json=body) as resp:
+            assert resp.status == 200  # still served: the listener is open
+            # ... on a connection the client should not reuse: kept, it could send its
+            # next request just as the drain closes it (the replay review: 6 requests
+            # lost to "server disconnected" in a rolling restart).
+            assert resp.headers["Connection"] == "close"
+        assert not stopping.done()
 
 
 async def test_idle_keep_alive_connections_close_when_the_stop_delay_begins() -> None:
     """Not at its end: a request sent on one then raced the close after the gateway had left the
     rotation. Closed at the start, the client's next request opens a new connection, still
     accepted."""
-    from gateway.server import start_site, stop_serving
-
-    upstream = FakeUpstream()
-    async with serve(upstream.app()) as upstream_url:
-        spec = ReplicaSpec("r0", upstream_url, models=frozenset(upstream.models))
-        app = create_app(
-            GatewayConfig(health_interval_s=3600, stop_delay_s=3600), GatewayPolicy.default([spec])
-        )
-        runner, url = await start_site(app, "127.0.0.1", 0, drain_timeout_s=1)
-        host, port = url.removeprefix("http://").rsplit(":", 1)
+    async with _gateway_to_stop() as gateway:
+        host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
         reader, writer = await asyncio.open_connection(host, int(port))
-        stopping: asyncio.Task[None] | None = None
         try:
             writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
             await writer.drain()
@@ -192,23 +210,18 @@ async def test_idle_keep_alive_connections_close_when_the_stop_delay_begins() ->
             )
             async with asyncio.timeout(HANG_GUARD_S):
                 await reader.readexactly(length)  # ... and now idle
-            stopping = asyncio.create_task(stop_serving(app, runner))
+            stopping = gateway.begin()
             async with asyncio.timeout(HANG_GUARD_S):
                 rest = await reader.read()
             assert rest == b""  # the server closed it ...
             assert not stopping.done()  # ... during the (hour-long) stop delay
-            async with aiohttp.ClientSession() as http:
-                body = {"model": "base-model", "prompt": "hello", "max_tokens": 2}
-                async with http.post(f"{url}/v1/completions", json=body) as resp:
-                    assert resp.status == 200  # a new connection is still accepted and served
-                    assert resp.headers["Connection"] == "close"
         finally:
             writer.close()
-            if stopping is not None:
-                stopping.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await stopping
-            await runner.cleanup()
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "base-model", "prompt": "hello", "max_tokens": 2}
+            async with http.post(f"{gateway.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200  # a new connection is still accepted and served
+                assert resp.headers["Connection"] == "close"
 
 
 async def test_a_request_reaching_a_draining_gateway_gets_a_503_that_says_retry() -> None:
