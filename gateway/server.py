@@ -162,7 +162,9 @@ def _close_idle_connections(runner: web.AppRunner) -> None:
     next request opens a new connection and is served (told ``Connection: close``). Kept open,
     they were reused through the whole stop delay and closed at its end, under a request just
     sent on one (lost to "server disconnected" after this gateway had left the rotation). A
-    connection with a request in flight, or one just received, closes once that is answered."""
+    connection with a request in flight is left alone: its answer says ``Connection: close``
+    (``close_connections_when_stopping``). Marked closing instead, it dropped the rest of a body
+    still being uploaded, and that request hung until the drain cut it (the diff review)."""
     server = runner.server
     if server is None:
         return
@@ -172,8 +174,6 @@ def _close_idle_connections(runner: web.AppRunner) -> None:
         waiter = getattr(connection, "_waiter", None)
         if waiter is not None and not waiter.done():
             connection.force_close()
-        else:
-            connection.close()
 
 
 def _say_cut(gw: GatewayState, drain_s: float) -> None:

@@ -10,10 +10,10 @@ routing chose by.
   gateway's in-flight requests beyond what the engine last reported running), its KV cache
   nearly full (``saturation_kv_usage``), or its decodes already near the request's TPOT SLO (the
   engine's recent inter-token latency over ``saturation_itl_fraction`` of it: each new prefill
-  shares its steps with them). Once most candidates are full, a request that routing sent to one
-  too slow by that last test (or, for a queue head about to be released, to one with its
-  backlog already at the bound) counts the fleet as saturated: room elsewhere is not where it
-  goes.
+  shares its steps with them). Once at least half the candidates are full, a request that
+  routing sent to one too slow by that last test (or, for a queue head about to be released, to
+  one with its backlog already at the bound) counts the fleet as saturated: room elsewhere is
+  not where it goes.
   Optional, off by default: a bound on the predicted queue wait (``saturation_queue_wait_ms``)
   or on the decode interference (``saturation_decode_interference_ms``) also marks a replica
   full. While most replicas have room, everything is admitted: nothing waits and nothing is
@@ -139,8 +139,9 @@ class FlowControlSettings:
     saturation_decode_interference_ms: float | None = None
     #: ... or its engine's recent inter-token latency is over this fraction of the request's
     #: TPOT SLO: its decodes already run near the SLO, and each new prefill slows them more
-    #: (None: not used; requests without a TPOT SLO are not judged by it). When most replicas
-    #: are full, a request routed to one too slow by this test waits, whatever the others.
+    #: (None: not used; requests without a TPOT SLO are not judged by it). When at least half
+    #: the replicas are full, a request routed to one too slow by this test waits, whatever the
+    #: others.
     #: This is where the bound starts: ``tpot_target`` moves it.
     saturation_itl_fraction: float | None = 0.8
     #: Requests the gateway queue holds (all classes together).
@@ -409,7 +410,11 @@ class FlowController:
         idle = frozenset(
             load.replica
             for load in estimate.loads
-            if load.replica is not None and load.replica != estimate.chosen_replica and load.idle
+            if load.replica is not None
+            and load.replica != estimate.chosen_replica
+            and load.idle
+            # e.g. its KV cache full of another's blocks: there it would be held again, each tick
+            and not self._full(load, request)
         )
         return idle or None
 

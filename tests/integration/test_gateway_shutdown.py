@@ -224,6 +224,34 @@ async def test_idle_keep_alive_connections_close_when_the_stop_delay_begins() ->
                 assert resp.headers["Connection"] == "close"
 
 
+async def test_a_request_still_uploading_when_the_stop_delay_begins_is_served() -> None:
+    """Only idle connections close: one whose request body is still arriving keeps reading it
+    (marked closing, it dropped the rest and the request hung until the drain cut it)."""
+    async with _gateway_to_stop() as gateway:
+        host, port = gateway.url.removeprefix("http://").rsplit(":", 1)
+        body = b'{"model": "base-model", "prompt": "hello", "max_tokens": 2}'
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(
+                f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                + body[:10]
+            )
+            await writer.drain()
+            await wait_until(lambda: gateway.app[GATEWAY].active_requests == 1, "it is handled")
+            stopping = gateway.begin()
+            await wait_until(lambda: gateway.app[GATEWAY].stopping, "the stop delay began")
+            writer.write(body[10:])
+            await writer.drain()
+            async with asyncio.timeout(HANG_GUARD_S):
+                head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert b"connection: close" in head.lower()
+            assert not stopping.done()
+        finally:
+            writer.close()
+
+
 async def test_a_request_reaching_a_draining_gateway_gets_a_503_that_says_retry() -> None:
     upstream = FakeUpstream()
     async with serve(upstream.app()) as upstream_url:

@@ -291,8 +291,10 @@ def test_a_head_held_for_its_replicas_backlog_may_go_to_an_idle_replica_within_i
     clock = FakeClock()
     flow = _controller(clock, saturation_itl_fraction=None)
 
-    def load(name: str, running: int | None, backlog: int = 0) -> ReplicaLoad:
-        return ReplicaLoad(10.0, 0.0, backlog, 0.5, None, ReplicaId(name), running)
+    def load(
+        name: str, running: int | None, backlog: int = 0, kv: float = 0.5, itl: float | None = None
+    ) -> ReplicaLoad:
+        return ReplicaLoad(10.0, 0.0, backlog, kv, itl, ReplicaId(name), running)
 
     chosen, busy = load("r0", 3, backlog=2), load("r1", 3, backlog=4)
     idle, room = load("r2", 0), load("r3", 1)
@@ -303,9 +305,24 @@ def test_a_head_held_for_its_replicas_backlog_may_go_to_an_idle_replica_within_i
     all_full = _routed_to(chosen, busy, load("r2", 0, backlog=2), ttft_ms=900.0)
     assert flow.head_steer_candidates(head, all_full) is None
     assert flow.head_steer_candidates(head, _routed_to(idle, chosen, busy, room)) is None
-    # Unknown running counts are not idle.
+    # Unknown running counts are not idle; an idle replica full by another test (its KV cache)
+    # is no place to go: held again there, it was counted as steered at every pump.
     unknown = _routed_to(chosen, busy, load("r2", None), room, ttft_ms=900.0)
     assert flow.head_steer_candidates(head, unknown) is None
+    kv_full = _routed_to(chosen, busy, load("r2", 0, kv=0.95), room, ttft_ms=900.0)
+    assert flow.head_steer_candidates(head, kv_full) is None
+    # Held because its replica decodes too slowly too: that hold is not the backlog's.
+    paced = _controller(clock)
+    slow = _routed_to(load("r0", 3, backlog=2, itl=45.0), busy, idle, room, ttft_ms=900.0)
+    with_tpot = FlowRequest("t", "a", STANDARD, 2000.0, 1.0, clock.now, 50.0)
+    assert paced.head_steer_candidates(with_tpot, slow) is None
+    assert paced.head_steer_candidates(with_tpot, held) == {ReplicaId("r2")}
+    # Admitted where it is anyway (admit_within_slo_fraction): it stays on its cached replica.
+    within = _controller(clock, saturation_itl_fraction=None, admit_within_slo_fraction=0.5)
+    assert within.head_steer_candidates(head, held) is None
+    assert within.head_steer_candidates(head, replace(held, predicted_ttft_ms=1000.5)) == {
+        ReplicaId("r2")
+    }
     # Taken if its wait so far plus its expected TTFT there fits the SLO (2,000 ms).
     clock.now += 1.5
     assert flow.takes_head_steer(head, replace(held, predicted_ttft_ms=500.0))
