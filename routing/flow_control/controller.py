@@ -356,14 +356,7 @@ class FlowController:
             and self._saturated(estimate, request)
         ):
             return None
-        room = frozenset(
-            load.replica
-            for load in estimate.loads
-            if load.replica is not None
-            and load.replica != estimate.chosen_replica
-            and not self._full(load, request)
-        )
-        return room or None
+        return self._room_elsewhere(estimate, request) or None
 
     def takes_steer(
         self, request: FlowRequest, estimate: FleetEstimate, steered: FleetEstimate
@@ -407,16 +400,9 @@ class FlowController:
             or self._within_slo(request, estimate, max(0.0, self._clock() - request.arrival_s))
         ):
             return None
-        idle = frozenset(
-            load.replica
-            for load in estimate.loads
-            if load.replica is not None
-            and load.replica != estimate.chosen_replica
-            and load.idle
-            # e.g. its KV cache full of another's blocks: there it would be held again, each tick
-            and not self._full(load, request)
-        )
-        return idle or None
+        # Idle and not full by another test (e.g. its KV cache full of another's blocks: held
+        # again there, it was counted as steered at every pump).
+        return self._room_elsewhere(estimate, request, idle_only=True) or None
 
     def takes_head_steer(self, request: FlowRequest, steered: FleetEstimate) -> bool:
         """Whether a queue head goes to the decision among the idle replicas: if what it
@@ -624,6 +610,20 @@ class FlowController:
         # bursts waited in the gateway (docs/flow-control.md, *Releasing the queue*). With
         # most replicas free, a slow or backlogged one is a passing state: admit.
         return 2 * sum(self._full(load, request) for load in loads) >= len(loads)
+
+    def _room_elsewhere(
+        self, estimate: FleetEstimate, request: FlowRequest, idle_only: bool = False
+    ) -> frozenset[ReplicaId]:
+        """The replicas other than routing's choice with room for ``request`` by every test of
+        ``_full`` (and, ``idle_only``, running nothing and with nothing waiting)."""
+        return frozenset(
+            load.replica
+            for load in estimate.loads
+            if load.replica is not None
+            and load.replica != estimate.chosen_replica
+            and (load.idle or not idle_only)
+            and not self._full(load, request)
+        )
 
     def _chosen_backlogged(self, estimate: FleetEstimate) -> bool:
         """True when ``saturation_backlog_requests`` or more requests already wait to start on
