@@ -308,7 +308,7 @@ class FlowController:
             self.queue.remove(victim.request.request_id)
             self._releases.append(self._clock())
             self._evicted.append(
-                (victim.request, self._refusal(ShedReason.QUEUE_FULL, self._waited(victim)))
+                (victim.request, self._refusal(ShedReason.QUEUE_FULL, self._waited(victim.request)))
             )
         if not self.queue:
             # A new spell of saturation: the pace the last one drained at says nothing of this
@@ -397,7 +397,7 @@ class FlowController:
             or self._saturated(estimate, request)  # held whatever the backlog: all full, or slow
             or not self._saturated(estimate, request, releasing=True)
             # admitted where it is anyway (``admit_within_slo_fraction``)
-            or self._within_slo(request, estimate, max(0.0, self._clock() - request.arrival_s))
+            or self._within_slo(request, estimate, self._waited(request))
         ):
             return None
         # Idle and not full by another test (e.g. its KV cache full of another's blocks: held
@@ -411,8 +411,7 @@ class FlowController:
         then = steered.predicted_ttft_ms
         if then is None:
             return False
-        waited_ms = max(0.0, self._clock() - request.arrival_s) * 1000.0
-        return waited_ms + then <= request.ttft_slo_ms
+        return self._waited(request) * 1000.0 + then <= request.ttft_slo_ms
 
     # ------------------------------------------------------------------ the queue
 
@@ -435,7 +434,7 @@ class FlowController:
         pool = entry.request.pool
         self._remember(estimate)
         entry.predicted_ttft_ms = estimate.predicted_ttft_ms
-        waited = self._waited(entry)
+        waited = self._waited(entry.request)
         request = entry.request
         protecting = self._endangers(estimate, request)
         if not protecting and (
@@ -470,7 +469,7 @@ class FlowController:
             if reason is not None:
                 self.queue.remove(entry.request.request_id)
                 self._releases.append(self._clock())
-                refused.append((entry.request, self._refusal(reason, self._waited(entry))))
+                refused.append((entry.request, self._refusal(reason, self._waited(entry.request))))
         return refused
 
     def next_deadline_s(self) -> float | None:
@@ -669,8 +668,9 @@ class FlowController:
         if estimate.min_queue_wait_ms is not None:
             self._last_min_wait_ms = estimate.min_queue_wait_ms
 
-    def _waited(self, entry: QueuedEntry) -> float:
-        return max(0.0, self._clock() - entry.request.arrival_s)
+    def _waited(self, request: FlowRequest) -> float:
+        """Seconds since ``request`` arrived (what it has waited in the queue, if queued)."""
+        return max(0.0, self._clock() - request.arrival_s)
 
     def _deadline_s(self, entry: QueuedEntry) -> float:
         request = entry.request
