@@ -10,6 +10,13 @@ import pytest
 from bench.local_redis import LocalRedisCluster
 from tests.support.redis_server import RedisServer
 
+# What a session leaves running is reported and stopped, and the run always exits.
+from tests.support.session_guard import (  # noqa: F401
+    pytest_configure,
+    pytest_sessionfinish,
+    pytest_unconfigure,
+)
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:

@@ -1,0 +1,103 @@
+"""tests/support/session_guard.py on real pytest sessions run in a subprocess.
+
+Each inner session gets the guard's hooks the way tests/conftest.py does and a test that leaves
+something behind. It runs with ``-s``, so a process a test starts inherits the session's own
+stdout (as one started outside pytest's capture does), and ``subprocess.run`` reads that output
+to its end, as CI does: a process left holding it, or an interpreter that never exits, fails the
+run's timeout here instead of hanging (each test below does, without the guard).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.session_guard import EXIT_GRACE_ENV, SESSION_MARK, leftover_processes
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Far above what an inner session takes (a few seconds); only a hang reaches it.
+HANG_GUARD_S = 120
+
+_CONFTEST = """
+from tests.support.session_guard import pytest_configure, pytest_sessionfinish, pytest_unconfigure
+"""
+
+
+def _run_session(tmp_path: Path, test_source: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "conftest.py").write_text(_CONFTEST)
+    (tmp_path / "test_inner.py").write_text(test_source)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), EXIT_GRACE_ENV: "2"}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-s", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
+        check=False,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")  # a zombie still answers kill(0)
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_a_process_a_test_left_running_is_reported_and_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "orphan.pid"
+    result = _run_session(tmp_path, f"""
+import subprocess, sys
+def test_leaves_a_process() -> None:
+    # Inherits the session's stdout, as a forgotten server would: CI's read never ends.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open({str(pid_file)!r}, "w").write(str(child.pid))
+""")
+    assert result.returncode == 0, result.stdout + result.stderr
+    pid = int(pid_file.read_text())
+    assert f"1 process(es) a test left running, now killed:\n  pid {pid}: " in result.stdout
+    assert "time.sleep(600)" in result.stdout
+    assert not _alive(pid)
+
+
+def test_a_stuck_non_daemon_thread_does_not_hold_the_exit(tmp_path: Path) -> None:
+    result = _run_session(tmp_path, """
+import threading
+def wait_for_ever() -> None:
+    threading.Event().wait()
+def test_leaves_a_thread() -> None:
+    threading.Thread(target=wait_for_ever, name="stuck").start()
+""")
+    assert result.returncode == 0, result.stdout + result.stderr  # pytest's own status
+    assert "1 passed" in result.stdout
+    assert "had not exited 2 s after pytest finished" in result.stderr
+    assert "wait_for_ever" in result.stderr  # the stuck thread's stack, to fix it at its cause
+
+
+def test_a_failed_session_keeps_its_status_when_the_guard_ends_it(tmp_path: Path) -> None:
+    result = _run_session(tmp_path, """
+import threading
+def test_fails_and_leaves_a_thread() -> None:
+    threading.Thread(target=threading.Event().wait).start()
+    assert False
+""")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "had not exited" in result.stderr
+
+
+def test_a_nested_session_leaves_the_outer_sessions_processes_alone(tmp_path: Path) -> None:
+    outer = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert outer.pid in {p.pid for p in leftover_processes(os.environ[SESSION_MARK])}
+        result = _run_session(tmp_path, "def test_nothing() -> None:\n    pass\n")
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "left running" not in result.stdout
+        assert outer.poll() is None  # this session's process, not the inner one's
+    finally:
+        outer.kill()
+        outer.wait()
