@@ -377,10 +377,12 @@ class FlowGate:
             routed.routing_request.max_output_tokens,
             pool=routed.routing_request.model,
         )
-        routed, estimate = await self._steer(request, routed, repick)
+        routed, estimate, steered = await self._steer(request, routed, repick)
         verdict = self.controller.admit(request, estimate)
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
         if verdict.decision is Decision.ADMIT:
+            if steered:
+                self._count_steered(request)
             self._track(request)
             return routed
         if verdict.decision is Decision.SHED:
@@ -426,12 +428,13 @@ class FlowGate:
 
     async def _steer(
         self, request: FlowRequest, routed: Routed, repick: Repick, queued: bool = False
-    ) -> tuple[Routed, FleetEstimate]:
+    ) -> tuple[Routed, FleetEstimate, bool]:
         """A request routed to a replica decoding too slowly for it, critical or (on a calm
         fleet) about to be held, or a queue head held for its replica's backlog (``queued``):
         routed again among the replicas with room (idle ones, for a head), and sent there if
         the controller takes the new decision (``routing.flow_control.steer_request``, as in the
-        simulator). The request path forwards what this returns."""
+        simulator). The request path forwards what this returns; whether it moved is counted
+        once it is admitted there (``_count_steered``)."""
         steering = await steer_request(
             self.controller,
             request,
@@ -442,16 +445,20 @@ class FlowGate:
             queued=queued,
         )
         if not steering.steered:
-            return routed, steering.estimate
+            return routed, steering.estimate, False
         # The rest of the first decision's order stays behind the new one's, to retry on.
         first_order = [routed.decision.replica, *routed.decision.fallbacks]
         steered = dataclasses.replace(
             cast(Any, steering.routed),
             decision=steering.routed.decision.with_fallbacks(first_order),
         )
+        return steered, steering.estimate, True
+
+    def _count_steered(self, request: FlowRequest) -> None:
+        """Counted when the request is admitted where it was steered: one that is queued anyway,
+        or leaves the queue while it is routed again, did not move."""
         if self.metrics is not None:
             self.metrics.flow_steered.labels(request.tenant, request.request_class.value).inc()
-        return steered, steering.estimate
 
     def _track(self, request: FlowRequest) -> None:
         """Remember an admitted request until it finishes: its TPOT moves the bound."""
@@ -556,7 +563,9 @@ class FlowGate:
                     continue
                 try:
                     routed = await waiter.repick(waiter.routed)
-                    routed, estimate = await self._steer(head, routed, waiter.repick, queued=True)
+                    routed, estimate, steered = await self._steer(
+                        head, routed, waiter.repick, queued=True
+                    )
                 except Exception as exc:  # this request's own failure: the rest still move
                     self._fail(head.request_id, waiter, exc)
                     continue
@@ -569,6 +578,8 @@ class FlowGate:
                 if self._answer(head.request_id, verdict, routed) and (
                     verdict.decision is Decision.ADMIT
                 ):
+                    if steered:
+                        self._count_steered(head)
                     # The next head is judged on a fleet that counts this one: released on the
                     # same reading, one freed slot let the whole queue into the engines.
                     await self._sent(head.request_id)

@@ -351,10 +351,11 @@ class _Simulation:
             self.config.slo_tpot_ms,
             record.output_length,
         )
-        decision, estimate = await self._steer(waiting, flow_request, decision)
+        decision, estimate, steered = await self._steer(waiting, flow_request, decision)
         self.flow_judged = self.flow_judged or estimate.predicted_ttft_ms is not None
         verdict = self.flow.admit(flow_request, estimate)
         if verdict.decision is Decision.ADMIT:
+            self.steered += steered
             await self._dispatch(waiting, decision, 0.0)
         elif verdict.decision is Decision.QUEUE:
             self.waiting[request_id] = waiting
@@ -369,12 +370,12 @@ class _Simulation:
         flow_request: FlowRequest,
         decision: RoutingDecision,
         queued: bool = False,
-    ) -> tuple[RoutingDecision, FleetEstimate]:
+    ) -> tuple[RoutingDecision, FleetEstimate, bool]:
         """A request routed to a replica decoding too slowly for it, critical or (on a calm
         fleet) about to be held, or a queue head held for its replica's backlog (``queued``):
         routed again among the replicas with room (idle ones, for a head), kept there if the
         controller takes the new decision (``routing.flow_control.steer_request``, as in the
-        gateway)."""
+        gateway); whether it moved, counted in ``steered`` once it is admitted there."""
         assert self.flow is not None
         steering = await steer_request(
             self.flow,
@@ -385,8 +386,7 @@ class _Simulation:
             lambda room: self._route(waiting, room),
             queued=queued,
         )
-        self.steered += steering.steered
-        return steering.routed, steering.estimate
+        return steering.routed, steering.estimate, steering.steered
 
     def _estimate(self, decision: RoutingDecision) -> FleetEstimate:
         """Flow control's view of ``decision``: its estimate, and each engine's queue as polled."""
@@ -421,7 +421,7 @@ class _Simulation:
             self._record_shed(self.waiting.pop(flow_request.request_id), verdict)
         while (head := flow.head()) is not None:
             waiting = self.waiting[head.request_id]
-            decision, estimate = await self._steer(
+            decision, estimate, steered = await self._steer(
                 waiting, head, await self._route(waiting), queued=True
             )
             verdict = flow.judge_head(estimate)
@@ -429,6 +429,7 @@ class _Simulation:
                 break
             del self.waiting[head.request_id]
             if verdict.decision is Decision.ADMIT:
+                self.steered += steered
                 await self._dispatch(waiting, decision, verdict.waited_s)
             else:
                 self._record_shed(waiting, verdict)

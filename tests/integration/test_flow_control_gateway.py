@@ -567,6 +567,7 @@ class _TwoReplicas:
     app: web.Application
     url: str
     http: aiohttp.ClientSession
+    roomy_url: str
 
 
 @asynccontextmanager
@@ -597,7 +598,7 @@ async def _slow_and_roomy(
                 )
 
             await wait_until(polled, "the gateway read both replicas' pace and KV usage")
-            yield _TwoReplicas(slow, roomy, app, url, http)
+            yield _TwoReplicas(slow, roomy, app, url, http, roomy_url)
 
 
 @pytest.mark.parametrize(("steer", "steering_fails"), [(True, False), (False, False), (True, True)])
@@ -662,6 +663,46 @@ async def test_a_standard_request_that_would_wait_on_a_calm_fleet_goes_to_a_repl
             await held
         await wait_until(lambda: _queued(fleet.app) == 0, "it left the queue with its client")
         assert (fleet.slow.attempts, fleet.roomy.attempts) == (0, 0)
+
+
+async def test_a_steered_request_that_is_held_anyway_is_not_counted_as_steered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``fleetgate_flow_steered_total`` counts requests sent where they were steered: one that
+    admission holds after the move (here forced, as a saturated fleet would) is routed afresh
+    from the queue, and was counted as moved although it never went there."""
+    from routing.flow_control import Decision, FleetEstimate, FlowRequest, Verdict
+
+    async with _slow_and_roomy(tmp_path) as fleet:
+        controller = fleet.app[GATEWAY].flow.controller
+        admit = controller.admit
+        held: list[object] = []
+
+        def hold_the_first(request: FlowRequest, estimate: FleetEstimate) -> Verdict:
+            if held:
+                return admit(request, estimate)
+            held.append(estimate.chosen_replica)
+            controller.queue.push(request, estimate.predicted_ttft_ms)
+            return Verdict(Decision.QUEUE, "saturated")
+
+        monkeypatch.setattr(controller, "admit", hold_the_first)
+        request = asyncio.create_task(_post(fleet.http, fleet.url, "silver", "silver"))
+        await wait_until(lambda: _queued(fleet.app) == 1, "the steered request is held")
+        # From the queue, routing's choice is the slow replica again, where it would wait out
+        # its SLO (a minute): its client gives up first.
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        await wait_until(lambda: _queued(fleet.app) == 0, "it left the queue with its client")
+        roomy = next(
+            s.replica_id
+            for s in fleet.app[GATEWAY].registry.all()
+            if s.url.rstrip("/") == fleet.roomy_url.rstrip("/")
+        )
+        assert held == [roomy]  # steered to the roomy replica, then held: it went nowhere
+        assert (fleet.slow.attempts, fleet.roomy.attempts) == (0, 0)
+        metrics = await (await fleet.http.get(f"{fleet.url}/metrics")).text()
+        assert "fleetgate_flow_steered_total{" not in metrics
 
 
 async def test_a_queue_head_held_for_its_replicas_backlog_goes_to_an_idle_replica(
