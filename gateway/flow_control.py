@@ -244,6 +244,8 @@ class _Waiter:
     routed: Routed
     repick: Repick
     answer: asyncio.Future[tuple[Verdict, Routed]]
+    #: Released where the pump steered it: counted once its handler takes the release.
+    steered: bool = False
 
 
 class FlowGate:
@@ -390,10 +392,12 @@ class FlowGate:
         if not self.pumping:  # nothing would ever judge it again: degrade, never hang
             self.controller.cancel(request_id)
             log.error("flow-control queue is not running; admitting %s unqueued", request_id)
+            if steered:
+                self._count_steered(request)
             self._track(request)
             return routed
         answer: asyncio.Future[tuple[Verdict, Routed]] = asyncio.get_running_loop().create_future()
-        self._waiters[request_id] = _Waiter(routed, repick, answer)
+        waiter = self._waiters[request_id] = _Waiter(routed, repick, answer)
         self._queue_gauges()
         self._wake.set()
         # How it left the queue, where no verdict says so: so that queued = admitted + shed +
@@ -423,6 +427,8 @@ class FlowGate:
             )
         if verdict.decision is Decision.SHED:
             raise _refusal(verdict)
+        if waiter.steered:  # here, not in the pump: its client may have gone meanwhile
+            self._count_steered(request)
         self._track(request)
         return routed
 
@@ -455,8 +461,8 @@ class FlowGate:
         return steered, steering.estimate, True
 
     def _count_steered(self, request: FlowRequest) -> None:
-        """Counted when the request is admitted where it was steered: one that is queued anyway,
-        or leaves the queue while it is routed again, did not move."""
+        """Counted when the request is admitted where it was steered, by its own handler: one
+        that is queued anyway, or whose client leaves before it is sent, did not move."""
         if self.metrics is not None:
             self.metrics.flow_steered.labels(request.tenant, request.request_class.value).inc()
 
@@ -575,11 +581,10 @@ class FlowGate:
                 verdict = flow.judge_head(estimate, pool)
                 if verdict.decision is Decision.QUEUE:
                     break
+                waiter.steered = steered and verdict.decision is Decision.ADMIT
                 if self._answer(head.request_id, verdict, routed) and (
                     verdict.decision is Decision.ADMIT
                 ):
-                    if steered:
-                        self._count_steered(head)
                     # The next head is judged on a fleet that counts this one: released on the
                     # same reading, one freed slot let the whole queue into the engines.
                     await self._sent(head.request_id)

@@ -4,7 +4,8 @@ Each inner session gets the guard's hooks the way tests/conftest.py does and a t
 something behind. It runs with ``-s``, so a process a test starts inherits the session's own
 stdout (as one started outside pytest's capture does), and ``subprocess.run`` reads that output
 to its end, as CI does: a process left holding it, or an interpreter that never exits, fails the
-run's timeout here instead of hanging (each test below does, without the guard).
+run's timeout here instead of hanging (each test of a leftover or a hang below does, without
+the guard; the others show what the guard must leave alone).
 """
 
 from __future__ import annotations
@@ -62,6 +63,46 @@ def test_leaves_a_process() -> None:
     assert not _alive(pid)
 
 
+def test_a_forked_child_a_test_left_running_is_found_without_the_mark(tmp_path: Path) -> None:
+    """A child made by ``fork`` alone (``multiprocessing``'s default here) shows the
+    environment pytest started with, without the mark: it is found as a descendant."""
+    pid_file = tmp_path / "forked.pid"
+    result = _run_session(tmp_path, f"""
+import os, time
+def test_forks() -> None:
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    open({str(pid_file)!r}, "w").write(str(pid))
+""")
+    assert result.returncode == 0, result.stdout + result.stderr
+    pid = int(pid_file.read_text())
+    assert f"  pid {pid}: " in result.stdout
+    assert not _alive(pid)
+
+
+def test_a_session_fixtures_process_is_no_leftover_when_the_run_is_interrupted(
+    tmp_path: Path,
+) -> None:
+    """Interrupted, pytest tears the session's fixtures down in its own end-of-session hook:
+    the guard looks after that, so what a fixture stops is not reported."""
+    result = _run_session(tmp_path, """
+import subprocess, sys
+import pytest
+@pytest.fixture(scope="session")
+def server():
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield process
+    process.kill()
+    process.wait()
+def test_interrupted(server) -> None:
+    raise KeyboardInterrupt
+""")
+    assert result.returncode == 2, result.stdout + result.stderr  # interrupted
+    assert "left running" not in result.stdout
+
+
 def test_a_stuck_non_daemon_thread_does_not_hold_the_exit(tmp_path: Path) -> None:
     result = _run_session(tmp_path, """
 import threading
@@ -74,6 +115,18 @@ def test_leaves_a_thread() -> None:
     assert "1 passed" in result.stdout
     assert "had not exited 2 s after pytest finished" in result.stderr
     assert "wait_for_ever" in result.stderr  # the stuck thread's stack, to fix it at its cause
+
+
+def test_a_thread_pool_stuck_at_exit_does_not_hold_it(tmp_path: Path) -> None:
+    """``ThreadPoolExecutor`` joins its workers before the main thread is marked stopped."""
+    result = _run_session(tmp_path, """
+import threading
+from concurrent.futures import ThreadPoolExecutor
+def test_leaves_a_pool_task() -> None:
+    ThreadPoolExecutor(1).submit(threading.Event().wait)
+""")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "had not exited 2 s after pytest finished" in result.stderr
 
 
 def test_a_failed_session_keeps_its_status_when_the_guard_ends_it(tmp_path: Path) -> None:
@@ -101,3 +154,27 @@ def test_a_nested_session_leaves_the_outer_sessions_processes_alone(tmp_path: Pa
     finally:
         outer.kill()
         outer.wait()
+
+
+def test_a_session_run_in_process_leaves_its_caller_alone(tmp_path: Path) -> None:
+    """``pytest.main`` with the guard inside a longer program: the program goes on past the
+    grace and exits with its own status."""
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "inner" / "conftest.py").write_text(_CONFTEST)
+    (tmp_path / "inner" / "test_inner.py").write_text("def test_nothing() -> None:\n    pass\n")
+    program = f"""
+import sys, time
+import pytest
+assert pytest.main(["-p", "no:cacheprovider", "-q", {str(tmp_path / "inner")!r}]) == 0
+time.sleep(4)  # twice the grace: the guard would have ended the program by now
+print("the caller finished its own work")
+sys.exit(7)
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), EXIT_GRACE_ENV: "2"}
+    result = subprocess.run(
+        [sys.executable, "-c", program], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=HANG_GUARD_S, check=False,
+    )
+    assert result.returncode == 7, result.stdout + result.stderr
+    assert "the caller finished its own work" in result.stdout
