@@ -656,13 +656,19 @@ async def test_a_standard_request_that_would_wait_on_a_calm_fleet_goes_to_a_repl
                 'request_class="standard",tenant="silver"} 1.0' in metrics
             )
             return
-        held = asyncio.create_task(_post(fleet.http, fleet.url, "silver", "silver"))
-        await wait_until(lambda: _queued(fleet.app) == 1, "the standard request is held")
-        held.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await held
-        await wait_until(lambda: _queued(fleet.app) == 0, "it left the queue with its client")
+        await _held_then_gone(fleet, "the standard request is held")
         assert (fleet.slow.attempts, fleet.roomy.attempts) == (0, 0)
+
+
+async def _held_then_gone(fleet: _TwoReplicas, held: str) -> None:
+    """A silver request waits in the gateway queue, then its client gives up: it leaves the
+    queue without reaching an engine."""
+    request = asyncio.create_task(_post(fleet.http, fleet.url, "silver", "silver"))
+    await wait_until(lambda: _queued(fleet.app) == 1, held)
+    request.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+    await wait_until(lambda: _queued(fleet.app) == 0, "it left the queue with its client")
 
 
 async def test_a_steered_request_that_is_held_anyway_is_not_counted_as_steered(
@@ -686,14 +692,9 @@ async def test_a_steered_request_that_is_held_anyway_is_not_counted_as_steered(
             return Verdict(Decision.QUEUE, "saturated")
 
         monkeypatch.setattr(controller, "admit", hold_the_first)
-        request = asyncio.create_task(_post(fleet.http, fleet.url, "silver", "silver"))
-        await wait_until(lambda: _queued(fleet.app) == 1, "the steered request is held")
         # From the queue, routing's choice is the slow replica again, where it would wait out
         # its SLO (a minute): its client gives up first.
-        request.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await request
-        await wait_until(lambda: _queued(fleet.app) == 0, "it left the queue with its client")
+        await _held_then_gone(fleet, "the steered request is held")
         roomy = next(
             s.replica_id
             for s in fleet.app[GATEWAY].registry.all()
