@@ -11,6 +11,8 @@ the guard; the others show what the guard must leave alone).
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,13 +28,17 @@ from tests.support.session_guard import pytest_configure, pytest_sessionfinish, 
 """
 
 
-def _run_session(tmp_path: Path, test_source: str) -> subprocess.CompletedProcess[str]:
+def _run_session(
+    tmp_path: Path, test_source: str, before: str = ""
+) -> subprocess.CompletedProcess[str]:
+    """The inner session, through ``sh -c '<before> exec python -m pytest ...'``."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "conftest.py").write_text(_CONFTEST)
     (tmp_path / "test_inner.py").write_text(test_source)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), EXIT_GRACE_ENV: "2"}
+    pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-s", str(tmp_path)]
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-s", str(tmp_path)],
+        ["sh", "-c", f"{before} exec {shlex.join(pytest)}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S,
         check=False,
     )
@@ -80,6 +86,24 @@ def test_forks() -> None:
     pid = int(pid_file.read_text())
     assert f"  pid {pid}: " in result.stdout
     assert not _alive(pid)
+
+
+def test_a_child_pytest_had_before_the_session_is_left_alone(tmp_path: Path) -> None:
+    """A CI script that pipes its output through ``tee`` and then ``exec``s pytest gives pytest
+    a child older than the session: killed, the log lost its summary and the run its status."""
+    pid_file = tmp_path / "older.pid"
+    result = _run_session(
+        tmp_path,
+        "def test_nothing() -> None:\n    pass\n",
+        before=f"sleep 600 >/dev/null 2>&1 & echo $! > {shlex.quote(str(pid_file))};",
+    )
+    pid = int(pid_file.read_text())
+    try:
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "left running" not in result.stdout
+        assert _alive(pid)
+    finally:
+        os.kill(pid, signal.SIGKILL)
 
 
 def test_a_session_fixtures_process_is_no_leftover_when_the_run_is_interrupted(
@@ -157,18 +181,25 @@ def test_a_nested_session_leaves_the_outer_sessions_processes_alone(tmp_path: Pa
 
 
 def test_a_session_run_in_process_leaves_its_caller_alone(tmp_path: Path) -> None:
-    """``pytest.main`` with the guard inside a longer program: the program goes on past the
-    grace and exits with its own status."""
+    """``pytest.main`` with the guard inside a longer program: the session leaves the program's
+    own child alone, and the program goes on past the grace and exits with its own status."""
     (tmp_path / "inner").mkdir()
     (tmp_path / "inner" / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "inner" / "conftest.py").write_text(_CONFTEST)
     (tmp_path / "inner" / "test_inner.py").write_text("def test_nothing() -> None:\n    pass\n")
     program = f"""
-import sys, time
+import subprocess, sys, threading, time
 import pytest
-assert pytest.main(["-p", "no:cacheprovider", "-q", {str(tmp_path / "inner")!r}]) == 0
-time.sleep(4)  # twice the grace: the guard would have ended the program by now
-print("the caller finished its own work")
+own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+try:
+    assert pytest.main(["-p", "no:cacheprovider", "-q", {str(tmp_path / "inner")!r}]) == 0
+    assert own.poll() is None, "the session killed its caller's own child"
+    time.sleep(4)  # twice the grace: a guard timing the caller would have ended it by now
+    # ... or while its own worker finishes after the main thread:
+    threading.Thread(target=time.sleep, args=(4,)).start()
+    print("the caller finished its own work", flush=True)
+finally:
+    own.kill()
 sys.exit(7)
 """
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), EXIT_GRACE_ENV: "2"}

@@ -7,12 +7,13 @@ then ran out its 5,400 s without a word. Two guards, each saying what it found s
 fixed where it is:
 
 * at the session's end, every process still running that the session started is listed in the
-  terminal and killed: its descendants (forked or not, renamed or not), and any process carrying
-  this session's mark (an environment variable set when pytest starts, which programs it starts
-  inherit), for those orphaned to init;
-* once the interpreter is exiting (its main thread done), it gets ``FLEETGATE_TEST_EXIT_GRACE_S``
-  (60 s); past that, every thread's stack goes to stderr and the process exits with pytest's own
-  status. A session run in-process (``pytest.main``) leaves its caller alone.
+  terminal and killed: pytest's descendants started since the session began (forked or not,
+  renamed or not; not those already there, such as a ``tee`` the CI script gave it), and any
+  process carrying this session's mark (an environment variable set when pytest starts, which
+  programs it starts inherit), for those orphaned to init;
+* when pytest is the program (not ``pytest.main`` inside another), once the interpreter is
+  exiting it gets ``FLEETGATE_TEST_EXIT_GRACE_S`` (60 s); past that, every thread's stack goes
+  to stderr and the process exits with pytest's own status.
 
 Hooks, imported by tests/conftest.py.
 """
@@ -24,6 +25,7 @@ import faulthandler
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -41,6 +43,7 @@ _POLL_S = 0.5
 
 _MARK = pytest.StashKey[str]()
 _OUTER_MARK = pytest.StashKey["str | None"]()
+_STARTED_TICKS = pytest.StashKey[int]()
 
 
 @dataclass(frozen=True)
@@ -56,14 +59,22 @@ def mark_session() -> str:
     return mark
 
 
+def clock_ticks() -> int:
+    """Now, in the unit of a process's start time in ``/proc/PID/stat``: ticks since boot."""
+    uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    return int(uptime_s * os.sysconf("SC_CLK_TCK"))
+
+
 def leftover_processes(
-    mark: str, root: int | None = None, proc: Path = Path("/proc")
+    mark: str, since_ticks: int = 0, root: int | None = None, proc: Path = Path("/proc")
 ) -> list[Leftover]:
-    """Processes other than ``root`` (this one) that descend from it or whose environment
-    carries ``mark``; zombies (dead, holding nothing) left out."""
+    """Processes other than ``root`` (this one) that descend from it and started at or after
+    ``since_ticks`` (``clock_ticks``), or whose environment carries ``mark``; zombies (dead,
+    holding nothing) left out."""
     root = os.getpid() if root is None else root
     needle = f"{SESSION_MARK}={mark}".encode()
     parents: dict[int, int] = {}
+    started: dict[int, int] = {}
     marked: set[int] = set()
     commands: dict[int, str] = {}
     for entry in proc.iterdir():
@@ -71,18 +82,21 @@ def leftover_processes(
             continue
         pid = int(entry.name)
         try:
-            # The command may hold spaces and parentheses: the fields after its last ')'.
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if fields[0] == "Z":
+            # The name may hold spaces, parentheses or any byte: the fields after its last ')'
+            # (the third field on, so the parent is the second here, the start time the 20th).
+            fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
+            if fields[0] == b"Z":
                 continue
-            parents[pid] = int(fields[1])
+            parents[pid], started[pid] = int(fields[1]), int(fields[19])
             command = (entry / "cmdline").read_bytes()
             if needle in (entry / "environ").read_bytes().split(b"\0"):
                 marked.add(pid)
         except (OSError, IndexError, ValueError):  # gone meanwhile, or another user's
             continue
         commands[pid] = command.replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-    ours = marked | _descendants(root, parents)
+    # Descendants only from this session on: not the processes of whoever started pytest (a
+    # ``tee`` it exec'd into) or called it in-process (its own children, an outer session's).
+    ours = marked | {pid for pid in _descendants(root, parents) if started[pid] >= since_ticks}
     ours.discard(root)
     return [Leftover(pid, commands.get(pid, "")) for pid in sorted(ours)]
 
@@ -100,13 +114,21 @@ def _descendants(root: int, parents: dict[int, int]) -> set[int]:
     return found
 
 
-def stop_leftovers(mark: str) -> list[Leftover]:
-    """Kill what ``leftover_processes`` finds; returns what it killed."""
-    leftovers = leftover_processes(mark)
+def stop_leftovers(mark: str, since_ticks: int) -> list[Leftover]:
+    """Kill what ``leftover_processes`` finds; returns what it found."""
+    leftovers = leftover_processes(mark, since_ticks)
     for leftover in leftovers:
-        with contextlib.suppress(ProcessLookupError):
+        # Gone meanwhile, or another user's (a test's ``sudo``): listed all the same.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(leftover.pid, signal.SIGKILL)
     return leftovers
+
+
+def pytest_is_the_program() -> bool:
+    """Whether this process is ``pytest`` / ``python -m pytest`` rather than a program that
+    calls ``pytest.main``, whose exit is its own business."""
+    program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    return program.name in {"pytest", "py.test"} or program.parent.name == "pytest"
 
 
 def exit_grace_s() -> float:
@@ -160,6 +182,7 @@ class _ExitGuard:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_STARTED_TICKS] = clock_ticks()
     config.stash[_OUTER_MARK] = os.environ.get(SESSION_MARK)
     config.stash[_MARK] = mark_session()
 
@@ -168,8 +191,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # (Ctrl-C, ``pytest.exit``): what they stop is not a leftover.
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    _ExitGuard.arm(session)
-    leftovers = stop_leftovers(session.config.stash[_MARK])
+    if pytest_is_the_program():
+        _ExitGuard.arm(session)
+    config = session.config
+    leftovers = stop_leftovers(config.stash[_MARK], config.stash[_STARTED_TICKS])
     if not leftovers:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -180,7 +205,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    _ExitGuard.arm(None)
+    if pytest_is_the_program():
+        _ExitGuard.arm(None)
     outer = config.stash.get(_OUTER_MARK, None)
     if outer is None:
         os.environ.pop(SESSION_MARK, None)
