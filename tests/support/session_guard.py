@@ -141,8 +141,8 @@ def exit_grace_s() -> float:
 
 
 class _ExitGuard:
-    """One per process: ends it ``grace_s`` after its main thread finished, if it is still
-    there (stuck joining a non-daemon thread, or in an exit handler)."""
+    """One per process: ends it ``exit_grace_s()`` after the interpreter began to exit, if it is
+    still there (stuck joining a thread or a pool's workers, or in an exit handler)."""
 
     started = False
     session: pytest.Session | None = None
