@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from replica.launcher import EngineExited, EngineProcess, EngineSupervisor
+from tests.support.processes import alive
 from tests.support.redis_server import free_port
 
 _SERVER = """
@@ -34,14 +35,6 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); read its state.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
 def _stand_in(tmp_path: Path, port: int) -> EngineProcess:
@@ -67,7 +60,7 @@ def test_stop_kills_the_whole_process_group(tmp_path: Path) -> None:
     # ``stop`` returns once the group is gone, not merely signalled: a restart must not race the
     # old EngineCore for its port and memory.
     (grandchild,) = _children(tmp_path)
-    assert not _alive(grandchild)
+    assert not alive(grandchild)
 
 
 def test_wait_healthy_reports_an_early_exit_with_the_log(tmp_path: Path) -> None:
@@ -105,7 +98,7 @@ async def test_supervisor_restarts_a_crashed_engine_and_stops_on_request(tmp_pat
     stop.set()
     assert await asyncio.wait_for(running, 60) == 0
     assert second.poll() is not None
-    assert not any(_alive(pid) for pid in _children(tmp_path))
+    assert not any(alive(pid) for pid in _children(tmp_path))
 
 
 async def test_supervisor_gives_up_after_max_restarts(tmp_path: Path) -> None:
@@ -224,11 +217,11 @@ time.sleep(600)
             assert time.monotonic() < deadline, "the engine never started"
             time.sleep(0.05)
         engine_pid = int(pids.read_text())
-        assert _alive(engine_pid)
+        assert alive(engine_pid)
         parent.kill()
         parent.wait(timeout=10)
         deadline = time.monotonic() + 30
-        while _alive(engine_pid):
+        while alive(engine_pid):
             assert time.monotonic() < deadline, "the engine outlived its supervisor"
             time.sleep(0.05)
     finally:

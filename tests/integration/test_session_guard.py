@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support.processes import alive
 from tests.support.session_guard import EXIT_GRACE_ENV, SESSION_MARK, leftover_processes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -28,13 +29,18 @@ from tests.support.session_guard import pytest_configure, pytest_sessionfinish, 
 """
 
 
+def _write_project(folder: Path, test_source: str) -> None:
+    """A test folder with the guard's hooks, as tests/conftest.py has them, and one test file."""
+    (folder / "pytest.ini").write_text("[pytest]\n")
+    (folder / "conftest.py").write_text(_CONFTEST)
+    (folder / "test_inner.py").write_text(test_source)
+
+
 def _run_session(
     tmp_path: Path, test_source: str, before: str = ""
 ) -> subprocess.CompletedProcess[str]:
     """The inner session, through ``sh -c '<before> exec python -m pytest ...'``."""
-    (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    (tmp_path / "conftest.py").write_text(_CONFTEST)
-    (tmp_path / "test_inner.py").write_text(test_source)
+    _write_project(tmp_path, test_source)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), EXIT_GRACE_ENV: "2"}
     pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-s", str(tmp_path)]
     return subprocess.run(
@@ -44,13 +50,6 @@ def _run_session(
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")  # a zombie still answers kill(0)
-    return stat.exists() and stat.read_text().split()[2] != "Z"
 
 
 def test_a_process_a_test_left_running_is_reported_and_killed(tmp_path: Path) -> None:
@@ -66,7 +65,7 @@ def test_leaves_a_process() -> None:
     pid = int(pid_file.read_text())
     assert f"1 process(es) a test left running, now killed:\n  pid {pid}: " in result.stdout
     assert "time.sleep(600)" in result.stdout
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 def test_a_forked_child_a_test_left_running_is_found_without_the_mark(tmp_path: Path) -> None:
@@ -85,7 +84,7 @@ def test_forks() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     pid = int(pid_file.read_text())
     assert f"  pid {pid}: " in result.stdout
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 def test_a_child_pytest_had_before_the_session_is_left_alone(tmp_path: Path) -> None:
@@ -101,7 +100,7 @@ def test_a_child_pytest_had_before_the_session_is_left_alone(tmp_path: Path) -> 
     try:
         assert result.returncode == 0, result.stdout + result.stderr
         assert "left running" not in result.stdout
-        assert _alive(pid)
+        assert alive(pid)
     finally:
         os.kill(pid, signal.SIGKILL)
 
@@ -184,9 +183,7 @@ def test_a_session_run_in_process_leaves_its_caller_alone(tmp_path: Path) -> Non
     """``pytest.main`` with the guard inside a longer program: the session leaves the program's
     own child alone, and the program goes on past the grace and exits with its own status."""
     (tmp_path / "inner").mkdir()
-    (tmp_path / "inner" / "pytest.ini").write_text("[pytest]\n")
-    (tmp_path / "inner" / "conftest.py").write_text(_CONFTEST)
-    (tmp_path / "inner" / "test_inner.py").write_text("def test_nothing() -> None:\n    pass\n")
+    _write_project(tmp_path / "inner", "def test_nothing() -> None:\n    pass\n")
     program = f"""
 import subprocess, sys, threading, time
 import pytest
