@@ -171,7 +171,7 @@ def _simulate_in_workers(
     # Workers ignore Ctrl-C: the parent alone stops the sweep, and stops it at once. A SIGTERM
     # to the parent alone (``kill PID``, a supervisor) stops them the same way: without it the
     # parent died and its workers hung for ever, writing results to a pipe nobody read.
-    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_ignore_interrupts)
+    pool = ProcessPoolExecutor(max_workers=jobs, initializer=_worker_signals)
     restore = _exit_on_sigterm()
     try:
         futures = {
@@ -211,10 +211,17 @@ def _simulate_in_workers(
     return reports
 
 
-def _ignore_interrupts() -> None:
+def _worker_signals() -> None:
+    """A worker's signals: Ctrl-C is the parent's to handle, and SIGTERM kills at once.
+
+    The parent's SIGTERM handler (``_exit_on_sigterm``) is in place when the workers fork, and
+    raises ``SystemExit``, which the pool's worker loop takes for one task's failure: a worker
+    the parent stopped mid-run went on to the next queued run (two such were found still
+    running when a test session ended)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _exit_on_sigterm() -> Callable[[], None]:

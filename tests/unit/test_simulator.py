@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,6 +21,7 @@ from planning.simulator import (
     simulate,
 )
 from planning.simulator.api import simulate_sweep
+from routing.engine import Profile
 from traces.format import TraceRecord, write_trace
 
 #: The tiny engine (L4 + 50M-parameter model) with room for every test prompt: fast to simulate.
@@ -117,6 +120,55 @@ def test_a_run_failing_in_a_worker_fails_the_sweep() -> None:
     records = _shared_prefix_trace(groups=2, per_group=2, gap_ms=50)
     with pytest.raises(Exception, match="no-such-policy"):
         simulate_sweep(records, [1.0, 2.0], ["round-robin", "no-such-policy"], _config(), jobs=2)
+
+
+#: Made by the first ``_fails_once`` profile to run; every later one stalls instead.
+_FAILED_ONCE_FLAG = Path("unset")
+
+
+def _stalls() -> Profile:
+    """A profile factory that never returns: its worker is mid-run until something stops it."""
+    while True:
+        time.sleep(3600)
+
+
+def _fails_once() -> Profile:
+    """The first call fails (after its neighbour's run has started); later ones stall, so a
+    worker that shrugs off SIGTERM and takes the next queued run would run on for ever."""
+    try:
+        os.close(os.open(_FAILED_ONCE_FLAG, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return _stalls()
+    time.sleep(1)
+    raise RuntimeError("planned failure")
+
+
+def test_a_failed_sweep_stops_its_workers_even_mid_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 45's test run ended with two forked pytest children still running. The workers
+    inherited the parent's SIGTERM handler (raise ``SystemExit``), and the pool's worker loop
+    catches that as a task's failure: a worker stopped mid-run went on to the next queued run."""
+    import multiprocessing
+
+    monkeypatch.setattr(sys.modules[__name__], "_FAILED_ONCE_FLAG", tmp_path / "failed")
+    before = set(multiprocessing.active_children())
+    records = _shared_prefix_trace(groups=2, per_group=2, gap_ms=50)
+    factories = {"stalls": _stalls, "fails": _fails_once}
+    try:
+        with pytest.raises(RuntimeError, match="planned failure"):
+            simulate_sweep(
+                records, [1.0, 2.0, 3.0], ["stalls", "fails"], _config(), jobs=2,
+                profile_factories=factories,
+            )
+        workers = set(multiprocessing.active_children()) - before
+        for worker in workers:
+            worker.join(timeout=30)
+        assert [w for w in workers if w.is_alive()] == []
+    finally:
+        for worker in set(multiprocessing.active_children()) - before:
+            worker.kill()
+            worker.join()
 
 
 def test_jobs_replay_in_worker_processes_with_the_same_results() -> None:
