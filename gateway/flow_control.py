@@ -364,7 +364,11 @@ class FlowGate:
     async def _admit(
         self, routed: Routed, flow: TenantFlow, policy: Policy | None, repick: Repick
     ) -> Routed:
-        self._read_settings(policy)
+        # The policy in force now, not the one the request arrived under: a reload may have
+        # come during its budget's Redis round trip, and reading the older one then put the
+        # old settings back and refused the queued requests of tenants the reload added (the
+        # flow-control review of session 46).
+        self._read_settings(self.policy() if self.policy is not None else policy)
         if not self.controller.settings.enabled:
             return routed  # off: not even the estimate is built (explanations cost at scale)
         request_id = routed.routing_request.request_id
@@ -422,8 +426,10 @@ class FlowGate:
                 self._left_queue(request, *left)
         self._count(request.tenant, request.request_class, verdict.decision, verdict.reason)
         if self.metrics is not None:
+            # Its own wait, not the verdict's: a reload that turns flow control off releases
+            # the whole queue with one verdict, and its waits read as 0 s.
             self.metrics.flow_queue_wait.labels(request.request_class.value).observe(
-                verdict.waited_s
+                max(0.0, self.controller.now() - request.arrival_s)
             )
         if verdict.decision is Decision.SHED:
             raise _refusal(verdict)
@@ -510,6 +516,26 @@ class FlowGate:
             completion if _counted(completion) else 0,
             settle,
             prompt if _counted(prompt) else 0,
+        )
+
+    def not_sent(
+        self, policy: Policy | None, routed: Routed
+    ) -> Coroutine[Any, Any, None] | None:
+        """A request admitted that its handler never sent (its client left as it was released,
+        its key revoked while it queued): forgotten, and the prompt tokens reserved for it given
+        back to its tenant's budget by the returned coroutine, for the caller to run."""
+        request_id = routed.routing_request.request_id
+        self._admitted.pop(request_id, None)
+        reserved = routed.budget_reserved
+        spec = policy.tenant(routed.tenant.name) if policy is not None else None
+        budget = spec.token_budget if spec is not None else None
+        if reserved is None or budget is None:
+            return None
+        return self.budgets.release(
+            routed.tenant.name,
+            TokenBudget(budget.prompt_tokens_per_minute, budget.completion_tokens_per_minute),
+            reserved.tokens,
+            reserved.window,
         )
 
     async def _charge(
@@ -744,7 +770,8 @@ def _refusal(verdict: Verdict) -> GatewayError:
 
 
 class _FlowDeps(Protocol):
-    """What ``flow_finished`` reads from the gateway (``GatewayState`` is one)."""
+    """What ``flow_finished`` and ``flow_not_sent`` read from the gateway (``GatewayState`` is
+    one)."""
 
     @property
     def flow(self) -> FlowGate | None: ...
@@ -768,6 +795,16 @@ def flow_finished(
     charge = gw.flow.request_finished(policy, tenant, usage, request_id, tpot_ms, reserved)
     if charge is not None:
         run_in_background(gw.background, charge, "fleetgate-token-budget")
+
+
+def flow_not_sent(gw: _FlowDeps, policy: Policy | None, routed: Routed) -> None:
+    """Tell flow control a request it admitted was never sent; what was reserved for it in
+    its tenant's budget is given back as a tracked background task."""
+    if gw.flow is None:
+        return
+    give_back = gw.flow.not_sent(policy, routed)
+    if give_back is not None:
+        run_in_background(gw.background, give_back, "fleetgate-token-budget")
 
 
 def build_flow_gate(

@@ -12,7 +12,7 @@ from aiohttp import web
 from gateway import errors
 from gateway.auth import still_authorised
 from gateway.errors import GatewayError
-from gateway.flow_control import engine_priority, flow_finished
+from gateway.flow_control import engine_priority, flow_finished, flow_not_sent
 from gateway.proxy import UpstreamOutcome
 from gateway.request.account import (
     account,
@@ -213,6 +213,10 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 del gw.asked_ids[own_id]
         if gw.flow is not None:  # released from the queue but never sent: the pump goes on
             gw.flow.forwarding(request_id)
+            if not forwarded and routed is not None:
+                # Admitted (its prompt tokens reserved), then refused or left before it was
+                # sent: a 401 for a key a reload revoked while it queued, a client gone.
+                flow_not_sent(gw, gw.policy.source, routed)
 
 
 def _count_slo_failure(

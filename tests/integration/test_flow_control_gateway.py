@@ -308,6 +308,96 @@ async def test_a_tenant_removed_while_its_request_queued_is_refused_at_once(
         assert [str(b["prompt"]) for b in upstream.received] == ["request a-first"]
 
 
+async def test_a_request_refused_after_its_queue_wait_gives_its_reserved_tokens_back(
+    tmp_path: Path,
+) -> None:
+    """The flow-control review of session 46: the prompt tokens reserved for a request were
+    given back only when flow control itself refused it; one admitted and then refused before
+    it was sent (here a 401: its key was rotated while it queued) kept them charged."""
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with _gateways(tmp_path, upstream) as [(url, app)], aiohttp.ClientSession() as http:
+        flow = app[GATEWAY].flow  # type: ignore[index]
+        minute = 120.0  # a frozen window: one minute turning mid-test would start afresh
+        flow.budgets = TokenBudgets(flow.budget_store, lambda: minute, "fleetgate:")
+        key = f"fleetgate:budget:metered:prompt:{int(minute // 60)}"
+        first = asyncio.create_task(_post(http, url, "a", "a-first"))
+        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
+        queued = asyncio.create_task(_post(http, url, "metered", "m-00"))
+        await wait_until(lambda: _queued(app) == 1, "the metered request is queued")
+        assert await flow.budget_store.used(key) == _prompt_tokens("m-00")
+        path = tmp_path / "policy.yaml"
+        path.write_text(path.read_text().replace(_sha("metered"), _sha("metered-rotated")))
+        assert reload_policy(app[GATEWAY]).ok  # type: ignore[index]
+        upstream.header_gate.set()
+        status, body, _ = await queued
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert (await first)[0] == 200
+        await wait_until(lambda: not app[GATEWAY].background, "the give-back ran")  # type: ignore[index]
+        assert await flow.budget_store.used(key) == 0
+
+
+async def test_an_arrival_that_read_the_policy_before_a_reload_does_not_bring_it_back(
+    tmp_path: Path,
+) -> None:
+    """The flow-control review of session 46: an arrival read the policy, waited on its
+    budget's round trip (Redis) while a reload added a tenant, and then put its older policy
+    back into flow control, which refused the new tenant's queued request with a 401."""
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with _gateways(tmp_path, upstream) as [(url, app)], aiohttp.ClientSession() as http:
+        flow = app[GATEWAY].flow  # type: ignore[index]
+        store = flow.budgets.store
+        entered, go_on = asyncio.Event(), asyncio.Event()
+        reserve = store.reserve
+
+        async def round_trip(*args: object) -> bool:  # a Redis round trip in progress
+            entered.set()
+            await go_on.wait()
+            return await reserve(*args)
+
+        store.reserve = round_trip
+        first = asyncio.create_task(_post(http, url, "a", "a-first"))
+        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
+        metered = asyncio.create_task(_post(http, url, "metered", "m-00"))
+        await asyncio.wait_for(entered.wait(), 10)
+        path = tmp_path / "policy.yaml"
+        newbie_line = f"  - {{name: newbie, api_key_sha256: [{_sha('newbie')}]}}\n"
+        path.write_text(path.read_text() + newbie_line)
+        assert reload_policy(app[GATEWAY]).ok  # type: ignore[index]
+        newbie = asyncio.create_task(_post(http, url, "newbie", "n-0"))
+        await wait_until(lambda: _queued(app) == 1, "the new tenant's request is queued")
+        go_on.set()  # the arrival of the older policy goes on
+        await wait_until(lambda: newbie.done() or _queued(app) == 2, "the arrival is queued")
+        assert not newbie.done(), newbie.result()  # refused: the older policy came back
+        upstream.header_gate.set()
+        assert [r[0] for r in await asyncio.gather(first, metered, newbie)] == [200, 200, 200]
+
+
+async def test_requests_released_by_a_reload_that_turns_flow_control_off_keep_their_wait(
+    tmp_path: Path,
+) -> None:
+    """The flow-control review of session 46: the queue-wait histogram took the release's one
+    verdict (0 s waited) for every request a reload let go."""
+    async with _b_queued_behind_a(tmp_path) as (url, app, http, upstream, first, queued):
+        gate = app[GATEWAY].flow  # type: ignore[index]
+        queued_at = gate.controller.now()
+        await wait_until(lambda: gate.controller.now() - queued_at >= 0.3, "b waited 0.3 s")
+        path = tmp_path / "policy.yaml"
+        path.write_text(path.read_text().replace("  enabled: true", "  enabled: false"))
+        assert reload_policy(app[GATEWAY]).ok  # type: ignore[index]
+        await wait_until(lambda: upstream.attempts == 2, "b was released to the engine")
+        upstream.header_gate.set()
+        assert (await queued)[0] == 200 and (await first)[0] == 200
+        metrics = await (await http.get(f"{url}/metrics")).text()
+        waited = next(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith('fleetgate_flow_queue_wait_seconds_sum{request_class="standard"}')
+        )
+        assert waited >= 0.3
+
+
 async def test_token_budgets_hold_across_two_gateways_sharing_redis(
     tmp_path: Path, redis_url: str
 ) -> None:
