@@ -22,7 +22,14 @@ from gateway.request.account import (
 )
 from gateway.request.forward import AttemptRecorder, forward, plan_forward, with_client_salt
 from gateway.request.kinds import RequestKind
-from gateway.request.route import RequestLabels, RouteDecision, admit, repick, route
+from gateway.request.route import (
+    RequestLabels,
+    RouteDecision,
+    admit,
+    count_sent,
+    repick,
+    route,
+)
 from gateway.request_body import (
     SHOWN_REQUEST_ID,
     caller_scope,
@@ -158,6 +165,7 @@ async def handle(request: web.Request, kind: RequestKind) -> web.StreamResponse:
                 flow = gw.flow
                 recorder.on_started = lambda: flow.forwarding(request_id)
             forwarded = True  # from here on, accounting records the request
+            count_sent(gw.metrics, routed)
             if kind.served_by is not None:
                 served_by = kind.served_by
                 # Told which replica answers before its first byte can reach the client, so a

@@ -428,10 +428,17 @@ async def _pick_replica(
         span.set_attribute("fleetgate.overflow", request.overflow)
         if not isinstance(gw.tracer, NullTracer):
             _stage_spans(gw.tracer, decide_start_ns, decision.timings_ms)
+    # Overflow is counted once the request is sent (``count_sent``): flow control routes a
+    # queued request again on every pass of its queue, 50 times a second.
     _decision_metrics(gw.metrics, gw.index_backend, matched_route.name, decision)
-    if request.overflow:
-        gw.metrics.overflow.labels(matched_route.name).inc()
     return decision, last_resort
+
+
+def count_sent(metrics: GatewayMetrics, routed: RouteDecision) -> None:
+    """Count what a request's final decision was, once, as it is sent: as the simulator
+    counts it at dispatch."""
+    if routed.routing_request.overflow:
+        metrics.overflow.labels(routed.route.name).inc()
 
 
 def _stage_spans(tracer: Tracer, start_ns: int, timings: dict[str, float]) -> None:

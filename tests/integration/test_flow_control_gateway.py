@@ -398,6 +398,75 @@ async def test_requests_released_by_a_reload_that_turns_flow_control_off_keep_th
         assert waited >= 0.3
 
 
+async def test_a_queued_overflow_request_is_counted_once_when_it_is_sent(tmp_path: Path) -> None:
+    """The flow-control review of session 46: the queue's pump routes its head again on every
+    pass (every 20 ms), and each pass counted it in ``fleetgate_overflow_decisions_total``,
+    which counts requests (as the simulator does)."""
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with serve(upstream.app()) as one, serve(upstream.app()) as two:
+        path = tmp_path / "policy.yaml"
+        # A TTFT SLO no replica can meet: overflow (which takes two replicas or more: with one,
+        # nowhere is better), at every decision (no cap on overflow's share of them).
+        path.write_text(
+            f"""version: 1
+replica_pools:
+  - name: pool-a
+    replicas: [{one}, {two}]
+models:
+  - name: base-model
+    pools: [pool-a]
+plugins:
+  - type: fleet-cost
+    name: cost
+    parameters: {{overflow_max_share: 1.0}}
+  - type: max-score
+    name: best
+profiles:
+  - name: uncapped
+    scorers: [{{ref: cost, weight: 1}}]
+    picker: best
+routes:
+  - name: all
+    profile: uncapped
+flow_control:
+  enabled: true
+  saturation_backlog_requests: 1
+  max_queue_wait_ms: 600000
+tenants:
+  - {{name: a, api_key_sha256: [{_sha("a")}]}}
+  - {{name: late, api_key_sha256: [{_sha("late")}], ttft_slo_ms: 0.001}}
+"""
+        )
+        app = create_app(GatewayConfig(policy_path=str(path)))
+        async with (
+            serve(app, handler_cancellation=True) as url,
+            aiohttp.ClientSession() as http,
+        ):
+
+            async def metric(prefix: str) -> float:
+                text = await (await http.get(f"{url}/metrics")).text()
+                return sum(
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith(prefix)
+                )
+
+            held = [asyncio.create_task(_post(http, url, "a", f"a-{i}")) for i in range(2)]
+            await wait_until(lambda: upstream.attempts == 2, "both replicas hold a request")
+            late = asyncio.create_task(_post(http, url, "late", "late-0"))
+            await wait_until(lambda: _queued(app) == 1, "the late request is queued")
+            decisions = "fleetgate_routing_decision_seconds_count"
+            for _ in range(200):  # the pump routes it again on its passes
+                if await metric(decisions) >= 8:
+                    break
+                await asyncio.sleep(0.02)
+            assert await metric(decisions) >= 8
+            upstream.header_gate.set()
+            assert [(await t)[0] for t in [*held, late]] == [200, 200, 200]
+            assert await metric("fleetgate_overflow_decisions_total") == 1
+
+
 async def test_token_budgets_hold_across_two_gateways_sharing_redis(
     tmp_path: Path, redis_url: str
 ) -> None:
