@@ -26,7 +26,7 @@ from routing.fleet import Fleet
 from routing.lora_slots import LORA_INFO_METRIC, LoraInfo, latest_lora_info
 from routing.recent_itl import RecentItl
 from routing.redis_clients import redacted
-from routing.state import ReplicaState
+from routing.state import MAX_REQUEST_COUNT, ReplicaState
 from routing.types import Epoch, ReplicaId
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,17 @@ def parse_kv_capacity_tokens(text: str) -> int | None:
     return total or None
 
 
+#: Gauges read as the fullest of the engine's label sets rather than their sum: a fraction per
+#: data-parallel rank (two ranks at 60% are not 120% full), as the replica agent reads it.
+_FULLEST = frozenset({"kv_usage"})
+
+#: The highest each field can truly read; past it a sample is a glitch.
+_LIMITS = {"running": MAX_REQUEST_COUNT, "waiting": MAX_REQUEST_COUNT}
+
+
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Sum each of the gauges in ``_GAUGES`` across label sets (one engine, possibly DP ranks)."""
+    """Each of the gauges in ``_GAUGES`` across label sets (one engine, possibly DP ranks):
+    counts summed, the KV cache usage the fullest rank's."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -107,12 +116,20 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
             value = float(line.rsplit(" ", 1)[1])
         except (ValueError, IndexError):
             continue
-        # Gauges and counters here are never negative or infinite: a NaN, an Inf or a negative
-        # sample is a scrape glitch, not a figure to route on. It makes its field NaN (the sum
-        # with the other label sets too), which the poll treats as unread (``_finite``).
-        if not math.isfinite(value) or value < 0:
+        # Gauges and counters here are never negative, infinite or absurdly large: such a
+        # sample is a scrape glitch, not a figure to route on. It makes its field NaN (with the
+        # other label sets too), which the poll treats as unread (``_finite``).
+        if not math.isfinite(value) or value < 0 or value > _LIMITS.get(field, math.inf):
             value = math.nan
-        values[field] = values.get(field, 0.0) + value
+        before = values.get(field)
+        if before is None:
+            values[field] = value
+        elif field in _FULLEST:
+            values[field] = math.nan if math.isnan(before) or math.isnan(value) else max(
+                before, value
+            )
+        else:
+            values[field] = before + value
     return values
 
 
@@ -730,12 +747,14 @@ class ReplicaRegistry:
                     if _finite(gauges, name):
                         updates[name] = kind(gauges[name])
                     elif name in gauges:
-                        glitched = True  # keeps its last value
+                        # Keeps its last value. A request count so kept leaves the reading
+                        # stale (the staleness penalty applies); a KV usage does not: a rank
+                        # whose usage stayed NaN froze the reading of fresh counts, and after a
+                        # minute the replica took no request (the routing review, session 46).
+                        glitched = glitched or name != "kv_usage"
                     else:
                         updates[name] = kind(0)  # not exported: none
                 if not glitched:
-                    # A glitched gauge keeps its last value; the reading is not fresh then, so
-                    # the staleness penalty still applies to it.
                     updates["metrics_read_at"] = metrics_asked_at
                 if _finite(gauges, "itl_count") and _finite(gauges, "itl_sum_s"):
                     itl = self._itl.setdefault(state.replica_id, RecentItl())

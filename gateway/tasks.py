@@ -17,11 +17,15 @@ log = logging.getLogger(__name__)
 async def health_loop(gw: GatewayState) -> None:
     """Poll replicas (health, models, engine metrics) and merge agent-registered replicas."""
     while True:
+        # One bad merge or poll must not end the loop: nothing would poll replicas again.
         if gw.fleet_store is not None:
-            await merge_fleet_store(gw)
+            try:
+                await merge_fleet_store(gw)
+            except Exception:
+                log.exception("taking in the replicas agents registered failed")
         try:
             await gw.registry.poll_once(gw.http(), timeout_s=max(2.0, gw.config.health_interval_s))
-        except Exception:  # one bad poll must not end the loop
+        except Exception:
             log.exception("replica health poll failed")
         if gw.upstream is not None:
             gw.upstream.close_idle()  # idle keep-alive connections past their timeout

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from routing.redis_urls import PRIMARY_URL_PREFIXES
-from routing.state import ReplicaState
+from routing.state import MAX_LIFETIME_COUNT, MAX_REQUEST_COUNT, ReplicaState
 from routing.types import Epoch, ReplicaId
 
 __all__ = [
@@ -36,6 +38,48 @@ _FROZENSET_FIELDS = {
     f.name for f in dataclasses.fields(ReplicaState) if str(f.type).startswith("frozenset")
 }
 _FIELD_NAMES = {f.name for f in dataclasses.fields(ReplicaState)}
+
+log = logging.getLogger(__name__)
+
+#: The numbers a state carries, and the most each can be: a stored state with one out of range
+#: (a corrupt or foreign writer) is refused whole rather than taken into routing, where one
+#: request count past 2**63 overflowed the fleet's arrays (the routing review, session 46).
+_BOUNDS: dict[str, float] = {
+    **dict.fromkeys(("running", "waiting", "inflight_requests"), MAX_REQUEST_COUNT),
+    **dict.fromkeys(
+        (
+            "block_size",
+            "kv_capacity_blocks",
+            "cached_blocks",
+            "preemptions_total",
+            "max_loras",
+            "max_cpu_loras",
+            "max_model_len",
+            "inflight_prefill_tokens",
+            "inflight_unprefilled",
+            "finished_since_read",
+        ),
+        MAX_LIFETIME_COUNT,
+    ),
+    **dict.fromkeys(
+        ("kv_usage", "prefill_tokens_per_s", "decode_step_ms", "decode_itl_ms", "metrics_read_at"),
+        math.inf,
+    ),
+}
+
+
+def _check_figures(kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for a figure that is not a finite number within its bound (an
+    integer where the field counts); None stands where the field may be unknown."""
+    for name, bound in _BOUNDS.items():
+        value = kwargs.get(name)
+        if value is None:
+            continue
+        counts = bound is not math.inf
+        if isinstance(value, bool) or not isinstance(value, int if counts else (int, float)):
+            raise ValueError(f"replica state: {name} is {value!r}, not a number")
+        if not (0 <= value <= bound):  # NaN and infinities fail it too
+            raise ValueError(f"replica state: {name} is {value!r}, out of range")
 
 
 class FleetStoreUnavailable(RuntimeError):
@@ -56,6 +100,7 @@ def state_from_json(raw: str | bytes) -> ReplicaState:
     if not isinstance(data, dict) or "replica_id" not in data or "url" not in data:
         raise ValueError(f"not a replica state: {str(raw)[:200]!r}")
     kwargs = {k: v for k, v in data.items() if k in _FIELD_NAMES}
+    _check_figures(kwargs)
     for name in _FROZENSET_FIELDS & kwargs.keys():
         kwargs[name] = frozenset(kwargs[name])
     kwargs["replica_id"] = ReplicaId(kwargs["replica_id"])
@@ -65,6 +110,24 @@ def state_from_json(raw: str | bytes) -> ReplicaState:
 
 #: How long a deliberate removal is remembered, for gateways to tell it from an expired heartbeat.
 DEPARTED_TTL_S = 3600.0
+
+
+def states_from_json(raws: Iterable[str | bytes], skipped: set[str]) -> list[ReplicaState]:
+    """Each stored state that parses; one that does not is left out (and said once, while it
+    is there: ``skipped`` remembers the ones said), so that one bad entry neither hides the
+    fleet's other replicas nor reaches routing."""
+    states, bad = [], set()
+    for raw in raws:
+        try:
+            states.append(state_from_json(raw))
+        except (ValueError, TypeError, KeyError) as exc:
+            said = str(exc)[:300]
+            bad.add(said)
+            if said not in skipped:
+                log.warning("fleet store: a replica entry left out: %s", said)
+    skipped.intersection_update(bad)  # gone: said again should it come back
+    skipped.update(bad)
+    return states
 
 
 def _check_ttl(ttl_s: float) -> None:
@@ -110,6 +173,8 @@ class MemoryFleetStore:
         self._clock = clock
         self._states: dict[ReplicaId, tuple[float, str]] = {}
         self._departed: dict[ReplicaId, float] = {}
+        #: Stored entries left out as unreadable, already said (``states_from_json``).
+        self._skipped: set[str] = set()
 
     async def register(self, state: ReplicaState, ttl_s: float) -> None:
         await self.publish(state, ttl_s)
@@ -124,7 +189,8 @@ class MemoryFleetStore:
         now = self._clock()
         for rid in [rid for rid, (expires, _) in self._states.items() if expires <= now]:
             del self._states[rid]
-        return [state_from_json(raw) for _, (_, raw) in sorted(self._states.items())]
+        stored = (raw for _, (_, raw) in sorted(self._states.items()))
+        return states_from_json(stored, self._skipped)
 
     async def remove(self, replica_id: ReplicaId) -> None:
         self._states.pop(replica_id, None)
@@ -154,6 +220,8 @@ class RedisFleetStore:
         self._prefix = key_prefix
         self._set_key = f"{key_prefix}replicas"
         self._departed_key = f"{key_prefix}replicas-departed"
+        #: Stored entries left out as unreadable, already said (``states_from_json``).
+        self._skipped: set[str] = set()
 
     def _key(self, replica_id: str) -> str:
         return f"{self._prefix}replica:{replica_id}"
@@ -188,7 +256,7 @@ class RedisFleetStore:
                 await self._redis.srem(self._set_key, *expired)
         except Exception as exc:
             raise FleetStoreUnavailable(f"fleet store read failed: {exc}") from exc
-        return [state_from_json(raw) for raw in raws if raw is not None]
+        return states_from_json((raw for raw in raws if raw is not None), self._skipped)
 
     async def remove(self, replica_id: ReplicaId) -> None:
         try:

@@ -17,7 +17,7 @@ from typing import overload
 
 import numpy as np
 
-from routing.state import ReplicaState
+from routing.state import MAX_REQUEST_COUNT, ReplicaState
 from routing.types import ReplicaId
 
 __all__ = ["Fleet", "adapter_residence"]
@@ -27,6 +27,14 @@ _RUNNING = attrgetter("running")
 _WAITING = attrgetter("waiting")
 _INFLIGHT = attrgetter("inflight_requests")
 _QUEUED = attrgetter("queued")
+
+
+def _count(value: int) -> int:
+    """A request count as the fleet's 64-bit arrays hold it: one past any engine's
+    (``MAX_REQUEST_COUNT``, a glitch that got past the parsers) is held at that bound. Taken in
+    as read, one such figure raised ``OverflowError`` on every rebuild of the fleet, and every
+    request failed (the routing review, session 46)."""
+    return value if 0 <= value <= MAX_REQUEST_COUNT else min(max(value, 0), MAX_REQUEST_COUNT)
 
 
 class Fleet(Sequence[ReplicaState]):
@@ -51,10 +59,10 @@ class Fleet(Sequence[ReplicaState]):
     def __init__(self, states: Iterable[ReplicaState]) -> None:
         self._states = list(states)
         n = len(self._states)
-        self._running = np.fromiter(map(_RUNNING, self._states), np.int64, n)
-        self._waiting = np.fromiter(map(_WAITING, self._states), np.int64, n)
-        self._inflight = np.fromiter(map(_INFLIGHT, self._states), np.int64, n)
-        self._queued = np.fromiter(map(_QUEUED, self._states), np.int64, n)
+        self._running = np.fromiter(map(_count, map(_RUNNING, self._states)), np.int64, n)
+        self._waiting = np.fromiter(map(_count, map(_WAITING, self._states)), np.int64, n)
+        self._inflight = np.fromiter(map(_count, map(_INFLIGHT, self._states)), np.int64, n)
+        self._queued = np.fromiter(map(_count, map(_QUEUED, self._states)), np.int64, n)
         self._position = {rid: i for i, rid in enumerate(map(_ID, self._states))}
         if len(self._position) != n:
             raise ValueError("a fleet lists each replica once")
@@ -90,10 +98,10 @@ class Fleet(Sequence[ReplicaState]):
             return False
         old = self._states[position]
         self._states[position] = state
-        self._running[position] = state.running
-        self._waiting[position] = state.waiting
-        self._inflight[position] = state.inflight_requests
-        self._queued[position] = state.queued
+        self._running[position] = _count(state.running)
+        self._waiting[position] = _count(state.waiting)
+        self._inflight[position] = _count(state.inflight_requests)
+        self._queued[position] = _count(state.queued)
         if old.healthy != state.healthy or old.models != state.models:
             self._serving.clear()
         if (

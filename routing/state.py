@@ -11,6 +11,15 @@ from dataclasses import dataclass, field
 
 from routing.types import Epoch, ReplicaId
 
+#: More requests than any engine holds at once: a request count read past it (an unsigned -1
+#: such as 18446744073709551615, a corrupt page) is a scrape glitch, not a figure to route on.
+#: Taken in, one such figure overflowed the fleet's 64-bit arrays and failed every request.
+MAX_REQUEST_COUNT = 10_000_000
+
+#: Counters over an engine's life (preemptions, engine steps) stay below this: past it a float
+#: sample no longer holds an exact integer, which no real engine reaches.
+MAX_LIFETIME_COUNT = 2**53
+
 
 @dataclass
 class ReplicaState:

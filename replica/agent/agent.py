@@ -150,6 +150,8 @@ class ReplicaAgent:
         self._last_progress: tuple[int, float] | None = None
         self.stalled = False
         self._health_failures = 0
+        #: The last scrape's page could not be read (said once per spell).
+        self._unreadable = False
         #: Batches applied, for tests and /health.
         self.batches_applied = 0
         self._down_since: float | None = None
@@ -562,9 +564,24 @@ class ReplicaAgent:
         started = time.perf_counter()
         try:
             snapshot = await self.scraper.snapshot()
-        except (httpx.HTTPError, ValueError) as exc:
+        except httpx.HTTPError as exc:
             logger.debug("replica %s: scrape failed: %s", self.replica, exc)
             return
+        except Exception as exc:  # a page it cannot read: keep the last figures, go on
+            # Any error here once ended the loop that also publishes the replica's heartbeat
+            # (an infinite sample: the routing review, session 46). Said once per spell.
+            if not self._unreadable:
+                logger.warning(
+                    "replica %s: the engine's figures are unreadable (%s); keeping the last "
+                    "ones until they read again",
+                    self.replica,
+                    exc,
+                )
+            self._unreadable = True
+            return
+        if self._unreadable:
+            logger.info("replica %s: the engine's figures read again", self.replica)
+            self._unreadable = False
         self.metrics.scrape_seconds(time.perf_counter() - started)
         self.snapshot = snapshot
         self._note_progress(snapshot)

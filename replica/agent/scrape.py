@@ -5,6 +5,7 @@ Parsing is separate from fetching so it can be tested on real vLLM output saved 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from routing.lora_slots import LORA_INFO_METRIC, LoraInfo, latest_lora_info
+from routing.state import MAX_LIFETIME_COUNT, MAX_REQUEST_COUNT
 
 
 @dataclass(frozen=True)
@@ -47,10 +49,25 @@ def _int_label(labels: Mapping[str, str], name: str) -> int | None:
         return None
 
 
+#: The samples read as figures, and the highest each can truly be (KV usage is a fraction, but
+#: a rank may report a hair over 1; routing clamps it).
+_BOUNDS = {
+    "vllm:kv_cache_usage_perc": math.inf,
+    "vllm:num_requests_running": MAX_REQUEST_COUNT,
+    "vllm:num_requests_waiting": MAX_REQUEST_COUNT,
+    "vllm:num_preemptions_total": MAX_LIFETIME_COUNT,
+    "vllm:iteration_tokens_total_count": MAX_LIFETIME_COUNT,
+}
+
+
 def parse_metrics(text: str) -> dict[str, Any]:
     """The figures fleetgate reads from vLLM's Prometheus text, as ``EngineSnapshot`` fields.
 
     ``vllm:lora_requests_info`` is read as ``routing.lora_slots`` reads it (the latest sample).
+    Raises ``ValueError`` on a figure no engine can report (NaN, infinite, negative, or past
+    any engine's count): a scrape glitch, after which the agent keeps its last figures, as the
+    gateway does with such a sample. Read as it was, an infinite count ended the agent's loop
+    for good, and a NaN KV usage read as an empty cache (the routing review, session 46).
     """
     kv_usage: list[float] = []
     running = waiting = preemptions = 0.0
@@ -61,6 +78,9 @@ def parse_metrics(text: str) -> dict[str, Any]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
+            bound = _BOUNDS.get(name)
+            if bound is not None and not 0 <= value <= bound:  # NaN fails it too
+                raise ValueError(f"{name} read {value!r}: a scrape glitch, not a figure")
             if name == "vllm:kv_cache_usage_perc":
                 kv_usage.append(value)
             elif name == "vllm:num_requests_running":

@@ -387,7 +387,9 @@ class ExpectedTtftScorer(Plugin):
             # What this gateway sent there, drained at the prefill speed since: a replica nearly
             # through its prefill is nearly free. The counter bounds it (first tokens arrived).
             backlog = self._backlog.remaining(rid, elapsed_now, speed, backlog)
-        waiting_tokens = replica.waiting * p.waiting_request_tokens
+        # In floats: an absurd count makes an infinite cost, where exact integers overflowed
+        # on the division below and the scorer failed for the whole fleet.
+        waiting_tokens = float(replica.waiting) * p.waiting_request_tokens
         if waiting_tokens > backlog:
             backlog = waiting_tokens
         # Running decodes share each engine step with the prefill (chunked prefill).

@@ -389,3 +389,72 @@ async def test_the_agent_warns_once_per_fleet_store_outage_and_says_when_it_is_b
         assert len(logged("WARNING")) == 2  # a new outage is told again
     finally:
         await agent.scraper.close()
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [
+        "vllm:num_requests_running +Inf",
+        "vllm:num_requests_waiting NaN",
+        "vllm:num_requests_waiting 1.8446744073709552e+19",
+        "vllm:num_preemptions_total -1",
+        'vllm:kv_cache_usage_perc{engine="0"} NaN',
+    ],
+)
+def test_a_figure_no_engine_reports_is_a_scrape_glitch(sample: str) -> None:
+    """The routing review of session 46: ``int(inf)`` raised ``OverflowError``, which ended the
+    agent's scrape loop (and its heartbeat) for good; a NaN KV usage read as an empty cache."""
+    with pytest.raises(ValueError, match="scrape glitch"):
+        parse_metrics(f"{sample}\nvllm:num_requests_waiting 0\n")
+
+
+async def test_an_unreadable_page_keeps_the_agents_last_figures_and_it_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from replica.agent import ReplicaAgent
+    from replica.agent.scrape import EngineSnapshot
+    from routing.index import MemoryBlockIndex
+
+    agent = ReplicaAgent(
+        AgentConfig(replica_id="pool/r0", engine_url="http://127.0.0.1:9", listen_port=None),
+        index=MemoryBlockIndex(), fleet=MemoryFleetStore(),
+    )
+    pages = iter(["vllm:num_requests_running 3\n", "vllm:num_requests_running +Inf\n"] * 2)
+
+    async def snapshot() -> EngineSnapshot:
+        return EngineSnapshot(**parse_metrics(next(pages)))
+
+    try:
+        agent.scraper.snapshot = snapshot  # type: ignore[method-assign]
+        await agent._read_figures()
+        assert agent.snapshot.running == 3
+        for _ in range(3):  # unreadable, read, unreadable: said once a spell, never raised
+            await agent._read_figures()
+            assert agent.snapshot.running == 3
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(said) == 2 and "unreadable" in said[0]
+    finally:
+        await agent.scraper.close()
+
+
+async def test_a_stored_state_with_an_absurd_figure_is_left_out_not_the_fleet(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The routing review of session 46: a stored count past 2**63 reached the gateway's fleet
+    arrays and failed every request; a corrupt entry made the whole store unreadable."""
+    import json
+
+    store = MemoryFleetStore()
+    good = ReplicaState(ReplicaId("pool/good"), "http://good")
+    await store.publish(good, 60.0)
+    bad = json.loads(state_to_json(ReplicaState(ReplicaId("pool/bad"), "http://bad")))
+    for field, value in [("waiting", 2**64 - 1), ("running", -1), ("kv_usage", "full"),
+                         ("decode_step_ms", float("nan")), ("max_model_len", True)]:
+        raw = json.dumps({**bad, field: value})
+        with pytest.raises(ValueError, match=field):
+            state_from_json(raw)
+    store._states[ReplicaId("pool/bad")] = (float("inf"), json.dumps({**bad, "waiting": 2**64}))
+    for _ in range(3):
+        assert [s.replica_id for s in await store.list_replicas()] == ["pool/good"]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and "left out" in said[0] and "waiting" in said[0]

@@ -600,3 +600,12 @@ def test_a_cost_that_is_not_a_number_scores_zero_and_leaves_the_others_alone() -
     assert relative_scores({a: math.nan, b: 100.0, c: 200.0}) == {a: 0.0, b: 1.0, c: 0.5}
     assert relative_scores({a: math.inf, b: math.inf}) == {a: 1.0, b: 1.0}
     assert relative_scores({a: math.inf, b: 50.0}) == {a: 0.0, b: 1.0}
+
+
+def test_an_absurd_waiting_count_costs_infinity_instead_of_failing_the_scorer() -> None:
+    """The routing review of session 46: a count past about 3.5e305 overflowed the exact
+    integer division, the scorer failed, and routing ignored it for the whole fleet."""
+    scorer = at_now()
+    estimate = scorer.estimate(req(), rep("garbage", waiting=10**306), NOW)
+    assert estimate.expected_ttft_ms == math.inf
+    assert math.isfinite(scorer.estimate(req(), rep("sane", waiting=3), NOW).expected_ttft_ms)
