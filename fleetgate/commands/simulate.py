@@ -9,6 +9,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from fleetgate.commands._args import (
 )
 from fleetgate.extras import PLAN, missing_extra, progress_available
 from planning.simulator.config import parse_profile_mix
+from planning.simulator.flow import ClassMix, parse_class_mix
 from planning.simulator.policy_file import (
     PolicyFileError,
     file_profile_factories,
@@ -65,7 +67,8 @@ output (one row per policy):
   imbalance       max / mean requests per replica;  preempt: engine preemptions
   ceilings        unbounded: one replica, infinite cache (the trace's own reuse);
                   pooled: one LRU cache as large as the whole fleet's KV capacity
-                  (what a perfect router without duplication could reach)
+                  (what a router without duplication keeps under LRU: a reference, not a
+                  bound; docs/simulate.md, The ceilings)
 
 load sweep: --rate-scale 0.5,1,2,3,4 replays the trace at each scale in turn (one progress bar
   for all runs) and prints one table per scale. --json rows carry "rate_scale", and "default":
@@ -107,6 +110,18 @@ def rate_scales(text: str) -> tuple[float, ...]:
             raise argparse.ArgumentTypeError(f"scale {value:g} is listed twice")
         scales.append(value)
     return tuple(scales)
+
+
+def class_mix(text: str) -> ClassMix:
+    """``--classes``: ``CLASS=SHARE`` pairs, comma-separated, summing to 1."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "empty: give CLASS=SHARE pairs, e.g. critical=0.2,standard=0.5,sheddable=0.3"
+        )
+    try:
+        return parse_class_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -195,6 +210,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--classes",
+        type=class_mix,
         metavar="MIX",
         help="request classes by conversation, e.g. critical=0.2,standard=0.5,sheddable=0.3 "
         "(default: every request standard); JSON rows gain goodput_by_class. Flow control "
@@ -338,6 +354,14 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{args.trace} holds no requests")
     for note in trace_notes(args.trace, records[: args.limit], args.arrival_spread_ms):
         print(note, file=sys.stderr)
+    if problem := _too_slow_a_scale(records[: args.limit], args.rate_scale):
+        return _fail(problem)
+    if problem := _too_big_a_fleet(args):
+        return _fail(problem)
+    if args.classes is not None:
+        note = _class_split_note(records[: args.limit], args.classes, args.seed)
+        if note:
+            print(note, file=sys.stderr)
     try:
         factories = file_profile_factories(
             args.config, [p for p in policies if p in file_profiles]
@@ -345,6 +369,11 @@ def run(args: argparse.Namespace) -> int:
         points = _sweep(args, records, policies, factories)
     except ValueError as exc:
         return _fail(str(exc))
+    except BrokenProcessPool:
+        return _fail(
+            "a worker process died mid-replay (killed: out of memory?); rerun with fewer "
+            f"--jobs (now {args.jobs}) or fewer --replicas"
+        )
     print(render_json(points) if args.json else _tables(args, points))
     _warn_refused(points)
     if _nothing_served(points):
@@ -357,6 +386,86 @@ def run(args: argparse.Namespace) -> int:
         for path in _plots(args, points):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+#: The latest arrival a replay keeps exact: past it (about 32 years) a float's step passes a
+#: microsecond, and engine steps of milliseconds round away (TTFTs of 0 ms).
+MAX_ARRIVAL_S = 1e9
+
+
+def _too_slow_a_scale(records: Sequence[TraceRecord], scales: Sequence[float]) -> str | None:
+    """Why the slowest ``--rate-scale`` stretches the trace past what a replay keeps exact."""
+    span_s = (records[-1].timestamp - records[0].timestamp) / 1000.0 if records else 0.0
+    slowest = min(scales)
+    if span_s <= 0 or span_s / slowest <= MAX_ARRIVAL_S:
+        return None
+    return (
+        f"--rate-scale {slowest:g} stretches this trace's {span_s:,.0f} s to {span_s / slowest:.3g}"
+        f" s, past what the replay's clock keeps exact ({MAX_ARRIVAL_S:.0e} s): use a scale of "
+        f"at least {span_s / MAX_ARRIVAL_S:.2g}"
+    )
+
+
+#: Memory a simulated engine takes per KV block (its block table and prefix-cache entries),
+#: measured on h100-llama3-8b (about 4 MB an engine), with headroom.
+BYTES_PER_BLOCK = 160
+
+
+def _too_big_a_fleet(args: argparse.Namespace) -> str | None:
+    """Why the fleet asked for would not fit in this machine's free memory (None: it fits, or
+    the free memory is unknown). Each worker process builds its own fleet."""
+    from planning.simulator import SimulationConfig
+    from planning.simulator.api import engine_configs_for
+
+    try:
+        configs = engine_configs_for(
+            SimulationConfig(replicas=args.replicas, profile=args.profile)
+        )
+    except ValueError:
+        return None  # the replay says what is wrong with the profile, naming it
+    need = sum(c.num_gpu_blocks for c in configs) * BYTES_PER_BLOCK * max(1, args.jobs)
+    free = _available_memory_bytes()
+    if free is None or need <= free:
+        return None
+    return (
+        f"--replicas {args.replicas} would take about {need / 2**30:.1f} GiB (each simulated "
+        f"engine keeps its KV blocks' tables), {free / 2**30:.1f} GiB is free here: simulate "
+        "fewer replicas (a fleet's behaviour per replica shows at 8-64), or fewer --jobs"
+    )
+
+
+def _available_memory_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (Linux), None elsewhere."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _class_split_note(records: Sequence[TraceRecord], mix: ClassMix, seed: int) -> str | None:
+    """A note when the classes drawn per conversation split the requests far from ``mix``: a
+    small trace holds few conversations (fewer than ``COMMON_MIN`` requests: every request
+    shares the trace's first hash id, and all of them make one)."""
+    from collections import Counter
+
+    from planning.simulator.flow import assign_classes, conversation_keys
+
+    drawn = Counter(assign_classes(records, mix, seed))
+    total = len(records)
+    off = max(abs(drawn.get(c, 0) / total - share) for c, share in mix.shares.items())
+    if off <= 0.1:
+        return None
+    conversations = len(set(conversation_keys(records)))
+    split = ", ".join(f"{c.value}={drawn.get(c, 0) / total:.0%}" for c in mix.shares)
+    return (
+        f"note: --classes {mix.spec()} draws a class per conversation; this trace's "
+        f"{total} requests hold {conversations} conversation(s), so its requests split {split}"
+        " (docs/simulate.md, Request classes)"
+    )
 
 
 def _fail(message: str) -> int:
@@ -374,11 +483,10 @@ def _sweep(
     profiles); raises ValueError on a bad setting."""
     from planning.simulator import SimulationConfig, parse_adapter_spec
     from planning.simulator.api import simulate_sweep
-    from planning.simulator.flow import parse_class_mix
     from routing.flow_control import FlowControlSettings
 
     adapters = parse_adapter_spec(args.adapters) if args.adapters else None
-    classes = parse_class_mix(args.classes) if args.classes else None
+    classes = args.classes
     flow_on = (
         args.flow_control == "on"
         or args.protect_critical_decodes

@@ -212,3 +212,69 @@ def test_the_benchmark_replays_a_mixed_fleet_as_simulate_takes_it(
     with pytest.raises(SystemExit):
         routing_quality.main(["--profile", "h100-llama3-8b:2", "--replicas", "3"])
     assert "makes 2 replicas, not 3" in capsys.readouterr().err
+
+
+# The simulate review of session 46: each of these ran on, silently wrong or out of memory.
+
+
+@pytest.mark.parametrize(("mix", "said"), [("", "empty"), ("bogus=1", "bogus")])
+def test_a_bad_class_mix_is_a_usage_error_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mix: str, said: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(_simulate(tmp_path, "--classes", mix))
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --classes" in err and said in err
+
+
+def test_a_class_mix_the_trace_cannot_follow_gets_a_note(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Six requests under one shared first block, too few for any block to count as common: one
+    # conversation, so one class for every request.
+    trace = tmp_path / "one-prompt.jsonl"
+    write_trace([TraceRecord(i * 100, 2 * 512, 4, (7, 100 + i)) for i in range(6)], trace)
+    argv = ["simulate", "--trace", str(trace), "--profile", "tiny", "--replicas", "2"]
+    argv += ["--policies", "round-robin", "--no-progress"]
+    assert main([*argv, "--classes", "critical=0.5,standard=0.5"]) == 0
+    err = capsys.readouterr().err
+    assert "6 requests hold 1 conversation(s)" in err
+    assert main([*argv, "--classes", "standard=1"]) == 0  # the mix itself: nothing to say
+    assert "conversation(s)" not in capsys.readouterr().err
+
+
+def test_a_rate_scale_past_what_the_clock_keeps_exact_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(_simulate(tmp_path, "--rate-scale", "1,1e-300")) == 2
+    err = capsys.readouterr().err
+    assert "--rate-scale 1e-300" in err and "at least" in err
+
+
+def test_a_fleet_past_the_free_memory_is_refused_before_it_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fleetgate.commands import simulate
+
+    monkeypatch.setattr(simulate, "_available_memory_bytes", lambda: 2**20)  # 1 MiB free
+    argv = _simulate(tmp_path)
+    argv[argv.index("--replicas") + 1] = "64"
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--replicas 64 would take about" in err and "fewer --jobs" in err
+
+
+def test_a_worker_that_dies_is_a_clear_error_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from concurrent.futures.process import BrokenProcessPool
+
+    from planning.simulator import api
+
+    def killed(*_args: object, **_kwargs: object) -> None:
+        raise BrokenProcessPool("A process in the process pool was terminated abruptly")
+
+    monkeypatch.setattr(api, "simulate_sweep", killed)
+    assert main(_simulate(tmp_path, "--jobs", "2")) == 2
+    assert "a worker process died mid-replay" in capsys.readouterr().err
