@@ -80,6 +80,10 @@ def _int_field(obj: dict[str, Any], key: str, where: str, minimum: int) -> int:
     return value
 
 
+#: The hash ids a trace may hold: any 64-bit integer, signed or unsigned.
+_MIN_ID, _MAX_ID = -(2**63), 2**64
+
+
 def parse_record(line: str, where: str, block_size: int | None = None) -> TraceRecord:
     """Parse and validate one trace line; ``where`` (e.g. ``"trace.jsonl:3"``) prefixes errors.
 
@@ -123,6 +127,14 @@ def parse_record(line: str, where: str, block_size: int | None = None) -> TraceR
         raise TraceFormatError(
             f"{where}: hash_ids must be a list of integers (got {bad[1]!r} at index {bad[0]}; "
             "ids written as strings are not read as numbers)"
+        )
+    # Replays fold ids into 64 bits: past that range two different ids would name the same
+    # content (0 and 2**64 shared a cache; the simulate review of session 46).
+    wide = next(((i, h) for i, h in enumerate(hash_ids) if not _MIN_ID <= h < _MAX_ID), None)
+    if wide is not None:
+        raise TraceFormatError(
+            f"{where}: hash_ids must fit in 64 bits, signed or unsigned (got {wide[1]} at index "
+            f"{wide[0]})"
         )
     if block_size is not None and len(hash_ids) != blocks_for(input_length, block_size):
         fits = [

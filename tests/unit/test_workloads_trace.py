@@ -217,6 +217,16 @@ def test_errors_show_the_value_and_the_way_out() -> None:
         list(iter_trace(io.StringIO(unsorted), "t.jsonl"))
 
 
+@pytest.mark.parametrize("wide", [2**64, -(2**63) - 1])
+def test_a_hash_id_past_64_bits_is_refused(wide: int) -> None:
+    """The simulate review of session 46: ids are folded into 64 bits, and 0 and 2**64 named
+    the same content (a trace without reuse showed a 42.7% hit rate)."""
+    with pytest.raises(TraceFormatError, match=rf"fit in 64 bits.*got {wide} at index 0"):
+        list(iter_trace(io.StringIO(_line(0).replace("[0]", f"[{wide}]")), "t.jsonl"))
+    for edge in (2**64 - 1, -(2**63)):  # both ends of the range read
+        assert list(iter_trace(io.StringIO(_line(0).replace("[0]", f"[{edge}]")), "t.jsonl"))
+
+
 def test_timestamps_in_seconds_are_noted_however_few_or_fractional(tmp_path: Path) -> None:
     # Seconds written with decimals, 300 requests over 25 minutes: read as ms, a 197 req/s burst.
     stamps = [round(5.1 * i + 0.737, 3) for i in range(300)]
