@@ -48,6 +48,7 @@ from routing.flow_control import (
     parse_request_class,
     steer_request,
 )
+from routing.policies.serves_model import fits
 
 if TYPE_CHECKING:
     from routing.config import Policy
@@ -382,6 +383,7 @@ class FlowGate:
             flow.tpot_slo_ms,
             routed.routing_request.max_output_tokens,
             pool=routed.routing_request.model,
+            fits_no_replica=self._fits_no_replica(routed),
         )
         routed, estimate, steered = await self._steer(request, routed, repick)
         verdict = self.controller.admit(request, estimate)
@@ -437,6 +439,14 @@ class FlowGate:
             self._count_steered(request)
         self._track(request)
         return routed
+
+    def _fits_no_replica(self, routed: Routed) -> bool:
+        """True when the replicas serving the request's model all report a context too short
+        for it (by the gateway's count of its prompt: exact with a tokenizer, an estimate
+        without one, where the engine's own answer decides)."""
+        request = routed.routing_request
+        serving = [s for s in self.replica_states() if s.healthy and request.model in s.models]
+        return bool(serving) and not any(fits(request, state) for state in serving)
 
     async def _steer(
         self, request: FlowRequest, routed: Routed, repick: Repick, queued: bool = False

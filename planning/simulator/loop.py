@@ -350,6 +350,9 @@ class _Simulation:
             request.arrival_s,
             self.config.slo_tpot_ms,
             record.output_length,
+            # Every engine refuses it (``refusal``): let through to that refusal, as the
+            # gateway does, so that it counts as refused in every row, not shed in some.
+            fits_no_replica=refusal is not None,
         )
         decision, estimate, steered = await self._steer(waiting, flow_request, decision)
         self.flow_judged = self.flow_judged or estimate.predicted_ttft_ms is not None

@@ -69,3 +69,6 @@ class FlowRequest:
     #: The replicas it can go to, by name (the gateway's base model): it queues only behind
     #: requests of its own pool, so a saturated model never holds up an idle one.
     pool: str = ""
+    #: No replica's context holds its prompt and the output it asked for: the engine refuses
+    #: it at once (vLLM's 400), so flow control lets it through rather than hold or shed it.
+    fits_no_replica: bool = False

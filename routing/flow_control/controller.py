@@ -240,6 +240,7 @@ _ADMIT_CRITICAL = Verdict(Decision.ADMIT, "critical")
 _ADMIT_OFF = Verdict(Decision.ADMIT, "flow_control_off")
 _ADMIT_UNKNOWN = Verdict(Decision.ADMIT, "no_estimate")
 _ADMIT_WITHIN_SLO = Verdict(Decision.ADMIT, "within_slo")
+_ADMIT_OVER_CONTEXT = Verdict(Decision.ADMIT, "fits_no_replica")
 #: Why a request waits when its prefill would push a protected critical decode past its TPOT.
 _PROTECTING = "protecting_critical_decode"
 
@@ -282,6 +283,10 @@ class FlowController:
         settings = self.settings
         if not settings.enabled:
             return _ADMIT_OFF
+        if request.fits_no_replica:
+            # The engine's 400 ("maximum context length") comes at once and costs no prefill.
+            # Held, it waited for nothing; shed, its client got a 429 and retried it forever.
+            return _ADMIT_OVER_CONTEXT
         if request.request_class is RequestClass.CRITICAL:
             return self._admitted(request, estimate, _ADMIT_CRITICAL)
         self._remember(estimate)

@@ -467,6 +467,44 @@ tenants:
             assert await metric("fleetgate_overflow_decisions_total") == 1
 
 
+async def test_a_prompt_no_replicas_context_holds_is_not_shed_but_sent_to_its_refusal(
+    tmp_path: Path,
+) -> None:
+    """The simulate review of session 46: under overload a sheddable request too long for every
+    replica's context got a 429 (retry later: for ever), where the engine refuses it at once
+    (vLLM's 400, which says why)."""
+    upstream = FakeUpstream()
+    upstream.header_gate = asyncio.Event()
+    async with _gateways(tmp_path, upstream) as [(url, app)], aiohttp.ClientSession() as http:
+        first = asyncio.create_task(_post(http, url, "a", "a-first"))
+        await wait_until(lambda: upstream.attempts == 1, "the first request reached the engine")
+        await wait_until(
+            lambda: all(s.max_model_len for s in app[GATEWAY].registry.all()),  # type: ignore[index]
+            "the replica's context length is known",
+        )
+        status, _, _ = await _post(http, url, "cheap", "c-short")
+        assert status == 429  # a sheddable request is shed here...
+        huge = "x" * (CHARS_PER_TOKEN * upstream.max_model_len)  # ...but not one over the context
+
+        async def too_long() -> int:
+            async with http.post(
+                f"{url}/v1/completions",
+                json={"model": "base-model", "prompt": huge, "max_tokens": 3},
+                headers={"Authorization": "Bearer cheap"},
+            ) as resp:
+                await resp.read()
+                return resp.status
+
+        sent = asyncio.create_task(too_long())
+        await wait_until(
+            lambda: sent.done() or upstream.attempts == 2, "the long request reached the engine"
+        )
+        assert not sent.done(), sent.result()  # answered by the gateway itself: a 429
+        upstream.header_gate.set()
+        assert await sent == 200  # this fake engine takes any length
+        assert (await first)[0] == 200
+
+
 async def test_token_budgets_hold_across_two_gateways_sharing_redis(
     tmp_path: Path, redis_url: str
 ) -> None:

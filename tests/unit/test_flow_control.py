@@ -985,3 +985,17 @@ def test_sustained_overload_with_expiry_still_shares_by_weight() -> None:
             served[queue.pop_head().request.tenant] += 1
     share = served["light"] / sum(served.values())
     assert 0.2 <= share <= 0.3, served
+
+
+def test_a_request_no_replica_can_fit_goes_through_to_the_engines_refusal() -> None:
+    """The simulate review of session 46: such a request was shed under overload (a 429 whose
+    client retries it for ever) or queued for nothing, where the engine refuses it at once."""
+    from dataclasses import replace
+
+    clock = FakeClock()
+    controller = _controller(clock, enabled=True)
+    too_long = replace(_request("long", SHEDDABLE, slo_ms=1000.0), fits_no_replica=True)
+    verdict = controller.admit(too_long, BUSY)
+    assert verdict.decision is Decision.ADMIT and verdict.reason == "fits_no_replica"
+    short = _request("short", SHEDDABLE, slo_ms=1000.0)  # its predicted 1,500 ms: shed
+    assert controller.admit(short, BUSY).decision is Decision.SHED

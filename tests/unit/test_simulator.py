@@ -162,8 +162,11 @@ def test_a_failed_sweep_stops_its_workers_even_mid_run(
                 profile_factories=factories,
             )
         workers = set(multiprocessing.active_children()) - before
-        for worker in workers:
-            worker.join(timeout=30)
+        # Polled rather than joined: a join returns once a dying worker has closed its end of
+        # the sentinel pipe, a moment before the kernel has it exited.
+        deadline = time.monotonic() + 30
+        while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert [w for w in workers if w.is_alive()] == []
     finally:
         for worker in set(multiprocessing.active_children()) - before:
@@ -447,3 +450,24 @@ def test_cli_names_the_flag_for_a_policy_file_profile_and_lists_a_bad_files_erro
     assert main(["simulate", "--trace", str(trace), "--config", str(policy)]) == 2
     err = capsys.readouterr().err
     assert f"{policy} is invalid" in err and "replica_pools: required key is missing" in err
+
+
+def test_with_flow_control_a_request_no_engine_takes_is_refused_not_shed() -> None:
+    """The simulate review of session 46: under overload flow control shed such a request (a
+    miss for goodput) while at light load the engines refused it (left out of goodput), so the
+    rows' denominators differed; the gateway now lets it through to the engine's refusal."""
+    from planning.simulator.flow import parse_class_mix
+    from routing.flow_control import FlowControlSettings
+
+    burst = [_record(0, [i * 10 + 1, i * 10 + 2, i * 10 + 3, i * 10 + 4]) for i in range(24)]
+    too_long = _record(0, list(range(900, 918)), length=9_000)  # past the 8,192-token window
+    records = [*burst, too_long, *burst[:4]]
+    config = _config(
+        replicas=1,
+        slo_ttft_ms=50.0,
+        classes=parse_class_mix("sheddable=1"),
+        flow_control=FlowControlSettings(),
+    )
+    run = simulate(prepare_requests(records), ["expected-ttft"], config).runs["expected-ttft"]
+    assert run.shed  # the overload sheds ...
+    assert run.rejected == 1  # ... but the request no engine takes is refused by them
