@@ -108,6 +108,9 @@ class Routed(Protocol):
     def routing_request(self) -> RoutingRequest: ...
 
     @property
+    def prompt_counted(self) -> bool: ...
+
+    @property
     def decision(self) -> RoutingDecision: ...
 
     @property
@@ -442,9 +445,12 @@ class FlowGate:
 
     def _fits_no_replica(self, routed: Routed) -> bool:
         """True when the replicas serving the request's model all report a context too short
-        for it (by the gateway's count of its prompt: exact with a tokenizer, an estimate
-        without one, where the engine's own answer decides)."""
+        for it, by a count of its prompt's tokens. Not by text mode's estimate from characters:
+        a padded prompt (a long run of one character is few tokens) would pass for too long and
+        skip flow control."""
         request = routed.routing_request
+        if not routed.prompt_counted:
+            return False
         serving = [s for s in self.replica_states() if s.healthy and request.model in s.models]
         return bool(serving) and not any(fits(request, state) for state in serving)
 

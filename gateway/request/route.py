@@ -129,6 +129,12 @@ class RouteDecision:
     budget_reserved: BudgetReservation | None = None
 
     @property
+    def prompt_counted(self) -> bool:
+        """Whether ``routing_request.prompt_tokens`` is a count of token ids (a tokenizer's, or
+        the client's own ids), not text mode's estimate from characters."""
+        return self.prompt.token_ids is not None
+
+    @property
     def uncached_tokens(self) -> int:
         """Prompt tokens the chosen replica must prefill (estimated in text mode)."""
         matched = self.decision.explanations.get(self.decision.replica)

@@ -484,16 +484,23 @@ async def test_a_prompt_no_replicas_context_holds_is_not_shed_but_sent_to_its_re
         )
         status, _, _ = await _post(http, url, "cheap", "c-short")
         assert status == 429  # a sheddable request is shed here...
-        huge = "x" * (CHARS_PER_TOKEN * upstream.max_model_len)  # ...but not one over the context
+        # ...but not one over the context, counted (token ids; text mode's estimate from
+        # characters is not trusted for it: a padded prompt would skip flow control).
+        too_many = [7] * upstream.max_model_len
 
-        async def too_long() -> int:
+        async def post(prompt: object) -> int:
             async with http.post(
                 f"{url}/v1/completions",
-                json={"model": "base-model", "prompt": huge, "max_tokens": 3},
+                json={"model": "base-model", "prompt": prompt, "max_tokens": 3},
                 headers={"Authorization": "Bearer cheap"},
             ) as resp:
                 await resp.read()
                 return resp.status
+
+        assert await post("x" * (CHARS_PER_TOKEN * upstream.max_model_len)) == 429
+
+        async def too_long() -> int:
+            return await post(too_many)
 
         sent = asyncio.create_task(too_long())
         await wait_until(
