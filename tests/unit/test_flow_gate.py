@@ -69,6 +69,7 @@ class _Routed:
     route: _Route = field(default_factory=_Route)
     budget_prompt_tokens: int = 0
     budget_reserved: BudgetReservation | None = None
+    prompt_counted: bool = True
 
 
 def _routed(
