@@ -146,6 +146,7 @@ _TTFT_COST = TTFT_TERM_NAMES.index("cost_ms")
 _PREFILL = TTFT_TERM_NAMES.index("prefill_ms")
 _QUEUE = TTFT_TERM_NAMES.index("queue_wait_ms")
 _EXPECTED = TTFT_TERM_NAMES.index("expected_ttft_ms")
+_STALE = TTFT_TERM_NAMES.index("stale_penalty_ms")
 _UNCACHED = TTFT_TERM_NAMES.index("uncached_tokens")
 _SPEED = TTFT_TERM_NAMES.index("prefill_tokens_per_s")
 _SAVABLE = TERM_NAMES.index("savable_inflight")
@@ -487,7 +488,9 @@ class FleetCostScorer(ExpectedTtftScorer):
         chosen = pending.terms.get(replica) if pending is not None else None
         limit = self.overflow_limit_ms(request)
         if request.overflow or (
-            chosen is not None and limit is not None and chosen["expected_ttft_ms"] > limit
+            chosen is not None
+            and limit is not None
+            and chosen["expected_ttft_ms"] - chosen["stale_penalty_ms"] > limit
         ):
             self._late.place(request.request_id, replica, None)
         else:
@@ -724,7 +727,10 @@ class FleetCostScorer(ExpectedTtftScorer):
         lost = (
             overflow_ms is not None
             and len(raw) > 1
-            and min(values[_EXPECTED] for values in raw.values()) > overflow_ms
+            # Late by its predicted queue and prefill, not by distrust of old figures: with
+            # every replica's /metrics unread for a minute, on-time requests on an idle fleet
+            # went as overflow (the routing review, session 46).
+            and min(values[_EXPECTED] - values[_STALE] for values in raw.values()) > overflow_ms
             and self._overflow_share.share(elapsed_now) < p.overflow_max_share
         )
         self._overflow_share.add(elapsed_now, lost)

@@ -924,3 +924,35 @@ def test_a_short_decode_is_protected_at_the_tpot_its_request_declared() -> None:
     assert s.fragile_stalled(rep("strict"), 60.0) == 1
     assert s.fragile_stalled(rep("loose"), 60.0) == 0
     assert s.fragile_stalled(rep("loose"), 120.0) == 1
+
+
+@pytest.mark.parametrize("figures_age_s", [0.0, 60.0])
+async def test_old_figures_alone_make_no_request_late_or_overflow(figures_age_s: float) -> None:
+    """The routing review of session 46: with every replica's /metrics unread for a minute, the
+    staleness penalty (distrust, not a predicted queue) put every request of an idle fleet
+    past the overflow limit: 15 of 200 went as overflow, all of them counted late."""
+    profile = builtin_profile("fleet-cost")
+    cost = profile.scorers[0][0]
+    assert isinstance(cost, FleetCostScorer)
+    cost._clock = lambda: NOW
+    elapsed = [0.0]
+    cost._elapsed_clock = lambda: elapsed[0]
+    engine = RoutingEngine(None, {profile.name: profile})
+    read_at = NOW - figures_age_s
+    fleet = [
+        ReplicaState(ReplicaId(f"r{i}"), f"http://r{i}", models=frozenset({"m"}),
+                     metrics_read_at=read_at)
+        for i in range(4)
+    ]
+    overflow = 0
+    for i in range(200):
+        elapsed[0] += 0.05
+        request = RoutingRequest(
+            request_id=f"q{i}", model="m", adapter=None, tenant="t", route="d",
+            prompt_tokens=1000, chain=[BlockHash(i * 1000 + j) for j in range(60)], seed=i,
+        )
+        decision = await engine.route(request, fleet, profile.name)
+        engine.observe_start(request, decision.replica)
+        overflow += request.overflow
+    assert overflow == 0
+    assert sum(cost._late.count(r.replica_id) for r in fleet) == 0
