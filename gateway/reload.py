@@ -52,6 +52,9 @@ def reload_policy(gw: GatewayState) -> ReloadResult:
         return _refused(gw, [str(e) for e in exc.errors], path)
     except (OSError, ValueError, TypeError) as exc:  # InvalidAdapter is a ValueError
         return _refused(gw, [f"{path}: {exc}"], path)
+    except Exception as exc:  # a reader's bug must not cost the running policy, nor the poller
+        log.exception("reading the policy file %s failed", path)
+        return _refused(gw, [f"{path}: could not be read ({type(exc).__name__}: {exc})"], path)
     kept = gw.config.needs_restart(policy)
     gw.engine.replace_profiles(profiles)
     gw.config.apply_policy(policy)

@@ -62,5 +62,8 @@ async def policy_poll_loop(gw: GatewayState) -> None:
     """Reload the policy when its file changes on disk."""
     while True:
         await asyncio.sleep(gw.config.policy_poll_s)
-        if policy_file_changed(gw):
-            reload_policy(gw)
+        try:  # one bad read must not end the loop: no change on disk would be taken in again
+            if policy_file_changed(gw):
+                reload_policy(gw)
+        except Exception:
+            log.exception("policy file poll failed")

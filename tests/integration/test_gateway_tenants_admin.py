@@ -284,6 +284,39 @@ async def test_policy_file_change_is_picked_up_without_a_signal(tmp_path: Path) 
                 await asyncio.sleep(0.05)
 
 
+async def test_a_file_the_yaml_reader_chokes_on_keeps_the_policy_and_the_poller(
+    tmp_path: Path,
+) -> None:
+    """The operator review of session 46: a stray control character (a terminal's colour code
+    pasted in) raised PyYAML's ReaderError out of the reload: the admin reload answered 500, and
+    the file poller died, so no later change on disk was ever taken in."""
+    upstream = FakeUpstream()
+    async with (
+        policy_gateway(tmp_path, upstream, poll_s=0.02) as (url, path),
+        aiohttp.ClientSession() as http,
+    ):
+        good = path.read_text()
+
+        def write(text: str, later_s: int) -> None:
+            stat = os.stat(path)
+            path.write_text(text)
+            # A new mtime, whatever the file system's timestamp resolution.
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + later_s * 1_000_000_000))
+
+        write(good.replace("least-loaded", "least-loaded \x1b[0m"), 1)
+        async with http.post(f"{url}/admin/policy/reload", headers=auth("admin-key")) as resp:
+            assert resp.status == 400
+            assert "YAML error" in json.dumps(await resp.json())
+        write(good.replace("least-loaded", "round-robin"), 2)
+        async with asyncio.timeout(30):
+            while True:
+                async with http.get(f"{url}/admin/policy", headers=auth("admin-key")) as resp:
+                    profiles = [r["profile"] for r in (await resp.json())["routes"]]
+                if profiles[0] == "round-robin":
+                    break
+                await asyncio.sleep(0.05)
+
+
 async def test_the_policy_view_says_which_settings_wait_for_a_restart(tmp_path: Path) -> None:
     """The new user's review: after a reload that moved the index to Redis, /admin/policy's
     summary said index=redis while the memory index ran, and only the POST's answer (none for a

@@ -35,6 +35,30 @@ def test_unreadable_documents(text: str, expected: str) -> None:
     assert len(errors) == 1 and errors[0].startswith(expected), errors
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # A terminal's colour code pasted in: PyYAML's ReaderError escaped as a traceback, and
+        # a running gateway's file poller died on it (the operator review of session 46).
+        ("version: 1\nmodels: \x1b[0m\n", "<string>: YAML error:"),
+        ("version: 1\n" + "a: [" * 3000 + "]" * 3000 + "\n", "<string>: YAML nested too deeply"),
+        # Nine nested levels of nine aliases each: 254 bytes took 4.4 s and 1.2 GB to read.
+        (
+            "a: &a [x, x, x, x, x, x, x, x, x]\n"
+            + "".join(
+                f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n"
+                for p, n in zip("abcdefgh", "bcdefghi", strict=True)
+            ),
+            "<string>: the document expands to more than 100,000 YAML nodes",
+        ),
+        ("version: 1\nmodels:\n\t- a\n", "YAML cannot indent with tabs: use spaces"),
+    ],
+)
+def test_documents_no_policy_reader_should_choke_on(text: str, expected: str) -> None:
+    errors = errors_of(text)
+    assert len(errors) == 1 and expected in errors[0], errors
+
+
 def test_duplicate_key_deep_inside_is_reported_with_its_line() -> None:
     text = GOOD.replace("  slo:\n", "  slo:\n    ttft_p95_ms: 1\n", 1)
     errors = errors_of(text)
