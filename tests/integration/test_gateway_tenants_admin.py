@@ -271,17 +271,28 @@ async def test_policy_file_change_is_picked_up_without_a_signal(tmp_path: Path) 
         policy_gateway(tmp_path, upstream, poll_s=0.05) as (url, path),
         aiohttp.ClientSession() as http,
     ):
-        stat = os.stat(path)
-        path.write_text(path.read_text().replace("least-loaded", "round-robin"))
-        # A new mtime, whatever the file system's timestamp resolution.
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-        async with asyncio.timeout(30):
-            while True:
-                async with http.get(f"{url}/admin/policy", headers=auth("admin-key")) as resp:
-                    profiles = [r["profile"] for r in (await resp.json())["routes"]]
-                if profiles[0] == "round-robin":
-                    break
-                await asyncio.sleep(0.05)
+        _rewrite(path, path.read_text().replace("least-loaded", "round-robin"))
+        await _until_the_first_route_uses(http, url, "round-robin")
+
+
+def _rewrite(path: Path, text: str, later_s: int = 1) -> None:
+    """Write ``text`` with an mtime ``later_s`` seconds on, whatever the file system's
+    timestamp resolution: a change the policy poller sees."""
+    stat = os.stat(path)
+    path.write_text(text)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + later_s * 1_000_000_000))
+
+
+async def _until_the_first_route_uses(
+    http: aiohttp.ClientSession, url: str, profile: str
+) -> None:
+    async with asyncio.timeout(30):
+        while True:
+            async with http.get(f"{url}/admin/policy", headers=auth("admin-key")) as resp:
+                profiles = [r["profile"] for r in (await resp.json())["routes"]]
+            if profiles[0] == profile:
+                return
+            await asyncio.sleep(0.05)
 
 
 async def test_a_file_the_yaml_reader_chokes_on_keeps_the_policy_and_the_poller(
@@ -296,25 +307,12 @@ async def test_a_file_the_yaml_reader_chokes_on_keeps_the_policy_and_the_poller(
         aiohttp.ClientSession() as http,
     ):
         good = path.read_text()
-
-        def write(text: str, later_s: int) -> None:
-            stat = os.stat(path)
-            path.write_text(text)
-            # A new mtime, whatever the file system's timestamp resolution.
-            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + later_s * 1_000_000_000))
-
-        write(good.replace("least-loaded", "least-loaded \x1b[0m"), 1)
+        _rewrite(path, good.replace("least-loaded", "least-loaded \x1b[0m"), 1)
         async with http.post(f"{url}/admin/policy/reload", headers=auth("admin-key")) as resp:
             assert resp.status == 400
             assert "YAML error" in json.dumps(await resp.json())
-        write(good.replace("least-loaded", "round-robin"), 2)
-        async with asyncio.timeout(30):
-            while True:
-                async with http.get(f"{url}/admin/policy", headers=auth("admin-key")) as resp:
-                    profiles = [r["profile"] for r in (await resp.json())["routes"]]
-                if profiles[0] == "round-robin":
-                    break
-                await asyncio.sleep(0.05)
+        _rewrite(path, good.replace("least-loaded", "round-robin"), 2)
+        await _until_the_first_route_uses(http, url, "round-robin")
 
 
 async def test_the_policy_view_says_which_settings_wait_for_a_restart(tmp_path: Path) -> None:
