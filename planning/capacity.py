@@ -514,6 +514,13 @@ def run(args: argparse.Namespace) -> int:
     """Answer the question; exit status 2 with a one-line error for bad or impossible input."""
     try:
         plan = plan_capacity(args)
+        if not _finite_figures(plan.to_dict()):
+            # Each input finite, a product not ($inf/h at --price-per-hour 1e308; and JSON
+            # has no infinity).
+            raise CapacityError(
+                "these inputs give figures past what a float holds: check the magnitudes of "
+                "--rate, --price-per-hour and the prefill and token numbers"
+            )
     except CapacityError as exc:
         print(f"fleetgate plan capacity: error: {exc}", file=sys.stderr)
         return 2
@@ -541,6 +548,17 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and not args.json:
         print(f"\nwrote {args.plot}")
     return 0
+
+
+def _finite_figures(value: object) -> bool:
+    """True when every number in ``value`` (a plan's dict) is finite."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_finite_figures(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return all(_finite_figures(v) for v in value)
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

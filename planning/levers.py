@@ -92,6 +92,12 @@ class LeverParams:
         prompt, shared = self.prompt_tokens, self.shared_prefix_tokens
         if not {"prompt_tokens", "shared_prefix_tokens"} & bad and shared > prompt:
             problems.append(f"shared_prefix_tokens ({shared}) must be <= prompt_tokens ({prompt})")
+        if not {"batch", "large_batch"} & bad and self.large_batch < self.batch:
+            # The batch lever grows the batch: smaller, its row read as a lever that costs.
+            problems.append(
+                f"large_batch ({self.large_batch}) must be >= batch ({self.batch}): it is the "
+                "batch the batch lever grows to"
+            )
         if problems:
             raise ValueError("\n".join(problems))
 
@@ -243,9 +249,25 @@ def lever_row(params: LeverParams, lever: Lever) -> LeverRow:
 
 
 def lever_table(params: LeverParams | None = None) -> list[LeverRow]:
-    """The seven rows of the lever table for ``params`` (the seed scenario by default)."""
+    """The seven rows of the lever table for ``params`` (the seed scenario by default).
+    Raises ``ValueError`` where the inputs give figures a float cannot hold (each input finite,
+    their product not: ``--model-params 1e308``, an MFU of 1e-320)."""
     params = params or LeverParams()
-    return [lever_row(params, lever) for lever in scenarios(params)]
+    try:
+        rows = [lever_row(params, lever) for lever in scenarios(params)]
+    except ArithmeticError:  # a decode time that overflowed, a rate of 0 divided by
+        rows = []
+    figures = [
+        value for row in rows for value in asdict(row).values() if isinstance(value, float)
+    ]
+    if not rows or not all(math.isfinite(v) for v in figures) or any(
+        row.tokens_per_s <= 0 for row in rows
+    ):
+        raise ValueError(
+            "these parameters give figures past what the model can state (an infinite or zero "
+            "time or rate): check the magnitudes of the model, GPU and workload numbers"
+        )
+    return rows
 
 
 # --------------------------------------------------------------------------- output
@@ -365,8 +387,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--params",
         type=Path,
         metavar="FILE.yaml",
-        help="YAML mapping of parameter overrides (keys: the flag names with _ for -, "
-        "plus 'hardware' and 'model' profile names); flags override it",
+        help="YAML mapping of parameter overrides (keys: the flag names with _ for -, but "
+        "shared_prefix_tokens for --shared-tokens; plus 'hardware' and 'model' profile "
+        "names); flags override it",
     )
     parser.add_argument("--hardware", help="start from a hardware profile (e.g. h100-sxm, h200)")
     parser.add_argument("--model", help="start from a model profile (e.g. llama3-70b)")

@@ -76,4 +76,12 @@ def run(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"fleetgate plan {args.tool}: {problem}", file=sys.stderr)
         return 2
-    return int(module.run(parsed) or 0)
+    try:
+        return int(module.run(parsed) or 0)
+    except ArithmeticError as exc:  # each input finite, their product not (--x 1e308)
+        print(
+            f"fleetgate plan {args.tool}: error: these inputs give figures past what a float "
+            f"holds ({type(exc).__name__}: {exc}): check the magnitudes of the numbers given",
+            file=sys.stderr,
+        )
+        return 2

@@ -68,3 +68,24 @@ def test_plan_without_a_tool_is_a_usage_error() -> None:
     with pytest.raises(SystemExit) as info:
         main(["plan"])
     assert info.value.code == 2
+
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # The planning review of session 46: each input finite, a figure computed from them not.
+        ["levers", "--model-params", "1e308"],  # ZeroDivisionError traceback, exit 1
+        ["levers", "--mfu", "1e-320", "--json"],  # Infinity in the JSON, exit 0
+        [
+            "capacity", "--rate", "20", "--slo-ttft-ms", "800", "--prompt-tokens", "4000",
+            "--output-tokens", "250", "--prefill-ms", "100", "--price-per-hour", "1e308",
+        ],  # $inf/h, exit 0
+    ],
+)
+def test_inputs_whose_figures_overflow_are_a_usage_error(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", *argv]) == 2
+    captured = capsys.readouterr()
+    assert "past what" in captured.err and "inf" not in captured.out.lower()

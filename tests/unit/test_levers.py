@@ -190,6 +190,7 @@ def test_a_smaller_gpu_stops_fitting() -> None:
         ({"shared_prefix_tokens": 7000}, "shared_prefix_tokens"),
         ({"mfu": 1.5}, "mfu"),
         ({"batch": 0}, "batch"),
+        ({"large_batch": 16}, "large_batch"),  # the batch lever grows the batch
     ],
 )
 def test_bad_params_are_refused(overrides: dict, message: str) -> None:
