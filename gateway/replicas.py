@@ -125,9 +125,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         if before is None:
             values[field] = value
         elif field in _FULLEST:
-            values[field] = math.nan if math.isnan(before) or math.isnan(value) else max(
-                before, value
-            )
+            # The fullest rank that reads: one glitched rank must not hide a full one (it
+            # would keep the last reading, an empty cache perhaps, while the others fill).
+            values[field] = value if math.isnan(before) else max(before, value)
         else:
             values[field] = before + value
     return values

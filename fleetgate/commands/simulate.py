@@ -356,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         print(note, file=sys.stderr)
     if problem := _too_slow_a_scale(records[: args.limit], args.rate_scale):
         return _fail(problem)
-    if problem := _too_big_a_fleet(args):
+    if problem := _too_big_a_fleet(args, len(args.rate_scale) * len(policies)):
         return _fail(problem)
     if args.classes is not None:
         note = _class_split_note(records[: args.limit], args.classes, args.seed)
@@ -411,9 +411,10 @@ def _too_slow_a_scale(records: Sequence[TraceRecord], scales: Sequence[float]) -
 BYTES_PER_BLOCK = 160
 
 
-def _too_big_a_fleet(args: argparse.Namespace) -> str | None:
+def _too_big_a_fleet(args: argparse.Namespace, runs: int) -> str | None:
     """Why the fleet asked for would not fit in this machine's free memory (None: it fits, or
-    the free memory is unknown). Each worker process builds its own fleet."""
+    the free memory is unknown). Each worker process builds its own fleet, and there are no
+    more workers than ``runs`` (rate scales x policies)."""
     from planning.simulator import SimulationConfig
     from planning.simulator.api import engine_configs_for
 
@@ -423,7 +424,8 @@ def _too_big_a_fleet(args: argparse.Namespace) -> str | None:
         )
     except ValueError:
         return None  # the replay says what is wrong with the profile, naming it
-    need = sum(c.num_gpu_blocks for c in configs) * BYTES_PER_BLOCK * max(1, args.jobs)
+    workers = max(1, min(args.jobs, runs))
+    need = sum(c.num_gpu_blocks for c in configs) * BYTES_PER_BLOCK * workers
     free = _available_memory_bytes()
     if free is None or need <= free:
         return None

@@ -48,45 +48,51 @@ class _StrictSafeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-#: The most nodes a policy may expand to, aliases followed: a real policy has a few thousand.
-#: A few hundred bytes of nested aliases (``b: &b [*a, *a, ...]``) expand ninefold per level:
-#: one of 254 bytes took 4.4 s and 1.2 GB to read, on the gateway's event loop at a reload.
-MAX_NODES = 100_000
+#: The most times nodes may be visited again through aliases (``*name``): a policy reuses a few
+#: anchors a few times. A few hundred bytes of nested aliases (``b: &b [*a, *a, ...]``) expand
+#: ninefold per level: one of 254 bytes took 4.4 s and 1.2 GB to read, on the gateway's event
+#: loop at a reload. A large policy without aliases is never charged.
+MAX_ALIAS_VISITS = 100_000
 
 
 class _TooBig(Exception):
-    """The document expands past ``MAX_NODES``."""
+    """The document's aliases expand past ``MAX_ALIAS_VISITS``."""
 
 
-def _collect_lines(node: Node, loc: tuple[str | int, ...], out: LineMap, budget: list[int]) -> None:
-    budget[0] -= 1
-    if budget[0] < 0:
-        raise _TooBig
+def _collect_lines(
+    node: Node, loc: tuple[str | int, ...], out: LineMap, seen: set[int], budget: list[int]
+) -> None:
+    if id(node) in seen:  # reached again through an alias
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise _TooBig
+    seen.add(id(node))
     if isinstance(node, MappingNode):
         for key_node, value_node in node.value:
             child = (*loc, str(key_node.value))
             out.setdefault(child, key_node.start_mark.line + 1)
-            _collect_lines(value_node, child, out, budget)
+            _collect_lines(value_node, child, out, seen, budget)
     elif isinstance(node, SequenceNode):
         for i, item in enumerate(node.value):
             child = (*loc, i)
             out.setdefault(child, item.start_mark.line + 1)
-            _collect_lines(item, child, out, budget)
+            _collect_lines(item, child, out, seen, budget)
 
 
 def read_yaml(text: str, source: str) -> tuple[Any, LineMap]:
     """Parse ``text``; returns (data, line map). Raises ``PolicySyntaxError`` on bad YAML, on
     characters YAML does not allow (a terminal's colour codes pasted in), on nesting too deep
-    to read and on aliases that expand past ``MAX_NODES``."""
+    to read and on aliases that expand past ``MAX_ALIAS_VISITS``."""
     loader = None
     lines: LineMap = {}
     try:
         loader = _StrictSafeLoader(text)  # checks the characters: a ReaderError here
         node = loader.get_single_node()
-        if node is not None:
-            # Before the document is built: its line map follows every alias as building does.
-            _collect_lines(node, (), lines, [MAX_NODES])
+        # Built first: building flattens merge keys (``<<: *defaults``) into the node tree, so
+        # merged keys get their own lines. An alias is built once and shared, never expanded.
         data = loader.construct_document(node) if node is not None else None
+        if node is not None:
+            _collect_lines(node, (), lines, set(), [MAX_ALIAS_VISITS])
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark is not None else None
@@ -109,8 +115,8 @@ def read_yaml(text: str, source: str) -> tuple[Any, LineMap]:
         raise PolicySyntaxError(
             PolicyIssue(
                 path="",
-                reason=f"the document expands to more than {MAX_NODES:,} YAML nodes, aliases "
-                "(*name) followed: write the repeated parts out, or alias fewer of them",
+                reason=f"its aliases (*name) expand to more than {MAX_ALIAS_VISITS:,} "
+                "repeated YAML nodes: write the repeated parts out, or alias fewer of them",
                 source=source,
             )
         ) from None

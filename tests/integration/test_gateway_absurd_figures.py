@@ -37,6 +37,9 @@ def test_counts_sum_over_ranks_and_the_kv_usage_is_the_fullest_ranks() -> None:
         'vllm:kv_cache_usage_perc{engine="0"} 0.6\nvllm:kv_cache_usage_perc{engine="1"} 0.5\n'
     )
     assert parse_vllm_metrics(text) == {"waiting": 5.0, "kv_usage": 0.6}  # not 1.1: full
+    # A rank that glitches does not hide a full one (its last reading could be an empty cache).
+    glitched = text.replace('{engine="1"} 0.5', '{engine="1"} NaN').replace("0.6", "0.97")
+    assert parse_vllm_metrics(glitched)["kv_usage"] == 0.97
     absurd = parse_vllm_metrics("vllm:num_requests_waiting 1.8446744073709552e+19\n")
     assert math.isnan(absurd["waiting"])  # a glitch: the last value stands
 

@@ -265,6 +265,26 @@ def test_a_fleet_past_the_free_memory_is_refused_before_it_is_built(
     assert "--replicas 64 would take about" in err and "fewer --jobs" in err
 
 
+def test_the_memory_check_counts_only_the_workers_a_sweep_uses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session-46 review of that session's change: --jobs 16 with one run was charged for
+    16 fleets, and refused a fleet that one worker holds."""
+    from fleetgate.commands import simulate
+    from planning.simulator import SimulationConfig
+    from planning.simulator.api import engine_configs_for
+
+    one_fleet = sum(
+        c.num_gpu_blocks for c in engine_configs_for(SimulationConfig(replicas=2, profile="tiny"))
+    ) * simulate.BYTES_PER_BLOCK
+    monkeypatch.setattr(simulate, "_available_memory_bytes", lambda: 2 * one_fleet)
+    argv = _simulate(tmp_path, "--jobs", "16")
+    argv[argv.index("--policies") + 1] = "round-robin"  # one policy at one scale: one worker
+    assert main(argv) == 0
+    assert main([*argv, "--rate-scale", "1,2,3"]) == 2  # three workers, three fleets
+    assert "fewer --jobs" in capsys.readouterr().err
+
+
 def test_a_worker_that_dies_is_a_clear_error_not_a_traceback(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -49,7 +49,7 @@ def test_unreadable_documents(text: str, expected: str) -> None:
                 f"{n}: &{n} [{', '.join(['*' + p] * 9)}]\n"
                 for p, n in zip("abcdefgh", "bcdefghi", strict=True)
             ),
-            "<string>: the document expands to more than 100,000 YAML nodes",
+            "<string>: its aliases (*name) expand to more than 100,000 repeated YAML nodes",
         ),
         ("version: 1\nmodels:\n\t- a\n", "YAML cannot indent with tabs: use spaces"),
     ],
@@ -81,6 +81,29 @@ def test_merge_keys_may_be_overridden() -> None:
     merged_doc.pop("x-defaults")
     policy = parse(merged_doc)
     assert policy.gateway.max_retries == 3 and policy.gateway.max_body_bytes == 10
+
+
+def test_a_large_document_without_aliases_is_read_whole() -> None:
+    """The session-46 review of that session's change: its node limit counted every node, and
+    refused a plain 2.2 MB policy (15,000 tenants) that had read before."""
+    from routing.config.yaml_source import read_yaml
+
+    # 30,000 mappings of three more nodes each: 120,000 nodes, none of them an alias.
+    text = "items:\n" + "".join(f"  - {{name: t{i}, keys: [k{i}]}}\n" for i in range(30_000))
+    data, lines = read_yaml(text, "big.yaml")
+    assert len(data["items"]) == 30_000
+    assert lines[("items", 29_999)] == 30_001
+
+
+def test_a_key_merged_in_is_placed_on_its_own_line() -> None:
+    """The same review: with the line map built before the document, a key merged in by
+    ``<<: *anchor`` was placed on the line of the mapping it was merged into."""
+    from routing.config.yaml_source import read_yaml
+
+    text = "defaults: &d\n  retries: 1\n  timeout: 2\nservice:\n  <<: *d\n  retries: 3\n"
+    data, lines = read_yaml(text, "merge.yaml")
+    assert data["service"] == {"retries": 3, "timeout": 2}
+    assert lines[("service", "timeout")] == 3
 
 
 def test_yaml_booleans_are_not_names() -> None:
