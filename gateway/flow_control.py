@@ -451,8 +451,13 @@ class FlowGate:
         request = routed.routing_request
         if not routed.prompt_counted:
             return False
-        serving = [s for s in self.replica_states() if s.healthy and request.model in s.models]
-        return bool(serving) and not any(fits(request, state) for state in serving)
+        serving = False
+        for state in self.replica_states():  # per request: stops at the first that fits
+            if state.healthy and request.model in state.models:
+                if fits(request, state):
+                    return False
+                serving = True
+        return serving
 
     async def _steer(
         self, request: FlowRequest, routed: Routed, repick: Repick, queued: bool = False

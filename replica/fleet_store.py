@@ -125,7 +125,8 @@ def states_from_json(raws: Iterable[str | bytes], skipped: set[str]) -> list[Rep
             bad.add(said)
             if said not in skipped:
                 log.warning("fleet store: a replica entry left out: %s", said)
-    skipped.intersection_update(bad)  # gone: said again should it come back
+    # The ones there now: one that went away is said again should it come back.
+    skipped.clear()
     skipped.update(bad)
     return states
 
